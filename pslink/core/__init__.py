@@ -1,0 +1,1 @@
+"""The framework-free core: protocol, transports, Agent, Aggregator, pMaster and their logic."""

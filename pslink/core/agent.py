@@ -1,0 +1,751 @@
+"""The Agent: the worker-side library that pushes and pulls tensors through the service.
+
+::
+
+    agent = pslink.connect(job="mnist", rank=0, num_workers=2, master="tcp://127.0.0.1:7770")
+    agent.init("w", w).wait()                  # rank 0's value becomes the master copy
+    g = agent.pushpull("w", grad, average=True) # returns at once: a Handle
+    g.wait()                                   # grad now holds the average over the workers
+
+The Agent asks pMaster once where each key lives (its parts may sit on different Aggregators),
+then talks to the Aggregators directly. Requests are asynchronous; any number may be in flight.
+Payloads are sent from the caller's array and received straight into the ``out`` array, so the
+arrays must stay untouched until their handle is done.
+
+Threads: whoever waits drives the I/O. ``Handle.wait`` reads the sockets on the calling thread
+(spinning briefly before it blocks), because handing a reply from an I/O thread to a waiting
+thread costs more than a whole round trip on a virtual machine. A background thread drives only
+when nobody waits: for handles with callbacks, heartbeats and liveness probes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from pslink.config import (
+    DEFAULT_MASTER,
+    DEFAULT_TIMEOUT,
+    ENV_JOB,
+    ENV_MASTER,
+    ENV_NUM_WORKERS,
+    ENV_RANK,
+    ENV_TIMEOUT,
+    resolve_float,
+    resolve_int,
+    resolve_str,
+    resolve_token,
+)
+from pslink.core.handle import Handle
+from pslink.core.loop import Reactor
+from pslink.core.protocol import DEFAULT_LIMITS, DTYPES, FLOAT_DTYPES, Limits, Op, decode, encode
+from pslink.core.rpc import RpcEndpoint, RpcPeer
+from pslink.core.transport import DISCARD, Connection, Transports
+from pslink.errors import (
+    AbortedError,
+    ClosedError,
+    ConfigError,
+    PeerError,
+    ProtocolError,
+    PslinkError,
+    PslinkTimeoutError,
+    ShapeMismatchError,
+    error_from_code,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _Part:
+    __slots__ = ("index", "start", "stop", "aggregator", "address")
+
+    def __init__(self, index, start, stop, aggregator, address):
+        self.index, self.start, self.stop = index, start, stop
+        self.aggregator, self.address = aggregator, address
+
+
+class _Key:
+    """What the Agent knows of a key: its declaration and where its parts live."""
+
+    __slots__ = ("key", "shape", "dtype", "dtype_name", "numel", "parts", "round", "declared_by")
+
+    def __init__(self, spec: dict):
+        self.key = spec["key"]
+        self.shape = tuple(spec["shape"])
+        self.dtype_name = spec["dtype"]
+        self.dtype = DTYPES[self.dtype_name]
+        self.numel = math.prod(self.shape)
+        self.declared_by = spec.get("declared_by", 0)
+        self.parts = [_Part(*p) for p in spec["parts"]]
+        self.round = 0  # this worker's pushes of the key so far
+
+    def describe(self) -> str:
+        return f"shape {self.shape} {self.dtype_name}"
+
+
+class _Link:
+    """The connection to one Aggregator and the requests waiting on it."""
+
+    __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending")
+
+    def __init__(self, name: str, address: str, conn: Connection, now: float):
+        self.name, self.address, self.conn = name, address, conn
+        self.last_heard = now
+        self.ping_sent: float | None = None
+        self.pending: set[int] = set()
+
+
+class _PartRequest:
+    __slots__ = ("handle", "link", "nbytes", "dest", "array", "average")
+
+    def __init__(self, handle, link, nbytes, dest, array, average):
+        self.handle, self.link, self.nbytes = handle, link, nbytes
+        self.dest, self.array, self.average = dest, array, average
+
+
+# dtype -> wire name; a dict lookup, because ``dtype.name`` costs microseconds per call
+_WIRE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_WIRE_NAMES.update({np.dtype(name): name for name in DTYPES})
+
+
+def _as_array(value: Any, key: Any) -> tuple[np.ndarray, str]:
+    """numpy view of an array, a buffer-protocol object or a CPU tensor (no copy when possible),
+    and its wire dtype name."""
+    array = value if type(value) is np.ndarray else None
+    if array is None:
+        try:
+            array = np.asarray(value)
+        except Exception as exc:
+            raise ConfigError(f"key {key!r}: cannot read {type(value).__name__} as an array ({exc})") from None
+    name = _WIRE_NAMES.get(array.dtype)
+    if name is None:
+        if array.dtype.byteorder == ">" and array.dtype.newbyteorder("<") in _WIRE_NAMES:
+            array = array.astype(array.dtype.newbyteorder("<"))
+            return array, _WIRE_NAMES[array.dtype]
+        raise ConfigError(
+            f"key {key!r}: dtype {array.dtype} is not supported; supported: {', '.join(DTYPES)}"
+        )
+    return array, name
+
+
+def _check_key(key: Any) -> Any:
+    kind = type(key)
+    if kind is str:
+        if 0 < len(key) <= 256:
+            return key
+    elif kind is int:
+        if 0 <= key < 1 << 64:
+            return key
+    elif isinstance(key, np.integer):
+        return _check_key(int(key))
+    raise ConfigError(f"key {key!r} must be an int in [0, 2**64) or a string of 1..256 characters")
+
+
+class Agent:
+    """A worker's connection to the parameter service. See :func:`pslink.connect`."""
+
+    def __init__(
+        self,
+        job: str,
+        rank: int,
+        num_workers: int,
+        master: str = DEFAULT_MASTER,
+        *,
+        token: bytes | str | None = None,
+        mode: str | None = None,
+        optimizer: dict | None = None,
+        partition_bytes: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        peer_timeout: float = 10.0,
+        probe_interval: float = 0.5,
+        heartbeat_interval: float = 2.0,
+        connect_timeout: float = 10.0,
+        spin: float = 100e-6,
+        idle_poll: float = 0.002,
+        transports: Transports | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        clock=time.monotonic,
+    ):
+        self.job, self.rank, self.num_workers, self.master_address = job, rank, num_workers, master
+        self.timeout = timeout
+        self.peer_timeout = peer_timeout
+        self.probe_interval = probe_interval
+        self.heartbeat_interval = heartbeat_interval
+        self.connect_timeout = connect_timeout
+        self.spin = spin
+        self.idle_poll = idle_poll
+        self.limits = limits
+        self.clock = clock
+        self.transports = transports or Transports()
+        self._own_transports = transports is None
+        self._reactor = Reactor(f"agent {job}/{rank}", clock)
+        self._endpoint = RpcEndpoint(self._reactor, self._on_master_request, limits, on_close=self._on_master_lost)
+        self._master: RpcPeer | None = None
+        self._master_lock = threading.Lock()
+        self._reconnecting = False
+        self._links: dict[str, _Link] = {}
+        self._conn_links: dict[Connection, _Link] = {}
+        self._link_lock = threading.Lock()
+        self._keys: dict[Any, _Key] = {}
+        self._pending: dict[int, _PartRequest] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._bg_cv = threading.Condition(self._lock)
+        self._waiters = 0
+        self._async = 0
+        self._activity = clock()  # last submit or wait by a user thread
+        self._closed = False
+        self.token: bytes = resolve_token(token) or b""
+        config = {}
+        if mode is not None:
+            config["mode"] = mode
+        if optimizer is not None:
+            config["optimizer"] = optimizer
+            config.setdefault("mode", "optimizer")
+        if partition_bytes is not None:
+            config["partition_bytes"] = partition_bytes
+        self.settings = self._register(config, token=self.token or None)
+        self.token = self.settings["token"]
+        self.mode: str = self.settings["mode"]
+        self.partition_bytes: int = self.settings["partition_bytes"]
+        self._reactor.call_later(heartbeat_interval, self._heartbeat)
+        self._reactor.call_later(probe_interval, self._probe)
+        self._bg = threading.Thread(target=self._background, name=f"pslink-agent-{rank}", daemon=True)
+        self._bg.start()
+
+    def __repr__(self) -> str:
+        return f"<Agent job={self.job!r} rank={self.rank}/{self.num_workers} master={self.master_address}>"
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def init(self, key, array) -> Handle:
+        """Declare ``key`` and, on rank 0, set its initial value. Call it on every worker: other
+        ranks' values only check the shape, and their handles complete once rank 0's value is in."""
+        return self._submit(Op.INIT, [key], [array], None, False)
+
+    def push(self, key, array) -> Handle:
+        """Contribute ``array`` to this worker's next round of ``key``."""
+        return self._submit(Op.PUSH, [key], [array], None, False)
+
+    def pull(self, key, out=None, average: bool = False) -> Handle:
+        """Fetch the result of this worker's latest round of ``key`` (its initial value before
+        any push) into ``out`` (allocated if None); ``average`` divides a sum by the number of
+        workers that pushed."""
+        return self._submit(Op.PULL, [key], None, [out], average)
+
+    def pushpull(self, key, array, out=None, average: bool = False) -> Handle:
+        """Push ``array`` and pull that round's result into ``out`` (may be ``array`` itself)."""
+        return self._submit(Op.PUSHPULL, [key], [array], [out], average)
+
+    def init_many(self, keys: Sequence, arrays: Sequence) -> Handle:
+        return self._submit(Op.INIT, list(keys), list(arrays), None, False)
+
+    def push_many(self, keys: Sequence, arrays: Sequence) -> Handle:
+        return self._submit(Op.PUSH, list(keys), list(arrays), None, False)
+
+    def pull_many(self, keys: Sequence, outs: Sequence | None = None, average: bool = False) -> Handle:
+        keys = list(keys)
+        return self._submit(Op.PULL, keys, None, list(outs) if outs is not None else [None] * len(keys), average)
+
+    def pushpull_many(self, keys: Sequence, arrays: Sequence, outs: Sequence | None = None, average: bool = False) -> Handle:
+        keys = list(keys)
+        return self._submit(Op.PUSHPULL, keys, list(arrays), list(outs) if outs is not None else [None] * len(keys), average)
+
+    def set_optimizer(self, optimizer: dict) -> None:
+        """Have the Aggregators apply ``optimizer`` (plain data, see pslink.core.optim)."""
+        body = self._master_call(Op.SET_OPTIMIZER, optimizer=optimizer)
+        self.settings = body
+        self.mode = body["mode"]
+
+    def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
+        """Wait until every worker of the job reached the barrier of this name."""
+        self._master_call(Op.BARRIER, timeout=timeout, name=name)
+
+    def close(self) -> None:
+        """Leave the job (the job ends once every worker left) and release everything."""
+        if self._closed:
+            return
+        try:
+            self._master_call(Op.LEAVE, timeout=min(5.0, self.timeout))
+        except PslinkError as exc:
+            log.debug("agent %s/%s: leave failed: %s", self.job, self.rank, exc)
+        with self._lock:
+            self._closed = True
+            self._bg_cv.notify_all()
+        self._bg.join(5.0)
+        self._fail_requests(list(self._pending), ClosedError(f"agent of job {self.job!r} rank {self.rank} closed"))
+        with self._link_lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.conn.close()
+        if self._master is not None:
+            self._master.conn.close()
+        self._reactor.drain()  # carry out the connections' teardown
+        self._reactor.close()
+        if self._own_transports:
+            self.transports.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def key_info(self, key) -> dict | None:
+        """Where a key lives, as pMaster placed it (None if this Agent has not used it)."""
+        info = self._keys.get(key)
+        if info is None:
+            return None
+        return {
+            "shape": info.shape,
+            "dtype": info.dtype_name,
+            "round": info.round,
+            "parts": [(p.index, p.start, p.stop, p.aggregator, p.address) for p in info.parts],
+        }
+
+    # -- submitting -----------------------------------------------------------------------------
+
+    def _submit(self, op: Op, keys: list, arrays: list | None, outs: list | None, average: bool) -> Handle:
+        if self._closed:
+            raise ClosedError(f"agent of job {self.job!r} rank {self.rank} is closed")
+        self._activity = self.clock()
+        keys = [_check_key(k) for k in keys]
+        if len(keys) > 1 and len(set(keys)) != len(keys):
+            raise ConfigError(f"keys of one call must be distinct, got {keys}")
+        if arrays is not None and len(arrays) != len(keys):
+            raise ConfigError(f"{len(keys)} keys but {len(arrays)} arrays")
+        if outs is not None and len(outs) != len(keys):
+            raise ConfigError(f"{len(keys)} keys but {len(outs)} outs")
+        typed = [_as_array(a, k) for k, a in zip(keys, arrays)] if arrays is not None else None
+        infos = self._resolve(op, keys, typed, outs)
+        flats = results = None
+        if typed is not None:
+            flats = [(a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1) for a, _ in typed]
+        if outs is not None:
+            results = [self._out_array(info, out, average) for info, out in zip(infos, outs)]
+        with self._lock:
+            if op == Op.PUSH or op == Op.PUSHPULL:
+                for info in infos:
+                    info.round += 1
+            rounds = [info.round for info in infos]
+        total_parts = sum(len(info.parts) for info in infos)
+        result = None if results is None else (results[0] if len(keys) == 1 else results)
+        handle = Handle(self, op.name.lower(), keys, result, total_parts, rounds[0] if len(keys) == 1 else 0)
+        send_payload = flats is not None and (op != Op.INIT or self.rank == 0)
+        for i, info in enumerate(infos):
+            flat_out = results[i].reshape(-1) if results is not None else None
+            payload = flats[i] if send_payload else None
+            for part in info.parts:
+                self._send_part(handle, op, info, part, rounds[i], payload, flat_out, average)
+        return handle
+
+    def _send_part(self, handle, op, info: _Key, part: _Part, round_: int, payload, flat_out, average) -> None:
+        nbytes = (part.stop - part.start) * info.dtype.itemsize
+        handle._waiting_on[part.aggregator] = part.address
+        try:
+            link = self._link(part.aggregator, part.address)
+        except PslinkError as exc:
+            self._complete(handle, exc)
+            return
+        rid = next(self._ids)
+        dest = array = None
+        if flat_out is not None:
+            array = flat_out[part.start : part.stop]
+            dest = memoryview(array).cast("B")
+        self._pending[rid] = _PartRequest(handle, link, nbytes, dest, array, average)
+        link.pending.add(rid)
+        header = encode(
+            op, id=rid, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index,
+            rnd=round_, dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
+        )
+        frames = [header, payload[part.start : part.stop]] if payload is not None else [header]
+        try:
+            link.conn.send(frames)
+        except PslinkError as exc:
+            self._fail_requests([rid], PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"))
+
+    def _out_array(self, info: _Key, out, average: bool) -> np.ndarray:
+        if average and info.dtype_name not in FLOAT_DTYPES:
+            raise ConfigError(f"key {info.key!r}: average needs a floating dtype, the key is {info.dtype_name}")
+        if out is None:
+            return np.empty(info.shape, info.dtype)
+        array, name = _as_array(out, info.key)
+        if array.shape != info.shape or name != info.dtype_name:
+            raise ShapeMismatchError(
+                f"key {info.key!r}: out has shape {array.shape} {name}, but the key has {info.describe()}",
+                key=info.key,
+            )
+        if not array.flags.c_contiguous or not array.flags.writeable:
+            raise ConfigError(f"key {info.key!r}: out must be a writable C-contiguous array")
+        return array
+
+    def _resolve(self, op: Op, keys: list, typed: list | None, outs: list | None) -> list[_Key]:
+        """Key infos for ``keys``, asking pMaster (one batched LOOKUP) for those not known yet."""
+        infos: list[_Key | None] = []
+        missing = []
+        intent = {Op.INIT: "init", Op.PULL: "pull"}.get(op, "push")
+        for i, key in enumerate(keys):
+            shape = dtype = None
+            if typed is not None:
+                shape, dtype = typed[i][0].shape, typed[i][1]
+            elif outs is not None and outs[i] is not None:
+                out, dtype = _as_array(outs[i], key)
+                shape = out.shape
+            info = self._keys.get(key)
+            if info is not None and shape is not None and (tuple(shape) != info.shape or dtype != info.dtype_name):
+                error = ShapeMismatchError(
+                    f"key {key!r} of job {self.job!r}: rank {self.rank} uses shape {tuple(shape)} {dtype}, "
+                    f"but rank {info.declared_by} declared it as {info.describe()}",
+                    key=key, shapes=[list(shape), list(info.shape)], ranks=[self.rank, info.declared_by],
+                )
+                self._abort_key(info, error)
+                raise error
+            infos.append(info)
+            if info is None:
+                item = {"key": key, "intent": intent}
+                if shape is not None:
+                    item.update(shape=[int(d) for d in shape], dtype=dtype)
+                missing.append(item)
+        if missing:
+            body = self._master_call(Op.LOOKUP, items=missing)
+            for spec in body["keys"]:
+                self._keys.setdefault(spec["key"], _Key(spec))
+            infos = [self._keys[k] for k in keys]
+        return infos  # type: ignore[return-value]
+
+    def _abort_key(self, info: _Key, error: PslinkError) -> None:
+        """Tell the key's Aggregators, so the other workers waiting on it fail now, not later."""
+        for part in info.parts:
+            try:
+                link = self._link(part.aggregator, part.address)
+                link.conn.send([encode(Op.ABORT, id=0, job=self.job, tok=self.token, rank=self.rank,
+                                       key=info.key, part=part.index, msg=error.message, code=error.code)])
+            except PslinkError:
+                pass
+
+    # -- connections ------------------------------------------------------------------------------
+
+    def _link(self, name: str, address: str) -> _Link:
+        link = self._links.get(name)
+        if link is not None and not link.conn.closed:
+            return link
+        with self._link_lock:
+            link = self._links.get(name)
+            if link is None or link.conn.closed or link.address != address:
+                conn = self.transports.connect(address, self._reactor, self, self.limits, self.connect_timeout)
+                link = _Link(name, address, conn, self.clock())
+                self._links[name] = link
+                self._conn_links[conn] = link
+            return link
+
+    def _master_peer(self) -> RpcPeer:
+        peer = self._master
+        if peer is not None and not peer.conn.closed:
+            return peer
+        with self._master_lock:
+            if self._master is None or self._master.conn.closed:
+                try:
+                    conn = self.transports.connect(
+                        self.master_address, self._reactor, self._endpoint, self.limits, self.connect_timeout
+                    )
+                except PeerError as exc:
+                    raise PeerError(f"pMaster at {self.master_address} is unreachable: {exc.message}",
+                                    peer=self.master_address) from None
+                self._master = self._endpoint.peer(conn)
+                self._master.info["name"] = f"pMaster at {self.master_address}"
+            return self._master
+
+    def _master_call(self, op: Op, timeout: float | None = None, **fields) -> dict:
+        """A synchronous control request to pMaster (job fields added); returns the reply body."""
+        handle = Handle(self, op.name.lower(), [], None, 1)
+        timeout = self.timeout if timeout is None else timeout
+
+        def answered(result, error):
+            if result is not None:
+                handle._result = result.get("body", {})
+            self._complete(handle, error)
+
+        if op != Op.REGISTER_WORKER:
+            fields = dict(job=self.job, tok=self.token, rank=self.rank, **fields)
+        self._master_peer().call(op, answered, timeout=timeout, **fields)
+        return handle.wait(timeout + 1.0)
+
+    def _register(self, config: dict, token: bytes | None) -> dict:
+        fields = dict(job=self.job, rank=self.rank, num_workers=self.num_workers, pid=os.getpid(),
+                      host=socket.gethostname(), config=config)
+        if token:
+            fields["tok"] = token
+        return self._master_call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
+
+    def _on_master_request(self, peer: RpcPeer, req: dict) -> None:
+        raise ProtocolError(f"an Agent serves no {req['op'].name} requests")
+
+    def _on_master_lost(self, peer: RpcPeer, exc) -> None:
+        if peer is self._master:
+            self._master = None
+            if not self._closed:
+                log.warning("agent %s/%s: lost pMaster at %s (%s); training continues, reconnecting",
+                            self.job, self.rank, self.master_address, exc)
+
+    def _heartbeat(self) -> None:
+        if self._closed:
+            return
+        try:
+            peer = self._master
+            if peer is not None and not peer.conn.closed:
+                peer.notify(Op.HEARTBEAT, job=self.job, tok=self.token, rank=self.rank)
+            elif not self._reconnecting:
+                self._reconnecting = True
+                threading.Thread(target=self._reconnect_master, daemon=True).start()
+        finally:
+            self._reactor.call_later(self.heartbeat_interval, self._heartbeat)
+
+    def _reconnect_master(self) -> None:
+        """Off the driving thread (connecting may block): re-register with the job's token."""
+        try:
+            peer = self._master_peer()
+            fields = dict(job=self.job, rank=self.rank, num_workers=self.num_workers, pid=os.getpid(),
+                          host=socket.gethostname(), tok=self.token)
+
+            def registered(result, error):
+                if error is not None:
+                    log.warning("agent %s/%s: re-registering with pMaster failed: %s", self.job, self.rank, error)
+                else:
+                    log.info("agent %s/%s: reconnected to pMaster", self.job, self.rank)
+
+            peer.call(Op.REGISTER_WORKER, registered, timeout=self.connect_timeout, **fields)
+        except PslinkError:
+            pass
+        finally:
+            self._reconnecting = False
+
+    # -- receiving (on the driving thread) --------------------------------------------------------
+
+    def on_accept(self, conn) -> None:  # pragma: no cover - an Agent listens nowhere
+        conn.close()
+
+    def on_header(self, conn, raw, sizes):
+        try:
+            header = decode(raw, sizes, self.limits)
+        except ProtocolError as exc:
+            log.warning("agent %s/%s: bad message from %s: %s", self.job, self.rank, conn.peer, exc)
+            return (None, exc), DISCARD
+        pending = self._pending.get(header["id"]) if header["op"] != Op.PONG else None
+        if header["op"] == Op.REPLY and sizes:
+            if pending is None or pending.dest is None:
+                return (header, None), DISCARD  # a late reply, or a payload nobody asked for
+            if sizes[0] != pending.nbytes:
+                error = ProtocolError(
+                    f"reply from {conn.peer} carries {sizes[0]} bytes; {pending.nbytes} were expected"
+                )
+                return (header, error), DISCARD
+            return (header, None), [pending.dest]
+        return (header, None), None
+
+    def on_message(self, conn, state, payloads) -> None:
+        header, error = state
+        link = self._conn_links.get(conn)
+        if link is not None:
+            link.last_heard = self.clock()
+            link.ping_sent = None
+        if header is None or header["op"] == Op.PONG:
+            return
+        rid = header["id"]
+        request = self._pending.pop(rid, None)
+        if request is None:
+            return
+        request.link.pending.discard(rid)
+        if error is None and header["op"] == Op.ERROR:
+            error = error_from_code(header["code"], header["msg"], header.get("details"))
+        if error is None and request.average:
+            n = header.get("n", 0)
+            if n > 1:
+                np.divide(request.array, n, out=request.array)
+        self._complete(request.handle, error)
+
+    def on_close(self, conn, exc) -> None:
+        link = self._conn_links.pop(conn, None)
+        if link is None:
+            return
+        with self._link_lock:
+            if self._links.get(link.name) is link:
+                del self._links[link.name]
+        if link.pending:
+            reason = exc.message if isinstance(exc, PslinkError) else str(exc)
+            self._fail_requests(list(link.pending), PeerError(
+                f"lost connection to aggregator {link.name} at {link.address}: {reason}", peer=link.address))
+
+    def _complete(self, handle: Handle, error: PslinkError | None) -> None:
+        with self._lock:
+            callbacks = handle._part_done(error)
+            if callbacks:
+                self._async -= 1
+        for callback in callbacks:
+            try:
+                callback(handle)
+            except Exception:
+                log.exception("callback of %r failed", handle)
+
+    def _fail_requests(self, rids: list[int], error: PslinkError) -> None:
+        for rid in rids:
+            request = self._pending.pop(rid, None)
+            if request is not None:
+                request.link.pending.discard(rid)
+                self._complete(request.handle, error)
+
+    def _add_callback(self, handle: Handle, fn) -> bool:
+        with self._lock:
+            if handle.done():
+                return False
+            if handle._callbacks is None:
+                handle._callbacks = []
+                self._async += 1
+                self._bg_cv.notify()
+            handle._callbacks.append(fn)
+            return True
+
+    def _probe(self) -> None:
+        """Ping Aggregators that owe us answers and have been quiet; give up on the silent."""
+        if self._closed:
+            return
+        try:
+            now = self.clock()
+            for link in list(self._links.values()):
+                if not link.pending:
+                    link.ping_sent = None
+                elif link.ping_sent is not None:
+                    if now - link.ping_sent > self.peer_timeout:
+                        self._give_up(link, now - link.last_heard)
+                elif now - link.last_heard > min(self.peer_timeout / 2, 1.0):
+                    link.ping_sent = now
+                    try:
+                        link.conn.send([encode(Op.PING, id=0)])
+                    except PslinkError:
+                        pass
+        finally:
+            self._reactor.call_later(self.probe_interval, self._probe)
+
+    def _give_up(self, link: _Link, silent_for: float) -> None:
+        error = PeerError(
+            f"aggregator {link.name} at {link.address} did not answer for {silent_for:.1f} s "
+            f"(job {self.job!r}, rank {self.rank}); {len(link.pending)} request(s) failed",
+            peer=link.address,
+        )
+        log.error("%s", error)
+        self._conn_links.pop(link.conn, None)
+        with self._link_lock:
+            if self._links.get(link.name) is link:
+                del self._links[link.name]
+        link.conn.close()
+        self._fail_requests(list(link.pending), error)
+
+    # -- driving ----------------------------------------------------------------------------------
+
+    def _wait(self, handle: Handle, timeout: float | None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = self.clock() + timeout
+        reactor = self._reactor
+        with self._lock:
+            self._waiters += 1
+        try:
+            while handle._left:
+                if self.clock() >= deadline:
+                    raise PslinkTimeoutError(
+                        f"{handle._describe_wait()} not done after {timeout:g} s "
+                        f"(job {self.job!r}, rank {self.rank})",
+                        job=self.job,
+                    )
+                if reactor.try_drive():
+                    try:
+                        while handle._left:
+                            remaining = deadline - self.clock()
+                            if remaining <= 0:
+                                break
+                            reactor.run_once(remaining, self.spin)
+                    finally:
+                        reactor.release()
+                else:
+                    # Someone else drives (maybe the background thread, blocked in poll).
+                    event = handle._parking_event()
+                    if handle._left:
+                        reactor.wake()
+                        reactor.park(event, min(deadline - self.clock(), 0.05))
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                self._activity = self.clock()
+                if not self._waiters and (self._pending or self._async):
+                    self._bg_cv.notify()
+
+    def _background(self) -> None:
+        """Drive when no thread waits: callbacks, heartbeats, probes, forgotten replies."""
+        reactor = self._reactor
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    if not self._waiters:
+                        due = reactor.next_deadline()
+                        now = self.clock()
+                        if self._async or reactor.has_posted or (due is not None and due <= now):
+                            break
+                        if self._pending:
+                            # Plain handles: their waiter usually comes within microseconds and
+                            # drives faster than we could; step in only once things went quiet.
+                            quiet = now - self._activity
+                            if quiet >= self.idle_poll:
+                                break
+                            self._bg_cv.wait(self.idle_poll - quiet)
+                            continue
+                        self._bg_cv.wait(None if due is None else due - now)
+                    else:
+                        self._bg_cv.wait(0.05)
+            if not reactor.try_drive():
+                time.sleep(self.idle_poll)
+                continue
+            try:
+                due = reactor.next_deadline()
+                slice_ = 0.05 if self._async else (self.idle_poll if self._pending else 0.0)
+                if due is not None:
+                    slice_ = min(slice_, max(0.0, due - self.clock()))
+                reactor.run_once(slice_, 0.0)
+            finally:
+                reactor.release()
+
+
+def connect(
+    job: str | None = None,
+    rank: int | None = None,
+    num_workers: int | None = None,
+    master: str | None = None,
+    **options,
+) -> Agent:
+    """Join a job on the parameter service and return its :class:`Agent`.
+
+    Each argument falls back to an environment variable (as ``pslink launch`` sets them):
+    ``PSLINK_JOB``, ``PSLINK_RANK``, ``PSLINK_NUM_WORKERS``, ``PSLINK_MASTER`` (default
+    tcp://127.0.0.1:7770), ``PSLINK_TOKEN`` and ``PSLINK_TIMEOUT``. Options: ``token``, ``mode``
+    (``"sum"`` or ``"optimizer"``), ``optimizer`` (e.g. ``{"type": "sgd", "lr": 0.1}``),
+    ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other :class:`Agent` settings.
+    """
+    job = resolve_str(job, "job", ENV_JOB)
+    rank = resolve_int(rank, "rank", ENV_RANK, minimum=0)
+    num_workers = resolve_int(num_workers, "num_workers", ENV_NUM_WORKERS, minimum=1)
+    if rank >= num_workers:
+        raise ConfigError(f"rank {rank} is out of range for {num_workers} workers")
+    master = resolve_str(master, "master", ENV_MASTER, default=DEFAULT_MASTER)
+    options["timeout"] = resolve_float(options.get("timeout"), "timeout", ENV_TIMEOUT, DEFAULT_TIMEOUT)
+    return Agent(job, rank, num_workers, master, **options)

@@ -1,0 +1,492 @@
+"""The Aggregator's core: master copies keyed by (job, key, part), BSP rounds, no I/O.
+
+The process shell (``pslink.core.aggregator``) decodes a message, asks :meth:`AggregatorCore.admit`
+whether the request fits the task (credential, shape, dtype, span), receives the payload into the
+buffer :meth:`AggregatorCore.receive_buffer` gives, and then calls :meth:`AggregatorCore.handle`,
+which returns the replies to send. Tests drive the same object with no sockets.
+
+Rounds. Every worker numbers its pushes of a key 1, 2, 3, ...; round ``r`` of a task closes when
+every rank that the job's membership expects for ``r`` has pushed its ``r``-th push, and rounds
+close in order. A pull names the round whose result it wants (the puller's own last push) and is
+answered once that round closed. In ``sum`` mode the result is the round's sum; in ``optimizer``
+mode the round's gradient steps the master weights, and a pull returns the weights.
+
+Buffers. A push is received straight into a pooled array; the first push of a round *becomes*
+the round's accumulator (no copy), later ones are added into it. Arrays return to their pool when
+nothing references them any more, which includes replies still queued on a socket, so a buffer
+is never overwritten while a zero-copy send may still read it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hmac
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from pslink.core.membership import Membership
+from pslink.core.optim import Optimizer, make_optimizer
+from pslink.core.protocol import Op, dtype_of
+from pslink.errors import (
+    AuthError,
+    ClosedError,
+    KeyStateError,
+    ProtocolError,
+    PslinkError,
+    ShapeMismatchError,
+    UnknownJobError,
+)
+
+MODES = ("sum", "optimizer")
+DEFAULT_MAX_AHEAD = 64
+
+
+class BufferPool:
+    """Arrays of one dtype and length, reused once nothing else references them."""
+
+    __slots__ = ("dtype", "numel", "keep", "_arrays")
+
+    def __init__(self, dtype: np.dtype, numel: int, keep: int = 4):
+        self.dtype = dtype
+        self.numel = numel
+        self.keep = keep
+        self._arrays: list[np.ndarray] = []
+
+    def acquire(self) -> np.ndarray:
+        for array in self._arrays:
+            # Held only by the pool list, this loop variable and getrefcount's argument: free.
+            if sys.getrefcount(array) == 3:
+                return array
+        array = np.empty(self.numel, self.dtype)
+        if len(self._arrays) < self.keep:
+            self._arrays.append(array)
+        return array
+
+    def in_use(self, array: np.ndarray, known: int) -> bool:
+        """True if ``array`` has holders beyond the ``known`` references the caller holds
+        (its attributes and local variables), such as a reply still queued on a socket."""
+        pooled = any(a is array for a in self._arrays)
+        # getrefcount counts its own argument and this function's parameter as well
+        return sys.getrefcount(array) - 2 - pooled > known
+
+
+class Summer:
+    """Adds arrays in place, splitting large ones across threads (numpy releases the GIL)."""
+
+    def __init__(self, threads: int | None = None, threshold_bytes: int = 8 << 20):
+        self.threads = max(1, threads if threads is not None else min(4, os.cpu_count() or 1))
+        self.threshold_bytes = threshold_bytes
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="pslink-sum")
+            if self.threads > 1
+            else None
+        )
+
+    def add(self, acc: np.ndarray, other: np.ndarray) -> None:
+        if self._pool is None or acc.nbytes < self.threshold_bytes:
+            np.add(acc, other, out=acc)
+            return
+        bounds = np.linspace(0, acc.size, self.threads + 1).astype(int)
+        futures = [
+            self._pool.submit(np.add, acc[a:b], other[a:b], out=acc[a:b])
+            for a, b in zip(bounds[:-1], bounds[1:])
+            if b > a
+        ]
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+@dataclasses.dataclass
+class JobState:
+    """What an Aggregator knows of a job: credential, membership, mode and optimizer."""
+
+    job: str
+    token: bytes
+    membership: Membership
+    mode: str = "sum"
+    optimizer: Optimizer | None = None
+
+    @classmethod
+    def from_wire(cls, info: dict) -> "JobState":
+        mode = info.get("mode", "sum")
+        if mode not in MODES:
+            raise ProtocolError(f"job {info.get('job')!r}: unknown mode {mode!r}")
+        return cls(
+            job=info["job"],
+            token=info["token"],
+            membership=Membership.from_wire(info["membership"]),
+            mode=mode,
+            optimizer=make_optimizer(info.get("optimizer")),
+        )
+
+    def update(self, other: "JobState") -> bool:
+        """Take ``other``'s settings; True if the optimizer's type changed (its state is void)."""
+        changed = type(other.optimizer) is not type(self.optimizer)
+        self.token = other.token
+        self.membership = other.membership
+        self.mode = other.mode
+        self.optimizer = other.optimizer
+        return changed
+
+
+@dataclasses.dataclass(slots=True)
+class Request:
+    """A decoded, admitted data-path request. ``origin`` is opaque to the core (a connection)."""
+
+    origin: Any
+    id: int
+    op: Op
+    rank: int
+    round: int
+    payload: np.ndarray | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Reply:
+    """What the shell must send: a result (``payload`` may be None) or an error."""
+
+    origin: Any
+    id: int
+    round: int = 0
+    n: int = 0
+    payload: np.ndarray | None = None
+    error: PslinkError | None = None
+
+
+class _Round:
+    __slots__ = ("contributors", "acc")
+
+    def __init__(self):
+        self.contributors: set[int] = set()
+        self.acc: np.ndarray | None = None
+
+
+class Task:
+    """One model aggregation task: a part of one key of one job."""
+
+    def __init__(self, job: JobState, spec: dict, summer: Summer, max_ahead: int = DEFAULT_MAX_AHEAD):
+        self.job = job
+        self.key = spec["key"]
+        self.part = spec["part"]
+        self.shape = tuple(spec["shape"])
+        self.dtype_name = spec["dtype"]
+        self.dtype = dtype_of(self.dtype_name)
+        self.span = tuple(spec["span"])
+        self.numel = self.span[1] - self.span[0]
+        self.declared_by = spec.get("declared_by", 0)
+        self.needs_init = bool(spec.get("needs_init", True)) or job.mode == "optimizer"
+        self.summer = summer
+        self.max_ahead = max_ahead
+        self.pool = BufferPool(self.dtype, self.numel)
+        self.value: np.ndarray | None = None
+        self.closed = 0  # last closed round; round 0 is the initial value
+        self.last_n = 0  # contributors of the last closed round
+        self.rounds: dict[int, _Round] = {}
+        self.pulls: dict[int, list[Request]] = {}
+        self.before_init: list[Request] = []
+        self.poisoned: PslinkError | None = None
+        self.opt_state: dict = {}
+        self.rounds_closed = 0
+        if not self.needs_init:
+            self.value = np.zeros(self.numel, self.dtype)
+
+    @property
+    def name(self) -> str:
+        return f"key {self.key!r} of job {self.job.job!r}" + (f" (part {self.part})" if self.part else "")
+
+    @property
+    def initialized(self) -> bool:
+        return self.value is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"shape {self.shape} {self.dtype_name}"
+
+
+class AggregatorCore:
+    """All tasks of one Aggregator, and the rules that move their rounds."""
+
+    def __init__(self, name: str = "aggregator", summer: Summer | None = None, max_ahead: int = DEFAULT_MAX_AHEAD):
+        self.name = name
+        self.summer = summer or Summer()
+        self.max_ahead = max_ahead
+        self.jobs: dict[str, JobState] = {}
+        self.tasks: dict[tuple[str, Any, int], Task] = {}
+
+    # -- control (from pMaster) ---------------------------------------------------------------
+
+    def set_job(self, info: dict) -> JobState:
+        incoming = JobState.from_wire(info)
+        job = self.jobs.get(incoming.job)
+        if job is None:
+            job = self.jobs[incoming.job] = incoming
+        elif job.update(incoming):
+            # New hyperparameters keep momentum and moments; a new optimizer type starts afresh.
+            for (job_id, _, _), task in self.tasks.items():
+                if job_id == job.job:
+                    task.opt_state = {}
+        return job
+
+    def assign(self, info: dict, specs: list[dict]) -> list[Task]:
+        """Create (idempotently) the tasks pMaster placed here."""
+        job = self.set_job(info)
+        created = []
+        for spec in specs:
+            ident = (job.job, spec["key"], spec["part"])
+            task = self.tasks.get(ident)
+            if task is None:
+                task = self.tasks[ident] = Task(job, spec, self.summer, self.max_ahead)
+            elif (tuple(spec["shape"]), spec["dtype"], tuple(spec["span"])) != (task.shape, task.dtype_name, task.span):
+                raise ShapeMismatchError(
+                    f"{task.name}: reassigned as shape {tuple(spec['shape'])} {spec['dtype']} span "
+                    f"{tuple(spec['span'])}, but it holds {task.describe()} span {task.span}"
+                )
+            created.append(task)
+        return created
+
+    def drop_job(self, job_id: str) -> list[Reply]:
+        """Forget a job; anything still waiting is failed."""
+        self.jobs.pop(job_id, None)
+        replies = []
+        for ident in [i for i in self.tasks if i[0] == job_id]:
+            task = self.tasks.pop(ident)
+            replies += self._fail_all(task, ClosedError(f"job {job_id!r} ended; {task.name} was released"))
+        return replies
+
+    # -- admission: runs on the header, before any payload byte is read -------------------------
+
+    def authorize(self, header: dict) -> JobState:
+        """The job a request names, if its credential is right; else raise."""
+        job_id = header["job"]
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise UnknownJobError(f"aggregator {self.name} serves no job {job_id!r}", job=job_id)
+        if not hmac.compare_digest(header["tok"], job.token):
+            raise AuthError(
+                f"wrong credential for job {job_id!r} from rank {header['rank']}; refused", job=job_id
+            )
+        return job
+
+    def admit(self, header: dict) -> Task:
+        """Return the task a data-path header addresses, or raise the error to send back."""
+        job_id = self.authorize(header).job
+        key, part = header["key"], header["part"]
+        task = self.tasks.get((job_id, key, part))
+        if task is None:
+            raise KeyStateError(
+                f"aggregator {self.name} does not hold part {part} of key {key!r} of job {job_id!r}",
+                job=job_id,
+                key=key,
+            )
+        if tuple(header["shape"]) != task.shape or header["dtype"] != task.dtype_name:
+            raise ShapeMismatchError(
+                f"key {key!r} of job {job_id!r}: rank {header['rank']} sent shape "
+                f"{tuple(header['shape'])} {header['dtype']}, but the key has {task.describe()} "
+                f"(declared by rank {task.declared_by})",
+                job=job_id,
+                key=key,
+                shapes=[list(header["shape"]), list(task.shape)],
+                ranks=[header["rank"], task.declared_by],
+            )
+        if tuple(header["span"]) != task.span:
+            raise ProtocolError(
+                f"key {key!r} part {part}: span {tuple(header['span'])} does not match {task.span}; "
+                "workers disagree on the partition size"
+            )
+        return task
+
+    def find(self, header: dict) -> Task | None:
+        return self.tasks.get((header["job"], header["key"], header["part"]))
+
+    def receive_buffer(self, task: Task) -> np.ndarray:
+        """Where to receive a push's payload: a pooled array that may become the accumulator."""
+        return task.pool.acquire()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def handle(self, task: Task, req: Request) -> list[Reply]:
+        if task.poisoned is not None:
+            return [Reply(req.origin, req.id, error=task.poisoned)]
+        if not task.initialized:
+            if req.op == Op.INIT and req.payload is not None:
+                return self._initialize(task, req)
+            task.before_init.append(req)  # ps-lite aborts here; we wait for the init
+            return []
+        try:
+            return self._dispatch(task, req)
+        except PslinkError as exc:
+            return [Reply(req.origin, req.id, error=exc)]
+
+    def _dispatch(self, task: Task, req: Request) -> list[Reply]:
+        op = req.op
+        if op == Op.INIT:
+            return self._reinit(task, req)
+        if op == Op.PULL:
+            return self._pull(task, req)
+        replies = self._push(task, req)
+        if op == Op.PUSH:
+            replies.insert(0, Reply(req.origin, req.id, round=req.round))
+            return replies
+        return self._pull(task, req) + replies  # PUSHPULL: push, then wait for that round
+
+    def _initialize(self, task: Task, req: Request) -> list[Reply]:
+        task.value = req.payload
+        replies = [Reply(req.origin, req.id, round=0)]
+        queued, task.before_init = task.before_init, []
+        for waiting in queued:
+            replies += self.handle(task, waiting)
+        return replies
+
+    def _reinit(self, task: Task, req: Request) -> list[Reply]:
+        if req.payload is None:  # another rank's init: the shape check in admit() was the point
+            return [Reply(req.origin, req.id, round=task.closed)]
+        if task.closed or task.rounds:
+            raise KeyStateError(
+                f"{task.name} is already in use (round {task.closed}); init must come before the "
+                f"first push",
+                key=task.key,
+            )
+        task.value = req.payload  # a repeated init before any round: the latest value wins
+        return [Reply(req.origin, req.id, round=0)]
+
+    def _push(self, task: Task, req: Request) -> list[Reply]:
+        r, rank = req.round, req.rank
+        if r <= task.closed:
+            raise KeyStateError(
+                f"{task.name}: rank {rank} pushed round {r}, but round {task.closed} is already "
+                f"closed (a duplicate or stale push)",
+                key=task.key,
+            )
+        expected = task.job.membership.expected(r)
+        if rank not in expected:
+            raise KeyStateError(
+                f"{task.name}: rank {rank} is not a member of round {r} (members: {sorted(expected)})",
+                key=task.key,
+            )
+        if r > task.closed + task.max_ahead:
+            raise KeyStateError(
+                f"{task.name}: rank {rank} pushed round {r}, more than {task.max_ahead} rounds "
+                f"ahead of round {task.closed} (are the other workers stuck?)",
+                key=task.key,
+            )
+        round_ = task.rounds.get(r)
+        if round_ is None:
+            round_ = task.rounds[r] = _Round()
+        if rank in round_.contributors:
+            raise KeyStateError(f"{task.name}: rank {rank} pushed round {r} twice", key=task.key)
+        if round_.acc is None:
+            round_.acc = req.payload
+        else:
+            self.summer.add(round_.acc, req.payload)
+        round_.contributors.add(rank)
+        return self._close_ready(task)
+
+    def _close_ready(self, task: Task) -> list[Reply]:
+        replies: list[Reply] = []
+        while True:
+            nxt = task.closed + 1
+            round_ = task.rounds.get(nxt)
+            if round_ is None or not round_.contributors >= task.job.membership.expected(nxt):
+                return replies
+            del task.rounds[nxt]
+            self._apply(task, round_)
+            task.closed = nxt
+            task.last_n = len(round_.contributors)
+            task.rounds_closed += 1
+            for r in [r for r in task.pulls if r <= nxt]:
+                for req in task.pulls.pop(r):
+                    replies.append(self._result(task, req))
+
+    def _apply(self, task: Task, round_: _Round) -> None:
+        job = task.job
+        if job.mode == "sum":
+            task.value = round_.acc
+            return
+        optimizer = job.optimizer
+        if optimizer is None:
+            raise KeyStateError(f"{task.name}: job {job.job!r} runs in optimizer mode but has no optimizer set")
+        weights = task.value
+        if task.pool.in_use(weights, known=2):  # task.value and the local name
+            # A reply with the old weights may still be on a socket: step a copy.
+            fresh = task.pool.acquire()
+            np.copyto(fresh, weights)
+            weights = fresh
+        grad = round_.acc
+        scale = optimizer.grad_scale(len(round_.contributors))
+        if scale != 1.0:
+            grad *= scale
+        optimizer.step(weights, grad, task.opt_state)
+        task.value = weights
+
+    def _pull(self, task: Task, req: Request) -> list[Reply]:
+        r = req.round
+        if r > task.closed:
+            task.pulls.setdefault(r, []).append(req)
+            return []
+        if r < task.closed and task.job.mode == "sum":
+            raise KeyStateError(
+                f"{task.name}: rank {req.rank} asked for round {r}, but round {task.closed} has "
+                f"closed since and its sum replaced it",
+                key=task.key,
+            )
+        return [self._result(task, req)]
+
+    def _result(self, task: Task, req: Request) -> Reply:
+        return Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value)
+
+    # -- failures -----------------------------------------------------------------------------
+
+    def abort(self, task: Task, error: PslinkError) -> list[Reply]:
+        """Poison a task: every waiting request and every later one gets ``error``."""
+        if task.poisoned is None:
+            task.poisoned = error
+        return self._fail_all(task, task.poisoned)
+
+    def abort_key(self, job_id: str, key: Any, error: PslinkError) -> list[Reply]:
+        replies = []
+        for (j, k, _), task in list(self.tasks.items()):
+            if j == job_id and k == key:
+                replies += self.abort(task, error)
+        return replies
+
+    def _fail_all(self, task: Task, error: PslinkError) -> list[Reply]:
+        waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
+        task.before_init, task.pulls = [], {}
+        task.rounds.clear()
+        return [Reply(req.origin, req.id, error=error) for req in waiting]
+
+    def fail_origin(self, origin: Any) -> None:
+        """Forget requests from a peer that went away (nobody is left to answer)."""
+        for task in self.tasks.values():
+            task.before_init = [r for r in task.before_init if r.origin is not origin]
+            for r in list(task.pulls):
+                kept = [q for q in task.pulls[r] if q.origin is not origin]
+                if kept:
+                    task.pulls[r] = kept
+                else:
+                    del task.pulls[r]
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Per job: tasks held, bytes, rounds closed over all tasks, and the furthest round."""
+        per_job: dict[str, dict] = {}
+        for (job_id, _, _), task in self.tasks.items():
+            entry = per_job.setdefault(job_id, {"tasks": 0, "bytes": 0, "task_rounds": 0, "round": 0})
+            entry["tasks"] += 1
+            entry["bytes"] += task.nbytes
+            entry["task_rounds"] += task.rounds_closed
+            entry["round"] = max(entry["round"], task.closed)
+        return per_job
+

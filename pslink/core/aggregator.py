@@ -1,0 +1,335 @@
+"""The Aggregator process: serves push/pull of any number of jobs and takes orders from pMaster.
+
+A thin shell around :class:`~pslink.core.aggregation.AggregatorCore`: it validates each message
+(:func:`pslink.core.protocol.decode`), admits it (credential, shape), receives the payload
+straight into the buffer the core names, and sends what the core answers. A malformed message gets
+an error reply and is counted; a peer that breaks the framing is disconnected and counted; either
+way everyone else keeps being served.
+
+Run one with ``python -m pslink.core.aggregator --master tcp://host:port``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+import msgpack
+
+from pslink.core.aggregation import AggregatorCore, Reply, Request, Summer, Task
+from pslink.core.loop import Reactor, ReactorThread
+from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, Limits, Op, decode, encode, encode_error
+from pslink.core.rpc import RpcEndpoint, RpcPeer
+from pslink.core.transport import DISCARD, Connection, Transports, split_host_port
+from pslink.errors import AbortedError, PeerError, ProtocolError, PslinkError, ShapeMismatchError, error_from_code
+
+log = logging.getLogger(__name__)
+
+
+def advertised(address: str) -> str:
+    """The address peers should dial: a wildcard bind is replaced by this host's name."""
+    if address.startswith("tcp://"):
+        host, port = split_host_port(address)
+        if host in ("0.0.0.0", "::", ""):
+            return f"tcp://{socket.gethostname()}:{port}"
+    return address
+
+
+def _peek_id(raw: bytes) -> int:
+    """Best effort: the request id of a header that failed validation, so the error finds its
+    request. 0 when even that cannot be read."""
+    try:
+        header = msgpack.unpackb(raw, raw=False, max_str_len=1 << 16, max_bin_len=1 << 16,
+                                 max_array_len=1 << 10, max_map_len=64)
+        value = header.get("id") if isinstance(header, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    except Exception:
+        return 0
+
+
+class _Bad:
+    """A message rejected at its header: answer with ``error``."""
+
+    __slots__ = ("request_id", "error")
+
+    def __init__(self, request_id: int, error: PslinkError):
+        self.request_id = request_id
+        self.error = error
+
+
+class Aggregator:
+    """One Aggregator. ``start()`` runs it on a thread; ``serve_forever()`` on this one."""
+
+    def __init__(
+        self,
+        master: str | None,
+        listen: str = "tcp://127.0.0.1:0",
+        *,
+        name: str | None = None,
+        transports: Transports | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        heartbeat_interval: float = 1.0,
+        reconnect_interval: float = 0.5,
+        orphan_timeout: float | None = 60.0,
+        spin: float = 2e-3,
+        summer: Summer | None = None,
+        clock=time.monotonic,
+    ):
+        self.name = name
+        self.reactor = Reactor(f"aggregator {name or ''}".strip(), clock)
+        self.transports = transports or Transports()
+        self._own_transports = transports is None
+        self.limits = limits
+        self.core = AggregatorCore(name or "aggregator", summer=summer)
+        self.master_address = master
+        self.heartbeat_interval = heartbeat_interval
+        self.reconnect_interval = reconnect_interval
+        self.orphan_timeout = orphan_timeout
+        self.spin = spin
+        self.clock = clock
+        self.listener = self.transports.listen(listen, self.reactor, self, limits)
+        self.address = advertised(self.listener.address)
+        self.errors = 0  # bad messages and broken peers, reported to pMaster
+        self.requests = 0
+        self.connections: set[Connection] = set()
+        self.control = RpcEndpoint(self.reactor, self._on_control, limits, on_close=self._on_master_lost)
+        self._master: RpcPeer | None = None
+        self._master_lost_at: float | None = None
+        self._thread: ReactorThread | None = None
+        self.exit_code: int | None = None
+        if master is not None:
+            self.reactor.post(self._connect_master)
+            self.reactor.call_later(heartbeat_interval, self._heartbeat)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def start(self) -> "Aggregator":
+        self._thread = ReactorThread(self.reactor, self.spin).start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.reactor.run_forever(self.spin)
+
+    def stop(self) -> None:
+        """Stop serving and close every socket (for ``start()``-ed Aggregators)."""
+        if self._thread is not None:
+            self._thread.stop()
+        else:
+            self.reactor.stop()
+        # The loop no longer runs: close on this thread and carry out the posted teardowns.
+        self.listener.close()
+        for conn in list(self.connections):
+            conn.close()
+        if self._master is not None:
+            self._master.conn.close()
+        self.reactor.drain()
+        self.core.summer.close()
+        self.reactor.close()
+        if self._own_transports:
+            self.transports.close()
+
+    def freeze(self) -> None:
+        """Stop driving the loop while keeping every socket open: to its peers the Aggregator
+        hangs (as under SIGSTOP). For tests of timeouts; only for ``start()``-ed Aggregators."""
+        if self._thread is not None:
+            self._thread.stop()
+
+    # -- data path: transport handler -----------------------------------------------------------
+
+    def on_accept(self, conn: Connection) -> None:
+        self.connections.add(conn)
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        self.connections.discard(conn)
+        self.core.fail_origin(conn)
+        if isinstance(exc, ProtocolError):
+            self.errors += 1
+            log.warning("aggregator %s dropped %s: %s", self.name, conn.peer, exc)
+
+    def on_header(self, conn: Connection, raw: bytes, sizes: tuple[int, ...]):
+        self.requests += 1
+        try:
+            header = decode(raw, sizes, self.limits)
+        except ProtocolError as exc:
+            self.errors += 1
+            log.warning("aggregator %s: bad message from %s: %s", self.name, conn.peer, exc)
+            return _Bad(_peek_id(raw), exc), DISCARD
+        op = header["op"]
+        if op in DATA_OPS:
+            try:
+                task = self.core.admit(header)
+            except ShapeMismatchError as exc:
+                # Both sides of a mismatch must hear of it: poison the key for every waiter.
+                task = self.core.find(header)
+                if task is not None:
+                    self._send_all(self.core.abort(task, exc))
+                return _Bad(header["id"], exc), DISCARD
+            except PslinkError as exc:
+                return _Bad(header["id"], exc), DISCARD
+            if sizes:
+                buffer = self.core.receive_buffer(task)
+                return (header, task, buffer), [memoryview(buffer).cast("B")]
+            return (header, task, None), None
+        if op in (Op.PING, Op.ABORT):
+            return header, None
+        error = ProtocolError(f"{op.name} is not served on an Aggregator's data port")
+        return _Bad(header["id"], error), DISCARD
+
+    def on_message(self, conn: Connection, state: Any, payloads: list) -> None:
+        if isinstance(state, _Bad):
+            self._send(conn, [encode_error(state.request_id, state.error)])
+            return
+        if isinstance(state, dict):  # PING or ABORT
+            if state["op"] == Op.PING:
+                self._send(conn, [encode(Op.PONG, id=state["id"])])
+            else:
+                self._abort(conn, state)
+            return
+        header, task, buffer = state
+        request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], buffer)
+        self._send_all(self.core.handle(task, request))
+
+    def _abort(self, conn: Connection | None, header: dict) -> None:
+        try:
+            self.core.authorize(header)
+        except PslinkError as exc:
+            if conn is not None:
+                self._send(conn, [encode_error(header["id"], exc)])
+            return
+        # Keep the original error's class (a shape mismatch stays one for every waiter).
+        error = error_from_code(header.get("code", AbortedError.code), header["msg"], header.get("details"))
+        self._send_all(self.core.abort_key(header["job"], header["key"], error))
+        if conn is not None and header["id"]:
+            self._send(conn, [encode(Op.REPLY, id=header["id"])])
+
+    def _send_all(self, replies: list[Reply]) -> None:
+        for reply in replies:
+            if reply.error is not None:
+                frames = [encode_error(reply.id, reply.error)]
+            elif reply.payload is not None:
+                frames = [encode(Op.REPLY, id=reply.id, rnd=reply.round, n=reply.n), reply.payload]
+            else:
+                frames = [encode(Op.REPLY, id=reply.id, rnd=reply.round, n=reply.n)]
+            self._send(reply.origin, frames)
+
+    @staticmethod
+    def _send(conn: Connection, frames) -> None:
+        try:
+            conn.send(frames)
+        except PeerError:
+            pass  # that peer is gone; on_close forgets its requests
+
+    # -- control path (pMaster) -------------------------------------------------------------------
+
+    def _connect_master(self) -> None:
+        if self._master is not None or self.reactor.stopping:
+            return
+        try:
+            conn = self.transports.connect(self.master_address, self.reactor, self.control, self.limits, timeout=2.0)
+        except PeerError as exc:
+            self._master_down(exc)
+            return
+        peer = self.control.peer(conn)
+        peer.info["name"] = "pMaster"
+        self._master = peer
+        tasks = [[job, key, part] for (job, key, part) in self.core.tasks]
+        peer.call(
+            Op.REGISTER_AGGREGATOR, self._registered, timeout=10.0,
+            address=self.address, pid=os.getpid(), host=socket.gethostname(), tasks=tasks,
+            **({"agg": self.name} if self.name else {}),
+        )
+
+    def _registered(self, result: dict | None, error: PslinkError | None) -> None:
+        if error is not None:
+            log.warning("aggregator %s: registration with pMaster failed: %s", self.name, error)
+            if self._master is not None:
+                self._master.conn.close()
+                self._master = None
+            self._master_down(error)
+            return
+        self.name = result["body"]["agg"]
+        self.core.name = self.name
+        self.reactor.name = f"aggregator {self.name}"
+        self._master_lost_at = None
+        log.info("aggregator %s serving at %s", self.name, self.address)
+
+    def _on_master_lost(self, peer: RpcPeer, exc) -> None:
+        if self.exit_code is not None:
+            return  # shutting down on pMaster's request: its going away is expected
+        if peer is self._master:
+            self._master = None
+            self._master_down(exc)
+
+    def _master_down(self, exc) -> None:
+        now = self.clock()
+        if self._master_lost_at is None:
+            self._master_lost_at = now
+            log.warning("aggregator %s: pMaster at %s unreachable (%s); retrying", self.name, self.master_address, exc)
+        if self.orphan_timeout is not None and now - self._master_lost_at > self.orphan_timeout:
+            # Nobody will ever manage this process again: leave instead of lingering forever.
+            log.error("aggregator %s: pMaster gone for %.0f s; exiting", self.name, self.orphan_timeout)
+            self.exit_code = 3
+            self.reactor.stop()
+            return
+        self.reactor.call_later(self.reconnect_interval, self._connect_master)
+
+    def _heartbeat(self) -> None:
+        try:
+            if self._master is not None and self._master_lost_at is None:
+                stats = self.core.stats()
+                self._master.notify(
+                    Op.AGG_HEARTBEAT, agg=self.name,
+                    stats={"jobs": stats, "errors": self.errors, "requests": self.requests},
+                )
+        finally:
+            self.reactor.call_later(self.heartbeat_interval, self._heartbeat)
+
+    def _on_control(self, peer: RpcPeer, req: dict) -> None:
+        op = req["op"]
+        if op == Op.ASSIGN:
+            self.core.assign(req["jobinfo"], req["tasks"])
+            peer.reply(req)
+        elif op == Op.JOB_INFO:
+            self.core.set_job(req["jobinfo"])
+            peer.reply(req)
+        elif op == Op.DROP_JOB:
+            self._send_all(self.core.drop_job(req["job"]))
+            if req["id"]:
+                peer.reply(req)
+        elif op == Op.ABORT:
+            self._abort(None, req)
+        elif op == Op.SHUTDOWN:
+            log.info("aggregator %s: shutdown requested by pMaster", self.name)
+            self.exit_code = 0
+            self.reactor.stop()
+        else:
+            raise ProtocolError(f"{op.name} is not a request an Aggregator serves")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pslink.core.aggregator", description=__doc__.split("\n")[0])
+    parser.add_argument("--master", required=True, help="pMaster address, e.g. tcp://127.0.0.1:7770")
+    parser.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to bind (port 0: any)")
+    parser.add_argument("--name", default=None, help="stable name (pMaster assigns one if omitted)")
+    parser.add_argument("--orphan-timeout", type=float, default=60.0, help="exit after this long without pMaster")
+    parser.add_argument("--log-level", default=os.environ.get("PSLINK_LOG_LEVEL", "WARNING"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s aggregator {args.name or ''} %(levelname)s %(message)s")
+    aggregator = Aggregator(args.master, args.listen, name=args.name, orphan_timeout=args.orphan_timeout)
+    signal.signal(signal.SIGTERM, lambda *_: aggregator.reactor.stop())
+    signal.signal(signal.SIGINT, lambda *_: aggregator.reactor.stop())
+    try:
+        aggregator.serve_forever()
+    finally:
+        aggregator.core.summer.close()
+    return aggregator.exit_code or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

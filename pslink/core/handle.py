@@ -1,0 +1,90 @@
+"""Handles: what Agent operations return, to wait on or to attach callbacks to."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from pslink.errors import PslinkError
+
+
+class Handle:
+    """The outcome of an Agent request (one key or a batch, all of its parts).
+
+    ``wait(timeout=None)`` returns the result (the ``out`` array of a pull or pushpull, a list
+    for batched calls, None for push and init) or raises the request's error. While it waits, the
+    calling thread drives the Agent's I/O itself, which is the fastest way to get a reply.
+    """
+
+    __slots__ = (
+        "_agent", "op", "keys", "round", "_left", "_error", "_result", "_event", "_callbacks",
+        "_waiting_on", "__weakref__",
+    )
+
+    def __init__(self, agent, op: str, keys: list, result: Any, parts: int, round_: int = 0):
+        self._agent = agent
+        self.op = op
+        self.keys = keys
+        self.round = round_
+        self._left = parts
+        self._error: PslinkError | None = None
+        self._result = result
+        self._event: threading.Event | None = None  # made only if a thread has to park
+        self._callbacks: list[Callable[["Handle"], None]] | None = None
+        self._waiting_on: dict[str, str] = {}  # aggregator name -> address, for error messages
+
+    def done(self) -> bool:
+        return self._left == 0
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done (at most ``timeout`` s, default: the Agent's timeout)."""
+        if self._left:
+            self._agent._wait(self, timeout)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self) -> PslinkError | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Call ``fn(handle)`` when done: on the thread that drives the Agent's I/O (keep it
+        short, never block in it), or right now if already done."""
+        if self._agent._add_callback(self, fn):
+            return
+        fn(self)
+
+    def __repr__(self) -> str:
+        state = "done" if not self._left else f"{self._left} part(s) pending"
+        keys = self.keys if len(self.keys) <= 4 else self.keys[:4] + ["..."]
+        return f"<Handle {self.op} {keys} {state}{' failed' if self._error else ''}>"
+
+    # -- called by the Agent on its driving thread ------------------------------------------------
+
+    def _part_done(self, error: PslinkError | None) -> list:
+        """One part finished; returns the callbacks to run if the whole handle is now done."""
+        if error is not None and self._error is None:
+            self._error = error
+        self._left -= 1
+        if self._left:
+            return []
+        if self._event is not None:
+            self._event.set()
+        callbacks, self._callbacks = self._callbacks or [], None
+        return callbacks
+
+    def _parking_event(self) -> threading.Event:
+        """The event a non-driving waiter sleeps on (set on completion or hand-over)."""
+        event = self._event
+        if event is None:
+            event = self._event = threading.Event()
+        event.clear()
+        if not self._left:  # completed while we were making the event
+            event.set()
+        return event
+
+    def _describe_wait(self) -> str:
+        peers = ", ".join(f"{name} ({address})" for name, address in sorted(self._waiting_on.items()))
+        keys = ", ".join(repr(k) for k in self.keys[:8]) + (" ..." if len(self.keys) > 8 else "")
+        round_ = f" (round {self.round})" if self.round else ""
+        return f"{self.op} of key {keys}{round_}" + (f" from aggregator {peers}" if peers else "")

@@ -1,0 +1,393 @@
+"""pMaster: the registry of jobs, workers and Aggregators, and the placement of tasks.
+
+pMaster is off the data path: Agents ask it where a key lives once (LOOKUP), then talk to
+Aggregators directly. Decisions are made by :class:`~pslink.core.master_state.MasterState`; this
+shell receives control messages, sends assignments to Aggregators (and waits for their
+acknowledgement before telling an Agent where to go, so no data request can reach an Aggregator
+before the task exists there), and writes state through to SQLite.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from pslink.core.loop import Reactor, ReactorThread
+from pslink.core.master_state import JobRecord, KeySpec, MasterState
+from pslink.core.protocol import DEFAULT_LIMITS, Limits, Op
+from pslink.core.rpc import RpcEndpoint, RpcPeer
+from pslink.core.store import MasterStore
+from pslink.core.transport import Transports
+from pslink.errors import (
+    ClosedError,
+    MembershipError,
+    PeerError,
+    ProtocolError,
+    PslinkError,
+    ServiceError,
+    ShapeMismatchError,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MASTER = "tcp://127.0.0.1:7770"
+STATE_FILE = "pmaster.sqlite"
+
+
+class _LookupWait:
+    """A LOOKUP that waits for some of its keys' assignments to be acknowledged."""
+
+    __slots__ = ("peer", "request", "record", "specs", "missing")
+
+    def __init__(self, peer: RpcPeer, request: dict, record: JobRecord, specs: list[KeySpec]):
+        self.peer = peer
+        self.request = request
+        self.record = record
+        self.specs = specs
+        self.missing = {s.key for s in specs if not s.ready}
+
+
+def spec_to_wire(spec: KeySpec, aggregators: dict) -> dict:
+    return {
+        "key": spec.key,
+        "shape": list(spec.shape),
+        "dtype": spec.dtype,
+        "declared_by": spec.declared_by,
+        "parts": [
+            [p.part, p.span[0], p.span[1], p.aggregator, aggregators[p.aggregator].address] for p in spec.parts
+        ],
+    }
+
+
+def _plain_details(error: PslinkError) -> dict:
+    return {k: v for k, v in error.details.items() if isinstance(v, (int, str, list))}
+
+
+class Master:
+    """The pMaster daemon. ``start()`` runs it on a thread; ``serve_forever()`` on this one."""
+
+    def __init__(
+        self,
+        listen: str = DEFAULT_MASTER,
+        *,
+        state_dir: str | None = None,
+        transports: Transports | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        worker_timeout: float = 15.0,
+        aggregator_timeout: float = 15.0,
+        assign_timeout: float = 10.0,
+        sweep_interval: float = 1.0,
+        clock=time.time,
+    ):
+        self.reactor = Reactor("pmaster")
+        self.transports = transports or Transports()
+        self._own_transports = transports is None
+        self.state = MasterState(clock)
+        self.store = MasterStore(os.path.join(state_dir, STATE_FILE) if state_dir else None)
+        self.store.load(self.state)
+        self.limits = limits
+        self.worker_timeout = worker_timeout
+        self.aggregator_timeout = aggregator_timeout
+        self.assign_timeout = assign_timeout
+        self.sweep_interval = sweep_interval
+        self.endpoint = RpcEndpoint(self.reactor, self._on_request, limits, on_close=self._on_peer_close)
+        self.listener = self.transports.listen(listen, self.reactor, self.endpoint, limits)
+        self.address = self.listener.address
+        self._aggregator_peers: dict[str, RpcPeer] = {}
+        self._waits: dict[tuple[str, Any], list[_LookupWait]] = {}
+        self._barriers: dict[tuple[str, str], dict[int, tuple[RpcPeer, dict]]] = {}
+        self._thread: ReactorThread | None = None
+        self._registered = threading.Condition()
+        self.reactor.call_later(sweep_interval, self._sweep)
+        if self.state.jobs:
+            log.info("pMaster resumed %d job(s) from %s", len(self.state.jobs), self.store.path)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def start(self) -> "Master":
+        self._thread = ReactorThread(self.reactor).start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.reactor.run_forever()
+
+    def stop(self, shutdown_aggregators: bool = False) -> None:
+        """Stop serving; with ``shutdown_aggregators`` also ask every Aggregator to exit."""
+        if shutdown_aggregators:
+            self.call_soon(self._shutdown_aggregators)
+        self.call_soon(self.listener.close)
+        self.call_soon(self._close_peers)
+        if self._thread is not None:
+            self._thread.stop()
+            self.reactor.drain()  # teardowns posted while stopping
+        else:
+            self.reactor.stop()
+        self.store.close()
+        self.reactor.close()
+        if self._own_transports:
+            self.transports.close()
+
+    def call_soon(self, fn, *args) -> None:
+        self.reactor.post(fn, *args)
+
+    def aggregator_alive(self, name: str) -> bool:
+        record = self.state.aggregators.get(name)
+        return record is not None and record.alive and name in self._aggregator_peers
+
+    def wait_for_aggregators(self, names: list[str], timeout: float) -> bool:
+        """Block (any thread) until every named Aggregator has registered; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._registered:
+            while not all(self.aggregator_alive(n) for n in names):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._registered.wait(remaining)
+        return True
+
+    def _shutdown_aggregators(self) -> None:
+        for peer in list(self._aggregator_peers.values()):
+            peer.notify(Op.SHUTDOWN)
+
+    def _close_peers(self) -> None:
+        for peer in list(self.endpoint.peers.values()):
+            peer.conn.close()
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def _on_request(self, peer: RpcPeer, req: dict) -> None:
+        handler = self._HANDLERS.get(req["op"])
+        if handler is None:
+            raise ProtocolError(f"pMaster does not serve {req['op'].name}")
+        handler(self, peer, req)
+
+    def _on_peer_close(self, peer: RpcPeer, exc) -> None:
+        role = peer.info.get("role")
+        if role == "worker":
+            self.state.worker_disconnected(peer.info["job"], peer.info["rank"])
+        elif role == "aggregator":
+            name = peer.info["name"]
+            if self._aggregator_peers.get(name) is peer:
+                del self._aggregator_peers[name]
+                self.state.aggregator_lost(name)
+                log.warning("aggregator %s disconnected (%s)", name, exc)
+
+    # -- jobs and workers ---------------------------------------------------------------------
+
+    def _register_job(self, peer: RpcPeer, req: dict) -> None:
+        record = self.state.register_job(req["job"], req["num_workers"], req.get("config"))
+        self.store.save_job(record)
+        peer.reply(req, body=record.settings())
+
+    def _register_worker(self, peer: RpcPeer, req: dict) -> None:
+        record = self.state.register_worker(
+            req["job"], req["rank"], req["num_workers"], req.get("tok"), req.get("config"),
+            pid=req.get("pid", 0), host=req.get("host", ""),
+        )
+        self.store.save_job(record)
+        peer.info.update(role="worker", job=record.job, rank=req["rank"], name=f"{record.job}/rank {req['rank']}")
+        peer.reply(req, body=record.settings())
+
+    def _heartbeat(self, peer: RpcPeer, req: dict) -> None:
+        record = self.state.authorize(req["job"], req["tok"], req["rank"])
+        self.state.heartbeat(record, req["rank"])
+        if not peer.info.get("role"):  # an Agent that reconnected after a pMaster restart
+            peer.info.update(role="worker", job=record.job, rank=req["rank"])
+
+    def _leave(self, peer: RpcPeer, req: dict) -> None:
+        record = self.state.authorize(req["job"], req["tok"], req["rank"])
+        peer.info.pop("role", None)
+        if self.state.leave(record, req["rank"]):
+            log.info("job %s ended: every worker left", record.job)
+            self._end_job(record)
+        peer.reply(req)
+
+    def _end_job(self, record: JobRecord) -> None:
+        self._drop_job_tasks(record)
+        self.store.delete_job(record.job)
+        for ident in [b for b in self._barriers if b[0] == record.job]:
+            for peer, req in self._barriers.pop(ident).values():
+                peer.error(req, ClosedError(f"job {record.job!r} ended during barrier {ident[1]!r}"))
+
+    def _drop_job_tasks(self, record: JobRecord) -> None:
+        for name in record.aggregators():
+            peer = self._aggregator_peers.get(name)
+            if peer is not None:
+                peer.notify(Op.DROP_JOB, job=record.job)
+
+    def _set_optimizer(self, peer: RpcPeer, req: dict) -> None:
+        record = self.state.authorize(req["job"], req["tok"], req["rank"])
+        self.state.set_optimizer(record, req["optimizer"])
+        self.store.save_job(record)
+        targets = [self._aggregator_peers[n] for n in record.aggregators() if n in self._aggregator_peers]
+        self._broadcast(targets, Op.JOB_INFO, dict(jobinfo=record.jobinfo()), lambda error: (
+            peer.error(req, error) if error else peer.reply(req, body=record.settings())
+        ))
+
+    def _barrier(self, peer: RpcPeer, req: dict) -> None:
+        record = self.state.authorize(req["job"], req["tok"], req["rank"])
+        ident = (record.job, req["name"])
+        arrived = self._barriers.setdefault(ident, {})
+        if req["rank"] in arrived:
+            raise MembershipError(f"rank {req['rank']} entered barrier {req['name']!r} of job {record.job!r} twice")
+        arrived[req["rank"]] = (peer, req)
+        if set(arrived) >= record.membership.expected(0):
+            for waiting_peer, waiting_req in self._barriers.pop(ident).values():
+                waiting_peer.reply(waiting_req)
+
+    def _status(self, peer: RpcPeer, req: dict) -> None:
+        body = self.state.status()
+        body["master"] = {"address": self.address, "state": self.store.path, "pid": os.getpid()}
+        peer.reply(req, body=body)
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def _lookup(self, peer: RpcPeer, req: dict) -> None:
+        record = self.state.authorize(req["job"], req["tok"], req["rank"])
+        specs, created = [], []
+        for item in req["items"]:
+            try:
+                spec, new = self.state.declare(record, req["rank"], item)
+            except ShapeMismatchError as exc:
+                # The first declarer may be waiting on this key already: fail it too, now.
+                self._abort_key(record, item.get("key"), exc)
+                for spec_ in created:
+                    self.state.forget_key(record, spec_.key)
+                raise
+            except PslinkError:
+                for spec_ in created:
+                    self.state.forget_key(record, spec_.key)
+                raise
+            specs.append(spec)
+            if new:
+                created.append(spec)
+        wait = _LookupWait(peer, req, record, specs)
+        if not wait.missing:
+            self._answer_lookup(wait)
+            return
+        for key in wait.missing:
+            self._waits.setdefault((record.job, key), []).append(wait)
+        if created:
+            self._assign(record, created)
+
+    def _assign(self, record: JobRecord, specs: list[KeySpec]) -> None:
+        by_aggregator: dict[str, list[dict]] = {}
+        for spec in specs:
+            for name in {p.aggregator for p in spec.parts}:
+                by_aggregator.setdefault(name, []).extend(spec.task_specs(name))
+        missing = [n for n in by_aggregator if n not in self._aggregator_peers]
+        if missing:
+            self._assigned(record, specs, ServiceError(f"aggregator(s) {missing} are not connected to pMaster"))
+            return
+        calls = [(self._aggregator_peers[n], dict(jobinfo=record.jobinfo(), tasks=t)) for n, t in by_aggregator.items()]
+        self._broadcast_each(calls, Op.ASSIGN, lambda error: self._assigned(record, specs, error))
+
+    def _assigned(self, record: JobRecord, specs: list[KeySpec], error: PslinkError | None) -> None:
+        for spec in specs:
+            if error is None:
+                spec.ready = True
+                self.store.save_key(record.job, spec)
+            else:
+                self.state.forget_key(record, spec.key)
+            for wait in self._waits.pop((record.job, spec.key), []):
+                if error is not None:
+                    if wait.missing:
+                        wait.missing.clear()
+                        wait.peer.error(wait.request, ServiceError(f"placing key {spec.key!r} failed: {error}"))
+                    continue
+                wait.missing.discard(spec.key)
+                if not wait.missing:
+                    self._answer_lookup(wait)
+
+    def _answer_lookup(self, wait: _LookupWait) -> None:
+        aggs = self.state.aggregators
+        wait.peer.reply(wait.request, body={"keys": [spec_to_wire(s, aggs) for s in wait.specs]})
+
+    def _abort_key(self, record: JobRecord, key: Any, error: PslinkError) -> None:
+        spec = record.keys.get(key)
+        if spec is None:
+            return
+        for name in {p.aggregator for p in spec.parts}:
+            peer = self._aggregator_peers.get(name)
+            if peer is not None:
+                peer.notify(Op.ABORT, job=record.job, tok=record.token, rank=error.details.get("ranks", [0])[0],
+                            key=key, msg=error.message, code=error.code, details=_plain_details(error))
+
+    # -- aggregators ----------------------------------------------------------------------------
+
+    def _register_aggregator(self, peer: RpcPeer, req: dict) -> None:
+        record = self.state.register_aggregator(req["address"], req.get("agg"), req.get("pid", 0), req.get("host", ""))
+        old = self._aggregator_peers.get(record.name)
+        if old is not None and old is not peer:
+            old.conn.close()
+        self._aggregator_peers[record.name] = peer
+        peer.info.update(role="aggregator", name=record.name)
+        self.store.save_aggregator(record)
+        peer.reply(req, body={"agg": record.name})
+        log.info("aggregator %s registered at %s", record.name, record.address)
+        with self._registered:
+            self._registered.notify_all()
+        # After a pMaster or Aggregator restart: make sure it holds what it was given.
+        for job, specs in self.state.tasks_on(record.name):
+            peer.call(Op.ASSIGN, self._log_failure(f"re-assigning job {job.job} to {record.name}"),
+                      timeout=self.assign_timeout, jobinfo=job.jobinfo(), tasks=specs)
+
+    def _aggregator_heartbeat(self, peer: RpcPeer, req: dict) -> None:
+        if peer.info.get("role") == "aggregator":
+            self.state.aggregator_heartbeat(peer.info["name"], req["stats"])
+
+    @staticmethod
+    def _log_failure(what: str):
+        def callback(result, error):
+            if error is not None:
+                log.warning("%s failed: %s", what, error)
+        return callback
+
+    def _broadcast(self, peers: list[RpcPeer], op: Op, fields: dict, done) -> None:
+        self._broadcast_each([(p, fields) for p in peers], op, done)
+
+    def _broadcast_each(self, calls: list[tuple[RpcPeer, dict]], op: Op, done) -> None:
+        """Send one request per peer; ``done(error_or_None)`` once every answer is in."""
+        if not calls:
+            done(None)
+            return
+        outcome = {"left": len(calls), "error": None}
+
+        def answered(result, error):
+            if error is not None and outcome["error"] is None:
+                outcome["error"] = error
+            outcome["left"] -= 1
+            if outcome["left"] == 0:
+                done(outcome["error"])
+
+        for peer, fields in calls:
+            peer.call(op, answered, timeout=self.assign_timeout, **fields)
+
+    # -- liveness -------------------------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        try:
+            ended, silent = self.state.sweep(self.worker_timeout, self.aggregator_timeout)
+            for record in ended:
+                log.info("job %s ended: no worker heard from in %.0f s", record.job, self.worker_timeout)
+                self._end_job(record)
+            for name in silent:
+                log.warning("aggregator %s silent for %.0f s", name, self.aggregator_timeout)
+        finally:
+            self.reactor.call_later(self.sweep_interval, self._sweep)
+
+    _HANDLERS = {
+        Op.REGISTER_JOB: _register_job,
+        Op.REGISTER_WORKER: _register_worker,
+        Op.LOOKUP: _lookup,
+        Op.SET_OPTIMIZER: _set_optimizer,
+        Op.HEARTBEAT: _heartbeat,
+        Op.BARRIER: _barrier,
+        Op.LEAVE: _leave,
+        Op.STATUS: _status,
+        Op.REGISTER_AGGREGATOR: _register_aggregator,
+        Op.AGG_HEARTBEAT: _aggregator_heartbeat,
+    }

@@ -1,0 +1,543 @@
+"""pMaster's state and decisions: jobs, tokens, workers, keys, placements, Aggregators. No I/O.
+
+The process shell (``pslink.core.master``) turns messages into calls on :class:`MasterState`,
+carries out what they decide (send assignments, persist records) and answers. Tests call the same
+methods directly.
+
+Credentials. A job is registered explicitly (``register_job``: the caller gets the token and hands
+it to its workers) or implicitly by its first worker. For an implicit job, each rank may join once
+without the token (trust on first use); every later registration of that rank, and every data
+message, must carry the token. A pre-registered job always needs the token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import math
+import secrets
+import time
+from typing import Any, Callable
+
+from pslink.core.membership import Membership
+from pslink.core.optim import make_optimizer
+from pslink.core.partition import DEFAULT_PARTITION_BYTES, partition_spans
+from pslink.core.placement import AggregatorLoad, Placement, TaskDemand, least_loaded
+from pslink.core.protocol import DTYPES, MAX_NDIM
+from pslink.errors import (
+    AuthError,
+    ConfigError,
+    KeyStateError,
+    MembershipError,
+    ProtocolError,
+    ServiceError,
+    ShapeMismatchError,
+    UnknownJobError,
+)
+
+MODES = ("sum", "optimizer")
+JOB_SETTINGS = {"mode", "optimizer", "partition_bytes"}
+
+
+@dataclasses.dataclass
+class PartSpec:
+    part: int
+    span: tuple[int, int]
+    aggregator: str
+
+
+@dataclasses.dataclass
+class KeySpec:
+    key: Any
+    shape: tuple[int, ...]
+    dtype: str
+    declared_by: int
+    needs_init: bool
+    parts: list[PartSpec]
+    ready: bool = False  # every part's Aggregator acknowledged its assignment
+
+    def task_specs(self, aggregator: str | None = None) -> list[dict]:
+        """The ASSIGN entries for this key's parts (on one Aggregator, or all)."""
+        return [
+            {
+                "key": self.key,
+                "part": p.part,
+                "span": list(p.span),
+                "shape": list(self.shape),
+                "dtype": self.dtype,
+                "declared_by": self.declared_by,
+                "needs_init": self.needs_init,
+            }
+            for p in self.parts
+            if aggregator is None or p.aggregator == aggregator
+        ]
+
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def describe(self) -> str:
+        return f"shape {self.shape} {self.dtype}"
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    rank: int
+    pid: int = 0
+    host: str = ""
+    last_seen: float = 0.0
+    connected: bool = True
+    left: bool = False
+
+
+@dataclasses.dataclass
+class JobRecord:
+    job: str
+    token: bytes
+    num_workers: int
+    mode: str = "sum"
+    optimizer: dict | None = None
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    preregistered: bool = False
+    created: float = 0.0
+    membership: Membership = dataclasses.field(default=None)  # type: ignore[assignment]
+    keys: dict[Any, KeySpec] = dataclasses.field(default_factory=dict)
+    workers: dict[int, WorkerInfo] = dataclasses.field(default_factory=dict)
+    joined: set[int] = dataclasses.field(default_factory=set)  # ranks that ever registered
+    rounds: dict[str, int] = dataclasses.field(default_factory=dict)  # aggregator -> max round
+    idle_since: float | None = None  # when the last connected worker went away (None: some is here)
+
+    def __post_init__(self):
+        if self.membership is None:
+            self.membership = Membership.fixed(self.num_workers)
+
+    def jobinfo(self) -> dict:
+        """What Aggregators need to serve the job (sent with assignments)."""
+        return {
+            "job": self.job,
+            "token": self.token,
+            "membership": self.membership.to_wire(),
+            "mode": self.mode,
+            "optimizer": self.optimizer,
+        }
+
+    def settings(self) -> dict:
+        """What an Agent needs (returned at registration)."""
+        return {
+            "job": self.job,
+            "token": self.token,
+            "num_workers": self.num_workers,
+            "membership": self.membership.to_wire(),
+            "mode": self.mode,
+            "optimizer": self.optimizer,
+            "partition_bytes": self.partition_bytes,
+        }
+
+    def aggregators(self) -> set[str]:
+        return {p.aggregator for spec in self.keys.values() for p in spec.parts}
+
+    def live_workers(self) -> list[int]:
+        return sorted(r for r, w in self.workers.items() if w.connected and not w.left)
+
+
+@dataclasses.dataclass
+class AggregatorRecord:
+    name: str
+    address: str
+    pid: int = 0
+    host: str = ""
+    alive: bool = True
+    last_seen: float = 0.0
+    stats: dict = dataclasses.field(default_factory=dict)
+    rates: dict = dataclasses.field(default_factory=dict)
+
+
+def validate_settings(config: dict | None) -> dict:
+    """Check a job's settings (mode, optimizer, partition size); return them normalized."""
+    config = dict(config or {})
+    unknown = set(config) - JOB_SETTINGS
+    if unknown:
+        raise ConfigError(f"unknown job setting(s) {sorted(unknown)}; allowed: {sorted(JOB_SETTINGS)}")
+    mode = config.get("mode") or ("optimizer" if config.get("optimizer") else "sum")
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    optimizer = config.get("optimizer")
+    make_optimizer(optimizer)  # raises ConfigError naming the bad field
+    if mode == "sum" and optimizer is not None:
+        raise ConfigError("an optimizer needs mode 'optimizer' (the service applies it)")
+    partition = config.get("partition_bytes", DEFAULT_PARTITION_BYTES)
+    if not isinstance(partition, int) or isinstance(partition, bool) or partition < 8:
+        raise ConfigError(f"partition_bytes must be an int >= 8, got {partition!r}")
+    return {"mode": mode, "optimizer": optimizer, "partition_bytes": partition}
+
+
+class MasterState:
+    def __init__(self, clock: Callable[[], float] = time.time, placement: Placement = least_loaded):
+        self.clock = clock
+        self.placement = placement
+        self.jobs: dict[str, JobRecord] = {}
+        self.aggregators: dict[str, AggregatorRecord] = {}
+        self._agg_serial = 0
+        # Bytes and task counts placed on each Aggregator, kept as placements come and go.
+        self._placed: dict[str, list[int]] = {}
+
+    # -- jobs and workers ---------------------------------------------------------------------
+
+    def register_job(self, job: str, num_workers: int, config: dict | None = None) -> JobRecord:
+        """Explicit registration: a fresh token that every worker of the job must present."""
+        existing = self.jobs.get(job)
+        if existing is not None and existing.live_workers():
+            raise MembershipError(
+                f"job {job!r} is already running with workers {existing.live_workers()}", job=job
+            )
+        if existing is not None:
+            self.remove_job(job)
+        return self._new_job(job, num_workers, config, preregistered=True)
+
+    def remove_job(self, job: str) -> JobRecord | None:
+        """Forget a job and release its placements."""
+        record = self.jobs.pop(job, None)
+        if record is not None:
+            # The record keeps its keys, so the caller still sees which Aggregators served it.
+            for spec in record.keys.values():
+                self._account(spec, -1)
+        return record
+
+    def _new_job(self, job: str, num_workers: int, config: dict | None, preregistered: bool) -> JobRecord:
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ConfigError(f"job {job!r}: num_workers must be >= 1, got {num_workers!r}")
+        settings = validate_settings(config)
+        record = JobRecord(
+            job=job,
+            token=secrets.token_bytes(16),
+            num_workers=num_workers,
+            preregistered=preregistered,
+            created=self.clock(),
+            **settings,
+        )
+        self.jobs[job] = record
+        return record
+
+    def register_worker(
+        self,
+        job: str,
+        rank: int,
+        num_workers: int,
+        token: bytes | None,
+        config: dict | None = None,
+        pid: int = 0,
+        host: str = "",
+    ) -> JobRecord:
+        """Add a worker to its job, creating the job on first use (see the module's notes)."""
+        record = self.jobs.get(job)
+        if record is None:
+            if token is not None:
+                raise UnknownJobError(
+                    f"job {job!r} is not registered with this pMaster (a token was given, so it was "
+                    "expected to exist)",
+                    job=job,
+                )
+            record = self._new_job(job, num_workers, config, preregistered=False)
+        else:
+            self._check_credential(record, token, rank)
+            if num_workers != record.num_workers:
+                raise MembershipError(
+                    f"job {job!r} has {record.num_workers} workers; rank {rank} says {num_workers}", job=job
+                )
+            if config:
+                wanted = validate_settings(config)
+                if wanted["mode"] != record.mode:
+                    raise ConfigError(
+                        f"job {job!r} runs in mode {record.mode!r}; rank {rank} asked for {wanted['mode']!r}"
+                    )
+        if not 0 <= rank < record.num_workers:
+            raise MembershipError(f"rank {rank} is out of range for job {job!r} of {record.num_workers} workers", job=job)
+        current = record.workers.get(rank)
+        if current is not None and current.connected and not current.left:
+            raise MembershipError(
+                f"rank {rank} of job {job!r} is already connected (pid {current.pid} on {current.host or '?'})",
+                job=job,
+            )
+        record.workers[rank] = WorkerInfo(rank, pid=pid, host=host, last_seen=self.clock())
+        record.joined.add(rank)
+        record.idle_since = None
+        return record
+
+    def _check_credential(self, record: JobRecord, token: bytes | None, rank: int) -> None:
+        if token is None:
+            if record.preregistered or rank in record.joined:
+                raise AuthError(
+                    f"job {record.job!r} needs its token to register rank {rank} (set PSLINK_TOKEN or "
+                    "pass token=); if an earlier run of the job crashed, it ends once its workers have "
+                    "been silent for the heartbeat timeout",
+                    job=record.job,
+                )
+            return
+        if not hmac.compare_digest(token, record.token):
+            raise AuthError(f"wrong token for job {record.job!r} (rank {rank}); refused", job=record.job)
+
+    def authorize(self, job: str, token: bytes, rank: int) -> JobRecord:
+        record = self.jobs.get(job)
+        if record is None:
+            raise UnknownJobError(f"job {job!r} is not registered with this pMaster", job=job)
+        if not hmac.compare_digest(token, record.token):
+            raise AuthError(f"wrong token for job {job!r} (rank {rank}); refused", job=job)
+        if rank not in record.membership:
+            raise MembershipError(f"rank {rank} is not a member of job {job!r}", job=job)
+        return record
+
+    def heartbeat(self, record: JobRecord, rank: int) -> None:
+        worker = record.workers.get(rank)
+        if worker is None:
+            worker = record.workers[rank] = WorkerInfo(rank)
+        worker.last_seen = self.clock()
+        worker.connected = True
+        record.idle_since = None
+
+    def worker_disconnected(self, job: str, rank: int) -> None:
+        record = self.jobs.get(job)
+        if record is not None and rank in record.workers:
+            record.workers[rank].connected = False
+            self._maybe_idle(record)
+
+    def _maybe_idle(self, record: JobRecord, since: float | None = None) -> None:
+        if record.idle_since is None and not record.live_workers():
+            record.idle_since = self.clock() if since is None else since
+
+    def leave(self, record: JobRecord, rank: int) -> bool:
+        """A worker left cleanly; True when no worker is left and the job has ended."""
+        worker = record.workers.setdefault(rank, WorkerInfo(rank))
+        worker.left = True
+        worker.connected = False
+        self._maybe_idle(record)
+        if all(w.left for w in record.workers.values()) and len(record.workers) == record.num_workers:
+            self.remove_job(record.job)
+            return True
+        return False
+
+    def set_optimizer(self, record: JobRecord, optimizer: dict) -> None:
+        make_optimizer(optimizer)
+        if record.mode != "optimizer":
+            if record.keys:
+                raise ConfigError(
+                    f"job {record.job!r} runs in sum mode and already has keys; set the optimizer "
+                    "before the first init"
+                )
+            record.mode = "optimizer"
+        record.optimizer = dict(optimizer)
+
+    # -- keys and placement -------------------------------------------------------------------
+
+    def declare(self, record: JobRecord, rank: int, item: dict) -> tuple[KeySpec, bool]:
+        """The key's spec, creating and placing it on first use. Returns (spec, created)."""
+        key, shape, dtype, intent = _parse_item(record, item)
+        spec = record.keys.get(key)
+        if spec is not None:
+            if spec.shape != shape or spec.dtype != dtype:
+                raise ShapeMismatchError(
+                    f"key {key!r} of job {record.job!r}: rank {rank} uses shape {shape} {dtype}, "
+                    f"but rank {spec.declared_by} declared it as {spec.describe()}",
+                    job=record.job,
+                    key=key,
+                    shapes=[list(shape), list(spec.shape)],
+                    ranks=[rank, spec.declared_by],
+                )
+            return spec, False
+        itemsize = DTYPES[dtype].itemsize
+        spans = partition_spans(math.prod(shape), itemsize, record.partition_bytes)
+        parts = []
+        for index, span in enumerate(spans):
+            demand = TaskDemand(record.job, key, index, (span[1] - span[0]) * itemsize)
+            target = self.placement(demand, self.loads())
+            if target is None:
+                raise ServiceError(
+                    f"no Aggregator can take key {key!r} of job {record.job!r}: none is registered and alive"
+                )
+            parts.append(PartSpec(index, span, target))
+            # Count it now, so the next part of this key sees the load it adds.
+            placed = self._placed.setdefault(target, [0, 0])
+            placed[0] += demand.nbytes
+            placed[1] += 1
+        needs_init = intent == "init" or record.mode == "optimizer"
+        spec = KeySpec(key, shape, dtype, rank, needs_init, parts)
+        record.keys[key] = spec
+        return spec, True
+
+    def forget_key(self, record: JobRecord, key: Any) -> None:
+        spec = record.keys.pop(key, None)
+        if spec is not None:
+            self._account(spec, -1)
+
+    def adopt_key(self, record: JobRecord, spec: KeySpec) -> None:
+        """Put back a key placed before (state reloaded after a restart)."""
+        record.keys[spec.key] = spec
+        self._account(spec, +1)
+
+    def _account(self, spec: KeySpec, sign: int) -> None:
+        itemsize = DTYPES[spec.dtype].itemsize
+        for p in spec.parts:
+            placed = self._placed.setdefault(p.aggregator, [0, 0])
+            placed[0] += sign * (p.span[1] - p.span[0]) * itemsize
+            placed[1] += sign
+
+    def loads(self) -> list[AggregatorLoad]:
+        """Live Aggregators with the bytes and tasks placed on each."""
+        return [
+            AggregatorLoad(name, *self._placed.get(name, (0, 0)))
+            for name in sorted(self.aggregators)
+            if self.aggregators[name].alive
+        ]
+
+    # -- aggregators --------------------------------------------------------------------------
+
+    def register_aggregator(self, address: str, name: str | None = None, pid: int = 0, host: str = "") -> AggregatorRecord:
+        if name is None:
+            while f"agg-{self._agg_serial}" in self.aggregators:
+                self._agg_serial += 1
+            name = f"agg-{self._agg_serial}"
+        record = AggregatorRecord(name, address, pid=pid, host=host, alive=True, last_seen=self.clock())
+        previous = self.aggregators.get(name)
+        if previous is not None:
+            record.stats = previous.stats
+        self.aggregators[name] = record
+        return record
+
+    def aggregator_heartbeat(self, name: str, stats: dict) -> None:
+        record = self.aggregators.get(name)
+        if record is None:
+            return
+        now = self.clock()
+        old, old_time = record.stats.get("_jobs"), record.last_seen
+        jobs = stats.get("jobs", {})
+        if old is not None and now > old_time:
+            dt = now - old_time
+            record.rates = {
+                job: (entry.get("task_rounds", 0) - old.get(job, {}).get("task_rounds", 0)) / dt
+                for job, entry in jobs.items()
+            }
+            record.rates["_job_rounds"] = {
+                job: (entry.get("round", 0) - old.get(job, {}).get("round", 0)) / dt for job, entry in jobs.items()
+            }
+        record.stats["_jobs"] = jobs
+        record.stats["errors"] = stats.get("errors", 0)
+        record.stats["requests"] = stats.get("requests", 0)
+        record.last_seen = now
+        record.alive = True
+        for job, entry in jobs.items():
+            if job in self.jobs:
+                self.jobs[job].rounds[name] = entry.get("round", 0)
+
+    def aggregator_lost(self, name: str) -> None:
+        record = self.aggregators.get(name)
+        if record is not None:
+            record.alive = False
+
+    def tasks_on(self, name: str) -> list[tuple[JobRecord, list[dict]]]:
+        """Every (job, task specs) placed on one Aggregator (to re-send after a reconnect)."""
+        out = []
+        for record in self.jobs.values():
+            specs = [t for spec in record.keys.values() if spec.ready for t in spec.task_specs(name)]
+            if specs:
+                out.append((record, specs))
+        return out
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def sweep(self, worker_timeout: float, aggregator_timeout: float) -> tuple[list[JobRecord], list[str]]:
+        """Mark silent workers and Aggregators. Returns the jobs that ended (no worker for
+        ``worker_timeout``) and the Aggregators that just went silent."""
+        now = self.clock()
+        ended = []
+        for record in list(self.jobs.values()):
+            for worker in record.workers.values():
+                if worker.connected and now - worker.last_seen > worker_timeout:
+                    worker.connected = False
+            # Silent workers went away when they were last heard from, not when we noticed.
+            self._maybe_idle(record, max((w.last_seen for w in record.workers.values()), default=now))
+            never_joined = record.preregistered and not record.joined
+            if record.idle_since is not None and now - record.idle_since > worker_timeout and not never_joined:
+                ended.append(self.remove_job(record.job))
+        silent = []
+        for agg in self.aggregators.values():
+            if agg.alive and now - agg.last_seen > aggregator_timeout:
+                agg.alive = False
+                silent.append(agg.name)
+        return ended, silent
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        now = self.clock()
+        loads = {l.name: l for l in self.loads()}
+        aggregators = []
+        for agg in sorted(self.aggregators.values(), key=lambda a: a.name):
+            jobs = agg.stats.get("_jobs", {})
+            load = loads.get(agg.name)
+            aggregators.append(
+                {
+                    "name": agg.name,
+                    "address": agg.address,
+                    "pid": agg.pid,
+                    "host": agg.host,
+                    "alive": agg.alive,
+                    "last_seen": round(now - agg.last_seen, 1),
+                    "tasks": sum(e.get("tasks", 0) for e in jobs.values()) if jobs else (load.tasks if load else 0),
+                    "bytes": sum(e.get("bytes", 0) for e in jobs.values()) if jobs else (load.bytes if load else 0),
+                    "jobs": {j: e.get("tasks", 0) for j, e in jobs.items()},
+                    "task_rounds_per_s": round(sum(v for k, v in agg.rates.items() if k != "_job_rounds"), 1),
+                    "errors": agg.stats.get("errors", 0),
+                    "requests": agg.stats.get("requests", 0),
+                }
+            )
+        jobs = []
+        for record in sorted(self.jobs.values(), key=lambda r: r.job):
+            rate = max(
+                (a.rates.get("_job_rounds", {}).get(record.job, 0.0) for a in self.aggregators.values()),
+                default=0.0,
+            )
+            jobs.append(
+                {
+                    "job": record.job,
+                    "mode": record.mode,
+                    "optimizer": (record.optimizer or {}).get("type"),
+                    "workers": len(record.live_workers()),
+                    "num_workers": record.num_workers,
+                    "keys": len(record.keys),
+                    "tasks": sum(len(s.parts) for s in record.keys.values()),
+                    "bytes": sum(s.nbytes() for s in record.keys.values()),
+                    "round": max(record.rounds.values(), default=0),
+                    "rounds_per_s": round(rate, 2),
+                    "aggregators": sorted(record.aggregators()),
+                }
+            )
+        return {"aggregators": aggregators, "jobs": jobs, "time": now}
+
+
+def _parse_item(record: JobRecord, item: dict) -> tuple[Any, tuple[int, ...], str, str]:
+    """Validate one LOOKUP entry ``{key, shape, dtype, intent}``; a pull may omit shape and dtype."""
+    if not isinstance(item, dict):
+        raise ProtocolError("LOOKUP items must be maps")
+    key = item.get("key")
+    if not ((isinstance(key, int) and not isinstance(key, bool) and 0 <= key < 1 << 64) or (isinstance(key, str) and 0 < len(key) <= 256)):
+        raise ProtocolError(f"job {record.job!r}: key {key!r} must be an int in [0, 2**64) or a non-empty string")
+    intent = item.get("intent", "push")
+    if intent not in ("init", "push", "pull"):
+        raise ProtocolError(f"key {key!r}: intent {intent!r} must be init, push or pull")
+    if intent == "pull":
+        spec = record.keys.get(key)
+        if spec is None:
+            raise KeyStateError(
+                f"key {key!r} of job {record.job!r} was never initialized or pushed; a pull needs init first",
+                job=record.job,
+                key=key,
+            )
+        if item.get("shape") is None and item.get("dtype") is None:
+            return key, spec.shape, spec.dtype, intent
+    shape = item.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in shape
+    ):
+        raise ProtocolError(f"key {key!r}: shape {shape!r} must be a list of non-negative ints")
+    dtype = item.get("dtype")
+    if dtype not in DTYPES:
+        raise ProtocolError(f"key {key!r}: dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
+    return key, tuple(shape), dtype, intent

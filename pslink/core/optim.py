@@ -1,0 +1,157 @@
+"""Server-side optimizers for ``optimizer`` mode: the Aggregator keeps the weights and steps them.
+
+The update rules follow PyTorch's documented algorithms (``torch.optim.SGD`` and
+``torch.optim.Adam``), so a job that moves its optimizer onto the service trains as it did
+locally. A job sends its optimizer as plain data (type and hyperparameters), never as code::
+
+    {"type": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "nesterov": False}
+    {"type": "adam", "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+
+Two keys say which gradient the optimizer sees: ``average`` (default true: the sum of the round's
+pushes divided by the number of workers that pushed) and ``rescale_grad`` (a further factor,
+default 1, as MXNet's optimizers have).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any
+
+import numpy as np
+
+from pslink.errors import ConfigError
+
+_COMMON = {"type", "average", "rescale_grad"}
+
+
+def _number(config: dict, name: str, default: float, low: float = 0.0, high: float = math.inf, closed_high=True) -> float:
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"optimizer {config.get('type')!r}: {name} must be a finite number, got {value!r}")
+    if value < low or (value > high if closed_high else value >= high):
+        bound = f"[{low}, {high}]" if closed_high else f"[{low}, {high})"
+        raise ConfigError(f"optimizer {config.get('type')!r}: {name}={value} is outside {bound}")
+    return float(value)
+
+
+class Optimizer(abc.ABC):
+    """Steps one tensor part in place; per-part state lives in the dict the caller keeps."""
+
+    name = "optimizer"
+    allowed: frozenset[str] = frozenset()
+
+    def __init__(self, config: dict):
+        unknown = set(config) - _COMMON - self.allowed
+        if unknown:
+            raise ConfigError(
+                f"optimizer {self.name!r}: unknown setting(s) {sorted(unknown)}; allowed: "
+                f"{sorted(self.allowed | _COMMON)}"
+            )
+        average = config.get("average", True)
+        if not isinstance(average, bool):
+            raise ConfigError(f"optimizer {self.name!r}: average must be true or false, got {average!r}")
+        self.average = average
+        self.rescale_grad = _number(config, "rescale_grad", 1.0, low=-math.inf)
+        self.config = dict(config)
+
+    def grad_scale(self, contributors: int) -> float:
+        """The factor that turns a round's sum of pushes into the gradient to apply."""
+        if self.average and contributors > 0:
+            return self.rescale_grad / contributors
+        return self.rescale_grad
+
+    @abc.abstractmethod
+    def step(self, weights: np.ndarray, grad: np.ndarray, state: dict) -> None:
+        """Update ``weights`` in place from ``grad`` (already scaled). ``grad`` may be clobbered."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(self.config)
+
+
+class SGD(Optimizer):
+    """SGD with optional momentum, dampening, Nesterov and weight decay (torch.optim.SGD)."""
+
+    name = "sgd"
+    allowed = frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov"})
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        if "lr" not in config:
+            raise ConfigError("optimizer 'sgd': lr is required")
+        self.lr = _number(config, "lr", 0.0)
+        self.momentum = _number(config, "momentum", 0.0)
+        self.dampening = _number(config, "dampening", 0.0, high=1.0)
+        self.weight_decay = _number(config, "weight_decay", 0.0)
+        self.nesterov = bool(config.get("nesterov", False))
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ConfigError("optimizer 'sgd': nesterov needs momentum > 0 and dampening = 0")
+
+    def step(self, weights, grad, state):
+        if self.weight_decay:
+            grad += self.weight_decay * weights
+        if self.momentum:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = grad.copy()
+            else:
+                buf *= self.momentum
+                buf += (1.0 - self.dampening) * grad
+            if self.nesterov:
+                grad += self.momentum * buf
+            else:
+                grad = buf
+        weights -= self.lr * grad
+
+
+class Adam(Optimizer):
+    """Adam with bias correction and L2 weight decay (torch.optim.Adam, amsgrad off)."""
+
+    name = "adam"
+    allowed = frozenset({"lr", "beta1", "beta2", "eps", "weight_decay"})
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.lr = _number(config, "lr", 1e-3)
+        self.beta1 = _number(config, "beta1", 0.9, high=1.0, closed_high=False)
+        self.beta2 = _number(config, "beta2", 0.999, high=1.0, closed_high=False)
+        self.eps = _number(config, "eps", 1e-8)
+        self.weight_decay = _number(config, "weight_decay", 0.0)
+
+    def step(self, weights, grad, state):
+        if self.weight_decay:
+            grad += self.weight_decay * weights
+        if "exp_avg" not in state:
+            state["step"] = 0
+            state["exp_avg"] = np.zeros_like(weights)
+            state["exp_avg_sq"] = np.zeros_like(weights)
+        state["step"] += 1
+        t = state["step"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m *= self.beta1
+        m += (1.0 - self.beta1) * grad
+        v *= self.beta2
+        v += (1.0 - self.beta2) * (grad * grad)
+        bias1 = 1.0 - self.beta1**t
+        bias2 = 1.0 - self.beta2**t
+        # torch: denom = sqrt(v) / sqrt(bias2) + eps; w -= (lr / bias1) * m / denom
+        denom = np.sqrt(v)
+        denom /= math.sqrt(bias2)
+        denom += self.eps
+        weights -= (self.lr / bias1) * (m / denom)
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam}
+
+
+def make_optimizer(config: dict | None) -> Optimizer | None:
+    """Build an optimizer from its plain-data description (None stays None)."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ConfigError(f"an optimizer is described by a dict, got {type(config).__name__}")
+    kind = config.get("type")
+    cls = OPTIMIZERS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ConfigError(f"unknown optimizer type {kind!r}; available: {', '.join(OPTIMIZERS)}")
+    return cls(config)

@@ -1,0 +1,421 @@
+"""The pslink wire protocol: one msgpack header frame plus raw tensor payload frames.
+
+A message is ``[header, payload_0, payload_1, ...]``. The header is a msgpack map with the protocol
+version ``v`` and the operation ``op``; payloads are the raw little-endian bytes of C-contiguous
+arrays, never pickled. Transports carry the frames (``pslink.core.transport``); this module only
+says what a valid header is. Every message is validated here before any role looks at it: version,
+op, field types, the dtype whitelist, shape and span bounds, payload count, ``span x itemsize ==
+payload bytes`` and the configured size limits. A peer never sees a traceback from deep inside:
+it gets a :class:`~pslink.errors.ProtocolError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from pslink.errors import ProtocolError, PslinkError
+
+PROTOCOL_VERSION = 1
+
+
+class Op(enum.IntEnum):
+    """Operations. Data-path ops go Agent -> Aggregator; control ops go to or from pMaster."""
+
+    # data path (Agent -> Aggregator)
+    INIT = 1
+    PUSH = 2
+    PULL = 3
+    PUSHPULL = 4
+    PING = 5
+    ABORT = 6
+    # replies (to any request)
+    REPLY = 10
+    ERROR = 11
+    PONG = 12
+    # control (Agent / CLI -> pMaster)
+    REGISTER_JOB = 20
+    REGISTER_WORKER = 21
+    LOOKUP = 22
+    SET_OPTIMIZER = 23
+    HEARTBEAT = 24
+    BARRIER = 25
+    LEAVE = 26
+    STATUS = 27
+    # control (Aggregator <-> pMaster)
+    REGISTER_AGGREGATOR = 30
+    ASSIGN = 31
+    JOB_INFO = 32
+    DROP_JOB = 33
+    SHUTDOWN = 34
+    AGG_HEARTBEAT = 35
+
+
+DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
+
+# The dtypes a tensor may have on the wire. Always little-endian.
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    )
+}
+FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
+
+MAX_NDIM = 32
+MAX_KEY_STR = 256
+MAX_NAME = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Size limits every receiver enforces before it allocates or reads anything."""
+
+    max_header_bytes: int = 1 << 20
+    max_message_bytes: int = 1 << 30
+    max_frames: int = 8
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Limits.{field.name} must be a positive int, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def dtype_of(name: str) -> np.dtype:
+    """The numpy dtype for a wire dtype name; a name outside the whitelist is a ProtocolError."""
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ProtocolError(
+            f"dtype {name!r} is not supported; supported: {', '.join(DTYPES)}"
+        ) from None
+
+
+def wire_dtype(dtype: Any) -> str:
+    """The wire name of a numpy dtype, or ProtocolError if it cannot travel."""
+    dt = np.dtype(dtype)
+    name = dt.name
+    if name not in DTYPES or dt.byteorder == ">":
+        raise ProtocolError(
+            f"dtype {dt.str} is not supported on the wire; supported: {', '.join(DTYPES)} "
+            "(little-endian)"
+        )
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# field validators: each returns normally or raises ProtocolError naming the field
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _uint(name: str, v) -> None:
+    if not _is_int(v) or v < 0 or v >= 1 << 63:
+        raise ProtocolError(f"field {name!r} must be a non-negative int, got {v!r}")
+
+
+def _small_str(name: str, v) -> None:
+    if not isinstance(v, str) or not v or len(v) > MAX_NAME:
+        raise ProtocolError(f"field {name!r} must be a string of 1..{MAX_NAME} characters")
+
+
+def _token(name: str, v) -> None:
+    if not isinstance(v, bytes) or len(v) > 256:
+        raise ProtocolError(f"field {name!r} must be bytes of at most 256")
+
+
+def _key(name: str, v) -> None:
+    if _is_int(v):
+        if 0 <= v < 1 << 64:
+            return
+    elif isinstance(v, str) and 0 < len(v) <= MAX_KEY_STR:
+        return
+    raise ProtocolError(
+        f"field {name!r} must be an int in [0, 2**64) or a string of 1..{MAX_KEY_STR} characters, "
+        f"got {v!r}"
+    )
+
+
+def _dtype(name: str, v) -> None:
+    if v not in DTYPES:
+        raise ProtocolError(f"dtype {v!r} is not supported; supported: {', '.join(DTYPES)}")
+
+
+def _shape(name: str, v) -> None:
+    if not isinstance(v, list) or len(v) > MAX_NDIM or not all(
+        _is_int(d) and 0 <= d < 1 << 62 for d in v
+    ):
+        raise ProtocolError(
+            f"field {name!r} must be a list of at most {MAX_NDIM} non-negative ints, got {v!r}"
+        )
+
+
+def _span(name: str, v) -> None:
+    if (
+        not isinstance(v, list)
+        or len(v) != 2
+        or not all(_is_int(x) and 0 <= x < 1 << 62 for x in v)
+        or v[0] > v[1]
+    ):
+        raise ProtocolError(f"field {name!r} must be [start, stop] with 0 <= start <= stop, got {v!r}")
+
+
+def _map(name: str, v) -> None:
+    if not isinstance(v, dict):
+        raise ProtocolError(f"field {name!r} must be a map")
+
+
+def _list(name: str, v) -> None:
+    if not isinstance(v, list):
+        raise ProtocolError(f"field {name!r} must be a list")
+
+
+def _text(name: str, v) -> None:
+    if not isinstance(v, str):
+        raise ProtocolError(f"field {name!r} must be a string")
+
+
+def _number(name: str, v) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise ProtocolError(f"field {name!r} must be a finite number, got {v!r}")
+
+
+def _bool(name: str, v) -> None:
+    if not isinstance(v, bool):
+        raise ProtocolError(f"field {name!r} must be a bool")
+
+
+Validator = Callable[[str, Any], None]
+
+_DATA_REQUIRED: dict[str, Validator] = {
+    "id": _uint,
+    "job": _small_str,
+    "tok": _token,
+    "rank": _uint,
+    "key": _key,
+    "part": _uint,
+    "rnd": _uint,
+    "dtype": _dtype,
+    "shape": _shape,
+    "span": _span,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    required: Mapping[str, Validator]
+    optional: Mapping[str, Validator] = dataclasses.field(default_factory=dict)
+    payloads: tuple[int, ...] = (0,)  # allowed payload counts
+
+
+SCHEMAS: dict[Op, Schema] = {
+    Op.INIT: Schema(_DATA_REQUIRED, payloads=(0, 1)),
+    Op.PUSH: Schema(_DATA_REQUIRED, payloads=(1,)),
+    Op.PULL: Schema(_DATA_REQUIRED),
+    Op.PUSHPULL: Schema(_DATA_REQUIRED, payloads=(1,)),
+    Op.PING: Schema({"id": _uint}),
+    Op.PONG: Schema({"id": _uint}),
+    Op.ABORT: Schema(
+        {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "key": _key, "msg": _text},
+        {"part": _uint, "code": _small_str, "details": _map},
+    ),
+    Op.REPLY: Schema(
+        {"id": _uint},
+        {"rnd": _uint, "n": _uint, "body": _map},
+        payloads=(0, 1),
+    ),
+    Op.ERROR: Schema({"id": _uint, "code": _small_str, "msg": _text}, {"details": _map}),
+    Op.REGISTER_JOB: Schema({"id": _uint, "job": _small_str, "num_workers": _uint}, {"config": _map}),
+    Op.REGISTER_WORKER: Schema(
+        {"id": _uint, "job": _small_str, "rank": _uint, "num_workers": _uint},
+        {"tok": _token, "config": _map, "pid": _uint, "host": _text},
+    ),
+    Op.LOOKUP: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "items": _list}),
+    Op.SET_OPTIMIZER: Schema(
+        {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "optimizer": _map}
+    ),
+    Op.HEARTBEAT: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}),
+    Op.BARRIER: Schema(
+        {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "name": _small_str}
+    ),
+    Op.LEAVE: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}),
+    Op.STATUS: Schema({"id": _uint}),
+    Op.REGISTER_AGGREGATOR: Schema(
+        {"id": _uint, "address": _text},
+        {"agg": _small_str, "pid": _uint, "host": _text, "tasks": _list},
+    ),
+    Op.ASSIGN: Schema({"id": _uint, "jobinfo": _map, "tasks": _list}),
+    Op.JOB_INFO: Schema({"id": _uint, "jobinfo": _map}),
+    Op.DROP_JOB: Schema({"id": _uint, "job": _small_str}),
+    Op.SHUTDOWN: Schema({"id": _uint}),
+    Op.AGG_HEARTBEAT: Schema({"id": _uint, "agg": _small_str, "stats": _map}),
+}
+
+
+_OPS = {int(op): op for op in Op}
+_DATA_FIELDS = tuple(_DATA_REQUIRED)
+
+
+def _check_data(header: dict, op: Op) -> None:
+    """The data-path schema, checked inline: this runs once per tensor message."""
+    try:
+        rid, job, tok, rank, key, part, rnd, dtype, shape, span = (header[f] for f in _DATA_FIELDS)
+    except KeyError:
+        missing = next(f for f in _DATA_FIELDS if f not in header)
+        raise ProtocolError(f"{op.name} header lacks field {missing!r}") from None
+    if (
+        type(rid) is not int or rid < 0
+        or type(rank) is not int or rank < 0
+        or type(part) is not int or part < 0
+        or type(rnd) is not int or rnd < 0
+        or type(job) is not str or not 0 < len(job) <= MAX_NAME
+        or type(tok) is not bytes or len(tok) > 256
+        or dtype not in DTYPES
+        or type(shape) is not list or len(shape) > MAX_NDIM
+        or type(span) is not list or len(span) != 2
+    ):
+        # Something is off: let the per-field validators name it.
+        for name, check in _DATA_REQUIRED.items():
+            check(name, header[name])
+    _key("key", key)
+    for d in shape:
+        if type(d) is not int or not 0 <= d < 1 << 62:
+            _shape("shape", shape)
+    start, stop = span
+    if type(start) is not int or type(stop) is not int or not 0 <= start <= stop < 1 << 62:
+        _span("span", span)
+
+
+def _unpack(raw) -> Any:
+    return msgpack.unpackb(
+        raw,
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        # No field needs more: this stops a hostile header from allocating its way to an OOM.
+        max_str_len=1 << 20,
+        max_bin_len=1 << 16,
+        max_array_len=1 << 20,
+        max_map_len=1 << 16,
+        max_ext_len=0,
+    )
+
+
+def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMITS) -> dict:
+    """Parse and validate one header frame given the sizes of the payload frames that follow.
+
+    Raises ProtocolError naming the first thing that is wrong. The payloads themselves are not
+    needed: a receiver validates before it reads (or allocates for) them.
+    """
+    if len(raw) > limits.max_header_bytes:
+        raise ProtocolError(
+            f"header of {len(raw)} bytes exceeds the limit of {limits.max_header_bytes}"
+        )
+    if len(payload_sizes) > limits.max_frames:
+        raise ProtocolError(
+            f"message has {len(payload_sizes)} payload frames; the limit is {limits.max_frames}"
+        )
+    if sum(payload_sizes) > limits.max_message_bytes:
+        raise ProtocolError(
+            f"payload of {sum(payload_sizes)} bytes exceeds the limit of {limits.max_message_bytes}"
+        )
+    try:
+        header = _unpack(raw)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported; this peer speaks {PROTOCOL_VERSION}"
+        )
+    op_code = header.get("op")
+    op = _OPS.get(op_code) if type(op_code) is int else None
+    if op is None:
+        raise ProtocolError(f"unknown op {op_code!r}")
+    header["op"] = op
+    schema = SCHEMAS[op]
+    if op in DATA_OPS:
+        _check_data(header, op)
+    else:
+        for name, check in schema.required.items():
+            if name not in header:
+                raise ProtocolError(f"{op.name} header lacks field {name!r}")
+            check(name, header[name])
+        for name, check in schema.optional.items():
+            if name in header:
+                check(name, header[name])
+    if len(payload_sizes) not in schema.payloads:
+        raise ProtocolError(
+            f"{op.name} carries {len(payload_sizes)} payload frames; allowed: {schema.payloads}"
+        )
+    if op in DATA_OPS:
+        _check_tensor(header, payload_sizes)
+    return header
+
+
+def _check_tensor(header: dict, payload_sizes: Sequence[int]) -> None:
+    start, stop = header["span"]
+    numel = math.prod(header["shape"]) if stop else 0
+    if stop and stop > numel:
+        raise ProtocolError(
+            f"key {header['key']!r}: span {header['span']} exceeds the {numel} elements of shape "
+            f"{tuple(header['shape'])}"
+        )
+    if payload_sizes:
+        expected = (stop - start) * DTYPES[header["dtype"]].itemsize
+        if payload_sizes[0] != expected:
+            raise ProtocolError(
+                f"key {header['key']!r}: payload of {payload_sizes[0]} bytes, but span {header['span']} "
+                f"of {header['dtype']} needs {expected}"
+            )
+
+
+def encode(op: Op, **fields) -> bytes:
+    """Build a header frame. Field order is the call's order, so the bytes are deterministic."""
+    header = {"v": PROTOCOL_VERSION, "op": int(op)}
+    header.update(fields)
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def encode_error(request_id: int, exc: BaseException) -> bytes:
+    """An ERROR reply for a request. A non-pslink exception is reported as an internal error."""
+    if isinstance(exc, PslinkError):
+        code, message = exc.code, exc.message
+        details = {k: v for k, v in exc.details.items() if _plain(v)}
+    else:
+        code, message, details = "service", f"internal error: {type(exc).__name__}: {exc}", {}
+    return encode(Op.ERROR, id=request_id, code=code, msg=message, details=details)
+
+
+def _plain(value) -> bool:
+    """True for values msgpack carries without custom types (error details must be plain)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False

@@ -1,0 +1,29 @@
+"""What pMaster needs from whatever starts Aggregators."""
+
+from __future__ import annotations
+
+import abc
+
+
+class Provider(abc.ABC):
+    """Starts and stops Aggregators that register with one pMaster."""
+
+    @abc.abstractmethod
+    def start(self, count: int) -> list[str]:
+        """Start ``count`` Aggregators; return their names (they register under these)."""
+
+    @abc.abstractmethod
+    def stop(self, name: str, timeout: float = 5.0) -> None:
+        """Stop one Aggregator and make sure it is gone."""
+
+    @abc.abstractmethod
+    def names(self) -> list[str]:
+        """The Aggregators this provider started and that have not been stopped."""
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        for name in list(self.names()):
+            self.stop(name, timeout)
+
+    def diagnose(self, name: str) -> str:
+        """Whatever helps explain why ``name`` failed (exit status, log tail)."""
+        return ""

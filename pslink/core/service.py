@@ -1,0 +1,101 @@
+"""A whole parameter service in one object: pMaster plus a pool of Aggregators.
+
+``pslink service up`` runs one in the foreground; ``pslink demo`` and the tests embed one::
+
+    with Service(aggregators=2) as service:
+        agent = pslink.connect("job", 0, 1, master=service.address)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from pslink.core.master import Master
+from pslink.core.providers import LocalProvider, Provider, ThreadProvider
+from pslink.core.transport import Transports
+from pslink.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    """pMaster (on a thread of this process) and ``aggregators`` Aggregators.
+
+    ``provider="local"`` runs Aggregators as subprocesses, ``"thread"`` inside this process
+    (then ``aggregator_listen`` may be ``inproc://*`` for a socket-free cluster).
+    """
+
+    def __init__(
+        self,
+        listen: str = "tcp://127.0.0.1:0",
+        aggregators: int = 2,
+        *,
+        provider: str = "local",
+        state_dir: str | None = None,
+        log_dir: str | None = None,
+        transports: Transports | None = None,
+        aggregator_listen: str | None = None,
+        master_options: dict | None = None,
+        aggregator_options: dict | None = None,
+    ):
+        if aggregators < 1:
+            raise ServiceError(f"a service needs at least one Aggregator, got {aggregators}")
+        self.count = aggregators
+        self.transports = transports or Transports()
+        self._own_transports = transports is None
+        self.master = Master(listen, state_dir=state_dir, transports=self.transports, **(master_options or {}))
+        self.address = self.master.address
+        if provider == "local":
+            self.provider: Provider = LocalProvider(self.address, log_dir=log_dir, **(aggregator_options or {}))
+        elif provider == "thread":
+            default_listen = "inproc://*" if self.address.startswith("inproc://") else "tcp://127.0.0.1:0"
+            self.provider = ThreadProvider(self.address, self.transports, aggregator_listen or default_listen,
+                                           **(aggregator_options or {}))
+        else:
+            raise ServiceError(f"unknown provider {provider!r}; use 'local' or 'thread'")
+        self._started = False
+        self._stopped = False
+
+    def start(self, timeout: float = 30.0) -> "Service":
+        """Start pMaster and the Aggregators; return once every Aggregator registered."""
+        self.master.start()
+        self._started = True
+        try:
+            names = self.provider.start(self.count)
+            self.wait_for(names, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_for(self, names: list[str], timeout: float) -> None:
+        if not self.master.wait_for_aggregators(names, timeout):
+            missing = [n for n in names if not self.master.aggregator_alive(n)]
+            details = "\n".join(self.provider.diagnose(n) for n in missing)
+            raise ServiceError(f"aggregator(s) {missing} did not register within {timeout} s\n{details}")
+
+    def add_aggregators(self, count: int, timeout: float = 30.0) -> list[str]:
+        names = self.provider.start(count)
+        self.wait_for(names, timeout)
+        return names
+
+    def stop(self) -> None:
+        """Stop everything this service started (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._started:
+            self.master.stop(shutdown_aggregators=True)
+        if isinstance(self.provider, LocalProvider):
+            self.provider.wait_exit(5.0)
+        self.provider.stop_all()
+        if self._own_transports:
+            self.transports.close()
+
+    def __enter__(self) -> "Service":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,117 @@
+"""The errors pslink raises.
+
+Every error that crosses the wire carries a ``code`` (a short string) so that the receiving side
+rebuilds the same class: errors are told apart by class, never by matching message text.
+Messages name what was wrong: the job, the key, the shapes and the peer involved.
+"""
+
+from __future__ import annotations
+
+
+class PslinkError(Exception):
+    """Base class of every error pslink raises."""
+
+    code = "error"
+
+    def __init__(self, message: str, **details):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class ConfigError(PslinkError, ValueError):
+    """A setting (argument or environment variable) is missing or invalid."""
+
+    code = "config"
+
+
+class ProtocolError(PslinkError):
+    """A message is malformed: bad framing, version, op, dtype, shape or size."""
+
+    code = "protocol"
+
+
+class AuthError(PslinkError):
+    """The request's job credential is missing or wrong."""
+
+    code = "auth"
+
+
+class UnknownJobError(PslinkError):
+    """The job is not registered with this pMaster or Aggregator."""
+
+    code = "unknown_job"
+
+
+class KeyStateError(PslinkError):
+    """A request does not fit the key's state (round out of order, duplicate push, not here)."""
+
+    code = "key_state"
+
+
+class ShapeMismatchError(PslinkError, ValueError):
+    """Two workers used one key with different shapes or dtypes."""
+
+    code = "shape_mismatch"
+
+
+class AbortedError(PslinkError):
+    """The key was aborted, for example because another worker pushed a bad shape."""
+
+    code = "aborted"
+
+
+class MembershipError(PslinkError):
+    """A worker registration does not fit the job (rank out of range, rank taken, size differs)."""
+
+    code = "membership"
+
+
+class ServiceError(PslinkError):
+    """The service failed to carry out a request (placement, provider, internal error)."""
+
+    code = "service"
+
+
+class PeerError(PslinkError, ConnectionError):
+    """A peer (pMaster or Aggregator) could not be reached or went away."""
+
+    code = "peer"
+
+
+class PslinkTimeoutError(PslinkError, TimeoutError):
+    """A wait ran out of time; the message names what was awaited and from whom."""
+
+    code = "timeout"
+
+
+class ClosedError(PslinkError):
+    """The Agent, connection or service was closed."""
+
+    code = "closed"
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        PslinkError,
+        ConfigError,
+        ProtocolError,
+        AuthError,
+        UnknownJobError,
+        KeyStateError,
+        ShapeMismatchError,
+        AbortedError,
+        MembershipError,
+        ServiceError,
+        PeerError,
+        PslinkTimeoutError,
+        ClosedError,
+    )
+}
+
+
+def error_from_code(code: str, message: str, details: dict | None = None) -> PslinkError:
+    """Rebuild an error received from a peer; an unknown code becomes a plain PslinkError."""
+    cls = _BY_CODE.get(code, PslinkError)
+    return cls(message, **(details or {}))

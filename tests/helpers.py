@@ -1,0 +1,87 @@
+"""Shared test helpers: in-process clusters, worker threads, a raw protocol client."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+
+from pslink.core.loop import Reactor, ReactorThread
+from pslink.core.protocol import decode
+from pslink.core.service import Service
+from pslink.core.transport import Transports
+
+TRANSPORTS = {
+    "inproc": ("inproc://master", "inproc://*"),
+    "tcp": ("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"),
+    "zmq": ("zmq+tcp://127.0.0.1:0", "zmq+tcp://127.0.0.1:0"),
+}
+
+
+def start_cluster(kind: str, aggregators: int = 2, transports: Transports | None = None, **master_options) -> Service:
+    """pMaster plus Aggregators on threads of this process, over one kind of transport."""
+    master, aggregator = TRANSPORTS[kind]
+    return Service(
+        master, aggregators, provider="thread", transports=transports or Transports(),
+        aggregator_listen=aggregator, master_options=master_options or None,
+    ).start()
+
+
+def run_workers(count: int, fn, timeout: float = 60.0) -> list:
+    """Run ``fn(rank)`` on ``count`` threads; return the results or raise the first failure."""
+    results: list = [None] * count
+    errors: list = []
+
+    def body(rank):
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # reported to the test below
+            errors.append((rank, exc, traceback.format_exc()))
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"worker-{r}") for r in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    hung = [t.name for t in threads if t.is_alive()]
+    if hung:
+        raise AssertionError(f"workers {hung} did not finish within {timeout} s")
+    if errors:
+        rank, exc, tb = errors[0]
+        raise AssertionError(f"worker {rank} failed:\n{tb}") from exc
+    return results
+
+
+class RawClient:
+    """Speaks the wire protocol by hand, to send what a well-behaved Agent never would."""
+
+    def __init__(self, address: str, transports: Transports):
+        self.reactor = Reactor("raw-client")
+        self.thread = ReactorThread(self.reactor).start()
+        self.replies: queue.Queue = queue.Queue()
+        self.closed: queue.Queue = queue.Queue()
+        self.conn = transports.connect(address, self.reactor, self, timeout=5.0)
+
+    def on_header(self, conn, header, sizes):
+        return decode(header, sizes), None
+
+    def on_message(self, conn, header, payloads):
+        self.replies.put((header, [bytes(p) for p in payloads]))
+
+    def on_close(self, conn, exc):
+        self.closed.put(exc)
+
+    def on_accept(self, conn):
+        pass
+
+    def send(self, *frames):
+        self.conn.send(list(frames))
+
+    def reply(self, timeout: float = 5.0):
+        return self.replies.get(timeout=timeout)
+
+    def close(self):
+        self.conn.close()
+        self.thread.stop()
+        self.reactor.drain()
+        self.reactor.close()

@@ -1,0 +1,266 @@
+"""The Aggregator's round logic, driven directly: no sockets, no threads, no sleeps."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from pslink.core.aggregation import AggregatorCore, BufferPool, Request, Summer
+from pslink.core.protocol import Op
+from pslink.errors import AbortedError, AuthError, ClosedError, KeyStateError, ShapeMismatchError, UnknownJobError
+
+TOKEN = b"secret-token-123"
+
+
+def jobinfo(job="j", workers=2, mode="sum", optimizer=None):
+    return {"job": job, "token": TOKEN, "membership": {"ranks": list(range(workers)), "epoch": 0},
+            "mode": mode, "optimizer": optimizer}
+
+
+def spec(key="w", part=0, shape=(6,), span=None, dtype="float32", needs_init=True, declared_by=0):
+    n = int(np.prod(shape))
+    return {"key": key, "part": part, "shape": list(shape), "span": list(span or (0, n)), "dtype": dtype,
+            "needs_init": needs_init, "declared_by": declared_by}
+
+
+class Cluster:
+    """An AggregatorCore plus helpers that play the shell's part."""
+
+    def __init__(self, workers=2, mode="sum", optimizer=None, **spec_kw):
+        self.core = AggregatorCore("agg-test", summer=Summer(threads=1))
+        self.task = self.core.assign(jobinfo(workers=workers, mode=mode, optimizer=optimizer), [spec(**spec_kw)])[0]
+        self.ids = itertools.count(1)
+
+    def header(self, op, rank, rnd, **kw):
+        t = self.task
+        h = {"op": op, "id": next(self.ids), "job": t.job.job, "tok": TOKEN, "rank": rank, "key": t.key,
+             "part": t.part, "rnd": rnd, "dtype": t.dtype_name, "shape": list(t.shape), "span": list(t.span)}
+        h.update(kw)
+        return h
+
+    def send(self, op, rank, rnd=0, value=None, origin=None):
+        header = self.header(op, rank, rnd)
+        task = self.core.admit(header)
+        payload = None
+        if value is not None:
+            payload = self.core.receive_buffer(task)
+            payload[:] = value
+        request = Request(origin if origin is not None else f"rank{rank}", header["id"], op, rank, rnd, payload)
+        return request, self.core.handle(task, request)
+
+
+def test_bsp_rounds_sum_exactly_over_many_rounds():
+    c = Cluster(workers=3, shape=(1000,), needs_init=False)
+    rng = np.random.default_rng(0)
+    for r in range(1, 51):
+        pushes = [rng.integers(-1000, 1000, 1000).astype(np.float32) for _ in range(3)]
+        replies = []
+        for rank in (2, 0, 1):  # arrival order must not matter
+            request, out = c.send(Op.PUSHPULL, rank, r, pushes[rank])
+            replies += out
+        results = [x for x in replies if x.payload is not None]
+        assert len(results) == 3 and all(x.error is None for x in replies)
+        for x in results:
+            assert x.round == r and x.n == 3
+            np.testing.assert_array_equal(x.payload, pushes[0] + pushes[1] + pushes[2])
+
+
+def test_a_pull_waits_for_its_round_and_round_zero_is_the_initial_value():
+    c = Cluster(workers=2)
+    init = np.arange(6, dtype=np.float32)
+    _, replies = c.send(Op.INIT, 0, 0, init)
+    assert [r.error for r in replies] == [None]
+    _, replies = c.send(Op.PULL, 1, 0)
+    np.testing.assert_array_equal(replies[0].payload, init)
+    _, replies = c.send(Op.PUSH, 0, 1, np.ones(6))
+    assert len(replies) == 1 and replies[0].payload is None  # just the ack
+    _, replies = c.send(Op.PULL, 0, 1)
+    assert replies == []  # round 1 is open: rank 1 has not pushed
+    _, replies = c.send(Op.PUSH, 1, 1, np.full(6, 2.0))
+    ack, result = replies
+    assert ack.payload is None and result.origin == "rank0" and result.round == 1
+    np.testing.assert_array_equal(result.payload, np.full(6, 3.0))
+
+
+def test_rounds_close_in_order_when_a_worker_runs_ahead():
+    c = Cluster(workers=2, needs_init=False)
+    for r in (1, 2, 3):
+        c.send(Op.PUSH, 0, r, np.full(6, float(r)))
+    _, replies = c.send(Op.PULL, 0, 3)
+    assert replies == []
+    c.send(Op.PUSH, 1, 1, np.full(6, 10.0))
+    assert c.task.closed == 1
+    c.send(Op.PUSH, 1, 2, np.full(6, 20.0))
+    _, replies = c.send(Op.PUSH, 1, 3, np.full(6, 30.0))
+    result = [r for r in replies if r.payload is not None][0]
+    assert result.round == 3
+    np.testing.assert_array_equal(result.payload, np.full(6, 33.0))
+
+
+def test_requests_before_init_are_queued_not_failed():
+    c = Cluster(workers=2)
+    _, a = c.send(Op.INIT, 1, 0)  # rank 1 declares first
+    _, b = c.send(Op.PUSHPULL, 1, 1, np.full(6, 5.0))
+    _, d = c.send(Op.PULL, 1, 0)
+    assert a == b == d == [] and len(c.task.before_init) == 3
+    init = np.arange(6, dtype=np.float32)
+    _, replies = c.send(Op.INIT, 0, 0, init)
+    # rank 0's init, then the queued requests in their order: rank 1's init, its push-pull (still
+    # waiting for rank 0's push, so no reply yet) and its pull of round 0
+    assert [r.origin for r in replies] == ["rank0", "rank1", "rank1"]
+    np.testing.assert_array_equal(replies[2].payload, init)
+    _, replies = c.send(Op.PUSHPULL, 0, 1, np.ones(6))
+    assert {r.origin for r in replies} == {"rank0", "rank1"}
+    np.testing.assert_array_equal(replies[0].payload, np.full(6, 6.0))
+
+
+def test_sum_mode_key_declared_by_a_push_starts_at_zero():
+    c = Cluster(workers=1, needs_init=False)
+    _, replies = c.send(Op.PULL, 0, 0)
+    np.testing.assert_array_equal(replies[0].payload, np.zeros(6))
+
+
+@pytest.mark.parametrize("rank, rnd, match", [
+    (0, 1, "pushed round 1 twice"),
+    (5, 1, "not a member"),
+    (0, 70, "more than 64 rounds ahead"),
+])
+def test_bad_pushes_are_refused_with_a_reason(rank, rnd, match):
+    c = Cluster(workers=2, needs_init=False)
+    c.send(Op.PUSH, 0, 1, np.ones(6))
+    _, replies = c.send(Op.PUSH, rank, rnd, np.ones(6))
+    assert isinstance(replies[0].error, KeyStateError)
+    assert match in str(replies[0].error)
+
+
+def test_stale_push_and_superseded_pull():
+    c = Cluster(workers=1, needs_init=False)
+    c.send(Op.PUSH, 0, 1, np.ones(6))
+    c.send(Op.PUSH, 0, 2, np.ones(6))
+    _, replies = c.send(Op.PUSH, 0, 2, np.ones(6))
+    assert "already closed" in str(replies[0].error)
+    _, replies = c.send(Op.PULL, 0, 1)
+    assert "replaced it" in str(replies[0].error)
+
+
+def test_admission_checks_credential_job_key_and_shape():
+    c = Cluster(workers=2)
+    with pytest.raises(AuthError, match="wrong credential for job 'j' from rank 1"):
+        c.core.admit(c.header(Op.PUSH, 1, 1, tok=b"guess"))
+    with pytest.raises(UnknownJobError, match="serves no job 'other'"):
+        c.core.admit(c.header(Op.PUSH, 1, 1, job="other"))
+    with pytest.raises(KeyStateError, match="does not hold part 0 of key 'v'"):
+        c.core.admit(c.header(Op.PUSH, 1, 1, key="v"))
+    with pytest.raises(ShapeMismatchError) as info:
+        c.core.admit(c.header(Op.PUSH, 1, 1, shape=[7], span=[0, 7]))
+    assert "rank 1 sent shape (7,) float32, but the key has shape (6,) float32 (declared by rank 0)" in str(info.value)
+    assert info.value.details["shapes"] == [[7], [6]]
+
+
+def test_abort_fails_every_waiter_and_every_later_request():
+    c = Cluster(workers=2, needs_init=False)
+    c.send(Op.PUSHPULL, 0, 1, np.ones(6))  # rank 0 waits for rank 1
+    error = ShapeMismatchError("key 'w': rank 1 pushed shape (7,)")
+    replies = c.core.abort(c.task, error)
+    assert [r.origin for r in replies] == ["rank0"] and replies[0].error is error
+    _, later = c.send(Op.PULL, 1, 0)
+    assert later[0].error is error
+    replies = c.core.abort_key("j", "w", AbortedError("again"))
+    assert replies == []
+
+
+def test_dropping_a_job_fails_what_waits():
+    c = Cluster(workers=2)
+    c.send(Op.PULL, 1, 0)  # waits for init
+    replies = c.core.drop_job("j")
+    assert isinstance(replies[0].error, ClosedError) and not c.core.tasks
+
+
+def test_requests_of_a_vanished_peer_are_forgotten():
+    c = Cluster(workers=2, needs_init=False)
+    c.send(Op.PUSHPULL, 0, 1, np.ones(6), origin="gone")
+    c.core.fail_origin("gone")
+    _, replies = c.send(Op.PUSH, 1, 1, np.ones(6))
+    assert [r.origin for r in replies] == ["rank1"]  # only the ack: nobody else to answer
+
+
+def test_first_push_becomes_the_accumulator_without_a_copy():
+    c = Cluster(workers=2, needs_init=False)
+    request, _ = c.send(Op.PUSH, 0, 1, np.ones(6))
+    first_buffer = request.payload
+    _, replies = c.send(Op.PUSHPULL, 1, 1, np.full(6, 2.0))
+    assert c.task.value is first_buffer
+    np.testing.assert_array_equal(first_buffer, np.full(6, 3.0))
+
+
+def test_buffer_pool_reuses_only_unreferenced_arrays():
+    pool = BufferPool(np.dtype("float32"), 4, keep=2)
+    a = pool.acquire()
+    b = pool.acquire()
+    assert a is not b
+    view = memoryview(a)  # as a reply still queued on a socket would hold it
+    del b
+    c = pool.acquire()
+    assert c is not a  # a is still referenced (by `a` and the view)
+    del a, c
+    d = pool.acquire()
+    assert d is not view.obj  # the viewed array stays busy while the view lives
+    del view, d
+    assert pool.acquire() is pool._arrays[0]
+
+
+def test_optimizer_mode_applies_sgd_to_the_averaged_gradient():
+    c = Cluster(workers=2, mode="optimizer", optimizer={"type": "sgd", "lr": 0.5})
+    w0 = np.arange(6, dtype=np.float32)
+    c.send(Op.INIT, 0, 0, w0)
+    c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
+    _, replies = c.send(Op.PUSHPULL, 1, 1, np.full(6, 3.0))
+    result = [r for r in replies if r.payload is not None][0]
+    np.testing.assert_allclose(result.payload, w0 - 0.5 * 2.0)  # mean gradient 2
+
+
+def test_optimizer_steps_a_copy_while_old_weights_are_still_being_sent():
+    c = Cluster(workers=1, mode="optimizer", optimizer={"type": "sgd", "lr": 1.0})
+    c.send(Op.INIT, 0, 0, np.zeros(6))
+    _, replies = c.send(Op.PUSHPULL, 0, 1, np.ones(6))
+    in_flight = replies[-1].payload  # a zero-copy send would still reference this array
+    snapshot = in_flight.copy()
+    c.send(Op.PUSHPULL, 0, 2, np.ones(6))
+    np.testing.assert_array_equal(in_flight, snapshot)  # untouched
+    np.testing.assert_array_equal(c.task.value, np.full(6, -2.0))
+
+
+def test_optimizer_mode_without_an_optimizer_says_so():
+    c = Cluster(workers=1, mode="optimizer", optimizer=None)
+    c.send(Op.INIT, 0, 0, np.zeros(6))
+    _, replies = c.send(Op.PUSH, 0, 1, np.ones(6))
+    assert any("no optimizer set" in str(r.error) for r in replies)
+
+
+def test_init_after_use_is_refused_but_repeated_init_before_use_wins():
+    c = Cluster(workers=1)
+    c.send(Op.INIT, 0, 0, np.zeros(6))
+    c.send(Op.INIT, 0, 0, np.ones(6))
+    np.testing.assert_array_equal(c.task.value, np.ones(6))
+    c.send(Op.PUSH, 0, 1, np.ones(6))
+    _, replies = c.send(Op.INIT, 0, 0, np.zeros(6))
+    assert "already in use" in str(replies[0].error)
+
+
+def test_threaded_summer_matches_numpy():
+    summer = Summer(threads=3, threshold_bytes=1024)
+    acc = np.arange(100_000, dtype=np.float64)
+    other = np.ones(100_000)
+    expected = acc + other
+    summer.add(acc, other)
+    np.testing.assert_array_equal(acc, expected)
+    summer.close()
+
+
+def test_stats_per_job():
+    c = Cluster(workers=1, needs_init=False)
+    for r in (1, 2, 3):
+        c.send(Op.PUSH, 0, r, np.ones(6))
+    assert c.core.stats() == {"j": {"tasks": 1, "bytes": 24, "task_rounds": 3, "round": 3}}

@@ -1,0 +1,252 @@
+"""pMaster's decisions and its durable state, without sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from pslink.core.master_state import MasterState
+from pslink.core.partition import partition_spans
+from pslink.core.placement import AggregatorLoad, TaskDemand, least_loaded
+from pslink.core.store import MasterStore
+from pslink.errors import (
+    AuthError,
+    ConfigError,
+    KeyStateError,
+    MembershipError,
+    ServiceError,
+    ShapeMismatchError,
+    UnknownJobError,
+)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def state():
+    s = MasterState(clock=Clock())
+    for i in range(3):
+        s.register_aggregator(f"tcp://127.0.0.1:{9000 + i}")
+    return s
+
+
+def item(key, shape=(4,), dtype="float32", intent="push"):
+    return {"key": key, "shape": list(shape), "dtype": dtype, "intent": intent}
+
+
+def test_partition_spans_cover_the_tensor_in_aligned_parts():
+    assert partition_spans(10, 4, 16) == [(0, 4), (4, 8), (8, 10)]
+    assert partition_spans(0, 4, 16) == [(0, 0)]
+    assert partition_spans(3, 8, 4) == [(0, 1), (1, 2), (2, 3)]  # never an empty or split element
+    spans = partition_spans(25_600_000, 4)
+    assert spans[0] == (0, 1 << 20) and spans[-1][1] == 25_600_000
+
+
+def test_least_loaded_is_deterministic():
+    demand = TaskDemand("j", "k", 0, 100)
+    loads = [AggregatorLoad("b", 10, 1), AggregatorLoad("a", 10, 1), AggregatorLoad("c", 5, 9)]
+    assert least_loaded(demand, loads) == "c"
+    assert least_loaded(demand, loads[:2]) == "a"
+    assert least_loaded(demand, []) is None
+
+
+def test_first_worker_creates_the_job_and_gets_its_token(state):
+    job = state.register_worker("mnist", 0, 2, token=None)
+    assert len(job.token) == 16
+    assert job.membership.expected(1) == {0, 1}
+    again = state.register_worker("mnist", 1, 2, token=None)  # first use of rank 1: allowed
+    assert again is job
+
+
+def test_registration_rules(state):
+    job = state.register_worker("mnist", 0, 2, token=None)
+    with pytest.raises(MembershipError, match="job 'mnist' has 2 workers; rank 1 says 3"):
+        state.register_worker("mnist", 1, 3, token=None)
+    with pytest.raises(MembershipError, match="rank 5 is out of range"):
+        state.register_worker("mnist", 5, 2, token=job.token)
+    with pytest.raises(MembershipError, match="rank 0 of job 'mnist' is already connected"):
+        state.register_worker("mnist", 0, 2, token=job.token)
+    with pytest.raises(AuthError, match="wrong token for job 'mnist'"):
+        state.register_worker("mnist", 1, 2, token=b"x" * 16)
+    state.worker_disconnected("mnist", 0)
+    with pytest.raises(AuthError, match="needs its token to register rank 0"):
+        state.register_worker("mnist", 0, 2, token=None)  # rank 0 joined before: token needed now
+    state.register_worker("mnist", 0, 2, token=job.token)  # a reconnect with the token
+    with pytest.raises(UnknownJobError, match="job 'nope' is not registered"):
+        state.register_worker("nope", 0, 1, token=b"t")
+    with pytest.raises(ConfigError, match="runs in mode 'sum'"):
+        state.register_worker("mnist", 1, 2, token=job.token, config={"mode": "optimizer", "optimizer": {"type": "sgd", "lr": 1}})
+
+
+def test_preregistered_job_always_needs_the_token(state):
+    job = state.register_job("bert", 2, {"mode": "optimizer", "optimizer": {"type": "adam"}})
+    with pytest.raises(AuthError, match="needs its token"):
+        state.register_worker("bert", 0, 2, token=None)
+    registered = state.register_worker("bert", 0, 2, token=job.token)
+    assert registered.mode == "optimizer" and registered.optimizer == {"type": "adam"}
+
+
+def test_a_crashed_job_ends_after_the_timeout_and_its_name_is_free_again(state):
+    job = state.register_worker("mnist", 0, 1, token=None)
+    state.declare(job, 0, item("w"))
+    state.worker_disconnected("mnist", 0)
+    with pytest.raises(AuthError, match="needs its token"):  # no hijacking while it may come back
+        state.register_worker("mnist", 0, 1, token=None)
+    state.clock.now += 11
+    ended, _ = state.sweep(worker_timeout=10, aggregator_timeout=100)
+    assert ended == [job]
+    assert [load.bytes for load in state.loads()] == [0, 0, 0]  # its placements were released
+    fresh = state.register_worker("mnist", 0, 1, token=None)
+    assert fresh is not job and fresh.token != job.token
+
+
+def test_job_settings_are_validated(state):
+    with pytest.raises(ConfigError, match="mode must be one of"):
+        state.register_job("x", 1, {"mode": "magic"})
+    with pytest.raises(ConfigError, match="unknown job setting"):
+        state.register_job("x", 1, {"modes": "sum"})
+    with pytest.raises(ConfigError, match="an optimizer needs mode 'optimizer'"):
+        state.register_job("x", 1, {"mode": "sum", "optimizer": {"type": "sgd", "lr": 1}})
+    with pytest.raises(ConfigError, match="partition_bytes"):
+        state.register_job("x", 1, {"partition_bytes": 3})
+    with pytest.raises(ConfigError, match="num_workers must be >= 1"):
+        state.register_job("x", 0)
+
+
+def test_keys_are_partitioned_and_spread_by_load(state):
+    job = state.register_job("j", 1, {"partition_bytes": 1024})
+    spec, created = state.declare(job, 0, item("big", shape=(1000,)))  # 4000 bytes -> 4 parts
+    assert created and [p.span for p in spec.parts] == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+    assert [p.aggregator for p in spec.parts] == ["agg-0", "agg-1", "agg-2", "agg-0"]
+    small, _ = state.declare(job, 0, item("small", shape=(10,)))
+    assert small.parts[0].aggregator == "agg-1"  # agg-0 holds 2 parts, agg-1 and agg-2 one each
+    same, created = state.declare(job, 0, item("big", shape=(1000,)))
+    assert same is spec and not created
+
+
+def test_a_second_shape_for_a_key_names_both(state):
+    job = state.register_worker("j", 0, 2, token=None)
+    state.declare(job, 0, item("w", shape=(2, 3)))
+    with pytest.raises(ShapeMismatchError) as info:
+        state.declare(job, 1, item("w", shape=(3, 2)))
+    message = str(info.value)
+    assert "key 'w' of job 'j': rank 1 uses shape (3, 2) float32, but rank 0 declared it as shape (2, 3) float32" in message
+    with pytest.raises(ShapeMismatchError, match="float64"):
+        state.declare(job, 1, item("w", shape=(2, 3), dtype="float64"))
+
+
+def test_pull_of_an_unknown_key_and_bad_items(state):
+    job = state.register_worker("j", 0, 1, token=None)
+    with pytest.raises(KeyStateError, match="key 'w' of job 'j' was never initialized"):
+        state.declare(job, 0, {"key": "w", "intent": "pull"})
+    state.declare(job, 0, item("w", shape=(5,)))
+    spec, _ = state.declare(job, 0, {"key": "w", "intent": "pull"})
+    assert spec.shape == (5,)
+
+
+def test_optimizer_mode_keys_need_init_and_sum_mode_push_keys_do_not(state):
+    sum_job = state.register_job("s", 1)
+    assert not state.declare(sum_job, 0, item("a"))[0].needs_init
+    assert state.declare(sum_job, 0, item("b", intent="init"))[0].needs_init
+    opt_job = state.register_job("o", 1, {"optimizer": {"type": "sgd", "lr": 0.1}})
+    assert opt_job.mode == "optimizer"
+    assert state.declare(opt_job, 0, item("c"))[0].needs_init
+
+
+def test_no_aggregator_means_a_clear_error():
+    state = MasterState(clock=Clock())
+    job = state.register_job("j", 1)
+    with pytest.raises(ServiceError, match="no Aggregator can take key 'w'"):
+        state.declare(job, 0, item("w"))
+
+
+def test_set_optimizer_switches_an_empty_sum_job(state):
+    job = state.register_job("j", 1)
+    state.set_optimizer(job, {"type": "sgd", "lr": 0.1, "momentum": 0.9})
+    assert job.mode == "optimizer"
+    job2 = state.register_job("k", 1)
+    state.declare(job2, 0, item("w"))
+    with pytest.raises(ConfigError, match="already has keys"):
+        state.set_optimizer(job2, {"type": "sgd", "lr": 0.1})
+
+
+def test_leaving_ends_the_job_once_every_worker_left(state):
+    job = state.register_worker("j", 0, 2, token=None)
+    state.register_worker("j", 1, 2, token=None)
+    assert not state.leave(job, 0)
+    assert state.leave(job, 1)
+    assert "j" not in state.jobs
+
+
+def test_sweep_marks_silent_workers_and_aggregators(state):
+    clock = state.clock
+    job = state.register_worker("j", 0, 1, token=None)
+    clock.now += 5
+    ended, silent = state.sweep(worker_timeout=10, aggregator_timeout=10)
+    assert ended == [] and silent == []
+    clock.now += 10
+    ended, silent = state.sweep(worker_timeout=10, aggregator_timeout=10)
+    assert [r.job for r in ended] == ["j"] and sorted(silent) == ["agg-0", "agg-1", "agg-2"]
+    assert state.loads() == []  # no live Aggregator left to place on
+
+
+def test_status_reports_jobs_and_aggregators(state):
+    job = state.register_worker("j", 0, 1, token=None)
+    state.declare(job, 0, item("w", shape=(256,)))
+    state.aggregator_heartbeat("agg-0", {"jobs": {"j": {"tasks": 1, "bytes": 1024, "task_rounds": 0, "round": 0}}})
+    state.clock.now += 2
+    state.aggregator_heartbeat("agg-0", {"jobs": {"j": {"tasks": 1, "bytes": 1024, "task_rounds": 20, "round": 20}}})
+    status = state.status()
+    (job_row,) = status["jobs"]
+    assert job_row["workers"] == 1 and job_row["bytes"] == 1024 and job_row["round"] == 20
+    assert job_row["rounds_per_s"] == 10.0
+    agg0 = status["aggregators"][0]
+    assert agg0["name"] == "agg-0" and agg0["tasks"] == 1 and agg0["task_rounds_per_s"] == 10.0
+
+
+def test_store_round_trips_jobs_keys_and_aggregators(tmp_path, state):
+    store = MasterStore(str(tmp_path / "pmaster.sqlite"))
+    job = state.register_worker("j", 0, 2, token=None, config={"partition_bytes": 64})
+    spec, _ = state.declare(job, 0, item(7, shape=(40,)))
+    spec2, _ = state.declare(job, 0, item("layer.w", shape=(3,), dtype="int64"))
+    for agg in state.aggregators.values():
+        store.save_aggregator(agg)
+    store.save_job(job)
+    store.save_key("j", spec)
+    store.save_key("j", spec2)
+    store.close()
+
+    reloaded = MasterState(clock=Clock())
+    MasterStore(str(tmp_path / "pmaster.sqlite")).load(reloaded)
+    again = reloaded.jobs["j"]
+    assert again.token == job.token and again.joined == {0} and again.partition_bytes == 64
+    assert set(again.keys) == {7, "layer.w"}  # int and str keys keep their type
+    assert [(p.span, p.aggregator) for p in again.keys[7].parts] == [(p.span, p.aggregator) for p in spec.parts]
+    assert all(s.ready for s in again.keys.values())
+    assert {a.name: a.alive for a in reloaded.aggregators.values()} == {"agg-0": False, "agg-1": False, "agg-2": False}
+    # placements count again once the Aggregators are back
+    for name in reloaded.aggregators:
+        reloaded.aggregators[name].alive = True
+    assert sum(load.bytes for load in reloaded.loads()) == 40 * 4 + 3 * 8
+    # the token still guards rank 0, which had joined, and it may reconnect with it
+    with pytest.raises(AuthError):
+        reloaded.register_worker("j", 0, 2, token=None)
+    reloaded.register_worker("j", 0, 2, token=job.token)
+    # a job nobody comes back to ends one worker timeout after the restart
+    reloaded.worker_disconnected("j", 0)
+    reloaded.clock.now += 11
+    assert [r.job for r in reloaded.sweep(worker_timeout=10, aggregator_timeout=100)[0]] == ["j"]
+
+
+def test_store_refuses_a_newer_schema(tmp_path):
+    path = str(tmp_path / "s.sqlite")
+    store = MasterStore(path)
+    store.db.execute("UPDATE meta SET value='99' WHERE name='schema'")
+    store.close()
+    with pytest.raises(RuntimeError, match="schema 99"):
+        MasterStore(path)

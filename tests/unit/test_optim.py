@@ -1,0 +1,125 @@
+"""Server-side optimizers against reference implementations of the documented update rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pslink.core.optim import Adam, SGD, make_optimizer
+from pslink.errors import ConfigError
+
+
+def reference_sgd(w, grads, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+    """torch.optim.SGD's algorithm, written out step by step (no in-place tricks)."""
+    w = w.astype(np.float64)
+    buf = None
+    for g in grads:
+        g = g + weight_decay * w
+        if momentum:
+            buf = g.copy() if buf is None else momentum * buf + (1 - dampening) * g
+            g = g + momentum * buf if nesterov else buf
+        w = w - lr * g
+    return w
+
+
+def reference_adam(w, grads, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
+    """torch.optim.Adam's algorithm (amsgrad off)."""
+    w = w.astype(np.float64)
+    m = np.zeros_like(w)
+    v = np.zeros_like(w)
+    for t, g in enumerate(grads, start=1):
+        g = g + weight_decay * w
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_hat = m / (1 - beta1**t)
+        v_hat = v / (1 - beta2**t)
+        w = w - lr * m_hat / (np.sqrt(v_hat) + eps)
+    return w
+
+
+def run(optimizer, w0, grads):
+    w = w0.copy()
+    state: dict = {}
+    for g in grads:
+        optimizer.step(w, g.copy(), state)
+    return w
+
+
+@pytest.fixture
+def problem():
+    rng = np.random.default_rng(1)
+    w0 = rng.standard_normal(257).astype(np.float64)
+    grads = [rng.standard_normal(257) for _ in range(25)]
+    return w0, grads
+
+
+@pytest.mark.parametrize("settings", [
+    dict(lr=0.1),
+    dict(lr=0.05, momentum=0.9),
+    dict(lr=0.05, momentum=0.9, dampening=0.3),
+    dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+])
+def test_sgd_matches_the_reference(problem, settings):
+    w0, grads = problem
+    got = run(SGD({"type": "sgd", **settings}), w0, grads)
+    np.testing.assert_allclose(got, reference_sgd(w0, grads, **settings), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(lr=1e-3),
+    dict(lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=1e-3),
+])
+def test_adam_matches_the_reference(problem, settings):
+    w0, grads = problem
+    got = run(Adam({"type": "adam", **settings}), w0, grads)
+    np.testing.assert_allclose(got, reference_adam(w0, grads, **settings), rtol=1e-10, atol=1e-12)
+
+
+def test_float32_weights_stay_float32(problem):
+    w0, grads = problem
+    w = w0.astype(np.float32)
+    state: dict = {}
+    opt = Adam({"type": "adam", "lr": 1e-2})
+    for g in grads:
+        opt.step(w, g.astype(np.float32), state)
+    assert w.dtype == np.float32 and state["exp_avg"].dtype == np.float32
+    np.testing.assert_allclose(w, reference_adam(w0, grads, lr=1e-2), rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_scale_averages_and_rescales():
+    assert make_optimizer({"type": "sgd", "lr": 1}).grad_scale(4) == 0.25
+    assert make_optimizer({"type": "sgd", "lr": 1, "average": False}).grad_scale(4) == 1.0
+    assert make_optimizer({"type": "sgd", "lr": 1, "rescale_grad": 0.5}).grad_scale(2) == 0.25
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"type": "rmsprop"}, "unknown optimizer type 'rmsprop'"),
+    ({"lr": 0.1}, "unknown optimizer type None"),
+    ({"type": "sgd"}, "lr is required"),
+    ({"type": "sgd", "lr": -1}, "lr=-1 is outside"),
+    ({"type": "sgd", "lr": float("nan")}, "lr must be a finite number"),
+    ({"type": "sgd", "lr": 0.1, "momentun": 0.9}, "unknown setting\\(s\\) \\['momentun'\\]"),
+    ({"type": "sgd", "lr": 0.1, "nesterov": True}, "nesterov needs momentum"),
+    ({"type": "adam", "beta1": 1.0}, "beta1=1.0 is outside"),
+    ({"type": "adam", "average": "yes"}, "average must be true or false"),
+    ("sgd", "described by a dict"),
+])
+def test_bad_optimizer_configs_are_named(config, match):
+    with pytest.raises(ConfigError, match=match):
+        make_optimizer(config)
+
+
+def test_against_torch_optim_when_torch_is_installed(problem):
+    torch = pytest.importorskip("torch", reason="torch not installed: the numpy references above still run")
+    w0, grads = problem
+    for cls, make, settings in [
+        (SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2)),
+        (Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-3)),
+    ]:
+        param = torch.nn.Parameter(torch.tensor(w0))
+        opt = make([param], **settings)
+        for g in grads:
+            param.grad = torch.tensor(g)
+            opt.step()
+        ours = run(cls({"type": cls.name, **settings}), w0, grads)
+        np.testing.assert_allclose(ours, param.detach().numpy(), rtol=1e-10, atol=1e-12)
