@@ -1,0 +1,184 @@
+"""The ``pslink`` command: run the service, look at it, try it, measure it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from pslink.config import DEFAULT_MASTER, ENV_MASTER
+from pslink.errors import PslinkError
+
+app = typer.Typer(help="pslink: a shared, elastic parameter service for training jobs.", no_args_is_help=True,
+                  add_completion=False)
+service_app = typer.Typer(help="Run and inspect the parameter service.", no_args_is_help=True)
+job_app = typer.Typer(help="Manage jobs on a running service.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+app.add_typer(service_app, name="service")
+app.add_typer(job_app, name="job")
+app.add_typer(bench_app, name="bench")
+console = Console()
+err_console = Console(stderr=True)
+
+MasterOption = typer.Option(None, "--master", "-m", help=f"pMaster address (default ${ENV_MASTER} or {DEFAULT_MASTER})")
+
+
+def _master(address: Optional[str]) -> str:
+    return address or os.environ.get(ENV_MASTER) or DEFAULT_MASTER
+
+
+def _fail(exc: Exception) -> None:
+    err_console.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(1)
+
+
+@service_app.command("up")
+def service_up(
+    aggregators: int = typer.Option(2, "--aggregators", "-n", min=1, help="Aggregator processes to start"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for every interface)"),
+    port: int = typer.Option(7770, "--port", "-p", help="pMaster port (0: any free port)"),
+    state: Optional[str] = typer.Option(None, "--state", help="directory for durable state (SQLite); a restart resumes from it"),
+    transport: str = typer.Option("tcp", help="tcp (native, fastest) or zmq"),
+    log_level: str = typer.Option("WARNING", help="log level of pMaster and the Aggregators"),
+):
+    """Run pMaster and an Aggregator pool in the foreground; Ctrl-C stops every process it started."""
+    from pslink.core.service import Service
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    scheme = {"tcp": "tcp", "zmq": "zmq+tcp"}.get(transport)
+    if scheme is None:
+        _fail(PslinkError(f"unknown transport {transport!r}: use tcp or zmq"))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        service = Service(f"{scheme}://{host}:{port}", aggregators, state_dir=state,
+                          aggregator_options={"log_level": log_level}).start()
+    except PslinkError as exc:
+        _fail(exc)
+    try:
+        pids = ", ".join(f"{n} (pid {service.provider.pid(n)})" for n in service.provider.names())
+        console.print(Panel.fit(
+            f"pMaster    [bold]{service.address}[/]\n"
+            f"Aggregators {pids}\n"
+            f"state      {state or 'not kept (pass --state DIR to survive restarts)'}\n\n"
+            f"workers:   export {ENV_MASTER}={service.address}\n"
+            f"status:    pslink service status -m {service.address}\n"
+            "Ctrl-C stops the service and every process it started.",
+            title="pslink service up", border_style="green"))
+        stop.wait()
+    finally:
+        console.print("stopping...")
+        service.stop()
+    console.print("stopped.")
+
+
+@service_app.command("status")
+def service_status(
+    master: Optional[str] = MasterOption,
+    as_json: bool = typer.Option(False, "--json", help="print the raw status as JSON"),
+):
+    """Show Aggregators, jobs, tasks, bytes and rounds per second."""
+    from pslink.core.client import ControlClient
+
+    try:
+        with ControlClient(_master(master), timeout=5.0) as client:
+            status = client.status()
+    except PslinkError as exc:
+        _fail(exc)
+    if as_json:
+        console.print_json(json.dumps(status))
+        return
+    render_status(status, console)
+
+
+def render_status(status: dict, out: Console) -> None:
+    master = status.get("master", {})
+    out.print(f"[bold]pMaster[/] {master.get('address', '?')} (pid {master.get('pid', '?')}, "
+              f"state {master.get('state') or 'in memory'})")
+    aggs = Table(title="Aggregators")
+    for column in ("name", "address", "pid", "alive", "tasks", "MB", "jobs", "task rounds/s", "bad msgs"):
+        aggs.add_column(column, justify="right" if column not in ("name", "address", "jobs") else "left")
+    for a in status["aggregators"]:
+        jobs = ", ".join(f"{j}:{n}" for j, n in sorted(a["jobs"].items())) or "-"
+        aggs.add_row(a["name"], a["address"], str(a["pid"]), "yes" if a["alive"] else "[red]no[/]", str(a["tasks"]),
+                     f"{a['bytes'] / 1e6:.2f}", jobs, f"{a['task_rounds_per_s']:.1f}", str(a["errors"]))
+    out.print(aggs)
+    jobs = Table(title="Jobs")
+    for column in ("job", "mode", "workers", "keys", "tasks", "MB", "round", "rounds/s", "aggregators"):
+        jobs.add_column(column, justify="left" if column in ("job", "mode", "aggregators") else "right")
+    for j in status["jobs"]:
+        mode = j["mode"] + (f" ({j['optimizer']})" if j.get("optimizer") else "")
+        jobs.add_row(j["job"], mode, f"{j['workers']}/{j['num_workers']}", str(j["keys"]), str(j["tasks"]),
+                     f"{j['bytes'] / 1e6:.2f}", str(j["round"]), f"{j['rounds_per_s']:.1f}", ", ".join(j["aggregators"]) or "-")
+    if not status["jobs"]:
+        jobs.caption = "no jobs"
+    out.print(jobs)
+
+
+@job_app.command("create")
+def job_create(
+    name: str = typer.Argument(..., help="job name"),
+    workers: int = typer.Option(..., "--workers", "-w", min=1, help="number of workers"),
+    mode: str = typer.Option("sum", help="sum or optimizer"),
+    optimizer: Optional[str] = typer.Option(None, help='e.g. \'{"type": "sgd", "lr": 0.1}\' (implies --mode optimizer)'),
+    master: Optional[str] = MasterOption,
+):
+    """Register a job ahead of its workers; prints the token they must present (PSLINK_TOKEN)."""
+    from pslink.core.client import ControlClient
+
+    config: dict = {"mode": mode}
+    if optimizer:
+        try:
+            config["optimizer"] = json.loads(optimizer)
+        except json.JSONDecodeError as exc:
+            _fail(PslinkError(f"--optimizer is not valid JSON: {exc}"))
+        config["mode"] = "optimizer"
+    try:
+        with ControlClient(_master(master), timeout=5.0) as client:
+            settings = client.register_job(name, workers, config)
+    except PslinkError as exc:
+        _fail(exc)
+    console.print(f"export PSLINK_JOB={name} PSLINK_NUM_WORKERS={workers} PSLINK_TOKEN={settings['token'].hex()}")
+
+
+@app.command("demo")
+def demo(
+    workers: int = typer.Option(2, "--workers", "-w", min=1, help="worker processes"),
+    aggregators: int = typer.Option(2, "--aggregators", "-n", min=1, help="Aggregator processes"),
+    epochs: int = typer.Option(15, min=1),
+    mode: str = typer.Option("sum", help="sum (workers step) or optimizer (the service steps)"),
+):
+    """Train an MLP on scikit-learn's digits with worker processes and an embedded service."""
+    from pslink.demo import run_demo
+
+    if mode not in ("sum", "optimizer"):
+        _fail(PslinkError(f"--mode must be sum or optimizer, got {mode!r}"))
+    try:
+        run_demo(workers=workers, aggregators=aggregators, epochs=epochs, mode=mode, console=console)
+    except PslinkError as exc:
+        _fail(exc)
+
+
+@bench_app.command("pushpull", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_pushpull(ctx: typer.Context):
+    """Push/pull/pushpull throughput and latency against raw loopback TCP (see --help of benchmarks/pushpull.py)."""
+    from pslink.bench.pushpull import main as bench_main
+
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
