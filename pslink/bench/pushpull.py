@@ -21,11 +21,12 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import sys
 import time
 
 import numpy as np
+
+from pslink.bench import raw
 
 ANCHOR_MBPS = {4 << 10: 75.0, 256 << 10: 819.0, 4 << 20: 1030.0, 64 << 20: 467.0}
 ANCHOR_LATENCY_US = 138.0
@@ -45,83 +46,6 @@ def size_label(size: int) -> str:
         if size >= scale and size % scale == 0:
             return f"{size // scale}{unit}"
     return str(size)
-
-
-# -- raw loopback baselines -------------------------------------------------------------------------
-
-
-def _stream_sender(port: int, seconds: float) -> None:
-    chunk = memoryview(bytearray(4 << 20))
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            s.sendall(chunk)
-
-
-def raw_tcp_stream(seconds: float) -> float:
-    """MB/s of one Python socket stream between two processes on loopback."""
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-        sender = mp.get_context("spawn").Process(target=_stream_sender, args=(server.getsockname()[1], seconds + 0.3))
-        sender.start()
-        conn, _ = server.accept()
-        buf = memoryview(bytearray(4 << 20))
-        total, start = 0, None
-        with conn:
-            while True:
-                n = conn.recv_into(buf)
-                if not n:
-                    break
-                if start is None:
-                    start = time.perf_counter()  # from the first byte, not the process start
-                    continue
-                total += n
-        elapsed = time.perf_counter() - start
-        sender.join()
-    return total / elapsed / 1e6
-
-
-def _echo(port: int, size: int) -> None:
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buf = memoryview(bytearray(size))
-        while True:
-            got = 0
-            while got < size:
-                n = s.recv_into(buf[got:])
-                if not n:
-                    return
-                got += n
-            s.sendall(buf)
-
-
-def raw_ping_pong(size: int, rounds: int) -> float:
-    """Mean microseconds per round trip of ``size`` bytes between two processes (blocking sockets)."""
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-        echo = mp.get_context("spawn").Process(target=_echo, args=(server.getsockname()[1], size))
-        echo.start()
-        conn, _ = server.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buf = memoryview(bytearray(size))
-
-        def trip():
-            conn.sendall(buf)
-            got = 0
-            while got < size:
-                got += conn.recv_into(buf[got:])
-
-        for _ in range(rounds // 10):
-            trip()
-        start = time.perf_counter()
-        for _ in range(rounds):
-            trip()
-        elapsed = time.perf_counter() - start
-        conn.close()
-        echo.join()
-    return elapsed / rounds * 1e6
 
 
 # -- pslink cases --------------------------------------------------------------------------------------
@@ -238,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     console.print(f"[bold]pslink bench pushpull[/] on {platform.node()} ({os.cpu_count()} CPUs, Python "
                   f"{platform.python_version()}), transport {args.transport}, partition {args.partition}")
-    raw_stream = raw_tcp_stream(max(1.0, args.seconds))
-    raw_latency = raw_ping_pong(4096, 5000)
+    raw_stream = raw.tcp_stream(max(1.0, args.seconds))
+    raw_latency = float(np.mean(raw.socket_round_trips(4096, 5000))) * 1e6
     console.print(f"raw loopback TCP stream: {raw_stream:.0f} MB/s; raw 4 KiB ping-pong: {raw_latency:.1f} us")
 
     rows = []

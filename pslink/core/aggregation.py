@@ -43,6 +43,7 @@ from pslink.errors import (
 
 MODES = ("sum", "optimizer")
 DEFAULT_MAX_AHEAD = 64
+MAX_BEFORE_INIT = 4096  # requests one task may hold while it waits for rank 0's init
 
 
 class BufferPool:
@@ -75,9 +76,15 @@ class BufferPool:
 
 
 class Summer:
-    """Adds arrays in place, splitting large ones across threads (numpy releases the GIL)."""
+    """Adds arrays in place, splitting large ones across threads (numpy releases the GIL).
 
-    def __init__(self, threads: int | None = None, threshold_bytes: int = 8 << 20):
+    Below ``threshold_bytes`` one thread is faster: an addition that fits in cache is over before
+    a pool thread wakes. benchmarks/summation.py measured the split paying only from 64 MiB on a
+    2-core machine (docs/benchmarks.md); with the default 4 MiB partitions, the parts of a large
+    tensor are summed in parallel by different Aggregators instead.
+    """
+
+    def __init__(self, threads: int | None = None, threshold_bytes: int = 48 << 20):
         self.threads = max(1, threads if threads is not None else min(4, os.cpu_count() or 1))
         self.threshold_bytes = threshold_bytes
         self._pool = (
@@ -321,6 +328,10 @@ class AggregatorCore:
         if not task.initialized:
             if req.op == Op.INIT and req.payload is not None:
                 return self._initialize(task, req)
+            if len(task.before_init) >= MAX_BEFORE_INIT:
+                return [Reply(req.origin, req.id, error=KeyStateError(
+                    f"{task.name}: {MAX_BEFORE_INIT} requests already wait for rank 0's init; is rank 0 "
+                    "calling init for this key?", key=task.key))]
             task.before_init.append(req)  # ps-lite aborts here; we wait for the init
             return []
         try:
@@ -432,6 +443,12 @@ class AggregatorCore:
     def _pull(self, task: Task, req: Request) -> list[Reply]:
         r = req.round
         if r > task.closed:
+            if r > task.closed + task.max_ahead:
+                raise KeyStateError(
+                    f"{task.name}: rank {req.rank} asked for round {r}, more than {task.max_ahead} "
+                    f"rounds after the current round {task.closed}",
+                    key=task.key,
+                )
             task.pulls.setdefault(r, []).append(req)
             return []
         if r < task.closed and task.job.mode == "sum":

@@ -48,7 +48,9 @@ class Service:
         self.master = Master(listen, state_dir=state_dir, transports=self.transports, **(master_options or {}))
         self.address = self.master.address
         if provider == "local":
-            self.provider: Provider = LocalProvider(self.address, log_dir=log_dir, **(aggregator_options or {}))
+            host = "0.0.0.0" if listen.split("://", 1)[-1].startswith("0.0.0.0") else "127.0.0.1"
+            self.provider: Provider = LocalProvider(self.address, listen_host=host, log_dir=log_dir,
+                                                    **(aggregator_options or {}))
         elif provider == "thread":
             default_listen = "inproc://*" if self.address.startswith("inproc://") else "tcp://127.0.0.1:0"
             self.provider = ThreadProvider(self.address, self.transports, aggregator_listen or default_listen,

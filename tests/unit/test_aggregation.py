@@ -135,6 +135,20 @@ def test_bad_pushes_are_refused_with_a_reason(rank, rnd, match):
     assert match in str(replies[0].error)
 
 
+def test_waiting_is_bounded():
+    from pslink.core import aggregation
+
+    c = Cluster(workers=1, needs_init=False)
+    _, replies = c.send(Op.PULL, 0, 500)
+    assert "more than 64 rounds after" in str(replies[0].error)
+    c = Cluster(workers=1)
+    c.task.before_init.extend([None] * (aggregation.MAX_BEFORE_INIT - 1))
+    _, replies = c.send(Op.PULL, 0, 0)
+    assert replies == []  # the last place in the queue
+    _, replies = c.send(Op.PULL, 0, 0)
+    assert "already wait for rank 0's init" in str(replies[0].error)
+
+
 def test_stale_push_and_superseded_pull():
     c = Cluster(workers=1, needs_init=False)
     c.send(Op.PUSH, 0, 1, np.ones(6))

@@ -17,9 +17,11 @@ class LocalProvider(Provider):
     """
 
     def __init__(self, master: str, listen_host: str = "127.0.0.1", log_dir: str | None = None,
-                 orphan_timeout: float = 60.0, log_level: str | None = None):
+                 orphan_timeout: float = 60.0, log_level: str | None = None, scheme: str | None = None):
         self.master = master
         self.listen_host = listen_host
+        # Aggregators speak the transport pMaster was given (tcp or zmq+tcp).
+        self.scheme = scheme or (master.split("://", 1)[0] if master.startswith("zmq+tcp://") else "tcp")
         self.log_dir = log_dir
         self.orphan_timeout = orphan_timeout
         self.log_level = log_level or os.environ.get("PSLINK_LOG_LEVEL", "WARNING")
@@ -41,7 +43,7 @@ class LocalProvider(Provider):
             command = [
                 sys.executable, "-m", "pslink.core.aggregator",
                 "--master", self.master,
-                "--listen", f"tcp://{self.listen_host}:0",
+                "--listen", f"{self.scheme}://{self.listen_host}:0",
                 "--name", name,
                 "--orphan-timeout", str(self.orphan_timeout),
                 "--log-level", self.log_level,
