@@ -168,6 +168,26 @@ def demo(
         _fail(exc)
 
 
+@app.command("launch", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+def launch_command(
+    command: list[str] = typer.Argument(..., help="the worker command, e.g. python train.py --epochs 3"),
+    num_workers: int = typer.Option(..., "-n", "--num-workers", "--np", min=1, help="worker processes"),
+    service: Optional[str] = typer.Option(None, "--service", help="use this running service (pMaster address) "
+                                          "instead of starting one"),
+    aggregators: int = typer.Option(2, "--aggregators", min=1, help="Aggregators of the embedded service"),
+    job: Optional[str] = typer.Option(None, "--job", help="job name (default: script name, pid and time)"),
+    no_prefix: bool = typer.Option(False, "--no-prefix", help="do not prefix output lines with the rank"),
+):
+    """Run N workers of a training script (as horovodrun or torchrun), with a service if none is given."""
+    from pslink.launch import launch
+
+    try:
+        code = launch(command, num_workers, service=service, aggregators=aggregators, job=job, prefix=not no_prefix)
+    except PslinkError as exc:
+        _fail(exc)
+    raise typer.Exit(code)
+
+
 @bench_app.command("pushpull", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_pushpull(ctx: typer.Context):
     """Push/pull/pushpull throughput and latency against raw loopback TCP (see --help of benchmarks/pushpull.py)."""

@@ -163,6 +163,7 @@ class Agent:
         mode: str | None = None,
         optimizer: dict | None = None,
         partition_bytes: int | None = None,
+        sync: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         peer_timeout: float = 10.0,
         probe_interval: float = 0.5,
@@ -212,9 +213,12 @@ class Agent:
             config.setdefault("mode", "optimizer")
         if partition_bytes is not None:
             config["partition_bytes"] = partition_bytes
+        if sync is not None:
+            config["sync"] = sync
         self.settings = self._register(config, token=self.token or None)
         self.token = self.settings["token"]
         self.mode: str = self.settings["mode"]
+        self.sync: str = self.settings["sync"]
         self.partition_bytes: int = self.settings["partition_bytes"]
         self._reactor.call_later(heartbeat_interval, self._heartbeat)
         self._reactor.call_later(probe_interval, self._probe)
@@ -461,8 +465,8 @@ class Agent:
                         self.master_address, self._reactor, self._endpoint, self.limits, self.connect_timeout
                     )
                 except PeerError as exc:
-                    raise PeerError(f"pMaster at {self.master_address} is unreachable: {exc.message}",
-                                    peer=self.master_address) from None
+                    raise PeerError(f"pMaster at {self.master_address} is unreachable (is `pslink service up` "
+                                    f"running there?): {exc.message}", peer=self.master_address) from None
                 self._master = self._endpoint.peer(conn)
                 self._master.info["name"] = f"pMaster at {self.master_address}"
             return self._master
@@ -739,6 +743,7 @@ def connect(
     ``PSLINK_JOB``, ``PSLINK_RANK``, ``PSLINK_NUM_WORKERS``, ``PSLINK_MASTER`` (default
     tcp://127.0.0.1:7770), ``PSLINK_TOKEN`` and ``PSLINK_TIMEOUT``. Options: ``token``, ``mode``
     (``"sum"`` or ``"optimizer"``), ``optimizer`` (e.g. ``{"type": "sgd", "lr": 0.1}``),
+    ``sync`` (``"bsp"``, the default, or ``"asp"``: pushes apply at once, pulls never wait),
     ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other :class:`Agent` settings.
     """
     job = resolve_str(job, "job", ENV_JOB)

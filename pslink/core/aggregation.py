@@ -42,6 +42,7 @@ from pslink.errors import (
 )
 
 MODES = ("sum", "optimizer")
+SYNCS = ("bsp", "asp")
 DEFAULT_MAX_AHEAD = 64
 MAX_BEFORE_INIT = 4096  # requests one task may hold while it waits for rank 0's init
 
@@ -120,18 +121,23 @@ class JobState:
     membership: Membership
     mode: str = "sum"
     optimizer: Optimizer | None = None
+    sync: str = "bsp"  # "asp": every push is applied at once and pulls never wait
 
     @classmethod
     def from_wire(cls, info: dict) -> "JobState":
         mode = info.get("mode", "sum")
         if mode not in MODES:
             raise ProtocolError(f"job {info.get('job')!r}: unknown mode {mode!r}")
+        sync = info.get("sync", "bsp")
+        if sync not in SYNCS:
+            raise ProtocolError(f"job {info.get('job')!r}: unknown sync {sync!r}")
         return cls(
             job=info["job"],
             token=info["token"],
             membership=Membership.from_wire(info["membership"]),
             mode=mode,
             optimizer=make_optimizer(info.get("optimizer")),
+            sync=sync,
         )
 
     def update(self, other: "JobState") -> bool:
@@ -141,6 +147,7 @@ class JobState:
         self.membership = other.membership
         self.mode = other.mode
         self.optimizer = other.optimizer
+        self.sync = other.sync
         return changed
 
 
@@ -372,6 +379,8 @@ class AggregatorCore:
         return [Reply(req.origin, req.id, round=0)]
 
     def _push(self, task: Task, req: Request) -> list[Reply]:
+        if task.job.sync == "asp":
+            return self._push_async(task, req)
         r, rank = req.round, req.rank
         if r <= task.closed:
             raise KeyStateError(
@@ -402,6 +411,29 @@ class AggregatorCore:
             self.summer.add(round_.acc, req.payload)
         round_.contributors.add(rank)
         return self._close_ready(task)
+
+    def _push_async(self, task: Task, req: Request) -> list[Reply]:
+        """ASP: apply this push alone, now. Sum mode adds it to the value (ps-lite's default
+        handle, MXNet's dist_async merge); optimizer mode steps the weights with it."""
+        if req.rank not in task.job.membership.expected(task.closed + 1):
+            raise KeyStateError(f"{task.name}: rank {req.rank} is not a member of job {task.job.job!r}", key=task.key)
+        round_ = _Round()
+        round_.contributors.add(req.rank)
+        round_.acc = req.payload
+        if task.job.mode == "sum":
+            value = task.value
+            if task.pool.in_use(value, known=2):  # a queued reply still reads it: add into a copy
+                fresh = task.pool.acquire()
+                np.copyto(fresh, value)
+                value = fresh
+            self.summer.add(value, req.payload)
+            task.value = value
+        else:
+            self._apply(task, round_)
+        task.closed += 1
+        task.last_n = 1
+        task.rounds_closed += 1
+        return []
 
     def _close_ready(self, task: Task) -> list[Reply]:
         replies: list[Reply] = []
@@ -442,6 +474,8 @@ class AggregatorCore:
 
     def _pull(self, task: Task, req: Request) -> list[Reply]:
         r = req.round
+        if task.job.sync == "asp":
+            return [self._result(task, req)]  # the latest value, whatever round it is at
         if r > task.closed:
             if r > task.closed + task.max_ahead:
                 raise KeyStateError(

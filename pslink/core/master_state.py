@@ -36,7 +36,8 @@ from pslink.errors import (
 )
 
 MODES = ("sum", "optimizer")
-JOB_SETTINGS = {"mode", "optimizer", "partition_bytes"}
+SYNCS = ("bsp", "asp")
+JOB_SETTINGS = {"mode", "optimizer", "partition_bytes", "sync"}
 
 
 @dataclasses.dataclass
@@ -97,6 +98,7 @@ class JobRecord:
     mode: str = "sum"
     optimizer: dict | None = None
     partition_bytes: int = DEFAULT_PARTITION_BYTES
+    sync: str = "bsp"
     preregistered: bool = False
     created: float = 0.0
     membership: Membership = dataclasses.field(default=None)  # type: ignore[assignment]
@@ -118,6 +120,7 @@ class JobRecord:
             "membership": self.membership.to_wire(),
             "mode": self.mode,
             "optimizer": self.optimizer,
+            "sync": self.sync,
         }
 
     def settings(self) -> dict:
@@ -130,6 +133,7 @@ class JobRecord:
             "mode": self.mode,
             "optimizer": self.optimizer,
             "partition_bytes": self.partition_bytes,
+            "sync": self.sync,
         }
 
     def aggregators(self) -> set[str]:
@@ -167,7 +171,10 @@ def validate_settings(config: dict | None) -> dict:
     partition = config.get("partition_bytes", DEFAULT_PARTITION_BYTES)
     if not isinstance(partition, int) or isinstance(partition, bool) or partition < 8:
         raise ConfigError(f"partition_bytes must be an int >= 8, got {partition!r}")
-    return {"mode": mode, "optimizer": optimizer, "partition_bytes": partition}
+    sync = config.get("sync", "bsp")
+    if sync not in SYNCS:
+        raise ConfigError(f"sync must be one of {SYNCS}, got {sync!r}")
+    return {"mode": mode, "optimizer": optimizer, "partition_bytes": partition, "sync": sync}
 
 
 class MasterState:
@@ -245,10 +252,12 @@ class MasterState:
                 )
             if config:
                 wanted = validate_settings(config)
-                if wanted["mode"] != record.mode:
-                    raise ConfigError(
-                        f"job {job!r} runs in mode {record.mode!r}; rank {rank} asked for {wanted['mode']!r}"
-                    )
+                for setting in ("mode", "sync"):
+                    if setting in config and wanted[setting] != getattr(record, setting):
+                        raise ConfigError(
+                            f"job {job!r} runs with {setting} {getattr(record, setting)!r}; rank {rank} "
+                            f"asked for {wanted[setting]!r}"
+                        )
         if not 0 <= rank < record.num_workers:
             raise MembershipError(f"rank {rank} is out of range for job {job!r} of {record.num_workers} workers", job=job)
         current = record.workers.get(rank)

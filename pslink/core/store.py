@@ -22,7 +22,7 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     job TEXT PRIMARY KEY, token BLOB NOT NULL, num_workers INTEGER NOT NULL, mode TEXT NOT NULL,
     optimizer TEXT, partition_bytes INTEGER NOT NULL, preregistered INTEGER NOT NULL,
-    created REAL NOT NULL, joined TEXT NOT NULL
+    created REAL NOT NULL, joined TEXT NOT NULL, sync TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS keys (
     job TEXT NOT NULL, key BLOB NOT NULL, shape TEXT NOT NULL, dtype TEXT NOT NULL,
@@ -62,7 +62,7 @@ class MasterStore:
 
     def save_job(self, record: JobRecord) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 record.job,
                 record.token,
@@ -73,6 +73,7 @@ class MasterStore:
                 int(record.preregistered),
                 record.created,
                 json.dumps(sorted(record.joined)),
+                record.sync,
             ),
         )
 
@@ -107,7 +108,7 @@ class MasterStore:
         now = state.clock()
         for name, address, pid, host in self.db.execute("SELECT * FROM aggregators"):
             state.aggregators[name] = AggregatorRecord(name, address, pid=pid, host=host, alive=False, last_seen=now)
-        for job, token, num_workers, mode, optimizer, partition, prereg, created, joined in self.db.execute(
+        for job, token, num_workers, mode, optimizer, partition, prereg, created, joined, sync in self.db.execute(
             "SELECT * FROM jobs"
         ):
             state.jobs[job] = JobRecord(
@@ -117,6 +118,7 @@ class MasterStore:
                 mode=mode,
                 optimizer=json.loads(optimizer) if optimizer else None,
                 partition_bytes=partition,
+                sync=sync,
                 preregistered=bool(prereg),
                 created=created,
                 joined=set(json.loads(joined)),

@@ -167,6 +167,22 @@ def test_optimizer_mode_matches_momentum_sgd_on_the_averaged_gradient(cluster):
         np.testing.assert_allclose(weights, w, rtol=1e-12, atol=1e-12)
 
 
+def test_asp_job_workers_never_wait_for_each_other(cluster):
+    service, transports = cluster
+    fast = agent_for(service, transports, "async", 0, 2, sync="asp")
+    slow = agent_for(service, transports, "async", 1, 2, sync="asp")
+    try:
+        assert fast.sync == "asp"
+        fast.init("w", np.zeros(3)).wait()
+        for _ in range(5):  # rank 1 has not pushed at all: under BSP this would block
+            fast.push("w", np.ones(3)).wait()
+        np.testing.assert_array_equal(fast.pull("w").wait(), np.full(3, 5.0))
+        np.testing.assert_array_equal(slow.pushpull("w", np.full(3, 10.0)).wait(), np.full(3, 15.0))
+    finally:
+        fast.close()
+        slow.close()
+
+
 def test_set_optimizer_after_connecting(cluster):
     service, transports = cluster
     agent = agent_for(service, transports, "late-opt", 0, 1)

@@ -14,9 +14,9 @@ from pslink.errors import AbortedError, AuthError, ClosedError, KeyStateError, S
 TOKEN = b"secret-token-123"
 
 
-def jobinfo(job="j", workers=2, mode="sum", optimizer=None):
+def jobinfo(job="j", workers=2, mode="sum", optimizer=None, sync="bsp"):
     return {"job": job, "token": TOKEN, "membership": {"ranks": list(range(workers)), "epoch": 0},
-            "mode": mode, "optimizer": optimizer}
+            "mode": mode, "optimizer": optimizer, "sync": sync}
 
 
 def spec(key="w", part=0, shape=(6,), span=None, dtype="float32", needs_init=True, declared_by=0):
@@ -28,9 +28,10 @@ def spec(key="w", part=0, shape=(6,), span=None, dtype="float32", needs_init=Tru
 class Cluster:
     """An AggregatorCore plus helpers that play the shell's part."""
 
-    def __init__(self, workers=2, mode="sum", optimizer=None, **spec_kw):
+    def __init__(self, workers=2, mode="sum", optimizer=None, sync="bsp", **spec_kw):
         self.core = AggregatorCore("agg-test", summer=Summer(threads=1))
-        self.task = self.core.assign(jobinfo(workers=workers, mode=mode, optimizer=optimizer), [spec(**spec_kw)])[0]
+        info = jobinfo(workers=workers, mode=mode, optimizer=optimizer, sync=sync)
+        self.task = self.core.assign(info, [spec(**spec_kw)])[0]
         self.ids = itertools.count(1)
 
     def header(self, op, rank, rnd, **kw):
@@ -278,3 +279,32 @@ def test_stats_per_job():
     for r in (1, 2, 3):
         c.send(Op.PUSH, 0, r, np.ones(6))
     assert c.core.stats() == {"j": {"tasks": 1, "bytes": 24, "task_rounds": 3, "round": 3}}
+
+
+def test_asp_applies_each_push_at_once_and_pulls_never_wait():
+    c = Cluster(workers=2, sync="asp")
+    c.send(Op.INIT, 0, 0, np.zeros(6))
+    _, replies = c.send(Op.PUSHPULL, 0, 1, np.ones(6))  # rank 1 has not pushed: no waiting
+    np.testing.assert_array_equal(replies[0].payload, np.ones(6))
+    c.send(Op.PUSH, 0, 2, np.ones(6))  # rank 0 runs ahead freely
+    _, replies = c.send(Op.PUSHPULL, 1, 1, np.full(6, 10.0))
+    np.testing.assert_array_equal(replies[0].payload, np.full(6, 12.0))
+    _, replies = c.send(Op.PULL, 1, 0)
+    assert replies[0].round == 3 and replies[0].n == 1
+
+
+def test_asp_optimizer_steps_per_push_with_that_push_alone():
+    c = Cluster(workers=2, mode="optimizer", optimizer={"type": "sgd", "lr": 0.5}, sync="asp")
+    c.send(Op.INIT, 0, 0, np.zeros(6))
+    c.send(Op.PUSH, 1, 1, np.full(6, 2.0))
+    _, replies = c.send(Op.PUSHPULL, 0, 1, np.full(6, 4.0))
+    np.testing.assert_array_equal(replies[0].payload, np.full(6, -3.0))  # -0.5*2 then -0.5*4
+
+
+def test_asp_keeps_a_value_that_a_queued_reply_still_reads():
+    c = Cluster(workers=1, sync="asp", needs_init=False)
+    _, replies = c.send(Op.PUSHPULL, 0, 1, np.ones(6))
+    in_flight = replies[0].payload
+    c.send(Op.PUSH, 0, 2, np.ones(6))
+    np.testing.assert_array_equal(in_flight, np.ones(6))  # not modified under the send
+    np.testing.assert_array_equal(c.task.value, np.full(6, 2.0))

@@ -79,8 +79,10 @@ def test_registration_rules(state):
     state.register_worker("mnist", 0, 2, token=job.token)  # a reconnect with the token
     with pytest.raises(UnknownJobError, match="job 'nope' is not registered"):
         state.register_worker("nope", 0, 1, token=b"t")
-    with pytest.raises(ConfigError, match="runs in mode 'sum'"):
+    with pytest.raises(ConfigError, match="runs with mode 'sum'"):
         state.register_worker("mnist", 1, 2, token=job.token, config={"mode": "optimizer", "optimizer": {"type": "sgd", "lr": 1}})
+    with pytest.raises(ConfigError, match="runs with sync 'bsp'; rank 1 asked for 'asp'"):
+        state.register_worker("mnist", 1, 2, token=job.token, config={"sync": "asp"})
 
 
 def test_preregistered_job_always_needs_the_token(state):
@@ -116,6 +118,8 @@ def test_job_settings_are_validated(state):
         state.register_job("x", 1, {"partition_bytes": 3})
     with pytest.raises(ConfigError, match="num_workers must be >= 1"):
         state.register_job("x", 0)
+    with pytest.raises(ConfigError, match="sync must be one of"):
+        state.register_job("x", 1, {"sync": "ssp"})
 
 
 def test_keys_are_partitioned_and_spread_by_load(state):
@@ -211,7 +215,7 @@ def test_status_reports_jobs_and_aggregators(state):
 
 def test_store_round_trips_jobs_keys_and_aggregators(tmp_path, state):
     store = MasterStore(str(tmp_path / "pmaster.sqlite"))
-    job = state.register_worker("j", 0, 2, token=None, config={"partition_bytes": 64})
+    job = state.register_worker("j", 0, 2, token=None, config={"partition_bytes": 64, "sync": "asp"})
     spec, _ = state.declare(job, 0, item(7, shape=(40,)))
     spec2, _ = state.declare(job, 0, item("layer.w", shape=(3,), dtype="int64"))
     for agg in state.aggregators.values():
@@ -225,6 +229,7 @@ def test_store_round_trips_jobs_keys_and_aggregators(tmp_path, state):
     MasterStore(str(tmp_path / "pmaster.sqlite")).load(reloaded)
     again = reloaded.jobs["j"]
     assert again.token == job.token and again.joined == {0} and again.partition_bytes == 64
+    assert again.sync == "asp" and again.jobinfo()["sync"] == "asp"
     assert set(again.keys) == {7, "layer.w"}  # int and str keys keep their type
     assert [(p.span, p.aggregator) for p in again.keys[7].parts] == [(p.span, p.aggregator) for p in spec.parts]
     assert all(s.ready for s in again.keys.values())

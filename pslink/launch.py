@@ -1,0 +1,209 @@
+"""``pslink launch``: run N worker processes of a training script against a parameter service.
+
+As ``horovodrun`` or ``torchrun`` do: start an embedded service when none is given, set each
+worker's environment (``PSLINK_MASTER``, ``PSLINK_JOB``, ``PSLINK_RANK``, ``PSLINK_NUM_WORKERS``,
+``PSLINK_LOCAL_RANK``, ``PSLINK_LOCAL_SIZE``), prefix every output line with the worker's rank,
+and stop everything when a worker fails (its exit status is returned) or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import IO, Callable, Sequence
+
+from pslink.errors import ConfigError
+
+GRACE_SECONDS = 5.0
+
+
+def describe_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class _Output:
+    """Copies a child's output to ours, one whole line at a time, with a prefix."""
+
+    def __init__(self, sink: IO[str]):
+        self.sink = sink
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def follow(self, stream, prefix: str) -> None:
+        thread = threading.Thread(target=self._copy, args=(stream, prefix), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _copy(self, stream, prefix: str) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self.lock:
+                self.sink.write(f"{prefix}{line}\n")
+                self.sink.flush()
+        stream.close()
+
+    def drain(self, timeout: float = 5.0) -> None:
+        for thread in self.threads:
+            thread.join(timeout)
+
+
+class Launch:
+    """One launch: the service (own or given), the worker processes, their output."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        num_workers: int,
+        service: str | None = None,
+        aggregators: int = 2,
+        job: str | None = None,
+        prefix: bool = True,
+        output: IO[str] | None = None,
+        env: dict | None = None,
+        worker_env: Callable[[int], dict] | None = None,
+    ):
+        if not command:
+            raise ConfigError("pslink launch needs a command to run, e.g. pslink launch -n 2 python train.py")
+        if num_workers < 1:
+            raise ConfigError(f"-n must be at least 1, got {num_workers}")
+        self.command = list(command)
+        self.num_workers = num_workers
+        self.service_address = service
+        self.aggregators = aggregators
+        script = next((arg for arg in self.command if arg.endswith(".py")), self.command[0])
+        # Unique per launch: a job name must not collide with an earlier run still ending.
+        self.job = job or f"{os.path.splitext(os.path.basename(script))[0]}-{os.getpid()}-{int(time.time())}"
+        self.prefix = prefix
+        self.output = _Output(output or sys.stdout)
+        self.env = dict(os.environ if env is None else env)
+        self.worker_env = worker_env
+        self.procs: list[subprocess.Popen] = []
+        self._service = None
+        self._scratch: tempfile.TemporaryDirectory | None = None
+
+    def _say(self, message: str) -> None:
+        with self.output.lock:
+            self.output.sink.write(f"pslink launch: {message}\n")
+            self.output.sink.flush()
+
+    def start_service(self) -> str:
+        if self.service_address is not None:
+            return self.service_address
+        from pslink.core.service import Service
+
+        self._scratch = tempfile.TemporaryDirectory(prefix="pslink-launch-")
+        self._service = Service(aggregators=self.aggregators, log_dir=os.path.join(self._scratch.name, "logs")).start()
+        self.service_address = self._service.address
+        return self.service_address
+
+    def environment(self, rank: int) -> dict:
+        env = dict(self.env)
+        env.update(
+            PSLINK_MASTER=self.service_address,
+            PSLINK_JOB=self.job,
+            PSLINK_RANK=str(rank),
+            PSLINK_NUM_WORKERS=str(self.num_workers),
+            PSLINK_LOCAL_RANK=str(rank),
+            PSLINK_LOCAL_SIZE=str(self.num_workers),
+            PYTHONUNBUFFERED="1",  # lines reach the prefixer as they are printed
+        )
+        if self.worker_env is not None:
+            env.update(self.worker_env(rank))
+        return env
+
+    def start_workers(self) -> None:
+        for rank in range(self.num_workers):
+            proc = subprocess.Popen(
+                self.command,
+                env=self.environment(rank),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # our Ctrl-C handling stops them, with their children
+            )
+            self.procs.append(proc)
+            self.output.follow(proc.stdout, f"[rank{rank}]: " if self.prefix else "")
+
+    def wait(self, poll_interval: float = 0.05) -> int:
+        """Until every worker succeeded (0) or one failed (its status; the others are stopped)."""
+        while True:
+            running = 0
+            for rank, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is None:
+                    running += 1
+                elif code != 0:
+                    self._say(f"rank {rank} {describe_status(code)}; stopping the other workers")
+                    self.stop_workers()
+                    return code if code > 0 else 128 - code
+            if running == 0:
+                return 0
+            time.sleep(poll_interval)  # a child exit has no portable wake-up short of SIGCHLD
+
+    def stop_workers(self) -> None:
+        alive = [p for p in self.procs if p.poll() is None]
+        for proc in alive:
+            self._signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        for proc in alive:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal(proc, signal.SIGKILL)
+                proc.wait()
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # the worker's session: its own children too
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self) -> None:
+        self.stop_workers()
+        self.output.drain()
+        if self._service is not None:
+            self._service.stop()
+            self._service = None
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    def run(self) -> int:
+        """Start, wait, clean up; Ctrl-C (or SIGTERM) stops everything and returns 130."""
+        interrupted = threading.Event()
+
+        def on_signal(signum, frame):
+            interrupted.set()
+            raise KeyboardInterrupt
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        try:
+            self.start_service()
+            self.start_workers()
+            return self.wait()
+        except KeyboardInterrupt:
+            self._say("interrupted; stopping every process")
+            return 130
+        finally:
+            try:
+                self.close()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+
+def launch(command: Sequence[str], num_workers: int, **options) -> int:
+    """Run ``command`` as ``num_workers`` workers of one job; returns the exit status."""
+    return Launch(command, num_workers, **options).run()
