@@ -1,0 +1,157 @@
+"""DDP training step time on CPU, 2 workers: the pslink comm hook against DDP's own gloo all-reduce.
+
+    python benchmarks/torch_ddp.py            # the measured run (about 25 M parameters)
+    python benchmarks/torch_ddp.py --quick    # a smoke run: small model, few steps
+
+Both variants run in this one invocation, alternating (gloo, pslink, gloo, pslink, ...), each as
+2 worker processes started by ``pslink launch`` against one embedded service (2 Aggregator
+processes). A step is forward, backward (with the gradient exchange) and an SGD step of an MLP
+1024 -> H -> H -> 1024 -> 10 (H = 4096: 25.2 M parameters, 101 MB of gradients per step) on a
+random batch. Reported: the median step time of each variant (per worker, then the mean of the
+two workers), the ratio pslink / gloo (the target is <= 1.0), and each worker's extra memory:
+peak RSS while training minus RSS once its model and optimizer exist. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def build_model(hidden: int):
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10),
+    )
+
+
+def worker(args) -> None:
+    """One DDP worker of one variant; writes its figures to ``args.out/rank{r}.json``."""
+    import psutil
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import pslink.torch
+
+    rank, size = int(os.environ["PSLINK_RANK"]), int(os.environ["PSLINK_NUM_WORKERS"])
+    torch.set_num_threads(1)  # 2 workers on 2 cores, beside the Aggregators
+    dist.init_process_group("gloo", init_method=f"file://{args.out}/store", rank=rank, world_size=size)
+    process = psutil.Process()
+    model = build_model(args.hidden)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(args.batch_size, 1024, generator=torch.Generator().manual_seed(rank))
+    y = torch.randint(0, 10, (args.batch_size,), generator=torch.Generator().manual_seed(rank))
+    gc.collect()
+    base_rss = process.memory_info().rss
+    ddp = DDP(model)
+    state = None
+    if args.worker == "pslink":
+        state = pslink.torch.connect()
+        ddp.register_comm_hook(state, pslink.torch.comm_hook)
+    peak_rss, times = base_rss, []
+    for step in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        elapsed = time.perf_counter() - started
+        if step >= args.warmup:
+            times.append(elapsed)
+        peak_rss = max(peak_rss, process.memory_info().rss)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"times": times, "extra_mb": (peak_rss - base_rss) / 2**20,
+                   "params": sum(p.numel() for p in model.parameters())}, f)
+    del ddp
+    gc.collect()
+    dist.destroy_process_group()
+    if state is not None:
+        state.close()
+
+
+def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
+    from pslink.launch import launch
+
+    with tempfile.TemporaryDirectory(prefix=f"pslink-bench-{variant}-") as out:
+        command = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--out", out,
+                   "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        log = io.StringIO()
+        code = launch(command, 2, service=service, job=f"bench-ddp-{variant}-{os.getpid()}-{index}", output=log)
+        if code != 0:
+            raise SystemExit(f"the {variant} workers failed (status {code}):\n{log.getvalue()}")
+        results = []
+        for rank in range(2):
+            with open(os.path.join(out, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: H=512, 5 steps, 1 repeat")
+    parser.add_argument("--hidden", type=int, default=4096, help="H, the width of the hidden layers")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (DDP rebuilds its buckets)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating")
+    parser.add_argument("--worker", choices=["gloo", "pslink"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.quick:
+        args.hidden, args.steps, args.warmup, args.repeats = 512, 5, 2, 1
+
+    from pslink.core.service import Service
+
+    figures: dict[str, dict] = {v: {"medians": [], "extra_mb": [[], []]} for v in ("gloo", "pslink")}
+    params = 0
+    with Service(aggregators=2) as service:
+        for index in range(args.repeats):
+            for variant in ("gloo", "pslink"):
+                results = run_variant(variant, args, service.address, index)
+                params = results[0]["params"]
+                median = statistics.mean(statistics.median(r["times"]) for r in results)
+                figures[variant]["medians"].append(median)
+                for rank, r in enumerate(results):
+                    figures[variant]["extra_mb"][rank].append(r["extra_mb"])
+                print(f"run {index + 1}/{args.repeats} {variant:6}: median step {median * 1e3:8.1f} ms, extra memory "
+                      + ", ".join(f"rank {k} {r['extra_mb']:.0f} MB" for k, r in enumerate(results)), flush=True)
+
+    step_ms = {v: statistics.median(f["medians"]) * 1e3 for v, f in figures.items()}
+    extra = {v: [max(per_rank) for per_rank in f["extra_mb"]] for v, f in figures.items()}
+    ratio = step_ms["pslink"] / step_ms["gloo"]
+    print(f"\nmodel: {params / 1e6:.1f} M parameters ({params * 4 / 1e6:.0f} MB of float32 gradients), "
+          f"batch {args.batch_size} per worker, 2 workers, {args.steps} steps x {args.repeats} runs per variant")
+    print(f"{'variant':8} {'step ms':>9} {'extra MB rank 0':>16} {'extra MB rank 1':>16}")
+    for variant in ("gloo", "pslink"):
+        print(f"{variant:8} {step_ms[variant]:9.1f} {extra[variant][0]:16.0f} {extra[variant][1]:16.0f}")
+    overhead = [p - g for p, g in zip(extra["pslink"], extra["gloo"], strict=True)]
+    print("pslink's own memory per worker (pslink extra - gloo extra): "
+          + ", ".join(f"rank {k} {mb:+.0f} MB" for k, mb in enumerate(overhead)))
+    print(f"ratio pslink / gloo: {ratio:.3f} (target <= 1.0: {'met' if ratio <= 1.0 else 'not met'})")
+    print(json.dumps({
+        "benchmark": "torch_ddp", "quick": args.quick, "params": params, "batch_size": args.batch_size,
+        "workers": 2, "steps": args.steps, "repeats": args.repeats,
+        "gloo_step_ms": round(step_ms["gloo"], 2), "pslink_step_ms": round(step_ms["pslink"], 2),
+        "ratio": round(ratio, 4), "gloo_extra_mb": [round(m, 1) for m in extra["gloo"]],
+        "pslink_extra_mb": [round(m, 1) for m in extra["pslink"]],
+        "pslink_minus_gloo_mb": [round(m, 1) for m in overhead],
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""PyTorch adapter: a DDP communication hook and a Horovod-compatible module.
+
+DDP, one line::
+
+    ddp_model.register_comm_hook(pslink.torch.connect(), pslink.torch.comm_hook)
+
+Horovod scripts, the import line::
+
+    import pslink.torch as hvd      # was: import horovod.torch as hvd
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+Run either with ``pslink launch -n N python train.py``. See docs/torch.md.
+"""
+
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - CI installs torch
+    raise ImportError(f"pslink.torch needs PyTorch: pip install 'pslink[torch]' ({exc})") from None
+
+from pslink.torch.ddp import HookState, comm_hook, connect  # noqa: E402
+from pslink.torch.horovod import (  # noqa: E402
+    DistributedOptimizer,
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    poll,
+    push_pull,
+    push_pull_async,
+    push_pull_async_inplace,
+    push_pull_inplace,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    synchronize,
+)
+from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work  # noqa: E402
+
+__all__ = [
+    # DDP
+    "HookState",
+    "comm_hook",
+    "connect",
+    # Horovod / BytePS
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "ReduceOp",
+    "Session",
+    "Sum",
+    "Work",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "push_pull",
+    "push_pull_async",
+    "push_pull_async_inplace",
+    "push_pull_inplace",
+    "rank",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "synchronize",
+]

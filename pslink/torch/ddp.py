@@ -1,0 +1,310 @@
+"""A DDP communication hook that averages gradient buckets through the parameter service.
+
+::
+
+    ddp_model = DistributedDataParallel(model)
+    ddp_model.register_comm_hook(pslink.torch.connect(), pslink.torch.comm_hook)
+
+``connect()`` joins the job at once (job, rank, size and service address from the environment
+``pslink launch`` sets, or as arguments), so a missing service fails there, before training
+starts. The hook pushes each bucket and returns a ``torch.futures.Future`` at once; the Agent
+completes it when the bucket's average is back, so later buckets go out while earlier ones are
+still on the wire.
+"""
+
+# No ``from __future__ import annotations`` here: DDP checks the hook's annotations as objects.
+
+import atexit
+import heapq
+import itertools
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import pslink
+from pslink.config import ENV_NUM_WORKERS, ENV_RANK
+from pslink.core.agent import Agent
+from pslink.errors import ConfigError, PeerError, PslinkError, PslinkTimeoutError
+from pslink.torch.tensors import StagingPool, explain_mismatch, service_key
+
+__all__ = ["HookState", "connect", "comm_hook"]
+
+
+class HookState:
+    """What :func:`comm_hook` needs: the Agent, the name that scopes this model's keys, the
+    bucket layouts seen so far, staging buffers and the deadlines of buckets in flight."""
+
+    __slots__ = ("agent", "name", "timeout", "_own_agent", "_layouts", "_generations", "_staging",
+                 "_deadlines", "__weakref__")
+
+    def __init__(self, agent: Agent, name: str = "ddp", timeout: float | None = None, own_agent: bool = False):
+        _check_name(name)
+        self.agent = agent
+        self.name = name
+        self.timeout = agent.timeout if timeout is None else float(timeout)
+        self._own_agent = own_agent
+        # bucket index -> (numel, dtype) last seen, and how often that layout changed
+        self._layouts: dict[int, tuple[int, torch.dtype]] = {}
+        self._generations: dict[int, int] = {}
+        self._staging = StagingPool()
+        self._deadlines = _Deadlines()
+
+    def __repr__(self) -> str:
+        agent = self.agent
+        return f"<pslink.torch.HookState {self.name!r} job={agent.job!r} rank={agent.rank}/{agent.num_workers}>"
+
+    @property
+    def rank(self) -> int:
+        return self.agent.rank
+
+    @property
+    def size(self) -> int:
+        return self.agent.num_workers
+
+    def bucket_key(self, bucket: dist.GradBucket) -> str:
+        """The bucket's key: its index, plus a generation that grows each time DDP gives that
+        index a new size or dtype (it rebuilds its buckets once, after the first iteration or
+        two). Every rank sees the same layouts, so every rank derives the same keys; ranks whose
+        buckets differ share a key and get a shape mismatch instead of waiting for each other."""
+        index = bucket.index()
+        buffer = bucket.buffer()
+        layout = (buffer.numel(), buffer.dtype)
+        seen = self._layouts.get(index)
+        if seen is None:
+            self._generations[index] = 0
+        elif seen != layout:
+            self._generations[index] += 1
+        self._layouts[index] = layout
+        return service_key(self.name, f"b{index}.{self._generations[index]}")
+
+    def close(self) -> None:
+        """Release the staging buffers; leave the job if :func:`connect` joined it."""
+        self._deadlines.close()
+        self._staging.clear()
+        if self._own_agent:
+            self.agent.close()
+
+    def __enter__(self) -> "HookState":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(
+    job: str | None = None,
+    rank: int | None = None,
+    size: int | None = None,
+    master: str | None = None,
+    *,
+    name: str = "ddp",
+    agent: Agent | None = None,
+    timeout: float | None = None,
+    **options: Any,
+) -> HookState:
+    """Join the job on the parameter service and return the state for :func:`comm_hook`.
+
+    Each argument falls back to what ``pslink launch`` sets (``PSLINK_JOB``, ``PSLINK_RANK``,
+    ``PSLINK_NUM_WORKERS``, ``PSLINK_MASTER``); rank and size then fall back to an initialized
+    ``torch.distributed`` or torchrun's ``RANK``/``WORLD_SIZE``. ``name`` scopes the keys: give
+    each DDP model of a job its own. ``agent`` reuses a connected Agent instead of joining;
+    ``timeout`` (default: the Agent's, ``PSLINK_TIMEOUT`` or 300 s) bounds how long a bucket
+    may wait for the other ranks. Other options go to :func:`pslink.connect`.
+
+    Raises PeerError here, not at the first backward, when no service is reachable.
+    """
+    _check_name(name)
+    if agent is None:
+        rank = _fallback(rank, ENV_RANK, "RANK", dist.get_rank)
+        size = _fallback(size, ENV_NUM_WORKERS, "WORLD_SIZE", dist.get_world_size)
+        if options.get("mode", "sum") != "sum" or "optimizer" in options:
+            raise ConfigError("the DDP hook averages gradients (mode 'sum'); DDP's optimizer steps locally")
+        options["mode"] = "sum"
+        try:
+            agent = pslink.connect(job, rank, size, master, **options)
+        except PeerError as exc:
+            raise PeerError(
+                f"pslink.torch.connect: no parameter service reachable: {exc.message}. Start one with "
+                "`pslink service up` (and set PSLINK_MASTER) or run the script under `pslink launch`",
+                **exc.details,
+            ) from None
+        except ConfigError as exc:
+            raise ConfigError(f"pslink.torch.connect: {exc.message}. `pslink launch -n N python script.py` "
+                              "sets PSLINK_JOB, PSLINK_RANK and PSLINK_NUM_WORKERS", **exc.details) from None
+        own = True
+    else:
+        if agent.mode != "sum":
+            raise ConfigError(f"the DDP hook needs an Agent in mode 'sum', this one is in mode {agent.mode!r}")
+        own = False
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != agent.num_workers:
+        if own:
+            agent.close()
+        raise ConfigError(
+            f"torch.distributed has {dist.get_world_size()} ranks but pslink job {agent.job!r} has "
+            f"{agent.num_workers} workers: every DDP rank must be one pslink worker"
+        )
+    state = HookState(agent, name=name, timeout=timeout, own_agent=own)
+    if own:
+        _close_at_exit(state)
+    return state
+
+
+def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` over the job's workers through the service (a DDP comm hook).
+
+    Returns at once; the future completes with the averaged bucket (in place) when the service
+    answered, or fails with the reason (a shape mismatch naming the bucket, a lost peer, a
+    timeout). Register it with ``ddp_model.register_comm_hook(state, comm_hook)``.
+    """
+    if not isinstance(state, HookState):
+        raise TypeError(f"pslink.torch.comm_hook needs the state from pslink.torch.connect(), got {state!r}")
+    tensor = bucket.buffer()
+    key = state.bucket_key(bucket)
+    dtype = str(tensor.dtype).replace("torch.", "")
+    what = (f"DDP gradient bucket {bucket.index()} (key {key!r}: {tensor.numel()} {dtype} elements, "
+            f"{len(bucket.parameters())} parameters)")
+    future = torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda else torch.futures.Future()
+    result = future.then(_unwrap)  # an error in there fails the future DDP waits on, with our message
+    try:
+        view = state._staging.view(key, tensor, what)
+        handle = state.agent.pushpull(key, view.array, out=view.array, average=True)
+    except PslinkError as exc:
+        future.set_exception(explain_mismatch(exc, what, _HINT))
+        return result
+    pending = _Pending(future, f"{what} got no average within {state.timeout:g} s (job "
+                               f"{state.agent.job!r}, rank {state.rank}): has another rank died or stalled?")
+
+    def done(handle) -> None:
+        # On the Agent's I/O thread: a staged bucket's copy back is the only real work here.
+        error = handle.exception()
+        if error is not None:
+            pending.fail(explain_mismatch(error, what, _HINT))
+            return
+        try:
+            pending.succeed(view.finish())
+        except Exception as exc:  # a device copy that failed must still complete the future
+            pending.fail(exc)
+
+    state._deadlines.add(time.monotonic() + state.timeout, pending)
+    handle.add_done_callback(done)
+    return result
+
+
+_HINT = "do all ranks build the same model and pass DDP the same bucket_cap_mb?"
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ConfigError(f"name must be a non-empty string without '/', got {name!r}")
+
+
+def _unwrap(future: torch.futures.Future) -> torch.Tensor:
+    return future.value()  # raises the exception the future was failed with
+
+
+def _fallback(value: int | None, pslink_variable: str, torchrun_variable: str, from_dist) -> int | None:
+    """The argument, else PSLINK_*, else torch.distributed, else torchrun's variable (None: let
+    pslink.connect report what is missing)."""
+    if value is not None or os.environ.get(pslink_variable):
+        return value
+    if dist.is_available() and dist.is_initialized():
+        return from_dist()
+    raw = os.environ.get(torchrun_variable)
+    return int(raw) if raw and raw.isdigit() else None
+
+
+def _close_at_exit(state: HookState) -> None:
+    ref = weakref.ref(state)
+
+    def close() -> None:
+        live = ref()
+        if live is not None:
+            live.close()
+
+    atexit.register(close)
+
+
+class _Pending:
+    """A bucket's future, completed once: by the Agent's answer or by its deadline."""
+
+    __slots__ = ("future", "timeout_message", "_lock", "_done")
+
+    def __init__(self, future: torch.futures.Future, timeout_message: str):
+        self.future = future
+        self.timeout_message = timeout_message
+        self._lock = threading.Lock()
+        self._done = False
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+            return True
+
+    def succeed(self, tensor: torch.Tensor) -> None:
+        if self._claim():
+            self.future.set_result(tensor)
+
+    def fail(self, error: BaseException) -> None:
+        if self._claim():
+            self.future.set_exception(error)
+
+    def expire(self) -> None:
+        self.fail(PslinkTimeoutError(self.timeout_message))
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+class _Deadlines:
+    """Fails buckets whose answer did not come in time. Nobody waits on a bucket's handle (DDP
+    waits on the future, without a timeout), so without this a dead peer would hang training."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._order = itertools.count()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, deadline: float, pending: _Pending) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            while self._heap and self._heap[0][2].done:  # answers come about in order: prune here
+                heapq.heappop(self._heap)
+            heapq.heappush(self._heap, (deadline, next(self._order), pending))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pslink-ddp-deadlines", daemon=True)
+                self._thread.start()
+            elif self._heap[0][2] is pending:
+                self._cv.notify()
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._closed:
+                while self._heap and self._heap[0][2].done:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                deadline, _, pending = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                pending.expire()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._heap.clear()
+            self._cv.notify()

@@ -1,0 +1,275 @@
+"""Horovod's ``horovod.torch`` functions (and BytePS's ``push_pull``) over the parameter service.
+
+``import pslink.torch as hvd`` in place of ``import horovod.torch as hvd``; run the script with
+``pslink launch -n N python train.py`` (as with ``horovodrun``). ``init()`` joins the job that
+the launcher's environment names; everything else works on the session it made.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Any
+
+import torch
+
+import pslink
+from pslink.errors import ConfigError, PeerError
+from pslink.torch.optimizer import DistributedOptimizer as _wrap_optimizer
+from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, reduce_op
+
+ENV_LOCAL_RANK = "PSLINK_LOCAL_RANK"
+ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
+
+_session: Session | None = None
+
+
+def init(comm=None, *, job: str | None = None, rank: int | None = None, size: int | None = None,
+         master: str | None = None, **options: Any) -> None:
+    """Join the job (job, rank, size and service from ``pslink launch``'s environment, or as
+    arguments). Calling it again while initialized does nothing, as in Horovod."""
+    global _session
+    if _session is not None:
+        return
+    if comm is not None:
+        raise ConfigError("pslink.torch.init: MPI communicators and process sets are not supported; call init()")
+    if options.get("mode", "sum") != "sum" or "optimizer" in options:
+        raise ConfigError("pslink.torch reduces on the service in mode 'sum'; the optimizer steps locally")
+    options["mode"] = "sum"
+    try:
+        agent = pslink.connect(job, rank, size, master, **options)
+    except PeerError as exc:
+        raise PeerError(f"pslink.torch.init: no parameter service reachable: {exc.message}. Run the script "
+                        "under `pslink launch -n N`, or start `pslink service up` and set PSLINK_MASTER",
+                        **exc.details) from None
+    except ConfigError as exc:
+        raise ConfigError(f"pslink.torch.init: {exc.message}. Run the script under `pslink launch -n N "
+                          "python script.py`, which sets PSLINK_JOB, PSLINK_RANK and PSLINK_NUM_WORKERS") from None
+    _session = Session(agent, _env_int(ENV_LOCAL_RANK), _env_int(ENV_LOCAL_SIZE))
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def shutdown() -> None:
+    """Leave the job and release the session (``init()`` may be called again)."""
+    global _session
+    session, _session = _session, None
+    if session is not None:
+        session.close()
+
+
+atexit.register(shutdown)
+
+
+def current_session() -> Session:
+    if _session is None:
+        raise ConfigError("pslink.torch has not been initialized; call pslink.torch.init() first")
+    return _session
+
+
+def is_initialized() -> bool:
+    return _session is not None
+
+
+def rank() -> int:
+    return current_session().rank
+
+
+def size() -> int:
+    return current_session().size
+
+
+def local_rank() -> int:
+    return current_session().local_rank
+
+
+def local_size() -> int:
+    return current_session().local_size
+
+
+def cross_rank() -> int:
+    session = current_session()
+    return session.rank // session.local_size
+
+
+def cross_size() -> int:
+    session = current_session()
+    return session.size // session.local_size
+
+
+# What Horovod builds reports; pslink needs none of MPI, Gloo, NCCL, DDL, CCL.
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return torch.cuda.is_available()
+
+
+def rocm_built() -> bool:
+    return False
+
+
+# -- allreduce and push_pull ---------------------------------------------------------------------
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression=Compression.none, op: ReduceOp | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0) -> torch.Tensor:
+    """A new tensor: ``tensor`` averaged (default) or summed over all ranks."""
+    return current_session().allreduce(tensor, name, reduce_op(op, average), compression, prescale_factor,
+                                       postscale_factor)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Average (or sum) ``tensor`` over all ranks in place; returns it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Work:
+    """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
+    return current_session().allreduce_async(tensor, name, reduce_op(op, average), prescale_factor, postscale_factor)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Work:
+    """Start :func:`allreduce_`; ``synchronize(handle)`` returns ``tensor``."""
+    return current_session().allreduce_async_(tensor, name, reduce_op(op, average), prescale_factor, postscale_factor)
+
+
+def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
+              priority: int = 0, compression=Compression.none) -> torch.Tensor:
+    """BytePS's name for :func:`allreduce` (``version`` and ``priority`` are accepted and unused)."""
+    return allreduce(tensor, average=average, name=name, compression=compression)
+
+
+def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
+                    priority: int = 0) -> Work:
+    return allreduce_async(tensor, average=average, name=name)
+
+
+def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
+                      priority: int = 0) -> torch.Tensor:
+    return allreduce_(tensor, average=average, name=name)
+
+
+def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
+                            priority: int = 0) -> Work:
+    return allreduce_async_(tensor, average=average, name=name)
+
+
+def synchronize(handle: Work) -> Any:
+    """Wait for an ``*_async`` operation; returns its output tensor."""
+    if not isinstance(handle, Work):
+        raise ConfigError(f"synchronize() takes what an *_async function returned, got {handle!r}")
+    return handle.wait(current_session().timeout)
+
+
+def poll(handle: Work) -> bool:
+    """Whether ``synchronize(handle)`` would return at once."""
+    return handle.done()
+
+
+# -- broadcast, allgather ------------------------------------------------------------------------
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """A new tensor holding root_rank's ``tensor``."""
+    return synchronize(broadcast_async(tensor, root_rank, name))
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with root_rank's, in place; returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Work:
+    return current_session().broadcast_async(tensor, root_rank, name)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Work:
+    return current_session().broadcast_async_(tensor, root_rank, name)
+
+
+def broadcast_parameters(params, root_rank: int) -> None:
+    """Overwrite ``params`` (``model.state_dict()`` or ``model.named_parameters()``) with
+    root_rank's, in place, keyed by name."""
+    current_session().broadcast_parameters(params, root_rank)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every rank root_rank's optimizer state and hyperparameters."""
+    current_session().broadcast_optimizer_state(optimizer, root_rank)
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+    """root_rank's ``obj`` (any picklable object) on every rank."""
+    return current_session().broadcast_object(obj, root_rank, name)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along the first dimension, in rank order."""
+    return current_session().allgather(tensor, name)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list:
+    """Every rank's ``obj``, as a list in rank order."""
+    return current_session().allgather_object(obj, name)
+
+
+def join(device: int = -1) -> int:
+    """This rank is out of data: mirror the others' optimizer steps with zero gradients until
+    every rank joined; returns the rank that joined last."""
+    return current_session().join()
+
+
+def barrier() -> None:
+    current_session().barrier()
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step: int = 1, op: ReduceOp = Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks (see
+    :func:`pslink.torch.optimizer.DistributedOptimizer`)."""
+    return _wrap_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                           gradient_predivide_factor, num_groups, groups, sparse_as_dense, session=current_session())

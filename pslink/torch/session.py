@@ -1,0 +1,404 @@
+"""Collective operations of one worker over the parameter service: the engine under the
+Horovod-compatible module (``import pslink.torch as hvd``).
+
+Every operation is one or two push-pulls of a named key in ``sum`` mode: an allreduce sums (and
+averages) what every rank pushed; a broadcast has every rank but the root push zeros, so the sum
+is the root's value; an allgather has each rank fill its own rows of a zeroed buffer. None of it
+needs ``torch.distributed``. Keys come from names, so ranks need not create tensors in the same
+order, only use each name in the same sequence of calls (as with Horovod).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import pickle
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from pslink.core.agent import Agent
+from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
+from pslink.torch.tensors import HostView, StagingPool, explain_mismatch, service_key, wire_dtype
+
+__all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Compression", "Session", "Work"]
+
+
+class ReduceOp(enum.Enum):
+    AVERAGE = "average"
+    SUM = "sum"
+    ADASUM = "adasum"
+
+
+Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
+
+JOIN_KEY = "join"
+_MAX_GATHER_DIMS = 8
+
+
+class _NoneCompressor:
+    """Send tensors as they are."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx):
+        return tensor
+
+
+class _FP16Compressor:
+    """Send floating-point tensors as float16, halving the bytes on the wire."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor):
+        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class Compression:
+    """Horovod's gradient compression choices: ``Compression.none`` and ``Compression.fp16``."""
+
+    none = _NoneCompressor
+    fp16 = _FP16Compressor
+
+
+def reduce_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:
+    """Horovod's rules: ``op`` wins, the deprecated ``average`` flag picks Average or Sum."""
+    if op is not None and average is not None:
+        raise ConfigError("pass op= or the deprecated average=, not both")
+    if op is None:
+        op = Sum if average is False else Average
+    if op is Adasum:
+        raise ConfigError("op=Adasum is not supported by pslink; use Average or Sum")
+    if not isinstance(op, ReduceOp):
+        raise ConfigError(f"op must be pslink.torch.Average or pslink.torch.Sum, got {op!r}")
+    return op
+
+
+class Work:
+    """An operation in flight (what ``allreduce_async`` and friends return): ``wait()`` gives
+    its result, ``done()`` says whether ``wait()`` would return at once."""
+
+    __slots__ = ("_handle", "_views", "_finish", "_what", "_hint", "_result", "_finished")
+
+    def __init__(self, handle, views: list[HostView], finish: Callable[[], Any], what: str, hint: str):
+        self._handle = handle
+        self._views = views
+        self._finish = finish
+        self._what = what
+        self._hint = hint
+        self._finished = False
+        self._result = None
+
+    def done(self) -> bool:
+        return self._finished or self._handle.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._finished:
+            try:
+                self._handle.wait(timeout)
+            except PslinkError as exc:
+                raise explain_mismatch(exc, self._what, self._hint) from None
+            for view in self._views:
+                view.finish()
+            self._result = self._finish()
+            self._finished = True
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"<pslink.torch.Work {self._what} {'done' if self.done() else 'in flight'}>"
+
+
+class Session:
+    """One worker's collectives, over a connected :class:`~pslink.core.agent.Agent` in mode
+    ``sum``. The module-level functions of :mod:`pslink.torch` use the session ``init()`` made;
+    tests and libraries may hold several."""
+
+    def __init__(self, agent: Agent, local_rank: int | None = None, local_size: int | None = None):
+        if agent.mode != "sum":
+            raise ConfigError(f"pslink.torch needs an Agent in mode 'sum', this one is in mode {agent.mode!r}")
+        self.agent = agent
+        self.rank = agent.rank
+        self.size = agent.num_workers
+        self.local_rank = self.rank if local_rank is None else local_rank
+        self.local_size = self.size if local_size is None else local_size
+        self.timeout = agent.timeout
+        self._unnamed = {kind: itertools.count() for kind in ("allreduce", "broadcast", "allgather")}
+        self._staging = StagingPool()
+        self._zeros: dict[np.dtype, np.ndarray] = {}
+        self.optimizers: list = []  # DistributedOptimizers, in creation order (see join)
+        self._joined_seen = np.zeros(self.size, np.int64)  # who had joined at the last join round
+
+    def close(self) -> None:
+        self._staging.clear()
+        self._zeros.clear()
+        self.agent.close()
+
+    # -- names and keys ---------------------------------------------------------------------------
+
+    def _name(self, kind: str, name: str | None) -> str:
+        if name is None:
+            # As Horovod does: the n-th unnamed call on every rank is the same operation.
+            return f"{kind}.noname.{next(self._unnamed[kind])}"
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
+        return name
+
+    def _zeros_like(self, array: np.ndarray) -> np.ndarray:
+        """A read-only zero array shaped like ``array``, cut from one buffer per dtype."""
+        buffer = self._zeros.get(array.dtype)
+        if buffer is None or buffer.size < array.size:
+            buffer = np.zeros(max(array.size, 1024), array.dtype)
+            buffer.flags.writeable = False
+            self._zeros[array.dtype] = buffer
+        return buffer[: array.size].reshape(array.shape)
+
+    def _wait(self, work: Work) -> Any:
+        return work.wait(self.timeout)
+
+    # -- allreduce --------------------------------------------------------------------------------
+
+    def allreduce_async_(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,
+                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Work:
+        """Reduce ``tensor`` over all ranks in place (average or sum); returns a :class:`Work`."""
+        name = self._name("allreduce", name)
+        op = reduce_op(op)
+        key = service_key("allreduce", name)
+        what = f"allreduce {name!r} (key {key!r}, shape {tuple(tensor.shape)} {tensor.dtype})"
+        result, tensor = tensor, tensor.detach()  # same memory, outside autograd
+        if prescale_factor != 1.0:
+            tensor.mul_(prescale_factor)
+        view = self._staging.view(key, tensor, what)
+        # The service averages floats; integers are summed here and divided below.
+        average = op is Average and view.array.dtype.kind == "f"
+        hint = "do all ranks pass tensors of the same shape under this name?"
+        handle = self._submit([key], [view.array], [view.array], average, what, hint)
+
+        def finish():
+            if op is Average and not average:
+                tensor.copy_(torch.div(tensor, self.size, rounding_mode="trunc"))
+            if postscale_factor != 1.0:
+                tensor.mul_(postscale_factor)
+            return result
+
+        return Work(handle, [view], finish, what, hint)
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Work:
+        """Like :meth:`allreduce_async_`, into a new tensor (``tensor`` is left as it is)."""
+        return self.allreduce_async_(tensor.detach().clone(), name, op, prescale_factor, postscale_factor)
+
+    def allreduce(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,
+                  compression=Compression.none, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+        """A new tensor: ``tensor`` averaged (or summed) over all ranks."""
+        compressed, ctx = compression.compress(tensor.detach())
+        if compressed is tensor or compressed.data_ptr() == tensor.data_ptr():
+            compressed = compressed.clone()
+        reduced = self._wait(self.allreduce_async_(compressed, name, op, prescale_factor, postscale_factor))
+        return compression.decompress(reduced, ctx)
+
+    # -- broadcast --------------------------------------------------------------------------------
+
+    def _check_root(self, root_rank: int) -> None:
+        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < self.size:
+            raise ConfigError(f"root_rank must be an int in [0, {self.size}), got {root_rank!r}")
+
+    def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Work:
+        """Overwrite ``tensor`` on every rank with root_rank's, in place; returns a :class:`Work`."""
+        self._check_root(root_rank)
+        name = self._name("broadcast", name)
+        return self._broadcast_many([(name, tensor)], root_rank, f"broadcast {name!r}")
+
+    def broadcast_async(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Work:
+        return self.broadcast_async_(tensor.detach().clone(), root_rank, name)
+
+    def _broadcast_many(self, named: list[tuple[str, torch.Tensor]], root_rank: int, what: str) -> Work:
+        """One batched push-pull: the root pushes its tensors, the others zeros; all get the sum."""
+        keys, pushes, views = [], [], []
+        for name, tensor in named:
+            if tensor.numel() == 0:
+                continue
+            key = service_key("broadcast", name)
+            view = self._staging.view(key, tensor, f"{what}: {name!r}")
+            keys.append(key)
+            views.append(view)
+            pushes.append(view.array if self.rank == root_rank else self._zeros_like(view.array))
+        if not keys:
+            return Work(_Done(), [], lambda: None, what, "")
+        hint = "do all ranks hold the same model?"
+        handle = self._submit(keys, pushes, [v.array for v in views], False, what, hint)
+        result = named[0][1] if len(named) == 1 else None
+        return Work(handle, views, lambda: result, what, hint)
+
+    def broadcast_parameters(self, params, root_rank: int) -> None:
+        """Overwrite ``params`` (a ``state_dict()``, ``named_parameters()`` or (name, tensor)
+        pairs) on every rank with root_rank's, in place; keyed by name."""
+        self._check_root(root_rank)
+        named = named_tensors(params, "broadcast_parameters")
+        self._wait(self._broadcast_many(named, root_rank, "broadcast_parameters"))
+
+    def broadcast_object(self, obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+        """root_rank's ``obj`` on every rank (pickled on the root, unpickled on the others)."""
+        self._check_root(root_rank)
+        name = name or "broadcast_object"
+        if self.rank == root_rank:
+            payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+            length = np.array([payload.size], np.int64)
+        else:
+            payload, length = None, np.zeros(1, np.int64)
+        length = self._pushpull(service_key("object", f"{name}/length"), length, f"broadcast_object {name!r}")
+        size = int(length[0])
+        data = payload if payload is not None else np.zeros(size, np.uint8)
+        # The length is part of the key: a key's shape is fixed once declared.
+        out = np.empty(size, np.uint8)
+        self._pushpull(service_key("object", f"{name}/{size}"), data, f"broadcast_object {name!r}", out=out)
+        return obj if self.rank == root_rank else pickle.loads(out.tobytes())
+
+    def broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+        """Give every rank root_rank's optimizer state and hyperparameters (its state_dict)."""
+        state = self.broadcast_object(optimizer.state_dict() if self.rank == root_rank else None, root_rank,
+                                      name="optimizer_state")
+        if self.rank != root_rank:
+            optimizer.load_state_dict(state)
+
+    def _pushpull(self, key: str, array: np.ndarray, what: str, out: np.ndarray | None = None) -> np.ndarray:
+        out = array if out is None else out
+        hint = "do all ranks make the same calls?"
+        return self._wait(Work(self._submit([key], [array], [out], False, what, hint), [], lambda: out, what, hint))
+
+    def _submit(self, keys: list, arrays: list, outs: list, average: bool, what: str, hint: str):
+        """Push-pull ``keys``; an error found before sending (a shape the service already knows
+        otherwise) is reworded for ``what``, as errors found later are by :class:`Work`."""
+        try:
+            if len(keys) == 1:
+                return self.agent.pushpull(keys[0], arrays[0], out=outs[0], average=average)
+            return self.agent.pushpull_many(keys, arrays, outs=outs, average=average)
+        except PslinkError as exc:
+            raise explain_mismatch(exc, what, hint) from None
+
+    # -- allgather --------------------------------------------------------------------------------
+
+    def allgather(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along the first dimension, in rank order (ranks may
+        contribute different numbers of rows; the other dimensions must agree)."""
+        name = self._name("allgather", name)
+        source = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+        wire = wire_dtype(source.dtype, f"allgather {name!r}")
+        host = source.to(device="cpu", dtype=wire).contiguous().numpy()
+        gathered, _ = self._gather_rows(host, name)
+        return torch.from_numpy(gathered).to(device=tensor.device, dtype=tensor.dtype)
+
+    def allgather_object(self, obj: Any, name: str | None = None) -> list:
+        """Every rank's ``obj``, as a list in rank order."""
+        name = self._name("allgather", name)
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        gathered, rows = self._gather_rows(payload, f"{name}/object")
+        bounds = np.concatenate([[0], np.cumsum(rows)])
+        return [pickle.loads(gathered[bounds[r] : bounds[r + 1]].tobytes()) for r in range(self.size)]
+
+    def _gather_rows(self, host: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(all ranks' rows concatenated, rows per rank). Round one shares every rank's shape, so
+        a mismatch is an error on every rank (not two keys waiting for each other)."""
+        if host.ndim > _MAX_GATHER_DIMS:
+            raise ConfigError(f"allgather {name!r}: at most {_MAX_GATHER_DIMS} dimensions, got {host.ndim}")
+        shapes = np.zeros((self.size, 1 + _MAX_GATHER_DIMS), np.int64)
+        shapes[self.rank, 0] = host.ndim
+        shapes[self.rank, 1 : 1 + host.ndim] = host.shape
+        shapes = self._pushpull(service_key("allgather", f"{name}/shapes"), shapes, f"allgather {name!r}")
+        described = [tuple(int(d) for d in row[1 : 1 + row[0]]) for row in shapes]
+        if any(s[1:] != described[self.rank][1:] for s in described):
+            listing = ", ".join(f"rank {r} has shape {s}" for r, s in enumerate(described))
+            raise ShapeMismatchError(f"allgather {name!r}: all dimensions but the first must agree: {listing}",
+                                     key=name, shapes=[list(s) for s in described])
+        rows = np.array([s[0] for s in described], np.int64)
+        start = int(rows[: self.rank].sum())
+        trailing = host.shape[1:]
+        buffer = np.zeros((int(rows.sum()),) + trailing, host.dtype)
+        buffer[start : start + host.shape[0]] = host
+        dims = "x".join(str(d) for d in (int(rows.sum()),) + trailing)
+        self._pushpull(service_key("allgather", f"{name}/{dims}"), buffer, f"allgather {name!r}")
+        return buffer, rows
+
+    # -- join and barrier -------------------------------------------------------------------------
+
+    def join_round_async(self, optimizer_index: int | None) -> Work:
+        """This rank's part of one join round: a vector of who has joined (a 1 in the slots of
+        joined ranks) plus, in the last slot, ``optimizer_index + 1`` from every rank that is
+        stepping that optimizer (so a joined rank learns which gradients to mirror)."""
+        vector = np.zeros(self.size + 1, np.int64)
+        if optimizer_index is None:
+            vector[self.rank] = 1
+        else:
+            vector[self.size] = optimizer_index + 1
+        handle = self._submit([JOIN_KEY], [vector], [vector], False, "join", "do all ranks make the same calls?")
+
+        def finish():
+            self._joined_seen = vector[: self.size].copy()
+            return vector
+
+        return Work(handle, [], finish, "join", "")
+
+    def join(self) -> int:
+        """Declare that this rank ran out of data, and block until every rank did.
+
+        Until then this rank mirrors the others' ``DistributedOptimizer`` steps, pushing zero
+        gradients (averages are still over all ranks, as in Horovod); its own weights are not
+        stepped. Returns the rank that joined last (the highest, if several joined together).
+        Other collectives the remaining ranks call in the meantime are not mirrored.
+        """
+        while True:
+            before = self._joined_seen.copy()
+            vector = self._wait(self.join_round_async(None))
+            joined = vector[: self.size]
+            if joined.sum() == self.size:
+                newcomers = [r for r in range(self.size) if not before[r]]
+                return max(newcomers) if newcomers else self.rank
+            active = self.size - int(joined.sum())
+            index = int(vector[self.size]) // active - 1
+            if not 0 <= index < len(self.optimizers):
+                raise ConfigError(
+                    f"join: the other ranks stepped optimizer #{index}, but rank {self.rank} has "
+                    f"{len(self.optimizers)} DistributedOptimizer(s): every rank must create the same ones"
+                )
+            self.optimizers[index]._pslink.contribute_zeros()
+
+    def barrier(self, name: str = "barrier") -> None:
+        self.agent.barrier(f"torch/{name}", timeout=self.timeout)
+
+
+class _Done:
+    """A handle for an operation that had nothing to send."""
+
+    @staticmethod
+    def done() -> bool:
+        return True
+
+    @staticmethod
+    def wait(timeout=None):
+        return None
+
+
+def named_tensors(params, what: str) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a state_dict, named_parameters() or a list of tensors (those
+    are named by position, the only thing that identifies them)."""
+    items = params.items() if isinstance(params, dict) else list(params)
+    named = []
+    for i, item in enumerate(items):
+        name, tensor = item if isinstance(item, tuple) else (f"{what}.noname.{i}", item)
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"{what}: entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        named.append((str(name), tensor))
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ConfigError(f"{what}: names must be unique, these repeat: {duplicates}")
+    return named

@@ -1,0 +1,122 @@
+"""Between torch tensors and the Agent's numpy arrays: dtypes, host staging, keys, error messages.
+
+A contiguous CPU tensor of a dtype the wire carries is handed to the Agent as a numpy view of its
+own memory (no copy: the Agent sends from it and receives into it). Anything else (CUDA tensors,
+bfloat16 or bool, non-contiguous tensors) is staged through a host buffer of the wire dtype,
+pinned for CUDA so the device copies run at full speed; the buffers are kept per key and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
+
+# torch dtype -> the dtype it travels as (the wire has no bfloat16 or bool)
+_WIRE_DTYPES = {
+    torch.float16: torch.float16,
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+    torch.int8: torch.int8,
+    torch.int16: torch.int16,
+    torch.int32: torch.int32,
+    torch.int64: torch.int64,
+    torch.uint8: torch.uint8,
+    torch.bfloat16: torch.float32,
+    torch.bool: torch.uint8,
+}
+
+MAX_KEY_LENGTH = 256
+
+
+def wire_dtype(dtype: torch.dtype, what: str) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels as; ConfigError naming ``what`` if none."""
+    wire = _WIRE_DTYPES.get(dtype)
+    if wire is None:
+        supported = ", ".join(str(d).replace("torch.", "") for d in _WIRE_DTYPES)
+        raise ConfigError(f"{what}: dtype {dtype} cannot go through pslink; supported: {supported}")
+    return wire
+
+
+def service_key(prefix: str, name: str) -> str:
+    """``prefix/name`` as a service key: identical on every rank, at most 256 characters
+    (a longer name keeps its start and gets a digest of the whole)."""
+    key = f"{prefix}/{name}"
+    if len(key) <= MAX_KEY_LENGTH:
+        return key
+    digest = hashlib.sha1(key.encode()).hexdigest()
+    return f"{key[: MAX_KEY_LENGTH - len(digest) - 1]}#{digest}"
+
+
+class HostView:
+    """The host array that the Agent sends from and receives into, standing for one tensor.
+
+    ``array`` is the tensor's own memory when that is possible; otherwise a staging buffer
+    holding a copy, and :meth:`finish` copies the result back into the tensor.
+    """
+
+    __slots__ = ("tensor", "staging", "array")
+
+    def __init__(self, tensor: torch.Tensor, what: str, staging: torch.Tensor | None = None):
+        self.tensor = tensor
+        wire = wire_dtype(tensor.dtype, what)
+        if tensor.device.type == "cpu" and tensor.dtype == wire and tensor.is_contiguous():
+            self.staging = None
+            self.array: np.ndarray = tensor.detach().numpy()
+            return
+        if staging is None or staging.shape != tensor.shape or staging.dtype != wire:
+            staging = new_staging(tensor.shape, wire, pinned=tensor.is_cuda)
+        # A blocking copy: for CUDA it waits for the kernels that produced the tensor.
+        staging.copy_(tensor.detach())
+        self.staging = staging
+        self.array = staging.numpy()
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.staging is None
+
+    def finish(self) -> torch.Tensor:
+        """Make the tensor hold what the Agent wrote into ``array``; returns the tensor."""
+        if self.staging is not None:
+            with torch.no_grad():
+                self.tensor.copy_(self.staging)  # blocking: done when this returns
+        return self.tensor
+
+
+def new_staging(shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
+
+
+class StagingPool:
+    """Staging buffers kept per key, so a training loop allocates (and pins) them once."""
+
+    __slots__ = ("_buffers",)
+
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def view(self, key, tensor: torch.Tensor, what: str) -> HostView:
+        view = HostView(tensor, what, self._buffers.get(key))
+        if view.staging is not None:
+            self._buffers[key] = view.staging
+        return view
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def explain_mismatch(error: PslinkError, what: str, hint: str) -> PslinkError:
+    """A shape mismatch reworded for ``what`` (a DDP bucket, a parameter's gradient, a tensor),
+    naming both ranks and both shapes; other errors are returned as they are."""
+    if not isinstance(error, ShapeMismatchError):
+        return error
+    shapes, ranks = error.details.get("shapes"), error.details.get("ranks")
+    if isinstance(shapes, list) and isinstance(ranks, list) and len(shapes) == 2 and len(ranks) == 2:
+        sides = f"rank {ranks[0]} has shape {tuple(shapes[0])}, rank {ranks[1]} has shape {tuple(shapes[1])}"
+    else:
+        sides = error.message
+    message = f"{what} differs between ranks: {sides}; {hint} (service: {error.message})"
+    return ShapeMismatchError(message, **error.details)

@@ -1,0 +1,180 @@
+"""The DDP comm hook: same gradients and weights as gloo's all-reduce on 2 real processes, bad
+input (no service, buckets that differ, a worker killed mid-run, a rank that never answers), and
+what it does inside one process (keys across bucket rebuilds, staging of bfloat16 buckets)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the PyTorch adapter needs torch (pip install 'pslink[torch]')")
+dist = pytest.importorskip("torch.distributed", reason="torch was built without torch.distributed")
+
+import pslink  # noqa: E402
+import pslink.torch  # noqa: E402
+from pslink.core.transport import Transports  # noqa: E402
+from pslink.errors import ConfigError, PeerError  # noqa: E402
+from pslink.torch.ddp import HookState  # noqa: E402
+from tests.helpers import start_cluster  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
+CLI = [sys.executable, "-m", "pslink.cli", "launch"]
+
+
+def launch(case: str, scratch, timeout: float = 100.0, **env) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, **env)
+    return subprocess.run(CLI + ["-n", "2", sys.executable, WORKER, case, str(scratch)], capture_output=True,
+                          text=True, timeout=timeout, env=environment)
+
+
+# -- two processes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_the_hook_gives_the_gradients_and_weights_of_gloo_all_reduce(tmp_path):
+    done = launch("compare", tmp_path, PSLINK_TIMEOUT="60")
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    for result in results:
+        assert len(result["stock"]) == len(result["hooked"]) == 6
+        for step, (stock, hooked) in enumerate(zip(result["stock"], result["hooked"], strict=True)):
+            for a, b in zip(stock, hooked, strict=True):
+                torch.testing.assert_close(b, a, msg=lambda m, step=step: f"step {step}: {m}")
+        for a, b in zip(result["stock_weights"], result["hooked_weights"], strict=True):
+            torch.testing.assert_close(b, a)
+        # The run covered several buckets and DDP's rebuild of them (a second key generation).
+        assert len(result["generations"]) >= 2 and max(result["generations"].values()) >= 1
+    for a, b in zip(results[0]["hooked_weights"], results[1]["hooked_weights"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.integration
+def test_ranks_whose_buckets_differ_get_an_error_naming_the_bucket_and_both_shapes(tmp_path):
+    done = launch("mismatch", tmp_path, PSLINK_TIMEOUT="60")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        line = next((ln for ln in done.stdout.splitlines() if ln.startswith(f"[rank{rank}]: backward failed")), "")
+        assert "ShapeMismatchError: DDP gradient bucket 0" in line, done.stdout
+        assert "rank 0 has shape (" in line and "rank 1 has shape (" in line
+        assert "bucket_cap_mb" in line
+
+
+@pytest.mark.integration
+def test_a_worker_killed_mid_run_stops_the_launch_naming_it(tmp_path):
+    # A long timeout: only the launcher noticing the death can end this run in time.
+    done = launch("kill", tmp_path, timeout=90.0, PSLINK_TIMEOUT="600")
+    assert done.returncode == 128 + 9, done.stdout + done.stderr
+    assert "[rank0]: step 2" in done.stdout  # it was training when rank 1 died
+    assert "pslink launch: rank 1 was killed by SIGKILL; stopping the other workers" in done.stdout
+
+
+# -- one process ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    gc.collect()  # DDP models first (ENVIRONMENT.md)
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def cluster():
+    transports = Transports()
+    service = start_cluster("tcp", aggregators=1, transports=transports)
+    yield service, transports
+    service.stop()
+    transports.close()
+
+
+def test_no_reachable_service_fails_when_the_hook_is_registered(process_group):
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    with pytest.raises(PeerError) as info:
+        ddp.register_comm_hook(pslink.torch.connect(job="lonely", master="tcp://127.0.0.1:9", connect_timeout=2.0),
+                               pslink.torch.comm_hook)
+    assert "no parameter service reachable" in info.value.message
+    assert "tcp://127.0.0.1:9" in info.value.message
+    assert "pslink launch" in info.value.message
+    del ddp
+
+
+def test_connect_checks_its_settings(process_group, cluster):
+    service, transports = cluster
+    with pytest.raises(ConfigError, match="2 workers"):
+        pslink.torch.connect(job="sizes", rank=0, size=2, master=service.address, transports=transports)
+    with pytest.raises(ConfigError, match="mode 'sum'"):
+        pslink.torch.connect(job="modes", master=service.address, optimizer={"type": "sgd", "lr": 0.1})
+    with pytest.raises(ConfigError, match="name"):
+        pslink.torch.connect(job="names", master=service.address, transports=transports, name="a/b")
+
+
+def grads_of(model, x):
+    model.zero_grad()
+    model(x).float().pow(2).sum().backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_one_rank_with_bfloat16_buckets_gets_its_own_gradients_back(process_group, cluster):
+    service, transports = cluster
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    plain = [p.detach().clone() for p in model.parameters()]
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+    state = pslink.torch.connect(job="bf16", master=service.address, transports=transports)
+    ddp.register_comm_hook(state, pslink.torch.comm_hook)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p, value in zip(reference.parameters(), plain, strict=True):
+            p.copy_(value)
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    for _ in range(3):  # before and after DDP rebuilds its buckets
+        for got, expected in zip(grads_of(ddp, x), grads_of(reference, x), strict=True):
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, expected)
+    assert state._staging._buffers, "bfloat16 buckets travel through float32 staging buffers"
+    del ddp
+    state.close()
+
+
+def test_a_bucket_nobody_else_pushes_fails_after_the_timeout(process_group, cluster):
+    service, transports = cluster
+    # A job of 2 workers of which only rank 0 runs: its buckets can never complete.
+    agent = pslink.connect("half", 0, 2, master=service.address, transports=transports, mode="sum")
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    ddp.register_comm_hook(HookState(agent, timeout=1.0), pslink.torch.comm_hook)
+    with pytest.raises(RuntimeError) as info:
+        ddp(torch.randn(3, 4)).sum().backward()
+    assert "DDP gradient bucket 0" in str(info.value)
+    assert "got no average within 1 s" in str(info.value) and "another rank died or stalled" in str(info.value)
+    del ddp
+    agent.close()
+
+
+class FakeBucket:
+    """The part of dist.GradBucket that keys depend on."""
+
+    def __init__(self, index: int, numel: int, dtype=torch.float32):
+        self._index, self._buffer = index, torch.zeros(numel, dtype=dtype)
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def test_bucket_keys_follow_the_layout_not_the_iteration(cluster):
+    service, transports = cluster
+    with pslink.connect("keys", 0, 1, master=service.address, transports=transports) as agent:
+        state = HookState(agent, name="net")
+        first = [state.bucket_key(FakeBucket(0, 1000))]  # iteration 1: one bucket
+        rebuilt = [state.bucket_key(FakeBucket(0, 600)), state.bucket_key(FakeBucket(1, 400))]
+        again = [state.bucket_key(FakeBucket(0, 600)), state.bucket_key(FakeBucket(1, 400))]
+        half = state.bucket_key(FakeBucket(1, 400, torch.float16))
+    assert first == ["net/b0.0"]
+    assert rebuilt == again == ["net/b0.1", "net/b1.0"]
+    assert half == "net/b1.1"

@@ -1,0 +1,424 @@
+"""The Horovod-compatible API: collectives, DistributedOptimizer and join, on ranks that are
+threads of this process sharing an in-process service (one Session per rank)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the PyTorch adapter needs torch (pip install 'pslink[torch]')")
+
+import pslink  # noqa: E402
+import pslink.torch as hvd  # noqa: E402
+from pslink.core.transport import Transports  # noqa: E402
+from pslink.errors import ConfigError, PeerError, ShapeMismatchError  # noqa: E402
+from pslink.torch.optimizer import DistributedOptimizer  # noqa: E402
+from pslink.torch.session import Session  # noqa: E402
+from tests.helpers import run_workers, start_cluster  # noqa: E402
+
+_jobs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def service():
+    transports = Transports()
+    cluster = start_cluster("tcp", aggregators=2, transports=transports)
+    yield cluster, transports
+    cluster.stop()
+    transports.close()
+
+
+def on_ranks(service, size: int, fn, timeout: float = 60.0) -> list:
+    """Run ``fn(session)`` for ranks 0..size-1 of a fresh job, each on its own thread."""
+    cluster, transports = service
+    job = f"hvd-{next(_jobs)}"
+
+    def body(rank):
+        agent = pslink.connect(job, rank, size, master=cluster.address, transports=transports, timeout=30.0,
+                               mode="sum")
+        session = Session(agent)
+        try:
+            return fn(session)
+        finally:
+            session.close()
+
+    return run_workers(size, body, timeout)
+
+
+# -- allreduce --------------------------------------------------------------------------------------
+
+
+def test_allreduce_averages_sums_and_keeps_the_input(service):
+    def body(s):
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (s.rank + 1)
+        average = s.allreduce(x, name="x")
+        total = s.allreduce(x, name="x-sum", op=hvd.Sum)
+        return x, average, total
+
+    for rank, (x, average, total) in enumerate(on_ranks(service, 3, body)):
+        base = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        torch.testing.assert_close(x, base * (rank + 1))  # out of place
+        torch.testing.assert_close(average, base * 2)
+        torch.testing.assert_close(total, base * 6)
+
+
+def test_allreduce_handles_dtypes_scalars_views_and_scale_factors(service):
+    def body(s):
+        r = s.rank + 1
+        bf16 = s.allreduce(torch.full((4,), float(r), dtype=torch.bfloat16), name="bf16", op=hvd.Sum)
+        ints = s.allreduce(torch.tensor([3, 7]) * r, name="ints")  # average of integers truncates
+        scalar = s.allreduce(torch.tensor(float(r)), name="scalar")
+        wide = torch.arange(12, dtype=torch.float64).reshape(3, 4) * r
+        column = wide[:, 1]  # not contiguous: staged
+        s.allreduce_async_(column, name="column", op=hvd.Sum).wait()
+        scaled = s.allreduce(torch.ones(2) * r, name="scaled", prescale_factor=2.0, postscale_factor=10.0)
+        fp16 = s.allreduce(torch.full((3,), 0.5 * r), name="fp16", compression=hvd.Compression.fp16)
+        return bf16, ints, scalar, wide, scaled, fp16
+
+    for bf16, ints, scalar, wide, scaled, fp16 in on_ranks(service, 2, body):
+        assert bf16.dtype == torch.bfloat16
+        torch.testing.assert_close(bf16, torch.full((4,), 3.0, dtype=torch.bfloat16))
+        torch.testing.assert_close(ints, torch.tensor([4, 10]))
+        assert scalar.shape == () and scalar.item() == 1.5
+        assert wide[:, 1].tolist() == [3.0, 15.0, 27.0]  # 1+2, 5+10, 9+18
+        assert wide[:, 0].tolist() in ([0.0, 4.0, 8.0], [0.0, 8.0, 16.0])  # the rest untouched
+        torch.testing.assert_close(scaled, torch.full((2,), 30.0))  # (2*1 + 2*2) / 2 * 10
+        assert fp16.dtype == torch.float32
+        torch.testing.assert_close(fp16, torch.full((3,), 0.75))
+
+
+def test_async_allreduce_and_unnamed_calls_match_by_position(service):
+    def body(s):
+        works = [s.allreduce_async(torch.full((5,), float(s.rank + i))) for i in range(4)]
+        return [w.wait() for w in works]
+
+    for results in on_ranks(service, 2, body):
+        for i, result in enumerate(results):
+            torch.testing.assert_close(result, torch.full((5,), i + 0.5))
+
+
+def test_allreduce_shapes_that_differ_fail_on_both_ranks_naming_them(service):
+    def body(s):
+        with pytest.raises(ShapeMismatchError) as info:
+            s.allreduce(torch.zeros(3 + s.rank), name="loss")
+        return info.value.message
+
+    for message in on_ranks(service, 2, body):
+        assert "allreduce 'loss'" in message
+        assert "(3,)" in message and "(4,)" in message
+
+
+# -- broadcast, allgather ---------------------------------------------------------------------------
+
+
+def test_broadcast_from_any_root_in_place(service):
+    def body(s):
+        t = torch.arange(4, dtype=torch.int64) * (s.rank + 1)
+        s.broadcast_async_(t, root_rank=1, name="t").wait()
+        flags = torch.tensor([s.rank == 0, s.rank == 1, True])
+        s.broadcast_async_(flags, root_rank=0, name="flags").wait()
+        copy = s.broadcast_async(torch.full((2,), float(s.rank)), root_rank=2, name="copy").wait()
+        return t, flags, copy
+
+    for t, flags, copy in on_ranks(service, 3, body):
+        assert t.tolist() == [0, 2, 4, 6]
+        assert flags.tolist() == [True, False, True]
+        assert copy.tolist() == [2.0, 2.0]
+
+
+def test_broadcast_parameters_and_optimizer_state_make_every_rank_root_s(service):
+    def body(s):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+        with torch.no_grad():  # different weights everywhere
+            for p in model.parameters():
+                p.add_(s.rank)
+        model(torch.randn(5, 4))  # BatchNorm buffers (running stats, an int64 counter) move
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01 * (s.rank + 1))
+        if s.rank == 1:
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()  # only the root has optimizer state
+        s.broadcast_parameters(model.state_dict(), root_rank=1)
+        s.broadcast_optimizer_state(optimizer, root_rank=1)
+        return model.state_dict(), optimizer.state_dict()
+
+    results = on_ranks(service, 2, body)
+    (weights0, opt0), (weights1, opt1) = results
+    assert weights0.keys() == weights1.keys()
+    for name in weights0:
+        torch.testing.assert_close(weights0[name], weights1[name], rtol=0, atol=0)
+    assert opt0["param_groups"][0]["lr"] == opt1["param_groups"][0]["lr"] == 0.02
+    assert opt0["state"].keys() == opt1["state"].keys() and opt0["state"]
+    for index, state in opt1["state"].items():
+        torch.testing.assert_close(opt0["state"][index]["exp_avg"], state["exp_avg"])
+
+
+def test_broadcast_object_allgather_and_allgather_object(service):
+    def body(s):
+        obj = s.broadcast_object({"epoch": 7, "rank": s.rank} if s.rank == 0 else None, root_rank=0)
+        rows = torch.full((s.rank + 1, 2), float(s.rank))
+        gathered = s.allgather(rows, name="rows")
+        names = s.allgather_object(f"host-{s.rank}")
+        return obj, gathered, names
+
+    for obj, gathered, names in on_ranks(service, 3, body):
+        assert obj == {"epoch": 7, "rank": 0}
+        assert gathered.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
+        assert names == ["host-0", "host-1", "host-2"]
+
+
+def test_allgather_with_different_trailing_shapes_fails_on_every_rank(service):
+    def body(s):
+        with pytest.raises(ShapeMismatchError) as info:
+            s.allgather(torch.zeros(2, 3 + s.rank), name="features")
+        return info.value.message
+
+    for message in on_ranks(service, 2, body):
+        assert "rank 0 has shape (2, 3)" in message and "rank 1 has shape (2, 4)" in message
+
+
+# -- DistributedOptimizer ---------------------------------------------------------------------------
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    """The same weights for a given seed, also when threads build models at once (a private
+    generator: the global one is shared by the rank threads)."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model
+
+
+def data(step: int, rank: int, rows: int = 8):
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(rows, 6, generator=generator), torch.randint(0, 3, (rows,), generator=generator)
+
+
+def loss_of(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def test_distributed_optimizer_equals_one_process_on_the_combined_batch(service):
+    steps, size = 5, 2
+
+    def body(s):
+        model = make_model()
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters(), session=s)
+        assert isinstance(optimizer, torch.optim.SGD)
+        for step in range(steps):
+            optimizer.zero_grad()
+            loss_of(model, *data(step, s.rank)).backward()
+            optimizer.step()
+        return model.state_dict()
+
+    reference = make_model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        optimizer.zero_grad()
+        batches = [data(step, r) for r in range(size)]
+        loss_of(reference, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
+        optimizer.step()
+    for weights in on_ranks(service, size, body):
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_passes_per_step_sum_op_and_predivide(service):
+    def body(s):
+        model = make_model()
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         backward_passes_per_step=2, op=hvd.Sum, session=s)
+        for part in range(2):
+            loss_of(model, *data(part, s.rank)).backward()
+        optimizer.step()
+        with pytest.raises(ConfigError, match="gradient_predivide_factor"):
+            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                 op=hvd.Sum, gradient_predivide_factor=2.0, session=s)
+        return model.state_dict()
+
+    reference = make_model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for part in range(2):
+        for rank in range(2):
+            loss_of(reference, *data(part, rank)).backward()  # Sum: grads of all passes of all ranks
+    optimizer.step()
+    for weights in on_ranks(service, 2, body):
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_predivide_factor_and_fp16_compression_still_average(service):
+    def body(s):
+        model = make_model()
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         gradient_predivide_factor=4.0, compression=hvd.Compression.fp16, session=s)
+        loss_of(model, *data(0, s.rank)).backward()
+        optimizer.synchronize()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        return grads
+
+    reference = make_model()
+    x = torch.cat([data(0, r)[0] for r in range(2)])
+    y = torch.cat([data(0, r)[1] for r in range(2)])
+    loss_of(reference, x, y).backward()
+    for grads in on_ranks(service, 2, body):
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=2e-3, atol=2e-3)  # float16 on the wire
+
+
+def test_a_parameter_unused_on_one_rank_is_averaged_with_zeros(service):
+    def body(s):
+        model = make_model()
+        extra = torch.nn.Parameter(torch.ones(3))
+        params = list(model.named_parameters()) + [("extra", extra)]
+        optimizer = DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=1.0), params, session=s)
+        loss = loss_of(model, *data(0, s.rank))
+        if s.rank == 0:
+            loss = loss + (extra * 2).sum()  # d/d extra = 2 on rank 0 only
+        loss.backward()
+        optimizer.step()
+        return extra.detach().clone()
+
+    for extra in on_ranks(service, 2, body):
+        torch.testing.assert_close(extra, torch.zeros(3))  # 1 - 1.0 * (2 + 0) / 2
+
+
+def test_models_that_differ_fail_naming_the_parameter_and_both_shapes(service):
+    def body(s):
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16 + s.rank), torch.nn.Linear(16 + s.rank, 3))
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         session=s)
+        with pytest.raises(ShapeMismatchError) as info:
+            loss_of(model, *data(0, s.rank)).backward()
+            optimizer.step()
+        return info.value.message
+
+    for message in on_ranks(service, 2, body):
+        assert "gradient of parameter" in message
+        assert any(f"'{name}'" in message for name in ("0.weight", "0.bias", "1.weight"))
+        assert "rank 0 has shape" in message and "rank 1 has shape" in message
+
+
+def test_optimizer_misuse_is_a_clear_error(service):
+    def body(s):
+        model = make_model()
+        with pytest.raises(ConfigError, match="not in it"):
+            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=list(model.named_parameters())[:1], session=s)
+        with pytest.raises(ConfigError, match="repeated"):
+            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 [("w", p) for p in model.parameters()], session=s)
+        with pytest.raises(ConfigError, match="Adasum"):
+            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum, session=s)
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         session=s)
+        loss_of(model, *data(0, s.rank)).backward()
+        with pytest.raises(RuntimeError, match="zero_grad"):
+            optimizer.zero_grad()
+        with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+            loss_of(model, *data(1, s.rank)).backward()
+        optimizer.step()
+        return True
+
+    assert on_ranks(service, 2, body) == [True, True]
+
+
+def test_without_named_parameters_gradients_are_keyed_by_position_with_a_warning(service):
+    def body(s):  # one rank: warnings are captured process-wide, not per thread
+        model = make_model()
+        with pytest.warns(UserWarning, match="named_parameters"):
+            optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), session=s)
+        loss_of(model, *data(0, 0)).backward()
+        optimizer.step()
+        return [s.agent.key_info(f"grad/noname.0.{i}")["shape"] for i in range(4)]
+
+    assert on_ranks(service, 1, body) == [[(16, 6), (16,), (3, 16), (3,)]]
+
+
+def test_join_mirrors_the_remaining_steps_with_zero_gradients(service):
+    batches = {0: 4, 1: 2}  # rank 1 runs out of data two steps early
+
+    def body(s):
+        model = make_model()
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         session=s)
+        for step in range(batches[s.rank]):
+            optimizer.zero_grad()
+            loss_of(model, *data(step, s.rank)).backward()
+            optimizer.step()
+        last = s.join()
+        total = s.allreduce(torch.tensor([1.0]), name="after-join", op=hvd.Sum)  # all ranks active again
+        return last, total.item(), model.state_dict()
+
+    reference = make_model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        optimizer.zero_grad()
+        for rank in (0, 1):
+            if step < batches[rank]:
+                (loss_of(reference, *data(step, rank)) / 2).backward()  # averaged over both ranks
+        optimizer.step()
+    (last0, total0, weights0), (last1, total1, _) = on_ranks(service, 2, body)
+    assert last0 == last1 == 0
+    assert total0 == total1 == 2.0
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(weights0[name], value, rtol=1e-5, atol=1e-6)
+
+
+# -- the module-level API ---------------------------------------------------------------------------
+
+
+HOROVOD_NAMES = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "synchronize", "poll",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_parameters",
+    "broadcast_optimizer_state", "broadcast_object", "allgather", "allgather_object", "join", "barrier",
+    "DistributedOptimizer", "Average", "Sum", "Adasum", "Compression", "mpi_threads_supported", "nccl_built",
+    "gloo_built", "mpi_built", "push_pull", "push_pull_async", "push_pull_inplace",
+]
+
+
+def test_the_module_offers_horovod_s_and_byteps_names():
+    missing = [name for name in HOROVOD_NAMES if not hasattr(hvd, name)]
+    assert not missing
+    assert set(hvd.__all__) <= set(dir(hvd))
+
+
+def test_the_module_api_needs_init_and_says_how(monkeypatch):
+    for variable in ("PSLINK_JOB", "PSLINK_RANK", "PSLINK_NUM_WORKERS"):
+        monkeypatch.delenv(variable, raising=False)
+    assert not hvd.is_initialized()
+    with pytest.raises(ConfigError, match="init"):
+        hvd.rank()
+    with pytest.raises(ConfigError, match="pslink launch"):
+        hvd.init()
+    with pytest.raises(PeerError, match="no parameter service reachable"):
+        hvd.init(job="nobody", rank=0, size=1, master="tcp://127.0.0.1:9", connect_timeout=2.0)
+    assert not hvd.is_initialized()
+
+
+def test_the_module_api_on_one_rank(service, monkeypatch):
+    cluster, _ = service
+    monkeypatch.setenv("PSLINK_LOCAL_RANK", "0")
+    monkeypatch.setenv("PSLINK_LOCAL_SIZE", "1")
+    hvd.init(job=f"module-{next(_jobs)}", rank=0, size=1, master=cluster.address)
+    try:
+        assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_size()) == (0, 1, 0, 1, 1)
+        t = torch.tensor([1.0, 2.0])
+        handle = hvd.push_pull_async(t, name="pp")
+        assert hvd.synchronize(handle).tolist() == [1.0, 2.0]
+        assert hvd.poll(handle)
+        assert hvd.allreduce(t, average=False, name="sum").tolist() == [1.0, 2.0]
+        assert hvd.broadcast(t, root_rank=0, name="b").tolist() == [1.0, 2.0]
+        assert hvd.broadcast_object([1, "a"]) == [1, "a"]
+        assert hvd.join() == 0
+        with pytest.raises(ConfigError, match="root_rank"):
+            hvd.broadcast_(t, root_rank=1)
+    finally:
+        hvd.shutdown()
+    assert not hvd.is_initialized()
