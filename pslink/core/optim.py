@@ -10,6 +10,17 @@ locally. A job sends its optimizer as plain data (type and hyperparameters), nev
 Two keys say which gradient the optimizer sees: ``average`` (default true: the sum of the round's
 pushes divided by the number of workers that pushed) and ``rescale_grad`` (a further factor,
 default 1, as MXNet's optimizers have).
+
+Optional settings, off by default, reproduce MXNet's update rules where they differ from
+PyTorch's (the MXNet adapter sends them; see docs/mxnet.md):
+
+- ``clip_gradient`` (both): clip every element of the scaled gradient to ``[-c, c]``; SGD clips
+  before adding weight decay, Adam after, as MXNet's ``sgd_update`` and ``adam_update`` do.
+- ``lr_in_momentum`` (SGD): the momentum buffer accumulates ``lr * grad`` and the weights move by
+  the buffer (MXNet's ``sgd_mom_update``); the same as PyTorch's rule while ``lr`` is constant,
+  different once it changes.
+- ``eps_after_bias_correction`` (Adam, default true): PyTorch's
+  ``sqrt(v) / sqrt(1 - beta2**t) + eps``; false gives MXNet's ``(sqrt(v) + eps) / sqrt(1 - beta2**t)``.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import numpy as np
 
 from pslink.errors import ConfigError
 
-_COMMON = {"type", "average", "rescale_grad"}
+_COMMON = {"type", "average", "rescale_grad", "clip_gradient"}
 
 
 def _number(config: dict, name: str, default: float, low: float = 0.0, high: float = math.inf, closed_high=True) -> float:
@@ -33,6 +44,13 @@ def _number(config: dict, name: str, default: float, low: float = 0.0, high: flo
         bound = f"[{low}, {high}]" if closed_high else f"[{low}, {high})"
         raise ConfigError(f"optimizer {config.get('type')!r}: {name}={value} is outside {bound}")
     return float(value)
+
+
+def _flag(config: dict, name: str, default: bool) -> bool:
+    value = config.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"optimizer {config.get('type')!r}: {name} must be true or false, got {value!r}")
+    return value
 
 
 class Optimizer(abc.ABC):
@@ -53,7 +71,15 @@ class Optimizer(abc.ABC):
             raise ConfigError(f"optimizer {self.name!r}: average must be true or false, got {average!r}")
         self.average = average
         self.rescale_grad = _number(config, "rescale_grad", 1.0, low=-math.inf)
+        clip = config.get("clip_gradient")
+        self.clip_gradient = None if clip is None else _number(config, "clip_gradient", 0.0)
+        if self.clip_gradient == 0.0:
+            raise ConfigError(f"optimizer {self.name!r}: clip_gradient must be > 0 (or absent: no clipping)")
         self.config = dict(config)
+
+    def _clip(self, grad: np.ndarray) -> None:
+        if self.clip_gradient is not None:
+            np.clip(grad, -self.clip_gradient, self.clip_gradient, out=grad)
 
     def grad_scale(self, contributors: int) -> float:
         """The factor that turns a round's sum of pushes into the gradient to apply."""
@@ -73,7 +99,7 @@ class SGD(Optimizer):
     """SGD with optional momentum, dampening, Nesterov and weight decay (torch.optim.SGD)."""
 
     name = "sgd"
-    allowed = frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov"})
+    allowed = frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov", "lr_in_momentum"})
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -84,12 +110,17 @@ class SGD(Optimizer):
         self.dampening = _number(config, "dampening", 0.0, high=1.0)
         self.weight_decay = _number(config, "weight_decay", 0.0)
         self.nesterov = bool(config.get("nesterov", False))
+        self.lr_in_momentum = _flag(config, "lr_in_momentum", False)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ConfigError("optimizer 'sgd': nesterov needs momentum > 0 and dampening = 0")
 
     def step(self, weights, grad, state):
+        self._clip(grad)
         if self.weight_decay:
             grad += self.weight_decay * weights
+        if self.lr_in_momentum:
+            # The buffer then holds lr * grad terms, so the weights move by it unscaled.
+            grad *= self.lr
         if self.momentum:
             buf = state.get("momentum_buffer")
             if buf is None:
@@ -101,14 +132,17 @@ class SGD(Optimizer):
                 grad += self.momentum * buf
             else:
                 grad = buf
-        weights -= self.lr * grad
+        if self.lr_in_momentum:
+            weights -= grad
+        else:
+            weights -= self.lr * grad
 
 
 class Adam(Optimizer):
     """Adam with bias correction and L2 weight decay (torch.optim.Adam, amsgrad off)."""
 
     name = "adam"
-    allowed = frozenset({"lr", "beta1", "beta2", "eps", "weight_decay"})
+    allowed = frozenset({"lr", "beta1", "beta2", "eps", "weight_decay", "eps_after_bias_correction"})
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -117,10 +151,12 @@ class Adam(Optimizer):
         self.beta2 = _number(config, "beta2", 0.999, high=1.0, closed_high=False)
         self.eps = _number(config, "eps", 1e-8)
         self.weight_decay = _number(config, "weight_decay", 0.0)
+        self.eps_after_bias_correction = _flag(config, "eps_after_bias_correction", True)
 
     def step(self, weights, grad, state):
         if self.weight_decay:
             grad += self.weight_decay * weights
+        self._clip(grad)
         if "exp_avg" not in state:
             state["step"] = 0
             state["exp_avg"] = np.zeros_like(weights)
@@ -135,9 +171,14 @@ class Adam(Optimizer):
         bias1 = 1.0 - self.beta1**t
         bias2 = 1.0 - self.beta2**t
         # torch: denom = sqrt(v) / sqrt(bias2) + eps; w -= (lr / bias1) * m / denom
+        # MXNet: denom = (sqrt(v) + eps) / sqrt(bias2)
         denom = np.sqrt(v)
-        denom /= math.sqrt(bias2)
-        denom += self.eps
+        if self.eps_after_bias_correction:
+            denom /= math.sqrt(bias2)
+            denom += self.eps
+        else:
+            denom += self.eps
+            denom /= math.sqrt(bias2)
         weights -= (self.lr / bias1) * (m / denom)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -123,3 +125,89 @@ def test_against_torch_optim_when_torch_is_installed(problem):
             opt.step()
         ours = run(cls({"type": cls.name, **settings}), w0, grads)
         np.testing.assert_allclose(ours, param.detach().numpy(), rtol=1e-10, atol=1e-12)
+
+
+# -- optional settings that reproduce MXNet's update rules (pslink.mxnet sends them) -------------
+
+
+def reference_mxnet_sgd(w, grads, lrs, momentum=0.0, weight_decay=0.0, clip=None):
+    """MXNet's sgd_mom_update: mom = momentum * mom + lr * (clip(g) + wd * w); w -= mom."""
+    w = w.astype(np.float64)
+    mom = np.zeros_like(w)
+    for g, lr in zip(grads, lrs):
+        if clip is not None:
+            g = np.clip(g, -clip, clip)
+        mom = momentum * mom + lr * (g + weight_decay * w)
+        w = w - mom
+    return w
+
+
+def reference_mxnet_adam(w, grads, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, clip=None):
+    """MXNet's Adam: g = clip(g + wd * w); w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)."""
+    w = w.astype(np.float64)
+    m = np.zeros_like(w)
+    v = np.zeros_like(w)
+    for t, g in enumerate(grads, start=1):
+        g = g + weight_decay * w
+        if clip is not None:
+            g = np.clip(g, -clip, clip)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        w = w - lr * math.sqrt(1 - beta2**t) / (1 - beta1**t) * m / (np.sqrt(v) + eps)
+    return w
+
+
+def test_lr_in_momentum_matches_mxnet_rule_also_when_lr_changes(problem):
+    w0, grads = problem
+    lrs = [0.05] * 10 + [0.01] * 15
+    opt = SGD({"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-2, "lr_in_momentum": True})
+    w, state = w0.copy(), {}
+    for g, lr in zip(grads, lrs):
+        opt.lr = lr  # what a new config with the same type does: state kept, lr changed
+        opt.step(w, g.copy(), state)
+    np.testing.assert_allclose(w, reference_mxnet_sgd(w0, grads, lrs, 0.9, 1e-2), rtol=1e-12, atol=1e-12)
+    # With a constant lr both rules give the same weights.
+    same = run(SGD({"type": "sgd", "lr": 0.05, "momentum": 0.9, "lr_in_momentum": True}), w0, grads)
+    np.testing.assert_allclose(same, reference_sgd(w0, grads, lr=0.05, momentum=0.9), rtol=1e-10, atol=1e-12)
+    # ...and different ones once it changes.
+    torch_rule = SGD({"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-2})
+    w_torch, state = w0.copy(), {}
+    for g, lr in zip(grads, lrs):
+        torch_rule.lr = lr
+        torch_rule.step(w_torch, g.copy(), state)
+    assert not np.allclose(w, w_torch, atol=1e-3)
+
+
+def test_sgd_clips_the_gradient_before_weight_decay(problem):
+    w0, grads = problem
+    grads = [3 * g for g in grads]
+    opt = SGD({"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.1, "clip_gradient": 1.0,
+               "lr_in_momentum": True})
+    expected = reference_mxnet_sgd(w0, grads, [0.05] * len(grads), 0.9, 0.1, clip=1.0)
+    np.testing.assert_allclose(run(opt, w0, grads), expected, rtol=1e-12, atol=1e-12)
+    unclipped = run(SGD({"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.1}), w0, grads)
+    assert not np.allclose(unclipped, expected, atol=1e-3)
+
+
+def test_adam_with_mxnet_epsilon_and_clipping(problem):
+    w0, grads = problem
+    settings = dict(lr=1e-2, beta1=0.8, beta2=0.99, eps=0.1, weight_decay=1e-2)
+    opt = Adam({"type": "adam", **settings, "eps_after_bias_correction": False, "clip_gradient": 0.5})
+    expected = reference_mxnet_adam(w0, grads, **settings, clip=0.5)
+    np.testing.assert_allclose(run(opt, w0, grads), expected, rtol=1e-10, atol=1e-12)
+    # The default keeps PyTorch's rule, which a large eps tells apart.
+    torch_rule = run(Adam({"type": "adam", **settings}), w0, grads)
+    np.testing.assert_allclose(torch_rule, reference_adam(w0, grads, **settings), rtol=1e-10, atol=1e-12)
+    assert not np.allclose(torch_rule, reference_mxnet_adam(w0, grads, **settings), atol=1e-4)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"type": "sgd", "lr": 0.1, "clip_gradient": 0}, "clip_gradient must be > 0"),
+    ({"type": "sgd", "lr": 0.1, "clip_gradient": -1.0}, "clip_gradient=-1.0 is outside"),
+    ({"type": "sgd", "lr": 0.1, "lr_in_momentum": 1}, "lr_in_momentum must be true or false"),
+    ({"type": "adam", "eps_after_bias_correction": "no"}, "eps_after_bias_correction must be true or false"),
+    ({"type": "adam", "lr_in_momentum": True}, "unknown setting\\(s\\) \\['lr_in_momentum'\\]"),
+])
+def test_bad_mxnet_rule_settings_are_named(config, match):
+    with pytest.raises(ConfigError, match=match):
+        make_optimizer(config)

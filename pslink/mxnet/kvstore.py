@@ -1,0 +1,404 @@
+"""The ``pslink`` kvstore: MXNet's KVStore interface over a pslink Agent, with dist_sync semantics.
+
+::
+
+    import mxnet as mx
+    import pslink.mxnet  # registers 'pslink' and 'pslink_async'
+
+    kv = mx.kv.create("pslink")          # job, rank, ... from PSLINK_* (as `pslink launch` sets)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+
+Semantics follow MXNet's ``dist_sync`` (``dist_async`` with ``pslink_async``): ``push`` adds a
+worker's value (summed over its devices first) to the key's current round, ``pull`` returns that
+round's sum over all workers (the initial value before any push), or with an optimizer set the
+weights the service stepped with the summed gradient. Every call has finished when it returns,
+except ``push``, which returns once sent and is settled by the next call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+import weakref
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+from mxnet.kvstore import KVStoreBase
+
+import pslink
+from pslink.errors import AuthError, MembershipError, PslinkError
+from pslink.mxnet.errors import KVStoreError, translate
+from pslink.mxnet.optimizer import check_key, service_config
+
+
+class _Key:
+    """What this worker initialized: the key's shape and dtype, and a buffer to receive into."""
+
+    __slots__ = ("shape", "dtype", "buffer", "checked")
+
+    def __init__(self, shape: tuple, dtype: np.dtype):
+        self.shape = shape
+        self.dtype = dtype
+        self.buffer: np.ndarray | None = None  # reused by pulls: calls are synchronous
+        self.checked = False  # against the optimizer's per-key settings
+
+
+def _check_key(key: Any) -> Any:
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return int(key)
+    if isinstance(key, str):
+        return key
+    raise KVStoreError(f"pslink kvstore: a key is an int or a str, got {key!r} ({type(key).__name__})", key=key)
+
+
+def _batch(key, value, what: str) -> tuple[list, list]:
+    """Keys and per-key values of a call on one key or on a list of keys."""
+    if isinstance(key, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            got = f"{len(value)} values" if isinstance(value, (list, tuple)) else type(value).__name__
+            raise KVStoreError(f"pslink kvstore: {what} of {len(key)} keys needs one value per key, got {got}")
+        keys = [_check_key(k) for k in key]
+        if len(set(keys)) != len(keys):
+            raise KVStoreError(f"pslink kvstore: {what}: the keys of one call must be distinct, got {keys}")
+        return keys, list(value)
+    return [_check_key(key)], [value]
+
+
+def _arrays(value, key, what: str) -> list:
+    """The NDArrays of one key's value: one array, or one per device."""
+    arrays = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not arrays:
+        raise KVStoreError(f"pslink kvstore: {what} of key {key!r} got an empty list of arrays", key=key)
+    for array in arrays:
+        if not isinstance(array, mx.nd.NDArray):
+            raise KVStoreError(
+                f"pslink kvstore: {what} of key {key!r} needs NDArrays, got {type(array).__name__}", key=key
+            )
+        if array.stype != "default":
+            raise KVStoreError(
+                f"pslink kvstore: {what} of key {key!r}: {array.stype} arrays are not supported, only dense ones",
+                key=key,
+            )
+    return arrays
+
+
+class PSLinkKVStore(KVStoreBase):
+    """A kvstore whose values live on the pslink parameter service.
+
+    Create it with ``mx.kv.create('pslink')`` (or ``'pslink_async'``), which reads the job, rank,
+    number of workers and service address from the environment, or directly with the arguments
+    of :func:`pslink.connect` (``job``, ``rank``, ``num_workers``, ``master`` and its options), or
+    around an existing ``agent``. Use one per worker process, for every Trainer of the job.
+    """
+
+    #: "asp" for the asynchronous store; None joins the job with whatever it runs (BSP by default)
+    sync: str | None = None
+
+    def __init__(self, job=None, rank=None, num_workers=None, master=None, *, agent: pslink.Agent | None = None,
+                 **options):
+        if agent is None:
+            if self.sync is not None:
+                options.setdefault("sync", self.sync)
+            try:
+                agent = pslink.connect(job, rank, num_workers, master, **options)
+            except (AuthError, MembershipError) as exc:
+                hint = "a worker process uses one pslink kvstore: create it once and pass it to every Trainer"
+                raise translate(exc, "joining the parameter service", hint) from exc
+            except PslinkError as exc:
+                raise translate(exc, "joining the parameter service") from exc
+            # Leave the job when the store goes away or the process exits.
+            self._finalizer = weakref.finalize(self, agent.close)
+        else:
+            self._finalizer = None
+            if self.sync is not None and agent.sync != self.sync:
+                raise KVStoreError(f"pslink kvstore: the agent's job runs sync {agent.sync!r}, not {self.sync!r}")
+        self._agent = agent
+        self._keys: dict[Any, _Key] = {}
+        self._pushes: list = []  # handles of pushes not yet confirmed
+        self._optimizer = None
+        self._sent: dict | None = None  # the optimizer settings the service has
+        self._updater = None  # gluon.Trainer.load_states reads kv._updater.optimizer
+        self._barriers = itertools.count(1)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.type} job={self._agent.job!r} rank={self.rank}/{self.num_workers}>"
+
+    # -- identity -------------------------------------------------------------------------------
+
+    @property
+    def type(self) -> str:
+        """``pslink_dist_sync`` or ``pslink_dist_async``: MXNet's Trainer and Module look for
+        'dist', '_sync' and '_async' in it."""
+        return "pslink_dist_async" if self._agent.sync == "asp" else "pslink_dist_sync"
+
+    @property
+    def rank(self) -> int:
+        return self._agent.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._agent.num_workers
+
+    @property
+    def agent(self) -> pslink.Agent:
+        """The pslink Agent underneath (its job, mode, sync, key placement)."""
+        return self._agent
+
+    @staticmethod
+    def is_capable(capability: str) -> bool:
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return True  # the service applies SGD and Adam (update_on_kvstore)
+        raise ValueError(f"Unknown capability: {capability}")
+
+    # -- data path --------------------------------------------------------------------------------
+
+    def init(self, key, value) -> None:
+        """Declare keys; rank 0's values become their initial values. Call on every worker."""
+        keys, values = _batch(key, value, "init")
+        arrays = []
+        for k, v in zip(keys, values):
+            if k in self._keys:
+                raise KVStoreError(f"pslink kvstore: duplicate init of key {k!r}", key=k)
+            if isinstance(v, (list, tuple)):
+                raise KVStoreError(f"pslink kvstore: init of key {k!r} takes one NDArray, got a list", key=k)
+            arrays.append(_arrays(v, k, "init")[0].asnumpy())
+        self._settle()
+        self._call("init", keys, lambda: self._agent.init_many(keys, arrays).wait())
+        for k, array in zip(keys, arrays):
+            self._keys[k] = _Key(array.shape, array.dtype)
+
+    def broadcast(self, key, value, out, priority=0) -> None:
+        """Set keys to rank 0's ``value`` and write it to ``out`` on every worker (init + pull)."""
+        keys, values = _batch(key, value, "broadcast")
+        _, outs = _batch(key, out, "broadcast")
+        arrays = []
+        for k, v in zip(keys, values):
+            if k in self._keys:
+                raise KVStoreError(f"pslink kvstore: duplicate init of key {k!r} (broadcast)", key=k)
+            arrays.append(_arrays(v, k, "broadcast")[0].asnumpy())
+        infos = [_Key(a.shape, a.dtype) for a in arrays]
+        targets = [self._targets(k, info, o, "broadcast") for k, info, o in zip(keys, infos, outs)]
+        buffers = [self._buffer(info) for info in infos]
+        self._settle()
+
+        def init_then_pull():
+            # Sent back to back: an Aggregator serves the pull once rank 0's value is in.
+            inited = self._agent.init_many(keys, arrays)
+            pulled = self._agent.pull_many(keys, outs=buffers)
+            inited.wait()
+            pulled.wait()
+
+        self._call("broadcast", keys, init_then_pull)
+        for k, info, buffer, target in zip(keys, infos, buffers, targets):
+            self._keys[k] = info
+            self._write(buffer, target)
+
+    def push(self, key, value, priority=0) -> None:
+        """Add ``value`` (summed over its devices) to this worker's next round of each key."""
+        keys, values = _batch(key, value, "push")
+        arrays = [self._read(k, v, "push") for k, v in zip(keys, values)]
+        self._before_push(keys)
+        try:
+            self._pushes.append(self._agent.push_many(keys, arrays))
+        except PslinkError as exc:
+            raise translate(exc, f"push of key {keys[0]!r}" if len(keys) == 1 else f"push of keys {keys}") from exc
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True) -> None:
+        """Write each key's latest round (this worker's) into ``out``."""
+        if out is None:
+            raise KVStoreError("pslink kvstore: pull needs out= (the NDArrays to write the value to)")
+        keys, outs = _batch(key, out, "pull")
+        infos = [self._initialized(k, "pull") for k in keys]
+        targets = [self._targets(k, info, o, "pull") for k, info, o in zip(keys, infos, outs)]
+        buffers = [self._buffer(info) for info in infos]
+        self._settle()
+        self._call("pull", keys, lambda: self._agent.pull_many(keys, outs=buffers).wait())
+        for buffer, target in zip(buffers, targets):
+            self._write(buffer, target)
+
+    def pushpull(self, key, value, out=None, priority=0) -> None:
+        """Push ``value`` and write the round's result to ``out`` (to ``value`` if None)."""
+        keys, values = _batch(key, value, "pushpull")
+        _, outs = _batch(key, value if out is None else out, "pushpull")
+        arrays = [self._read(k, v, "pushpull") for k, v in zip(keys, values)]
+        targets = [self._targets(k, self._keys[k], o, "pushpull") for k, o in zip(keys, outs)]
+        self._before_push(keys)
+        self._settle()
+        # The result is received into the array just pushed: it is ours, a copy of the value.
+        self._call("pushpull", keys, lambda: self._agent.pushpull_many(keys, arrays, outs=arrays).wait())
+        for array, target in zip(arrays, targets):
+            self._write(array, target)
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        raise KVStoreError("pslink kvstore: row_sparse_pull is not supported; the service holds dense arrays")
+
+    def set_gradient_compression(self, compression_params):
+        raise KVStoreError("pslink kvstore: gradient compression is not supported")
+
+    def barrier(self) -> None:
+        """Wait until every worker of the job got here (pushes before it are applied)."""
+        self._settle()
+        self._call("barrier", [], lambda: self._agent.barrier(f"mxnet-{next(self._barriers)}"))
+
+    _barrier = barrier  # the name MXNet's own KVStore uses
+
+    def close(self) -> None:
+        """Leave the job (also done when the store is collected or the process exits)."""
+        try:
+            self._settle()
+        finally:
+            if self._finalizer is not None:
+                self._finalizer()
+
+    # -- optimizer on the service ------------------------------------------------------------------
+
+    def set_optimizer(self, optimizer) -> None:
+        """Have the service apply ``optimizer`` (its type and hyperparameters, sent as plain data)
+        to every push: pulls then return weights. Call it before the first init."""
+        config = service_config(optimizer)
+        for key, info in self._keys.items():
+            check_key(optimizer, key, info.dtype.name)
+            info.checked = True
+        self._settle()
+        self._send_optimizer(config)
+        self._optimizer = optimizer
+        self._updater = mx.optimizer.get_updater(optimizer)
+
+    def save_optimizer_states(self, fname, dump_optimizer=False) -> None:
+        """Write the optimizer (with ``dump_optimizer``) in MXNet's updater-state format.
+
+        The per-key state (momentum, Adam's moments) lives on the service's Aggregators and is
+        not in the file: loading continues it in a running job; a new job starts it from zero
+        (see docs/mxnet.md).
+        """
+        self._require_optimizer("save_optimizer_states")
+        self._settle()
+        with open(fname, "wb") as fout:
+            fout.write(self._updater.get_states(dump_optimizer))
+
+    def load_optimizer_states(self, fname) -> None:
+        """Load a file written by ``save_optimizer_states`` (or by MXNet's local updater) and
+        send the optimizer it holds to the service."""
+        self._require_optimizer("load_optimizer_states")
+        with open(fname, "rb") as fin:
+            self._updater.set_states(fin.read())
+        if self._updater.states:
+            warnings.warn(
+                f"pslink kvstore: {fname} holds optimizer state for {len(self._updater.states)} key(s); the "
+                "service keeps its own and does not load it (in a new job, momentum and moments start from zero)",
+                stacklevel=2,
+            )
+            self._updater.states, self._updater.states_synced = {}, {}
+        self._optimizer = self._updater.optimizer
+        self._settle()
+        self._send_optimizer(service_config(self._optimizer))
+
+    def _require_optimizer(self, what: str) -> None:
+        if self._updater is None:
+            raise KVStoreError(f"pslink kvstore: {what} needs an optimizer: call set_optimizer first")
+
+    def _send_optimizer(self, config: dict) -> None:
+        self._call("set_optimizer", [], lambda: self._agent.set_optimizer(config))
+        self._sent = config
+
+    def _before_push(self, keys: list) -> None:
+        """Keep the service's optimizer in step with the local one: MXNet advances its update
+        count (and so an lr_scheduler) per key update, and set_learning_rate changes lr."""
+        opt = self._optimizer
+        if opt is None:
+            return
+        for key in keys:
+            info = self._keys[key]
+            if not info.checked:
+                check_key(opt, key, info.dtype.name)
+                info.checked = True
+        opt._update_count(keys)
+        config = service_config(opt)
+        if config != self._sent:
+            self._settle()
+            self._send_optimizer(config)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _initialized(self, key, what: str) -> _Key:
+        info = self._keys.get(key)
+        if info is None:
+            raise KVStoreError(
+                f"pslink kvstore: key {key!r} has not been initialized; call init({key!r}, value) (or "
+                f"broadcast) on every worker before {what}",
+                key=key,
+            )
+        return info
+
+    def _read(self, key, value, what: str) -> np.ndarray:
+        """One worker's value of ``key`` as a new numpy array: the sum over its devices."""
+        info = self._initialized(key, what)
+        arrays = _arrays(value, key, what)
+        for array in arrays:
+            if array.shape != info.shape:
+                raise KVStoreError(
+                    f"pslink kvstore: {what} of key {key!r} with shape {array.shape}, but the key was "
+                    f"initialized with shape {info.shape}",
+                    key=key, shapes=[list(array.shape), list(info.shape)],
+                )
+        total = arrays[0].asnumpy()
+        for array in arrays[1:]:
+            total += array.asnumpy()
+        if total.dtype != info.dtype:
+            total = total.astype(info.dtype)  # as MXNet's copies between dtypes do
+        return total
+
+    def _targets(self, key, info: _Key, out, what: str) -> list:
+        targets = _arrays(out, key, what)
+        for target in targets:
+            if target.shape != info.shape:
+                raise KVStoreError(
+                    f"pslink kvstore: {what} of key {key!r} into an array of shape {target.shape}, but the "
+                    f"key has shape {info.shape}",
+                    key=key, shapes=[list(target.shape), list(info.shape)],
+                )
+        return targets
+
+    @staticmethod
+    def _buffer(info: _Key) -> np.ndarray:
+        if info.buffer is None:
+            info.buffer = np.empty(info.shape, info.dtype)
+        return info.buffer
+
+    @staticmethod
+    def _write(array: np.ndarray, targets: list) -> None:
+        for target in targets:
+            target[:] = array  # a synchronous copy; casts to the target's dtype
+
+    def _settle(self) -> None:
+        """Wait for the pushes still in flight; raise the first one's error."""
+        pushes, self._pushes = self._pushes, []
+        for handle in pushes:
+            try:
+                handle.wait()
+            except PslinkError as exc:
+                raise translate(exc, f"push of key {', '.join(map(repr, handle.keys))}") from exc
+
+    def _call(self, what: str, keys: list, fn):
+        try:
+            return fn()
+        except PslinkError as exc:
+            named = f"{what} of key {keys[0]!r}" if len(keys) == 1 else (f"{what} of keys {keys}" if keys else what)
+            raise translate(exc, named) from exc
+
+
+@KVStoreBase.register
+class PSLink(PSLinkKVStore):
+    """``mx.kv.create('pslink')``: BSP rounds, as ``dist_sync`` (unless the job runs ASP)."""
+
+
+@KVStoreBase.register
+class PSLink_Async(PSLinkKVStore):  # noqa: N801 - the registry files a class under its name, lower-cased
+    """``mx.kv.create('pslink_async')``: every push applied at once, as ``dist_async``."""
+
+    sync = "asp"
+
+
+#: the names users give ``mx.kv.create`` and ``kvstore=``
+NAMES = ("pslink", "pslink_async")

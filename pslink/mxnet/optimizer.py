@@ -1,0 +1,76 @@
+"""MXNet optimizers as plain data for the service's Aggregators (never pickled code).
+
+``service_config(opt)`` maps an ``mx.optimizer.SGD`` (with or without momentum) or
+``mx.optimizer.Adam`` onto the service's optimizers (``pslink.core.optim``), with the settings
+that make the service follow MXNet's update rules rather than PyTorch's:
+
+- the service applies the round's **sum** of gradients times ``rescale_grad`` (``average``
+  false), as MXNet's dist_sync servers do;
+- SGD keeps ``lr * grad`` in its momentum buffer (``lr_in_momentum``) and clips the rescaled
+  gradient before weight decay; Adam clips after weight decay and adds epsilon before the bias
+  correction (``eps_after_bias_correction`` false).
+"""
+
+from __future__ import annotations
+
+import mxnet as mx
+
+from pslink.mxnet.errors import KVStoreError
+
+SUPPORTED = "mx.optimizer.SGD (with or without momentum) and mx.optimizer.Adam"
+
+
+def service_config(opt) -> dict:
+    """The plain-data description of ``opt`` at its current learning rate."""
+    kind = type(opt)
+    common: dict = {"average": False, "rescale_grad": float(opt.rescale_grad)}
+    # MXNet clips only for a positive clip_gradient (None, 0 or negative: no clipping).
+    if opt.clip_gradient is not None and opt.clip_gradient > 0:
+        common["clip_gradient"] = float(opt.clip_gradient)
+    if kind is mx.optimizer.SGD:
+        return {
+            "type": "sgd",
+            "lr": float(opt.learning_rate),
+            "momentum": float(opt.momentum),
+            "weight_decay": float(opt.wd),
+            "lr_in_momentum": True,
+            **common,
+        }
+    if kind is mx.optimizer.Adam:
+        return {
+            "type": "adam",
+            "lr": float(opt.learning_rate),
+            "beta1": float(opt.beta1),
+            "beta2": float(opt.beta2),
+            "eps": float(opt.epsilon),
+            "weight_decay": float(opt.wd),
+            "eps_after_bias_correction": False,
+            **common,
+        }
+    raise KVStoreError(
+        f"pslink kvstore: the service cannot apply optimizer {kind.__module__}.{kind.__name__}; it "
+        f"applies {SUPPORTED}. Use one of those, or keep the update on the worker with "
+        "gluon.Trainer(..., update_on_kvstore=False)"
+    )
+
+
+def check_key(opt, key, dtype) -> None:
+    """Refuse what one job-wide optimizer cannot express for ``key``: its own learning rate or
+    weight decay (lr_mult, wd_mult), or a float16 master copy (multi_precision)."""
+    lr, wd = opt.learning_rate, opt.wd
+    key_lr, key_wd = opt._get_lr(key), opt._get_wd(key)
+    if key_lr != lr or key_wd != wd:
+        raise KVStoreError(
+            f"pslink kvstore: key {key!r} has learning rate {key_lr:g} and weight decay {key_wd:g}, "
+            f"but the optimizer's are {lr:g} and {wd:g} (lr_mult or wd_mult set for it); the service "
+            "applies one learning rate and weight decay to every key of a job: set the multipliers "
+            "to 1 or use update_on_kvstore=False",
+            key=key,
+        )
+    if opt.multi_precision and dtype == "float16":
+        raise KVStoreError(
+            f"pslink kvstore: key {key!r} is float16 and the optimizer asks for multi_precision; the "
+            "service steps weights in their own dtype. Keep the weights in float32 or use "
+            "update_on_kvstore=False",
+            key=key,
+        )

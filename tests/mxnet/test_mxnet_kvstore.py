@@ -1,0 +1,158 @@
+"""The kvstore API used directly by 2 worker processes: dist_sync results as MXNet documents them.
+
+MXNet's KVStore tutorial (https://mxnet.apache.org/versions/1.9.1/api/python/docs/tutorials/
+packages/kvstore/kvstore.html) and dist_sync: init sets the value; a pull before any push returns
+it; push adds the worker's value (summed over its devices) into a round, and a pull returns the
+sum over all workers; with an optimizer set (update_on_kvstore), the server applies it to the
+summed gradient and pulls return the weights. dist_async applies every push by itself, at once.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mxnet", reason="MXNet 1.9.1 is not installed (CI installs it: pip install '.[mxnet]')")
+
+import pslink.mxnet  # noqa: E402
+from pslink.core.service import Service  # noqa: E402
+from tests.mxnet.mxnet_procs import HERE, launch  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+WORKER = HERE / "mxnet_kv_worker.py"
+SHAPE = (2, 3)
+
+
+@pytest.fixture(scope="module")
+def service():
+    with Service(aggregators=2) as s:
+        yield s
+
+
+def run_scenario(service, tmp_path, scenario) -> list[dict]:
+    code, out = launch(WORKER, [tmp_path, scenario], service.address, job=f"kv-{scenario}")
+    assert code == 0, out
+    return [json.loads((tmp_path / f"{scenario}-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def full(value, shape=SHAPE) -> list:
+    return np.full(shape, value, np.float32).tolist()
+
+
+def test_init_push_pull_pushpull_broadcast_across_two_workers(service, tmp_path):
+    records = run_scenario(service, tmp_path, "dist_sync")
+    for rank, seen in enumerate(records):
+        assert seen["class"] == "PSLink" and seen["rank"] == rank and seen["num_workers"] == 2
+        assert "dist" in seen["type"] and "_sync" in seen["type"] and "async" not in seen["type"]
+        assert seen["capable"] is True
+        assert seen["unknown_capability"] == "Unknown capability: sparse"
+        assert seen["init"] == full(2)                      # the initial value
+        assert seen["push_8"] == full(16)                   # 8 from each of 2 workers
+        assert seen["push_4_devices"] == [full(8)] * 2      # 4 devices x 1, from each of 2 workers
+        assert seen["str_keys"] == [full(3, (4,)), full(30, (2, 2))]  # (1 + 2) and (10 + 20)
+        assert seen["pushpull_in_place"] == full(3)         # rank 0 pushed 1, rank 1 pushed 2
+        assert seen["pushpull_out"] == full(20)
+        assert seen["broadcast"] == [full(10)] * 2          # rank 0's value on every device
+        assert seen["int32"] == [3, 3, 3]
+
+
+def mxnet_sgd_reference(steps: int, lrs: list[float]) -> list:
+    """What MXNet's own SGD does to the weights with the workers' summed gradients."""
+    from tests.mxnet.mxnet_kv_worker import gradient
+
+    opt = mx.optimizer.SGD(learning_rate=lrs[0], momentum=0.9, wd=0.01, rescale_grad=0.5, clip_gradient=1.0)
+    updater = mx.optimizer.get_updater(opt)
+    w = mx.nd.array(np.arange(6, dtype=np.float32).reshape(SHAPE) / 10)
+    history = []
+    for step in range(steps):
+        opt.set_learning_rate(lrs[step])
+        updater(0, mx.nd.array(gradient(step, 0) + gradient(step, 1)), w)
+        history.append(w.asnumpy().copy())
+    return history
+
+
+def test_set_optimizer_updates_on_the_service_as_mxnet_sgd_does(service, tmp_path):
+    records = run_scenario(service, tmp_path, "optimizer")
+    expected = mxnet_sgd_reference(5, [0.1, 0.1, 0.05, 0.05, 0.05])
+    for seen in records:
+        assert seen["type"] == "pslink_dist_sync"
+        for step, weights in enumerate(seen["weights"]):
+            np.testing.assert_allclose(weights, expected[step], rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+        # save_optimizer_states, then load_optimizer_states after another optimizer was set: the
+        # saved learning rate is back on the service and the momentum kept going.
+        assert seen["loaded_lr"] == 0.05
+        np.testing.assert_allclose(seen["after_load"], expected[4], rtol=1e-5, atol=1e-6)
+    # The learning rate change mattered (the check above can tell it apart).
+    unchanged = mxnet_sgd_reference(4, [0.1] * 4)
+    assert not np.allclose(unchanged[3], expected[3], atol=1e-4)
+    # The saved file is MXNet's updater format: MXNet's own updater loads it.
+    updater = mx.optimizer.get_updater(mx.optimizer.SGD())
+    updater.set_states((tmp_path / "states-0").read_bytes())
+    assert type(updater.optimizer).__name__ == "SGD" and updater.optimizer.lr == 0.05
+    assert updater.optimizer.momentum == 0.9 and updater.optimizer.num_update == 4
+
+
+def test_async_store_applies_every_push_at_once(service, tmp_path):
+    records = run_scenario(service, tmp_path, "async")
+    for seen in records:
+        assert "dist" in seen["type"] and "_async" in seen["type"]
+        # 10 pushes of ones, each stepping SGD(lr 0.1) by itself: 0 - 10 x 0.1.
+        np.testing.assert_allclose(seen["after_all_pushes"], full(-1.0), rtol=1e-6)
+
+
+def mxnet_optimizers():
+    """MXNet optimizers with the settings where MXNet's rules differ from PyTorch's."""
+    return {
+        "sgd-clip-wd": lambda: mx.optimizer.SGD(learning_rate=0.2, wd=0.05, rescale_grad=0.25, clip_gradient=0.3),
+        "sgd-momentum-scheduler": lambda: mx.optimizer.SGD(
+            momentum=0.8, wd=0.01, clip_gradient=1.0,
+            lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5, base_lr=0.1)),
+        "adam-large-epsilon": lambda: mx.optimizer.Adam(learning_rate=0.05, epsilon=0.1, wd=0.02, clip_gradient=0.5),
+    }
+
+
+@pytest.mark.parametrize("name", list(mxnet_optimizers()))
+def test_the_service_steps_as_mxnets_own_optimizer(service, name):
+    make = mxnet_optimizers()[name]
+    rng = np.random.default_rng(7)
+    w0 = rng.standard_normal(SHAPE).astype(np.float32)
+    grads = [rng.standard_normal(SHAPE).astype(np.float32) * 3 for _ in range(6)]
+
+    reference = make()
+    updater = mx.optimizer.get_updater(reference)
+    w_ref = mx.nd.array(w0)
+    kv = pslink.mxnet.PSLink(job=f"rules-{name}", rank=0, num_workers=1, master=service.address, timeout=20)
+    try:
+        kv.set_optimizer(make())
+        kv.init("w", mx.nd.array(w0))
+        w = mx.nd.zeros(SHAPE)
+        for step, g in enumerate(grads):
+            updater("w", mx.nd.array(g), w_ref)
+            kv.pushpull("w", mx.nd.array(g), out=w)
+            np.testing.assert_allclose(w.asnumpy(), w_ref.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+    finally:
+        kv.close()
+
+
+def test_a_state_file_from_a_local_run_loads_its_optimizer_and_warns_about_its_state(service, tmp_path):
+    local = mx.optimizer.get_updater(mx.optimizer.SGD(learning_rate=0.3, momentum=0.5))
+    w = mx.nd.ones(SHAPE)
+    local(0, mx.nd.ones(SHAPE), w)  # creates momentum state for key 0
+    path = tmp_path / "local-states"
+    path.write_bytes(local.get_states(dump_optimizer=True))
+
+    kv = pslink.mxnet.PSLink(job="load-local", rank=0, num_workers=1, master=service.address, timeout=20)
+    try:
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=1.0))
+        kv.init(0, mx.nd.zeros(SHAPE))
+        with pytest.warns(UserWarning, match="holds optimizer state for 1 key\\(s\\); the service keeps its own"):
+            kv.load_optimizer_states(str(path))
+        out = mx.nd.zeros(SHAPE)
+        kv.pushpull(0, mx.nd.ones(SHAPE), out=out)
+        # The file's SGD(lr 0.3, momentum 0.5) stepped, from the service's (empty) momentum.
+        np.testing.assert_allclose(out.asnumpy(), np.full(SHAPE, -0.3), rtol=1e-6)
+    finally:
+        kv.close()
