@@ -1,0 +1,293 @@
+"""TensorFlow tensors to and from the parameter service: sums, broadcasts and model checks.
+
+Everything here is a few Agent calls (``pushpull_many``) wrapped so that TensorFlow can run them:
+directly when executing eagerly, as one ``tf.numpy_function`` op inside a ``tf.function``. Keys
+name what travels: ``tf.var/<variable name>/...`` for variables, ``tf.grad/<variable name>`` for
+gradients of the Horovod-style wrappers, ``tf.reduce/<signature>...`` for the strategy's reductions.
+
+A broadcast is a sum in which only the root contributes its value (the others push zeros), so
+the same key can be broadcast any number of times, one round each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from pslink.core.agent import Agent
+from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
+from pslink.tf import _internals
+
+MAX_KEY = 256  # the service's limit on string keys
+
+# TensorFlow dtypes the service carries as they are; others are converted for the trip (exactly).
+_NATIVE = {
+    tf.float16, tf.float32, tf.float64,
+    tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,
+}
+_CARRIED_AS = {tf.bfloat16: tf.float32, tf.bool: tf.uint8}
+
+
+def make_key(*parts) -> str:
+    """A service key from ``parts``; keys over the service's limit keep a readable head and a hash."""
+    key = "/".join(str(p) for p in parts)
+    if len(key) > MAX_KEY:
+        key = f"{key[:200]}~{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    return key
+
+
+def shape_text(shape) -> str:
+    dims = tf.TensorShape(shape).as_list() if tf.TensorShape(shape).rank is not None else None
+    if dims is None:
+        return "(?)"
+    return "(" + ", ".join("?" if d is None else str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def variable_name(variable) -> str:
+    """The name that keys a variable: a Keras variable's path, else the TensorFlow name (without
+    the ``:0`` that every TensorFlow variable name ends with)."""
+    name = getattr(variable, "path", None) or variable.name
+    return name.removesuffix(":0")
+
+
+def unique_names(names: Sequence[str]) -> list[str]:
+    """``names`` with repeats told apart (``a``, ``a#2``, ...), the same way on every worker."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out
+
+
+class SiteKeys:
+    """Keys for values that have no name (the strategy's reductions, unnamed allreduce calls).
+
+    A reduction is named by its signature (dtypes and static shapes of the tensors reduced
+    together) and by how many reductions of that signature came before it in the function being
+    traced: deterministic on every worker running the same program, stable across retracing, and
+    distinct for two reductions of one step, which TensorFlow may run in either order."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def keys(self, tensors: Sequence[tf.Tensor]) -> list[str]:
+        signature = ";".join(f"{t.dtype.name}{shape_text(t.shape)}" for t in tensors)
+        digest = hashlib.sha1(signature.encode()).hexdigest()[:12]
+        occurrence = 0
+        if not tf.executing_eagerly():
+            counts = self._counts.setdefault(tf.compat.v1.get_default_graph(), {})
+            occurrence = counts.get(digest, 0)
+            counts[digest] = occurrence + 1
+        return [make_key(self.prefix, f"{digest}.{occurrence}", i) for i in range(len(tensors))]
+
+
+class Exchange:
+    """Runs Agent requests for TensorFlow values; one per process, shared by the adapter's parts."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+        self.rank: int = agent.rank
+        self.num_workers: int = agent.num_workers
+        self._last_op: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> op
+        self._checked: set[tuple] = set()  # variable lists already found equal on every worker
+
+    def __repr__(self) -> str:
+        return f"<Exchange job={self.agent.job!r} rank={self.rank}/{self.num_workers}>"
+
+    # -- sums and broadcasts -------------------------------------------------------------------
+
+    def sum(self, keys: Sequence[str], tensors: Sequence, average: bool = False,
+            what: str = "all-reduce") -> list[tf.Tensor]:
+        """Sum (``average``: the mean) of each tensor over every worker, in one request.
+
+        A key gets the runtime shape appended when the tensor's static shape is not fully known,
+        so a value whose shape changes from step to step never meets a differently shaped round."""
+        tensors = [tf.convert_to_tensor(t) for t in tensors]  # also densifies IndexedSlices
+        if not tensors:
+            return []
+        carried = [self._carry(t, key, summing=True) for t, key in zip(tensors, keys)]
+        dynamic = [not t.shape.is_fully_defined() for t in tensors]
+        keys = list(keys)
+
+        def run(*arrays):
+            final = [make_key(k, a.shape) if d else k for k, a, d in zip(keys, arrays, dynamic)]
+            outs = [np.empty(a.shape, a.dtype) for a in arrays]
+            try:
+                self.agent.pushpull_many(final, arrays, outs=outs, average=average).wait()
+            except PslinkError as exc:
+                raise type(exc)(f"{what} (rank {self.rank} of {self.num_workers}): {exc.message}",
+                                **exc.details) from None
+            return outs
+
+        results = self._call(run, carried, what)
+        return [self._restore(r, t) for r, t in zip(results, tensors)]
+
+    def broadcast(self, keys: Sequence[str], tensors: Sequence, root: int,
+                  what: str = "broadcast") -> list[tf.Tensor]:
+        """Every worker gets ``root``'s value of each tensor."""
+        self._check_root(root, what)
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        carried = [self._carry(t, key, summing=False) for t, key in zip(tensors, keys)]
+        if self.rank != root:
+            carried = [tf.zeros_like(t) for t in carried]
+        results = self.sum(keys, carried, what=what)
+        return [self._restore(r, t) for r, t in zip(results, tensors)]
+
+    def _call(self, run: Callable, tensors: list[tf.Tensor], what: str) -> list[tf.Tensor]:
+        if tf.executing_eagerly():
+            # Directly: our own errors reach the caller unchanged.
+            outs = run(*[t.numpy() for t in tensors])
+            return [tf.convert_to_tensor(o) for o in outs]
+        if _internals.in_xla_context():
+            raise ConfigError(
+                f"{what}: pslink cannot run inside an XLA-compiled function; compile without XLA "
+                "(Keras: model.compile(..., jit_compile=False); tf.function(jit_compile=False))"
+            )
+        results = self.ordered(lambda: tf.numpy_function(
+            run, tensors, Tout=[t.dtype for t in tensors], stateful=True, name="pslink_pushpull"))
+        for r, t in zip(results, tensors):
+            r.set_shape(t.shape)
+        return results
+
+    def ordered(self, build: Callable):
+        """``build()`` the ops of one service request so that, in the graph being traced, they run
+        after the previous request's: every worker then makes its requests in the same order
+        (program order). Unordered, two workers could each block in a different request, waiting
+        for the other to make it."""
+        if tf.executing_eagerly():
+            return build()
+        graph = tf.compat.v1.get_default_graph()
+        last = self._last_op.get(graph)
+        with tf.control_dependencies([last] if last is not None else []):
+            out = build()
+        self._last_op[graph] = tf.nest.flatten(out)[0].op
+        return out
+
+    @staticmethod
+    def _carry(tensor: tf.Tensor, key: str, summing: bool) -> tf.Tensor:
+        dtype = tensor.dtype
+        if dtype in _NATIVE:
+            return tensor
+        if dtype in _CARRIED_AS and not (summing and dtype == tf.bool):
+            return tf.cast(tensor, _CARRIED_AS[dtype])
+        raise ConfigError(f"key {key!r}: pslink cannot {'sum' if summing else 'send'} {dtype.name} tensors")
+
+    @staticmethod
+    def _restore(result: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+        return result if result.dtype == like.dtype else tf.cast(result, like.dtype)
+
+    def _check_root(self, root: int, what: str) -> None:
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.num_workers:
+            raise ConfigError(f"{what}: root_rank must be a rank in [0, {self.num_workers}), got {root!r}")
+
+    # -- variables -------------------------------------------------------------------------------
+
+    def broadcast_variables(self, variables: Sequence, root: int = 0, scope: str = "vars",
+                            what: str = "broadcast_variables") -> None:
+        """Give every worker ``root``'s values of ``variables``, after checking that every worker
+        has the same variables (names, shapes, dtypes) in the same order."""
+        self._check_root(root, what)
+        variables = list(variables)
+        if not variables or self.num_workers == 1:
+            return
+        entries = describe_variables(variables)
+        self.check_same_variables(entries, scope, what)
+        self.assign_from_root(variables, entries, root, what)
+
+    def assign_from_root(self, variables: Sequence, entries: list[tuple[str, str, str]], root: int,
+                         what: str) -> list:
+        """Assign ``root``'s values to ``variables`` (checked already); returns the assign ops."""
+        keys = [make_key("tf.var", name, dtype, shape) for name, shape, dtype in entries]
+        values = self.broadcast(keys, [tf.convert_to_tensor(v) for v in variables], root, what)
+        return [variable.assign(value) for variable, value in zip(variables, values)]
+
+    def allgather_rows(self, key: str, row: np.ndarray) -> np.ndarray:
+        """Every worker's ``row`` stacked in rank order (each fills its own row of a sum)."""
+        rows = np.zeros((self.num_workers,) + row.shape, row.dtype)
+        rows[self.rank] = row
+        return self.agent.pushpull(key, rows, out=rows).wait()
+
+    def check_once(self, entries: list[tuple[str, str, str]], scope: str, what: str) -> None:
+        """:meth:`check_same_variables`, the first time this process meets this list of variables.
+
+        Keyed by the list itself, not by when it is met: a function that one worker retraces
+        (say, for its last, smaller batch) and another does not must not make only one of them
+        ask."""
+        signature = (scope, tuple(entries))
+        if signature in self._checked:
+            return
+        self.check_same_variables(entries, scope, what)
+        self._checked.add(signature)
+
+    def check_same_variables(self, entries: list[tuple[str, str, str]], scope: str, what: str) -> None:
+        """Raise ShapeMismatchError, on every worker at once, naming the first variable (and both
+        shapes) in which some worker differs from rank 0. One small round trip when all agree."""
+        if self.num_workers == 1:
+            return
+        text = "\n".join("\t".join(entry) for entry in entries).encode()
+        digest = np.frombuffer(hashlib.sha256(text).digest()[:16], np.uint8)
+        digests = self.allgather_rows(make_key("tf.check", scope, "digest"), digest)
+        if (digests == digests[0]).all():
+            return
+        lengths = self.allgather_rows(make_key("tf.check", scope, "length"), np.array([len(text)], np.int64))
+        width = int(lengths.max())
+        padded = np.zeros(width, np.uint8)
+        padded[: len(text)] = np.frombuffer(text, np.uint8)
+        texts = self.allgather_rows(make_key("tf.check", scope, "text", width), padded)
+        manifests = [_parse(texts[r, : int(lengths[r, 0])].tobytes()) for r in range(self.num_workers)]
+        raise _difference(manifests, what)
+
+
+def describe_variables(variables: Sequence) -> list[tuple[str, str, str]]:
+    """(unique name, shape, dtype) of each variable, as the model checks compare them."""
+    names = unique_names([variable_name(v) for v in variables])
+    return [describe(n, v) for n, v in zip(names, variables)]
+
+
+def describe(name: str, value) -> tuple[str, str, str]:
+    """(name, shape, dtype) of a variable or tensor, as text."""
+    return name, shape_text(value.shape), tf.as_dtype(value.dtype).name
+
+
+def _parse(text: bytes) -> list[tuple[str, str, str]]:
+    if not text:
+        return []
+    return [tuple(line.split("\t")) for line in text.decode().split("\n")]  # type: ignore[misc]
+
+
+def _shape(entry) -> str:
+    return f"{entry[1]} {entry[2]}"
+
+
+def _difference(manifests: list[list[tuple[str, str, str]]], what: str) -> ShapeMismatchError:
+    """The first way in which a worker's variables differ from rank 0's, as an error."""
+    base = manifests[0]
+    for rank, other in enumerate(manifests[1:], start=1):
+        if other == base:
+            continue
+        for i, (a, b) in enumerate(zip(base, other)):
+            if a == b:
+                continue
+            if a[0] == b[0]:
+                message = (f"variable {a[0]!r} is {_shape(a)} on rank 0 but {_shape(b)} on rank {rank}")
+            else:
+                message = (f"variable #{i + 1} is {a[0]!r} {_shape(a)} on rank 0 but {b[0]!r} {_shape(b)} "
+                           f"on rank {rank}")
+            return ShapeMismatchError(
+                f"{what}: the workers' models differ: {message}; every worker must build the same model",
+                variable=a[0], shapes=[_shape(a), _shape(b)], ranks=[0, rank],
+            )
+        longer, shorter, extra = (rank, 0, other[len(base)]) if len(other) > len(base) else (0, rank, base[len(other)])
+        return ShapeMismatchError(
+            f"{what}: the workers' models differ: rank {longer} has {max(len(base), len(other))} variables, "
+            f"rank {shorter} has {min(len(base), len(other))}; the first that rank {shorter} lacks is "
+            f"{extra[0]!r} {_shape(extra)}; every worker must build the same model",
+            variable=extra[0], ranks=[0, rank],
+        )
+    return ShapeMismatchError(f"{what}: the workers' variables differ")  # digests differed, texts not

@@ -1,0 +1,47 @@
+"""``DistributedOptimizer``: a Keras optimizer that averages gradients over the workers first."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from pslink.errors import ConfigError
+from pslink.tf import _internals
+from pslink.tf.ops import allreduce_gradients
+
+
+class _Distributed:
+    """Mixed in before the wrapped optimizer's class: ``apply`` (which ``apply_gradients`` and
+    ``model.fit`` call) averages the gradients over the workers, keyed by variable path."""
+
+    _pslink_average = True
+    _pslink_prefix = ""
+
+    @tf.autograph.experimental.do_not_convert
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if trainable_variables is not None:
+            variables = list(trainable_variables)
+        elif self.built:
+            variables = _internals.optimizer_trainable_variables(self)
+        else:
+            return super().apply(grads, trainable_variables)  # Keras explains what is missing
+        grads = allreduce_gradients(grads, variables, self._pslink_average, self._pslink_prefix,
+                                    what=f"DistributedOptimizer({type(self).__name__})")
+        return super().apply(grads, trainable_variables)
+
+
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, average: bool = True,
+                         name: str | None = None) -> keras.optimizers.Optimizer:
+    """A copy of ``optimizer`` (same class and configuration) whose steps use gradients averaged
+    over every worker (``average=False``: summed). ``name`` prefixes the keys, to tell apart two
+    optimizers over the same variables. Wrap before training: the copy starts without state."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ConfigError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+    base = type(optimizer)
+    cls = type(base.__name__, (_Distributed, base), {
+        "_pslink_average": bool(average),
+        "_pslink_prefix": f"{name}/" if name else "",
+        "__module__": base.__module__,  # a saved model names the plain optimizer
+    })
+    return cls.from_config(optimizer.get_config())

@@ -1,0 +1,131 @@
+"""Horovod's TensorFlow API over the parameter service: allreduce, broadcasts, the gradient tape.
+
+::
+
+    import pslink.tf as hvd
+
+    hvd.init()
+    with tf.GradientTape() as tape:
+        loss = loss_fn(model(x), y)
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)   # averaged over the workers
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    if first_step:
+        hvd.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
+
+Each works eagerly and inside a ``tf.function``. Gradients are keyed by variable name, so two
+workers whose variables differ in shape get a ShapeMismatchError naming the variable and both
+shapes; ``broadcast_variables`` checks all the variables (names, shapes, dtypes) first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Self
+
+import tensorflow as tf
+
+from pslink.errors import ConfigError
+from pslink.tf import context
+from pslink.tf.exchange import SiteKeys, describe, make_key, unique_names, variable_name
+
+_unnamed_allreduce = SiteKeys("tf.allreduce")
+_unnamed_broadcast = SiteKeys("tf.broadcast")
+
+
+@tf.autograph.experimental.do_not_convert
+def allreduce(tensor, average: bool = True, name: str | None = None) -> tf.Tensor:
+    """The mean (``average=False``: the sum) of ``tensor`` over every worker.
+
+    ``name`` keys it on the service; without one, calls are told apart by dtype, shape and their
+    order within the traced function, so make unnamed calls in the same order on every worker."""
+    tensor = tf.convert_to_tensor(tensor)
+    key = make_key("tf.allreduce", name) if name else _unnamed_allreduce.keys([tensor])[0]
+    return context.exchange().sum([key], [tensor], average=average, what=f"allreduce {name or ''}".strip())[0]
+
+
+@tf.autograph.experimental.do_not_convert
+def broadcast(tensor, root_rank: int = 0, name: str | None = None) -> tf.Tensor:
+    """``root_rank``'s value of ``tensor``, on every worker."""
+    tensor = tf.convert_to_tensor(tensor)
+    key = make_key("tf.broadcast", name) if name else _unnamed_broadcast.keys([tensor])[0]
+    return context.exchange().broadcast([key], [tensor], root_rank, what=f"broadcast {name or ''}".strip())[0]
+
+
+@tf.autograph.experimental.do_not_convert
+def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
+    """Assign ``root_rank``'s values to ``variables`` on every worker.
+
+    First checks that every worker passes the same variables (names, shapes, dtypes, order): if
+    not, every worker gets a ShapeMismatchError naming the first that differs and both shapes.
+    Takes tf.Variables and Keras variables."""
+    context.exchange().broadcast_variables(list(variables), root_rank, scope="broadcast",
+                                           what="broadcast_variables")
+
+
+@tf.autograph.experimental.do_not_convert
+def allreduce_gradients(grads: Sequence, variables: Sequence, average: bool = True, prefix: str = "",
+                        what: str = "gradient all-reduce") -> list:
+    """Average (or sum) ``grads`` over the workers, keyed by their variables' names; None stays None."""
+    grads, variables = list(grads), list(variables)
+    if len(grads) != len(variables):
+        raise ConfigError(f"{what}: {len(grads)} gradients for {len(variables)} variables")
+    exchange = context.exchange()
+    if exchange.num_workers == 1:
+        return grads
+    names = unique_names([_source_name(v, i) for i, v in enumerate(variables)])
+    # Gradients of differently shaped variables would meet under one key; check the variables
+    # first (once per list), so that every worker gets an error naming the variable, at once.
+    exchange.check_once([describe(f"{prefix}{n}", v) for n, v in zip(names, variables)], "gradients", what)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    keys = [make_key("tf.grad", f"{prefix}{names[i]}") for i in present]
+    reduced = exchange.sum(keys, [grads[i] for i in present], average=average, what=what)
+    out = list(grads)
+    for i, value in zip(present, reduced):
+        out[i] = value
+    return out
+
+
+def _source_name(source, index: int) -> str:
+    if isinstance(source, tf.Variable) or hasattr(source, "path"):
+        return variable_name(source)
+    if not tf.executing_eagerly() and hasattr(source, "name"):
+        return source.name
+    return f"source{index}"
+
+
+class DistributedGradientTape:
+    """A ``tf.GradientTape`` whose ``gradient`` returns gradients averaged over every worker.
+
+    Wrap a tape after recording (``tape = DistributedGradientTape(tape)``) or before
+    (``with DistributedGradientTape(tf.GradientTape()) as tape:``). Everything but ``gradient``
+    is the wrapped tape's. ``name`` prefixes the keys, to tell apart two tapes over the same
+    variables; ``average=False`` sums instead."""
+
+    def __init__(self, tape: tf.GradientTape, average: bool = True, name: str | None = None):
+        if not isinstance(tape, tf.GradientTape):
+            raise ConfigError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
+        self._tape = tape
+        self._average = average
+        self._prefix = f"{name}/" if name else ""
+
+    def __enter__(self) -> Self:
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
+    def __getattr__(self, attribute):
+        return getattr(self._tape, attribute)
+
+    @tf.autograph.experimental.do_not_convert
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
+                                    unconnected_gradients=unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads)
+        reduced = allreduce_gradients(flat_grads, flat_sources, self._average, self._prefix,
+                                      what="DistributedGradientTape.gradient")
+        return tf.nest.pack_sequence_as(grads, reduced)

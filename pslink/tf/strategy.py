@@ -1,0 +1,204 @@
+"""``ParameterServiceStrategy``: a tf.distribute strategy whose workers meet at the parameter service.
+
+::
+
+    strategy = pslink.tf.ParameterServiceStrategy()   # under `pslink launch -n 2 python train.py`
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(x_of_this_worker, y_of_this_worker, batch_size=32)
+
+Within a worker process it is MirroredStrategy (one replica per local device); across workers
+every reduction (the optimizer's gradient all-reduce, ``strategy.reduce``, ``all_reduce`` in a
+custom loop, aggregated variable updates) is summed by the service. Semantics, as Horovod users
+expect them:
+
+- Each worker feeds its own data; a batch size is per worker. ``num_replicas_in_sync`` counts
+  the replicas of all workers, so that Keras and ``tf.nn.compute_average_loss`` scale the loss
+  by it and the summed gradient is the mean over the combined batch of all workers.
+- Variables created under the scope start from rank 0's values: before and after each
+  ``strategy.run`` (in a ``tf.function``: when it is traced) the variables created since the
+  last time are checked (names, shapes, dtypes equal on every worker, else ShapeMismatchError
+  naming the variable and both shapes) and broadcast from rank 0.
+- Metrics (sync-on-read variables) stay per worker; average them with
+  ``pslink.tf.keras.callbacks.MetricAverageCallback``.
+- ``distribute_datasets_from_function`` passes ``num_input_pipelines`` = workers and
+  ``input_pipeline_id`` = rank, so the input function can shard.
+- XLA (``jit_compile=True``) and ``strategy.gather`` are not supported: clear errors.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from pslink.core.agent import Agent
+from pslink.errors import ConfigError
+from pslink.tf import _internals, context
+from pslink.tf.exchange import Exchange, SiteKeys, describe_variables
+
+WHAT = "ParameterServiceStrategy"
+
+
+class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
+    """MirroredStrategy inside each worker process; the parameter service between workers.
+
+    ``agent``: an Agent to use (default: this process's, see :func:`pslink.tf.init`; made from
+    ``options`` and the ``PSLINK_*`` variables if there is none yet). ``devices``: the local
+    devices (default: all). Fails at once, naming the address, if the service is unreachable.
+    """
+
+    def __init__(self, agent: Agent | None = None, *, devices=None, **options):
+        if agent is None:
+            agent = context.init_for(WHAT, None, options)
+        else:
+            if options:
+                raise ConfigError(f"{WHAT}: pass either agent= or connection options, not both")
+            agent = context.check_agent(agent, WHAT)
+            if not context.is_initialized():
+                context.init_for(WHAT, agent, {})  # the callbacks and wrappers use it too
+        self._exchange = Exchange(agent)
+        self._keys = SiteKeys("tf.reduce")
+        self._new_variables: list = []  # created under the scope, not checked yet
+        self._waiting: list = []  # checked, but their initial values did not exist yet
+        self._sent_by_graph: dict[int, object] = {}  # those broadcast by a traced function, by id
+        self._variables_lock = threading.Lock()
+        _internals.init_strategy(self, devices, self)
+
+    def __repr__(self) -> str:
+        return (f"<ParameterServiceStrategy job={self._exchange.agent.job!r} rank={self.rank}/{self.num_workers} "
+                f"local_replicas={self.local_replicas}>")
+
+    # -- what the strategy tells its users -------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the job."""
+        return self._exchange.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._exchange.num_workers
+
+    @property
+    def local_replicas(self) -> int:
+        return len(self.extended.worker_devices)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas of every worker together (each worker: one per local device)."""
+        return self.local_replicas * self.num_workers
+
+    @property
+    def agent(self) -> Agent:
+        return self._exchange.agent
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """``MirroredStrategy.run``, with the variables created since the last call synchronised
+        (from rank 0) before and after. In a ``tf.function`` this happens while tracing."""
+        # Not marked do_not_convert (that would stop AutoGraph converting ``fn`` too); named
+        # explicitly rather than through super(), which AutoGraph's conversion of this method
+        # would not see.
+        self.sync_variables()
+        result = tf.distribute.MirroredStrategy.run(self, fn, args=args, kwargs=kwargs, options=options)
+        self.sync_variables()
+        return result
+
+    @tf.autograph.experimental.do_not_convert
+    def sync_variables(self) -> None:
+        """Check and broadcast (from rank 0) the variables created under the scope since the last
+        call; with none, nothing happens. Every worker must call it at the same points of the
+        program, which ``run`` does.
+
+        New variables are checked at once (names, shapes, dtypes, on every worker alike). Their
+        values go at once, unless a ``tf.function`` being traced made them: their initial values
+        exist only later. TensorFlow then traces the function a second time before running it,
+        and they go then; where it cannot (initial values computed from the function's inputs),
+        ops added now send them when the function first runs."""
+        with self._variables_lock:
+            fresh, self._new_variables = self._new_variables, []
+            waiting = [v for v in self._waiting if id(v) not in self._sent_by_graph]
+            self._waiting = []
+        if self.num_workers == 1 or not (fresh or waiting):
+            return
+        with self.scope():
+            with tf.init_scope():  # eagerly, also while a tf.function is being traced
+                if fresh:
+                    self._exchange.check_same_variables(describe_variables(fresh), "strategy", WHAT)
+                candidates = waiting + fresh
+                initialized = [_initialized(v) for v in candidates]
+                ready = [v for v, yes in zip(candidates, initialized) if yes]
+                if ready:
+                    self._exchange.assign_from_root(ready, describe_variables(ready), 0, WHAT)
+            pending = [v for v, yes in zip(candidates, initialized) if not yes]
+            if pending:
+                with self._variables_lock:
+                    self._waiting.extend(pending)
+                if not tf.executing_eagerly():
+                    self._assign_on_first_run(pending)
+
+    def _assign_on_first_run(self, variables: list) -> None:
+        """Ops, in the function being traced, that broadcast ``variables`` when it first runs.
+
+        "First" across every trace holding such ops (TensorFlow may run a second trace of the
+        function from the second call on): every worker runs the same traces equally often."""
+        ids = [id(v) for v in variables]
+
+        def first_run():
+            with self._variables_lock:
+                return np.bool_(not all(i in self._sent_by_graph for i in ids))
+
+        def mark_sent():
+            with self._variables_lock:
+                self._sent_by_graph.update(zip(ids, variables))
+            return np.bool_(True)
+
+        def assign():
+            updates = self._exchange.assign_from_root(variables, describe_variables(variables), 0, WHAT)
+            with tf.control_dependencies(updates):
+                return tf.numpy_function(mark_sent, [], tf.bool, stateful=True, name="pslink_sent")
+
+        def build():
+            pending = tf.numpy_function(first_run, [], tf.bool, stateful=True, name="pslink_first_run")
+            return tf.cond(tf.reshape(pending, []), assign, lambda: tf.constant(False))
+
+        self._exchange.ordered(build)
+
+    # -- hooks called by _internals.Extended -----------------------------------------------------
+
+    def variable_created(self, variable) -> None:
+        if variable.synchronization == tf.VariableSynchronization.ON_READ:
+            return  # per-replica accumulators (metrics): local by design
+        with self._variables_lock:
+            self._new_variables.append(variable)
+
+    def global_replicas(self) -> int:
+        return self.num_replicas_in_sync
+
+    def cross_worker_reduce(self, reduce_op, components: list[list]) -> list[tf.Tensor]:
+        """Sum each value's local replicas, then over the workers through the service."""
+        local = [c[0] if len(c) == 1 else tf.add_n([tf.convert_to_tensor(t) for t in c]) for c in components]
+        local = [tf.convert_to_tensor(t) for t in local]
+        if self.num_workers == 1:
+            totals = local
+        else:
+            totals = self._exchange.sum(self._keys.keys(local), local, what=f"{WHAT} reduction")
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            totals = [_divide(t, self.num_replicas_in_sync) for t in totals]
+        return totals
+
+
+def _initialized(variable) -> bool:
+    try:
+        return bool(variable.is_initialized())
+    except (tf.errors.OpError, ValueError, TypeError):
+        return False
+
+
+def _divide(tensor: tf.Tensor, n: int) -> tf.Tensor:
+    if tensor.dtype.is_floating or tensor.dtype.is_complex:
+        return tensor / tf.cast(n, tensor.dtype)
+    return tensor // tf.cast(n, tensor.dtype)  # MEAN of integers keeps the dtype, rounding down
+

@@ -1,0 +1,290 @@
+"""A TensorFlow worker for the tests in this directory; run it under ``pslink launch -n 2``.
+
+    python tf_worker.py SCENARIO OUTDIR
+
+Scenarios (each writes OUTDIR/<name>_rank<r>.npz: the weights after every epoch, the losses):
+  all        fit, loop and optimizer below, one after another in the same two processes; rank 0
+             then trains single-process references on the combined batches (<name>_reference.npz)
+  fit        Keras model.fit under ParameterServiceStrategy
+  loop       a custom loop: strategy.run, optimizer.apply_gradients, strategy.reduce
+  optimizer  no strategy: pslink.tf.keras.DistributedOptimizer with BroadcastGlobalVariablesCallback
+             and MetricAverageCallback
+  tape       no strategy: a Horovod-style loop with pslink.tf.DistributedGradientTape, after
+             pslink.tf.broadcast_variables inside a tf.function
+  wider      ParameterServiceStrategy, but rank 1's hidden layer is wider (must fail, naming it)
+  deeper     ParameterServiceStrategy, but rank 1 has an extra layer (must fail, naming it)
+  wrapper    DistributedOptimizer without the broadcast callback, rank 1's hidden layer wider
+             (must fail when the gradients meet, naming the variable)
+
+Every worker starts from its own random weights (seeded by rank), so equal weights afterwards
+show that rank 0's were broadcast. Worker r trains on rows r, r+2, r+4, ... of a slice of
+scikit-learn's digits; the reference sees, at step s, worker 0's and worker 1's s-th batches as
+one batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import pslink.tf
+import pslink.tf.keras as hvd
+from pslink.errors import PslinkError
+
+BATCH = 32  # per worker
+WORKERS = 2
+SAMPLES = 1280  # 20 steps per epoch and worker
+EPOCHS = 3
+LR = 0.1
+
+
+def data():
+    digits = load_digits()
+    x = (digits.data[:SAMPLES] / 16.0).astype(np.float32)
+    y = digits.target[:SAMPLES].astype(np.int64)
+    return x, y
+
+
+def shard(x, y, rank):
+    return x[rank::WORKERS], y[rank::WORKERS]
+
+
+def combined(x, y):
+    """Batch s of the result is worker 0's batch s followed by worker 1's."""
+    shards = [shard(x, y, r) for r in range(WORKERS)]
+    steps = len(shards[0][0]) // BATCH
+    xs, ys = [], []
+    for s in range(steps):
+        for sx, sy in shards:
+            xs.append(sx[s * BATCH:(s + 1) * BATCH])
+            ys.append(sy[s * BATCH:(s + 1) * BATCH])
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def build(hidden=32, extra=False):
+    layers = [keras.Input((64,)), keras.layers.Dense(hidden, activation="relu")]
+    if extra:
+        layers.append(keras.layers.Dense(hidden, activation="relu"))
+    layers.append(keras.layers.Dense(10))
+    return keras.Sequential(layers)
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class Record(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.weights.append([w.copy() for w in self.model.get_weights()])
+
+
+def save(outdir, name, initial, weights, losses, **extra):
+    arrays = {f"initial_{i}": w for i, w in enumerate(initial)}
+    for epoch, ws in enumerate(weights):
+        arrays.update({f"epoch{epoch}_{i}": w for i, w in enumerate(ws)})
+    np.savez(os.path.join(outdir, f"{name}.npz"), losses=np.array(losses, np.float64), **arrays, **extra)
+
+
+def accuracy(model, x, y):
+    return float(np.mean(np.argmax(model.predict(x, verbose=0), axis=1) == y))
+
+
+# -- distributed scenarios ---------------------------------------------------------------------
+
+def run_fit(strategy, rank, outdir, x, y):
+    keras.utils.set_random_seed(100 + rank)
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.9), loss=loss_fn())
+    initial = model.get_weights()
+    record = Record()
+    sx, sy = shard(x, y, rank)
+    history = model.fit(sx, sy, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[record])
+    save(outdir, f"fit_rank{rank}", initial, record.weights, history.history["loss"],
+         accuracy=accuracy(model, x, y))
+    return initial
+
+
+def run_loop(strategy, rank, outdir, x, y):
+    keras.utils.set_random_seed(200 + rank)
+    with strategy.scope():
+        model = build()
+        optimizer = keras.optimizers.SGD(LR, momentum=0.9)
+    initial = model.get_weights()
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    @tf.function
+    def step(inputs):
+        def replica_step(batch_x, batch_y):
+            with tf.GradientTape() as tape:
+                logits = model(batch_x, training=True)
+                # divides by the local batch times num_replicas_in_sync (all workers' replicas)
+                loss = tf.nn.compute_average_loss(per_example(batch_y, logits))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        losses = strategy.run(replica_step, args=inputs)
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    sx, sy = shard(x, y, rank)
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((sx, sy)).batch(BATCH))
+    weights, losses = [], []
+    for _ in range(EPOCHS):
+        total = [float(step(batch)) for batch in dataset]  # the mean loss over both workers' batches
+        losses.append(np.mean(total))
+        weights.append([w.copy() for w in model.get_weights()])
+    save(outdir, f"loop_rank{rank}", initial, weights, losses)
+    return initial
+
+
+def run_optimizer(rank, outdir, x, y):
+    keras.utils.set_random_seed(300 + rank)
+    model = build()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9)), loss=loss_fn(),
+                  metrics=["accuracy"])
+    initial = model.get_weights()
+    record = Record()
+    sx, sy = shard(x, y, rank)
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(), record]
+    history = model.fit(sx, sy, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
+    save(outdir, f"optimizer_rank{rank}", initial, record.weights, history.history["loss"],
+         accuracy=accuracy(model, x, y))
+    return initial
+
+
+def run_tape(rank, outdir, x, y):
+    keras.utils.set_random_seed(400 + rank)
+    model = build()
+    optimizer = keras.optimizers.SGD(LR, momentum=0.9)
+    initial = model.get_weights()
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    @tf.function
+    def broadcast_model():
+        pslink.tf.broadcast_variables(model.variables, root_rank=0)
+
+    @tf.function
+    def step(batch_x, batch_y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(per_example(batch_y, model(batch_x, training=True)))
+        tape = pslink.tf.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return pslink.tf.allreduce(loss, name="loss")  # the mean over both workers
+
+    broadcast_model()
+    sx, sy = shard(x, y, rank)
+    dataset = tf.data.Dataset.from_tensor_slices((sx, sy)).batch(BATCH)
+    weights, losses = [], []
+    for _ in range(EPOCHS):
+        losses.append(np.mean([float(step(bx, by)) for bx, by in dataset]))
+        weights.append([w.copy() for w in model.get_weights()])
+    save(outdir, f"tape_rank{rank}", initial, weights, losses)
+    return initial
+
+
+def run_different_models(scenario, rank, x, y):
+    """Train models that differ between the workers; print the error each worker gets and exit 0,
+    so that the launch waits for both (a worker that hung would time the test out)."""
+    try:
+        if scenario == "wrapper":
+            model = build(hidden=40 if rank == 1 else 32)
+            model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)), loss=loss_fn())
+        else:
+            strategy = pslink.tf.ParameterServiceStrategy()
+            with strategy.scope():
+                model = build(hidden=40 if scenario == "wider" and rank == 1 else 32,
+                              extra=scenario == "deeper" and rank == 1)
+                model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss_fn())
+        sx, sy = shard(x, y, rank)
+        model.fit(sx, sy, batch_size=BATCH, epochs=1, verbose=0)
+    except (PslinkError, tf.errors.OpError) as exc:  # reported for the test to read
+        # Inside a tf.function the error comes wrapped by TensorFlow; show pslink's own line.
+        lines = [line.strip() for line in str(exc).splitlines() if "Error" in line] or [str(exc)]
+        print(f"failed with {type(exc).__name__}: {lines[-1]}", flush=True)
+        return 0
+    print("training finished although the models differ", flush=True)
+    return 0
+
+
+# -- single-process references -------------------------------------------------------------------
+
+def reference_fit(outdir, initial, x, y, name):
+    model = build()
+    model.set_weights(initial)
+    model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.9), loss=loss_fn())
+    record = Record()
+    cx, cy = combined(x, y)
+    history = model.fit(cx, cy, batch_size=BATCH * WORKERS, epochs=EPOCHS, shuffle=False, verbose=0,
+                        callbacks=[record])
+    save(outdir, f"{name}_reference", initial, record.weights, history.history["loss"])
+
+
+def reference_loop(outdir, initial, x, y, name):
+    model = build()
+    model.set_weights(initial)
+    optimizer = keras.optimizers.SGD(LR, momentum=0.9)
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    @tf.function
+    def step(batch_x, batch_y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(per_example(batch_y, model(batch_x, training=True)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    cx, cy = combined(x, y)
+    dataset = tf.data.Dataset.from_tensor_slices((cx, cy)).batch(BATCH * WORKERS)
+    weights, losses = [], []
+    for _ in range(EPOCHS):
+        losses.append(np.mean([float(step(bx, by)) for bx, by in dataset]))
+        weights.append([w.copy() for w in model.get_weights()])
+    save(outdir, f"{name}_reference", initial, weights, losses)
+
+
+def main(argv):
+    scenario, outdir = argv[1], argv[2]
+    rank = int(os.environ["PSLINK_RANK"])
+    x, y = data()
+    if scenario in ("wider", "deeper", "wrapper"):
+        return run_different_models(scenario, rank, x, y)
+    initials = {}
+    if scenario in ("all", "fit", "loop"):
+        strategy = pslink.tf.ParameterServiceStrategy()
+        if scenario in ("all", "fit"):
+            initials["fit"] = run_fit(strategy, rank, outdir, x, y)
+        if scenario in ("all", "loop"):
+            initials["loop"] = run_loop(strategy, rank, outdir, x, y)
+    if scenario in ("all", "optimizer"):
+        initials["optimizer"] = run_optimizer(rank, outdir, x, y)
+    if scenario in ("all", "tape"):
+        initials["tape"] = run_tape(rank, outdir, x, y)
+    if rank == 0:
+        if "fit" in initials:
+            reference_fit(outdir, initials["fit"], x, y, "fit")
+        if "loop" in initials:
+            reference_loop(outdir, initials["loop"], x, y, "loop")
+        if "tape" in initials:
+            reference_loop(outdir, initials["tape"], x, y, "tape")
+        if "optimizer" in initials:
+            reference_fit(outdir, initials["optimizer"], x, y, "optimizer")
+    pslink.tf.shutdown()
+    print(f"rank {rank} done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
