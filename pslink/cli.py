@@ -177,12 +177,27 @@ def launch_command(
     aggregators: int = typer.Option(2, "--aggregators", min=1, help="Aggregators of the embedded service"),
     job: Optional[str] = typer.Option(None, "--job", help="job name (default: script name, pid and time)"),
     no_prefix: bool = typer.Option(False, "--no-prefix", help="do not prefix output lines with the rank"),
+    pslite: bool = typer.Option(False, "--pslite", help="run a ps-lite program: a scheduler, -s servers and -n "
+                                "workers with ps-lite's DMLC_* environment (as ps-lite's local launcher)"),
+    num_servers: Optional[int] = typer.Option(None, "-s", "--num-servers", min=0,
+                                              help="ps-lite server processes (with --pslite; default 1)"),
+    server_mode: str = typer.Option("classic", "--server-mode", help="with --pslite: classic (the program's own "
+                                    "servers) or service (the parameter service serves the workers)"),
 ):
-    """Run N workers of a training script (as horovodrun or torchrun), with a service if none is given."""
-    from pslink.launch import launch
+    """Run N workers of a training script (as horovodrun or torchrun), with a service if none is given;
+    with --pslite, a ps-lite program's scheduler, servers and workers (as ps-lite's launcher)."""
+    from pslink.launch import launch, launch_pslite
 
     try:
-        code = launch(command, num_workers, service=service, aggregators=aggregators, job=job, prefix=not no_prefix)
+        if pslite:
+            code = launch_pslite(command, num_workers, 1 if num_servers is None else num_servers,
+                                 server_mode=server_mode, service=service, aggregators=aggregators, job=job,
+                                 prefix=not no_prefix)
+        else:
+            if num_servers is not None or server_mode != "classic":
+                raise PslinkError("-s and --server-mode describe a ps-lite deployment: add --pslite")
+            code = launch(command, num_workers, service=service, aggregators=aggregators, job=job,
+                          prefix=not no_prefix)
     except PslinkError as exc:
         _fail(exc)
     raise typer.Exit(code)

@@ -4,12 +4,21 @@ As ``horovodrun`` or ``torchrun`` do: start an embedded service when none is giv
 worker's environment (``PSLINK_MASTER``, ``PSLINK_JOB``, ``PSLINK_RANK``, ``PSLINK_NUM_WORKERS``,
 ``PSLINK_LOCAL_RANK``, ``PSLINK_LOCAL_SIZE``), prefix every output line with the worker's rank,
 and stop everything when a worker fails (its exit status is returned) or on Ctrl-C.
+
+``pslink launch --pslite -s NS -n NW prog args`` runs a ps-lite program as ps-lite's local
+launcher (tracker/dmlc_local.py) does: the program once as the scheduler, NS times as a server
+and NW times as a worker, with ps-lite's environment (``DMLC_ROLE``, ``DMLC_PS_ROOT_URI``,
+``DMLC_PS_ROOT_PORT``, ``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER``) and output prefixed by role and
+rank. With ``server_mode="service"`` no server processes run: the workers are served by the
+parameter service (embedded, or the one given).
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -88,6 +97,8 @@ class Launch:
         self.env = dict(os.environ if env is None else env)
         self.worker_env = worker_env
         self.procs: list[subprocess.Popen] = []
+        self.labels: list[str] = []  # how messages name each process ("rank 1", "server 0")
+        self.others = "workers"  # how a failure message names the rest
         self._service = None
         self._scratch: tempfile.TemporaryDirectory | None = None
 
@@ -121,34 +132,49 @@ class Launch:
             env.update(self.worker_env(rank))
         return env
 
+    def processes(self) -> list[tuple[str, str, dict]]:
+        """What to start: (label for messages, output prefix, environment) per process."""
+        return [(f"rank {rank}", f"[rank{rank}]: ", self.environment(rank)) for rank in range(self.num_workers)]
+
     def start_workers(self) -> None:
-        for rank in range(self.num_workers):
+        for label, prefix, env in self.processes():
             proc = subprocess.Popen(
                 self.command,
-                env=self.environment(rank),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # our Ctrl-C handling stops them, with their children
             )
             self.procs.append(proc)
-            self.output.follow(proc.stdout, f"[rank{rank}]: " if self.prefix else "")
+            self.labels.append(label)
+            self.output.follow(proc.stdout, prefix if self.prefix else "")
 
-    def wait(self, poll_interval: float = 0.05) -> int:
-        """Until every worker succeeded (0) or one failed (its status; the others are stopped)."""
-        while True:
-            running = 0
-            for rank, proc in enumerate(self.procs):
-                code = proc.poll()
-                if code is None:
-                    running += 1
-                elif code != 0:
-                    self._say(f"rank {rank} {describe_status(code)}; stopping the other workers")
-                    self.stop_workers()
-                    return code if code > 0 else 128 - code
-            if running == 0:
-                return 0
-            time.sleep(poll_interval)  # a child exit has no portable wake-up short of SIGCHLD
+    def wait(self) -> int:
+        """Until every worker succeeded (0) or one failed (its status; the others are stopped).
+
+        One reaper thread per process notes when it exited, so the failure returned is the first
+        in time: when one worker fails, its peers often fail a few milliseconds later because of
+        it, and the cause is the one to report."""
+        exits: queue.Queue = queue.Queue()
+
+        def reap(label: str, proc: subprocess.Popen) -> None:
+            exits.put((proc.wait(), label))
+
+        for label, proc in zip(self.labels, self.procs):
+            threading.Thread(target=reap, args=(label, proc), daemon=True).start()
+        for _ in self.procs:
+            while True:
+                try:
+                    code, label = exits.get(timeout=0.5)  # a timeout keeps Ctrl-C responsive
+                    break
+                except queue.Empty:
+                    continue
+            if code != 0:
+                self._say(f"{label} {describe_status(code)}; stopping the other {self.others}")
+                self.stop_workers()
+                return code if code > 0 else 128 - code
+        return 0
 
     def stop_workers(self) -> None:
         alive = [p for p in self.procs if p.poll() is None]
@@ -204,6 +230,73 @@ class Launch:
                     signal.signal(sig, handler)
 
 
+class PsliteLaunch(Launch):
+    """A ps-lite deployment on this machine: a scheduler, servers and workers of one program."""
+
+    SERVER_MODES = ("classic", "service")
+
+    def __init__(self, command: Sequence[str], num_workers: int, num_servers: int = 1,
+                 server_mode: str = "classic", host: str = "127.0.0.1", port: int | None = None, **options):
+        super().__init__(command, num_workers, **options)
+        if num_servers < 0:
+            raise ConfigError(f"-s must be at least 0, got {num_servers}")
+        if server_mode not in self.SERVER_MODES:
+            raise ConfigError(f"--server-mode must be classic or service, got {server_mode!r}")
+        if server_mode == "classic" and self.service_address is not None:
+            raise ConfigError("--service serves workers only in --server-mode service; classic mode runs the "
+                              "program's own servers")
+        self.num_servers = num_servers
+        self.server_mode = server_mode
+        self.host = host
+        self.port = port
+        self.others = "processes"
+
+    def start_service(self) -> str | None:
+        if self.server_mode == "service":
+            return super().start_service()
+        return None
+
+    def processes(self) -> list[tuple[str, str, dict]]:
+        port = self.port or free_port(self.host)
+        common = dict(
+            DMLC_PS_ROOT_URI=self.host,
+            DMLC_PS_ROOT_PORT=str(port),
+            DMLC_NUM_SERVER=str(self.num_servers),
+            DMLC_NUM_WORKER=str(self.num_workers),
+            PSLINK_PSLITE_MODE=self.server_mode,
+            PYTHONUNBUFFERED="1",  # lines reach the prefixer as they are printed
+        )
+        if self.server_mode == "service":
+            common.update(PSLINK_MASTER=self.service_address, PSLINK_JOB=self.job)
+        roles = [("scheduler", 0)]
+        if self.server_mode == "classic":
+            roles += [("server", rank) for rank in range(self.num_servers)]
+        roles += [("worker", rank) for rank in range(self.num_workers)]
+        specs = []
+        for role, rank in roles:
+            env = dict(self.env)
+            env.update(common, DMLC_ROLE=role, PSLINK_PSLITE_RANK=str(rank))
+            if self.worker_env is not None and role == "worker":
+                env.update(self.worker_env(rank))
+            name = "scheduler" if role == "scheduler" else f"{role}{rank}"
+            label = "scheduler" if role == "scheduler" else f"{role} {rank}"
+            specs.append((label, f"[{name}]: ", env))
+        return specs
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (for the scheduler; ps-lite's tracker does the same)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
 def launch(command: Sequence[str], num_workers: int, **options) -> int:
     """Run ``command`` as ``num_workers`` workers of one job; returns the exit status."""
     return Launch(command, num_workers, **options).run()
+
+
+def launch_pslite(command: Sequence[str], num_workers: int, num_servers: int = 1, **options) -> int:
+    """Run a ps-lite program: a scheduler, ``num_servers`` servers (classic mode) and
+    ``num_workers`` workers; returns the first failing exit status, or 0."""
+    return PsliteLaunch(command, num_workers, num_servers, **options).run()
