@@ -101,6 +101,7 @@ class Launch:
         self.others = "workers"  # how a failure message names the rest
         self._service = None
         self._scratch: tempfile.TemporaryDirectory | None = None
+        self._master_port: int | None = None
 
     def _say(self, message: str) -> None:
         with self.output.lock:
@@ -126,11 +127,25 @@ class Launch:
             PSLINK_NUM_WORKERS=str(self.num_workers),
             PSLINK_LOCAL_RANK=str(rank),
             PSLINK_LOCAL_SIZE=str(self.num_workers),
+            # torchrun's names too, so torch.distributed.init_process_group() (gloo, env://) and
+            # scripts written for torchrun run unchanged under pslink launch.
+            RANK=str(rank),
+            WORLD_SIZE=str(self.num_workers),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(self.num_workers),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(self._rendezvous_port()),
             PYTHONUNBUFFERED="1",  # lines reach the prefixer as they are printed
         )
         if self.worker_env is not None:
             env.update(self.worker_env(rank))
         return env
+
+    def _rendezvous_port(self) -> int:
+        """One free port per launch for torch.distributed's env:// rendezvous (MASTER_PORT)."""
+        if self._master_port is None:
+            self._master_port = free_port()
+        return self._master_port
 
     def processes(self) -> list[tuple[str, str, dict]]:
         """What to start: (label for messages, output prefix, environment) per process."""

@@ -215,7 +215,11 @@ class Agent:
             config["partition_bytes"] = partition_bytes
         if sync is not None:
             config["sync"] = sync
-        self.settings = self._register(config, token=self.token or None)
+        try:
+            self.settings = self._register(config, token=self.token or None)
+        except BaseException:
+            self._release_io()  # a refused or failed registration leaves nothing open behind
+            raise
         self.token = self.settings["token"]
         self.mode: str = self.settings["mode"]
         self.sync: str = self.settings["sync"]
@@ -292,6 +296,9 @@ class Agent:
             self._bg_cv.notify_all()
         self._bg.join(5.0)
         self._fail_requests(list(self._pending), ClosedError(f"agent of job {self.job!r} rank {self.rank} closed"))
+        self._release_io()
+
+    def _release_io(self) -> None:
         with self._link_lock:
             links, self._links = list(self._links.values()), {}
         for link in links:

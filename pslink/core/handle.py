@@ -62,10 +62,19 @@ class Handle:
     # -- called by the Agent on its driving thread ------------------------------------------------
 
     def _part_done(self, error: PslinkError | None) -> list:
-        """One part finished; returns the callbacks to run if the whole handle is now done."""
-        if error is not None and self._error is None:
-            self._error = error
-        self._left -= 1
+        """One part finished; returns the callbacks to run if the whole handle is now done.
+
+        The first failed part fails the whole handle at once: its other parts may be waiting on
+        workers that will never come (a batched call whose other keys another worker rejected),
+        and the caller should hear of the failure now, not at its timeout."""
+        if self._left <= 0:
+            return []  # already failed: later parts change nothing
+        if error is not None:
+            if self._error is None:
+                self._error = error
+            self._left = 0
+        else:
+            self._left -= 1
         if self._left:
             return []
         if self._event is not None:

@@ -10,6 +10,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 import pslink
@@ -220,6 +221,33 @@ def test_a_shape_mismatch_fails_both_workers_within_a_second(cluster):
         assert "key 'w'" in message and "(5,)" in message and "(4,)" in message
 
 
+def test_a_batched_call_fails_at_its_first_failed_key_not_at_its_timeout(cluster):
+    """Key 'a' of rank 0's batch waits on rank 1, who never sends it: rank 1's bad 'w' must still
+    fail rank 0's whole batch now, not after its 20 s timeout."""
+    service, transports = cluster
+    rank0_waiting = threading.Event()
+
+    def worker(rank):
+        agent = agent_for(service, transports, "batch-fail", rank, 2)
+        try:
+            if rank == 0:
+                handle = agent.pushpull_many(["a", "w"], [np.ones(3, np.float32), np.ones(4, np.float32)])
+                rank0_waiting.set()
+                started = time.monotonic()
+                with pytest.raises(ShapeMismatchError, match=r"key 'w'"):
+                    handle.wait(timeout=10.0)
+                assert time.monotonic() - started < 5.0
+                assert handle.done() and isinstance(handle.exception(), ShapeMismatchError)
+            else:
+                assert rank0_waiting.wait(20)
+                with pytest.raises(ShapeMismatchError):
+                    agent.pushpull("w", np.ones(5, np.float32)).wait(timeout=5.0)
+        finally:
+            agent.close()
+
+    run_workers(2, worker)
+
+
 def test_a_shape_change_after_first_use_also_fails_the_other_worker(cluster):
     service, transports = cluster
     both_declared = threading.Barrier(2, timeout=20)
@@ -269,6 +297,20 @@ def test_wrong_credentials_and_unknown_jobs_are_refused(cluster):
         if raw is not None:
             raw.close()
         agent.close()
+
+
+def test_a_refused_connect_leaves_no_socket_or_thread_behind(cluster):
+    service, _ = cluster
+    owner = pslink.connect("owned", 0, 1, master=service.address, timeout=10.0)  # own transports: real TCP
+    try:
+        process = psutil.Process()
+        before = (process.num_fds(), threading.active_count())
+        for _ in range(5):
+            with pytest.raises(pslink.AuthError):
+                pslink.connect("owned", 0, 1, master=service.address, token=b"y" * 16, timeout=10.0)
+        assert (process.num_fds(), threading.active_count()) == before
+    finally:
+        owner.close()
 
 
 def test_an_unresponsive_aggregator_is_named_and_nothing_hangs(transports):

@@ -27,6 +27,9 @@ WORKER = textwrap.dedent("""
         with pslink.connect() as agent:   # everything from the environment
             out = agent.pushpull("w", np.full(4, rank + 1.0)).wait()
             print(f"sum {out[0]:.0f} of {agent.num_workers} workers, local rank {os.environ['PSLINK_LOCAL_RANK']}")
+            env = os.environ
+            print(f"torchrun {env['RANK']}/{env['WORLD_SIZE']} local {env['LOCAL_RANK']}/{env['LOCAL_WORLD_SIZE']} "
+                  f"at {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
     elif mode == "fail":
         if rank == 1:
             print("rank 1 fails now", flush=True)
@@ -58,6 +61,13 @@ def test_workers_get_their_environment_and_prefixed_output(script):
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in range(3):
         assert f"[rank{rank}]: sum 6 of 3 workers, local rank {rank}" in done.stdout
+    # torchrun's variables too, one rendezvous port shared by every rank
+    ports = set()
+    for rank in range(3):
+        line = next(line for line in done.stdout.splitlines() if line.startswith(f"[rank{rank}]: torchrun"))
+        assert f"torchrun {rank}/3 local {rank}/3 at 127.0.0.1:" in line
+        ports.add(int(line.rsplit(":", 1)[1]))
+    assert len(ports) == 1 and 0 < ports.pop() < 65536
 
 
 def test_the_first_failure_is_returned_and_the_others_are_stopped(script):

@@ -39,6 +39,7 @@ _PREFIX1 = struct.Struct("<2sBBIQ")
 READ_BUFFER = 256 * 1024  # small messages are parsed out of this buffer, many per recv
 READ_BUDGET = 8 << 20  # bytes one readable callback may take before other sockets get a turn
 MAX_IOV = 64  # buffers per sendmsg call (well under IOV_MAX)
+BATCH_BYTES = 256 * 1024  # coalesced replies go out once they reach this much, burst or not
 
 _PREFIX, _SIZES, _HEADER, _PAYLOAD = range(4)
 
@@ -131,7 +132,11 @@ class TcpConnection(Connection):
                 raise PeerError(f"connection to {self.peer} is closed", peer=self.peer)
             if self._batch is not None:
                 self._batch.extend(parts)
-                return
+                # Small replies wait for the end of the read burst to share one sendmsg; large
+                # ones must not wait behind megabytes of input still to be read.
+                if sum(len(p) for p in self._batch) < BATCH_BYTES:
+                    return
+                parts, self._batch = self._batch, []
             self._write(parts)
 
     def _write(self, parts: list) -> None:
