@@ -39,13 +39,15 @@ class Service:
         aggregator_listen: str | None = None,
         master_options: dict | None = None,
         aggregator_options: dict | None = None,
+        control: dict | None = None,
     ):
         if aggregators < 1:
             raise ServiceError(f"a service needs at least one Aggregator, got {aggregators}")
         self.count = aggregators
         self.transports = transports or Transports()
         self._own_transports = transports is None
-        self.master = Master(listen, state_dir=state_dir, transports=self.transports, **(master_options or {}))
+        self.master = Master(listen, state_dir=state_dir, transports=self.transports, control=control,
+                             **(master_options or {}))
         self.address = self.master.address
         if provider == "local":
             host = "0.0.0.0" if listen.split("://", 1)[-1].startswith("0.0.0.0") else "127.0.0.1"
@@ -57,6 +59,8 @@ class Service:
                                            **(aggregator_options or {}))
         else:
             raise ServiceError(f"unknown provider {provider!r}; use 'local' or 'thread'")
+        # The pool grows and shrinks with load, never below what was asked for here.
+        self.master.use_provider(self.provider, min_aggregators=(control or {}).get("min_aggregators", aggregators))
         self._started = False
         self._stopped = False
 
