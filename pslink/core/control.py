@@ -376,7 +376,7 @@ class ControlPlane:
         if loss <= self.loss_limit:
             return []
         control.window.clear()  # judge the next placement on its own iterations
-        return self._guard(control, loss)
+        return self._guard(control, loss, current)
 
     def _pack(self, control: JobControl) -> list:
         """Profiling is over: place every task of the job by Pseudocode 1, best-fit cluster."""
@@ -435,7 +435,7 @@ class ControlPlane:
                 out.append(name)
         return out
 
-    def _guard(self, control: JobControl, loss: float) -> list:
+    def _guard(self, control: JobControl, loss: float, current: float) -> list:
         """The job runs too slowly on its packed placement: relieve it (Appendix D, Figure 10)."""
         plan = self.clusters[control.cluster]
         congested = self._congested(control, plan)
@@ -458,7 +458,7 @@ class ControlPlane:
         if control.exclusive and not congested:
             # Alone on Aggregators of its own and not held up by them: this is how fast it runs
             # alone now (the host changed), so that is its standalone speed from here on.
-            control.standalone = control.current_iteration()
+            control.standalone = current
             return []
         control.reverts += 1
         control.phase = "reverted"

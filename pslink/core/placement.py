@@ -139,7 +139,13 @@ class Placement:
         self._cycle = np.zeros(0)
         self._work = np.zeros(0)
         self._alive = np.zeros(0, dtype=bool)
-        self._grow_cache: dict[tuple[int, float], tuple[int, bool, float]] = {}
+        self._version = np.zeros(0, dtype=np.int64)
+        # What each Aggregator would look like with its cycle grown to _grow_cycle (valid while
+        # its version is _grow_version): consecutive tasks of one job ask the same question.
+        self._grow_cycle = np.zeros(0)
+        self._grow_version = np.zeros(0, dtype=np.int64)
+        self._grow_ok = np.zeros(0, dtype=bool)
+        self._grow_work = np.zeros(0)
         self._placeholders = 0
 
     # -- the pool ---------------------------------------------------------------------------------
@@ -154,6 +160,11 @@ class Placement:
         self._cycle = np.append(self._cycle, 0.0)
         self._work = np.append(self._work, 0.0)
         self._alive = np.append(self._alive, True)
+        self._version = np.append(self._version, 0)
+        self._grow_cycle = np.append(self._grow_cycle, -1.0)
+        self._grow_version = np.append(self._grow_version, -1)
+        self._grow_ok = np.append(self._grow_ok, False)
+        self._grow_work = np.append(self._grow_work, 0.0)
         return plan
 
     def remove_aggregator(self, name: str) -> list[TaskDemand]:
@@ -178,18 +189,6 @@ class Placement:
 
     # -- evaluating and placing -------------------------------------------------------------------
 
-    def _grow(self, plan: AggregatorPlan, iteration: float) -> tuple[bool, float]:
-        """For an Aggregator whose cycle would grow to ``iteration``: (every job's loss stays
-        under the limit, work per cycle at the new cycle). Cached until the Aggregator changes."""
-        key = (plan.index, iteration)
-        cached = self._grow_cache.get(key)
-        if cached is not None and cached[0] == plan.version:
-            return cached[1], cached[2]
-        ok = plan.max_loss_at(iteration) < self.loss_limit
-        work = plan.work_at(iteration)
-        self._grow_cache[key] = (plan.version, ok, work)
-        return ok, work
-
     def evaluate(self, task: TaskDemand, candidates: Iterable[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(qualified, free slots left after placing ``task``) for every Aggregator slot."""
         cycle, work, alive = self._cycle, self._work, self._alive
@@ -202,20 +201,25 @@ class Placement:
                     allowed[plan.index] = True
             alive = alive & allowed
         keeps = cycle >= D - _EPS  # the cycle stays as it is: only job k's own loss can change
-        with np.errstate(divide="ignore", invalid="ignore"):
-            runs = np.maximum(1.0, np.floor(cycle / D + _EPS)) if D > 0 else np.ones_like(cycle)
-            effective = np.where(keeps, cycle / runs, D)
-            loss = np.where(effective > 0, (effective - D) / effective, 0.0)
+        runs = np.maximum(1.0, np.floor(cycle / D + _EPS))
+        effective = np.maximum(cycle / runs, D)  # an empty Aggregator (cycle 0) would take D
+        loss = (effective - D) / effective
         left = cycle - work - runs * e
         qualified = alive & keeps & (loss < self.loss_limit) & (left >= -_EPS)
         empty = alive & (cycle == 0)  # an empty Aggregator takes the job's cycle: no loss
         left[empty] = D - e
         qualified[empty] = e <= D + _EPS
-        for index in np.flatnonzero(alive & ~keeps & ~empty):  # the cycle would grow to D
-            plan = self._slots[index]
-            ok, grown_work = self._grow(plan, D)
-            left[index] = D - grown_work - e
-            qualified[index] = ok and left[index] >= -_EPS
+        grows = alive & ~keeps & ~empty  # the cycle would grow to D: every job there re-checked
+        if grows.any():
+            stale = grows & ((self._grow_cycle != D) | (self._grow_version != self._version))
+            for index in np.flatnonzero(stale):
+                plan = self._slots[index]
+                self._grow_cycle[index] = D
+                self._grow_version[index] = plan.version
+                self._grow_ok[index] = plan.max_loss_at(D) < self.loss_limit
+                self._grow_work[index] = plan.work_at(D)
+            left[grows] = D - self._grow_work[grows] - e
+            qualified[grows] = self._grow_ok[grows] & (left[grows] >= -_EPS)
         return qualified, left
 
     def choose(self, task: TaskDemand, candidates: Iterable[str] | None = None) -> str | None:
@@ -270,6 +274,7 @@ class Placement:
         plan.version += 1
         self._cycle[plan.index] = plan.cycle
         self._work[plan.index] = plan.work
+        self._version[plan.index] = plan.version
 
     def place(self, task: TaskDemand, candidates: Iterable[str] | None = None, allow_new: bool = True) -> str | NewAggregator | None:
         """Pseudocode 1 for one task: assign it to the best-fit qualified Aggregator, else to a
