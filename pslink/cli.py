@@ -47,9 +47,12 @@ def service_up(
     port: int = typer.Option(7770, "--port", "-p", help="pMaster port (0: any free port)"),
     state: Optional[str] = typer.Option(None, "--state", help="directory for durable state (SQLite); a restart resumes from it"),
     transport: str = typer.Option("tcp", help="tcp (native, fastest) or zmq"),
+    provider: str = typer.Option("local", help="local (subprocesses) or ray (Ray actors, any node)"),
+    ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join with --provider ray (e.g. auto)"),
     log_level: str = typer.Option("WARNING", help="log level of pMaster and the Aggregators"),
 ):
-    """Run pMaster and an Aggregator pool in the foreground; Ctrl-C stops every process it started."""
+    """Run pMaster and an elastic Aggregator pool in the foreground (it never shrinks below
+    --aggregators); Ctrl-C stops every process it started."""
     from pslink.core.service import Service
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -60,12 +63,17 @@ def service_up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        service = Service(f"{scheme}://{host}:{port}", aggregators, state_dir=state,
-                          aggregator_options={"log_level": log_level}).start()
+        if provider == "ray":
+            service = Service(f"{scheme}://{host}:{port}", aggregators, state_dir=state, provider="ray",
+                              provider_options={"address": ray_address}).start()
+        else:
+            service = Service(f"{scheme}://{host}:{port}", aggregators, state_dir=state,
+                              aggregator_options={"log_level": log_level}).start()
     except PslinkError as exc:
         _fail(exc)
     try:
         pids = ", ".join(f"{n} (pid {service.provider.pid(n)})" for n in service.provider.names())
+        pids += f"  [{provider} provider, grows with load]"
         console.print(Panel.fit(
             f"pMaster    [bold]{service.address}[/]\n"
             f"Aggregators {pids}\n"
@@ -105,23 +113,43 @@ def render_status(status: dict, out: Console) -> None:
     out.print(f"[bold]pMaster[/] {master.get('address', '?')} (pid {master.get('pid', '?')}, "
               f"state {master.get('state') or 'in memory'})")
     aggs = Table(title="Aggregators")
-    for column in ("name", "address", "pid", "alive", "tasks", "MB", "jobs", "task rounds/s", "bad msgs"):
-        aggs.add_column(column, justify="right" if column not in ("name", "address", "jobs") else "left")
+    for column in ("name", "address", "pid", "alive", "tasks by job", "MB", "cycle ms", "free ms", "load",
+                   "task rounds/s", "bad msgs"):
+        aggs.add_column(column, justify="left" if column in ("name", "address", "tasks by job") else "right")
     for a in status["aggregators"]:
         jobs = ", ".join(f"{j}:{n}" for j, n in sorted(a["jobs"].items())) or "-"
-        aggs.add_row(a["name"], a["address"], str(a["pid"]), "yes" if a["alive"] else "[red]no[/]", str(a["tasks"]),
-                     f"{a['bytes'] / 1e6:.2f}", jobs, f"{a['task_rounds_per_s']:.1f}", str(a["errors"]))
+        if a.get("reserved_for"):
+            jobs += f" (kept for {a['reserved_for']})"
+        aggs.add_row(a["name"], a["address"], str(a["pid"]), "yes" if a["alive"] else "[red]no[/]", jobs,
+                     f"{a['bytes'] / 1e6:.2f}", f"{a.get('cycle', 0) * 1e3:.1f}", f"{a.get('free', 0) * 1e3:.1f}",
+                     f"{a.get('load', 0):.0%}", f"{a['task_rounds_per_s']:.1f}", str(a["errors"]))
     out.print(aggs)
     jobs = Table(title="Jobs")
-    for column in ("job", "mode", "workers", "keys", "tasks", "MB", "round", "rounds/s", "aggregators"):
-        jobs.add_column(column, justify="left" if column in ("job", "mode", "aggregators") else "right")
+    for column in ("job", "mode", "workers", "keys", "tasks", "MB", "phase", "iteration ms (alone)", "loss",
+                   "rounds/s", "aggregators"):
+        jobs.add_column(column, justify="left" if column in ("job", "mode", "phase", "aggregators") else "right")
     for j in status["jobs"]:
-        mode = j["mode"] + (f" ({j['optimizer']})" if j.get("optimizer") else "")
+        mode = j["mode"] + (f" ({j['optimizer']})" if j.get("optimizer") else "") + (" asp" if j.get("sync") == "asp" else "")
+        control = j.get("control") or {}
+        current, alone, loss = control.get("current"), control.get("standalone"), control.get("loss")
+        timing = (f"{current * 1e3:.1f}" if current else "-") + (f" ({alone * 1e3:.1f})" if alone else "")
         jobs.add_row(j["job"], mode, f"{j['workers']}/{j['num_workers']}", str(j["keys"]), str(j["tasks"]),
-                     f"{j['bytes'] / 1e6:.2f}", str(j["round"]), f"{j['rounds_per_s']:.1f}", ", ".join(j["aggregators"]) or "-")
+                     f"{j['bytes'] / 1e6:.2f}", control.get("phase", "-"), timing,
+                     f"{loss:.0%}" if loss is not None else "-", f"{j['rounds_per_s']:.1f}",
+                     ", ".join(j["aggregators"]) or "-")
     if not status["jobs"]:
         jobs.caption = "no jobs"
     out.print(jobs)
+    migrations = status.get("migrations") or []
+    if migrations:
+        moving = Table(title="Migrations in flight")
+        for column in ("job", "key", "part", "from", "to", "seconds", "copied", "why"):
+            moving.add_column(column)
+        for m in migrations:
+            moving.add_row(m["job"], str(m["key"]), str(m["part"]), m["source"], m["target"], f"{m['seconds']:.2f}",
+                           "yes" if m["copied"] else "no", m["reason"])
+        out.print(moving)
+    out.print(f"migrations done: {status.get('migrations_done', 0)}")
 
 
 @job_app.command("create")

@@ -73,6 +73,13 @@ class ServiceError(PslinkError):
     code = "service"
 
 
+class MovedError(PslinkError):
+    """The task moved to another Aggregator (``details``: agg, address). Agents follow it by
+    themselves; a user sees it only if a task keeps moving."""
+
+    code = "moved"
+
+
 class PeerError(PslinkError, ConnectionError):
     """A peer (pMaster or Aggregator) could not be reached or went away."""
 
@@ -104,6 +111,7 @@ _BY_CODE = {
         AbortedError,
         MembershipError,
         ServiceError,
+        MovedError,
         PeerError,
         PslinkTimeoutError,
         ClosedError,

@@ -53,6 +53,7 @@ from pslink.errors import (
     AbortedError,
     ClosedError,
     ConfigError,
+    MovedError,
     PeerError,
     ProtocolError,
     PslinkError,
@@ -104,11 +105,20 @@ class _Link:
 
 
 class _PartRequest:
-    __slots__ = ("handle", "link", "nbytes", "dest", "array", "average")
+    """One part of a request in flight, with what it takes to send it again elsewhere (a task
+    that migrated answers with its new place)."""
 
-    def __init__(self, handle, link, nbytes, dest, array, average):
+    __slots__ = ("handle", "link", "nbytes", "dest", "array", "average", "op", "info", "part", "round",
+                 "payload", "flat_out", "moves")
+
+    def __init__(self, handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out, moves):
         self.handle, self.link, self.nbytes = handle, link, nbytes
         self.dest, self.array, self.average = dest, array, average
+        self.op, self.info, self.part, self.round = op, info, part, round_
+        self.payload, self.flat_out, self.moves = payload, flat_out, moves
+
+
+MAX_MOVES = 8  # a request that keeps meeting "moved" answers gives up with the last one
 
 
 # dtype -> wire name; a dict lookup, because ``dtype.name`` costs microseconds per call
@@ -164,6 +174,7 @@ class Agent:
         optimizer: dict | None = None,
         partition_bytes: int | None = None,
         sync: str | None = None,
+        servers: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         peer_timeout: float = 10.0,
         probe_interval: float = 0.5,
@@ -203,6 +214,11 @@ class Agent:
         self._waiters = 0
         self._async = 0
         self._activity = clock()  # last submit or wait by a user thread
+        # Iteration timing for pMaster's profiler: the first key this worker pushes is pushed once
+        # per iteration, so the time between its pushes is the iteration duration.
+        self._reference_key: Any = None
+        self._reference_time: float | None = None
+        self._iterations: list[float] = []
         self._closed = False
         self.token: bytes = resolve_token(token) or b""
         config = {}
@@ -215,6 +231,8 @@ class Agent:
             config["partition_bytes"] = partition_bytes
         if sync is not None:
             config["sync"] = sync
+        if servers is not None:
+            config["servers"] = servers
         try:
             self.settings = self._register(config, token=self.token or None)
         except BaseException:
@@ -350,6 +368,7 @@ class Agent:
             if op == Op.PUSH or op == Op.PUSHPULL:
                 for info in infos:
                     info.round += 1
+                self._time_iteration(keys)
             rounds = [info.round for info in infos]
         total_parts = sum(len(info.parts) for info in infos)
         result = None if results is None else (results[0] if len(keys) == 1 else results)
@@ -362,7 +381,20 @@ class Agent:
                 self._send_part(handle, op, info, part, rounds[i], payload, flat_out, average)
         return handle
 
-    def _send_part(self, handle, op, info: _Key, part: _Part, round_: int, payload, flat_out, average) -> None:
+    def _time_iteration(self, keys: list) -> None:
+        """Called under the lock for every push: note an iteration each time the reference key comes
+        round again."""
+        if self._reference_key is None:
+            self._reference_key = keys[0]
+        if self._reference_key in keys:
+            now = self.clock()
+            if self._reference_time is not None:
+                self._iterations.append(now - self._reference_time)
+                del self._iterations[:-1000]  # pMaster missed a heartbeat or two: keep the latest
+            self._reference_time = now
+
+    def _send_part(self, handle, op, info: _Key, part: _Part, round_: int, payload, flat_out, average,
+                   moves: int = 0) -> None:
         nbytes = (part.stop - part.start) * info.dtype.itemsize
         handle._waiting_on[part.aggregator] = part.address
         try:
@@ -375,7 +407,8 @@ class Agent:
         if flat_out is not None:
             array = flat_out[part.start : part.stop]
             dest = memoryview(array).cast("B")
-        self._pending[rid] = _PartRequest(handle, link, nbytes, dest, array, average)
+        self._pending[rid] = _PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_,
+                                          payload, flat_out, moves)
         link.pending.add(rid)
         header = encode(
             op, id=rid, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index,
@@ -516,7 +549,10 @@ class Agent:
         try:
             peer = self._master
             if peer is not None and not peer.conn.closed:
-                peer.notify(Op.HEARTBEAT, job=self.job, tok=self.token, rank=self.rank)
+                with self._lock:
+                    iterations, self._iterations = self._iterations, []
+                peer.notify(Op.HEARTBEAT, job=self.job, tok=self.token, rank=self.rank,
+                            iters=[round(d, 6) for d in iterations])
             elif not self._reconnecting:
                 self._reconnecting = True
                 threading.Thread(target=self._reconnect_master, daemon=True).start()
@@ -580,11 +616,27 @@ class Agent:
         request.link.pending.discard(rid)
         if error is None and header["op"] == Op.ERROR:
             error = error_from_code(header["code"], header["msg"], header.get("details"))
+        if isinstance(error, MovedError) and request.moves < MAX_MOVES:
+            # The task migrated before this request got there: follow it, same round, same data.
+            self._moved(request.part, error.details)
+            self._send_part(request.handle, request.op, request.info, request.part, request.round,
+                            request.payload, request.flat_out, request.average, request.moves + 1)
+            return
+        moved = header.get("moved") if error is None else None
+        if moved:
+            self._moved(request.part, {"agg": moved[0], "address": moved[1]})
         if error is None and request.average:
             n = header.get("n", 0)
             if n > 1:
                 np.divide(request.array, n, out=request.array)
         self._complete(request.handle, error)
+
+    @staticmethod
+    def _moved(part: _Part, where: dict) -> None:
+        """A part's task lives elsewhere now (the pull that closed its last round here said so)."""
+        agg, address = where.get("agg"), where.get("address")
+        if isinstance(agg, str) and isinstance(address, str):
+            part.aggregator, part.address = agg, address
 
     def on_close(self, conn, exc) -> None:
         link = self._conn_links.pop(conn, None)
@@ -751,6 +803,8 @@ def connect(
     tcp://127.0.0.1:7770), ``PSLINK_TOKEN`` and ``PSLINK_TIMEOUT``. Options: ``token``, ``mode``
     (``"sum"`` or ``"optimizer"``), ``optimizer`` (e.g. ``{"type": "sgd", "lr": 0.1}``),
     ``sync`` (``"bsp"``, the default, or ``"asp"``: pushes apply at once, pulls never wait),
+    ``servers`` (how many parameter servers the job would ask for: it is profiled alone on that
+    many Aggregators before pMaster packs it with others; default one per worker),
     ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other :class:`Agent` settings.
     """
     job = resolve_str(job, "job", ENV_JOB)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from pslink.core.cycle import CycleBudget
 from pslink.core.membership import Membership
 from pslink.core.optim import Optimizer, make_optimizer
 from pslink.core.protocol import Op, dtype_of
@@ -35,6 +36,7 @@ from pslink.errors import (
     AuthError,
     ClosedError,
     KeyStateError,
+    MovedError,
     ProtocolError,
     PslinkError,
     ShapeMismatchError,
@@ -165,7 +167,8 @@ class Request:
 
 @dataclasses.dataclass(slots=True)
 class Reply:
-    """What the shell must send: a result (``payload`` may be None) or an error."""
+    """What the shell must send: a result (``payload`` may be None) or an error. ``moved`` tells
+    the worker where the task lives from now on (a migration's redirect, carried by a pull)."""
 
     origin: Any
     id: int
@@ -173,6 +176,32 @@ class Reply:
     n: int = 0
     payload: np.ndarray | None = None
     error: PslinkError | None = None
+    moved: tuple[str, str] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class CopyOut:
+    """Send a migrating task's state to its new Aggregator (TENSOR_COPY)."""
+
+    task: "Task"
+    target: tuple[str, str]
+    state: dict
+    arrays: list[np.ndarray]
+
+
+@dataclasses.dataclass(slots=True)
+class CloseLater:
+    """Cyclic execution: the task's complete round waits for its slot, at ``when``."""
+
+    task: "Task"
+    when: float
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerDone:
+    """Every worker has reached a migrated task at its new place (tell pMaster)."""
+
+    task: "Task"
 
 
 class _Round:
@@ -181,6 +210,11 @@ class _Round:
     def __init__(self):
         self.contributors: set[int] = set()
         self.acc: np.ndarray | None = None
+
+
+def moved_error(key, part: int, where: tuple[str, str]) -> MovedError:
+    return MovedError(f"key {key!r} part {part} moved to aggregator {where[0]} at {where[1]}",
+                      agg=where[0], address=where[1], key=key, part=part)
 
 
 class Task:
@@ -209,7 +243,18 @@ class Task:
         self.poisoned: PslinkError | None = None
         self.opt_state: dict = {}
         self.rounds_closed = 0
-        if not self.needs_init:
+        # migration (AutoPS Appendix B)
+        self.incoming = bool(spec.get("incoming", False))  # waiting for its state to be copied here
+        self.waiting_copy: list[Request] = []
+        self.migrate_to: tuple[str, str] | None = None  # move once the current round closes
+        self.moved_to: tuple[str, str] | None = None  # moved: redirect every request
+        self.seen: set[int] | None = None  # ranks heard from since the state arrived here
+        # profiling: CPU seconds spent on this task, and what was last reported
+        self.cpu = 0.0
+        self.reported = (0.0, 0)
+        self.cost: float | None = None  # e_t: CPU seconds per round (an average)
+        self.close_at: float | None = None  # a complete round waits for its slot until then
+        if not self.needs_init and not self.incoming:
             self.value = np.zeros(self.numel, self.dtype)
 
     @property
@@ -231,12 +276,16 @@ class Task:
 class AggregatorCore:
     """All tasks of one Aggregator, and the rules that move their rounds."""
 
-    def __init__(self, name: str = "aggregator", summer: Summer | None = None, max_ahead: int = DEFAULT_MAX_AHEAD):
+    def __init__(self, name: str = "aggregator", summer: Summer | None = None, max_ahead: int = DEFAULT_MAX_AHEAD,
+                 clock=None):
         self.name = name
         self.summer = summer or Summer()
         self.max_ahead = max_ahead
+        self.clock = clock or (lambda: 0.0)
+        self.budget: CycleBudget | None = None  # cyclic execution, once pMaster sent a schedule
         self.jobs: dict[str, JobState] = {}
         self.tasks: dict[tuple[str, Any, int], Task] = {}
+        self.moved: dict[tuple[str, Any, int], tuple[str, str]] = {}  # tombstones of migrated tasks
 
     # -- control (from pMaster) ---------------------------------------------------------------
 
@@ -272,6 +321,8 @@ class AggregatorCore:
     def drop_job(self, job_id: str) -> list[Reply]:
         """Forget a job; anything still waiting is failed."""
         self.jobs.pop(job_id, None)
+        for ident in [i for i in self.moved if i[0] == job_id]:
+            del self.moved[ident]
         replies = []
         for ident in [i for i in self.tasks if i[0] == job_id]:
             task = self.tasks.pop(ident)
@@ -297,7 +348,10 @@ class AggregatorCore:
         job_id = self.authorize(header).job
         key, part = header["key"], header["part"]
         task = self.tasks.get((job_id, key, part))
-        if task is None:
+        if task is None or task.moved_to is not None:
+            moved = self.moved.get((job_id, key, part)) or (task.moved_to if task is not None else None)
+            if moved is not None:
+                raise moved_error(key, part, moved)
             raise KeyStateError(
                 f"aggregator {self.name} does not hold part {part} of key {key!r} of job {job_id!r}",
                 job=job_id,
@@ -329,9 +383,23 @@ class AggregatorCore:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def handle(self, task: Task, req: Request) -> list[Reply]:
+    def handle(self, task: Task, req: Request) -> list:
         if task.poisoned is not None:
             return [Reply(req.origin, req.id, error=task.poisoned)]
+        if task.moved_to is not None:
+            return [Reply(req.origin, req.id, error=moved_error(task.key, task.part, task.moved_to))]
+        if task.incoming:
+            task.waiting_copy.append(req)  # nothing is applied here before the copy is complete
+            return []
+        outputs: list = []
+        if task.seen is not None:
+            task.seen.add(req.rank)
+            if task.seen >= task.job.membership.expected(task.closed + 1):
+                task.seen = None
+                outputs.append(WorkerDone(task))
+        return self._handle_here(task, req) + outputs
+
+    def _handle_here(self, task: Task, req: Request) -> list:
         if not task.initialized:
             if req.op == Op.INIT and req.payload is not None:
                 return self._initialize(task, req)
@@ -435,21 +503,48 @@ class AggregatorCore:
         task.rounds_closed += 1
         return []
 
-    def _close_ready(self, task: Task) -> list[Reply]:
-        replies: list[Reply] = []
+    def set_schedule(self, cycle: float, budgets: dict[tuple, tuple[int, float]]) -> None:
+        """pMaster's plan for this Aggregator: its cycle and each task's runs and cost."""
+        self.budget = CycleBudget(cycle, budgets, self.clock()) if cycle > 0 and budgets else None
+
+    def close_due(self, task: Task) -> list:
+        """A round that waited for its slot runs now."""
+        if task.close_at is None or self.tasks.get((task.job.job, task.key, task.part)) is not task:
+            return []
+        return self._close_ready(task, admitted=True)
+
+    def _close_ready(self, task: Task, admitted: bool = False) -> list:
+        replies: list = []
         while True:
             nxt = task.closed + 1
             round_ = task.rounds.get(nxt)
             if round_ is None or not round_.contributors >= task.job.membership.expected(nxt):
                 return replies
+            if not admitted:
+                if task.close_at is not None:
+                    return replies  # already waiting for its slot
+                if self.budget is not None:
+                    now = self.clock()
+                    when = self.budget.admit((task.job.job, task.key, task.part), now)
+                    if when > now:
+                        task.close_at = when
+                        return replies + [CloseLater(task, when)]
+            admitted = False
+            task.close_at = None
             del task.rounds[nxt]
             self._apply(task, round_)
             task.closed = nxt
             task.last_n = len(round_.contributors)
             task.rounds_closed += 1
+            migrating = task.migrate_to is not None
             for r in [r for r in task.pulls if r <= nxt]:
                 for req in task.pulls.pop(r):
-                    replies.append(self._result(task, req))
+                    reply = self._result(task, req)
+                    reply.moved = task.migrate_to  # the paper's step 2: the next pull learns the new place
+                    replies.append(reply)
+            if migrating:
+                # Everything up to this round happened here; what follows happens there.
+                return replies + self._snapshot(task)
 
     def _apply(self, task: Task, round_: _Round) -> None:
         job = task.job
@@ -494,7 +589,92 @@ class AggregatorCore:
         return [self._result(task, req)]
 
     def _result(self, task: Task, req: Request) -> Reply:
-        return Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value)
+        # After the snapshot (a push-pull whose push closed the round that moved the task),
+        # the answer still comes from here but carries the new place.
+        return Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value,
+                     moved=task.moved_to)
+
+    # -- migration (AutoPS Appendix B) --------------------------------------------------------------
+
+    def begin_migration(self, ident: tuple, target: tuple[str, str], force: bool = False) -> list:
+        """MIGRATE_INIT: move the task to ``target`` (name, address). Under BSP it moves when its
+        current round closes, so the workers learn the new place from that round's replies; an
+        asynchronous job, an uninitialized task or ``force`` moves at once."""
+        task = self.tasks.get(ident)
+        if task is None:
+            if ident in self.moved:
+                return []  # already gone
+            raise KeyStateError(f"aggregator {self.name} does not hold {ident[1]!r} part {ident[2]} of job {ident[0]!r}")
+        if task.moved_to is not None:
+            return []
+        if task.incoming:
+            raise KeyStateError(f"{task.name} is still arriving here; it cannot move on yet")
+        task.migrate_to = tuple(target)
+        if force or task.job.sync == "asp" or not task.initialized:
+            return self._snapshot(task)
+        return []
+
+    def _snapshot(self, task: Task) -> list:
+        names, arrays, scalars = [], [], {}
+        if task.value is not None:
+            names.append("value")
+            arrays.append(task.value)
+        for name, value in task.opt_state.items():
+            if isinstance(value, np.ndarray):
+                names.append(f"opt:{name}")
+                arrays.append(value)
+            else:
+                scalars[name] = value
+        open_rounds = []
+        for r in sorted(task.rounds):
+            round_ = task.rounds[r]
+            open_rounds.append([r, sorted(round_.contributors)])
+            if round_.acc is not None:
+                names.append(f"round:{r}")
+                arrays.append(round_.acc)
+        state = {
+            "closed": task.closed, "last_n": task.last_n, "rounds_closed": task.rounds_closed,
+            "arrays": names, "scalars": scalars, "open": open_rounds,
+        }
+        task.moved_to = task.migrate_to
+        # Whoever still waits here must ask the new place (their pushes travel in the copy).
+        moved = moved_error(task.key, task.part, task.moved_to)
+        waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
+        task.before_init, task.pulls = [], {}
+        return [CopyOut(task, task.moved_to, state, arrays)] + [Reply(r.origin, r.id, error=moved) for r in waiting]
+
+    def copy_done(self, ident: tuple) -> None:
+        """The new Aggregator has the state: forget the task, keep a forwarding address."""
+        task = self.tasks.pop(ident, None)
+        if task is not None and task.moved_to is not None:
+            self.moved[ident] = task.moved_to
+
+    def install(self, task: Task, state: dict, arrays: list[np.ndarray]) -> list:
+        """TENSOR_COPY arrived: take the state over, then serve what waited for it."""
+        if not task.incoming:
+            raise KeyStateError(f"{task.name} is not waiting for a copy here")
+        named = dict(zip(state["arrays"], arrays))
+        task.value = named.get("value")
+        task.closed = state["closed"]
+        task.last_n = state["last_n"]
+        task.rounds_closed = state["rounds_closed"]
+        task.opt_state = dict(state.get("scalars", {}))
+        task.opt_state.update({n[4:]: a for n, a in named.items() if n.startswith("opt:")})
+        task.rounds = {}
+        for r, ranks in state["open"]:
+            round_ = task.rounds[r] = _Round()
+            round_.contributors = set(ranks)
+            round_.acc = named.get(f"round:{r}")
+        task.incoming = False
+        task.seen = set()
+        outputs: list = []
+        waiting, task.waiting_copy = task.waiting_copy, []
+        for req in waiting:
+            outputs += self.handle(task, req)
+        return outputs + self._close_ready(task)
+
+    def find_ident(self, ident: tuple) -> Task | None:
+        return self.tasks.get(ident)
 
     # -- failures -----------------------------------------------------------------------------
 
@@ -529,6 +709,20 @@ class AggregatorCore:
                     del task.pulls[r]
 
     # -- reporting ----------------------------------------------------------------------------
+
+    def costs(self, smoothing: float = 0.5) -> dict[str, list]:
+        """e_t of every task that closed rounds since the last call: CPU seconds per round,
+        smoothed, per job as [key, part, seconds]."""
+        out: dict[str, list] = {}
+        for (job_id, key, part), task in self.tasks.items():
+            cpu, rounds = task.reported
+            if task.rounds_closed > rounds:
+                sample = (task.cpu - cpu) / (task.rounds_closed - rounds)
+                task.cost = sample if task.cost is None else smoothing * sample + (1 - smoothing) * task.cost
+                task.reported = (task.cpu, task.rounds_closed)
+            if task.cost is not None:
+                out.setdefault(job_id, []).append([key, part, task.cost])
+        return out
 
     def stats(self) -> dict:
         """Per job: tasks held, bytes, rounds closed over all tasks, and the furthest round."""

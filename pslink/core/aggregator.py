@@ -21,8 +21,9 @@ import time
 from typing import Any
 
 import msgpack
+import numpy as np
 
-from pslink.core.aggregation import AggregatorCore, Reply, Request, Summer, Task
+from pslink.core.aggregation import AggregatorCore, CloseLater, CopyOut, Reply, Request, Summer, Task, WorkerDone
 from pslink.core.loop import Reactor, ReactorThread
 from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, Limits, Op, decode, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
@@ -51,6 +52,17 @@ def _peek_id(raw: bytes) -> int:
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
     except Exception:
         return 0
+
+
+class _Copy:
+    """A TENSOR_COPY being received: where its arrays land."""
+
+    __slots__ = ("header", "task", "arrays")
+
+    def __init__(self, header: dict, task: Task, arrays: list):
+        self.header = header
+        self.task = task
+        self.arrays = arrays
 
 
 class _Bad:
@@ -86,7 +98,7 @@ class Aggregator:
         self.transports = transports or Transports()
         self._own_transports = transports is None
         self.limits = limits
-        self.core = AggregatorCore(name or "aggregator", summer=summer)
+        self.core = AggregatorCore(name or "aggregator", summer=summer, clock=clock)
         self.master_address = master
         self.heartbeat_interval = heartbeat_interval
         self.reconnect_interval = reconnect_interval
@@ -97,8 +109,15 @@ class Aggregator:
         self.address = advertised(self.listener.address)
         self.errors = 0  # bad messages and broken peers, reported to pMaster
         self.requests = 0
+        self.busy = 0.0  # CPU seconds spent on tasks: the load pMaster sees (spinning is not work)
+        self._slowdown: tuple[float, bool] = (0.0, False)
+        self._busy_reported = (0.0, clock())
         self.connections: set[Connection] = set()
         self.control = RpcEndpoint(self.reactor, self._on_control, limits, on_close=self._on_master_lost)
+        # Connections to other Aggregators, for migrations (TENSOR_COPY).
+        self.peers = RpcEndpoint(self.reactor, self._refuse_peer_request, limits)
+        self._peer_by_address: dict[str, RpcPeer] = {}
+        self.copy_retries = 5
         self._master: RpcPeer | None = None
         self._master_lost_at: float | None = None
         self._thread: ReactorThread | None = None
@@ -133,6 +152,22 @@ class Aggregator:
         self.reactor.close()
         if self._own_transports:
             self.transports.close()
+
+    def slowdown(self, seconds: float, busy: bool = False) -> None:
+        """Chaos hook: after every data request, stall ``seconds`` (``busy``: burning CPU, as a
+        CPU-starved host; otherwise sleeping, as a congested network). 0 ends it."""
+        self._slowdown = (max(0.0, seconds), busy)
+
+    def _stall(self, task: Task) -> None:
+        seconds, busy = self._slowdown
+        if not seconds:
+            return
+        if busy:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+        else:
+            time.sleep(seconds)
 
     def freeze(self) -> None:
         """Stop driving the loop while keeping every socket open: to its peers the Aggregator
@@ -172,12 +207,15 @@ class Aggregator:
                 return _Bad(header["id"], exc), DISCARD
             except PslinkError as exc:
                 return _Bad(header["id"], exc), DISCARD
+            started = time.thread_time()  # the task's CPU time counts from its header
             if sizes:
                 buffer = self.core.receive_buffer(task)
-                return (header, task, buffer), [memoryview(buffer).cast("B")]
-            return (header, task, None), None
+                return (header, task, buffer, started), [memoryview(buffer).cast("B")]
+            return (header, task, None, started), None
         if op in (Op.PING, Op.ABORT):
             return header, None
+        if op == Op.TENSOR_COPY:
+            return self._copy_header(header, sizes)
         error = ProtocolError(f"{op.name} is not served on an Aggregator's data port")
         return _Bad(header["id"], error), DISCARD
 
@@ -191,9 +229,16 @@ class Aggregator:
             else:
                 self._abort(conn, state)
             return
-        header, task, buffer = state
+        if isinstance(state, _Copy):
+            self._install(conn, state)
+            return
+        header, task, buffer, started = state
         request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], buffer)
         self._send_all(self.core.handle(task, request))
+        self._stall(task)
+        spent = time.thread_time() - started
+        task.cpu += spent
+        self.busy += spent
 
     def _abort(self, conn: Connection | None, header: dict) -> None:
         try:
@@ -208,15 +253,93 @@ class Aggregator:
         if conn is not None and header["id"]:
             self._send(conn, [encode(Op.REPLY, id=header["id"])])
 
-    def _send_all(self, replies: list[Reply]) -> None:
-        for reply in replies:
-            if reply.error is not None:
-                frames = [encode_error(reply.id, reply.error)]
-            elif reply.payload is not None:
-                frames = [encode(Op.REPLY, id=reply.id, rnd=reply.round, n=reply.n), reply.payload]
+    def _send_all(self, outputs: list) -> None:
+        for out in outputs:
+            if isinstance(out, Reply):
+                if out.error is not None:
+                    frames = [encode_error(out.id, out.error)]
+                else:
+                    fields = {"moved": list(out.moved)} if out.moved is not None else {}
+                    header = encode(Op.REPLY, id=out.id, rnd=out.round, n=out.n, **fields)
+                    frames = [header, out.payload] if out.payload is not None else [header]
+                self._send(out.origin, frames)
+            elif isinstance(out, CopyOut):
+                self._send_copy(out, self.copy_retries)
+            elif isinstance(out, WorkerDone):
+                self._tell_master(Op.WORKER_DONE, out.task)
+            elif isinstance(out, CloseLater):
+                self.reactor.call_later(max(0.0, out.when - self.clock()), self._close_due, out.task)
+
+    def _close_due(self, task: Task) -> None:
+        self._send_all(self.core.close_due(task))
+
+    # -- migration ------------------------------------------------------------------------------------
+
+    def _copy_header(self, header: dict, sizes: tuple[int, ...]):
+        """A TENSOR_COPY from the task's old Aggregator: receive its arrays straight into place."""
+        try:
+            self.core.authorize(header)
+            task = self.core.find(header)
+            if task is None or not task.incoming:
+                raise ProtocolError(f"aggregator {self.name} expects no copy of key {header['key']!r} "
+                                    f"part {header['part']} of job {header['job']!r}")
+            if len(sizes) != len(header["state"].get("arrays", [])):
+                raise ProtocolError(f"TENSOR_COPY of key {header['key']!r} names {header['state'].get('arrays')} "
+                                    f"but carries {len(sizes)} arrays")
+        except PslinkError as exc:
+            return _Bad(header["id"], exc), DISCARD
+        block = np.empty((len(sizes), task.numel), task.dtype)  # one allocation for every array
+        return _Copy(header, task, list(block)), [memoryview(row).cast("B") for row in block]
+
+    def _install(self, conn: Connection, copy: "_Copy") -> None:
+        try:
+            outputs = self.core.install(copy.task, copy.header["state"], copy.arrays)
+        except PslinkError as exc:
+            self._send(conn, [encode_error(copy.header["id"], exc)])
+            return
+        self._send(conn, [encode(Op.REPLY, id=copy.header["id"])])
+        self._send_all(outputs)
+
+    def _send_copy(self, out: CopyOut, retries: int) -> None:
+        task = out.task
+        ident = (task.job.job, task.key, task.part)
+
+        def copied(result, error):
+            if error is None:
+                self.core.copy_done(ident)
+                self._tell_master(Op.TENSOR_COPY_DONE, task)
+            elif retries > 0:
+                log.warning("aggregator %s: copying %s to %s failed (%s); retrying", self.name, task.name, out.target[0], error)
+                self.reactor.call_later(0.5, self._send_copy, out, retries - 1)
             else:
-                frames = [encode(Op.REPLY, id=reply.id, rnd=reply.round, n=reply.n)]
-            self._send(reply.origin, frames)
+                log.error("aggregator %s: giving up copying %s to %s: %s", self.name, task.name, out.target[0], error)
+
+        try:
+            peer = self._peer(out.target[1])
+        except PslinkError as exc:
+            copied(None, exc)
+            return
+        peer.call(
+            Op.TENSOR_COPY, copied, timeout=60.0, payloads=out.arrays,
+            job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part, rnd=out.state["closed"],
+            dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
+        )
+
+    def _peer(self, address: str) -> RpcPeer:
+        peer = self._peer_by_address.get(address)
+        if peer is None or peer.conn.closed:
+            conn = self.transports.connect(address, self.reactor, self.peers, self.limits, timeout=5.0)
+            peer = self._peer_by_address[address] = self.peers.peer(conn)
+            peer.info["name"] = f"aggregator at {address}"
+        return peer
+
+    @staticmethod
+    def _refuse_peer_request(peer: RpcPeer, req: dict) -> None:
+        raise ProtocolError(f"{req['op'].name} is not a request between Aggregators")
+
+    def _tell_master(self, op: Op, task: Task) -> None:
+        if self._master is not None:
+            self._master.notify(op, agg=self.name, job=task.job.job, key=task.key, part=task.part)
 
     @staticmethod
     def _send(conn: Connection, frames) -> None:
@@ -282,10 +405,15 @@ class Aggregator:
     def _heartbeat(self) -> None:
         try:
             if self._master is not None and self._master_lost_at is None:
-                stats = self.core.stats()
+                busy, since = self._busy_reported
+                now = self.clock()
+                load = (self.busy - busy) / (now - since) if now > since else 0.0
+                self._busy_reported = (self.busy, now)
                 self._master.notify(
                     Op.AGG_HEARTBEAT, agg=self.name,
-                    stats={"jobs": stats, "errors": self.errors, "requests": self.requests},
+                    stats={"jobs": self.core.stats(), "errors": self.errors, "requests": self.requests,
+                           "costs": self.core.costs(), "load": round(min(1.0, load), 4),
+                           "cycle": self.core.budget.describe() if self.core.budget else None},
                 )
         finally:
             self.reactor.call_later(self.heartbeat_interval, self._heartbeat)
@@ -304,6 +432,16 @@ class Aggregator:
                 peer.reply(req)
         elif op == Op.ABORT:
             self._abort(None, req)
+        elif op == Op.SCHEDULE:
+            budgets = {(job, key, part): (int(runs), float(cost)) for job, key, part, runs, cost in req["tasks"]}
+            self.core.set_schedule(float(req["cycle"]), budgets)
+            if req["id"]:
+                peer.reply(req)
+        elif op == Op.MIGRATE:
+            target = tuple(req["target"])
+            outputs = self.core.begin_migration((req["job"], req["key"], req["part"]), target, req.get("force", False))
+            peer.reply(req)
+            self._send_all(outputs)
         elif op == Op.SHUTDOWN:
             log.info("aggregator %s: shutdown requested by pMaster", self.name)
             self.exit_code = 0

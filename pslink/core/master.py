@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from pslink.core.control import Allocate, ControlPlane, Migrate, Release
 from pslink.core.loop import Reactor, ReactorThread
 from pslink.core.master_state import JobRecord, KeySpec, MasterState
 from pslink.core.protocol import DEFAULT_LIMITS, Limits, Op
@@ -80,12 +81,17 @@ class Master:
         aggregator_timeout: float = 15.0,
         assign_timeout: float = 10.0,
         sweep_interval: float = 1.0,
+        migration_timeout: float = 10.0,
+        provider=None,
+        control: dict | None = None,
         clock=time.time,
     ):
         self.reactor = Reactor("pmaster")
         self.transports = transports or Transports()
         self._own_transports = transports is None
-        self.state = MasterState(clock)
+        # Without a provider nothing can be started or stopped: the pool stays as it is.
+        self.provider = provider
+        self.state = MasterState(clock, ControlPlane(clock=clock, elastic=provider is not None, **(control or {})))
         self.store = MasterStore(os.path.join(state_dir, STATE_FILE) if state_dir else None)
         self.store.load(self.state)
         self.limits = limits
@@ -93,6 +99,13 @@ class Master:
         self.aggregator_timeout = aggregator_timeout
         self.assign_timeout = assign_timeout
         self.sweep_interval = sweep_interval
+        self.migration_timeout = migration_timeout
+        self._allocating: dict[str, str] = {}  # Aggregator being started -> placeholder it fills
+        self._deferred: dict[str, list] = {}  # placeholder -> (record, specs) to assign once it is up
+        self.migrations: dict[tuple, dict] = {}  # task -> {source, target, started, copied, workers}
+        self._schedules_sent: dict[str, int] = {}  # Aggregator -> plan version it has
+        self._release_after: dict[str, Release] = {}  # released once no migration leaves it
+        self.migrations_done = 0
         self.endpoint = RpcEndpoint(self.reactor, self._on_request, limits, on_close=self._on_peer_close)
         self.listener = self.transports.listen(listen, self.reactor, self.endpoint, limits)
         self.address = self.listener.address
@@ -133,6 +146,31 @@ class Master:
     def call_soon(self, fn, *args) -> None:
         self.reactor.post(fn, *args)
 
+    def migrate(self, tasks: list[tuple], target: str, reason: str = "requested") -> None:
+        """Move tasks ((job, key, part), ...) to Aggregator ``target`` while their job runs
+        (any thread; the moves happen on pMaster's loop)."""
+
+        def move():
+            for task in tasks:
+                action = self.state.control.move_task(tuple(task), target, reason)
+                if action is not None:
+                    self.state.outbox.append(action)
+            self._carry_out()
+
+        self.reactor.post(move)
+
+    def tasks_of(self, job: str) -> list[tuple]:
+        record = self.state.jobs.get(job)
+        return [] if record is None else [(job, s.key, p.part) for s in record.keys.values() for p in s.parts]
+
+    def use_provider(self, provider, min_aggregators: int | None = None) -> None:
+        """Let pMaster start and stop Aggregators through ``provider`` (it becomes elastic)."""
+        self.provider = provider
+        control = self.state.control
+        control.elastic = True
+        if min_aggregators is not None:
+            control.min_aggregators = min_aggregators
+
     def aggregator_alive(self, name: str) -> bool:
         record = self.state.aggregators.get(name)
         return record is not None and record.alive and name in self._aggregator_peers
@@ -162,7 +200,137 @@ class Master:
         handler = self._HANDLERS.get(req["op"])
         if handler is None:
             raise ProtocolError(f"pMaster does not serve {req['op'].name}")
-        handler(self, peer, req)
+        try:
+            handler(self, peer, req)
+        finally:
+            self._carry_out()
+
+    # -- the control plane's actions ---------------------------------------------------------
+
+    def _carry_out(self) -> None:
+        try:
+            self._carry_out_actions()
+        finally:
+            self._send_schedules()
+
+    def _send_schedules(self) -> None:
+        """Cyclic execution: each Aggregator whose plan changed learns its cycle and budgets."""
+        for name, (version, cycle, entries) in self.state.control.schedules().items():
+            peer = self._aggregator_peers.get(name)
+            if peer is None or self._schedules_sent.get(name) == version or not entries:
+                continue
+            self._schedules_sent[name] = version
+            peer.notify(Op.SCHEDULE, cycle=cycle, tasks=entries)
+
+    def _carry_out_actions(self) -> None:
+        for action in self.state.take_actions():
+            try:
+                if isinstance(action, Allocate):
+                    self._allocate(action)
+                elif isinstance(action, Release):
+                    self._release(action)
+                elif isinstance(action, Migrate):
+                    self._migrate(action)
+            except Exception:
+                log.exception("pMaster: carrying out %r failed", action)
+
+    def _allocate(self, action: Allocate) -> None:
+        if self.provider is None:
+            log.error("pMaster: %s needs a new Aggregator, but there is no provider", action.reason)
+            return
+        (name,) = self.provider.start(1)
+        self._allocating[name] = action.placeholder
+        log.info("pMaster: starting aggregator %s (%s)", name, action.reason)
+
+    def _release(self, action: Release) -> None:
+        name = action.aggregator
+        if any(e["source"] == name or e["target"] == name for e in self.migrations.values()):
+            # Tasks are still moving off (or onto) it: let it go when they are done.
+            self._release_after[name] = action
+            return
+        log.info("pMaster: releasing aggregator %s (%s)", name, action.reason)
+        peer = self._aggregator_peers.pop(name, None)
+        if peer is not None:
+            peer.notify(Op.SHUTDOWN)
+        self.state.remove_aggregator(name)
+        self.store.delete_aggregator(name)
+        if self.provider is not None:
+            # Reaping may take seconds: not on the loop that serves everyone else.
+            threading.Thread(target=self.provider.stop, args=(name,), daemon=True).start()
+
+    def _migrate(self, action: Migrate) -> None:
+        job, key, part = action.task
+        record = self.state.jobs.get(job)
+        spec = record.keys.get(key) if record is not None else None
+        source, target = self._aggregator_peers.get(action.source), self._aggregator_peers.get(action.target)
+        if spec is None or source is None or target is None:
+            log.warning("pMaster: cannot migrate %s from %s to %s (%s)", action.task, action.source, action.target,
+                        "unknown task" if spec is None else "Aggregator not connected")
+            return
+        address = self.state.aggregators[action.target].address
+        entry = self.migrations[action.task] = {
+            "source": action.source, "target": action.target, "reason": action.reason,
+            "started": self.state.clock(), "copied": False, "workers": False,
+        }
+        tasks = [dict(t, incoming=True) for t in spec.task_specs() if t["part"] == part]
+
+        def started(result, error):
+            if error is not None:
+                log.warning("pMaster: migration of %s to %s failed to start: %s", action.task, action.target, error)
+                self._migration_over(action.task)
+                self.state.control.move_task(action.task, action.source, "migration failed")  # the plan goes back
+                return
+            spec.parts[part].aggregator = action.target  # new lookups go there already
+            self.store.save_key(job, spec)
+            entry["timer"] = self.reactor.call_later(self.migration_timeout, self._force_migration, action.task, address)
+
+        def assigned(result, error):
+            if error is not None:
+                started(None, error)
+                return
+            source.call(Op.MIGRATE, started, timeout=self.assign_timeout, job=job, key=key, part=part,
+                        target=[action.target, address])
+
+        # The new place first learns the task (waiting for its copy), then the old one lets go.
+        target.call(Op.ASSIGN, assigned, timeout=self.assign_timeout, jobinfo=record.jobinfo(), tasks=tasks)
+
+    def _migration_over(self, task: tuple) -> None:
+        entry = self.migrations.pop(task, None)
+        if entry is None:
+            return
+        if "timer" in entry:
+            entry["timer"].cancel()
+        for name in (entry["source"], entry["target"]):
+            waiting = self._release_after.get(name)
+            if waiting is not None and not any(name in (e["source"], e["target"]) for e in self.migrations.values()):
+                del self._release_after[name]
+                self._release(waiting)
+        if not self.migrations:
+            # Sources that kept tasks until their migrations were under way may be empty now.
+            self.state.outbox += self.state.control.release_idle("emptied by migrations")
+            self.reactor.post(self._carry_out)
+
+    def _force_migration(self, task: tuple, address: str) -> None:
+        entry = self.migrations.get(task)
+        if entry is None or entry["copied"]:
+            return
+        source = self._aggregator_peers.get(entry["source"])
+        if source is not None:
+            log.info("pMaster: no round of %s closed within %.0f s; moving it now", task, self.migration_timeout)
+            source.call(Op.MIGRATE, self._log_failure(f"forcing the migration of {task}"), timeout=self.assign_timeout,
+                        job=task[0], key=task[1], part=task[2], target=[entry["target"], address], force=True)
+
+    def _migration_progress(self, peer: RpcPeer, req: dict) -> None:
+        task = (req["job"], req["key"], req["part"])
+        entry = self.migrations.get(task)
+        if entry is None:
+            return
+        entry["copied" if req["op"] == Op.TENSOR_COPY_DONE else "workers"] = True
+        if entry["copied"] and entry["workers"]:
+            self._migration_over(task)
+            self.migrations_done += 1
+            log.info("pMaster: migrated %s from %s to %s in %.3f s (%s)", task, entry["source"], entry["target"],
+                     self.state.clock() - entry["started"], entry["reason"])
 
     def _on_peer_close(self, peer: RpcPeer, exc) -> None:
         role = peer.info.get("role")
@@ -193,7 +361,7 @@ class Master:
 
     def _heartbeat(self, peer: RpcPeer, req: dict) -> None:
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
-        self.state.heartbeat(record, req["rank"])
+        self.state.heartbeat(record, req["rank"], req.get("iters"))
         if not peer.info.get("role"):  # an Agent that reconnected after a pMaster restart
             peer.info.update(role="worker", job=record.job, rank=req["rank"])
 
@@ -240,6 +408,13 @@ class Master:
 
     def _status(self, peer: RpcPeer, req: dict) -> None:
         body = self.state.status()
+        now = self.state.clock()
+        body["migrations"] = [
+            {"job": t[0], "key": t[1], "part": t[2], "source": e["source"], "target": e["target"],
+             "seconds": round(now - e["started"], 2), "copied": e["copied"], "reason": e["reason"]}
+            for t, e in self.migrations.items()
+        ]
+        body["migrations_done"] = self.migrations_done
         body["master"] = {"address": self.address, "state": self.store.path, "pid": os.getpid()}
         peer.reply(req, body=body)
 
@@ -274,6 +449,11 @@ class Master:
             self._assign(record, created)
 
     def _assign(self, record: JobRecord, specs: list[KeySpec]) -> None:
+        starting = sorted({p.aggregator for s in specs for p in s.parts if self.state.control.is_placeholder(p.aggregator)})
+        if starting:
+            # Some parts go to Aggregators still starting: assign once they registered.
+            self._deferred.setdefault(starting[0], []).append((record, specs))
+            return
         by_aggregator: dict[str, list[dict]] = {}
         for spec in specs:
             for name in {p.aggregator for p in spec.parts}:
@@ -327,6 +507,11 @@ class Master:
         peer.info.update(role="aggregator", name=record.name)
         self.store.save_aggregator(record)
         peer.reply(req, body={"agg": record.name})
+        placeholder = self._allocating.pop(record.name, None)
+        self.state.aggregator_joined(record.name, placeholder)
+        if placeholder is not None:
+            for job_record, specs in self._deferred.pop(placeholder, []):
+                self._assign(job_record, specs)
         log.info("aggregator %s registered at %s", record.name, record.address)
         with self._registered:
             self._registered.notify_all()
@@ -370,12 +555,14 @@ class Master:
 
     def _sweep(self) -> None:
         try:
+            self.state.tick()
             ended, silent = self.state.sweep(self.worker_timeout, self.aggregator_timeout)
             for record in ended:
                 log.info("job %s ended: no worker heard from in %.0f s", record.job, self.worker_timeout)
                 self._end_job(record)
             for name in silent:
                 log.warning("aggregator %s silent for %.0f s", name, self.aggregator_timeout)
+            self._carry_out()
         finally:
             self.reactor.call_later(self.sweep_interval, self._sweep)
 
@@ -390,4 +577,6 @@ class Master:
         Op.STATUS: _status,
         Op.REGISTER_AGGREGATOR: _register_aggregator,
         Op.AGG_HEARTBEAT: _aggregator_heartbeat,
+        Op.TENSOR_COPY_DONE: _migration_progress,
+        Op.WORKER_DONE: _migration_progress,
     }

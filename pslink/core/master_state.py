@@ -19,10 +19,10 @@ import secrets
 import time
 from typing import Any, Callable
 
+from pslink.core.control import ControlPlane
 from pslink.core.membership import Membership
 from pslink.core.optim import make_optimizer
 from pslink.core.partition import DEFAULT_PARTITION_BYTES, partition_spans
-from pslink.core.placement import AggregatorLoad, Placement, TaskDemand, least_loaded
 from pslink.core.protocol import DTYPES, MAX_NDIM
 from pslink.errors import (
     AuthError,
@@ -37,7 +37,7 @@ from pslink.errors import (
 
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "asp")
-JOB_SETTINGS = {"mode", "optimizer", "partition_bytes", "sync"}
+JOB_SETTINGS = {"mode", "optimizer", "partition_bytes", "sync", "servers"}
 
 
 @dataclasses.dataclass
@@ -99,6 +99,7 @@ class JobRecord:
     optimizer: dict | None = None
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     sync: str = "bsp"
+    servers: int | None = None  # what it would ask ps-lite for (default: one per worker)
     preregistered: bool = False
     created: float = 0.0
     membership: Membership = dataclasses.field(default=None)  # type: ignore[assignment]
@@ -174,18 +175,30 @@ def validate_settings(config: dict | None) -> dict:
     sync = config.get("sync", "bsp")
     if sync not in SYNCS:
         raise ConfigError(f"sync must be one of {SYNCS}, got {sync!r}")
-    return {"mode": mode, "optimizer": optimizer, "partition_bytes": partition, "sync": sync}
+    servers = config.get("servers")
+    if servers is not None and (not isinstance(servers, int) or isinstance(servers, bool) or servers < 1):
+        raise ConfigError(f"servers must be an int >= 1, got {servers!r}")
+    return {"mode": mode, "optimizer": optimizer, "partition_bytes": partition, "sync": sync, "servers": servers}
 
 
 class MasterState:
-    def __init__(self, clock: Callable[[], float] = time.time, placement: Placement = least_loaded):
+    """Jobs, workers, keys and Aggregators, plus the control plane that places tasks.
+
+    Decisions that need action (start or stop an Aggregator, migrate a task) collect in
+    :attr:`outbox`; the pMaster shell takes them after each call."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, control: ControlPlane | None = None):
         self.clock = clock
-        self.placement = placement
+        # Without a provider given, the pool is what registers: nothing is started or stopped.
+        self.control = control or ControlPlane(clock=clock, elastic=False)
         self.jobs: dict[str, JobRecord] = {}
         self.aggregators: dict[str, AggregatorRecord] = {}
         self._agg_serial = 0
-        # Bytes and task counts placed on each Aggregator, kept as placements come and go.
-        self._placed: dict[str, list[int]] = {}
+        self.outbox: list = []
+
+    def take_actions(self) -> list:
+        actions, self.outbox = self.outbox, []
+        return actions
 
     # -- jobs and workers ---------------------------------------------------------------------
 
@@ -205,8 +218,7 @@ class MasterState:
         record = self.jobs.pop(job, None)
         if record is not None:
             # The record keeps its keys, so the caller still sees which Aggregators served it.
-            for spec in record.keys.values():
-                self._account(spec, -1)
+            self.outbox += self.control.job_ended(job)
         return record
 
     def _new_job(self, job: str, num_workers: int, config: dict | None, preregistered: bool) -> JobRecord:
@@ -222,6 +234,7 @@ class MasterState:
             **settings,
         )
         self.jobs[job] = record
+        self.outbox += self.control.job_arrived(job, num_workers, record.servers)
         return record
 
     def register_worker(
@@ -294,13 +307,16 @@ class MasterState:
             raise MembershipError(f"rank {rank} is not a member of job {job!r}", job=job)
         return record
 
-    def heartbeat(self, record: JobRecord, rank: int) -> None:
+    def heartbeat(self, record: JobRecord, rank: int, iterations: list[float] | None = None) -> None:
         worker = record.workers.get(rank)
         if worker is None:
             worker = record.workers[rank] = WorkerInfo(rank)
         worker.last_seen = self.clock()
         worker.connected = True
         record.idle_since = None
+        if iterations and rank == min(record.membership.ranks):
+            # Workers of a job step together; one rank's clock is the job's.
+            self.outbox += self.control.iterations_reported(record.job, [float(d) for d in iterations if d > 0])
 
     def worker_disconnected(self, job: str, rank: int) -> None:
         record = self.jobs.get(job)
@@ -353,19 +369,15 @@ class MasterState:
             return spec, False
         itemsize = DTYPES[dtype].itemsize
         spans = partition_spans(math.prod(shape), itemsize, record.partition_bytes)
+        if not self.control.cluster_of:
+            raise ServiceError(
+                f"no Aggregator can take key {key!r} of job {record.job!r}: none is registered and alive"
+            )
         parts = []
         for index, span in enumerate(spans):
-            demand = TaskDemand(record.job, key, index, (span[1] - span[0]) * itemsize)
-            target = self.placement(demand, self.loads())
-            if target is None:
-                raise ServiceError(
-                    f"no Aggregator can take key {key!r} of job {record.job!r}: none is registered and alive"
-                )
+            target, actions = self.control.place_part(record.job, key, index, (span[1] - span[0]) * itemsize)
+            self.outbox += actions
             parts.append(PartSpec(index, span, target))
-            # Count it now, so the next part of this key sees the load it adds.
-            placed = self._placed.setdefault(target, [0, 0])
-            placed[0] += demand.nbytes
-            placed[1] += 1
         needs_init = intent == "init" or record.mode == "optimizer"
         spec = KeySpec(key, shape, dtype, rank, needs_init, parts)
         record.keys[key] = spec
@@ -374,27 +386,14 @@ class MasterState:
     def forget_key(self, record: JobRecord, key: Any) -> None:
         spec = record.keys.pop(key, None)
         if spec is not None:
-            self._account(spec, -1)
+            self.control.forget_parts(record.job, key, len(spec.parts))
 
     def adopt_key(self, record: JobRecord, spec: KeySpec) -> None:
         """Put back a key placed before (state reloaded after a restart)."""
         record.keys[spec.key] = spec
-        self._account(spec, +1)
-
-    def _account(self, spec: KeySpec, sign: int) -> None:
-        itemsize = DTYPES[spec.dtype].itemsize
         for p in spec.parts:
-            placed = self._placed.setdefault(p.aggregator, [0, 0])
-            placed[0] += sign * (p.span[1] - p.span[0]) * itemsize
-            placed[1] += sign
-
-    def loads(self) -> list[AggregatorLoad]:
-        """Live Aggregators with the bytes and tasks placed on each."""
-        return [
-            AggregatorLoad(name, *self._placed.get(name, (0, 0)))
-            for name in sorted(self.aggregators)
-            if self.aggregators[name].alive
-        ]
+            nbytes = (p.span[1] - p.span[0]) * DTYPES[spec.dtype].itemsize
+            self.control.adopt_part(record.job, record.num_workers, record.servers, spec.key, p.part, nbytes, p.aggregator)
 
     # -- aggregators --------------------------------------------------------------------------
 
@@ -409,6 +408,22 @@ class MasterState:
             record.stats = previous.stats
         self.aggregators[name] = record
         return record
+
+    def aggregator_joined(self, name: str, placeholder: str | None = None) -> None:
+        """A registered Aggregator joins the control plane's pool (binding the placeholder it was
+        started for, if the control plane asked for it)."""
+        if placeholder is not None and placeholder in self.control.cluster_of:
+            self.outbox += self.control.bind(placeholder, name)
+            for record in self.jobs.values():
+                for spec in record.keys.values():
+                    for p in spec.parts:
+                        if p.aggregator == placeholder:
+                            p.aggregator = name
+        else:
+            self.control.aggregator_added(name)
+
+    def remove_aggregator(self, name: str) -> None:
+        self.aggregators.pop(name, None)
 
     def aggregator_heartbeat(self, name: str, stats: dict) -> None:
         record = self.aggregators.get(name)
@@ -427,6 +442,11 @@ class MasterState:
                 job: (entry.get("round", 0) - old.get(job, {}).get("round", 0)) / dt for job, entry in jobs.items()
             }
         record.stats["_jobs"] = jobs
+        for job, entries in stats.get("costs", {}).items():
+            self.control.costs_measured(job, {(job, k, p): c for k, p, c in entries})
+        if "load" in stats:
+            record.stats["load"] = stats["load"]
+            self.control.load_measured(name, float(stats["load"]))
         record.stats["errors"] = stats.get("errors", 0)
         record.stats["requests"] = stats.get("requests", 0)
         record.last_seen = now
@@ -439,6 +459,9 @@ class MasterState:
         record = self.aggregators.get(name)
         if record is not None:
             record.alive = False
+
+    def tick(self) -> None:
+        self.outbox += self.control.tick()
 
     def tasks_on(self, name: str) -> list[tuple[JobRecord, list[dict]]]:
         """Every (job, task specs) placed on one Aggregator (to re-send after a reconnect)."""
@@ -476,11 +499,14 @@ class MasterState:
 
     def status(self) -> dict:
         now = self.clock()
-        loads = {l.name: l for l in self.loads()}
+        plans = {}
+        for plan in self.control.clusters.values():
+            for name, agg in plan.aggregators.items():
+                plans[name] = agg
         aggregators = []
         for agg in sorted(self.aggregators.values(), key=lambda a: a.name):
             jobs = agg.stats.get("_jobs", {})
-            load = loads.get(agg.name)
+            plan = plans.get(agg.name)
             aggregators.append(
                 {
                     "name": agg.name,
@@ -488,15 +514,21 @@ class MasterState:
                     "pid": agg.pid,
                     "host": agg.host,
                     "alive": agg.alive,
+                    "cluster": self.control.cluster_of.get(agg.name),
                     "last_seen": round(now - agg.last_seen, 1),
-                    "tasks": sum(e.get("tasks", 0) for e in jobs.values()) if jobs else (load.tasks if load else 0),
-                    "bytes": sum(e.get("bytes", 0) for e in jobs.values()) if jobs else (load.bytes if load else 0),
+                    "tasks": sum(e.get("tasks", 0) for e in jobs.values()) if jobs else (len(plan.tasks) if plan else 0),
+                    "bytes": sum(e.get("bytes", 0) for e in jobs.values()),
                     "jobs": {j: e.get("tasks", 0) for j, e in jobs.items()},
+                    "cycle": plan.cycle if plan else 0.0,
+                    "free": plan.free if plan else 0.0,
+                    "load": agg.stats.get("load", 0.0),
+                    "reserved_for": self.control.reserved.get(agg.name) or self.control.exclusive.get(agg.name),
                     "task_rounds_per_s": round(sum(v for k, v in agg.rates.items() if k != "_job_rounds"), 1),
                     "errors": agg.stats.get("errors", 0),
                     "requests": agg.stats.get("requests", 0),
                 }
             )
+        control_jobs = self.control.describe()["jobs"]
         jobs = []
         for record in sorted(self.jobs.values(), key=lambda r: r.job):
             rate = max(
@@ -507,6 +539,7 @@ class MasterState:
                 {
                     "job": record.job,
                     "mode": record.mode,
+                    "sync": record.sync,
                     "optimizer": (record.optimizer or {}).get("type"),
                     "workers": len(record.live_workers()),
                     "num_workers": record.num_workers,
@@ -516,6 +549,7 @@ class MasterState:
                     "round": max(record.rounds.values(), default=0),
                     "rounds_per_s": round(rate, 2),
                     "aggregators": sorted(record.aggregators()),
+                    "control": control_jobs.get(record.job, {}),
                 }
             )
         return {"aggregators": aggregators, "jobs": jobs, "time": now}

@@ -34,6 +34,7 @@ class Op(enum.IntEnum):
     PUSHPULL = 4
     PING = 5
     ABORT = 6
+    TENSOR_COPY = 7  # Aggregator -> Aggregator: a migrating task's state
     # replies (to any request)
     REPLY = 10
     ERROR = 11
@@ -54,6 +55,10 @@ class Op(enum.IntEnum):
     DROP_JOB = 33
     SHUTDOWN = 34
     AGG_HEARTBEAT = 35
+    MIGRATE = 36  # pMaster -> source Aggregator (the paper's MIGRATE_INIT)
+    TENSOR_COPY_DONE = 37  # source Aggregator -> pMaster
+    WORKER_DONE = 38  # target Aggregator -> pMaster: every worker now talks to it
+    SCHEDULE = 39  # pMaster -> Aggregator: its cycle and per-task budgets
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
@@ -242,8 +247,12 @@ SCHEMAS: dict[Op, Schema] = {
     ),
     Op.REPLY: Schema(
         {"id": _uint},
-        {"rnd": _uint, "n": _uint, "body": _map},
+        {"rnd": _uint, "n": _uint, "body": _map, "moved": _list},
         payloads=(0, 1),
+    ),
+    Op.TENSOR_COPY: Schema(
+        {**_DATA_REQUIRED, "state": _map},
+        payloads=tuple(range(0, 9)),
     ),
     Op.ERROR: Schema({"id": _uint, "code": _small_str, "msg": _text}, {"details": _map}),
     Op.REGISTER_JOB: Schema({"id": _uint, "job": _small_str, "num_workers": _uint}, {"config": _map}),
@@ -255,7 +264,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.SET_OPTIMIZER: Schema(
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "optimizer": _map}
     ),
-    Op.HEARTBEAT: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}),
+    Op.HEARTBEAT: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}, {"iters": _list}),
     Op.BARRIER: Schema(
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "name": _small_str}
     ),
@@ -270,6 +279,13 @@ SCHEMAS: dict[Op, Schema] = {
     Op.DROP_JOB: Schema({"id": _uint, "job": _small_str}),
     Op.SHUTDOWN: Schema({"id": _uint}),
     Op.AGG_HEARTBEAT: Schema({"id": _uint, "agg": _small_str, "stats": _map}),
+    Op.MIGRATE: Schema(
+        {"id": _uint, "job": _small_str, "key": _key, "part": _uint, "target": _list},
+        {"force": _bool},
+    ),
+    Op.TENSOR_COPY_DONE: Schema({"id": _uint, "agg": _small_str, "job": _small_str, "key": _key, "part": _uint}),
+    Op.WORKER_DONE: Schema({"id": _uint, "agg": _small_str, "job": _small_str, "key": _key, "part": _uint}),
+    Op.SCHEDULE: Schema({"id": _uint, "cycle": _number, "tasks": _list}),
 }
 
 
@@ -373,6 +389,10 @@ def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMI
         )
     if op in DATA_OPS:
         _check_tensor(header, payload_sizes)
+    elif op == Op.TENSOR_COPY:
+        _check_tensor(header, payload_sizes[:1])
+        if any(size != payload_sizes[0] for size in payload_sizes):
+            raise ProtocolError(f"TENSOR_COPY of key {header['key']!r}: frames of unequal sizes {list(payload_sizes)}")
     return header
 
 

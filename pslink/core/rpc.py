@@ -37,7 +37,7 @@ class RpcPeer:
     def name(self) -> str:
         return self.info.get("name") or self.conn.peer
 
-    def call(self, op: Op, callback: Callback, timeout: float | None = None, **fields) -> int:
+    def call(self, op: Op, callback: Callback, timeout: float | None = None, payloads=(), **fields) -> int:
         """Send a request; ``callback`` runs on the reactor thread with the reply or an error."""
         request_id = next(self._ids)
         timer = None
@@ -45,7 +45,7 @@ class RpcPeer:
             timer = self.reactor.call_later(timeout, self._expire, request_id, op, timeout)
         self._pending[request_id] = (callback, timer)
         try:
-            self.conn.send([encode(op, id=request_id, **fields)])
+            self.conn.send([encode(op, id=request_id, **fields), *payloads])
         except PslinkError as exc:
             self._finish(request_id, None, exc)
         return request_id

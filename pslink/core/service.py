@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 class Service:
     """pMaster (on a thread of this process) and ``aggregators`` Aggregators.
 
-    ``provider="local"`` runs Aggregators as subprocesses, ``"thread"`` inside this process
-    (then ``aggregator_listen`` may be ``inproc://*`` for a socket-free cluster).
+    ``provider="local"`` runs Aggregators as subprocesses, ``"ray"`` as Ray actors (on any node of
+    a Ray cluster; ``provider_options`` go to :class:`~pslink.core.providers.ray.RayProvider`),
+    ``"thread"`` inside this process (then ``aggregator_listen`` may be ``inproc://*`` for a
+    socket-free cluster).
     """
 
     def __init__(
@@ -39,24 +41,33 @@ class Service:
         aggregator_listen: str | None = None,
         master_options: dict | None = None,
         aggregator_options: dict | None = None,
+        control: dict | None = None,
+        provider_options: dict | None = None,
     ):
         if aggregators < 1:
             raise ServiceError(f"a service needs at least one Aggregator, got {aggregators}")
         self.count = aggregators
         self.transports = transports or Transports()
         self._own_transports = transports is None
-        self.master = Master(listen, state_dir=state_dir, transports=self.transports, **(master_options or {}))
+        self.master = Master(listen, state_dir=state_dir, transports=self.transports, control=control,
+                             **(master_options or {}))
         self.address = self.master.address
         if provider == "local":
             host = "0.0.0.0" if listen.split("://", 1)[-1].startswith("0.0.0.0") else "127.0.0.1"
             self.provider: Provider = LocalProvider(self.address, listen_host=host, log_dir=log_dir,
                                                     **(aggregator_options or {}))
+        elif provider == "ray":
+            from pslink.core.providers.ray import RayProvider
+
+            self.provider = RayProvider(self.address, **(provider_options or {}))
         elif provider == "thread":
             default_listen = "inproc://*" if self.address.startswith("inproc://") else "tcp://127.0.0.1:0"
             self.provider = ThreadProvider(self.address, self.transports, aggregator_listen or default_listen,
                                            **(aggregator_options or {}))
         else:
-            raise ServiceError(f"unknown provider {provider!r}; use 'local' or 'thread'")
+            raise ServiceError(f"unknown provider {provider!r}; use 'local', 'ray' or 'thread'")
+        # The pool grows and shrinks with load, never below what was asked for here.
+        self.master.use_provider(self.provider, min_aggregators=(control or {}).get("min_aggregators", aggregators))
         self._started = False
         self._stopped = False
 
@@ -92,7 +103,7 @@ class Service:
             self.master.stop(shutdown_aggregators=True)
         if isinstance(self.provider, LocalProvider):
             self.provider.wait_exit(5.0)
-        self.provider.stop_all()
+        self.provider.close()
         if self._own_transports:
             self.transports.close()
 

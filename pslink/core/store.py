@@ -95,6 +95,9 @@ class MasterStore:
             ),
         )
 
+    def delete_aggregator(self, name: str) -> None:
+        self._exec("DELETE FROM aggregators WHERE name=?", (name,))
+
     def save_aggregator(self, record: AggregatorRecord) -> None:
         self._exec(
             "INSERT OR REPLACE INTO aggregators VALUES (?, ?, ?, ?)",
@@ -124,6 +127,7 @@ class MasterStore:
                 joined=set(json.loads(joined)),
                 idle_since=now,  # its workers get a heartbeat timeout to reconnect
             )
+            state.control.adopt_job(job, num_workers, None)
         for job, key, shape, dtype, declared_by, needs_init, parts in self.db.execute("SELECT * FROM keys"):
             record = state.jobs.get(job)
             if record is None:

@@ -65,7 +65,7 @@ def test_bsp_sums_are_exact_over_many_rounds_and_partitioned_keys(any_cluster):
     workers, rounds, n = 3, 25, 1000  # 4000 bytes in parts of 1 KiB: 4 parts over 2 Aggregators
 
     def worker(rank):
-        agent = agent_for(service, transports, "exact", rank, workers, partition_bytes=1024)
+        agent = agent_for(service, transports, "exact", rank, workers, partition_bytes=1024, servers=2)
         try:
             agent.init("w", np.zeros(n, np.float32)).wait()
             agent.init("steps", np.zeros(3, np.int64)).wait()
@@ -78,7 +78,7 @@ def test_bsp_sums_are_exact_over_many_rounds_and_partitioned_keys(any_cluster):
                 expected = sum(contribution(k, r, n) for k in range(workers))
                 np.testing.assert_array_equal(out, expected)
                 np.testing.assert_array_equal(steps, [workers, sum(range(workers)), workers * r])
-            assert len({p[3] for p in agent.key_info("w")["parts"]}) == 2  # spread over both
+            assert len({p[3] for p in agent.key_info("w")["parts"]}) == 2  # its 2 servers share the parts
             return agent.pull("w").wait()
         finally:
             agent.close()

@@ -160,21 +160,22 @@ def local_service(tmp_path):
 def test_a_killed_aggregator_process_fails_requests_with_its_name(local_service):
     with pslink.connect("killed", 0, 2, master=local_service.address, timeout=20) as agent:
         agent.init("w", np.zeros(4)).wait()
-        address = agent.key_info("w")["parts"][0][4]
+        name, address = agent.key_info("w")["parts"][0][3:5]
         handle = agent.pushpull("w", np.ones(4))  # waits for rank 1, who never comes
-        os.kill(local_service.provider.pid("agg-0"), signal.SIGKILL)
-        with pytest.raises(PeerError, match=rf"lost connection to aggregator agg-0 at {address}"):
+        os.kill(local_service.provider.pid(name), signal.SIGKILL)
+        with pytest.raises(PeerError, match=rf"lost connection to aggregator {name} at {address}"):
             handle.wait(timeout=10)
 
 
 def test_a_hung_aggregator_process_is_detected(local_service):
-    pid = local_service.provider.pid("agg-0")
     with pslink.connect("hung", 0, 1, master=local_service.address, timeout=20, peer_timeout=1.0,
                         probe_interval=0.1) as agent:
         agent.init("w", np.zeros(4)).wait()
+        name = agent.key_info("w")["parts"][0][3]
+        pid = local_service.provider.pid(name)
         os.kill(pid, signal.SIGSTOP)
         try:
-            with pytest.raises(PeerError, match=r"aggregator agg-0 at tcp://127\.0\.0\.1:\d+ did not answer"):
+            with pytest.raises(PeerError, match=rf"aggregator {name} at tcp://127\.0\.0\.1:\d+ did not answer"):
                 agent.pushpull("w", np.ones(4)).wait(timeout=10)
         finally:
             os.kill(pid, signal.SIGCONT)

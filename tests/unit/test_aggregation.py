@@ -19,10 +19,10 @@ def jobinfo(job="j", workers=2, mode="sum", optimizer=None, sync="bsp"):
             "mode": mode, "optimizer": optimizer, "sync": sync}
 
 
-def spec(key="w", part=0, shape=(6,), span=None, dtype="float32", needs_init=True, declared_by=0):
+def spec(key="w", part=0, shape=(6,), span=None, dtype="float32", needs_init=True, declared_by=0, incoming=False):
     n = int(np.prod(shape))
     return {"key": key, "part": part, "shape": list(shape), "span": list(span or (0, n)), "dtype": dtype,
-            "needs_init": needs_init, "declared_by": declared_by}
+            "needs_init": needs_init, "declared_by": declared_by, "incoming": incoming}
 
 
 class Cluster:
@@ -308,3 +308,117 @@ def test_asp_keeps_a_value_that_a_queued_reply_still_reads():
     c.send(Op.PUSH, 0, 2, np.ones(6))
     np.testing.assert_array_equal(in_flight, np.ones(6))  # not modified under the send
     np.testing.assert_array_equal(c.task.value, np.full(6, 2.0))
+
+
+# -- live migration (AutoPS Appendix B) ------------------------------------------------------------
+
+from pslink.core.aggregation import CopyOut, Reply, WorkerDone  # noqa: E402
+from pslink.errors import MovedError  # noqa: E402
+
+TARGET = ("agg-new", "tcp://127.0.0.1:9999")
+
+
+def migrate(c: Cluster, force=False):
+    """Start a migration on ``c``; returns the target core (its task is waiting for the copy)."""
+    target = AggregatorCore("agg-new", summer=Summer(threads=1))
+    t = c.task
+    info = {"job": t.job.job, "token": TOKEN, "membership": t.job.membership.to_wire(), "mode": t.job.mode,
+            "optimizer": t.job.optimizer.to_wire() if t.job.optimizer else None, "sync": t.job.sync}
+    target.assign(info, [spec(key=t.key, shape=t.shape, needs_init=t.needs_init, incoming=True)])
+    outputs = c.core.begin_migration((t.job.job, t.key, t.part), TARGET, force=force)
+    return target, outputs
+
+
+def copy(out: CopyOut, target: AggregatorCore) -> list:
+    task = target.tasks[(out.task.job.job, out.task.key, out.task.part)]
+    return target.install(task, out.state, [a.copy() for a in out.arrays])
+
+
+def send_to(core: AggregatorCore, c: Cluster, op, rank, rnd, value=None):
+    header = c.header(op, rank, rnd)
+    task = core.admit(header)
+    payload = None
+    if value is not None:
+        payload = core.receive_buffer(task)
+        payload[:] = value
+    return core.handle(task, Request(f"rank{rank}", header["id"], op, rank, rnd, payload))
+
+
+def test_bsp_migration_moves_at_the_round_close_and_loses_nothing():
+    c = Cluster(workers=2, needs_init=False)
+    c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
+    target, outputs = migrate(c)
+    assert outputs == []  # waits for round 1 to close
+    c.send(Op.PUSH, 0, 2, np.full(6, 10.0))  # rank 0 runs a round ahead: travels in the copy
+    _, outputs = c.send(Op.PUSHPULL, 1, 1, np.full(6, 2.0))
+    replies = [o for o in outputs if isinstance(o, Reply)]
+    results = [r for r in replies if r.payload is not None]
+    assert {r.origin for r in results} == {"rank0", "rank1"}
+    assert all(r.moved == TARGET for r in results)  # the pull tells the new place
+    np.testing.assert_array_equal(results[0].payload, np.full(6, 3.0))
+    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
+    assert out.state["closed"] == 1 and out.state["open"] == [[2, [0]]]
+    # after the move the old place only redirects (admission answers before any payload is read)
+    with pytest.raises(MovedError) as moved:
+        c.send(Op.PUSH, 1, 2, np.full(6, 20.0))
+    assert moved.value.details["agg"] == "agg-new" and moved.value.details["address"] == TARGET[1]
+    # at the new place: rank 1's push arrives before the copy and waits for it
+    assert send_to(target, c, Op.PUSHPULL, 1, 2, np.full(6, 20.0)) == []
+    installed = copy(out, target)
+    result = [o for o in installed if isinstance(o, Reply) and o.payload is not None]
+    np.testing.assert_array_equal(result[0].payload, np.full(6, 30.0))  # 10 (copied) + 20
+    c.core.copy_done((c.task.job.job, c.task.key, c.task.part))
+    with pytest.raises(MovedError):  # a forwarding address stays behind
+        c.core.admit(c.header(Op.PULL, 0, 2))
+    done = send_to(target, c, Op.PULL, 0, 2)
+    assert any(isinstance(o, WorkerDone) for o in done)  # both ranks have now reached it
+    np.testing.assert_array_equal([o for o in done if isinstance(o, Reply)][0].payload, np.full(6, 30.0))
+
+
+def test_optimizer_state_travels_with_the_weights():
+    settings = {"type": "sgd", "lr": 0.1, "momentum": 0.9}
+    moved = Cluster(workers=1, mode="optimizer", optimizer=settings)
+    still = Cluster(workers=1, mode="optimizer", optimizer=settings)
+    for c in (moved, still):
+        c.send(Op.INIT, 0, 0, np.arange(6, dtype=np.float32))
+        for r in (1, 2):
+            c.send(Op.PUSHPULL, 0, r, np.full(6, float(r)))
+    target, outputs = migrate(moved, force=True)  # an idle BSP task moves at once when forced
+    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
+    assert "opt:momentum_buffer" in out.state["arrays"]
+    copy(out, target)
+    for r in (3, 4):
+        expected = still.send(Op.PUSHPULL, 0, r, np.full(6, float(r)))[1][-1].payload
+        got = [o for o in send_to(target, moved, Op.PUSHPULL, 0, r, np.full(6, float(r))) if isinstance(o, Reply)]
+        np.testing.assert_array_equal(got[0].payload, expected)
+
+
+def test_asynchronous_tasks_move_at_once():
+    c = Cluster(workers=2, sync="asp", needs_init=False)
+    c.send(Op.PUSH, 0, 1, np.ones(6))
+    target, outputs = migrate(c)
+    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
+    copy(out, target)
+    got = send_to(target, c, Op.PUSHPULL, 1, 1, np.full(6, 2.0))
+    np.testing.assert_array_equal([o for o in got if isinstance(o, Reply)][0].payload, np.full(6, 3.0))
+
+
+def test_an_uninitialized_task_moves_and_its_waiters_are_redirected():
+    c = Cluster(workers=2)
+    c.send(Op.PULL, 1, 0)  # waits for rank 0's init
+    target, outputs = migrate(c)
+    redirected = [o for o in outputs if isinstance(o, Reply)]
+    assert isinstance(redirected[0].error, MovedError)
+    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
+    copy(out, target)
+    assert send_to(target, c, Op.PULL, 1, 0) == []  # still waits, now for the init there
+    got = send_to(target, c, Op.INIT, 0, 0, np.arange(6))
+    assert [o.origin for o in got if isinstance(o, Reply)] == ["rank0", "rank1"]
+
+
+def test_moving_twice_or_unknown_tasks():
+    c = Cluster(workers=1, needs_init=False)
+    target, outputs = migrate(c, force=True)
+    assert c.core.begin_migration((c.task.job.job, c.task.key, 0), TARGET) == []  # already moving
+    with pytest.raises(KeyStateError, match="does not hold"):
+        c.core.begin_migration(("j", "nope", 0), TARGET)

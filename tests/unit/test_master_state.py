@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pslink.core.control import ControlPlane
 from pslink.core.master_state import MasterState
 from pslink.core.partition import partition_spans
-from pslink.core.placement import AggregatorLoad, TaskDemand, least_loaded
 from pslink.core.store import MasterStore
 from pslink.errors import (
     AuthError,
@@ -31,8 +31,13 @@ class Clock:
 def state():
     s = MasterState(clock=Clock())
     for i in range(3):
-        s.register_aggregator(f"tcp://127.0.0.1:{9000 + i}")
+        record = s.register_aggregator(f"tcp://127.0.0.1:{9000 + i}")
+        s.aggregator_joined(record.name)
     return s
+
+
+def tasks_on(state: MasterState) -> dict[str, int]:
+    return {name: len(plan.tasks) for p in state.control.clusters.values() for name, plan in p.aggregators.items()}
 
 
 def item(key, shape=(4,), dtype="float32", intent="push"):
@@ -45,14 +50,6 @@ def test_partition_spans_cover_the_tensor_in_aligned_parts():
     assert partition_spans(3, 8, 4) == [(0, 1), (1, 2), (2, 3)]  # never an empty or split element
     spans = partition_spans(25_600_000, 4)
     assert spans[0] == (0, 1 << 20) and spans[-1][1] == 25_600_000
-
-
-def test_least_loaded_is_deterministic():
-    demand = TaskDemand("j", "k", 0, 100)
-    loads = [AggregatorLoad("b", 10, 1), AggregatorLoad("a", 10, 1), AggregatorLoad("c", 5, 9)]
-    assert least_loaded(demand, loads) == "c"
-    assert least_loaded(demand, loads[:2]) == "a"
-    assert least_loaded(demand, []) is None
 
 
 def test_first_worker_creates_the_job_and_gets_its_token(state):
@@ -102,7 +99,7 @@ def test_a_crashed_job_ends_after_the_timeout_and_its_name_is_free_again(state):
     state.clock.now += 11
     ended, _ = state.sweep(worker_timeout=10, aggregator_timeout=100)
     assert ended == [job]
-    assert [load.bytes for load in state.loads()] == [0, 0, 0]  # its placements were released
+    assert tasks_on(state) == {"agg-0": 0, "agg-1": 0, "agg-2": 0}  # its placements were released
     fresh = state.register_worker("mnist", 0, 1, token=None)
     assert fresh is not job and fresh.token != job.token
 
@@ -122,15 +119,20 @@ def test_job_settings_are_validated(state):
         state.register_job("x", 1, {"sync": "ssp"})
 
 
-def test_keys_are_partitioned_and_spread_by_load(state):
-    job = state.register_job("j", 1, {"partition_bytes": 1024})
+def test_a_profiling_job_spreads_its_parts_over_its_own_aggregators(state):
+    job = state.register_job("j", 1, {"partition_bytes": 1024, "servers": 2})
+    assert state.control.jobs["j"].temporaries == ["agg-0", "agg-1"]  # the idle ones, as many as it asks
     spec, created = state.declare(job, 0, item("big", shape=(1000,)))  # 4000 bytes -> 4 parts
     assert created and [p.span for p in spec.parts] == [(0, 256), (256, 512), (512, 768), (768, 1000)]
-    assert [p.aggregator for p in spec.parts] == ["agg-0", "agg-1", "agg-2", "agg-0"]
+    assert [p.aggregator for p in spec.parts] == ["agg-0", "agg-1", "agg-0", "agg-1"]
     small, _ = state.declare(job, 0, item("small", shape=(10,)))
-    assert small.parts[0].aggregator == "agg-1"  # agg-0 holds 2 parts, agg-1 and agg-2 one each
+    assert small.parts[0].aggregator == "agg-1"  # fewer bytes there (1024 + 928 vs 2048)
     same, created = state.declare(job, 0, item("big", shape=(1000,)))
     assert same is spec and not created
+    # a second job does not land on the first one's Aggregators while that one is profiling
+    other = state.register_job("k", 1)
+    assert state.control.jobs["k"].temporaries == ["agg-2"]
+    assert state.declare(other, 0, item("x"))[0].parts[0].aggregator == "agg-2"
 
 
 def test_a_second_shape_for_a_key_names_both(state):
@@ -163,7 +165,7 @@ def test_optimizer_mode_keys_need_init_and_sum_mode_push_keys_do_not(state):
 
 
 def test_no_aggregator_means_a_clear_error():
-    state = MasterState(clock=Clock())
+    state = MasterState(clock=Clock(), control=ControlPlane(elastic=False))
     job = state.register_job("j", 1)
     with pytest.raises(ServiceError, match="no Aggregator can take key 'w'"):
         state.declare(job, 0, item("w"))
@@ -196,7 +198,7 @@ def test_sweep_marks_silent_workers_and_aggregators(state):
     clock.now += 10
     ended, silent = state.sweep(worker_timeout=10, aggregator_timeout=10)
     assert [r.job for r in ended] == ["j"] and sorted(silent) == ["agg-0", "agg-1", "agg-2"]
-    assert state.loads() == []  # no live Aggregator left to place on
+    assert not any(a.alive for a in state.aggregators.values())
 
 
 def test_status_reports_jobs_and_aggregators(state):
@@ -234,10 +236,9 @@ def test_store_round_trips_jobs_keys_and_aggregators(tmp_path, state):
     assert [(p.span, p.aggregator) for p in again.keys[7].parts] == [(p.span, p.aggregator) for p in spec.parts]
     assert all(s.ready for s in again.keys.values())
     assert {a.name: a.alive for a in reloaded.aggregators.values()} == {"agg-0": False, "agg-1": False, "agg-2": False}
-    # placements count again once the Aggregators are back
-    for name in reloaded.aggregators:
-        reloaded.aggregators[name].alive = True
-    assert sum(load.bytes for load in reloaded.loads()) == 40 * 4 + 3 * 8
+    # the control plane adopted the job where it was: 40 float32 in parts of 64 bytes, plus one
+    assert sum(tasks_on(reloaded).values()) == len(spec.parts) + 1
+    assert reloaded.control.jobs["j"].adopted
     # the token still guards rank 0, which had joined, and it may reconnect with it
     with pytest.raises(AuthError):
         reloaded.register_worker("j", 0, 2, token=None)

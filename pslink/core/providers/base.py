@@ -24,6 +24,10 @@ class Provider(abc.ABC):
         for name in list(self.names()):
             self.stop(name, timeout)
 
+    def close(self) -> None:
+        """Stop everything this provider started (and whatever it runs on, if it started that)."""
+        self.stop_all()
+
     def diagnose(self, name: str) -> str:
         """Whatever helps explain why ``name`` failed (exit status, log tail)."""
         return ""

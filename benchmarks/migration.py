@@ -1,0 +1,134 @@
+"""Live migration of a whole running job (AutoPS Table 3): the stall the job sees.
+
+A 2-worker BSP job holds ~100 MB of parameters in 4 MiB tensors, updated on the service by
+momentum SGD (so weights and momentum both move). Each iteration, a worker "computes" for
+``--compute`` seconds (a sleep, standing in for forward/backward on an accelerator) and then
+push-pulls every tensor. At iteration ``--at`` every task of the job is migrated from its two
+Aggregators to two others. The job-visible stall is the slowest of the iterations during the
+migration minus the median iteration before it (target: <= 20 ms; the paper measured 13.6-43.8 ms
+on RDMA). The same job runs again without the migration, and the final weights of both runs must
+be bit-identical. Ends with one JSON line.
+
+    python benchmarks/migration.py            # ~100 MB, the measured run
+    python benchmarks/migration.py --quick    # ~16 MB, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+TENSOR = 1 << 20  # float32 elements: 4 MiB, one task each
+SETTINGS = {"type": "sgd", "lr": 0.01, "momentum": 0.9}
+
+
+def _worker(master, job, rank, keys, iterations, at, compute, signal, results):
+    import pslink
+
+    with pslink.connect(job, rank, 2, master=master, optimizer=SETTINGS, servers=2, timeout=120) as agent:
+        weights = [np.full(TENSOR, 0.01 * k, np.float32) for k in range(keys)]
+        agent.init_many(range(keys), weights).wait()
+        agent.pull_many(range(keys), outs=weights).wait()
+        durations = []
+        for it in range(iterations):
+            if it == at and signal is not None and rank == 0:
+                signal.put(time.time())  # the driver migrates the job now
+            grads = [np.random.default_rng(1000 * rank + 10 * it + k).standard_normal(TENSOR).astype(np.float32)
+                     for k in range(keys)]
+            start = time.perf_counter()
+            time.sleep(compute)
+            agent.pushpull_many(range(keys), grads, outs=weights).wait()
+            durations.append(time.perf_counter() - start)
+        digest = hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
+        results.put((rank, durations, digest, [p[3] for k in range(keys) for p in agent.key_info(k)["parts"]]))
+
+
+def run(keys: int, iterations: int, at: int | None, compute: float, log_dir: str) -> dict:
+    from pslink.core.service import Service
+
+    context = mp.get_context("spawn")
+    signal = context.Queue() if at is not None else None
+    results = context.Queue()
+    job = f"migration-{'moved' if at is not None else 'still'}"
+    # 4 Aggregators; the job asks for 2 and stays on them (profiling never ends here), so the only
+    # move is the one this benchmark makes.
+    with Service(aggregators=4, log_dir=log_dir, control={"profile_iterations": 10**9}) as service:
+        procs = [context.Process(target=_worker, args=(service.address, job, rank, keys, iterations, at, compute,
+                                                       signal, results)) for rank in range(2)]
+        for p in procs:
+            p.start()
+        moved_at = None
+        if signal is not None:
+            moved_at = signal.get(timeout=600)
+            master = service.master
+            tasks = master.tasks_of(job)
+            sources = {service.master.state.jobs[job].keys[t[1]].parts[t[2]].aggregator for t in tasks}
+            targets = [n for n in service.provider.names() if n not in sources]
+            for i, target in enumerate(targets):
+                master.migrate(tasks[i::len(targets)], target, "benchmark")
+        outcome = {}
+        for _ in range(2):
+            rank, durations, digest, places = results.get(timeout=900)
+            outcome[rank] = (durations, digest, places)
+        for p in procs:
+            p.join(60)
+        migrated = service.master.migrations_done
+    return {"durations": outcome[0][0], "digests": [outcome[r][1] for r in (0, 1)],
+            "places": sorted(set(outcome[0][2])), "migrations": migrated, "moved_at": moved_at}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mbytes", type=int, default=104, help="parameters of the job, in MiB (4 MiB tensors)")
+    parser.add_argument("--iterations", type=int, default=24)
+    parser.add_argument("--at", type=int, default=12, help="the iteration during which the job is migrated")
+    parser.add_argument("--compute", type=float, default=0.3, help="seconds of simulated compute per iteration")
+    parser.add_argument("--quick", action="store_true", help="16 MiB, 10 iterations (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.mbytes, args.iterations, args.at = 16, 10, 5
+    keys = max(1, args.mbytes // 4)
+    with tempfile.TemporaryDirectory(prefix="pslink-migration-") as logs:
+        moved = run(keys, args.iterations, args.at, args.compute, os.path.join(logs, "a"))
+        still = run(keys, args.iterations, None, args.compute, os.path.join(logs, "b"))
+    d = moved["durations"]
+    before = statistics.median(d[max(0, args.at - 6):args.at])
+    during = d[args.at:args.at + 3]
+    stall = max(during) - before
+    baseline_before = statistics.median(still["durations"][max(0, args.at - 6):args.at])
+    # The same window in the run without a migration: how much the host alone moves the figure.
+    noise = max(still["durations"][args.at:args.at + 3]) - baseline_before
+    identical = moved["digests"][0] == still["digests"][0] and len(set(moved["digests"] + still["digests"])) == 1
+    print(f"pslink migration benchmark on {platform.node()} ({os.cpu_count()} CPUs): {keys} tensors of 4 MiB "
+          f"({keys * 4} MiB + momentum), 2 workers, {args.compute * 1e3:.0f} ms compute per iteration")
+    print(f"iterations before: median {before * 1e3:.1f} ms; during migration: "
+          f"{', '.join(f'{x * 1e3:.1f}' for x in during)} ms; after: "
+          f"{statistics.median(d[args.at + 3:]) * 1e3 if d[args.at + 3:] else float('nan'):.1f} ms")
+    print(f"job-visible stall: {stall * 1e3:.1f} ms (target <= 20 ms); tasks migrated: {moved['migrations']} "
+          f"to {moved['places']}")
+    print(f"noise floor: the same window of the run without migration: {noise * 1e3:.1f} ms over its median "
+          f"{baseline_before * 1e3:.1f} ms")
+    print(f"final weights bit-identical to the run without migration: {'yes' if identical else 'NO'}")
+    print(json.dumps({
+        "benchmark": "migration", "host": platform.node(), "tensors": keys, "mbytes": keys * 4,
+        "compute_s": args.compute, "before_ms": round(before * 1e3, 2),
+        "during_ms": [round(x * 1e3, 2) for x in during], "stall_ms": round(stall * 1e3, 2), "target_ms": 20,
+        "noise_ms": round(noise * 1e3, 2),
+        "migrated": moved["migrations"], "identical": identical, "durations_ms": [round(x * 1e3, 2) for x in d],
+        "baseline_durations_ms": [round(x * 1e3, 2) for x in still["durations"]],
+    }))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,595 @@
+"""The control plane's decisions (AutoPS 3.3): profiling, packing, the performance guard, scaling.
+
+Pure and clock-driven: feed it events (a job arrives, a part is declared, iterations are
+reported, costs are measured, Aggregators come and go, jobs end, time passes) and it answers with
+actions (:class:`Allocate`, :class:`Release`, :class:`Migrate`). pMaster carries them out; the
+trace-driven simulator feeds the very same object with simulated time.
+
+A job's life (paper 3.3.1-3.3.2):
+
+1. **Profiling.** On arrival it gets ``servers`` Aggregators of its own (idle ones first, else new
+   ones), as many as it would ask ps-lite for, and runs alone there; its parts are spread over them
+   by bytes. Agents report iteration durations, Aggregators report each task's CPU time per
+   iteration.
+2. **Packing.** After ``profile_iterations`` iterations its standalone iteration duration ``D`` is
+   the median measured, and every task is placed by Pseudocode 1 (:mod:`pslink.core.placement`) in
+   the best-fit cluster; tasks whose place changes are migrated; Aggregators left empty are
+   released.
+3. **Guard.** While it runs packed, its iteration durations are compared with ``D``. When the
+   median over the last ``guard_window`` iterations loses more than ``loss_limit``, tasks on a congested
+   Aggregator move to others with room (Appendix D); failing that, the job is reverted: a new
+   Aggregator is added and the job placed again, alone (the paper's Figure 10). A reverted job's
+   Aggregators are then kept for it.
+4. **Exit.** Its tasks go; empty Aggregators are released (down to ``min_aggregators``), then the
+   least-loaded ones are drained into the others while that needs no new Aggregator. With a
+   ``scale_period``, releases and drains happen once per period while allocation stays on demand
+   (the paper's hybrid scaling).
+
+Aggregators are grouped in clusters of at most ``max_cluster_size``, each with its own placement
+state; a job is packed into the best-fit cluster (enough free CPU, the least of it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import statistics
+from typing import Any, Callable
+
+from pslink.core.placement import LOSS_LIMIT, NewAggregator, Placement, TaskDemand, runs_per_cycle
+
+#: CPU seconds an Aggregator spends per byte pushed, before anything was measured (receiving the
+#: bytes and adding them up; calibrated on this project's 2-vCPU test machine, ~2 GB/s).
+DEFAULT_COST_PER_BYTE = 5e-10
+PROVISIONAL_ITERATION = 1.0  # placeholder duration for a profiling job's tasks (its Aggregators are its own)
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocate:
+    """Start an Aggregator in ``cluster``; tell :meth:`ControlPlane.bind` its name once it is up."""
+
+    cluster: str
+    placeholder: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    aggregator: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Migrate:
+    task: tuple  # (job, key, part)
+    source: str
+    target: str
+    reason: str
+
+
+@dataclasses.dataclass
+class JobControl:
+    job: str
+    workers: int
+    servers: int
+    cluster: str
+    phase: str = "profiling"  # profiling -> packed -> reverted
+    temporaries: list[str] = dataclasses.field(default_factory=list)
+    parts: dict[tuple, int] = dataclasses.field(default_factory=dict)  # task -> bytes
+    costs: dict[tuple, float] = dataclasses.field(default_factory=dict)  # e_t, as profiled
+    latest_costs: dict[tuple, float] = dataclasses.field(default_factory=dict)  # e_t since (reporting)
+    standalone: float | None = None  # D_j
+    profiled: list[float] = dataclasses.field(default_factory=list)
+    window: collections.deque = dataclasses.field(default_factory=collections.deque)
+    iterations: int = 0
+    reverts: int = 0
+    exclusive: bool = False
+    adopted: bool = False  # placed before a pMaster restart: re-profile, do not move
+
+    def current_iteration(self) -> float | None:
+        # The median: the loss must *stay* above the limit over the window (the paper), so one
+        # slow iteration (a pause, a hiccup of the host) does not move a job.
+        return statistics.median(self.window) if self.window else None
+
+
+class ControlPlane:
+    """Placement and scaling decisions for a pool of Aggregators, in clusters."""
+
+    def __init__(
+        self,
+        *,
+        loss_limit: float = LOSS_LIMIT,
+        guard_window: int = 100,
+        profile_iterations: int = 20,
+        min_aggregators: int = 1,
+        max_aggregators: int = 1024,
+        max_cluster_size: int = 64,
+        scale_period: float = 0.0,
+        max_reverts: int = 2,
+        cost_per_byte: float = DEFAULT_COST_PER_BYTE,
+        congested_load: float = 0.95,
+        cost_inflation: float = 3.0,
+        elastic: bool = True,
+        clock: Callable[[], float] | None = None,
+    ):
+        self.loss_limit = loss_limit
+        self.guard_window = guard_window
+        self.profile_iterations = profile_iterations
+        self.min_aggregators = min_aggregators
+        self.max_aggregators = max_aggregators
+        self.max_cluster_size = max_cluster_size
+        self.scale_period = scale_period
+        self.max_reverts = max_reverts
+        self.cost_per_byte = cost_per_byte
+        self.congested_load = congested_load
+        self.cost_inflation = cost_inflation
+        # Without a provider nothing can be started or stopped: place within the pool as it is.
+        self.elastic = elastic
+        self.clock = clock or (lambda: 0.0)
+        self.clusters: dict[str, Placement] = {}
+        self.cluster_of: dict[str, str] = {}  # Aggregator (or placeholder) -> cluster
+        self.jobs: dict[str, JobControl] = {}
+        self.loads: dict[str, float] = {}  # Aggregator -> CPU load 0..1, as measured
+        self.reserved: dict[str, str] = {}  # Aggregator -> job it is a profiling temporary for
+        self.exclusive: dict[str, str] = {}  # Aggregator -> reverted job it belongs to
+        self._held: dict[str, list] = collections.defaultdict(list)  # placeholder -> actions
+        self._pending_scale_down = False
+        self._last_scale = self.clock()
+        self._serial = itertools.count(1)
+
+    # -- the pool ---------------------------------------------------------------------------------
+
+    def _new_cluster(self) -> str:
+        name = f"cluster-{len(self.clusters)}"
+        self.clusters[name] = Placement(self.loss_limit)
+        return name
+
+    def _cluster_for_new_aggregator(self, preferred: str | None = None) -> str:
+        if preferred is not None and len(self.clusters[preferred].aggregators) < self.max_cluster_size:
+            return preferred
+        for name, plan in self.clusters.items():
+            if len(plan.aggregators) < self.max_cluster_size:
+                return name
+        return self._new_cluster()
+
+    def aggregator_added(self, name: str) -> None:
+        """An Aggregator nobody asked for joined (the initial pool, a restart, an operator)."""
+        if name in self.cluster_of:
+            return
+        cluster = self._cluster_for_new_aggregator()
+        self.clusters[cluster].add_aggregator(name)
+        self.cluster_of[name] = cluster
+
+    def aggregator_count(self) -> int:
+        return len(self.cluster_of)
+
+    def _allocate(self, cluster: str, reason: str) -> Allocate:
+        plan = self.clusters[cluster]
+        placeholder = f"<new-{next(self._serial)}>"
+        plan.add_aggregator(placeholder)
+        self.cluster_of[placeholder] = cluster
+        return Allocate(cluster, placeholder, reason)
+
+    def bind(self, placeholder: str, name: str) -> list:
+        """An allocated Aggregator registered as ``name``: the actions that waited for it."""
+        cluster = self.cluster_of.pop(placeholder)
+        self.clusters[cluster].rename(placeholder, name)
+        self.cluster_of[name] = cluster
+        for table in (self.reserved, self.exclusive):
+            if placeholder in table:
+                table[name] = table.pop(placeholder)
+        for job in self.jobs.values():
+            job.temporaries = [name if t == placeholder else t for t in job.temporaries]
+        return [self._rebind(a, placeholder, name) for a in self._held.pop(placeholder, [])]
+
+    @staticmethod
+    def _rebind(action, placeholder: str, name: str):
+        if isinstance(action, Migrate):
+            return dataclasses.replace(
+                action,
+                source=name if action.source == placeholder else action.source,
+                target=name if action.target == placeholder else action.target,
+            )
+        return action
+
+    def aggregator_lost(self, name: str) -> None:
+        """An Aggregator went away: forget it (its tasks' recovery is the failure path's job)."""
+        cluster = self.cluster_of.pop(name, None)
+        if cluster is not None:
+            self.clusters[cluster].remove_aggregator(name)
+        self.reserved.pop(name, None)
+        self.exclusive.pop(name, None)
+        self.loads.pop(name, None)
+
+    def is_placeholder(self, name: str) -> bool:
+        return name.startswith("<new-")
+
+    def _emit(self, actions: list, action) -> None:
+        """Hold actions that target an Aggregator still being started."""
+        targets = [getattr(action, "target", None), getattr(action, "source", None)]
+        waiting = next((t for t in targets if t and self.is_placeholder(t)), None)
+        if waiting is not None:
+            self._held[waiting].append(action)
+        else:
+            actions.append(action)
+
+    # -- jobs ---------------------------------------------------------------------------------------
+
+    def job_arrived(self, job: str, workers: int, servers: int | None = None) -> list:
+        """A new job: reserve its profiling Aggregators (idle ones first)."""
+        if job in self.jobs:
+            return []
+        servers = max(1, servers if servers is not None else workers)
+        cluster = max(self.clusters, key=lambda c: len(self._idle(c)), default=None) or self._new_cluster()
+        control = self.jobs[job] = JobControl(job, workers, servers, cluster)
+        if self.profile_iterations <= 0:
+            control.phase = "packed"
+            return []
+        actions: list = []
+        for name in self._idle(cluster)[:servers]:
+            control.temporaries.append(name)
+            self.reserved[name] = job
+        while self.elastic and len(control.temporaries) < servers and self.aggregator_count() < self.max_aggregators:
+            allocation = self._allocate(self._cluster_for_new_aggregator(cluster), f"profile job {job} alone")
+            control.temporaries.append(allocation.placeholder)
+            self.reserved[allocation.placeholder] = job
+            actions.append(allocation)
+        return actions
+
+    def _idle(self, cluster: str) -> list[str]:
+        plan = self.clusters[cluster]
+        return sorted(n for n, a in plan.aggregators.items()
+                      if not a.tasks and n not in self.reserved and n not in self.exclusive
+                      and not self.is_placeholder(n))
+
+    def place_part(self, job: str, key: Any, part: int, nbytes: int) -> tuple[str, list]:
+        """Where a newly declared part goes (an Aggregator or a placeholder), plus actions."""
+        control = self.jobs[job]
+        ident = (job, key, part)
+        control.parts[ident] = nbytes
+        if control.phase == "profiling":
+            # Alone on its own Aggregators while profiling (or, with none to spare, with the
+            # others): spread by bytes.
+            pool = control.temporaries or self._candidates(control)
+            target = min(pool, key=lambda n: (self._bytes_on(n), n))
+            self.clusters[self.cluster_of[target]].assign(self._demand(control, ident, provisional=True), target)
+            return target, []
+        target, actions = self._place_one(control, self._demand(control, ident), self._candidates(control),
+                                          f"no room for a part of job {job}")
+        return target, actions
+
+    def _place_one(self, control: JobControl, demand: TaskDemand, candidates: list[str], reason: str) -> tuple[str, list]:
+        """Pseudocode 1 for one task; without elasticity the least-full candidate takes what fits
+        nowhere."""
+        plan = self.clusters[control.cluster]
+        decision = plan.place(demand, candidates, allow_new=self.elastic)
+        if isinstance(decision, NewAggregator):
+            self.cluster_of[decision.placeholder] = control.cluster
+            return decision.placeholder, [Allocate(control.cluster, decision.placeholder, reason)]
+        if decision is None:
+            _, left = plan.evaluate(demand, candidates)
+            names = [n for n in candidates if n in plan.aggregators]
+            decision = max(names, key=lambda n: (left[plan.aggregators[n].index], n))
+            plan.assign(demand, decision)
+        return decision, []
+
+    def forget_parts(self, job: str, key: Any, parts: int) -> None:
+        control = self.jobs.get(job)
+        for part in range(parts):
+            ident = (job, key, part)
+            for plan in self.clusters.values():
+                plan.unassign(ident)
+            if control is not None:
+                control.parts.pop(ident, None)
+                control.costs.pop(ident, None)
+
+    def adopt_job(self, job: str, workers: int, servers: int | None, cluster: str | None = None) -> JobControl:
+        """A job that ran before a pMaster restart: it keeps its places and is profiled again."""
+        control = self.jobs.get(job)
+        if control is None:
+            cluster = cluster or next(iter(self.clusters), None) or self._new_cluster()
+            control = self.jobs[job] = JobControl(job, workers, max(1, servers or workers), cluster, adopted=True)
+        return control
+
+    def adopt_part(self, job: str, workers: int, servers: int | None, key: Any, part: int, nbytes: int,
+                   aggregator: str) -> None:
+        """A part placed before a pMaster restart: keep it where it is, learn the job again."""
+        if aggregator not in self.cluster_of:
+            self.aggregator_added(aggregator)
+        control = self.adopt_job(job, workers, servers, self.cluster_of[aggregator])
+        ident = (job, key, part)
+        control.parts[ident] = nbytes
+        self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident, provisional=True), aggregator)
+
+    def _bytes_on(self, name: str) -> int:
+        plan = self.clusters[self.cluster_of[name]].aggregators[name]
+        return sum(t.nbytes for t in plan.tasks.values())
+
+    def _demand(self, control: JobControl, ident: tuple, provisional: bool = False) -> TaskDemand:
+        iteration = PROVISIONAL_ITERATION if provisional or control.standalone is None else control.standalone
+        cost = control.costs.get(ident)
+        if cost is None:
+            cost = self.estimate_cost(control, control.parts[ident])
+        return TaskDemand(control.job, ident[1], ident[2], iteration, cost, control.parts[ident])
+
+    def estimate_cost(self, control: JobControl, nbytes: int) -> float:
+        """e_t before it was measured: bytes pushed per iteration times the cost of a byte (the
+        job's own measured rate when it has one)."""
+        measured = [(control.costs[i], control.parts[i]) for i in control.costs if control.parts.get(i)]
+        per_byte = (sum(c for c, _ in measured) / sum(b for _, b in measured)) if measured else (
+            self.cost_per_byte * control.workers)
+        return per_byte * nbytes
+
+    def _candidates(self, control: JobControl) -> list[str]:
+        plan = self.clusters[control.cluster]
+        return [n for n in plan.aggregators
+                if self.reserved.get(n, control.job) == control.job
+                and self.exclusive.get(n, control.job) == control.job]
+
+    def move_task(self, ident: tuple, target: str, reason: str = "requested") -> Migrate | None:
+        """An operator's move (or a benchmark's): update the plan and say how to carry it out."""
+        source = self._where(ident)
+        if source == target:
+            return None
+        source_plan = self.clusters[self.cluster_of[source]]
+        demand = source_plan.unassign(ident)
+        self.clusters[self.cluster_of[target]].assign(demand, target)
+        return Migrate(ident, source, target, reason)
+
+    def costs_measured(self, job: str, costs: dict[tuple, float]) -> None:
+        """Aggregators' per-task CPU seconds per iteration (e_t). Placement uses what was
+        measured while the job was profiled: later figures include whatever slows the
+        Aggregator down (congestion), which must not make a task look too big to move."""
+        control = self.jobs.get(job)
+        if control is None:
+            return
+        measured = {i: c for i, c in costs.items() if i in control.parts}
+        control.latest_costs.update(measured)
+        if control.phase == "profiling" or control.adopted:
+            control.costs.update(measured)
+        else:
+            for ident, cost in measured.items():  # parts declared after packing: first figure only
+                control.costs.setdefault(ident, cost)
+
+    def load_measured(self, name: str, load: float) -> None:
+        self.loads[name] = load
+
+    def iterations_reported(self, job: str, durations: list[float]) -> list:
+        """Iteration durations measured by a job's Agents: profiling, then the guard."""
+        control = self.jobs.get(job)
+        if control is None or not durations:
+            return []
+        control.iterations += len(durations)
+        if control.phase == "profiling":
+            control.profiled.extend(durations)
+            if len(control.profiled) >= self.profile_iterations:
+                return self._pack(control)
+            return []
+        control.window.extend(durations)
+        while len(control.window) > self.guard_window:
+            control.window.popleft()
+        if len(control.window) < self.guard_window or control.standalone is None:
+            return []
+        current = control.current_iteration()
+        loss = (current - control.standalone) / current
+        if loss <= self.loss_limit:
+            return []
+        control.window.clear()  # judge the next placement on its own iterations
+        return self._guard(control, loss, current)
+
+    def _pack(self, control: JobControl) -> list:
+        """Profiling is over: place every task of the job by Pseudocode 1, best-fit cluster."""
+        control.standalone = statistics.median(control.profiled)
+        control.phase = "packed"
+        current = {i: self._where(i) for i in control.parts}
+        if control.adopted or not self.elastic and not control.temporaries:
+            # Measured where it already runs: record the real demands, move nothing.
+            for ident, name in current.items():
+                self.clusters[self.cluster_of[name]].assign(self._demand(control, ident), name)
+            return []
+        for ident in control.parts:
+            self.clusters[self.cluster_of[current[ident]]].unassign(ident)
+        for name in control.temporaries:
+            self.reserved.pop(name, None)
+        demands = [self._demand(control, i) for i in control.parts]
+        control.cluster = self._best_cluster(control, demands)
+        actions = self._place_job(control, demands, current, "pack after profiling")
+        control.temporaries = []
+        return actions + self._release_empty(f"job {control.job} packed")
+
+    def _where(self, ident: tuple) -> str:
+        for plan in self.clusters.values():
+            name = plan.where.get(ident)
+            if name is not None:
+                return name
+        raise KeyError(ident)
+
+    def _best_cluster(self, control: JobControl, demands: list[TaskDemand]) -> str:
+        need = sum(d.cost for d in demands) / control.standalone
+        fits = [(plan.free_capacity(), name) for name, plan in self.clusters.items() if plan.free_capacity() >= need]
+        return min(fits)[1] if fits else control.cluster
+
+    def _place_job(self, control: JobControl, demands: list[TaskDemand], current: dict, reason: str,
+                   candidates: list[str] | None = None) -> list:
+        pool = candidates if candidates is not None else self._candidates(control)
+        actions: list = []
+        for demand in sorted(demands, key=lambda d: (-d.cost, str(d.key), d.part)):
+            target, more = self._place_one(control, demand, pool, f"{reason}: job {control.job} needs room")
+            actions += more
+            if target not in pool:
+                pool = pool + [target]
+            if current.get(demand.ident) != target:
+                self._emit(actions, Migrate(demand.ident, current[demand.ident], target, reason))
+        return actions
+
+    def _congested(self, control: JobControl, plan: Placement) -> list[str]:
+        """The job's Aggregators that are the likely cause: busy (their measured load) or slow
+        for it (its tasks there cost several times what they cost when profiled)."""
+        out = []
+        for name in sorted({plan.where[i] for i in control.parts if i in plan.where}):
+            tasks = [i for i in control.parts if plan.where.get(i) == name]
+            before = sum(control.costs.get(i, 0.0) for i in tasks)
+            now = sum(control.latest_costs.get(i, 0.0) for i in tasks)
+            if self.loads.get(name, 0.0) >= self.congested_load or (before > 0 and now >= self.cost_inflation * before):
+                out.append(name)
+        return out
+
+    def _guard(self, control: JobControl, loss: float, current: float) -> list:
+        """The job runs too slowly on its packed placement: relieve it (Appendix D, Figure 10)."""
+        plan = self.clusters[control.cluster]
+        congested = self._congested(control, plan)
+        actions: list = []
+        if congested:
+            others = [n for n in self._candidates(control) if n not in congested]
+            for name in congested:
+                for ident in [i for i in control.parts if plan.where.get(i) == name]:
+                    demand = plan.unassign(ident)
+                    target = plan.choose(demand, others)
+                    if target is None:
+                        plan.assign(demand, name)
+                        break
+                    plan.assign(demand, target)
+                    actions.append(Migrate(ident, name, target, f"aggregator {name} congested"))
+            if actions:
+                return actions
+        if control.reverts >= self.max_reverts or not self.elastic:
+            return []
+        if control.exclusive and not congested:
+            # Alone on Aggregators of its own and not held up by them: this is how fast it runs
+            # alone now (the host changed), so that is its standalone speed from here on.
+            control.standalone = current
+            return []
+        control.reverts += 1
+        control.phase = "reverted"
+        control.exclusive = True
+        current = {i: plan.where[i] for i in control.parts if i in plan.where}
+        demands = [plan.unassign(i) for i in current]
+        # The job's own new Aggregator joins its cluster even past the size limit: a job is
+        # served from one cluster.
+        allocation = self._allocate(control.cluster, f"revert job {control.job}: {loss:.0%} slower than alone")
+        self.exclusive[allocation.placeholder] = control.job
+        actions = [allocation]
+        new = [allocation.placeholder]
+        decisions = plan.place_all(demands, new)
+        for ident, decision in decisions.items():
+            target = decision.placeholder if isinstance(decision, NewAggregator) else decision
+            if isinstance(decision, NewAggregator):
+                self.cluster_of[target] = control.cluster
+                self.exclusive[target] = control.job
+                actions.append(Allocate(control.cluster, target, f"revert job {control.job}"))
+            self._emit(actions, Migrate(ident, current[ident], target, f"revert job {control.job}"))
+        return actions + self._release_empty(f"job {control.job} reverted")
+
+    def job_ended(self, job: str) -> list:
+        control = self.jobs.pop(job, None)
+        if control is None:
+            return []
+        for plan in self.clusters.values():
+            plan.remove_job(job)
+        for table in (self.reserved, self.exclusive):
+            for name in [n for n, j in table.items() if j == job]:
+                del table[name]
+        if self.scale_period > 0:
+            self._pending_scale_down = True
+            return []
+        return self._scale_down(f"job {job} ended")
+
+    def tick(self) -> list:
+        """Time passed: the periodic half of hybrid scaling."""
+        now = self.clock()
+        if self.scale_period <= 0 or now - self._last_scale < self.scale_period:
+            return []
+        self._last_scale = now
+        if not self._pending_scale_down:
+            return []
+        self._pending_scale_down = False
+        return self._scale_down("periodic scaling")
+
+    # -- scaling down -----------------------------------------------------------------------------------
+
+    def release_idle(self, reason: str = "idle") -> list:
+        """Release Aggregators that hold nothing (after migrations that emptied them finished)."""
+        return self._release_empty(reason)
+
+    def _release_empty(self, reason: str) -> list:
+        actions = []
+        if not self.elastic:
+            return actions
+        # Tasks still to move off an Aggregator (waiting for their new one to start) keep it.
+        leaving = {a.source for held in self._held.values() for a in held if isinstance(a, Migrate)}
+        for cluster, plan in self.clusters.items():
+            for name in sorted(plan.aggregators):
+                if self.aggregator_count() <= self.min_aggregators:
+                    return actions
+                if (plan.aggregators[name].tasks or name in self.reserved or self.is_placeholder(name)
+                        or name in leaving):
+                    continue
+                plan.remove_aggregator(name)
+                self.cluster_of.pop(name, None)
+                self.exclusive.pop(name, None)
+                actions.append(Release(name, reason))
+        return actions
+
+    def _scale_down(self, reason: str) -> list:
+        actions = self._release_empty(reason)
+        for cluster, plan in self.clusters.items():
+            actions += self._drain(plan, reason)
+        return actions + self._release_empty(reason)
+
+    def _drain(self, plan: Placement, reason: str) -> list:
+        """Move everything off the least-loaded Aggregators while others have room (3.3.2)."""
+        actions: list = []
+        while self.elastic and self.aggregator_count() > self.min_aggregators:
+            busy = [p for n, p in plan.aggregators.items() if p.tasks and n not in self.exclusive
+                    and n not in self.reserved and not self.is_placeholder(n)]
+            if len(busy) < 2:
+                return actions
+            lightest = min(busy, key=lambda p: (p.work / p.cycle if p.cycle else 0.0, p.name))
+            targets = [p.name for p in busy if p is not lightest]
+            moves = plan.try_move_all(lightest.name, targets)
+            if moves is None:
+                return actions
+            actions += [Migrate(ident, lightest.name, target, f"drain {lightest.name}: {reason}")
+                        for ident, target in moves.items()]
+            plan.remove_aggregator(lightest.name)
+            self.cluster_of.pop(lightest.name, None)
+            actions.append(Release(lightest.name, f"drained: {reason}"))
+        return actions
+
+    # -- cyclic execution ------------------------------------------------------------------------------------
+
+    def schedules(self) -> dict[str, tuple[int, float, list]]:
+        """Per Aggregator: (plan version, cycle, [[job, key, part, runs, cost], ...]) for the tasks
+        of jobs past profiling (a profiling job has no measured iteration to fit a cycle to)."""
+        out = {}
+        for plan in self.clusters.values():
+            for name, agg in plan.aggregators.items():
+                if self.is_placeholder(name):
+                    continue
+                entries = []
+                for ident, task in agg.tasks.items():
+                    control = self.jobs.get(ident[0])
+                    if control is None or control.standalone is None:
+                        continue
+                    entries.append([ident[0], ident[1], ident[2], runs_per_cycle(agg.cycle, task.iteration), task.cost])
+                out[name] = (agg.version, agg.cycle, entries)
+        return out
+
+    # -- reporting -----------------------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        jobs = {}
+        for name, c in self.jobs.items():
+            current = c.current_iteration()
+            jobs[name] = {
+                "phase": c.phase, "cluster": c.cluster, "standalone": c.standalone, "current": current,
+                "loss": (current - c.standalone) / current if current and c.standalone else None,
+                "iterations": c.iterations, "reverts": c.reverts,
+            }
+        return {
+            "clusters": {name: plan.describe() for name, plan in self.clusters.items()},
+            "jobs": jobs,
+            "reserved": dict(self.reserved),
+            "exclusive": dict(self.exclusive),
+        }

@@ -1,0 +1,151 @@
+"""The control plane with running jobs: profiling, packing, the performance guard, scaling.
+
+Workers simulate their compute with a sleep; the control plane reacts to what the Agents and
+Aggregators measure. Assertions are about its decisions (where tasks are, how many Aggregators
+run), each awaited with a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pslink
+from pslink.core.service import Service
+from pslink.core.transport import Transports
+
+FAST = {"heartbeat_interval": 0.1}
+
+
+def service(aggregators: int, transports: Transports, **control) -> Service:
+    control.setdefault("profile_iterations", 5)
+    control.setdefault("guard_window", 8)
+    return Service("tcp://127.0.0.1:0", aggregators, provider="thread", transports=transports,
+                   control=control, aggregator_options=FAST, master_options={"sweep_interval": 0.1}).start()
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Trainer(threading.Thread):
+    """One worker that keeps iterating (compute, then push-pull every key) until stopped."""
+
+    def __init__(self, address, transports, job, keys=4, compute=0.02, **options):
+        super().__init__(daemon=True)
+        self.agent = pslink.connect(job, 0, 1, master=address, transports=transports, timeout=30, **FAST, **options)
+        self.keys, self.compute = keys, compute
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.rounds = 0
+
+    def run(self):
+        try:
+            arrays = [np.full(1000, float(k), np.float32) for k in range(self.keys)]
+            self.agent.init_many(range(self.keys), arrays).wait()
+            while not self.stop.is_set():
+                time.sleep(self.compute)
+                outs = self.agent.pushpull_many(range(self.keys), arrays).wait()
+                for k, out in enumerate(outs):  # one worker: the sum is its own push
+                    np.testing.assert_array_equal(out, arrays[k])
+                self.rounds += 1
+        except BaseException as exc:
+            self.error = exc
+
+    def places(self) -> set[str]:
+        """The Aggregators holding this job's keys (empty until the keys are declared)."""
+        infos = [self.agent.key_info(k) for k in range(self.keys)]
+        return {p[3] for info in infos if info is not None for p in info["parts"]}
+
+    def finish(self):
+        self.stop.set()
+        self.join(30)
+        self.agent.close()
+        assert self.error is None, self.error
+
+
+@pytest.fixture
+def transports():
+    t = Transports()
+    yield t
+    t.close()
+
+
+def test_a_job_is_profiled_alone_then_packed_and_the_spare_released(transports):
+    svc = service(1, transports)
+    control = svc.master.state.control
+    trainer = Trainer(svc.address, transports, "solo", servers=2)
+    trainer.start()
+    try:
+        wait_until(lambda: control.aggregator_count() == 2, 20, "its second profiling Aggregator")
+        wait_until(lambda: control.jobs["solo"].phase == "packed", 30, "profiling to end")
+        standalone = control.jobs["solo"].standalone
+        assert 0.015 < standalone < 1.0  # its iterations: 20 ms of compute plus the push-pulls
+        # tiny tasks: Pseudocode 1 puts them all on one Aggregator and the other one goes
+        wait_until(lambda: len(trainer.places()) == 1 and control.aggregator_count() == 1, 30, "packing")
+        rounds = trainer.rounds
+        wait_until(lambda: trainer.rounds > rounds + 5, 20, "training to go on")
+    finally:
+        trainer.finish()
+        svc.stop()
+
+
+def test_a_job_slowed_after_packing_is_reverted_onto_a_new_aggregator(transports):
+    svc = service(1, transports, guard_window=6)
+    control = svc.master.state.control
+    trainer = Trainer(svc.address, transports, "victim", servers=1)
+    trainer.start()
+    try:
+        wait_until(lambda: control.jobs["victim"].phase == "packed", 30, "profiling to end")
+        (first,) = trainer.places()
+        svc.provider.aggregators[first].slowdown(0.05)  # a congested network: slow, not busy
+        wait_until(lambda: control.jobs["victim"].reverts == 1, 40, "the guard to revert the job")
+        wait_until(lambda: trainer.places() and first not in trainer.places(), 30, "the job to move")
+        (second,) = trainer.places()
+        assert control.exclusive.get(second) == "victim"  # kept for it from now on
+        # the slow one held nothing else: released (in Figure 10 it stays, for the other job)
+        wait_until(lambda: first not in control.cluster_of, 20, "the emptied Aggregator's release")
+        rounds = trainer.rounds
+        wait_until(lambda: trainer.rounds > rounds + 5, 20, "training to go on at full speed")
+    finally:
+        trainer.finish()
+        svc.stop()
+
+
+def test_tasks_leave_a_cpu_starved_aggregator_for_one_with_room(transports):
+    svc = service(2, transports, guard_window=12, congested_load=0.6)
+    control = svc.master.state.control
+    trainer = Trainer(svc.address, transports, "starved", servers=1)
+    trainer.start()
+    try:
+        wait_until(lambda: control.jobs["starved"].phase == "packed", 30, "profiling to end")
+        (first,) = trainer.places()
+        svc.provider.aggregators[first].slowdown(0.05, busy=True)  # burns CPU: its load rises
+        wait_until(lambda: trainer.places() and first not in trainer.places(), 40, "tasks to leave it")
+        assert control.jobs["starved"].reverts == 0  # moved within the pool, no new Aggregator
+        assert control.aggregator_count() == 2
+    finally:
+        trainer.finish()
+        svc.stop()
+
+
+def test_the_pool_shrinks_when_a_job_ends(transports):
+    svc = service(1, transports, profile_iterations=1000)  # stays in profiling: 3 Aggregators of its own
+    control = svc.master.state.control
+    trainer = Trainer(svc.address, transports, "big", servers=3)
+    trainer.start()
+    try:
+        wait_until(lambda: control.aggregator_count() == 3 and len(trainer.places()) == 3, 30, "the pool to grow")
+    finally:
+        trainer.finish()  # the job leaves
+    try:
+        wait_until(lambda: control.aggregator_count() == 1, 30, "empty Aggregators to be released")
+        wait_until(lambda: len(svc.provider.aggregators) == 1, 30, "their threads to stop")
+    finally:
+        svc.stop()

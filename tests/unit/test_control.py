@@ -1,0 +1,188 @@
+"""The control plane's decisions, fed events by hand: no processes, no sockets, no sleeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from pslink.core.control import Allocate, ControlPlane, Migrate, Release
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def plane(**options) -> ControlPlane:
+    options.setdefault("profile_iterations", 3)
+    options.setdefault("guard_window", 4)
+    options.setdefault("clock", Clock())
+    return ControlPlane(**options)
+
+
+def start(control: ControlPlane, actions: list) -> list:
+    """Carry out Allocate actions the way pMaster does: the new Aggregator registers."""
+    follow = []
+    for action in actions:
+        if isinstance(action, Allocate):
+            follow += control.bind(action.placeholder, f"agg-{control.aggregator_count() + 100}")
+    return follow
+
+
+def declare(control, job, keys, nbytes=1000):
+    return [control.place_part(job, key, 0, nbytes)[0] for key in keys]
+
+
+def test_a_new_job_is_profiled_alone_on_as_many_aggregators_as_it_asks_for():
+    control = plane()
+    control.aggregator_added("agg-0")
+    actions = control.job_arrived("j", workers=2, servers=2)
+    (allocate,) = [a for a in actions if isinstance(a, Allocate)]
+    assert control.jobs["j"].temporaries[0] == "agg-0"  # the idle one first
+    assert start(control, actions) == []
+    temporaries = control.jobs["j"].temporaries
+    assert len(temporaries) == 2 and not any(control.is_placeholder(t) for t in temporaries)
+    places = declare(control, "j", range(4))
+    assert sorted(places) == sorted(temporaries * 2)  # spread by bytes over its own
+    # another job does not land there while "j" is profiling
+    assert control.job_arrived("k", workers=1, servers=1) != []
+
+
+def test_profiling_ends_in_packing_and_releases_what_is_left_empty():
+    control = plane(min_aggregators=1)
+    control.aggregator_added("agg-0")
+    start(control, control.job_arrived("j", workers=2, servers=2))
+    declare(control, "j", range(4))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(4)})
+    assert control.iterations_reported("j", [0.05, 0.05]) == []  # still profiling
+    actions = control.iterations_reported("j", [0.05])
+    moves = [a for a in actions if isinstance(a, Migrate)]
+    releases = [a for a in actions if isinstance(a, Release)]
+    assert control.jobs["j"].phase == "packed" and control.jobs["j"].standalone == 0.05
+    # 4 tasks of 1 ms in a 50 ms cycle fit on one Aggregator: two move, the other one goes
+    assert len(moves) == 2 and len({m.target for m in moves}) == 1
+    assert [r.aggregator for r in releases] == [moves[0].source]
+    assert control.aggregator_count() == 1
+
+
+def test_two_jobs_are_packed_onto_one_aggregator_when_they_fit():
+    control = plane(min_aggregators=1)
+    control.aggregator_added("agg-0")
+    for job in ("a", "b"):
+        start(control, control.job_arrived(job, workers=2, servers=2))
+        declare(control, job, range(2))
+        control.costs_measured(job, {(job, k, 0): 0.002 for k in range(2)})
+    for job in ("a", "b"):
+        control.iterations_reported(job, [0.1, 0.1, 0.1])
+    assert control.aggregator_count() == 1
+    (plan,) = control.clusters.values()
+    (agg,) = plan.aggregators.values()
+    assert set(agg.jobs) == {"a", "b"} and agg.cycle == 0.1
+
+
+def test_the_guard_reverts_a_slowed_job_onto_a_new_aggregator():
+    control = plane(min_aggregators=1)
+    control.aggregator_added("agg-0")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control.iterations_reported("j", [0.05] * 3)
+    assert control.iterations_reported("j", [0.052] * 4) == []  # 4% slower: within the limit
+    actions = control.iterations_reported("j", [0.1] * 4)  # 50% slower, for the whole window
+    (allocate,) = [a for a in actions if isinstance(a, Allocate)]
+    assert "revert job j" in allocate.reason
+    moves = start(control, actions)  # the moves waited for the new Aggregator
+    assert len(moves) == 2 and all(isinstance(m, Migrate) for m in moves)
+    (new,) = {m.target for m in moves}
+    assert not control.is_placeholder(new) and {m.source for m in moves} == {"agg-0"}
+    assert control.exclusive == {new: "j"} and control.jobs["j"].reverts == 1
+    # alone on its own Aggregator and still slow: the host changed, it is not moved again
+    assert control.iterations_reported("j", [0.2] * 4) == []
+    assert control.jobs["j"].standalone == 0.2
+
+
+def test_a_congested_aggregator_is_left_for_one_with_room_without_new_ones():
+    control = plane(min_aggregators=2, congested_load=0.9)
+    control.aggregator_added("agg-0")
+    control.aggregator_added("agg-1")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control.iterations_reported("j", [0.05] * 3)
+    (where,) = {m for m in control.clusters["cluster-0"].where.values()}
+    control.load_measured(where, 0.97)
+    actions = control.iterations_reported("j", [0.2] * 4)
+    assert all(isinstance(a, Migrate) for a in actions) and len(actions) == 2
+    assert {a.target for a in actions} == {"agg-1" if where == "agg-0" else "agg-0"}
+    assert control.jobs["j"].reverts == 0
+
+
+def test_job_exit_releases_and_drains_the_least_loaded():
+    control = plane(min_aggregators=1)
+    for name in ("agg-0", "agg-1", "agg-2"):
+        control.aggregator_added(name)
+    control.profile_iterations = 0  # placed directly by Pseudocode 1
+    for job, cost in (("a", 0.02), ("b", 0.02), ("c", 0.01)):
+        control.job_arrived(job, workers=1)
+        control.jobs[job].standalone = 0.1
+        control.jobs[job].costs = {(job, 0, 0): cost}
+        control.jobs[job].parts = {(job, 0, 0): 1000}
+    plan = control.clusters["cluster-0"]
+    from pslink.core.placement import TaskDemand
+
+    plan.assign(TaskDemand("a", 0, 0, 0.1, 0.06), "agg-0")
+    plan.assign(TaskDemand("b", 0, 0, 0.1, 0.02), "agg-1")
+    plan.assign(TaskDemand("c", 0, 0, 0.1, 0.01), "agg-2")
+    actions = control.job_ended("a")
+    releases = [a.aggregator for a in actions if isinstance(a, Release)]
+    moves = [a for a in actions if isinstance(a, Migrate)]
+    # agg-0 emptied: released; then the lightest (agg-2) drains into agg-1: released too
+    assert releases[0] == "agg-0" and "agg-2" in releases
+    assert [(m.task, m.source, m.target) for m in moves] == [(("c", 0, 0), "agg-2", "agg-1")]
+    assert control.aggregator_count() == 1
+
+
+def test_with_a_scale_period_releases_wait_for_the_period_and_allocations_do_not():
+    clock = Clock()
+    control = plane(min_aggregators=1, scale_period=60.0, clock=clock)
+    control.aggregator_added("agg-0")
+    actions = control.job_arrived("j", workers=1, servers=2)
+    assert any(isinstance(a, Allocate) for a in actions)  # scale-up is on demand
+    start(control, actions)
+    assert control.job_ended("j") == []  # scale-down waits
+    clock.now = 30
+    assert control.tick() == []
+    clock.now = 61
+    assert [a.aggregator for a in control.tick() if isinstance(a, Release)] != []
+
+
+def test_clusters_take_a_job_where_it_fits_best():
+    control = plane(max_cluster_size=2, profile_iterations=0)
+    for n in range(4):
+        control.aggregator_added(f"agg-{n}")
+    assert set(control.clusters) == {"cluster-0", "cluster-1"}
+    assert control.cluster_of["agg-0"] == control.cluster_of["agg-1"] == "cluster-0"
+
+
+def test_without_a_provider_nothing_is_started_or_stopped():
+    control = plane(elastic=False)
+    control.aggregator_added("agg-0")
+    assert control.job_arrived("j", workers=2, servers=2) == []  # only the idle one is taken
+    declare(control, "j", range(3))
+    control.costs_measured("j", {("j", k, 0): 0.5 for k in range(3)})  # far too much for one
+    actions = control.iterations_reported("j", [0.1] * 3)
+    assert not any(isinstance(a, (Allocate, Release)) for a in actions)
+    assert control.job_ended("j") == []
+
+
+def test_an_adopted_job_is_learnt_again_where_it_is():
+    control = plane()
+    control.adopt_part("j", 1, 1, "w", 0, 4096, "agg-3")
+    assert control.jobs["j"].adopted and control.cluster_of["agg-3"]
+    control.costs_measured("j", {("j", "w", 0): 0.001})
+    assert control.iterations_reported("j", [0.05] * 3) == []  # measured, not moved
+    assert control.jobs["j"].standalone == 0.05
+    with pytest.raises(KeyError):
+        control.move_task(("j", "nope", 0), "agg-3")
