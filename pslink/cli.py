@@ -105,7 +105,9 @@ def service_status(
     if as_json:
         console.print_json(json.dumps(status))
         return
-    render_status(status, console)
+    # Piped or captured output has no terminal width to fit; wide rows keep names and addresses
+    # whole for grep and scripts (a terminal gets tables fitted to it).
+    render_status(status, console if console.is_terminal else Console(width=max(console.width, 200)))
 
 
 def render_status(status: dict, out: Console) -> None:
@@ -115,7 +117,8 @@ def render_status(status: dict, out: Console) -> None:
     aggs = Table(title="Aggregators")
     for column in ("name", "address", "pid", "alive", "tasks by job", "MB", "cycle ms", "free ms", "load",
                    "task rounds/s", "bad msgs"):
-        aggs.add_column(column, justify="left" if column in ("name", "address", "tasks by job") else "right")
+        left = column in ("name", "address", "tasks by job")
+        aggs.add_column(column, justify="left" if left else "right", no_wrap=column in ("name", "address"))
     for a in status["aggregators"]:
         jobs = ", ".join(f"{j}:{n}" for j, n in sorted(a["jobs"].items())) or "-"
         if a.get("reserved_for"):
@@ -127,7 +130,8 @@ def render_status(status: dict, out: Console) -> None:
     jobs = Table(title="Jobs")
     for column in ("job", "mode", "workers", "keys", "tasks", "MB", "phase", "iteration ms (alone)", "loss",
                    "rounds/s", "aggregators"):
-        jobs.add_column(column, justify="left" if column in ("job", "mode", "phase", "aggregators") else "right")
+        jobs.add_column(column, justify="left" if column in ("job", "mode", "phase", "aggregators") else "right",
+                        no_wrap=column == "job")
     for j in status["jobs"]:
         mode = j["mode"] + (f" ({j['optimizer']})" if j.get("optimizer") else "") + (" asp" if j.get("sync") == "asp" else "")
         control = j.get("control") or {}
@@ -137,9 +141,10 @@ def render_status(status: dict, out: Console) -> None:
                      f"{j['bytes'] / 1e6:.2f}", control.get("phase", "-"), timing,
                      f"{loss:.0%}" if loss is not None else "-", f"{j['rounds_per_s']:.1f}",
                      ", ".join(j["aggregators"]) or "-")
-    if not status["jobs"]:
-        jobs.caption = "no jobs"
-    out.print(jobs)
+    if status["jobs"]:
+        out.print(jobs)
+    else:
+        out.print("no jobs")
     migrations = status.get("migrations") or []
     if migrations:
         moving = Table(title="Migrations in flight")

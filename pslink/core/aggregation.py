@@ -41,6 +41,7 @@ from pslink.errors import (
     PslinkError,
     ShapeMismatchError,
     UnknownJobError,
+    error_from_code,
 )
 
 MODES = ("sum", "optimizer")
@@ -636,6 +637,10 @@ class AggregatorCore:
             "closed": task.closed, "last_n": task.last_n, "rounds_closed": task.rounds_closed,
             "arrays": names, "scalars": scalars, "open": open_rounds,
         }
+        if task.poisoned is not None:  # an aborted key stays aborted where it moves
+            error = task.poisoned
+            state["poisoned"] = [error.code, error.message, {k: v for k, v in error.details.items()
+                                                              if isinstance(v, (int, str, list))}]
         task.moved_to = task.migrate_to
         # Whoever still waits here must ask the new place (their pushes travel in the copy).
         moved = moved_error(task.key, task.part, task.moved_to)
@@ -667,6 +672,8 @@ class AggregatorCore:
             round_.acc = named.get(f"round:{r}")
         task.incoming = False
         task.seen = set()
+        if state.get("poisoned") and task.poisoned is None:
+            task.poisoned = error_from_code(*state["poisoned"])
         outputs: list = []
         waiting, task.waiting_copy = task.waiting_copy, []
         for req in waiting:

@@ -470,6 +470,8 @@ class Master:
             if error is None:
                 spec.ready = True
                 self.store.save_key(record.job, spec)
+                if spec.aborted is not None:
+                    self._abort_key(record, spec.key, spec.aborted)  # aborted while it was being placed
             else:
                 self.state.forget_key(record, spec.key)
             for wait in self._waits.pop((record.job, spec.key), []):
@@ -487,10 +489,20 @@ class Master:
         wait.peer.reply(wait.request, body={"keys": [spec_to_wire(s, aggs) for s in wait.specs]})
 
     def _abort_key(self, record: JobRecord, key: Any, error: PslinkError) -> None:
+        """Poison a key on every Aggregator that holds or will hold a part of it.
+
+        The key is remembered as aborted: an Aggregator still starting (its assignment deferred)
+        or the target of a migration in flight gets the abort once it has the task, else the
+        first declarer would wait on a fresh, unpoisoned task until its timeout."""
         spec = record.keys.get(key)
         if spec is None:
             return
-        for name in {p.aggregator for p in spec.parts}:
+        if spec.aborted is None:
+            spec.aborted = error
+        error = spec.aborted
+        names = {p.aggregator for p in spec.parts}
+        names |= {e[side] for t, e in self.migrations.items() if t[:2] == (record.job, key) for side in ("source", "target")}
+        for name in names:
             peer = self._aggregator_peers.get(name)
             if peer is not None:
                 peer.notify(Op.ABORT, job=record.job, tok=record.token, rank=error.details.get("ranks", [0])[0],

@@ -56,6 +56,7 @@ class KeySpec:
     needs_init: bool
     parts: list[PartSpec]
     ready: bool = False  # every part's Aggregator acknowledged its assignment
+    aborted: Any = None  # the PslinkError that poisoned the key (sent again to late Aggregators)
 
     def task_specs(self, aggregator: str | None = None) -> list[dict]:
         """The ASSIGN entries for this key's parts (on one Aggregator, or all)."""

@@ -149,3 +149,52 @@ def test_the_pool_shrinks_when_a_job_ends(transports):
         wait_until(lambda: len(svc.provider.aggregators) == 1, 30, "their threads to stop")
     finally:
         svc.stop()
+
+
+def test_a_key_aborted_while_its_aggregator_starts_fails_its_first_declarer(transports, monkeypatch):
+    """Rank 0 declares a key that goes to an Aggregator still starting; rank 1 declares it with
+    another shape before that Aggregator is up. Rank 0 must get the shape mismatch, not wait on a
+    fresh task until its timeout."""
+    import pslink.core.providers.thread as thread_provider
+
+    gate = threading.Event()
+
+    class GatedAggregator(thread_provider.Aggregator):
+        def start(self):
+            threading.Thread(target=lambda: gate.wait(30) and super(GatedAggregator, self).start(), daemon=True).start()
+            return self
+
+    svc = service(1, transports)
+    monkeypatch.setattr(thread_provider, "Aggregator", GatedAggregator)  # the profiling Aggregator waits
+    outcome: dict = {}
+
+    def rank0():
+        agent = pslink.connect("poison", 0, 2, master=svc.address, transports=transports, timeout=20, **FAST)
+        started = time.monotonic()
+        try:
+            agent.init("w", np.ones(4, np.float32)).wait()
+            agent.pushpull("w", np.ones(4, np.float32)).wait()
+        except pslink.PslinkError as exc:
+            outcome["error"], outcome["seconds"] = exc, time.monotonic() - started
+        finally:
+            agent.close()
+
+    first = threading.Thread(target=rank0, daemon=True)
+    first.start()
+    agent1 = None
+    try:
+        job = lambda: svc.master.state.jobs.get("poison")  # noqa: E731
+        wait_until(lambda: job() is not None and "w" in job().keys, 20, "rank 0 to declare 'w'")
+        agent1 = pslink.connect("poison", 1, 2, master=svc.address, transports=transports, timeout=20, **FAST)
+        with pytest.raises(pslink.ShapeMismatchError):
+            agent1.init("w", np.ones(5, np.float32)).wait()
+        gate.set()
+        first.join(30)
+        assert isinstance(outcome.get("error"), pslink.ShapeMismatchError), outcome
+        assert outcome["seconds"] < 10 and "(5,)" in str(outcome["error"])
+    finally:
+        gate.set()
+        if agent1 is not None:
+            agent1.close()
+        first.join(30)
+        svc.stop()

@@ -416,6 +416,19 @@ def test_an_uninitialized_task_moves_and_its_waiters_are_redirected():
     assert [o.origin for o in got if isinstance(o, Reply)] == ["rank0", "rank1"]
 
 
+def test_an_aborted_task_stays_aborted_where_it_moves():
+    from pslink.errors import ShapeMismatchError
+
+    c = Cluster(workers=2, needs_init=False)
+    c.core.abort(c.task, ShapeMismatchError("key 'w': rank 1 uses shape (5,)", key="w", ranks=[1]))
+    target, outputs = migrate(c, force=True)
+    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
+    copy(out, target)
+    (reply,) = send_to(target, c, Op.PUSHPULL, 0, 1, np.ones(6))
+    assert isinstance(reply.error, ShapeMismatchError) and "(5,)" in reply.error.message
+    assert reply.error.details["ranks"] == [1]
+
+
 def test_moving_twice_or_unknown_tasks():
     c = Cluster(workers=1, needs_init=False)
     target, outputs = migrate(c, force=True)
