@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import socket
 import threading
@@ -44,13 +43,13 @@ from pslink.config import (
     resolve_str,
     resolve_token,
 )
+from pslink.core.agent_keys import MAX_MOVES, KeyInfo, Link, PartInfo, PartRequest, as_array, check_key
 from pslink.core.handle import Handle
 from pslink.core.loop import Reactor
-from pslink.core.protocol import DEFAULT_LIMITS, DTYPES, FLOAT_DTYPES, Limits, Op, decode, encode
+from pslink.core.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, Limits, Op, decode, encode
 from pslink.core.rpc import RpcEndpoint, RpcPeer
 from pslink.core.transport import DISCARD, Connection, Transports
 from pslink.errors import (
-    AbortedError,
     ClosedError,
     ConfigError,
     MovedError,
@@ -63,100 +62,6 @@ from pslink.errors import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class _Part:
-    __slots__ = ("index", "start", "stop", "aggregator", "address")
-
-    def __init__(self, index, start, stop, aggregator, address):
-        self.index, self.start, self.stop = index, start, stop
-        self.aggregator, self.address = aggregator, address
-
-
-class _Key:
-    """What the Agent knows of a key: its declaration and where its parts live."""
-
-    __slots__ = ("key", "shape", "dtype", "dtype_name", "numel", "parts", "round", "declared_by")
-
-    def __init__(self, spec: dict):
-        self.key = spec["key"]
-        self.shape = tuple(spec["shape"])
-        self.dtype_name = spec["dtype"]
-        self.dtype = DTYPES[self.dtype_name]
-        self.numel = math.prod(self.shape)
-        self.declared_by = spec.get("declared_by", 0)
-        self.parts = [_Part(*p) for p in spec["parts"]]
-        self.round = 0  # this worker's pushes of the key so far
-
-    def describe(self) -> str:
-        return f"shape {self.shape} {self.dtype_name}"
-
-
-class _Link:
-    """The connection to one Aggregator and the requests waiting on it."""
-
-    __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending")
-
-    def __init__(self, name: str, address: str, conn: Connection, now: float):
-        self.name, self.address, self.conn = name, address, conn
-        self.last_heard = now
-        self.ping_sent: float | None = None
-        self.pending: set[int] = set()
-
-
-class _PartRequest:
-    """One part of a request in flight, with what it takes to send it again elsewhere (a task
-    that migrated answers with its new place)."""
-
-    __slots__ = ("handle", "link", "nbytes", "dest", "array", "average", "op", "info", "part", "round",
-                 "payload", "flat_out", "moves")
-
-    def __init__(self, handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out, moves):
-        self.handle, self.link, self.nbytes = handle, link, nbytes
-        self.dest, self.array, self.average = dest, array, average
-        self.op, self.info, self.part, self.round = op, info, part, round_
-        self.payload, self.flat_out, self.moves = payload, flat_out, moves
-
-
-MAX_MOVES = 8  # a request that keeps meeting "moved" answers gives up with the last one
-
-
-# dtype -> wire name; a dict lookup, because ``dtype.name`` costs microseconds per call
-_WIRE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_WIRE_NAMES.update({np.dtype(name): name for name in DTYPES})
-
-
-def _as_array(value: Any, key: Any) -> tuple[np.ndarray, str]:
-    """numpy view of an array, a buffer-protocol object or a CPU tensor (no copy when possible),
-    and its wire dtype name."""
-    array = value if type(value) is np.ndarray else None
-    if array is None:
-        try:
-            array = np.asarray(value)
-        except Exception as exc:
-            raise ConfigError(f"key {key!r}: cannot read {type(value).__name__} as an array ({exc})") from None
-    name = _WIRE_NAMES.get(array.dtype)
-    if name is None:
-        if array.dtype.byteorder == ">" and array.dtype.newbyteorder("<") in _WIRE_NAMES:
-            array = array.astype(array.dtype.newbyteorder("<"))
-            return array, _WIRE_NAMES[array.dtype]
-        raise ConfigError(
-            f"key {key!r}: dtype {array.dtype} is not supported; supported: {', '.join(DTYPES)}"
-        )
-    return array, name
-
-
-def _check_key(key: Any) -> Any:
-    kind = type(key)
-    if kind is str:
-        if 0 < len(key) <= 256:
-            return key
-    elif kind is int:
-        if 0 <= key < 1 << 64:
-            return key
-    elif isinstance(key, np.integer):
-        return _check_key(int(key))
-    raise ConfigError(f"key {key!r} must be an int in [0, 2**64) or a string of 1..256 characters")
 
 
 class Agent:
@@ -203,11 +108,11 @@ class Agent:
         self._master: RpcPeer | None = None
         self._master_lock = threading.Lock()
         self._reconnecting = False
-        self._links: dict[str, _Link] = {}
-        self._conn_links: dict[Connection, _Link] = {}
+        self._links: dict[str, Link] = {}
+        self._conn_links: dict[Connection, Link] = {}
         self._link_lock = threading.Lock()
-        self._keys: dict[Any, _Key] = {}
-        self._pending: dict[int, _PartRequest] = {}
+        self._keys: dict[Any, KeyInfo] = {}
+        self._pending: dict[int, PartRequest] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._bg_cv = threading.Condition(self._lock)
@@ -297,6 +202,85 @@ class Agent:
         self.settings = body
         self.mode = body["mode"]
 
+    def optimizer_state(self, keys: Sequence | None = None, timeout: float | None = None) -> dict:
+        """The service's optimizer state (optimizer mode), for checkpoints: ``{key: {name: array
+        of the key's shape, or an int}}`` (SGD: ``momentum_buffer``; Adam: ``exp_avg``,
+        ``exp_avg_sq`` and ``step``; ``{}`` for a key not stepped yet). ``keys`` defaults to every
+        key this Agent has used. Take it between rounds (once this worker's pushes are done and
+        the others' rounds closed), when it is exactly what the next step will use."""
+        keys = list(self._keys) if keys is None else [check_key(k) for k in keys]
+        infos = self._resolve(Op.PULL, keys, None, None)
+        states: dict = {info.key: {} for info in infos}
+        handle = Handle(self, "optimizer_state", keys, states, sum(len(info.parts) for info in infos))
+        for info in infos:
+            for part in info.parts:
+                self._send_state(handle, Op.STATE_GET, info, part, states[info.key])
+        return handle.wait(timeout)
+
+    def set_optimizer_state(self, states: dict, timeout: float | None = None) -> None:
+        """Replace the service's optimizer state of the keys in ``states`` (as returned by
+        :meth:`optimizer_state`, e.g. from a checkpoint); ``{}`` for a key resets it. Call it
+        between rounds; every worker may call it with the same states."""
+        if not isinstance(states, dict):
+            raise ConfigError(f"optimizer states are a dict {{key: {{name: array or int}}}}, got {type(states).__name__}")
+        keys = [check_key(k) for k in states]
+        infos = self._resolve(Op.PULL, keys, None, None)
+        handle = Handle(self, "set_optimizer_state", keys, None, sum(len(info.parts) for info in infos))
+        for info in infos:
+            state = states[info.key]
+            if not isinstance(state, dict):
+                raise ConfigError(f"key {info.key!r}: its optimizer state must be a dict, got {type(state).__name__}")
+            arrays, scalars = {}, {}
+            for name, value in state.items():
+                if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+                    scalars[str(name)] = int(value)
+                    continue
+                array, dtype = as_array(value, info.key)
+                if array.shape != info.shape or dtype != info.dtype_name:
+                    raise ShapeMismatchError(f"key {info.key!r}: optimizer state {name!r} has shape {array.shape} "
+                                             f"{dtype}, but the key has {info.describe()}", key=info.key)
+                arrays[str(name)] = np.ascontiguousarray(array).reshape(-1)
+            for part in info.parts:
+                self._send_state(handle, Op.STATE_SET, info, part, (arrays, scalars))
+        handle.wait(timeout)
+
+    def _send_state(self, handle: Handle, op: Op, info: KeyInfo, part: PartInfo, state, moves: int = 0) -> None:
+        """One part of a STATE_GET (``state``: the dict its arrays and numbers go into) or a
+        STATE_SET (``state``: the key's flat arrays and numbers)."""
+        handle._waiting_on[part.aggregator] = part.address
+        try:
+            link = self._link(part.aggregator, part.address)
+        except PslinkError as exc:
+            self._complete(handle, exc)
+            return
+        rid = next(self._ids)
+        nbytes = (part.stop - part.start) * info.dtype.itemsize
+        self._pending[rid] = PartRequest(handle, link, nbytes, None, state, False, op, info, part, 0, None, None, moves)
+        link.pending.add(rid)
+        fields = dict(id=rid, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index, rnd=0,
+                      dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop])
+        frames = [encode(op, **fields)]
+        if op == Op.STATE_SET:
+            arrays, scalars = state
+            frames = [encode(op, **fields, names=list(arrays), scalars=scalars)]
+            frames += [flat[part.start : part.stop] for flat in arrays.values()]
+        try:
+            link.conn.send(frames)
+        except PslinkError as exc:
+            self._fail_requests([rid], PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"))
+
+    @staticmethod
+    def _state_arrived(request: PartRequest, header: dict, payloads: list) -> None:
+        """A part's STATE_GET answer: its slice of each array, and its numbers."""
+        body, info, part, into = header.get("body") or {}, request.info, request.part, request.array
+        for name, data in zip(body.get("names", []), payloads):
+            full = into.get(name)
+            if full is None:
+                full = into[name] = np.zeros(info.shape, info.dtype)  # parts never stepped stay zero
+            full.reshape(-1)[part.start : part.stop] = np.frombuffer(data, info.dtype)
+        for name, value in (body.get("scalars") or {}).items():
+            into[name] = max(value, into.get(name, value))
+
     def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
         """Wait until every worker of the job reached the barrier of this name."""
         self._master_call(Op.BARRIER, timeout=timeout, name=name)
@@ -350,14 +334,14 @@ class Agent:
         if self._closed:
             raise ClosedError(f"agent of job {self.job!r} rank {self.rank} is closed")
         self._activity = self.clock()
-        keys = [_check_key(k) for k in keys]
+        keys = [check_key(k) for k in keys]
         if len(keys) > 1 and len(set(keys)) != len(keys):
             raise ConfigError(f"keys of one call must be distinct, got {keys}")
         if arrays is not None and len(arrays) != len(keys):
             raise ConfigError(f"{len(keys)} keys but {len(arrays)} arrays")
         if outs is not None and len(outs) != len(keys):
             raise ConfigError(f"{len(keys)} keys but {len(outs)} outs")
-        typed = [_as_array(a, k) for k, a in zip(keys, arrays)] if arrays is not None else None
+        typed = [as_array(a, k) for k, a in zip(keys, arrays)] if arrays is not None else None
         infos = self._resolve(op, keys, typed, outs)
         flats = results = None
         if typed is not None:
@@ -393,7 +377,7 @@ class Agent:
                 del self._iterations[:-1000]  # pMaster missed a heartbeat or two: keep the latest
             self._reference_time = now
 
-    def _send_part(self, handle, op, info: _Key, part: _Part, round_: int, payload, flat_out, average,
+    def _send_part(self, handle, op, info: KeyInfo, part: PartInfo, round_: int, payload, flat_out, average,
                    moves: int = 0) -> None:
         nbytes = (part.stop - part.start) * info.dtype.itemsize
         handle._waiting_on[part.aggregator] = part.address
@@ -407,7 +391,7 @@ class Agent:
         if flat_out is not None:
             array = flat_out[part.start : part.stop]
             dest = memoryview(array).cast("B")
-        self._pending[rid] = _PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_,
+        self._pending[rid] = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_,
                                           payload, flat_out, moves)
         link.pending.add(rid)
         header = encode(
@@ -420,12 +404,12 @@ class Agent:
         except PslinkError as exc:
             self._fail_requests([rid], PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"))
 
-    def _out_array(self, info: _Key, out, average: bool) -> np.ndarray:
+    def _out_array(self, info: KeyInfo, out, average: bool) -> np.ndarray:
         if average and info.dtype_name not in FLOAT_DTYPES:
             raise ConfigError(f"key {info.key!r}: average needs a floating dtype, the key is {info.dtype_name}")
         if out is None:
             return np.empty(info.shape, info.dtype)
-        array, name = _as_array(out, info.key)
+        array, name = as_array(out, info.key)
         if array.shape != info.shape or name != info.dtype_name:
             raise ShapeMismatchError(
                 f"key {info.key!r}: out has shape {array.shape} {name}, but the key has {info.describe()}",
@@ -435,9 +419,9 @@ class Agent:
             raise ConfigError(f"key {info.key!r}: out must be a writable C-contiguous array")
         return array
 
-    def _resolve(self, op: Op, keys: list, typed: list | None, outs: list | None) -> list[_Key]:
+    def _resolve(self, op: Op, keys: list, typed: list | None, outs: list | None) -> list[KeyInfo]:
         """Key infos for ``keys``, asking pMaster (one batched LOOKUP) for those not known yet."""
-        infos: list[_Key | None] = []
+        infos: list[KeyInfo | None] = []
         missing = []
         intent = {Op.INIT: "init", Op.PULL: "pull"}.get(op, "push")
         for i, key in enumerate(keys):
@@ -445,7 +429,7 @@ class Agent:
             if typed is not None:
                 shape, dtype = typed[i][0].shape, typed[i][1]
             elif outs is not None and outs[i] is not None:
-                out, dtype = _as_array(outs[i], key)
+                out, dtype = as_array(outs[i], key)
                 shape = out.shape
             info = self._keys.get(key)
             if info is not None and shape is not None and (tuple(shape) != info.shape or dtype != info.dtype_name):
@@ -465,11 +449,11 @@ class Agent:
         if missing:
             body = self._master_call(Op.LOOKUP, items=missing)
             for spec in body["keys"]:
-                self._keys.setdefault(spec["key"], _Key(spec))
+                self._keys.setdefault(spec["key"], KeyInfo(spec))
             infos = [self._keys[k] for k in keys]
         return infos  # type: ignore[return-value]
 
-    def _abort_key(self, info: _Key, error: PslinkError) -> None:
+    def _abort_key(self, info: KeyInfo, error: PslinkError) -> None:
         """Tell the key's Aggregators, so the other workers waiting on it fail now, not later."""
         for part in info.parts:
             try:
@@ -481,7 +465,7 @@ class Agent:
 
     # -- connections ------------------------------------------------------------------------------
 
-    def _link(self, name: str, address: str) -> _Link:
+    def _link(self, name: str, address: str) -> Link:
         link = self._links.get(name)
         if link is not None and not link.conn.closed:
             return link
@@ -489,7 +473,7 @@ class Agent:
             link = self._links.get(name)
             if link is None or link.conn.closed or link.address != address:
                 conn = self.transports.connect(address, self._reactor, self, self.limits, self.connect_timeout)
-                link = _Link(name, address, conn, self.clock())
+                link = Link(name, address, conn, self.clock())
                 self._links[name] = link
                 self._conn_links[conn] = link
             return link
@@ -590,6 +574,11 @@ class Agent:
             log.warning("agent %s/%s: bad message from %s: %s", self.job, self.rank, conn.peer, exc)
             return (None, exc), DISCARD
         pending = self._pending.get(header["id"]) if header["op"] != Op.PONG else None
+        if header["op"] == Op.REPLY and sizes and pending is not None and pending.op == Op.STATE_GET:
+            if any(size != pending.nbytes for size in sizes):
+                return (header, ProtocolError(f"state from {conn.peer} carries frames of {list(sizes)} bytes; "
+                                              f"{pending.nbytes} each were expected")), DISCARD
+            return (header, None), None  # the transport allocates
         if header["op"] == Op.REPLY and sizes:
             if pending is None or pending.dest is None:
                 return (header, None), DISCARD  # a late reply, or a payload nobody asked for
@@ -619,9 +608,15 @@ class Agent:
         if isinstance(error, MovedError) and request.moves < MAX_MOVES:
             # The task migrated before this request got there: follow it, same round, same data.
             self._moved(request.part, error.details)
+            if request.op == Op.STATE_GET or request.op == Op.STATE_SET:
+                self._send_state(request.handle, request.op, request.info, request.part, request.array,
+                                 request.moves + 1)
+                return
             self._send_part(request.handle, request.op, request.info, request.part, request.round,
                             request.payload, request.flat_out, request.average, request.moves + 1)
             return
+        if error is None and request.op == Op.STATE_GET:
+            self._state_arrived(request, header, payloads)
         moved = header.get("moved") if error is None else None
         if moved:
             self._moved(request.part, {"agg": moved[0], "address": moved[1]})
@@ -632,7 +627,7 @@ class Agent:
         self._complete(request.handle, error)
 
     @staticmethod
-    def _moved(part: _Part, where: dict) -> None:
+    def _moved(part: PartInfo, where: dict) -> None:
         """A part's task lives elsewhere now (the pull that closed its last round here said so)."""
         agg, address = where.get("agg"), where.get("address")
         if isinstance(agg, str) and isinstance(address, str):
@@ -700,7 +695,7 @@ class Agent:
         finally:
             self._reactor.call_later(self.probe_interval, self._probe)
 
-    def _give_up(self, link: _Link, silent_for: float) -> None:
+    def _give_up(self, link: Link, silent_for: float) -> None:
         error = PeerError(
             f"aggregator {link.name} at {link.address} did not answer for {silent_for:.1f} s "
             f"(job {self.job!r}, rank {self.rank}); {len(link.pending)} request(s) failed",

@@ -164,6 +164,7 @@ class Request:
     rank: int
     round: int
     payload: np.ndarray | None = None
+    header: dict | None = None  # STATE_SET: the header's names and scalars (payload: a list of arrays)
 
 
 @dataclasses.dataclass(slots=True)
@@ -178,6 +179,8 @@ class Reply:
     payload: np.ndarray | None = None
     error: PslinkError | None = None
     moved: tuple[str, str] | None = None
+    body: dict | None = None  # STATE_GET: the state's names and scalars
+    arrays: list[np.ndarray] | None = None  # STATE_GET: the state's arrays, a frame each
 
 
 @dataclasses.dataclass(slots=True)
@@ -392,6 +395,11 @@ class AggregatorCore:
         if task.incoming:
             task.waiting_copy.append(req)  # nothing is applied here before the copy is complete
             return []
+        if req.op == Op.STATE_GET or req.op == Op.STATE_SET:
+            try:
+                return self._state(task, req)
+            except PslinkError as exc:
+                return [Reply(req.origin, req.id, error=exc)]
         outputs: list = []
         if task.seen is not None:
             task.seen.add(req.rank)
@@ -426,6 +434,29 @@ class AggregatorCore:
             replies.insert(0, Reply(req.origin, req.id, round=req.round))
             return replies
         return self._pull(task, req) + replies  # PUSHPULL: push, then wait for that round
+
+    def _state(self, task: Task, req: Request) -> list[Reply]:
+        """STATE_GET / STATE_SET: a part's optimizer state, for checkpoints and their resumption.
+        Between rounds it is exactly the state the next step will use."""
+        optimizer = task.job.optimizer
+        if task.job.mode != "optimizer" or optimizer is None:
+            why = f"it runs in {task.job.mode} mode" if task.job.mode != "optimizer" else "no optimizer is set"
+            raise KeyStateError(f"{task.name}: job {task.job.job!r} keeps no optimizer state on the service ({why})",
+                                key=task.key)
+        if req.op == Op.STATE_GET:
+            names, arrays, scalars = [], [], {}
+            for name, value in sorted(task.opt_state.items()):
+                if isinstance(value, np.ndarray):
+                    names.append(name)
+                    arrays.append(value.copy())  # the next round updates it in place, maybe before the send
+                else:
+                    scalars[name] = value
+            body = {"names": names, "scalars": scalars}
+            return [Reply(req.origin, req.id, round=task.closed, body=body, arrays=arrays)]
+        names, scalars = req.header["names"], req.header.get("scalars") or {}
+        optimizer.check_state(names, scalars, task.name)
+        task.opt_state = {**scalars, **dict(zip(names, req.payload))}
+        return [Reply(req.origin, req.id, round=task.closed)]
 
     def _initialize(self, task: Task, req: Request) -> list[Reply]:
         task.value = req.payload

@@ -25,7 +25,7 @@ import numpy as np
 
 from pslink.core.aggregation import AggregatorCore, CloseLater, CopyOut, Reply, Request, Summer, Task, WorkerDone
 from pslink.core.loop import Reactor, ReactorThread
-from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, Limits, Op, decode, encode, encode_error
+from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
 from pslink.core.transport import DISCARD, Connection, Transports, split_host_port
 from pslink.errors import AbortedError, PeerError, ProtocolError, PslinkError, ShapeMismatchError, error_from_code
@@ -212,6 +212,14 @@ class Aggregator:
                 buffer = self.core.receive_buffer(task)
                 return (header, task, buffer, started), [memoryview(buffer).cast("B")]
             return (header, task, None, started), None
+        if op in STATE_OPS:
+            try:
+                task = self.core.admit(header)
+            except PslinkError as exc:
+                return _Bad(header["id"], exc), DISCARD
+            # A state's arrays are kept: fresh buffers, never the pool's.
+            buffers = [np.empty(task.span[1] - task.span[0], task.dtype) for _ in sizes]
+            return (header, task, buffers, time.thread_time()), [memoryview(b).cast("B") for b in buffers] or None
         if op in (Op.PING, Op.ABORT):
             return header, None
         if op == Op.TENSOR_COPY:
@@ -234,6 +242,8 @@ class Aggregator:
             return
         header, task, buffer, started = state
         request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], buffer)
+        if header["op"] == Op.STATE_SET:
+            request.header = header
         self._send_all(self.core.handle(task, request))
         self._stall(task)
         spent = time.thread_time() - started
@@ -258,6 +268,8 @@ class Aggregator:
             if isinstance(out, Reply):
                 if out.error is not None:
                     frames = [encode_error(out.id, out.error)]
+                elif out.body is not None:  # a STATE_GET's answer: names and numbers, an array a frame
+                    frames = [encode(Op.REPLY, id=out.id, rnd=out.round, body=out.body), *out.arrays]
                 else:
                     fields = {"moved": list(out.moved)} if out.moved is not None else {}
                     header = encode(Op.REPLY, id=out.id, rnd=out.round, n=out.n, **fields)

@@ -25,7 +25,6 @@ from pslink.core.transport import Transports
 from pslink.errors import (
     ClosedError,
     MembershipError,
-    PeerError,
     ProtocolError,
     PslinkError,
     ServiceError,

@@ -87,6 +87,27 @@ class Optimizer(abc.ABC):
             return self.rescale_grad / contributors
         return self.rescale_grad
 
+    def state_layout(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The names of this optimizer's per-part state: (arrays of the part's size, numbers)."""
+        return (), ()
+
+    def check_state(self, arrays: list[str], scalars: dict, what: str) -> None:
+        """Raise ConfigError unless a state to install is empty or complete, with the right names
+        and numbers (``what`` names the key part in the message)."""
+        array_names, scalar_names = self.state_layout()
+        given = set(arrays) | set(scalars)
+        if not given:
+            return  # an empty state: the next step starts afresh
+        wanted = set(array_names) | set(scalar_names)
+        if given != wanted or len(arrays) != len(set(arrays)) or set(arrays) != set(array_names):
+            raise ConfigError(
+                f"{what}: optimizer {self.name!r} keeps state {sorted(wanted) or 'none'} (arrays "
+                f"{list(array_names)}, numbers {list(scalar_names)}); got arrays {list(arrays)}, numbers {sorted(scalars)}"
+            )
+        for name, value in scalars.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{what}: optimizer state {name!r} must be a non-negative int, got {value!r}")
+
     @abc.abstractmethod
     def step(self, weights: np.ndarray, grad: np.ndarray, state: dict) -> None:
         """Update ``weights`` in place from ``grad`` (already scaled). ``grad`` may be clobbered."""
@@ -113,6 +134,9 @@ class SGD(Optimizer):
         self.lr_in_momentum = _flag(config, "lr_in_momentum", False)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ConfigError("optimizer 'sgd': nesterov needs momentum > 0 and dampening = 0")
+
+    def state_layout(self):
+        return (("momentum_buffer",) if self.momentum else ()), ()
 
     def step(self, weights, grad, state):
         self._clip(grad)
@@ -152,6 +176,9 @@ class Adam(Optimizer):
         self.eps = _number(config, "eps", 1e-8)
         self.weight_decay = _number(config, "weight_decay", 0.0)
         self.eps_after_bias_correction = _flag(config, "eps_after_bias_correction", True)
+
+    def state_layout(self):
+        return ("exp_avg", "exp_avg_sq"), ("step",)
 
     def step(self, weights, grad, state):
         if self.weight_decay:

@@ -35,6 +35,8 @@ class Op(enum.IntEnum):
     PING = 5
     ABORT = 6
     TENSOR_COPY = 7  # Aggregator -> Aggregator: a migrating task's state
+    STATE_GET = 8  # a part's optimizer state (momentum, moments), for checkpoints
+    STATE_SET = 9  # replace a part's optimizer state (resuming from a checkpoint)
     # replies (to any request)
     REPLY = 10
     ERROR = 11
@@ -62,6 +64,8 @@ class Op(enum.IntEnum):
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
+STATE_OPS = frozenset({Op.STATE_GET, Op.STATE_SET})
+MAX_STATE_ARRAYS = 8  # per part; a frame each, every one of the part's size (momentum, moments)
 
 # The dtypes a tensor may have on the wire. Always little-endian.
 DTYPES: dict[str, np.dtype] = {
@@ -248,11 +252,17 @@ SCHEMAS: dict[Op, Schema] = {
     Op.REPLY: Schema(
         {"id": _uint},
         {"rnd": _uint, "n": _uint, "body": _map, "moved": _list},
-        payloads=(0, 1),
+        payloads=tuple(range(0, MAX_STATE_ARRAYS + 1)),  # one tensor; a STATE_GET's arrays
     ),
     Op.TENSOR_COPY: Schema(
         {**_DATA_REQUIRED, "state": _map},
         payloads=tuple(range(0, 9)),
+    ),
+    Op.STATE_GET: Schema(_DATA_REQUIRED),
+    Op.STATE_SET: Schema(
+        {**_DATA_REQUIRED, "names": _list},
+        {"scalars": _map},
+        payloads=tuple(range(0, MAX_STATE_ARRAYS + 1)),
     ),
     Op.ERROR: Schema({"id": _uint, "code": _small_str, "msg": _text}, {"details": _map}),
     Op.REGISTER_JOB: Schema({"id": _uint, "job": _small_str, "num_workers": _uint}, {"config": _map}),
@@ -389,10 +399,15 @@ def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMI
         )
     if op in DATA_OPS:
         _check_tensor(header, payload_sizes)
-    elif op == Op.TENSOR_COPY:
+    elif op == Op.TENSOR_COPY or op == Op.STATE_SET:
         _check_tensor(header, payload_sizes[:1])
         if any(size != payload_sizes[0] for size in payload_sizes):
-            raise ProtocolError(f"TENSOR_COPY of key {header['key']!r}: frames of unequal sizes {list(payload_sizes)}")
+            raise ProtocolError(f"{op.name} of key {header['key']!r}: frames of unequal sizes {list(payload_sizes)}")
+        if op == Op.STATE_SET:
+            names = header["names"]
+            if len(names) != len(payload_sizes) or not all(type(n) is str and 0 < len(n) <= MAX_NAME for n in names):
+                raise ProtocolError(f"STATE_SET of key {header['key']!r}: names {names!r} must be "
+                                    f"{len(payload_sizes)} short strings, one per frame")
     return header
 
 

@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import logging
-import threading
-import time
 
 from pslink.core.master import Master
 from pslink.core.providers import LocalProvider, Provider, ThreadProvider

@@ -18,7 +18,6 @@ except ``push``, which returns once sent and is settled by the next call.
 from __future__ import annotations
 
 import itertools
-import warnings
 import weakref
 from typing import Any
 
@@ -29,7 +28,7 @@ from mxnet.kvstore import KVStoreBase
 import pslink
 from pslink.errors import AuthError, MembershipError, PslinkError
 from pslink.mxnet.errors import KVStoreError, translate
-from pslink.mxnet.optimizer import check_key, service_config
+from pslink.mxnet.optimizer import check_key, service_config, to_mxnet_state, to_service_state
 
 
 class _Key:
@@ -266,33 +265,40 @@ class PSLinkKVStore(KVStoreBase):
         self._updater = mx.optimizer.get_updater(optimizer)
 
     def save_optimizer_states(self, fname, dump_optimizer=False) -> None:
-        """Write the optimizer (with ``dump_optimizer``) in MXNet's updater-state format.
-
-        The per-key state (momentum, Adam's moments) lives on the service's Aggregators and is
-        not in the file: loading continues it in a running job; a new job starts it from zero
-        (see docs/mxnet.md).
-        """
+        """Write the optimizer state as MXNet's updater does (the optimizer too with
+        ``dump_optimizer``): the momentum or Adam moments of every key, read from the service.
+        The file loads back with ``load_optimizer_states``, here or into MXNet's own kvstores."""
         self._require_optimizer("save_optimizer_states")
         self._settle()
-        with open(fname, "wb") as fout:
-            fout.write(self._updater.get_states(dump_optimizer))
+        keys = list(self._keys)
+        service = self._call("save_optimizer_states", keys, lambda: self._agent.optimizer_state(keys))
+        updater = self._updater
+        updater.states = {k: to_mxnet_state(self._optimizer, state) for k, state in service.items()}
+        updater.states_synced = dict.fromkeys(updater.states, True)
+        try:
+            with open(fname, "wb") as fout:
+                fout.write(updater.get_states(dump_optimizer))
+        finally:
+            updater.states, updater.states_synced = {}, {}  # the service's copy is the live one
 
     def load_optimizer_states(self, fname) -> None:
-        """Load a file written by ``save_optimizer_states`` (or by MXNet's local updater) and
-        send the optimizer it holds to the service."""
+        """Load a file written by ``save_optimizer_states`` (or by MXNet's local updater): its
+        optimizer, if it holds one, is sent to the service, and its per-key state is installed
+        there for the keys this store initialized (init before loading, as gluon's Trainer does)."""
         self._require_optimizer("load_optimizer_states")
         with open(fname, "rb") as fin:
             self._updater.set_states(fin.read())
-        if self._updater.states:
-            warnings.warn(
-                f"pslink kvstore: {fname} holds optimizer state for {len(self._updater.states)} key(s); the "
-                "service keeps its own and does not load it (in a new job, momentum and moments start from zero)",
-                stacklevel=2,
-            )
-            self._updater.states, self._updater.states_synced = {}, {}
+        loaded, self._updater.states, self._updater.states_synced = self._updater.states, {}, {}
         self._optimizer = self._updater.optimizer
+        unknown = [k for k in loaded if k not in self._keys]
+        if unknown:
+            raise KVStoreError(f"pslink kvstore: {fname} holds optimizer state for key(s) {unknown} that this store "
+                               "has not initialized; init every key before load_optimizer_states")
+        states = {k: to_service_state(self._optimizer, k, state) for k, state in loaded.items()}
         self._settle()
         self._send_optimizer(service_config(self._optimizer))
+        if states:
+            self._call("load_optimizer_states", list(states), lambda: self._agent.set_optimizer_state(states))
 
     def _require_optimizer(self, what: str) -> None:
         if self._updater is None:

@@ -9,11 +9,17 @@ that make the service follow MXNet's update rules rather than PyTorch's:
 - SGD keeps ``lr * grad`` in its momentum buffer (``lr_in_momentum``) and clips the rescaled
   gradient before weight decay; Adam clips after weight decay and adds epsilon before the bias
   correction (``eps_after_bias_correction`` false).
+
+``to_mxnet_state`` and ``to_service_state`` translate the per-key state both ways, so that
+``save_optimizer_states`` writes the file MXNet's own updater writes (and reads it back): MXNet's
+SGD momentum is the negated ``lr * grad`` buffer the service keeps; Adam's (mean, var) are the
+service's moments, and its step count is MXNet's per-key update count.
 """
 
 from __future__ import annotations
 
 import mxnet as mx
+import numpy as np
 
 from pslink.mxnet.errors import KVStoreError
 
@@ -74,3 +80,28 @@ def check_key(opt, key, dtype) -> None:
             "update_on_kvstore=False",
             key=key,
         )
+
+
+def to_mxnet_state(opt, state: dict):
+    """The service's state of one key (``Agent.optimizer_state``) as MXNet's updater keeps it."""
+    if not state:
+        return None
+    if type(opt) is mx.optimizer.SGD:
+        return mx.nd.array(-state["momentum_buffer"], dtype=state["momentum_buffer"].dtype)
+    mean, var = state["exp_avg"], state["exp_avg_sq"]
+    return (mx.nd.array(mean, dtype=mean.dtype), mx.nd.array(var, dtype=var.dtype))
+
+
+def to_service_state(opt, key, mx_state) -> dict:
+    """One key's state from MXNet's updater (a file from ``save_optimizer_states``) for the service."""
+    if mx_state is None:
+        return {}
+    if type(opt) is mx.optimizer.SGD:
+        if isinstance(mx_state, (tuple, list)):
+            raise KVStoreError(f"pslink kvstore: the state of key {key!r} holds a float32 master copy "
+                               "(multi_precision), which the service does not keep", key=key)
+        return {"momentum_buffer": -mx_state.asnumpy()}
+    if not (isinstance(mx_state, (tuple, list)) and len(mx_state) == 2):
+        raise KVStoreError(f"pslink kvstore: the state of key {key!r} is not Adam's (mean, var)", key=key)
+    mean, var = (np.ascontiguousarray(a.asnumpy()) for a in mx_state)
+    return {"exp_avg": mean, "exp_avg_sq": var, "step": int(opt._index_update_count.get(key, 0))}

@@ -55,7 +55,7 @@ def test_two_workers_end_with_the_weights_of_the_local_kvstore_on_the_combined_b
     assert code == 0, out
     code, ref_out = run_alone(EXAMPLE, COMMON + [a for a in args if a != "--instance"] + [
         "--kvstore", "local", "--batch-size", 2 * BATCH,
-        "--save", tmp_path / "ref.npz", "--result", tmp_path / "ref.json",
+        "--save", tmp_path / "ref.npz", "--result", tmp_path / "ref.json", "--save-states", tmp_path / "ref-states",
     ])
     assert code == 0, ref_out
 
@@ -79,7 +79,14 @@ def test_two_workers_end_with_the_weights_of_the_local_kvstore_on_the_combined_b
     states = pickle.loads((tmp_path / "states-0").read_bytes())
     if on_service:
         saved_states, optimizer = states
-        assert saved_states == {}  # the per-key state lives on the service
+        # the service's momentum / moments, as MXNet's local updater keeps them after the same steps
+        ref_states, _ = pickle.loads((tmp_path / "ref-states").read_bytes())
+        assert saved_states.keys() == ref_states.keys() and saved_states
+        for key, ref_state in ref_states.items():
+            pairs = zip(saved_states[key], ref_state) if isinstance(ref_state, tuple) else [(saved_states[key], ref_state)]
+            for got, want in pairs:
+                np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-3, atol=max(atol, 1e-6),
+                                           err_msg=f"optimizer state of key {key}, {config}")
         assert type(optimizer).__name__.lower() == args[args.index("--optimizer") + 1]
         assert optimizer.lr == float(args[args.index("--lr") + 1])
         assert optimizer.num_update == result["steps"]  # counted per key update, as MXNet's server does

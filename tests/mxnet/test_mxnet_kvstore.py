@@ -93,6 +93,17 @@ def test_set_optimizer_updates_on_the_service_as_mxnet_sgd_does(service, tmp_pat
     updater.set_states((tmp_path / "states-0").read_bytes())
     assert type(updater.optimizer).__name__ == "SGD" and updater.optimizer.lr == 0.05
     assert updater.optimizer.momentum == 0.9 and updater.optimizer.num_update == 4
+    # ... with the momentum the service had after 4 steps, which is MXNet's own after the same steps
+    from tests.mxnet.mxnet_kv_worker import gradient
+
+    reference = mx.optimizer.get_updater(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01, rescale_grad=0.5,
+                                                          clip_gradient=1.0))
+    w = mx.nd.array(np.arange(6, dtype=np.float32).reshape(SHAPE) / 10)
+    for step, lr in enumerate([0.1, 0.1, 0.05, 0.05]):
+        reference.optimizer.set_learning_rate(lr)
+        reference(0, mx.nd.array(gradient(step, 0) + gradient(step, 1)), w)
+    np.testing.assert_allclose(updater.states[0].asnumpy(), reference.states[0].asnumpy(), rtol=1e-5, atol=1e-6)
+    assert np.any(updater.states[0].asnumpy())
 
 
 def test_async_store_applies_every_push_at_once(service, tmp_path):
@@ -137,10 +148,10 @@ def test_the_service_steps_as_mxnets_own_optimizer(service, name):
         kv.close()
 
 
-def test_a_state_file_from_a_local_run_loads_its_optimizer_and_warns_about_its_state(service, tmp_path):
+def test_a_state_file_from_a_local_run_loads_its_optimizer_and_its_momentum(service, tmp_path):
     local = mx.optimizer.get_updater(mx.optimizer.SGD(learning_rate=0.3, momentum=0.5))
     w = mx.nd.ones(SHAPE)
-    local(0, mx.nd.ones(SHAPE), w)  # creates momentum state for key 0
+    local(0, mx.nd.ones(SHAPE), w)  # creates momentum state for key 0: -0.3
     path = tmp_path / "local-states"
     path.write_bytes(local.get_states(dump_optimizer=True))
 
@@ -148,11 +159,20 @@ def test_a_state_file_from_a_local_run_loads_its_optimizer_and_warns_about_its_s
     try:
         kv.set_optimizer(mx.optimizer.SGD(learning_rate=1.0))
         kv.init(0, mx.nd.zeros(SHAPE))
-        with pytest.warns(UserWarning, match="holds optimizer state for 1 key\\(s\\); the service keeps its own"):
-            kv.load_optimizer_states(str(path))
+        kv.load_optimizer_states(str(path))
         out = mx.nd.zeros(SHAPE)
         kv.pushpull(0, mx.nd.ones(SHAPE), out=out)
-        # The file's SGD(lr 0.3, momentum 0.5) stepped, from the service's (empty) momentum.
-        np.testing.assert_allclose(out.asnumpy(), np.full(SHAPE, -0.3), rtol=1e-6)
+        # The file's SGD(lr 0.3, momentum 0.5) stepped from the file's momentum, as MXNet's own
+        # updater continues: momentum 0.5 * -0.3 - 0.3 * 1 = -0.45 added to the weights (0).
+        expected = mx.nd.zeros(SHAPE)
+        local(0, mx.nd.ones(SHAPE), expected)
+        np.testing.assert_allclose(out.asnumpy(), np.full(SHAPE, -0.45), rtol=1e-6)
+        np.testing.assert_allclose(out.asnumpy(), expected.asnumpy(), rtol=1e-6)
+        # an uninitialized key in the file is refused, naming it
+        other = tmp_path / "other-states"
+        local(7, mx.nd.ones(SHAPE), mx.nd.ones(SHAPE))
+        other.write_bytes(local.get_states(dump_optimizer=True))
+        with pytest.raises(mx.base.MXNetError, match=r"key\(s\) \[7\] that this store has not initialized"):
+            kv.load_optimizer_states(str(other))
     finally:
         kv.close()

@@ -191,7 +191,7 @@ def test_leaving_ends_the_job_once_every_worker_left(state):
 
 def test_sweep_marks_silent_workers_and_aggregators(state):
     clock = state.clock
-    job = state.register_worker("j", 0, 1, token=None)
+    state.register_worker("j", 0, 1, token=None)
     clock.now += 5
     ended, silent = state.sweep(worker_timeout=10, aggregator_timeout=10)
     assert ended == [] and silent == []

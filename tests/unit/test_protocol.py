@@ -157,3 +157,17 @@ def test_wire_dtypes():
 def test_errors_of_other_kinds_are_reported_as_internal():
     header = decode(encode_error(3, ValueError("boom")))
     assert header["code"] == "service" and "ValueError: boom" in header["msg"]
+
+
+def test_state_set_frames_match_their_names_and_the_part_size():
+    fields = dict(id=1, job="j", tok=b"t", rank=0, key="w", part=0, rnd=0, dtype="float32", shape=[6], span=[0, 6])
+    ok = decode(encode(Op.STATE_SET, **fields, names=["exp_avg", "exp_avg_sq"], scalars={"step": 3}), [24, 24])
+    assert ok["names"] == ["exp_avg", "exp_avg_sq"] and ok["scalars"] == {"step": 3}
+    with pytest.raises(ProtocolError, match="names .* must be 1 short strings"):
+        decode(encode(Op.STATE_SET, **fields, names=["a", "b"]), [24])
+    with pytest.raises(ProtocolError, match="payload of 20 bytes"):
+        decode(encode(Op.STATE_SET, **fields, names=["a", "b"]), [20, 20])
+    with pytest.raises(ProtocolError, match="unequal sizes"):
+        decode(encode(Op.STATE_SET, **fields, names=["a", "b"]), [24, 20])
+    with pytest.raises(ProtocolError, match="STATE_GET carries 1 payload"):
+        decode(encode(Op.STATE_GET, **fields), [24])

@@ -244,7 +244,7 @@ class ZmqListener(Listener):
     def _on_monitor(self) -> None:  # I/O thread
         while self.monitor is not None:
             try:
-                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+                parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             # A peer that does not speak ZMTP (garbage bytes): report it like a bad frame.
