@@ -35,6 +35,7 @@ from pslink.config import (
     DEFAULT_TIMEOUT,
     ENV_JOB,
     ENV_MASTER,
+    ENV_MAX_WORKERS,
     ENV_NUM_WORKERS,
     ENV_RANK,
     ENV_TIMEOUT,
@@ -44,9 +45,10 @@ from pslink.config import (
     resolve_token,
 )
 from pslink.core.agent_keys import MAX_MOVES, KeyInfo, Link, PartInfo, PartRequest, as_array, check_key
+from pslink.core.agent_tasks import TaskRequests
 from pslink.core.handle import Handle
 from pslink.core.loop import Reactor
-from pslink.core.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, Limits, Op, decode, encode
+from pslink.core.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, Limits, Op, decode, encode
 from pslink.core.rpc import RpcEndpoint, RpcPeer
 from pslink.core.transport import DISCARD, Connection, Transports
 from pslink.errors import (
@@ -64,7 +66,7 @@ from pslink.errors import (
 log = logging.getLogger(__name__)
 
 
-class Agent:
+class Agent(TaskRequests):
     """A worker's connection to the parameter service. See :func:`pslink.connect`."""
 
     def __init__(
@@ -80,6 +82,9 @@ class Agent:
         partition_bytes: int | None = None,
         sync: str | None = None,
         servers: int | None = None,
+        max_workers: int | None = None,
+        staleness: int | None = None,
+        straggler_timeout: float | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         peer_timeout: float = 10.0,
         probe_interval: float = 0.5,
@@ -136,6 +141,12 @@ class Agent:
             config["partition_bytes"] = partition_bytes
         if sync is not None:
             config["sync"] = sync
+        elif staleness:
+            config["sync"] = "ssp"
+        for name, value in (("max_workers", max_workers), ("staleness", staleness),
+                            ("straggler_timeout", straggler_timeout)):
+            if value is not None:
+                config[name] = value
         if servers is not None:
             config["servers"] = servers
         try:
@@ -144,6 +155,12 @@ class Agent:
             self._release_io()  # a refused or failed registration leaves nothing open behind
             raise
         self.token = self.settings["token"]
+        # Elastic membership: a worker registered while its job ran joins each key before use.
+        self._late = bool(self.settings.get("late"))
+        self._joined: set = set()
+        self._members: dict = dict(self.settings.get("membership") or {})
+        self.epoch = self._members.get("epoch", 0)  # the job's membership epoch, as replies last said
+        self.dropped_pushes = 0  # pushes that came after their round closed without them (stragglers')
         self.mode: str = self.settings["mode"]
         self.sync: str = self.settings["sync"]
         self.partition_bytes: int = self.settings["partition_bytes"]
@@ -202,88 +219,12 @@ class Agent:
         self.settings = body
         self.mode = body["mode"]
 
-    def optimizer_state(self, keys: Sequence | None = None, timeout: float | None = None) -> dict:
-        """The service's optimizer state (optimizer mode), for checkpoints: ``{key: {name: array
-        of the key's shape, or an int}}`` (SGD: ``momentum_buffer``; Adam: ``exp_avg``,
-        ``exp_avg_sq`` and ``step``; ``{}`` for a key not stepped yet). ``keys`` defaults to every
-        key this Agent has used. Take it between rounds (once this worker's pushes are done and
-        the others' rounds closed), when it is exactly what the next step will use."""
-        keys = list(self._keys) if keys is None else [check_key(k) for k in keys]
-        infos = self._resolve(Op.PULL, keys, None, None)
-        states: dict = {info.key: {} for info in infos}
-        handle = Handle(self, "optimizer_state", keys, states, sum(len(info.parts) for info in infos))
-        for info in infos:
-            for part in info.parts:
-                self._send_state(handle, Op.STATE_GET, info, part, states[info.key])
-        return handle.wait(timeout)
-
-    def set_optimizer_state(self, states: dict, timeout: float | None = None) -> None:
-        """Replace the service's optimizer state of the keys in ``states`` (as returned by
-        :meth:`optimizer_state`, e.g. from a checkpoint); ``{}`` for a key resets it. Call it
-        between rounds; every worker may call it with the same states."""
-        if not isinstance(states, dict):
-            raise ConfigError(f"optimizer states are a dict {{key: {{name: array or int}}}}, got {type(states).__name__}")
-        keys = [check_key(k) for k in states]
-        infos = self._resolve(Op.PULL, keys, None, None)
-        handle = Handle(self, "set_optimizer_state", keys, None, sum(len(info.parts) for info in infos))
-        for info in infos:
-            state = states[info.key]
-            if not isinstance(state, dict):
-                raise ConfigError(f"key {info.key!r}: its optimizer state must be a dict, got {type(state).__name__}")
-            arrays, scalars = {}, {}
-            for name, value in state.items():
-                if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-                    scalars[str(name)] = int(value)
-                    continue
-                array, dtype = as_array(value, info.key)
-                if array.shape != info.shape or dtype != info.dtype_name:
-                    raise ShapeMismatchError(f"key {info.key!r}: optimizer state {name!r} has shape {array.shape} "
-                                             f"{dtype}, but the key has {info.describe()}", key=info.key)
-                arrays[str(name)] = np.ascontiguousarray(array).reshape(-1)
-            for part in info.parts:
-                self._send_state(handle, Op.STATE_SET, info, part, (arrays, scalars))
-        handle.wait(timeout)
-
-    def _send_state(self, handle: Handle, op: Op, info: KeyInfo, part: PartInfo, state, moves: int = 0) -> None:
-        """One part of a STATE_GET (``state``: the dict its arrays and numbers go into) or a
-        STATE_SET (``state``: the key's flat arrays and numbers)."""
-        handle._waiting_on[part.aggregator] = part.address
-        try:
-            link = self._link(part.aggregator, part.address)
-        except PslinkError as exc:
-            self._complete(handle, exc)
-            return
-        rid = next(self._ids)
-        nbytes = (part.stop - part.start) * info.dtype.itemsize
-        self._pending[rid] = PartRequest(handle, link, nbytes, None, state, False, op, info, part, 0, None, None, moves)
-        link.pending.add(rid)
-        fields = dict(id=rid, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index, rnd=0,
-                      dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop])
-        frames = [encode(op, **fields)]
-        if op == Op.STATE_SET:
-            arrays, scalars = state
-            frames = [encode(op, **fields, names=list(arrays), scalars=scalars)]
-            frames += [flat[part.start : part.stop] for flat in arrays.values()]
-        try:
-            link.conn.send(frames)
-        except PslinkError as exc:
-            self._fail_requests([rid], PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"))
-
-    @staticmethod
-    def _state_arrived(request: PartRequest, header: dict, payloads: list) -> None:
-        """A part's STATE_GET answer: its slice of each array, and its numbers."""
-        body, info, part, into = header.get("body") or {}, request.info, request.part, request.array
-        for name, data in zip(body.get("names", []), payloads):
-            full = into.get(name)
-            if full is None:
-                full = into[name] = np.zeros(info.shape, info.dtype)  # parts never stepped stay zero
-            full.reshape(-1)[part.start : part.stop] = np.frombuffer(data, info.dtype)
-        for name, value in (body.get("scalars") or {}).items():
-            into[name] = max(value, into.get(name, value))
-
-    def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
-        """Wait until every worker of the job reached the barrier of this name."""
-        self._master_call(Op.BARRIER, timeout=timeout, name=name)
+    def barrier(self, name: str = "barrier", timeout: float | None = None) -> dict:
+        """Wait until every member of the job reached the barrier of this name (a member that
+        leaves meanwhile is not waited for). Returns the members it released: ``{"ranks", "epoch"}``."""
+        body = self._master_call(Op.BARRIER, timeout=timeout, name=name)
+        self._update_membership(body)
+        return body
 
     def close(self) -> None:
         """Leave the job (the job ends once every worker left) and release everything."""
@@ -343,6 +284,8 @@ class Agent:
             raise ConfigError(f"{len(keys)} keys but {len(outs)} outs")
         typed = [as_array(a, k) for k, a in zip(keys, arrays)] if arrays is not None else None
         infos = self._resolve(op, keys, typed, outs)
+        if self._late:
+            self._join(infos)
         flats = results = None
         if typed is not None:
             flats = [(a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1) for a, _ in typed]
@@ -357,7 +300,9 @@ class Agent:
         total_parts = sum(len(info.parts) for info in infos)
         result = None if results is None else (results[0] if len(keys) == 1 else results)
         handle = Handle(self, op.name.lower(), keys, result, total_parts, rounds[0] if len(keys) == 1 else 0)
-        send_payload = flats is not None and (op != Op.INIT or self.rank == 0)
+        # An init's value comes from the job's first rank (rank 0, or the lowest left if it has gone).
+        send_payload = flats is not None and (op != Op.INIT or self.rank == 0 or (
+            not self._late and self.rank == min(self._members.get("ranks") or [0])))
         for i, info in enumerate(infos):
             flat_out = results[i].reshape(-1) if results is not None else None
             payload = flats[i] if send_payload else None
@@ -553,6 +498,15 @@ class Agent:
             def registered(result, error):
                 if error is not None:
                     log.warning("agent %s/%s: re-registering with pMaster failed: %s", self.job, self.rank, error)
+                    return
+                body = result.get("body") or {}
+                self._update_membership(body.get("membership"))
+                if body.get("late"):
+                    # It had been taken out of the job (silent too long) and came back as a new
+                    # member: it joins every key again, at the rounds under way.
+                    log.error("agent %s/%s: this worker had been removed from the job; it rejoins at the "
+                              "current rounds (its own state may be behind the others')", self.job, self.rank)
+                    self._late, self._joined = True, set()
                 else:
                     log.info("agent %s/%s: reconnected to pMaster", self.job, self.rank)
 
@@ -608,15 +562,23 @@ class Agent:
         if isinstance(error, MovedError) and request.moves < MAX_MOVES:
             # The task migrated before this request got there: follow it, same round, same data.
             self._moved(request.part, error.details)
-            if request.op == Op.STATE_GET or request.op == Op.STATE_SET:
+            if request.op in STATE_OPS:
                 self._send_state(request.handle, request.op, request.info, request.part, request.array,
                                  request.moves + 1)
                 return
             self._send_part(request.handle, request.op, request.info, request.part, request.round,
                             request.payload, request.flat_out, request.average, request.moves + 1)
             return
-        if error is None and request.op == Op.STATE_GET:
-            self._state_arrived(request, header, payloads)
+        if error is None:
+            if request.op in STATE_OPS:
+                self._state_arrived(request, header, payloads)
+            epoch = header.get("ep")
+            if epoch is not None and epoch > request.handle.epoch:
+                request.handle.epoch = epoch
+                if epoch > self.epoch:
+                    self.epoch = epoch
+            if header.get("dropped"):
+                self.dropped_pushes += 1
         moved = header.get("moved") if error is None else None
         if moved:
             self._moved(request.part, {"agg": moved[0], "address": moved[1]})
@@ -797,16 +759,23 @@ def connect(
     ``PSLINK_JOB``, ``PSLINK_RANK``, ``PSLINK_NUM_WORKERS``, ``PSLINK_MASTER`` (default
     tcp://127.0.0.1:7770), ``PSLINK_TOKEN`` and ``PSLINK_TIMEOUT``. Options: ``token``, ``mode``
     (``"sum"`` or ``"optimizer"``), ``optimizer`` (e.g. ``{"type": "sgd", "lr": 0.1}``),
-    ``sync`` (``"bsp"``, the default, or ``"asp"``: pushes apply at once, pulls never wait),
-    ``servers`` (how many parameter servers the job would ask for: it is profiled alone on that
-    many Aggregators before pMaster packs it with others; default one per worker),
-    ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other :class:`Agent` settings.
+    ``sync`` (``"bsp"``, the default; ``"ssp"`` with ``staleness`` s: a pull of round r is
+    answered once round r - s closed; or ``"asp"``: pushes apply at once, pulls never wait),
+    ``straggler_timeout`` (seconds a round may wait for its last pushes before it closes with
+    those it has), ``max_workers`` (ranks up to it may join the running job; default
+    ``num_workers``, also ``PSLINK_MAX_WORKERS``), ``servers`` (how many parameter servers the
+    job would ask for: it is profiled alone on that many Aggregators before pMaster packs it with
+    others; default one per worker), ``partition_bytes``, ``timeout``, ``peer_timeout`` and the
+    other :class:`Agent` settings. Job settings are fixed by the worker that creates the job.
     """
     job = resolve_str(job, "job", ENV_JOB)
     rank = resolve_int(rank, "rank", ENV_RANK, minimum=0)
     num_workers = resolve_int(num_workers, "num_workers", ENV_NUM_WORKERS, minimum=1)
-    if rank >= num_workers:
-        raise ConfigError(f"rank {rank} is out of range for {num_workers} workers")
+    max_workers = options.get("max_workers")
+    if max_workers is None and os.environ.get(ENV_MAX_WORKERS):
+        max_workers = options["max_workers"] = resolve_int(None, "max_workers", ENV_MAX_WORKERS, minimum=1)
+    if rank >= max(num_workers, max_workers or 0):
+        raise ConfigError(f"rank {rank} is out of range for {max(num_workers, max_workers or 0)} workers")
     master = resolve_str(master, "master", ENV_MASTER, default=DEFAULT_MASTER)
     options["timeout"] = resolve_float(options.get("timeout"), "timeout", ENV_TIMEOUT, DEFAULT_TIMEOUT)
     return Agent(job, rank, num_workers, master, **options)

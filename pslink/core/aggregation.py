@@ -6,10 +6,17 @@ buffer :meth:`AggregatorCore.receive_buffer` gives, and then calls :meth:`Aggreg
 which returns the replies to send. Tests drive the same object with no sockets.
 
 Rounds. Every worker numbers its pushes of a key 1, 2, 3, ...; round ``r`` of a task closes when
-every rank that the job's membership expects for ``r`` has pushed its ``r``-th push, and rounds
-close in order. A pull names the round whose result it wants (the puller's own last push) and is
-answered once that round closed. In ``sum`` mode the result is the round's sum; in ``optimizer``
-mode the round's gradient steps the master weights, and a pull returns the weights.
+every rank the task's members expect for ``r`` (:mod:`pslink.core.membership`) has pushed its
+``r``-th push, and rounds close in order. A pull names the round whose result it wants (the
+puller's own last push) and is answered once that round closed (``ssp``: once round
+``r - staleness`` closed, with the latest value). In ``sum`` mode the result is the round's sum; in
+``optimizer`` mode the round's gradient steps the master weights, and a pull returns the weights.
+With a straggler timeout, a round open that long closes with the pushes it has; a push that comes
+after its round closed is dropped (answered, marked ``dropped``, not added to a later round).
+
+Retries. A request may arrive twice (an Agent resending after a lost reply, or a duplicated
+message): a push for a round the rank already pushed, or one that closed, is answered and not
+added again; a second init from the rank whose init set the value is answered.
 
 Buffers. A push is received straight into a pooled array; the first push of a round *becomes*
 the round's accumulator (no copy), later ones are added into it. Arrays return to their pool when
@@ -26,6 +33,7 @@ import numpy as np
 
 from pslink.core.cycle import CycleBudget
 from pslink.core.protocol import Op
+from pslink.core.task_moves import TaskMoves
 from pslink.core.tasks import (  # noqa: F401 - re-exported: the core's vocabulary
     DEFAULT_MAX_AHEAD,
     MAX_BEFORE_INIT,
@@ -47,14 +55,17 @@ from pslink.errors import (
     AuthError,
     ClosedError,
     KeyStateError,
+    MembershipError,
     ProtocolError,
     PslinkError,
     ShapeMismatchError,
     UnknownJobError,
-    error_from_code,
 )
 
-class AggregatorCore:
+MAX_MISSED = 8  # straggler-closed rounds remembered per task, to mark their late pushes as dropped
+
+
+class AggregatorCore(TaskMoves):
     """All tasks of one Aggregator, and the rules that move their rounds."""
 
     def __init__(self, name: str = "aggregator", summer: Summer | None = None, max_ahead: int = DEFAULT_MAX_AHEAD,
@@ -70,21 +81,49 @@ class AggregatorCore:
 
     # -- control (from pMaster) ---------------------------------------------------------------
 
-    def set_job(self, info: dict) -> JobState:
+    def set_job(self, info: dict) -> list:
+        """A job's settings from pMaster (with an assignment, or after a change). A membership of
+        a later epoch takes effect at once: the open rounds stop waiting for ranks that left
+        (what they pushed stays), and close if nothing else is missing. Returns what to send."""
         incoming = JobState.from_wire(info)
         job = self.jobs.get(incoming.job)
         if job is None:
-            job = self.jobs[incoming.job] = incoming
-        elif job.update(incoming):
+            self.jobs[incoming.job] = incoming
+            return []
+        if incoming.membership.epoch < job.membership.epoch:
+            incoming.membership = job.membership  # a stale message: keep the newer membership
+        left = job.membership.ranks - incoming.membership.ranks
+        if job.update(incoming):
             # New hyperparameters keep momentum and moments; a new optimizer type starts afresh.
             for (job_id, _, _), task in self.tasks.items():
                 if job_id == job.job:
                     task.opt_state = {}
-        return job
+        outputs: list = []
+        if left:
+            error = MembershipError(f"job {job.job!r}: rank(s) {sorted(left)} left the job "
+                                    f"(membership epoch {job.membership.epoch})", job=job.job)
+            for (job_id, _, _), task in self.tasks.items():
+                if job_id == job.job and not task.incoming and task.moved_to is None:
+                    outputs += self._members_left(task, job.membership.ranks, error)
+        return outputs
+
+    def _members_left(self, task: Task, ranks, error) -> list:
+        if not task.members.keep_only(ranks):
+            return []
+        outputs: list = []
+        for r in list(task.pulls):  # a removed rank's own waiting pulls will never be collected
+            mine = [q for q in task.pulls[r] if q.rank not in ranks]
+            if mine:
+                outputs += [Reply(q.origin, q.id, error=error) for q in mine]
+                task.pulls[r] = [q for q in task.pulls[r] if q.rank in ranks]
+                if not task.pulls[r]:
+                    del task.pulls[r]
+        return outputs + (self._close_ready(task) if task.initialized else [])
 
     def assign(self, info: dict, specs: list[dict]) -> list[Task]:
         """Create (idempotently) the tasks pMaster placed here."""
-        job = self.set_job(info)
+        self.set_job(info)
+        job = self.jobs[info["job"]]
         created = []
         for spec in specs:
             ident = (job.job, spec["key"], spec["part"])
@@ -172,15 +211,15 @@ class AggregatorCore:
         if task.incoming:
             task.waiting_copy.append(req)  # nothing is applied here before the copy is complete
             return []
-        if req.op == Op.STATE_GET or req.op == Op.STATE_SET:
+        if req.op == Op.STATE_GET or req.op == Op.STATE_SET or req.op == Op.JOIN:
             try:
-                return self._state(task, req)
+                return self._join(task, req) if req.op == Op.JOIN else self._state(task, req)
             except PslinkError as exc:
                 return [Reply(req.origin, req.id, error=exc)]
         outputs: list = []
         if task.seen is not None:
             task.seen.add(req.rank)
-            if task.seen >= task.job.membership.expected(task.closed + 1):
+            if task.seen >= task.members.expected(task.closed + 1):
                 task.seen = None
                 outputs.append(WorkerDone(task))
         return self._handle_here(task, req) + outputs
@@ -207,36 +246,22 @@ class AggregatorCore:
         if op == Op.PULL:
             return self._pull(task, req)
         replies = self._push(task, req)
+        if replies is None:  # not added: a repeat, or too late for its round
+            dropped = req.rank in task.missed.get(req.round, ())
+            if op == Op.PUSH:
+                return [Reply(req.origin, req.id, round=req.round, dropped=dropped)]
+            answer = self._pull(task, req)
+            for reply in answer:
+                reply.dropped = dropped
+            return answer
         if op == Op.PUSH:
             replies.insert(0, Reply(req.origin, req.id, round=req.round))
             return replies
         return self._pull(task, req) + replies  # PUSHPULL: push, then wait for that round
 
-    def _state(self, task: Task, req: Request) -> list[Reply]:
-        """STATE_GET / STATE_SET: a part's optimizer state, for checkpoints and their resumption.
-        Between rounds it is exactly the state the next step will use."""
-        optimizer = task.job.optimizer
-        if task.job.mode != "optimizer" or optimizer is None:
-            why = f"it runs in {task.job.mode} mode" if task.job.mode != "optimizer" else "no optimizer is set"
-            raise KeyStateError(f"{task.name}: job {task.job.job!r} keeps no optimizer state on the service ({why})",
-                                key=task.key)
-        if req.op == Op.STATE_GET:
-            names, arrays, scalars = [], [], {}
-            for name, value in sorted(task.opt_state.items()):
-                if isinstance(value, np.ndarray):
-                    names.append(name)
-                    arrays.append(value.copy())  # the next round updates it in place, maybe before the send
-                else:
-                    scalars[name] = value
-            body = {"names": names, "scalars": scalars}
-            return [Reply(req.origin, req.id, round=task.closed, body=body, arrays=arrays)]
-        names, scalars = req.header["names"], req.header.get("scalars") or {}
-        optimizer.check_state(names, scalars, task.name)
-        task.opt_state = {**scalars, **dict(zip(names, req.payload))}
-        return [Reply(req.origin, req.id, round=task.closed)]
-
     def _initialize(self, task: Task, req: Request) -> list[Reply]:
         task.value = req.payload
+        task.init_rank = req.rank
         replies = [Reply(req.origin, req.id, round=0)]
         queued, task.before_init = task.before_init, []
         for waiting in queued:
@@ -244,7 +269,9 @@ class AggregatorCore:
         return replies
 
     def _reinit(self, task: Task, req: Request) -> list[Reply]:
-        if req.payload is None:  # another rank's init: the shape check in admit() was the point
+        if req.payload is None or req.rank == task.init_rank and (task.closed or task.rounds):
+            # Another rank's init (the shape check in admit() was the point), or the
+            # initializer's own init arriving again (a resend): nothing to change.
             return [Reply(req.origin, req.id, round=task.closed)]
         if task.closed or task.rounds:
             raise KeyStateError(
@@ -253,24 +280,26 @@ class AggregatorCore:
                 key=task.key,
             )
         task.value = req.payload  # a repeated init before any round: the latest value wins
+        task.init_rank = req.rank
         return [Reply(req.origin, req.id, round=0)]
 
     def _push(self, task: Task, req: Request) -> list[Reply]:
+        """Add a push to its round; returns the replies that closing rounds release. A push that
+        is not added (a repeat, or one too late) returns None: the caller answers it as done."""
         if task.job.sync == "asp":
             return self._push_async(task, req)
         r, rank = req.round, req.rank
         if r <= task.closed:
-            raise KeyStateError(
-                f"{task.name}: rank {rank} pushed round {r}, but round {task.closed} is already "
-                f"closed (a duplicate or stale push)",
-                key=task.key,
-            )
-        expected = task.job.membership.expected(r)
+            return None  # already in a closed round, or too late for it (dropped): answered as done
+        expected = task.members.expected(r)
         if rank not in expected:
+            if rank not in task.members:
+                raise MembershipError(
+                    f"{task.name}: rank {rank} is not a member (members: {sorted(task.members.first)}); a worker "
+                    "that left or was removed must register again", job=task.job.job)
             raise KeyStateError(
-                f"{task.name}: rank {rank} is not a member of round {r} (members: {sorted(expected)})",
-                key=task.key,
-            )
+                f"{task.name}: rank {rank} pushed round {r}, but it joined at round "
+                f"{task.members.first[rank]}", key=task.key)
         if r > task.closed + task.max_ahead:
             raise KeyStateError(
                 f"{task.name}: rank {rank} pushed round {r}, more than {task.max_ahead} rounds "
@@ -278,22 +307,26 @@ class AggregatorCore:
                 key=task.key,
             )
         round_ = task.rounds.get(r)
+        outputs: list = []
         if round_ is None:
-            round_ = task.rounds[r] = _Round()
+            round_ = task.rounds[r] = _Round(self.clock())
+            if task.job.straggler_timeout:
+                outputs.append(CloseLater(task, round_.opened + task.job.straggler_timeout, r))
         if rank in round_.contributors:
-            raise KeyStateError(f"{task.name}: rank {rank} pushed round {r} twice", key=task.key)
+            return None  # the same push again (a resend or a duplicate): added once
         if round_.acc is None:
             round_.acc = req.payload
         else:
             self.summer.add(round_.acc, req.payload)
         round_.contributors.add(rank)
-        return self._close_ready(task)
+        return outputs + self._close_ready(task)
 
     def _push_async(self, task: Task, req: Request) -> list[Reply]:
         """ASP: apply this push alone, now. Sum mode adds it to the value (ps-lite's default
         handle, MXNet's dist_async merge); optimizer mode steps the weights with it."""
-        if req.rank not in task.job.membership.expected(task.closed + 1):
-            raise KeyStateError(f"{task.name}: rank {req.rank} is not a member of job {task.job.job!r}", key=task.key)
+        if req.rank not in task.members:
+            raise MembershipError(f"{task.name}: rank {req.rank} is not a member of job {task.job.job!r}",
+                                  job=task.job.job)
         round_ = _Round()
         round_.contributors.add(req.rank)
         round_.acc = req.payload
@@ -310,15 +343,22 @@ class AggregatorCore:
         task.closed += 1
         task.last_n = 1
         task.rounds_closed += 1
+        task.closed_epoch = task.job.membership.epoch
         return []
 
     def set_schedule(self, cycle: float, budgets: dict[tuple, tuple[int, float]]) -> None:
         """pMaster's plan for this Aggregator: its cycle and each task's runs and cost."""
         self.budget = CycleBudget(cycle, budgets, self.clock()) if cycle > 0 and budgets else None
 
-    def close_due(self, task: Task) -> list:
-        """A round that waited for its slot runs now."""
-        if task.close_at is None or self.tasks.get((task.job.job, task.key, task.part)) is not task:
+    def close_due(self, task: Task, round_: int | None = None) -> list:
+        """A round that waited for its slot runs now; or round ``round_`` is past its straggler
+        timeout and closes (when its turn comes) with whoever pushed."""
+        if self.tasks.get((task.job.job, task.key, task.part)) is not task or task.incoming or task.moved_to:
+            return []
+        if round_ is not None:
+            task.overdue = max(task.overdue, round_)
+            return self._close_ready(task)
+        if task.close_at is None:
             return []
         return self._close_ready(task, admitted=True)
 
@@ -327,8 +367,15 @@ class AggregatorCore:
         while True:
             nxt = task.closed + 1
             round_ = task.rounds.get(nxt)
-            if round_ is None or not round_.contributors >= task.job.membership.expected(nxt):
+            if round_ is None:
                 return replies
+            expected = task.members.expected(nxt)
+            if not round_.contributors >= expected:
+                if nxt > task.overdue or not round_.contributors:
+                    return replies
+                task.missed[nxt] = frozenset(expected - round_.contributors)
+                for old in [r for r in task.missed if r <= nxt - MAX_MISSED]:
+                    del task.missed[old]
             if not admitted:
                 if task.close_at is not None:
                     return replies  # already waiting for its slot
@@ -345,8 +392,9 @@ class AggregatorCore:
             task.closed = nxt
             task.last_n = len(round_.contributors)
             task.rounds_closed += 1
+            task.closed_epoch = task.job.membership.epoch
             migrating = task.migrate_to is not None
-            for r in [r for r in task.pulls if r <= nxt]:
+            for r in [r for r in task.pulls if r - task.job.staleness <= nxt]:
                 for req in task.pulls.pop(r):
                     reply = self._result(task, req)
                     reply.moved = task.migrate_to  # the paper's step 2: the next pull learns the new place
@@ -380,7 +428,7 @@ class AggregatorCore:
         r = req.round
         if task.job.sync == "asp":
             return [self._result(task, req)]  # the latest value, whatever round it is at
-        if r > task.closed:
+        if r - task.job.staleness > task.closed:  # (bsp: staleness 0)
             if r > task.closed + task.max_ahead:
                 raise KeyStateError(
                     f"{task.name}: rank {req.rank} asked for round {r}, more than {task.max_ahead} "
@@ -389,7 +437,7 @@ class AggregatorCore:
                 )
             task.pulls.setdefault(r, []).append(req)
             return []
-        if r < task.closed and task.job.mode == "sum":
+        if r < task.closed and task.job.mode == "sum" and not task.job.staleness:
             raise KeyStateError(
                 f"{task.name}: rank {req.rank} asked for round {r}, but round {task.closed} has "
                 f"closed since and its sum replaced it",
@@ -401,95 +449,7 @@ class AggregatorCore:
         # After the snapshot (a push-pull whose push closed the round that moved the task),
         # the answer still comes from here but carries the new place.
         return Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value,
-                     moved=task.moved_to)
-
-    # -- migration (AutoPS Appendix B) --------------------------------------------------------------
-
-    def begin_migration(self, ident: tuple, target: tuple[str, str], force: bool = False) -> list:
-        """MIGRATE_INIT: move the task to ``target`` (name, address). Under BSP it moves when its
-        current round closes, so the workers learn the new place from that round's replies; an
-        asynchronous job, an uninitialized task or ``force`` moves at once."""
-        task = self.tasks.get(ident)
-        if task is None:
-            if ident in self.moved:
-                return []  # already gone
-            raise KeyStateError(f"aggregator {self.name} does not hold {ident[1]!r} part {ident[2]} of job {ident[0]!r}")
-        if task.moved_to is not None:
-            return []
-        if task.incoming:
-            raise KeyStateError(f"{task.name} is still arriving here; it cannot move on yet")
-        task.migrate_to = tuple(target)
-        if force or task.job.sync == "asp" or not task.initialized:
-            return self._snapshot(task)
-        return []
-
-    def _snapshot(self, task: Task) -> list:
-        names, arrays, scalars = [], [], {}
-        if task.value is not None:
-            names.append("value")
-            arrays.append(task.value)
-        for name, value in task.opt_state.items():
-            if isinstance(value, np.ndarray):
-                names.append(f"opt:{name}")
-                arrays.append(value)
-            else:
-                scalars[name] = value
-        open_rounds = []
-        for r in sorted(task.rounds):
-            round_ = task.rounds[r]
-            open_rounds.append([r, sorted(round_.contributors)])
-            if round_.acc is not None:
-                names.append(f"round:{r}")
-                arrays.append(round_.acc)
-        state = {
-            "closed": task.closed, "last_n": task.last_n, "rounds_closed": task.rounds_closed,
-            "arrays": names, "scalars": scalars, "open": open_rounds,
-        }
-        if task.poisoned is not None:  # an aborted key stays aborted where it moves
-            error = task.poisoned
-            state["poisoned"] = [error.code, error.message, {k: v for k, v in error.details.items()
-                                                              if isinstance(v, (int, str, list))}]
-        task.moved_to = task.migrate_to
-        # Whoever still waits here must ask the new place (their pushes travel in the copy).
-        moved = moved_error(task.key, task.part, task.moved_to)
-        waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
-        task.before_init, task.pulls = [], {}
-        return [CopyOut(task, task.moved_to, state, arrays)] + [Reply(r.origin, r.id, error=moved) for r in waiting]
-
-    def copy_done(self, ident: tuple) -> None:
-        """The new Aggregator has the state: forget the task, keep a forwarding address."""
-        task = self.tasks.pop(ident, None)
-        if task is not None and task.moved_to is not None:
-            self.moved[ident] = task.moved_to
-
-    def install(self, task: Task, state: dict, arrays: list[np.ndarray]) -> list:
-        """TENSOR_COPY arrived: take the state over, then serve what waited for it."""
-        if not task.incoming:
-            raise KeyStateError(f"{task.name} is not waiting for a copy here")
-        named = dict(zip(state["arrays"], arrays))
-        task.value = named.get("value")
-        task.closed = state["closed"]
-        task.last_n = state["last_n"]
-        task.rounds_closed = state["rounds_closed"]
-        task.opt_state = dict(state.get("scalars", {}))
-        task.opt_state.update({n[4:]: a for n, a in named.items() if n.startswith("opt:")})
-        task.rounds = {}
-        for r, ranks in state["open"]:
-            round_ = task.rounds[r] = _Round()
-            round_.contributors = set(ranks)
-            round_.acc = named.get(f"round:{r}")
-        task.incoming = False
-        task.seen = set()
-        if state.get("poisoned") and task.poisoned is None:
-            task.poisoned = error_from_code(*state["poisoned"])
-        outputs: list = []
-        waiting, task.waiting_copy = task.waiting_copy, []
-        for req in waiting:
-            outputs += self.handle(task, req)
-        return outputs + self._close_ready(task)
-
-    def find_ident(self, ident: tuple) -> Task | None:
-        return self.tasks.get(ident)
+                     moved=task.moved_to, epoch=task.closed_epoch)
 
     # -- failures -----------------------------------------------------------------------------
 

@@ -268,11 +268,13 @@ class Aggregator:
             if isinstance(out, Reply):
                 if out.error is not None:
                     frames = [encode_error(out.id, out.error)]
-                elif out.body is not None:  # a STATE_GET's answer: names and numbers, an array a frame
-                    frames = [encode(Op.REPLY, id=out.id, rnd=out.round, body=out.body), *out.arrays]
+                elif out.body is not None:  # STATE_GET or JOIN: names and numbers (and an array a frame)
+                    frames = [encode(Op.REPLY, id=out.id, rnd=out.round, body=out.body), *(out.arrays or ())]
                 else:
                     fields = {"moved": list(out.moved)} if out.moved is not None else {}
-                    header = encode(Op.REPLY, id=out.id, rnd=out.round, n=out.n, **fields)
+                    if out.dropped:
+                        fields["dropped"] = True
+                    header = encode(Op.REPLY, id=out.id, rnd=out.round, n=out.n, ep=out.epoch, **fields)
                     frames = [header, out.payload] if out.payload is not None else [header]
                 self._send(out.origin, frames)
             elif isinstance(out, CopyOut):
@@ -280,10 +282,10 @@ class Aggregator:
             elif isinstance(out, WorkerDone):
                 self._tell_master(Op.WORKER_DONE, out.task)
             elif isinstance(out, CloseLater):
-                self.reactor.call_later(max(0.0, out.when - self.clock()), self._close_due, out.task)
+                self.reactor.call_later(max(0.0, out.when - self.clock()), self._close_due, out.task, out.round)
 
-    def _close_due(self, task: Task) -> None:
-        self._send_all(self.core.close_due(task))
+    def _close_due(self, task: Task, round_: int | None = None) -> None:
+        self._send_all(self.core.close_due(task, round_))
 
     # -- migration ------------------------------------------------------------------------------------
 
@@ -436,8 +438,9 @@ class Aggregator:
             self.core.assign(req["jobinfo"], req["tasks"])
             peer.reply(req)
         elif op == Op.JOB_INFO:
-            self.core.set_job(req["jobinfo"])
+            outputs = self.core.set_job(req["jobinfo"])
             peer.reply(req)
+            self._send_all(outputs)
         elif op == Op.DROP_JOB:
             self._send_all(self.core.drop_job(req["job"]))
             if req["id"]:

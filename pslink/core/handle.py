@@ -17,7 +17,7 @@ class Handle:
     """
 
     __slots__ = (
-        "_agent", "op", "keys", "round", "_left", "_error", "_result", "_event", "_callbacks",
+        "_agent", "op", "keys", "round", "epoch", "_left", "_error", "_result", "_event", "_callbacks",
         "_waiting_on", "__weakref__",
     )
 
@@ -26,6 +26,7 @@ class Handle:
         self.op = op
         self.keys = keys
         self.round = round_
+        self.epoch = 0  # the job's membership epoch the answers carried (the same for every worker)
         self._left = parts
         self._error: PslinkError | None = None
         self._result = result

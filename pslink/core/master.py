@@ -77,6 +77,7 @@ class Master:
         transports: Transports | None = None,
         limits: Limits = DEFAULT_LIMITS,
         worker_timeout: float = 15.0,
+        disconnect_grace: float = 5.0,
         aggregator_timeout: float = 15.0,
         assign_timeout: float = 10.0,
         sweep_interval: float = 1.0,
@@ -95,6 +96,7 @@ class Master:
         self.store.load(self.state)
         self.limits = limits
         self.worker_timeout = worker_timeout
+        self.disconnect_grace = disconnect_grace  # a worker whose connection closed is removed after it
         self.aggregator_timeout = aggregator_timeout
         self.assign_timeout = assign_timeout
         self.sweep_interval = sweep_interval
@@ -208,9 +210,28 @@ class Master:
 
     def _carry_out(self) -> None:
         try:
+            self._announce_membership()
             self._carry_out_actions()
         finally:
             self._send_schedules()
+
+    def _announce_membership(self) -> None:
+        """Jobs whose membership changed: persist it, tell their Aggregators (the open rounds
+        stop waiting for ranks that left), and settle barriers that waited for them."""
+        changed, self.state.membership_changed = self.state.membership_changed, []
+        for record in {id(r): r for r in changed}.values():
+            if self.state.jobs.get(record.job) is not record:
+                continue  # ended meanwhile
+            log.info("job %s: members %s (epoch %d)", record.job, sorted(record.membership.ranks),
+                     record.membership.epoch)
+            self.store.save_job(record)
+            for name in record.aggregators():
+                peer = self._aggregator_peers.get(name)
+                if peer is not None:
+                    peer.call(Op.JOB_INFO, self._log_failure(f"telling {name} of job {record.job}'s members"),
+                              timeout=self.assign_timeout, jobinfo=record.jobinfo())
+            for ident in [b for b in self._barriers if b[0] == record.job]:
+                self._settle_barrier(record, ident)
 
     def _send_schedules(self) -> None:
         """Cyclic execution: each Aggregator whose plan changed learns its cycle and budgets."""
@@ -401,9 +422,26 @@ class Master:
         if req["rank"] in arrived:
             raise MembershipError(f"rank {req['rank']} entered barrier {req['name']!r} of job {record.job!r} twice")
         arrived[req["rank"]] = (peer, req)
-        if set(arrived) >= record.membership.expected(0):
+        self._settle_barrier(record, ident)
+
+    def _settle_barrier(self, record: JobRecord, ident: tuple) -> None:
+        """Release a barrier once every current member arrived; a rank that left gets an error."""
+        arrived = self._barriers[ident]
+        for rank in [r for r in arrived if r not in record.membership]:
+            gone_peer, gone_req = arrived.pop(rank)
+            gone_peer.error(gone_req, MembershipError(f"rank {rank} left job {record.job!r} during barrier "
+                                                      f"{ident[1]!r}", job=record.job))
+        if set(arrived) >= record.membership.ranks:
+            body = {"epoch": record.membership.epoch, "ranks": sorted(record.membership.ranks)}
             for waiting_peer, waiting_req in self._barriers.pop(ident).values():
-                waiting_peer.reply(waiting_req)
+                waiting_peer.reply(waiting_req, body=body)
+
+    def _job_keys(self, peer: RpcPeer, req: dict) -> None:
+        """Every key of the job and where its parts live (a worker joining a running job joins them)."""
+        record = self.state.authorize(req["job"], req["tok"], req["rank"])
+        aggs = self.state.aggregators
+        keys = [spec_to_wire(s, aggs) for s in record.keys.values() if s.ready] if req.get("keys", True) else []
+        peer.reply(req, body={"keys": keys, "membership": record.membership.to_wire()})
 
     def _status(self, peer: RpcPeer, req: dict) -> None:
         body = self.state.status()
@@ -567,7 +605,7 @@ class Master:
     def _sweep(self) -> None:
         try:
             self.state.tick()
-            ended, silent = self.state.sweep(self.worker_timeout, self.aggregator_timeout)
+            ended, silent = self.state.sweep(self.worker_timeout, self.aggregator_timeout, self.disconnect_grace)
             for record in ended:
                 log.info("job %s ended: no worker heard from in %.0f s", record.job, self.worker_timeout)
                 self._end_job(record)
@@ -585,6 +623,7 @@ class Master:
         Op.HEARTBEAT: _heartbeat,
         Op.BARRIER: _barrier,
         Op.LEAVE: _leave,
+        Op.JOB_KEYS: _job_keys,
         Op.STATUS: _status,
         Op.REGISTER_AGGREGATOR: _register_aggregator,
         Op.AGG_HEARTBEAT: _aggregator_heartbeat,

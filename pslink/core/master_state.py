@@ -12,7 +12,6 @@ message, must carry the token. A pre-registered job always needs the token.
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import math
 import secrets
@@ -20,9 +19,19 @@ import time
 from typing import Any, Callable
 
 from pslink.core.control import ControlPlane
-from pslink.core.membership import Membership
+from pslink.core.jobs import (  # noqa: F401 - re-exported for the shell and the store
+    JOB_SETTINGS,
+    MODES,
+    SYNCS,
+    AggregatorRecord,
+    JobRecord,
+    KeySpec,
+    PartSpec,
+    WorkerInfo,
+    validate_settings,
+)
 from pslink.core.optim import make_optimizer
-from pslink.core.partition import DEFAULT_PARTITION_BYTES, partition_spans
+from pslink.core.partition import partition_spans
 from pslink.core.protocol import DTYPES, MAX_NDIM
 from pslink.errors import (
     AuthError,
@@ -35,153 +44,6 @@ from pslink.errors import (
     UnknownJobError,
 )
 
-MODES = ("sum", "optimizer")
-SYNCS = ("bsp", "asp")
-JOB_SETTINGS = {"mode", "optimizer", "partition_bytes", "sync", "servers"}
-
-
-@dataclasses.dataclass
-class PartSpec:
-    part: int
-    span: tuple[int, int]
-    aggregator: str
-
-
-@dataclasses.dataclass
-class KeySpec:
-    key: Any
-    shape: tuple[int, ...]
-    dtype: str
-    declared_by: int
-    needs_init: bool
-    parts: list[PartSpec]
-    ready: bool = False  # every part's Aggregator acknowledged its assignment
-    aborted: Any = None  # the PslinkError that poisoned the key (sent again to late Aggregators)
-
-    def task_specs(self, aggregator: str | None = None) -> list[dict]:
-        """The ASSIGN entries for this key's parts (on one Aggregator, or all)."""
-        return [
-            {
-                "key": self.key,
-                "part": p.part,
-                "span": list(p.span),
-                "shape": list(self.shape),
-                "dtype": self.dtype,
-                "declared_by": self.declared_by,
-                "needs_init": self.needs_init,
-            }
-            for p in self.parts
-            if aggregator is None or p.aggregator == aggregator
-        ]
-
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
-
-    def describe(self) -> str:
-        return f"shape {self.shape} {self.dtype}"
-
-
-@dataclasses.dataclass
-class WorkerInfo:
-    rank: int
-    pid: int = 0
-    host: str = ""
-    last_seen: float = 0.0
-    connected: bool = True
-    left: bool = False
-
-
-@dataclasses.dataclass
-class JobRecord:
-    job: str
-    token: bytes
-    num_workers: int
-    mode: str = "sum"
-    optimizer: dict | None = None
-    partition_bytes: int = DEFAULT_PARTITION_BYTES
-    sync: str = "bsp"
-    servers: int | None = None  # what it would ask ps-lite for (default: one per worker)
-    preregistered: bool = False
-    created: float = 0.0
-    membership: Membership = dataclasses.field(default=None)  # type: ignore[assignment]
-    keys: dict[Any, KeySpec] = dataclasses.field(default_factory=dict)
-    workers: dict[int, WorkerInfo] = dataclasses.field(default_factory=dict)
-    joined: set[int] = dataclasses.field(default_factory=set)  # ranks that ever registered
-    rounds: dict[str, int] = dataclasses.field(default_factory=dict)  # aggregator -> max round
-    idle_since: float | None = None  # when the last connected worker went away (None: some is here)
-
-    def __post_init__(self):
-        if self.membership is None:
-            self.membership = Membership.fixed(self.num_workers)
-
-    def jobinfo(self) -> dict:
-        """What Aggregators need to serve the job (sent with assignments)."""
-        return {
-            "job": self.job,
-            "token": self.token,
-            "membership": self.membership.to_wire(),
-            "mode": self.mode,
-            "optimizer": self.optimizer,
-            "sync": self.sync,
-        }
-
-    def settings(self) -> dict:
-        """What an Agent needs (returned at registration)."""
-        return {
-            "job": self.job,
-            "token": self.token,
-            "num_workers": self.num_workers,
-            "membership": self.membership.to_wire(),
-            "mode": self.mode,
-            "optimizer": self.optimizer,
-            "partition_bytes": self.partition_bytes,
-            "sync": self.sync,
-        }
-
-    def aggregators(self) -> set[str]:
-        return {p.aggregator for spec in self.keys.values() for p in spec.parts}
-
-    def live_workers(self) -> list[int]:
-        return sorted(r for r, w in self.workers.items() if w.connected and not w.left)
-
-
-@dataclasses.dataclass
-class AggregatorRecord:
-    name: str
-    address: str
-    pid: int = 0
-    host: str = ""
-    alive: bool = True
-    last_seen: float = 0.0
-    stats: dict = dataclasses.field(default_factory=dict)
-    rates: dict = dataclasses.field(default_factory=dict)
-
-
-def validate_settings(config: dict | None) -> dict:
-    """Check a job's settings (mode, optimizer, partition size); return them normalized."""
-    config = dict(config or {})
-    unknown = set(config) - JOB_SETTINGS
-    if unknown:
-        raise ConfigError(f"unknown job setting(s) {sorted(unknown)}; allowed: {sorted(JOB_SETTINGS)}")
-    mode = config.get("mode") or ("optimizer" if config.get("optimizer") else "sum")
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
-    optimizer = config.get("optimizer")
-    make_optimizer(optimizer)  # raises ConfigError naming the bad field
-    if mode == "sum" and optimizer is not None:
-        raise ConfigError("an optimizer needs mode 'optimizer' (the service applies it)")
-    partition = config.get("partition_bytes", DEFAULT_PARTITION_BYTES)
-    if not isinstance(partition, int) or isinstance(partition, bool) or partition < 8:
-        raise ConfigError(f"partition_bytes must be an int >= 8, got {partition!r}")
-    sync = config.get("sync", "bsp")
-    if sync not in SYNCS:
-        raise ConfigError(f"sync must be one of {SYNCS}, got {sync!r}")
-    servers = config.get("servers")
-    if servers is not None and (not isinstance(servers, int) or isinstance(servers, bool) or servers < 1):
-        raise ConfigError(f"servers must be an int >= 1, got {servers!r}")
-    return {"mode": mode, "optimizer": optimizer, "partition_bytes": partition, "sync": sync, "servers": servers}
-
-
 class MasterState:
     """Jobs, workers, keys and Aggregators, plus the control plane that places tasks.
 
@@ -193,6 +55,7 @@ class MasterState:
         # Without a provider given, the pool is what registers: nothing is started or stopped.
         self.control = control or ControlPlane(clock=clock, elastic=False)
         self.jobs: dict[str, JobRecord] = {}
+        self.membership_changed: list[JobRecord] = []  # jobs whose Aggregators must hear of it
         self.aggregators: dict[str, AggregatorRecord] = {}
         self._agg_serial = 0
         self.outbox: list = []
@@ -226,6 +89,8 @@ class MasterState:
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ConfigError(f"job {job!r}: num_workers must be >= 1, got {num_workers!r}")
         settings = validate_settings(config)
+        if settings["max_workers"] is not None and settings["max_workers"] < num_workers:
+            raise ConfigError(f"job {job!r}: max_workers {settings['max_workers']} is below its {num_workers} workers")
         record = JobRecord(
             job=job,
             token=secrets.token_bytes(16),
@@ -260,7 +125,7 @@ class MasterState:
             record = self._new_job(job, num_workers, config, preregistered=False)
         else:
             self._check_credential(record, token, rank)
-            if num_workers != record.num_workers:
+            if num_workers != record.num_workers and record.max_workers == record.num_workers:
                 raise MembershipError(
                     f"job {job!r} has {record.num_workers} workers; rank {rank} says {num_workers}", job=job
                 )
@@ -272,10 +137,12 @@ class MasterState:
                             f"job {job!r} runs with {setting} {getattr(record, setting)!r}; rank {rank} "
                             f"asked for {wanted[setting]!r}"
                         )
-        if not 0 <= rank < record.num_workers:
-            raise MembershipError(f"rank {rank} is out of range for job {job!r} of {record.num_workers} workers", job=job)
+        if not 0 <= rank < record.max_workers:
+            raise MembershipError(f"rank {rank} is out of range for job {job!r} of {record.max_workers} workers "
+                                  f"at most", job=job)
         current = record.workers.get(rank)
-        if current is not None and current.connected and not current.left:
+        reconnect = current is not None and (current.restored or (pid and (current.pid, current.host) == (pid, host)))
+        if current is not None and current.connected and not current.left and not reconnect:
             raise MembershipError(
                 f"rank {rank} of job {job!r} is already connected (pid {current.pid} on {current.host or '?'})",
                 job=job,
@@ -283,7 +150,28 @@ class MasterState:
         record.workers[rank] = WorkerInfo(rank, pid=pid, host=host, last_seen=self.clock())
         record.joined.add(rank)
         record.idle_since = None
+        record.late = False
+        if rank not in record.membership:
+            # A worker added to a running job (elastic, or a replacement for one that left).
+            record.late = record.started
+            record.removed.pop(rank, None)
+            record.membership = record.membership.with_rank(rank)
+            record.num_workers = len(record.membership)
+            self.membership_changed.append(record)
         return record
+
+    def remove_worker(self, record: JobRecord, rank: int, why: str, since: float | None = None) -> bool:
+        """Take a rank out of its job's membership (it left, or went silent ``since``); the rounds
+        under way stop waiting for it. True if it was a member."""
+        worker = record.workers.setdefault(rank, WorkerInfo(rank))
+        worker.connected = False
+        if rank not in record.membership:
+            return False
+        record.membership = record.membership.without(rank)
+        record.removed[rank] = why
+        self.membership_changed.append(record)
+        self._maybe_idle(record, since)
+        return True
 
     def _check_credential(self, record: JobRecord, token: bytes | None, rank: int) -> None:
         if token is None:
@@ -305,7 +193,9 @@ class MasterState:
         if not hmac.compare_digest(token, record.token):
             raise AuthError(f"wrong token for job {job!r} (rank {rank}); refused", job=job)
         if rank not in record.membership:
-            raise MembershipError(f"rank {rank} is not a member of job {job!r}", job=job)
+            why = record.removed.get(rank)
+            raise MembershipError(f"rank {rank} is not a member of job {job!r}"
+                                  + (f" (removed: {why}; register again to rejoin)" if why else ""), job=job)
         return record
 
     def heartbeat(self, record: JobRecord, rank: int, iterations: list[float] | None = None) -> None:
@@ -314,15 +204,20 @@ class MasterState:
             worker = record.workers[rank] = WorkerInfo(rank)
         worker.last_seen = self.clock()
         worker.connected = True
+        worker.disconnected_at = None
         record.idle_since = None
         if iterations and rank == min(record.membership.ranks):
             # Workers of a job step together; one rank's clock is the job's.
             self.outbox += self.control.iterations_reported(record.job, [float(d) for d in iterations if d > 0])
 
     def worker_disconnected(self, job: str, rank: int) -> None:
+        """Its connection closed (a crash, or the network): removed after the grace period
+        unless it reconnects (:meth:`sweep`)."""
         record = self.jobs.get(job)
         if record is not None and rank in record.workers:
-            record.workers[rank].connected = False
+            worker = record.workers[rank]
+            worker.connected = False
+            worker.disconnected_at = self.clock()
             self._maybe_idle(record)
 
     def _maybe_idle(self, record: JobRecord, since: float | None = None) -> None:
@@ -330,12 +225,11 @@ class MasterState:
             record.idle_since = self.clock() if since is None else since
 
     def leave(self, record: JobRecord, rank: int) -> bool:
-        """A worker left cleanly; True when no worker is left and the job has ended."""
-        worker = record.workers.setdefault(rank, WorkerInfo(rank))
-        worker.left = True
-        worker.connected = False
-        self._maybe_idle(record)
-        if all(w.left for w in record.workers.values()) and len(record.workers) == record.num_workers:
+        """A worker left cleanly (it is no longer a member); True when no worker is left and the
+        job has ended."""
+        self.remove_worker(record, rank, "it left")
+        record.workers[rank].left = True
+        if not record.membership.ranks and all(w.left for w in record.workers.values()):
             self.remove_job(record.job)
             return True
         return False
@@ -475,15 +369,23 @@ class MasterState:
 
     # -- liveness -----------------------------------------------------------------------------
 
-    def sweep(self, worker_timeout: float, aggregator_timeout: float) -> tuple[list[JobRecord], list[str]]:
-        """Mark silent workers and Aggregators. Returns the jobs that ended (no worker for
+    def sweep(self, worker_timeout: float, aggregator_timeout: float,
+              disconnect_grace: float | None = None) -> tuple[list[JobRecord], list[str]]:
+        """Remove workers silent for ``worker_timeout`` (or disconnected for ``disconnect_grace``)
+        from their jobs, mark silent Aggregators. Returns the jobs that ended (no worker for
         ``worker_timeout``) and the Aggregators that just went silent."""
         now = self.clock()
+        grace = worker_timeout if disconnect_grace is None else disconnect_grace
         ended = []
         for record in list(self.jobs.values()):
             for worker in record.workers.values():
                 if worker.connected and now - worker.last_seen > worker_timeout:
-                    worker.connected = False
+                    self.remove_worker(record, worker.rank, f"silent for {now - worker.last_seen:.0f} s",
+                                       since=worker.last_seen)
+                elif (not worker.connected and not worker.left and worker.rank in record.membership
+                      and worker.disconnected_at is not None and now - worker.disconnected_at > grace):
+                    self.remove_worker(record, worker.rank, f"disconnected for {now - worker.disconnected_at:.0f} s",
+                                       since=worker.disconnected_at)
             # Silent workers went away when they were last heard from, not when we noticed.
             self._maybe_idle(record, max((w.last_seen for w in record.workers.values()), default=now))
             never_joined = record.preregistered and not record.joined

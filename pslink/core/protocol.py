@@ -37,6 +37,7 @@ class Op(enum.IntEnum):
     TENSOR_COPY = 7  # Aggregator -> Aggregator: a migrating task's state
     STATE_GET = 8  # a part's optimizer state (momentum, moments), for checkpoints
     STATE_SET = 9  # replace a part's optimizer state (resuming from a checkpoint)
+    JOIN = 13  # a worker added to a running job: where it comes in (rnd 0 asks; rnd R joins)
     # replies (to any request)
     REPLY = 10
     ERROR = 11
@@ -50,6 +51,7 @@ class Op(enum.IntEnum):
     BARRIER = 25
     LEAVE = 26
     STATUS = 27
+    JOB_KEYS = 28  # every key of a job, for a worker that joins it while it runs
     # control (Aggregator <-> pMaster)
     REGISTER_AGGREGATOR = 30
     ASSIGN = 31
@@ -64,7 +66,7 @@ class Op(enum.IntEnum):
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
-STATE_OPS = frozenset({Op.STATE_GET, Op.STATE_SET})
+STATE_OPS = frozenset({Op.STATE_GET, Op.STATE_SET, Op.JOIN})  # about a task, not its rounds
 MAX_STATE_ARRAYS = 8  # per part; a frame each, every one of the part's size (momentum, moments)
 
 # The dtypes a tensor may have on the wire. Always little-endian.
@@ -251,7 +253,7 @@ SCHEMAS: dict[Op, Schema] = {
     ),
     Op.REPLY: Schema(
         {"id": _uint},
-        {"rnd": _uint, "n": _uint, "body": _map, "moved": _list},
+        {"rnd": _uint, "n": _uint, "body": _map, "moved": _list, "ep": _uint, "dropped": _bool},
         payloads=tuple(range(0, MAX_STATE_ARRAYS + 1)),  # one tensor; a STATE_GET's arrays
     ),
     Op.TENSOR_COPY: Schema(
@@ -259,6 +261,7 @@ SCHEMAS: dict[Op, Schema] = {
         payloads=tuple(range(0, 9)),
     ),
     Op.STATE_GET: Schema(_DATA_REQUIRED),
+    Op.JOIN: Schema(_DATA_REQUIRED),
     Op.STATE_SET: Schema(
         {**_DATA_REQUIRED, "names": _list},
         {"scalars": _map},
@@ -280,6 +283,7 @@ SCHEMAS: dict[Op, Schema] = {
     ),
     Op.LEAVE: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}),
     Op.STATUS: Schema({"id": _uint}),
+    Op.JOB_KEYS: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}, {"keys": _bool}),
     Op.REGISTER_AGGREGATOR: Schema(
         {"id": _uint, "address": _text},
         {"agg": _small_str, "pid": _uint, "host": _text, "tasks": _list},

@@ -13,16 +13,17 @@ import sqlite3
 
 import msgpack
 
-from pslink.core.master_state import AggregatorRecord, JobRecord, KeySpec, MasterState, PartSpec
+from pslink.core.master_state import AggregatorRecord, JobRecord, KeySpec, MasterState, PartSpec, WorkerInfo
+from pslink.core.membership import Membership
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     job TEXT PRIMARY KEY, token BLOB NOT NULL, num_workers INTEGER NOT NULL, mode TEXT NOT NULL,
     optimizer TEXT, partition_bytes INTEGER NOT NULL, preregistered INTEGER NOT NULL,
-    created REAL NOT NULL, joined TEXT NOT NULL, sync TEXT NOT NULL
+    created REAL NOT NULL, joined TEXT NOT NULL, sync TEXT NOT NULL, extra TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS keys (
     job TEXT NOT NULL, key BLOB NOT NULL, shape TEXT NOT NULL, dtype TEXT NOT NULL,
@@ -62,7 +63,7 @@ class MasterStore:
 
     def save_job(self, record: JobRecord) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 record.job,
                 record.token,
@@ -74,6 +75,7 @@ class MasterStore:
                 record.created,
                 json.dumps(sorted(record.joined)),
                 record.sync,
+                json.dumps(record.extra()),
             ),
         )
 
@@ -111,10 +113,11 @@ class MasterStore:
         now = state.clock()
         for name, address, pid, host in self.db.execute("SELECT * FROM aggregators"):
             state.aggregators[name] = AggregatorRecord(name, address, pid=pid, host=host, alive=False, last_seen=now)
-        for job, token, num_workers, mode, optimizer, partition, prereg, created, joined, sync in self.db.execute(
+        for job, token, num_workers, mode, optimizer, partition, prereg, created, joined, sync, extra in self.db.execute(
             "SELECT * FROM jobs"
         ):
-            state.jobs[job] = JobRecord(
+            extra = json.loads(extra)
+            state.jobs[job] = record = JobRecord(
                 job=job,
                 token=bytes(token),
                 num_workers=num_workers,
@@ -126,8 +129,15 @@ class MasterStore:
                 created=created,
                 joined=set(json.loads(joined)),
                 idle_since=now,  # its workers get a heartbeat timeout to reconnect
+                membership=Membership.from_wire(extra["membership"]),
+                max_workers=extra.get("max_workers"),
+                staleness=extra.get("staleness", 0),
+                straggler_timeout=extra.get("straggler_timeout"),
+                servers=extra.get("servers"),
             )
-            state.control.adopt_job(job, num_workers, None)
+            for rank in record.membership.ranks:  # each gets the heartbeat timeout to reconnect
+                record.workers[rank] = WorkerInfo(rank, last_seen=now, restored=True)
+            state.control.adopt_job(job, num_workers, record.servers)
         for job, key, shape, dtype, declared_by, needs_init, parts in self.db.execute("SELECT * FROM keys"):
             record = state.jobs.get(job)
             if record is None:

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from pslink.core.membership import Membership
+from pslink.core.membership import Membership, TaskMembers
 from pslink.core.optim import Optimizer, make_optimizer
 from pslink.core.protocol import Op, dtype_of
 from pslink.errors import MovedError, ProtocolError, PslinkError
 
 MODES = ("sum", "optimizer")
-SYNCS = ("bsp", "asp")
+SYNCS = ("bsp", "ssp", "asp")
 DEFAULT_MAX_AHEAD = 64
 MAX_BEFORE_INIT = 4096  # requests one task may hold while it waits for rank 0's init
 
@@ -98,6 +98,8 @@ class JobState:
     mode: str = "sum"
     optimizer: Optimizer | None = None
     sync: str = "bsp"  # "asp": every push is applied at once and pulls never wait
+    staleness: int = 0  # "ssp": a pull of round r is answered once round r - staleness closed
+    straggler_timeout: float | None = None  # a round open this long closes with who came
 
     @classmethod
     def from_wire(cls, info: dict) -> "JobState":
@@ -114,6 +116,8 @@ class JobState:
             mode=mode,
             optimizer=make_optimizer(info.get("optimizer")),
             sync=sync,
+            staleness=int(info.get("staleness") or 0),
+            straggler_timeout=info.get("straggler_timeout"),
         )
 
     def update(self, other: "JobState") -> bool:
@@ -124,6 +128,8 @@ class JobState:
         self.mode = other.mode
         self.optimizer = other.optimizer
         self.sync = other.sync
+        self.staleness = other.staleness
+        self.straggler_timeout = other.straggler_timeout
         return changed
 
 
@@ -152,7 +158,9 @@ class Reply:
     payload: np.ndarray | None = None
     error: PslinkError | None = None
     moved: tuple[str, str] | None = None
-    body: dict | None = None  # STATE_GET: the state's names and scalars
+    epoch: int = 0  # the job's membership epoch when the round answered closed
+    dropped: bool = False  # a push that came after its round closed without it (a straggler's)
+    body: dict | None = None  # STATE_GET, JOIN: names and numbers
     arrays: list[np.ndarray] | None = None  # STATE_GET: the state's arrays, a frame each
 
 
@@ -168,10 +176,13 @@ class CopyOut:
 
 @dataclasses.dataclass(slots=True)
 class CloseLater:
-    """Cyclic execution: the task's complete round waits for its slot, at ``when``."""
+    """Call :meth:`AggregatorCore.close_due` at ``when``: cyclic execution (the task's complete
+    round waits for its slot), or the straggler timeout of round ``round`` (then it closes with
+    whoever pushed)."""
 
     task: "Task"
     when: float
+    round: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -182,11 +193,12 @@ class WorkerDone:
 
 
 class _Round:
-    __slots__ = ("contributors", "acc")
+    __slots__ = ("contributors", "acc", "opened")
 
-    def __init__(self):
+    def __init__(self, opened: float = 0.0):
         self.contributors: set[int] = set()
         self.acc: np.ndarray | None = None
+        self.opened = opened  # when its first push arrived (the straggler timeout counts from it)
 
 
 def moved_error(key, part: int, where: tuple[str, str]) -> MovedError:
@@ -220,6 +232,12 @@ class Task:
         self.poisoned: PslinkError | None = None
         self.opt_state: dict = {}
         self.rounds_closed = 0
+        # elastic membership: who each round waits for, the epoch its last round closed in
+        self.members = TaskMembers(job.membership.ranks)
+        self.closed_epoch = job.membership.epoch
+        self.init_rank: int | None = None  # whose init set the value (a resent init is not an error)
+        self.missed: dict[int, frozenset[int]] = {}  # recent rounds closed without some ranks
+        self.overdue = 0  # rounds up to this one are past the straggler timeout
         # migration (AutoPS Appendix B)
         self.incoming = bool(spec.get("incoming", False))  # waiting for its state to be copied here
         self.waiting_copy: list[Request] = []

@@ -9,7 +9,15 @@ import pytest
 
 from pslink.core.aggregation import AggregatorCore, BufferPool, Request, Summer
 from pslink.core.protocol import Op
-from pslink.errors import AbortedError, AuthError, ClosedError, KeyStateError, ShapeMismatchError, UnknownJobError
+from pslink.errors import (
+    AbortedError,
+    AuthError,
+    ClosedError,
+    KeyStateError,
+    MembershipError,
+    ShapeMismatchError,
+    UnknownJobError,
+)
 
 TOKEN = b"secret-token-123"
 
@@ -123,17 +131,36 @@ def test_sum_mode_key_declared_by_a_push_starts_at_zero():
     np.testing.assert_array_equal(replies[0].payload, np.zeros(6))
 
 
-@pytest.mark.parametrize("rank, rnd, match", [
-    (0, 1, "pushed round 1 twice"),
-    (5, 1, "not a member"),
-    (0, 70, "more than 64 rounds ahead"),
+@pytest.mark.parametrize("rank, rnd, error, match", [
+    (5, 1, MembershipError, "rank 5 is not a member"),
+    (0, 70, KeyStateError, "more than 64 rounds ahead"),
 ])
-def test_bad_pushes_are_refused_with_a_reason(rank, rnd, match):
+def test_bad_pushes_are_refused_with_a_reason(rank, rnd, error, match):
     c = Cluster(workers=2, needs_init=False)
     c.send(Op.PUSH, 0, 1, np.ones(6))
     _, replies = c.send(Op.PUSH, rank, rnd, np.ones(6))
-    assert isinstance(replies[0].error, KeyStateError)
+    assert isinstance(replies[0].error, error)
     assert match in str(replies[0].error)
+
+
+def test_a_repeated_push_is_answered_and_added_once():
+    """A resend (lost reply) or a duplicated message: the same rank's push of the same round."""
+    c = Cluster(workers=2, needs_init=False)
+    c.send(Op.PUSH, 0, 1, np.ones(6))
+    _, replies = c.send(Op.PUSH, 0, 1, np.ones(6))  # again, while the round is open
+    assert [(r.error, r.round, r.dropped) for r in replies] == [(None, 1, False)]
+    _, replies = c.send(Op.PUSHPULL, 1, 1, np.full(6, 2.0))
+    np.testing.assert_array_equal(replies[0].payload, np.full(6, 3.0))  # 1 + 2, not 1 + 1 + 2
+    _, replies = c.send(Op.PUSHPULL, 1, 1, np.full(6, 2.0))  # again, after the round closed
+    assert replies[0].error is None and replies[0].round == 1
+    np.testing.assert_array_equal(replies[0].payload, np.full(6, 3.0))
+    init = Cluster(workers=2)
+    init.send(Op.INIT, 0, 0, np.arange(6))
+    init.send(Op.PUSH, 0, 1, np.ones(6))
+    _, replies = init.send(Op.INIT, 0, 0, np.arange(6))  # the init resent after round 1 began
+    assert replies[0].error is None
+    _, replies = init.send(Op.INIT, 1, 0, np.arange(6))  # another rank's late init with a value
+    assert isinstance(replies[0].error, KeyStateError)
 
 
 def test_waiting_is_bounded():
@@ -154,8 +181,10 @@ def test_stale_push_and_superseded_pull():
     c = Cluster(workers=1, needs_init=False)
     c.send(Op.PUSH, 0, 1, np.ones(6))
     c.send(Op.PUSH, 0, 2, np.ones(6))
-    _, replies = c.send(Op.PUSH, 0, 2, np.ones(6))
-    assert "already closed" in str(replies[0].error)
+    _, replies = c.send(Op.PUSH, 0, 2, np.ones(6))  # a closed round's push again: answered, not added
+    assert replies[0].error is None and c.task.closed == 2
+    _, replies = c.send(Op.PULL, 0, 2)
+    np.testing.assert_array_equal(replies[0].payload, np.ones(6))
     _, replies = c.send(Op.PULL, 0, 1)
     assert "replaced it" in str(replies[0].error)
 
@@ -260,7 +289,13 @@ def test_init_after_use_is_refused_but_repeated_init_before_use_wins():
     c.send(Op.INIT, 0, 0, np.ones(6))
     np.testing.assert_array_equal(c.task.value, np.ones(6))
     c.send(Op.PUSH, 0, 1, np.ones(6))
-    _, replies = c.send(Op.INIT, 0, 0, np.zeros(6))
+    _, replies = c.send(Op.INIT, 0, 0, np.zeros(6))  # the initializer's init again: a resend, answered
+    assert replies[0].error is None and c.task.closed == 1
+    np.testing.assert_array_equal(c.task.value, np.ones(6))  # ... and nothing changed
+    other = Cluster(workers=2)
+    other.send(Op.INIT, 0, 0, np.zeros(6))
+    other.send(Op.PUSH, 0, 1, np.ones(6))
+    _, replies = other.send(Op.INIT, 1, 0, np.zeros(6))
     assert "already in use" in str(replies[0].error)
 
 

@@ -55,7 +55,7 @@ def test_partition_spans_cover_the_tensor_in_aligned_parts():
 def test_first_worker_creates_the_job_and_gets_its_token(state):
     job = state.register_worker("mnist", 0, 2, token=None)
     assert len(job.token) == 16
-    assert job.membership.expected(1) == {0, 1}
+    assert job.membership.ranks == {0, 1}
     again = state.register_worker("mnist", 1, 2, token=None)  # first use of rank 1: allowed
     assert again is job
 
@@ -116,7 +116,15 @@ def test_job_settings_are_validated(state):
     with pytest.raises(ConfigError, match="num_workers must be >= 1"):
         state.register_job("x", 0)
     with pytest.raises(ConfigError, match="sync must be one of"):
+        state.register_job("x", 1, {"sync": "pbs"})
+    with pytest.raises(ConfigError, match="sync 'ssp' needs staleness >= 1"):
         state.register_job("x", 1, {"sync": "ssp"})
+    with pytest.raises(ConfigError, match="staleness applies to sync 'ssp', not 'bsp'"):
+        state.register_job("x", 1, {"staleness": 2})
+    with pytest.raises(ConfigError, match="straggler_timeout applies to sync 'bsp' or 'ssp'"):
+        state.register_job("x", 1, {"sync": "asp", "straggler_timeout": 1.0})
+    with pytest.raises(ConfigError, match="max_workers 1 is below its 2 workers"):
+        state.register_job("x", 2, {"max_workers": 1})
 
 
 def test_a_profiling_job_spreads_its_parts_over_its_own_aggregators(state):

@@ -1,0 +1,161 @@
+"""What moves a task's state in or out of an Aggregator (no I/O): live migration (AutoPS
+Appendix B), the optimizer state for checkpoints (STATE_GET / STATE_SET), and a worker joining
+a running job (JOIN). A mixin of :class:`pslink.core.aggregation.AggregatorCore`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pslink.core.membership import TaskMembers
+from pslink.core.protocol import Op
+from pslink.core.tasks import CopyOut, Reply, Request, Task, _Round, moved_error
+from pslink.errors import KeyStateError, MembershipError, error_from_code
+
+
+class TaskMoves:
+    """Requires of its host: ``tasks``, ``moved``, ``clock``, ``handle`` and ``_close_ready``."""
+
+    def _state(self, task: Task, req: Request) -> list[Reply]:
+        """STATE_GET / STATE_SET: a part's optimizer state, for checkpoints and their resumption.
+        Between rounds it is exactly the state the next step will use."""
+        optimizer = task.job.optimizer
+        if task.job.mode != "optimizer" or optimizer is None:
+            why = f"it runs in {task.job.mode} mode" if task.job.mode != "optimizer" else "no optimizer is set"
+            raise KeyStateError(f"{task.name}: job {task.job.job!r} keeps no optimizer state on the service ({why})",
+                                key=task.key)
+        if req.op == Op.STATE_GET:
+            names, arrays, scalars = [], [], {}
+            for name, value in sorted(task.opt_state.items()):
+                if isinstance(value, np.ndarray):
+                    names.append(name)
+                    arrays.append(value.copy())  # the next round updates it in place, maybe before the send
+                else:
+                    scalars[name] = value
+            body = {"names": names, "scalars": scalars}
+            return [Reply(req.origin, req.id, round=task.closed, body=body, arrays=arrays)]
+        names, scalars = req.header["names"], req.header.get("scalars") or {}
+        optimizer.check_state(names, scalars, task.name)
+        task.opt_state = {**scalars, **dict(zip(names, req.payload))}
+        return [Reply(req.origin, req.id, round=task.closed)]
+
+    def _join(self, task: Task, req: Request) -> list[Reply]:
+        """JOIN: a worker added to the running job asks where it comes in (round 0: a query) or
+        joins the task from round ``req.round``: the first round no worker has started, so the
+        rounds under way close without it. A round that closed meanwhile refuses (``ok`` false)
+        and the Agent asks again; every part of a key must take the same round."""
+        rank = req.rank
+        if rank not in task.job.membership:
+            raise MembershipError(f"{task.name}: rank {rank} is not a member of job {task.job.job!r}; "
+                                  "register the worker first", job=task.job.job)
+        started = max([task.closed] + [r for r, round_ in task.rounds.items() if round_.contributors])
+        first = task.members.first.get(rank)
+        body = {"closed": task.closed, "started": started, "member_from": first}
+        if req.round == 0:
+            return [Reply(req.origin, req.id, round=task.closed, body=body)]
+        wanted = req.round
+        if first is not None and (first == wanted or any(rank in r.contributors for r in task.rounds.values())
+                                  or first <= task.closed):
+            # Already in: asked twice, or from an earlier round it has taken part in.
+            body["ok"] = first == wanted
+            return [Reply(req.origin, req.id, round=task.closed, body=body)]
+        if wanted <= task.closed:
+            body["ok"] = False  # too late for that round here: ask again
+            return [Reply(req.origin, req.id, round=task.closed, body=body)]
+        task.members.join(rank, wanted)
+        body.update(ok=True, member_from=wanted)
+        return [Reply(req.origin, req.id, round=task.closed, body=body)]
+
+    # -- migration (AutoPS Appendix B) --------------------------------------------------------------
+
+    def begin_migration(self, ident: tuple, target: tuple[str, str], force: bool = False) -> list:
+        """MIGRATE_INIT: move the task to ``target`` (name, address). Under BSP it moves when its
+        current round closes, so the workers learn the new place from that round's replies; an
+        asynchronous job, an uninitialized task or ``force`` moves at once."""
+        task = self.tasks.get(ident)
+        if task is None:
+            if ident in self.moved:
+                return []  # already gone
+            raise KeyStateError(f"aggregator {self.name} does not hold {ident[1]!r} part {ident[2]} of job {ident[0]!r}")
+        if task.moved_to is not None:
+            return []
+        if task.incoming:
+            raise KeyStateError(f"{task.name} is still arriving here; it cannot move on yet")
+        task.migrate_to = tuple(target)
+        if force or task.job.sync == "asp" or not task.initialized:
+            return self._snapshot(task)
+        return []
+
+    def _snapshot(self, task: Task) -> list:
+        names, arrays, scalars = [], [], {}
+        if task.value is not None:
+            names.append("value")
+            arrays.append(task.value)
+        for name, value in task.opt_state.items():
+            if isinstance(value, np.ndarray):
+                names.append(f"opt:{name}")
+                arrays.append(value)
+            else:
+                scalars[name] = value
+        open_rounds = []
+        for r in sorted(task.rounds):
+            round_ = task.rounds[r]
+            open_rounds.append([r, sorted(round_.contributors)])
+            if round_.acc is not None:
+                names.append(f"round:{r}")
+                arrays.append(round_.acc)
+        state = {
+            "closed": task.closed, "last_n": task.last_n, "rounds_closed": task.rounds_closed,
+            "arrays": names, "scalars": scalars, "open": open_rounds,
+            "members": task.members.to_wire(), "epoch": task.closed_epoch, "init_rank": task.init_rank,
+        }
+        if task.poisoned is not None:  # an aborted key stays aborted where it moves
+            error = task.poisoned
+            state["poisoned"] = [error.code, error.message, {k: v for k, v in error.details.items()
+                                                              if isinstance(v, (int, str, list))}]
+        task.moved_to = task.migrate_to
+        # Whoever still waits here must ask the new place (their pushes travel in the copy).
+        moved = moved_error(task.key, task.part, task.moved_to)
+        waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
+        task.before_init, task.pulls = [], {}
+        return [CopyOut(task, task.moved_to, state, arrays)] + [Reply(r.origin, r.id, error=moved) for r in waiting]
+
+    def copy_done(self, ident: tuple) -> None:
+        """The new Aggregator has the state: forget the task, keep a forwarding address."""
+        task = self.tasks.pop(ident, None)
+        if task is not None and task.moved_to is not None:
+            self.moved[ident] = task.moved_to
+
+    def install(self, task: Task, state: dict, arrays: list[np.ndarray]) -> list:
+        """TENSOR_COPY arrived: take the state over, then serve what waited for it."""
+        if not task.incoming:
+            raise KeyStateError(f"{task.name} is not waiting for a copy here")
+        named = dict(zip(state["arrays"], arrays))
+        task.value = named.get("value")
+        task.closed = state["closed"]
+        task.last_n = state["last_n"]
+        task.rounds_closed = state["rounds_closed"]
+        task.opt_state = dict(state.get("scalars", {}))
+        task.opt_state.update({n[4:]: a for n, a in named.items() if n.startswith("opt:")})
+        task.rounds = {}
+        for r, ranks in state["open"]:
+            round_ = task.rounds[r] = _Round(self.clock())
+            round_.contributors = set(ranks)
+            round_.acc = named.get(f"round:{r}")
+        if "members" in state:
+            task.members = TaskMembers.from_wire(state["members"])
+            task.members.keep_only(task.job.membership.ranks)  # who left since the copy was made
+            task.closed_epoch = state.get("epoch", task.closed_epoch)
+            task.init_rank = state.get("init_rank")
+        task.incoming = False
+        task.seen = set()
+        if state.get("poisoned") and task.poisoned is None:
+            task.poisoned = error_from_code(*state["poisoned"])
+        outputs: list = []
+        waiting, task.waiting_copy = task.waiting_copy, []
+        for req in waiting:
+            outputs += self.handle(task, req)
+        return outputs + self._close_ready(task)
+
+    def find_ident(self, ident: tuple) -> Task | None:
+        return self.tasks.get(ident)
+

@@ -1,0 +1,220 @@
+"""Elastic membership inside one process: workers leave and join running jobs; SSP; stragglers.
+
+Every wait has a deadline; nothing relies on a sleep for correctness (sleeps below only make a
+worker slow on purpose, and the assertions hold for any scheduling).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pslink
+from pslink.core.transport import Transports
+from pslink.errors import MembershipError
+from tests.helpers import run_workers, start_cluster
+
+FAST = {"heartbeat_interval": 0.2}
+
+
+@pytest.fixture
+def cluster():
+    transports = Transports()
+    service = start_cluster("tcp", aggregators=2, transports=transports, disconnect_grace=0.3, worker_timeout=3.0,
+                            sweep_interval=0.05)
+    yield service, transports
+    service.stop()
+    transports.close()
+
+
+def connect(cluster, job, rank, workers, **options):
+    service, transports = cluster
+    options.setdefault("timeout", 20.0)
+    return pslink.connect(job, rank, workers, master=service.address, transports=transports, **FAST, **options)
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_worker_that_leaves_is_no_longer_waited_for(cluster):
+    a, b = connect(cluster, "leave", 0, 2), connect(cluster, "leave", 1, 2)
+    try:
+        for agent in (a, b):
+            agent.init("w", np.zeros(4, np.float32))
+        handles = [agent.pushpull("w", np.full(4, agent.rank + 1.0, np.float32)) for agent in (a, b)]
+        assert [h.wait().tolist() for h in handles] == [[3.0] * 4] * 2
+        before = handles[0].epoch
+        rank1_pushed = b.push("w", np.full(4, 10.0, np.float32))  # rank 1's round-2 push is in, then it leaves
+        rank1_pushed.wait()
+        b.close()
+        # round 2 closes with both pushes; round 3 with rank 0's alone
+        round2 = a.pushpull("w", np.full(4, 1.0, np.float32))
+        np.testing.assert_array_equal(round2.wait(), np.full(4, 11.0))
+        round3 = a.pushpull("w", np.full(4, 1.0, np.float32), average=True)
+        np.testing.assert_array_equal(round3.wait(), np.full(4, 1.0))  # averaged over the 1 who pushed
+        assert round3.epoch > before and a.epoch == round3.epoch
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_silent_worker_is_removed_after_the_grace_period_and_its_waits_fail(cluster):
+    a, b = connect(cluster, "crash", 0, 2), connect(cluster, "crash", 1, 2)
+    try:
+        a.init("w", np.zeros(4, np.float32)).wait()
+        b.init("w", np.zeros(4, np.float32)).wait()
+        waiting = a.pushpull("w", np.ones(4, np.float32))  # waits for rank 1
+        b._master.conn.close()  # as if rank 1's process died: pMaster sees its connection close
+        b._closed = True  # ... and it never comes back (no heartbeats, no reconnect)
+        started = time.monotonic()
+        np.testing.assert_array_equal(waiting.wait(timeout=10), np.ones(4))
+        assert time.monotonic() - started < 5.0
+        np.testing.assert_array_equal(a.pushpull("w", np.ones(4, np.float32)).wait(timeout=10), np.ones(4))
+    finally:
+        a.close()
+
+
+def test_a_worker_added_to_a_running_job_comes_in_at_the_next_round(cluster):
+    """Optimizer mode: the newcomer pulls the current weights, then every round sums three pushes."""
+    options = dict(optimizer={"type": "sgd", "lr": 1.0, "average": False}, max_workers=3)  # steps by the sum
+    a, b = connect(cluster, "grow", 0, 2, **options), connect(cluster, "grow", 1, 2, **options)
+    c = None
+    try:
+        for agent in (a, b):
+            agent.init("w", np.full(4, 100.0, np.float32))
+        for _ in range(3):  # weights 100 - 3 * (1 + 1) = 94
+            hs = [agent.pushpull("w", np.ones(4, np.float32)) for agent in (a, b)]
+            results = [h.wait() for h in hs]
+        np.testing.assert_array_equal(results[0], np.full(4, 94.0))
+        c = connect(cluster, "grow", 2, 3, **options)
+        assert c._late
+        current = c.pull("w").wait()
+        np.testing.assert_array_equal(current, np.full(4, 94.0))
+        for expected in (91.0, 88.0):  # each round: 94 - (1 + 1 + 1)
+            hs = [agent.pushpull("w", np.ones(4, np.float32)) for agent in (a, b, c)]
+            for h in hs:
+                np.testing.assert_array_equal(h.wait(), np.full(4, expected))
+    finally:
+        for agent in (a, b, c):
+            if agent is not None:
+                agent.close()
+
+
+def test_join_all_between_barriers_puts_a_newcomer_into_the_very_next_round(cluster):
+    """Sum mode, as an elastic framework syncs: members stop at a barrier, the newcomer joins
+    every key, a second barrier, then everyone's next round has three pushes."""
+    workers = {}
+    registered = threading.Event()  # in a framework: the members see the new epoch at a commit
+
+    def member(rank):
+        agent = workers[rank] = connect(cluster, "sync", rank, 2, max_workers=3)
+        for key in ("a", "b"):
+            agent.init(key, np.zeros(3, np.float32)).wait()
+        for _ in range(2):
+            agent.pushpull_many(["a", "b"], [np.ones(3, np.float32)] * 2).wait()
+        assert registered.wait(20)
+        agent.barrier("sync-1")
+        agent.barrier("sync-2")
+        outs = agent.pushpull_many(["a", "b"], [np.ones(3, np.float32)] * 2).wait()
+        return [o.tolist() for o in outs]
+
+    def newcomer():
+        wait_until(lambda: len(workers) == 2 and all(w is not None for w in workers.values()), 20, "the members")
+        agent = workers[2] = connect(cluster, "sync", 2, 3, max_workers=3)
+        registered.set()
+        agent.barrier("sync-1")
+        assert sorted(agent.join_all()) == ["a", "b"]
+        agent.barrier("sync-2")
+        outs = agent.pushpull_many(["a", "b"], [np.ones(3, np.float32)] * 2).wait()
+        return [o.tolist() for o in outs]
+
+    results = run_workers(3, lambda rank: member(rank) if rank < 2 else newcomer())
+    try:
+        assert all(r == [[3.0] * 3, [3.0] * 3] for r in results)
+        assert workers[2].membership()["ranks"] == [0, 1, 2]
+    finally:
+        for agent in workers.values():
+            agent.close()
+
+
+def test_ssp_lets_a_fast_worker_run_staleness_rounds_ahead_and_no_further(cluster):
+    fast, slow = connect(cluster, "ssp", 0, 2, sync="ssp", staleness=2), connect(cluster, "ssp", 1, 2)
+    try:
+        for agent in (fast, slow):
+            agent.init("w", np.zeros(2, np.float32))
+        first = fast.pushpull("w", np.ones(2, np.float32))
+        second = fast.pushpull("w", np.ones(2, np.float32))
+        # rounds 1 and 2 answer at once (round 0 is within 2 of them), with the latest closed round
+        assert first.wait(timeout=5).tolist() == [0.0, 0.0] and second.wait(timeout=5).tolist() == [0.0, 0.0]
+        third = fast.pushpull("w", np.ones(2, np.float32))
+        time.sleep(0.2)
+        assert not third.done()  # round 3 needs round 1 closed: the slow worker holds it
+        slow.pushpull("w", np.full(2, 5.0, np.float32)).wait(timeout=5)  # closes round 1: 1 + 5
+        assert third.wait(timeout=5).tolist() == [6.0, 6.0] and third.round == 3
+    finally:
+        fast.close()
+        slow.close()
+
+
+def test_a_straggler_does_not_hold_a_round_past_the_timeout_and_its_late_push_is_dropped(cluster):
+    opts = dict(straggler_timeout=0.3)
+    a, b, late = (connect(cluster, "straggle", r, 3, **opts) for r in range(3))
+    try:
+        for agent in (a, b, late):
+            agent.init("w", np.zeros(2, np.float32))
+        started = time.monotonic()
+        hs = [agent.pushpull("w", np.ones(2, np.float32), average=True) for agent in (a, b)]
+        outs = [h.wait(timeout=10) for h in hs]
+        assert 0.25 < time.monotonic() - started < 5.0
+        assert all(o.tolist() == [1.0, 1.0] for o in outs)  # the average over the two who came
+        result = late.pushpull("w", np.full(2, 100.0, np.float32)).wait(timeout=10)
+        assert result.tolist() == [2.0, 2.0] and late.dropped_pushes == 1  # round 1's sum, without it
+        hs = [agent.pushpull("w", np.ones(2, np.float32)) for agent in (a, b, late)]
+        assert [h.wait(timeout=10).tolist() for h in hs] == [[3.0, 3.0]] * 3  # in step again
+    finally:
+        for agent in (a, b, late):
+            agent.close()
+
+
+def test_a_barrier_releases_when_the_member_it_waits_for_leaves(cluster):
+    a, b = connect(cluster, "bar", 0, 2), connect(cluster, "bar", 1, 2)
+    released = {}
+
+    def enter():
+        released["body"] = a.barrier("end")
+
+    thread = threading.Thread(target=enter)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        assert thread.is_alive()
+        b.close()
+        thread.join(10)
+        assert released["body"]["ranks"] == [0]
+    finally:
+        thread.join(10)
+        a.close()
+
+
+def test_a_removed_rank_is_told_so_and_a_rank_beyond_max_workers_is_refused(cluster):
+    a, b = connect(cluster, "told", 0, 2), connect(cluster, "told", 1, 2)
+    try:
+        a.init("w", np.zeros(2, np.float32)).wait()
+        b.init("w", np.zeros(2, np.float32)).wait()
+        b._master.conn.close()
+        b._closed = True
+        wait_until(lambda: a.membership()["ranks"] == [0], 10, "rank 1's removal")
+        b._closed = False
+        with pytest.raises(MembershipError, match="rank 1 is not a member"):
+            b.pushpull("w", np.ones(2, np.float32)).wait(timeout=10)
+        with pytest.raises(MembershipError, match="job 'told' has 2 workers; rank 2 says 3"):
+            connect(cluster, "told", 2, 3)
+    finally:
+        a.close()
