@@ -254,6 +254,11 @@ class Agent(TaskRequests):
             self.transports.close()
 
     @property
+    def late(self) -> bool:
+        """True when this worker registered while its job was running (it joins keys under way)."""
+        return self._late
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
