@@ -46,6 +46,7 @@ from pslink.config import (
 )
 from pslink.core.agent_keys import MAX_MOVES, KeyInfo, Link, PartInfo, PartRequest, as_array, check_key
 from pslink.core.agent_tasks import TaskRequests
+from pslink.core.faults import Faults
 from pslink.core.handle import Handle
 from pslink.core.loop import Reactor
 from pslink.core.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, Limits, Op, decode, encode
@@ -86,6 +87,8 @@ class Agent(TaskRequests):
         staleness: int | None = None,
         straggler_timeout: float | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        resend_timeout: float | None = None,
+        faults: Faults | None = None,
         peer_timeout: float = 10.0,
         probe_interval: float = 0.5,
         heartbeat_interval: float = 2.0,
@@ -98,6 +101,10 @@ class Agent(TaskRequests):
     ):
         self.job, self.rank, self.num_workers, self.master_address = job, rank, num_workers, master
         self.timeout = timeout
+        self.faults = faults if faults is not None else Faults.from_env()
+        # A request unanswered this long is sent again (same id; Aggregators apply it once).
+        # Messages over TCP are not lost, so it is off unless faults are injected.
+        self.resend_timeout = resend_timeout if resend_timeout is not None else (1.0 if self.faults else None)
         self.peer_timeout = peer_timeout
         self.probe_interval = probe_interval
         self.heartbeat_interval = heartbeat_interval
@@ -341,16 +348,23 @@ class Agent(TaskRequests):
         if flat_out is not None:
             array = flat_out[part.start : part.stop]
             dest = memoryview(array).cast("B")
-        self._pending[rid] = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_,
-                                          payload, flat_out, moves)
+        request = self._pending[rid] = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_,
+                                                    payload, flat_out, moves)
         link.pending.add(rid)
         header = encode(
             op, id=rid, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index,
             rnd=round_, dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
         )
-        frames = [header, payload[part.start : part.stop]] if payload is not None else [header]
+        self._transmit(rid, request, [header, payload[part.start : part.stop]] if payload is not None else [header])
+
+    def _transmit(self, rid: int, request: PartRequest, frames: list) -> None:
+        request.frames, request.sent = frames, self.clock()
+        link = request.link
         try:
-            link.conn.send(frames)
+            if self.faults is not None:
+                self.faults.send(link.conn, frames)
+            else:
+                link.conn.send(frames)
         except PslinkError as exc:
             self._fail_requests([rid], PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"))
 
@@ -647,6 +661,10 @@ class Agent(TaskRequests):
             return
         try:
             now = self.clock()
+            if self.resend_timeout:
+                for rid, request in list(self._pending.items()):
+                    if request.frames is not None and now - request.sent > self.resend_timeout:
+                        self._transmit(rid, request, request.frames)
             for link in list(self._links.values()):
                 if not link.pending:
                     link.ping_sent = None

@@ -18,7 +18,7 @@ import numpy as np
 from pslink.core.agent_keys import KeyInfo, PartInfo, PartRequest, as_array, check_key
 from pslink.core.handle import Handle
 from pslink.core.protocol import Op, encode
-from pslink.errors import ConfigError, PeerError, PslinkError, PslinkTimeoutError, ShapeMismatchError
+from pslink.errors import ConfigError, PslinkError, PslinkTimeoutError, ShapeMismatchError
 
 log = logging.getLogger("pslink.core.agent")
 
@@ -84,8 +84,8 @@ class TaskRequests:
             return
         rid = next(self._ids)
         nbytes = (part.stop - part.start) * info.dtype.itemsize
-        self._pending[rid] = PartRequest(handle, link, nbytes, None, state, False, op, info, part, round_, None, None,
-                                         moves)
+        request = self._pending[rid] = PartRequest(handle, link, nbytes, None, state, False, op, info, part, round_,
+                                                    None, None, moves)
         link.pending.add(rid)
         fields = dict(id=rid, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index, rnd=round_,
                       dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop])
@@ -94,10 +94,7 @@ class TaskRequests:
             arrays, scalars = state
             frames = [encode(op, **fields, names=list(arrays), scalars=scalars)]
             frames += [flat[part.start : part.stop] for flat in arrays.values()]
-        try:
-            link.conn.send(frames)
-        except PslinkError as exc:
-            self._fail_requests([rid], PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"))
+        self._transmit(rid, request, frames)
 
     @staticmethod
     def _state_arrived(request: PartRequest, header: dict, payloads: list) -> None:

@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 
 from pslink.core.aggregation import AggregatorCore, CloseLater, CopyOut, Reply, Request, Summer, Task, WorkerDone
+from pslink.core.faults import Faults
 from pslink.core.loop import Reactor, ReactorThread
 from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
@@ -91,9 +92,11 @@ class Aggregator:
         orphan_timeout: float | None = 60.0,
         spin: float = 2e-3,
         summer: Summer | None = None,
+        faults: Faults | None = None,
         clock=time.monotonic,
     ):
         self.name = name
+        self.faults = faults if faults is not None else Faults.from_env()
         self.reactor = Reactor(f"aggregator {name or ''}".strip(), clock)
         self.transports = transports or Transports()
         self._own_transports = transports is None
@@ -355,10 +358,12 @@ class Aggregator:
         if self._master is not None:
             self._master.notify(op, agg=self.name, job=task.job.job, key=task.key, part=task.part)
 
-    @staticmethod
-    def _send(conn: Connection, frames) -> None:
+    def _send(self, conn: Connection, frames) -> None:
         try:
-            conn.send(frames)
+            if self.faults is not None:
+                self.faults.send(conn, frames)
+            else:
+                conn.send(frames)
         except PeerError:
             pass  # that peer is gone; on_close forgets its requests
 

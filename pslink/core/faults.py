@@ -1,0 +1,97 @@
+"""Fault injection for tests and chaos runs: lose, repeat or delay data-path messages.
+
+As ps-lite's ``PS_DROP_MSG``, but for all three faults. Set ``PSLINK_FAULTS`` in the environment
+of workers and Aggregators (``pslink service up`` passes its environment on), or pass a
+:class:`Faults` to an Agent or Aggregator::
+
+    PSLINK_FAULTS="drop=0.01,dup=0.01,delay=0.01,delay_ms=50,seed=7"
+
+Each message an Agent sends to an Aggregator, and each answer back, is dropped with probability
+``drop``, sent twice with probability ``dup``, or sent ``delay_ms`` later with probability
+``delay`` (so it may overtake others). Control messages to and from pMaster are left alone.
+
+The Agent resends a request that got no answer within its resend timeout (one second while faults
+are injected, else only with ``resend_timeout``) and the Aggregator applies a request seen twice
+once, so a job under faults computes what it computes without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import threading
+
+from pslink.errors import ConfigError, PeerError
+
+ENV_FAULTS = "PSLINK_FAULTS"
+
+
+@dataclasses.dataclass
+class Faults:
+    drop: float = 0.0
+    dup: float = 0.0
+    delay: float = 0.0
+    delay_ms: float = 50.0
+    seed: int | None = None
+    dropped: int = 0
+    duplicated: int = 0
+    delayed: int = 0
+
+    def __post_init__(self):
+        for name in ("drop", "dup", "delay"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{ENV_FAULTS}: {name} is a probability in [0, 1], got {value}")
+        if self.drop + self.dup + self.delay > 1.0:
+            raise ConfigError(f"{ENV_FAULTS}: drop + dup + delay must not exceed 1")
+        if self.delay_ms < 0:
+            raise ConfigError(f"{ENV_FAULTS}: delay_ms must be >= 0, got {self.delay_ms}")
+        self._random = random.Random(self.seed)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def parse(cls, text: str) -> "Faults":
+        """``drop=0.01,dup=0.01,delay=0.01,delay_ms=50,seed=7`` (any subset)."""
+        fields = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or name not in ("drop", "dup", "delay", "delay_ms", "seed"):
+                raise ConfigError(f"{ENV_FAULTS}: cannot read {item!r}; expected drop=, dup=, delay=, delay_ms= or seed=")
+            try:
+                fields[name] = int(value) if name == "seed" else float(value)
+            except ValueError:
+                raise ConfigError(f"{ENV_FAULTS}: {name} must be a number, got {value!r}") from None
+        return cls(**fields)
+
+    @classmethod
+    def from_env(cls) -> "Faults | None":
+        text = os.environ.get(ENV_FAULTS, "").strip()
+        return cls.parse(text) if text else None
+
+    def send(self, conn, frames: list) -> None:
+        """Send ``frames`` on ``conn``, or not, or twice, or later."""
+        with self._lock:
+            draw = self._random.random()
+        if draw < self.drop:
+            self.dropped += 1
+            return
+        if draw < self.drop + self.dup:
+            self.duplicated += 1
+            conn.send(frames)
+            conn.send(frames)
+            return
+        if draw < self.drop + self.dup + self.delay:
+            self.delayed += 1
+            # The caller may reuse its arrays once answered, which can be before this goes out.
+            copies = [bytes(memoryview(f)) for f in frames]
+            conn.reactor.call_later(self.delay_ms / 1000.0, self._send_late, conn, copies)
+            return
+        conn.send(frames)
+
+    @staticmethod
+    def _send_late(conn, frames: list) -> None:
+        try:
+            conn.send(frames)
+        except PeerError:
+            pass  # gone meanwhile: as lost as a dropped message
