@@ -18,12 +18,13 @@ TRANSPORTS = {
 }
 
 
-def start_cluster(kind: str, aggregators: int = 2, transports: Transports | None = None, **master_options) -> Service:
+def start_cluster(kind: str, aggregators: int = 2, transports: Transports | None = None, control: dict | None = None,
+                  **master_options) -> Service:
     """pMaster plus Aggregators on threads of this process, over one kind of transport."""
     master, aggregator = TRANSPORTS[kind]
     return Service(
         master, aggregators, provider="thread", transports=transports or Transports(),
-        aggregator_listen=aggregator, master_options=master_options or None,
+        aggregator_listen=aggregator, master_options=master_options or None, control=control,
     ).start()
 
 

@@ -45,6 +45,7 @@ from pslink.config import (
     resolve_token,
 )
 from pslink.core.agent_keys import MAX_MOVES, KeyInfo, Link, PartInfo, PartRequest, as_array, check_key
+from pslink.core.agent_failover import Failover
 from pslink.core.agent_tasks import TaskRequests
 from pslink.core.faults import Faults
 from pslink.core.handle import Handle
@@ -67,7 +68,7 @@ from pslink.errors import (
 log = logging.getLogger(__name__)
 
 
-class Agent(TaskRequests):
+class Agent(TaskRequests, Failover):
     """A worker's connection to the parameter service. See :func:`pslink.connect`."""
 
     def __init__(
@@ -86,8 +87,10 @@ class Agent(TaskRequests):
         max_workers: int | None = None,
         staleness: int | None = None,
         straggler_timeout: float | None = None,
+        replication: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         resend_timeout: float | None = None,
+        failover: bool = True,
         faults: Faults | None = None,
         peer_timeout: float = 10.0,
         probe_interval: float = 0.5,
@@ -102,9 +105,12 @@ class Agent(TaskRequests):
         self.job, self.rank, self.num_workers, self.master_address = job, rank, num_workers, master
         self.timeout = timeout
         self.faults = faults if faults is not None else Faults.from_env()
+        if self.faults is not None:
+            self.faults.bind(f"{job}/{rank}")
         # A request unanswered this long is sent again (same id; Aggregators apply it once).
         # Messages over TCP are not lost, so it is off unless faults are injected.
         self.resend_timeout = resend_timeout if resend_timeout is not None else (1.0 if self.faults else None)
+        self.failover = failover  # requests on a lost Aggregator go where pMaster moved its parts
         self.peer_timeout = peer_timeout
         self.probe_interval = probe_interval
         self.heartbeat_interval = heartbeat_interval
@@ -151,7 +157,7 @@ class Agent(TaskRequests):
         elif staleness:
             config["sync"] = "ssp"
         for name, value in (("max_workers", max_workers), ("staleness", staleness),
-                            ("straggler_timeout", straggler_timeout)):
+                            ("straggler_timeout", straggler_timeout), ("replication", replication)):
             if value is not None:
                 config[name] = value
         if servers is not None:
@@ -341,8 +347,10 @@ class Agent(TaskRequests):
         try:
             link = self._link(part.aggregator, part.address)
         except PslinkError as exc:
-            self._complete(handle, exc)
-            return
+            if not self.failover:
+                self._complete(handle, exc)
+                return
+            link = Link(part.aggregator, part.address, None, self.clock())  # gone: see _transmit
         rid = next(self._ids)
         dest = array = None
         if flat_out is not None:
@@ -361,12 +369,16 @@ class Agent(TaskRequests):
         request.frames, request.sent = frames, self.clock()
         link = request.link
         try:
+            if link.conn is None:
+                raise PeerError("not connected")
             if self.faults is not None:
                 self.faults.send(link.conn, frames)
             else:
                 link.conn.send(frames)
         except PslinkError as exc:
-            self._fail_requests([rid], PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"))
+            # The Aggregator is gone (maybe not noticed yet): ask where the part went.
+            self._link_lost(link, PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"),
+                            [rid])
 
     def _out_array(self, info: KeyInfo, out, average: bool) -> np.ndarray:
         if average and info.dtype_name not in FLOAT_DTYPES:
@@ -622,9 +634,7 @@ class Agent(TaskRequests):
             if self._links.get(link.name) is link:
                 del self._links[link.name]
         if link.pending:
-            reason = exc.message if isinstance(exc, PslinkError) else str(exc)
-            self._fail_requests(list(link.pending), PeerError(
-                f"lost connection to aggregator {link.name} at {link.address}: {reason}", peer=link.address))
+            self._link_lost(link, exc)
 
     def _complete(self, handle: Handle, error: PslinkError | None) -> None:
         with self._lock:
@@ -786,7 +796,9 @@ def connect(
     answered once round r - s closed; or ``"asp"``: pushes apply at once, pulls never wait),
     ``straggler_timeout`` (seconds a round may wait for its last pushes before it closes with
     those it has), ``max_workers`` (ranks up to it may join the running job; default
-    ``num_workers``, also ``PSLINK_MAX_WORKERS``), ``servers`` (how many parameter servers the
+    ``num_workers``, also ``PSLINK_MAX_WORKERS``), ``replication`` (0, 1 or 2 replicas of every
+    part on other Aggregators: the job survives losing that many without losing an update;
+    bsp/ssp only), ``servers`` (how many parameter servers the
     job would ask for: it is profiled alone on that many Aggregators before pMaster packs it with
     others; default one per worker), ``partition_bytes``, ``timeout``, ``peer_timeout`` and the
     other :class:`Agent` settings. Job settings are fixed by the worker that creates the job.

@@ -42,6 +42,7 @@ from pslink.core.tasks import (  # noqa: F401 - re-exported: the core's vocabula
     BufferPool,
     CloseLater,
     CopyOut,
+    Replicate,
     JobState,
     Reply,
     Request,
@@ -78,6 +79,7 @@ class AggregatorCore(TaskMoves):
         self.jobs: dict[str, JobState] = {}
         self.tasks: dict[tuple[str, Any, int], Task] = {}
         self.moved: dict[tuple[str, Any, int], tuple[str, str]] = {}  # tombstones of migrated tasks
+        self.replicas: dict[tuple[str, Any, int], dict] = {}  # parts held for another Aggregator
 
     # -- control (from pMaster) ---------------------------------------------------------------
 
@@ -127,9 +129,17 @@ class AggregatorCore(TaskMoves):
         created = []
         for spec in specs:
             ident = (job.job, spec["key"], spec["part"])
+            if spec.get("replica"):
+                if spec.get("drop"):
+                    self.replicas.pop(ident, None)
+                elif ident not in self.tasks:
+                    self.replicas.setdefault(ident, {"spec": {k: v for k, v in spec.items() if k != "replica"}})
+                continue
             task = self.tasks.get(ident)
             if task is None:
                 task = self.tasks[ident] = Task(job, spec, self.summer, self.max_ahead)
+            elif "replicas" in spec:
+                task.replicas = [tuple(r) for r in spec["replicas"]]
             elif (tuple(spec["shape"]), spec["dtype"], tuple(spec["span"])) != (task.shape, task.dtype_name, task.span):
                 raise ShapeMismatchError(
                     f"{task.name}: reassigned as shape {tuple(spec['shape'])} {spec['dtype']} span "
@@ -143,6 +153,8 @@ class AggregatorCore(TaskMoves):
         self.jobs.pop(job_id, None)
         for ident in [i for i in self.moved if i[0] == job_id]:
             del self.moved[ident]
+        for ident in [i for i in self.replicas if i[0] == job_id]:
+            del self.replicas[ident]
         replies = []
         for ident in [i for i in self.tasks if i[0] == job_id]:
             task = self.tasks.pop(ident)
@@ -216,6 +228,9 @@ class AggregatorCore(TaskMoves):
                 return self._join(task, req) if req.op == Op.JOIN else self._state(task, req)
             except PslinkError as exc:
                 return [Reply(req.origin, req.id, error=exc)]
+        if task.rebase and req.op in (Op.PUSH, Op.PUSHPULL):
+            task.closed = task.lost_upto = max(task.closed, req.round - 1)
+            task.rebase = False
         outputs: list = []
         if task.seen is not None:
             task.seen.add(req.rank)
@@ -246,6 +261,11 @@ class AggregatorCore(TaskMoves):
         if op == Op.PULL:
             return self._pull(task, req)
         replies = self._push(task, req)
+        durable = task.closed - (task.replicating is not None)  # rounds every replica has
+        if op == Op.PUSH and task.replicas and req.round > durable:
+            # An acknowledged push is never lost: the ack waits until its round is replicated.
+            task.acks.setdefault(req.round, []).append(req)
+            return replies or []
         if replies is None:  # not added: a repeat, or too late for its round
             dropped = req.rank in task.missed.get(req.round, ())
             if op == Op.PUSH:
@@ -367,7 +387,7 @@ class AggregatorCore(TaskMoves):
         while True:
             nxt = task.closed + 1
             round_ = task.rounds.get(nxt)
-            if round_ is None:
+            if round_ is None or task.replicating is not None:
                 return replies
             expected = task.members.expected(nxt)
             if not round_.contributors >= expected:
@@ -393,15 +413,26 @@ class AggregatorCore(TaskMoves):
             task.last_n = len(round_.contributors)
             task.rounds_closed += 1
             task.closed_epoch = task.job.membership.epoch
-            migrating = task.migrate_to is not None
-            for r in [r for r in task.pulls if r - task.job.staleness <= nxt]:
-                for req in task.pulls.pop(r):
-                    reply = self._result(task, req)
-                    reply.moved = task.migrate_to  # the paper's step 2: the next pull learns the new place
-                    replies.append(reply)
-            if migrating:
+            if task.replicas:
+                # Nothing of this round is answered before its replicas have it (replicated()).
+                return replies + self._replicate(task)
+            replies += self._release(task, nxt)
+            if task.migrate_to is not None:
                 # Everything up to this round happened here; what follows happens there.
                 return replies + self._snapshot(task)
+
+    def _release(self, task: Task, closed: int) -> list:
+        """Answer the pulls (and, with replicas, the pushes) that round ``closed`` settles."""
+        replies = []
+        for r in [r for r in task.pulls if r - task.job.staleness <= closed]:
+            for req in task.pulls.pop(r):
+                reply = self._result(task, req)
+                reply.moved = task.migrate_to  # the paper's step 2: the next pull learns the new place
+                replies.append(reply)
+        for r in [r for r in task.acks if r <= closed]:
+            replies += [Reply(req.origin, req.id, round=r, dropped=req.rank in task.missed.get(r, ()))
+                        for req in task.acks.pop(r)]
+        return replies
 
     def _apply(self, task: Task, round_: _Round) -> None:
         job = task.job
@@ -428,7 +459,7 @@ class AggregatorCore(TaskMoves):
         r = req.round
         if task.job.sync == "asp":
             return [self._result(task, req)]  # the latest value, whatever round it is at
-        if r - task.job.staleness > task.closed:  # (bsp: staleness 0)
+        if r - task.job.staleness > task.closed - (task.replicating is not None):  # bsp: staleness 0
             if r > task.closed + task.max_ahead:
                 raise KeyStateError(
                     f"{task.name}: rank {req.rank} asked for round {r}, more than {task.max_ahead} "
@@ -437,6 +468,9 @@ class AggregatorCore(TaskMoves):
                 )
             task.pulls.setdefault(r, []).append(req)
             return []
+        if task.lost_upto and r <= task.lost_upto and task.job.mode == "sum":
+            raise KeyStateError(f"{task.name}: the sum of round {r} was lost with the Aggregator that held it; "
+                                f"this part continues from round {task.lost_upto + 1}", key=task.key)
         if r < task.closed and task.job.mode == "sum" and not task.job.staleness:
             raise KeyStateError(
                 f"{task.name}: rank {req.rank} asked for round {r}, but round {task.closed} has "

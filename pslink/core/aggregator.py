@@ -23,10 +23,20 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from pslink.core.aggregation import AggregatorCore, CloseLater, CopyOut, Reply, Request, Summer, Task, WorkerDone
+from pslink.core.aggregation import (
+    AggregatorCore,
+    CloseLater,
+    CopyOut,
+    Replicate,
+    Reply,
+    Request,
+    Summer,
+    Task,
+    WorkerDone,
+)
 from pslink.core.faults import Faults
 from pslink.core.loop import Reactor, ReactorThread
-from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode, encode_error
+from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, dtype_of, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
 from pslink.core.transport import DISCARD, Connection, Transports, split_host_port
 from pslink.errors import AbortedError, PeerError, ProtocolError, PslinkError, ShapeMismatchError, error_from_code
@@ -97,6 +107,8 @@ class Aggregator:
     ):
         self.name = name
         self.faults = faults if faults is not None else Faults.from_env()
+        if self.faults is not None:
+            self.faults.bind(name)
         self.reactor = Reactor(f"aggregator {name or ''}".strip(), clock)
         self.transports = transports or Transports()
         self._own_transports = transports is None
@@ -124,6 +136,7 @@ class Aggregator:
         self._master: RpcPeer | None = None
         self._master_lost_at: float | None = None
         self._thread: ReactorThread | None = None
+        self._stopped = False
         self.exit_code: int | None = None
         if master is not None:
             self.reactor.post(self._connect_master)
@@ -139,7 +152,10 @@ class Aggregator:
         self.reactor.run_forever(self.spin)
 
     def stop(self) -> None:
-        """Stop serving and close every socket (for ``start()``-ed Aggregators)."""
+        """Stop serving and close every socket (for ``start()``-ed Aggregators). Once."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._thread is not None:
             self._thread.stop()
         else:
@@ -225,7 +241,7 @@ class Aggregator:
             return (header, task, buffers, time.thread_time()), [memoryview(b).cast("B") for b in buffers] or None
         if op in (Op.PING, Op.ABORT):
             return header, None
-        if op == Op.TENSOR_COPY:
+        if op == Op.TENSOR_COPY or op == Op.REPLICATE:
             return self._copy_header(header, sizes)
         error = ProtocolError(f"{op.name} is not served on an Aggregator's data port")
         return _Bad(header["id"], error), DISCARD
@@ -282,6 +298,8 @@ class Aggregator:
                 self._send(out.origin, frames)
             elif isinstance(out, CopyOut):
                 self._send_copy(out, self.copy_retries)
+            elif isinstance(out, Replicate):
+                self._send_replicas(out)
             elif isinstance(out, WorkerDone):
                 self._tell_master(Op.WORKER_DONE, out.task)
             elif isinstance(out, CloseLater):
@@ -297,20 +315,25 @@ class Aggregator:
         try:
             self.core.authorize(header)
             task = self.core.find(header)
-            if task is None or not task.incoming:
+            if header["op"] == Op.TENSOR_COPY and (task is None or not task.incoming):
                 raise ProtocolError(f"aggregator {self.name} expects no copy of key {header['key']!r} "
                                     f"part {header['part']} of job {header['job']!r}")
             if len(sizes) != len(header["state"].get("arrays", [])):
-                raise ProtocolError(f"TENSOR_COPY of key {header['key']!r} names {header['state'].get('arrays')} "
-                                    f"but carries {len(sizes)} arrays")
+                raise ProtocolError(f"{header['op'].name} of key {header['key']!r} names "
+                                    f"{header['state'].get('arrays')} but carries {len(sizes)} arrays")
         except PslinkError as exc:
             return _Bad(header["id"], exc), DISCARD
-        block = np.empty((len(sizes), task.numel), task.dtype)  # one allocation for every array
+        start, stop = header["span"]
+        block = np.empty((len(sizes), stop - start), dtype_of(header["dtype"]))  # one allocation for all
         return _Copy(header, task, list(block)), [memoryview(row).cast("B") for row in block]
 
     def _install(self, conn: Connection, copy: "_Copy") -> None:
         try:
-            outputs = self.core.install(copy.task, copy.header["state"], copy.arrays)
+            if copy.header["op"] == Op.REPLICATE:
+                self.core.replica_update(copy.header, copy.header["state"], copy.arrays)
+                outputs = []
+            else:
+                outputs = self.core.install(copy.task, copy.header["state"], copy.arrays)
         except PslinkError as exc:
             self._send(conn, [encode_error(copy.header["id"], exc)])
             return
@@ -341,6 +364,33 @@ class Aggregator:
             job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part, rnd=out.state["closed"],
             dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
         )
+
+    def _send_replicas(self, out: Replicate) -> None:
+        """REPLICATE to every replica; when all answered (or failed), the round's answers go out."""
+        task = out.task
+        ident = (task.job.job, task.key, task.part)
+        waiting = {"left": len(task.replicas), "lost": []}
+
+        def done(name, error):
+            if error is not None:
+                log.warning("aggregator %s: replica %s of %s failed (%s); going on without it",
+                            self.name, name, task.name, error)
+                waiting["lost"].append(name)
+            waiting["left"] -= 1
+            if waiting["left"] == 0:
+                self._send_all(self.core.replicated(ident, out.round, waiting["lost"]))
+
+        for name, address in list(task.replicas):
+            try:
+                peer = self._peer(address)
+            except PslinkError as exc:
+                done(name, exc)
+                continue
+            peer.call(
+                Op.REPLICATE, lambda result, error, name=name: done(name, error), timeout=10.0,
+                payloads=out.arrays, job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part,
+                rnd=out.round, dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
+            )
 
     def _peer(self, address: str) -> RpcPeer:
         peer = self._peer_by_address.get(address)
@@ -460,6 +510,10 @@ class Aggregator:
         elif op == Op.MIGRATE:
             target = tuple(req["target"])
             outputs = self.core.begin_migration((req["job"], req["key"], req["part"]), target, req.get("force", False))
+            peer.reply(req)
+            self._send_all(outputs)
+        elif op == Op.PROMOTE:
+            outputs = self.core.promote((req["job"], req["key"], req["part"]), req["replicas"])
             peer.reply(req)
             self._send_all(outputs)
         elif op == Op.SHUTDOWN:

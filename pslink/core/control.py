@@ -202,6 +202,18 @@ class ControlPlane:
         self.exclusive.pop(name, None)
         self.loads.pop(name, None)
 
+    def task_recovered(self, ident: tuple, aggregator: str) -> None:
+        """A part now lives on ``aggregator`` because its own Aggregator failed (a replica was
+        promoted, or it started afresh there)."""
+        control = self.jobs.get(ident[0])
+        if control is None or ident not in control.parts:
+            return
+        for plan in self.clusters.values():
+            plan.unassign(ident)
+        if aggregator not in self.cluster_of:
+            self.aggregator_added(aggregator)
+        self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident), aggregator)
+
     def is_placeholder(self, name: str) -> bool:
         return name.startswith("<new-")
 

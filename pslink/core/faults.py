@@ -10,6 +10,11 @@ Each message an Agent sends to an Aggregator, and each answer back, is dropped w
 ``drop``, sent twice with probability ``dup``, or sent ``delay_ms`` later with probability
 ``delay`` (so it may overtake others). Control messages to and from pMaster are left alone.
 
+``kill=NAME@N`` kills one process at a chosen point, as a crash would (SIGKILL, no clean-up): the
+process named NAME (an Aggregator's name, such as ``agg-1``, or an Agent's ``job/rank``) kills
+itself as it sends its N-th data-path message. Every process can share one setting; only the named
+one dies.
+
 The Agent resends a request that got no answer within its resend timeout (one second while faults
 are injected, else only with ``resend_timeout``) and the Aggregator applies a request seen twice
 once, so a job under faults computes what it computes without them.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import signal
 import threading
 
 from pslink.errors import ConfigError, PeerError
@@ -34,6 +40,7 @@ class Faults:
     delay: float = 0.0
     delay_ms: float = 50.0
     seed: int | None = None
+    kill: str | None = None  # "NAME@N"
     dropped: int = 0
     duplicated: int = 0
     delayed: int = 0
@@ -47,8 +54,21 @@ class Faults:
             raise ConfigError(f"{ENV_FAULTS}: drop + dup + delay must not exceed 1")
         if self.delay_ms < 0:
             raise ConfigError(f"{ENV_FAULTS}: delay_ms must be >= 0, got {self.delay_ms}")
+        self._kill_target, self._kill_at = None, 0
+        if self.kill:
+            target, sep, count = self.kill.rpartition("@")
+            if not sep or not target or not count.isdigit() or int(count) < 1:
+                raise ConfigError(f"{ENV_FAULTS}: kill must be NAME@N (N >= 1), got {self.kill!r}")
+            self._kill_target, self._kill_at = target, int(count)
+        self.owner: str | None = None
+        self.sent = 0
         self._random = random.Random(self.seed)
         self._lock = threading.Lock()
+
+    def bind(self, owner: str) -> "Faults":
+        """Name the process these faults act in (for ``kill``)."""
+        self.owner = owner
+        return self
 
     @classmethod
     def parse(cls, text: str) -> "Faults":
@@ -56,8 +76,12 @@ class Faults:
         fields = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, sep, value = item.partition("=")
-            if not sep or name not in ("drop", "dup", "delay", "delay_ms", "seed"):
-                raise ConfigError(f"{ENV_FAULTS}: cannot read {item!r}; expected drop=, dup=, delay=, delay_ms= or seed=")
+            if not sep or name not in ("drop", "dup", "delay", "delay_ms", "seed", "kill"):
+                raise ConfigError(f"{ENV_FAULTS}: cannot read {item!r}; expected drop=, dup=, delay=, delay_ms=, "
+                                  "seed= or kill=")
+            if name == "kill":
+                fields[name] = value.strip()
+                continue
             try:
                 fields[name] = int(value) if name == "seed" else float(value)
             except ValueError:
@@ -70,8 +94,11 @@ class Faults:
         return cls.parse(text) if text else None
 
     def send(self, conn, frames: list) -> None:
-        """Send ``frames`` on ``conn``, or not, or twice, or later."""
+        """Send ``frames`` on ``conn``, or not, or twice, or later; or die first (``kill``)."""
         with self._lock:
+            self.sent += 1
+            if self._kill_target is not None and self._kill_target == self.owner and self.sent >= self._kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # as a crash: nothing flushed, nothing closed
             draw = self._random.random()
         if draw < self.drop:
             self.dropped += 1

@@ -16,7 +16,8 @@ from pslink.errors import ConfigError
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
 JOB_SETTINGS = {"mode", "optimizer", "partition_bytes", "sync", "servers", "max_workers", "staleness",
-                "straggler_timeout"}
+                "straggler_timeout", "replication"}
+MAX_REPLICATION = 2
 
 
 @dataclasses.dataclass
@@ -24,6 +25,7 @@ class PartSpec:
     part: int
     span: tuple[int, int]
     aggregator: str
+    replicas: list[str] = dataclasses.field(default_factory=list)  # hold each closed round's state
 
 
 @dataclasses.dataclass
@@ -37,21 +39,21 @@ class KeySpec:
     ready: bool = False  # every part's Aggregator acknowledged its assignment
     aborted: Any = None  # the PslinkError that poisoned the key (sent again to late Aggregators)
 
-    def task_specs(self, aggregator: str | None = None) -> list[dict]:
-        """The ASSIGN entries for this key's parts (on one Aggregator, or all)."""
-        return [
-            {
-                "key": self.key,
-                "part": p.part,
-                "span": list(p.span),
-                "shape": list(self.shape),
-                "dtype": self.dtype,
-                "declared_by": self.declared_by,
-                "needs_init": self.needs_init,
-            }
-            for p in self.parts
-            if aggregator is None or p.aggregator == aggregator
-        ]
+    def task_specs(self, aggregator: str | None = None, address_of=None) -> list[dict]:
+        """The ASSIGN entries for this key's parts (on one Aggregator, or all): the parts it
+        serves (with their replicas' names and addresses, by ``address_of``), and the parts it
+        holds a replica of (``"replica": True``)."""
+        entries = []
+        for p in self.parts:
+            entry = {"key": self.key, "part": p.part, "span": list(p.span), "shape": list(self.shape),
+                     "dtype": self.dtype, "declared_by": self.declared_by, "needs_init": self.needs_init}
+            if aggregator is None or p.aggregator == aggregator:
+                if p.replicas and address_of is not None:
+                    entry["replicas"] = [[r, address_of(r)] for r in p.replicas]
+                entries.append(entry)
+            elif aggregator in p.replicas:
+                entries.append(dict(entry, replica=True))
+        return entries
 
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
@@ -85,6 +87,7 @@ class JobRecord:
     max_workers: int | None = None  # ranks 0 .. max_workers - 1 may join (default: num_workers)
     staleness: int = 0  # ssp
     straggler_timeout: float | None = None
+    replication: int = 0  # replicas of every part, on other Aggregators (failover without loss)
     preregistered: bool = False
     created: float = 0.0
     membership: Membership = dataclasses.field(default=None)  # type: ignore[assignment]
@@ -111,7 +114,7 @@ class JobRecord:
         """Settings and membership beyond the stored columns (persisted as JSON)."""
         return {"membership": self.membership.to_wire(), "max_workers": self.max_workers,
                 "staleness": self.staleness, "straggler_timeout": self.straggler_timeout,
-                "servers": self.servers}
+                "servers": self.servers, "replication": self.replication}
 
     def jobinfo(self) -> dict:
         """What Aggregators need to serve the job (sent with assignments)."""
@@ -140,6 +143,7 @@ class JobRecord:
             "staleness": self.staleness,
             "straggler_timeout": self.straggler_timeout,
             "max_workers": self.max_workers,
+            "replication": self.replication,
             "late": self.late,
         }
 
@@ -195,8 +199,14 @@ def validate_settings(config: dict | None) -> dict:
         if sync == "asp":
             raise ConfigError("straggler_timeout applies to sync 'bsp' or 'ssp'; 'asp' rounds never wait")
         straggler = float(straggler)
+    replication = _optional_int(config, "replication", 0) or 0
+    if replication > MAX_REPLICATION:
+        raise ConfigError(f"replication must be 0 to {MAX_REPLICATION}, got {replication}")
+    if replication and sync == "asp":
+        raise ConfigError("replication needs sync 'bsp' or 'ssp' (an 'asp' job applies every push at once)")
     return {"mode": mode, "optimizer": optimizer, "partition_bytes": partition, "sync": sync, "servers": servers,
-            "max_workers": max_workers, "staleness": staleness, "straggler_timeout": straggler}
+            "max_workers": max_workers, "staleness": staleness, "straggler_timeout": straggler,
+            "replication": replication}
 
 
 def _optional_int(config: dict, name: str, low: int) -> int | None:

@@ -17,7 +17,9 @@ from typing import Any
 
 from pslink.core.control import Allocate, ControlPlane, Migrate, Release
 from pslink.core.loop import Reactor, ReactorThread
+from pslink.core.master_recovery import MasterRecovery
 from pslink.core.master_state import JobRecord, KeySpec, MasterState
+from pslink.core.recovery import holdings, pick_replicas
 from pslink.core.protocol import DEFAULT_LIMITS, Limits, Op
 from pslink.core.rpc import RpcEndpoint, RpcPeer
 from pslink.core.store import MasterStore
@@ -57,16 +59,21 @@ def spec_to_wire(spec: KeySpec, aggregators: dict) -> dict:
         "dtype": spec.dtype,
         "declared_by": spec.declared_by,
         "parts": [
-            [p.part, p.span[0], p.span[1], p.aggregator, aggregators[p.aggregator].address] for p in spec.parts
+            [p.part, p.span[0], p.span[1], p.aggregator, _address(aggregators, p.aggregator)] for p in spec.parts
         ],
     }
+
+
+def _address(aggregators: dict, name: str) -> str:
+    record = aggregators.get(name)
+    return record.address if record is not None else ""  # a lost Aggregator's (the key failed with it)
 
 
 def _plain_details(error: PslinkError) -> dict:
     return {k: v for k, v in error.details.items() if isinstance(v, (int, str, list))}
 
 
-class Master:
+class Master(MasterRecovery):
     """The pMaster daemon. ``start()`` runs it on a thread; ``serve_forever()`` on this one."""
 
     def __init__(
@@ -79,6 +86,7 @@ class Master:
         worker_timeout: float = 15.0,
         disconnect_grace: float = 5.0,
         aggregator_timeout: float = 15.0,
+        aggregator_grace: float = 0.5,
         assign_timeout: float = 10.0,
         sweep_interval: float = 1.0,
         migration_timeout: float = 10.0,
@@ -98,6 +106,8 @@ class Master:
         self.worker_timeout = worker_timeout
         self.disconnect_grace = disconnect_grace  # a worker whose connection closed is removed after it
         self.aggregator_timeout = aggregator_timeout
+        self.aggregator_grace = aggregator_grace  # a lost Aggregator may come back this soon before failover
+        self._init_recovery()
         self.assign_timeout = assign_timeout
         self.sweep_interval = sweep_interval
         self.migration_timeout = migration_timeout
@@ -292,7 +302,21 @@ class Master:
             "source": action.source, "target": action.target, "reason": action.reason,
             "started": self.state.clock(), "copied": False, "workers": False,
         }
-        tasks = [dict(t, incoming=True) for t in spec.task_specs() if t["part"] == part]
+        placed = spec.parts[part]
+        if action.target in placed.replicas:
+            # The target held a replica; now it serves the part: another Aggregator holds the replica.
+            placed.replicas.remove(action.target)
+            added = pick_replicas(self.state.live_aggregators(), holdings(self.state.jobs),
+                                  record.replication - len(placed.replicas),
+                                  exclude={action.target, action.source, *placed.replicas})
+            placed.replicas += added
+            for name in added:
+                holder = self._aggregator_peers.get(name)
+                if holder is not None:
+                    holder.call(Op.ASSIGN, self._log_failure(f"giving {name} a replica of {action.task}"),
+                                timeout=self.assign_timeout, jobinfo=record.jobinfo(),
+                                tasks=[e for e in spec.task_specs(name) if e["part"] == part])
+        tasks = [dict(t, incoming=True) for t in spec.task_specs(None, self._address_of) if t["part"] == part]
 
         def started(result, error):
             if error is not None:
@@ -362,6 +386,7 @@ class Master:
                 del self._aggregator_peers[name]
                 self.state.aggregator_lost(name)
                 log.warning("aggregator %s disconnected (%s)", name, exc)
+                self._aggregator_gone(name)
 
     # -- jobs and workers ---------------------------------------------------------------------
 
@@ -436,6 +461,9 @@ class Master:
             for waiting_peer, waiting_req in self._barriers.pop(ident).values():
                 waiting_peer.reply(waiting_req, body=body)
 
+    def spec_wire(self, spec: KeySpec) -> dict:
+        return spec_to_wire(spec, self.state.aggregators)
+
     def _job_keys(self, peer: RpcPeer, req: dict) -> None:
         """Every key of the job and where its parts live (a worker joining a running job joins them)."""
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
@@ -493,8 +521,8 @@ class Master:
             return
         by_aggregator: dict[str, list[dict]] = {}
         for spec in specs:
-            for name in {p.aggregator for p in spec.parts}:
-                by_aggregator.setdefault(name, []).extend(spec.task_specs(name))
+            for name in {p.aggregator for p in spec.parts} | {r for p in spec.parts for r in p.replicas}:
+                by_aggregator.setdefault(name, []).extend(spec.task_specs(name, self._address_of))
         missing = [n for n in by_aggregator if n not in self._aggregator_peers]
         if missing:
             self._assigned(record, specs, ServiceError(f"aggregator(s) {missing} are not connected to pMaster"))
@@ -610,7 +638,12 @@ class Master:
                 log.info("job %s ended: no worker heard from in %.0f s", record.job, self.worker_timeout)
                 self._end_job(record)
             for name in silent:
-                log.warning("aggregator %s silent for %.0f s", name, self.aggregator_timeout)
+                log.warning("aggregator %s silent for %.0f s: failing it over", name, self.aggregator_timeout)
+                peer = self._aggregator_peers.pop(name, None)
+                if peer is not None:
+                    peer.conn.close()
+                if name not in self._failing:
+                    self._fail_over(name)
             self._carry_out()
         finally:
             self.reactor.call_later(self.sweep_interval, self._sweep)
@@ -624,6 +657,7 @@ class Master:
         Op.BARRIER: _barrier,
         Op.LEAVE: _leave,
         Op.JOB_KEYS: _job_keys,
+        Op.RELOCATE: MasterRecovery._relocate,
         Op.STATUS: _status,
         Op.REGISTER_AGGREGATOR: _register_aggregator,
         Op.AGG_HEARTBEAT: _aggregator_heartbeat,

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from pslink.core.control import ControlPlane
+from pslink.core.recovery import Promote, Recreate, holdings, pick_replicas, plan_failover
 from pslink.core.jobs import (  # noqa: F401 - re-exported for the shell and the store
     JOB_SETTINGS,
     MODES,
@@ -273,6 +274,11 @@ class MasterState:
             target, actions = self.control.place_part(record.job, key, index, (span[1] - span[0]) * itemsize)
             self.outbox += actions
             parts.append(PartSpec(index, span, target))
+        if record.replication:
+            load = holdings(self.jobs)
+            for part in parts:
+                part.replicas = pick_replicas(self.live_aggregators(), load, record.replication,
+                                              exclude={part.aggregator})
         needs_init = intent == "init" or record.mode == "optimizer"
         spec = KeySpec(key, shape, dtype, rank, needs_init, parts)
         record.keys[key] = spec
@@ -355,6 +361,26 @@ class MasterState:
         if record is not None:
             record.alive = False
 
+    def _address(self, name: str) -> str:
+        record = self.aggregators.get(name)
+        return record.address if record is not None else ""
+
+    def live_aggregators(self) -> list[str]:
+        return sorted(n for n, a in self.aggregators.items() if a.alive)
+
+    def fail_over(self, name: str) -> list:
+        """The Aggregator ``name`` is gone for good: re-home its parts and replicas
+        (:mod:`pslink.core.recovery`) and forget it. Returns what pMaster must carry out."""
+        self.aggregator_lost(name)
+        actions = plan_failover(self.jobs, name, self.live_aggregators())
+        for action in actions:
+            if isinstance(action, (Promote, Recreate)):
+                ident = (action.record.job, action.spec.key, action.part.part)
+                self.control.task_recovered(ident, action.part.aggregator)
+        self.control.aggregator_lost(name)
+        self.aggregators.pop(name, None)
+        return actions
+
     def tick(self) -> None:
         self.outbox += self.control.tick()
 
@@ -362,7 +388,7 @@ class MasterState:
         """Every (job, task specs) placed on one Aggregator (to re-send after a reconnect)."""
         out = []
         for record in self.jobs.values():
-            specs = [t for spec in record.keys.values() if spec.ready for t in spec.task_specs(name)]
+            specs = [t for spec in record.keys.values() if spec.ready for t in spec.task_specs(name, self._address)]
             if specs:
                 out.append((record, specs))
         return out
@@ -393,7 +419,8 @@ class MasterState:
                 ended.append(self.remove_job(record.job))
         silent = []
         for agg in self.aggregators.values():
-            if agg.alive and now - agg.last_seen > aggregator_timeout:
+            # Silent while connected, or gone and not back (also one known from before a restart).
+            if now - agg.last_seen > aggregator_timeout:
                 agg.alive = False
                 silent.append(agg.name)
         return ended, silent

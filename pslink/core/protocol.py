@@ -38,6 +38,7 @@ class Op(enum.IntEnum):
     STATE_GET = 8  # a part's optimizer state (momentum, moments), for checkpoints
     STATE_SET = 9  # replace a part's optimizer state (resuming from a checkpoint)
     JOIN = 13  # a worker added to a running job: where it comes in (rnd 0 asks; rnd R joins)
+    REPLICATE = 14  # Aggregator -> Aggregator: a closed round's state for a replica
     # replies (to any request)
     REPLY = 10
     ERROR = 11
@@ -52,6 +53,7 @@ class Op(enum.IntEnum):
     LEAVE = 26
     STATUS = 27
     JOB_KEYS = 28  # every key of a job, for a worker that joins it while it runs
+    RELOCATE = 29  # an Agent lost an Aggregator: where do these parts live now?
     # control (Aggregator <-> pMaster)
     REGISTER_AGGREGATOR = 30
     ASSIGN = 31
@@ -63,6 +65,7 @@ class Op(enum.IntEnum):
     TENSOR_COPY_DONE = 37  # source Aggregator -> pMaster
     WORKER_DONE = 38  # target Aggregator -> pMaster: every worker now talks to it
     SCHEDULE = 39  # pMaster -> Aggregator: its cycle and per-task budgets
+    PROMOTE = 40  # pMaster -> Aggregator: serve a part from the replica you hold
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
@@ -260,6 +263,10 @@ SCHEMAS: dict[Op, Schema] = {
         {**_DATA_REQUIRED, "state": _map},
         payloads=tuple(range(0, 9)),
     ),
+    Op.REPLICATE: Schema(
+        {**_DATA_REQUIRED, "state": _map},
+        payloads=tuple(range(0, 9)),
+    ),
     Op.STATE_GET: Schema(_DATA_REQUIRED),
     Op.JOIN: Schema(_DATA_REQUIRED),
     Op.STATE_SET: Schema(
@@ -284,6 +291,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.LEAVE: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}),
     Op.STATUS: Schema({"id": _uint}),
     Op.JOB_KEYS: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}, {"keys": _bool}),
+    Op.RELOCATE: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "parts": _list}),
     Op.REGISTER_AGGREGATOR: Schema(
         {"id": _uint, "address": _text},
         {"agg": _small_str, "pid": _uint, "host": _text, "tasks": _list},
@@ -300,6 +308,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.TENSOR_COPY_DONE: Schema({"id": _uint, "agg": _small_str, "job": _small_str, "key": _key, "part": _uint}),
     Op.WORKER_DONE: Schema({"id": _uint, "agg": _small_str, "job": _small_str, "key": _key, "part": _uint}),
     Op.SCHEDULE: Schema({"id": _uint, "cycle": _number, "tasks": _list}),
+    Op.PROMOTE: Schema({"id": _uint, "job": _small_str, "key": _key, "part": _uint, "replicas": _list}),
 }
 
 
@@ -403,7 +412,7 @@ def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMI
         )
     if op in DATA_OPS:
         _check_tensor(header, payload_sizes)
-    elif op == Op.TENSOR_COPY or op == Op.STATE_SET:
+    elif op == Op.TENSOR_COPY or op == Op.STATE_SET or op == Op.REPLICATE:
         _check_tensor(header, payload_sizes[:1])
         if any(size != payload_sizes[0] for size in payload_sizes):
             raise ProtocolError(f"{op.name} of key {header['key']!r}: frames of unequal sizes {list(payload_sizes)}")

@@ -68,18 +68,34 @@ class Service:
         self.master.use_provider(self.provider, min_aggregators=(control or {}).get("min_aggregators", aggregators))
         self._started = False
         self._stopped = False
+        self.rejoin_window = 5.0  # how long a restarted service waits for the Aggregators it knew
 
     def start(self, timeout: float = 30.0) -> "Service":
         """Start pMaster and the Aggregators; return once every Aggregator registered."""
         self.master.start()
         self._started = True
         try:
-            names = self.provider.start(self.count)
+            adopted = self._adopt(timeout)
+            names = self.provider.start(max(0, self.count - len(adopted)))
             self.wait_for(names, timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _adopt(self, timeout: float) -> list[str]:
+        """After a restart from ``state_dir``: the Aggregators the store knows keep running (they
+        serve jobs while pMaster is away and reconnect to it), so wait for them rather than start
+        as many again; those that do not come back are failed over by pMaster. Returns the ones
+        that came back. A fresh service knows none and returns at once."""
+        known = sorted(self.master.state.aggregators)
+        if not known:
+            return []
+        if hasattr(self.provider, "reserve"):
+            self.provider.reserve(known)  # new Aggregators must not take a name an old one has
+        # They retry every reconnect interval (0.5 s); a few of those is plenty.
+        self.master.wait_for_aggregators(known, min(timeout, self.rejoin_window))
+        return [n for n in known if self.master.aggregator_alive(n)]
 
     def wait_for(self, names: list[str], timeout: float) -> None:
         if not self.master.wait_for_aggregators(names, timeout):

@@ -93,7 +93,7 @@ class MasterStore:
                 spec.dtype,
                 spec.declared_by,
                 int(spec.needs_init),
-                json.dumps([[p.part, list(p.span), p.aggregator] for p in spec.parts]),
+                json.dumps([[p.part, list(p.span), p.aggregator, p.replicas] for p in spec.parts]),
             ),
         )
 
@@ -134,6 +134,7 @@ class MasterStore:
                 staleness=extra.get("staleness", 0),
                 straggler_timeout=extra.get("straggler_timeout"),
                 servers=extra.get("servers"),
+                replication=extra.get("replication", 0),
             )
             for rank in record.membership.ranks:  # each gets the heartbeat timeout to reconnect
                 record.workers[rank] = WorkerInfo(rank, last_seen=now, restored=True)
@@ -148,7 +149,7 @@ class MasterStore:
                 dtype=dtype,
                 declared_by=declared_by,
                 needs_init=bool(needs_init),
-                parts=[PartSpec(part, tuple(span), agg) for part, span, agg in json.loads(parts)],
+                parts=[PartSpec(part, tuple(span), agg, list(replicas)) for part, span, agg, replicas in json.loads(parts)],
                 ready=True,
             )
             state.adopt_key(record, spec)

@@ -1,6 +1,7 @@
 """What moves a task's state in or out of an Aggregator (no I/O): live migration (AutoPS
-Appendix B), the optimizer state for checkpoints (STATE_GET / STATE_SET), and a worker joining
-a running job (JOIN). A mixin of :class:`pslink.core.aggregation.AggregatorCore`."""
+Appendix B), replication to other Aggregators and the promotion of a replica when its part's
+Aggregator is gone, the optimizer state for checkpoints (STATE_GET / STATE_SET), and a worker
+joining a running job (JOIN). A mixin of :class:`pslink.core.aggregation.AggregatorCore`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import numpy as np
 
 from pslink.core.membership import TaskMembers
 from pslink.core.protocol import Op
-from pslink.core.tasks import CopyOut, Reply, Request, Task, _Round, moved_error
+from pslink.core.tasks import CopyOut, Replicate, Reply, Request, Task, _Round, moved_error
 from pslink.errors import KeyStateError, MembershipError, error_from_code
 
 
 class TaskMoves:
-    """Requires of its host: ``tasks``, ``moved``, ``clock``, ``handle`` and ``_close_ready``."""
+    """Requires of its host: ``tasks``, ``moved``, ``replicas``, ``jobs``, ``clock``, ``summer``,
+    ``handle``, ``_release`` and ``_close_ready``."""
 
     def _state(self, task: Task, req: Request) -> list[Reply]:
         """STATE_GET / STATE_SET: a part's optimizer state, for checkpoints and their resumption.
@@ -85,7 +87,10 @@ class TaskMoves:
             return self._snapshot(task)
         return []
 
-    def _snapshot(self, task: Task) -> list:
+    @staticmethod
+    def _export(task: Task, open_rounds: bool = True) -> tuple[dict, list[np.ndarray]]:
+        """A task's state as plain data plus its arrays (a frame each): for a migration (with the
+        open rounds' partial sums) or a replica (closed rounds only)."""
         names, arrays, scalars = [], [], {}
         if task.value is not None:
             names.append("value")
@@ -96,39 +101,25 @@ class TaskMoves:
                 arrays.append(value)
             else:
                 scalars[name] = value
-        open_rounds = []
-        for r in sorted(task.rounds):
+        rounds = []
+        for r in sorted(task.rounds) if open_rounds else ():
             round_ = task.rounds[r]
-            open_rounds.append([r, sorted(round_.contributors)])
+            rounds.append([r, sorted(round_.contributors)])
             if round_.acc is not None:
                 names.append(f"round:{r}")
                 arrays.append(round_.acc)
         state = {
             "closed": task.closed, "last_n": task.last_n, "rounds_closed": task.rounds_closed,
-            "arrays": names, "scalars": scalars, "open": open_rounds,
+            "arrays": names, "scalars": scalars, "open": rounds,
             "members": task.members.to_wire(), "epoch": task.closed_epoch, "init_rank": task.init_rank,
         }
         if task.poisoned is not None:  # an aborted key stays aborted where it moves
             error = task.poisoned
             state["poisoned"] = [error.code, error.message, {k: v for k, v in error.details.items()
                                                               if isinstance(v, (int, str, list))}]
-        task.moved_to = task.migrate_to
-        # Whoever still waits here must ask the new place (their pushes travel in the copy).
-        moved = moved_error(task.key, task.part, task.moved_to)
-        waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
-        task.before_init, task.pulls = [], {}
-        return [CopyOut(task, task.moved_to, state, arrays)] + [Reply(r.origin, r.id, error=moved) for r in waiting]
+        return state, arrays
 
-    def copy_done(self, ident: tuple) -> None:
-        """The new Aggregator has the state: forget the task, keep a forwarding address."""
-        task = self.tasks.pop(ident, None)
-        if task is not None and task.moved_to is not None:
-            self.moved[ident] = task.moved_to
-
-    def install(self, task: Task, state: dict, arrays: list[np.ndarray]) -> list:
-        """TENSOR_COPY arrived: take the state over, then serve what waited for it."""
-        if not task.incoming:
-            raise KeyStateError(f"{task.name} is not waiting for a copy here")
+    def _import(self, task: Task, state: dict, arrays: list[np.ndarray]) -> None:
         named = dict(zip(state["arrays"], arrays))
         task.value = named.get("value")
         task.closed = state["closed"]
@@ -143,18 +134,92 @@ class TaskMoves:
             round_.acc = named.get(f"round:{r}")
         if "members" in state:
             task.members = TaskMembers.from_wire(state["members"])
-            task.members.keep_only(task.job.membership.ranks)  # who left since the copy was made
+            task.members.keep_only(task.job.membership.ranks)  # who left since the state was taken
             task.closed_epoch = state.get("epoch", task.closed_epoch)
             task.init_rank = state.get("init_rank")
-        task.incoming = False
-        task.seen = set()
         if state.get("poisoned") and task.poisoned is None:
             task.poisoned = error_from_code(*state["poisoned"])
+
+    def _snapshot(self, task: Task) -> list:
+        state, arrays = self._export(task)
+        task.moved_to = task.migrate_to
+        # Whoever still waits here must ask the new place (their pushes travel in the copy).
+        moved = moved_error(task.key, task.part, task.moved_to)
+        waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
+        waiting += [req for reqs in task.acks.values() for req in reqs]
+        task.before_init, task.pulls, task.acks = [], {}, {}
+        return [CopyOut(task, task.moved_to, state, arrays)] + [Reply(r.origin, r.id, error=moved) for r in waiting]
+
+    def copy_done(self, ident: tuple) -> None:
+        """The new Aggregator has the state: forget the task, keep a forwarding address."""
+        task = self.tasks.pop(ident, None)
+        if task is not None and task.moved_to is not None:
+            self.moved[ident] = task.moved_to
+
+    def install(self, task: Task, state: dict, arrays: list[np.ndarray]) -> list:
+        """TENSOR_COPY arrived: take the state over, then serve what waited for it."""
+        if not task.incoming:
+            raise KeyStateError(f"{task.name} is not waiting for a copy here")
+        self._import(task, state, arrays)
+        self.replicas.pop((task.job.job, task.key, task.part), None)  # it serves the part now
+        task.incoming = False
+        task.seen = set()
+        return self._serve_waiting(task)
+
+    def _serve_waiting(self, task: Task) -> list:
         outputs: list = []
         waiting, task.waiting_copy = task.waiting_copy, []
         for req in waiting:
             outputs += self.handle(task, req)
         return outputs + self._close_ready(task)
+
+    # -- replication: a closed round reaches the replicas before any of its answers ---------------
+
+    def _replicate(self, task: Task) -> list:
+        """The round that just closed goes to every replica; its answers wait for their acks."""
+        task.replicating = task.closed
+        state, arrays = self._export(task, open_rounds=False)
+        return [Replicate(task, task.closed, state, arrays)]
+
+    def replicated(self, ident: tuple, round_: int, lost: list | None = None) -> list:
+        """Every replica acknowledged ``round_`` (``lost``: replicas that failed instead): answer
+        what waited for it, then go on closing rounds."""
+        task = self.tasks.get(ident)
+        if task is None or task.replicating != round_:
+            return []
+        if lost:
+            task.replicas = [r for r in task.replicas if r[0] not in lost]
+        task.replicating = None
+        outputs = self._release(task, round_)
+        if task.migrate_to is not None and task.moved_to is None:
+            return outputs + self._snapshot(task)
+        return outputs + self._close_ready(task)
+
+    def replica_update(self, header: dict, state: dict, arrays: list[np.ndarray]) -> None:
+        """REPLICATE: keep a closed round's state of a part this Aggregator is a replica of."""
+        ident = (header["job"], header["key"], header["part"])
+        held = self.replicas.get(ident)
+        if held is None:
+            raise KeyStateError(f"aggregator {self.name} holds no replica of key {ident[1]!r} part {ident[2]} "
+                                f"of job {ident[0]!r}", job=ident[0], key=ident[1])
+        if state["closed"] >= held.get("closed", -1):
+            held.update(closed=state["closed"], state=state, arrays=arrays)
+
+    def promote(self, ident: tuple, replicas: list) -> list:
+        """pMaster: the part's Aggregator is gone; serve it from this replica's last round."""
+        task = self.tasks.get(ident)
+        if task is not None:  # promoted already (a repeated request)
+            task.replicas = [tuple(r) for r in replicas]
+            return []
+        held = self.replicas.pop(ident, None)
+        if held is None:
+            raise KeyStateError(f"aggregator {self.name} holds no replica of key {ident[1]!r} part {ident[2]} "
+                                f"of job {ident[0]!r} to promote", job=ident[0], key=ident[1])
+        job = self.jobs[ident[0]]
+        task = self.tasks[ident] = Task(job, dict(held["spec"], replicas=replicas), self.summer, self.max_ahead)
+        if "state" in held:
+            self._import(task, held["state"], held["arrays"])
+        return []
 
     def find_ident(self, ident: tuple) -> Task | None:
         return self.tasks.get(ident)

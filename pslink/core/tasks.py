@@ -186,6 +186,17 @@ class CloseLater:
 
 
 @dataclasses.dataclass(slots=True)
+class Replicate:
+    """Send round ``round``'s state to the task's replicas (REPLICATE); then call
+    :meth:`AggregatorCore.replicated`."""
+
+    task: "Task"
+    round: int
+    state: dict
+    arrays: list[np.ndarray]
+
+
+@dataclasses.dataclass(slots=True)
 class WorkerDone:
     """Every worker has reached a migrated task at its new place (tell pMaster)."""
 
@@ -219,7 +230,11 @@ class Task:
         self.span = tuple(spec["span"])
         self.numel = self.span[1] - self.span[0]
         self.declared_by = spec.get("declared_by", 0)
-        self.needs_init = bool(spec.get("needs_init", True)) or job.mode == "optimizer"
+        # A sum-mode part started afresh after its Aggregator was lost: it takes up the rounds
+        # where the workers' pushes are (the sums of earlier rounds went with the Aggregator).
+        self.rebase = bool(spec.get("rebase"))
+        self.lost_upto = 0
+        self.needs_init = not self.rebase and (bool(spec.get("needs_init", True)) or job.mode == "optimizer")
         self.summer = summer
         self.max_ahead = max_ahead
         self.pool = BufferPool(self.dtype, self.numel)
@@ -238,6 +253,10 @@ class Task:
         self.init_rank: int | None = None  # whose init set the value (a resent init is not an error)
         self.missed: dict[int, frozenset[int]] = {}  # recent rounds closed without some ranks
         self.overdue = 0  # rounds up to this one are past the straggler timeout
+        # replication: where each closed round goes before it is answered
+        self.replicas: list[tuple[str, str]] = [tuple(r) for r in spec.get("replicas", ())]
+        self.replicating: int | None = None  # the round on its way to the replicas
+        self.acks: dict[int, list[Request]] = {}  # pushes answered once their round is replicated
         # migration (AutoPS Appendix B)
         self.incoming = bool(spec.get("incoming", False))  # waiting for its state to be copied here
         self.waiting_copy: list[Request] = []

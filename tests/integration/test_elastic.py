@@ -111,6 +111,7 @@ def test_join_all_between_barriers_puts_a_newcomer_into_the_very_next_round(clus
     """Sum mode, as an elastic framework syncs: members stop at a barrier, the newcomer joins
     every key, a second barrier, then everyone's next round has three pushes."""
     workers = {}
+    trained = threading.Barrier(3, timeout=20)  # the newcomer comes once the keys are in use
     registered = threading.Event()  # in a framework: the members see the new epoch at a commit
 
     def member(rank):
@@ -119,6 +120,7 @@ def test_join_all_between_barriers_puts_a_newcomer_into_the_very_next_round(clus
             agent.init(key, np.zeros(3, np.float32)).wait()
         for _ in range(2):
             agent.pushpull_many(["a", "b"], [np.ones(3, np.float32)] * 2).wait()
+        trained.wait()
         assert registered.wait(20)
         agent.barrier("sync-1")
         agent.barrier("sync-2")
@@ -126,7 +128,7 @@ def test_join_all_between_barriers_puts_a_newcomer_into_the_very_next_round(clus
         return [o.tolist() for o in outs]
 
     def newcomer():
-        wait_until(lambda: len(workers) == 2 and all(w is not None for w in workers.values()), 20, "the members")
+        trained.wait()
         agent = workers[2] = connect(cluster, "sync", 2, 3, max_workers=3)
         registered.set()
         agent.barrier("sync-1")

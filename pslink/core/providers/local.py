@@ -28,9 +28,14 @@ class LocalProvider(Provider):
         self._procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, str] = {}
         self._serial = 0
+        self._reserved: set[str] = set()
+
+    def reserve(self, names) -> None:
+        """Names already taken by Aggregators this provider did not start (a restarted service's)."""
+        self._reserved.update(names)
 
     def _next_name(self) -> str:
-        while f"agg-{self._serial}" in self._procs:
+        while f"agg-{self._serial}" in self._procs or f"agg-{self._serial}" in self._reserved:
             self._serial += 1
         name = f"agg-{self._serial}"
         self._serial += 1

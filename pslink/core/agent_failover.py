@@ -1,0 +1,87 @@
+"""What an Agent does when it loses an Aggregator (a mixin of :class:`pslink.core.agent.Agent`).
+
+The requests waiting on the lost Aggregator are not failed at once: the Agent asks pMaster where
+the parts live now (RELOCATE; pMaster answers once it has promoted a replica or started the part
+afresh elsewhere) and sends the same requests, unchanged, to the new place. A job with replicas
+sees a pause and nothing else: the new place has every round a worker was answered for, and a
+round it gets twice it applies once. When the key's state is lost with the Aggregator (no
+replica in optimizer mode) the requests fail with pMaster's explanation; when pMaster knows no
+better place, with the lost connection's error, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from pslink.core.agent_keys import Link
+from pslink.core.protocol import Op
+from pslink.errors import KeyStateError, PeerError, PslinkError
+
+log = logging.getLogger("pslink.core.agent")
+
+
+class Failover:
+    """Requires of its host: ``_pending``, ``_keys``, ``_link``, ``_transmit``, ``_fail_requests``,
+    ``_master_call``, ``_reactor``, ``_closed``, ``failover`` and its identity."""
+
+    def _link_lost(self, link: Link, exc, rids: list[int] | None = None) -> None:
+        """``rids`` (default: every request waiting on ``link``) lost their Aggregator."""
+        reason = exc.message if isinstance(exc, PslinkError) else str(exc)
+        error = PeerError(f"lost connection to aggregator {link.name} at {link.address}: {reason}", peer=link.address)
+        rids = list(link.pending) if rids is None else rids
+        if not self.failover or self._closed:
+            self._fail_requests(rids, error)
+            return
+        log.warning("agent %s/%s: lost aggregator %s (%s); asking pMaster where its parts went",
+                    self.job, self.rank, link.name, reason)
+        # Off the driving thread: asking pMaster waits for an answer, which this thread delivers.
+        threading.Thread(target=self._relocate, args=(link.name, rids, error), daemon=True,
+                         name=f"pslink-relocate-{link.name}").start()
+
+    def _relocate(self, lost: str, rids: list[int], error: PeerError) -> None:
+        if self._closed:
+            return
+        parts = [[info.key, part.index, lost] for info in list(self._keys.values()) for part in info.parts
+                 if part.aggregator == lost]
+        try:
+            body = self._master_call(Op.RELOCATE, parts=parts)
+        except PslinkError as exc:
+            log.error("agent %s/%s: pMaster could not say where aggregator %s's parts went: %s",
+                      self.job, self.rank, lost, exc)
+            self._reactor.post(self._fail_requests, rids, error)
+            return
+        for spec in body.get("keys", []):
+            info = self._keys.get(spec["key"])
+            if info is None:
+                continue
+            for index, _start, _stop, aggregator, address in spec["parts"]:
+                part = info.parts[index]
+                part.aggregator, part.address = aggregator, address  # in place: pending requests share it
+        lost_keys = {key: message for key, message in body.get("lost", [])}
+        self._reactor.post(self._resend, lost, rids, error, lost_keys)
+
+    def _resend(self, lost: str, rids: list[int], error: PeerError, lost_keys: dict) -> None:
+        """On the driving thread: each request goes again, as it was, to where its part is now."""
+        for rid in rids:
+            request = self._pending.get(rid)
+            if request is None:
+                continue  # answered or failed meanwhile
+            key = request.info.key
+            if key in lost_keys:
+                self._fail_requests([rid], KeyStateError(lost_keys[key], key=key))
+                continue
+            part = request.part
+            if part.aggregator == lost:
+                self._fail_requests([rid], error)  # nowhere better to go
+                continue
+            try:
+                link = self._link(part.aggregator, part.address)
+            except PslinkError as exc:
+                self._fail_requests([rid], PeerError(f"cannot reach aggregator {part.aggregator} at {part.address} "
+                                                     f"(where key {key!r} part {part.index} went): {exc.message}"))
+                continue
+            request.link = link
+            link.pending.add(rid)
+            self._transmit(rid, request, request.frames)
+        log.info("agent %s/%s: resent %d request(s) after losing aggregator %s", self.job, self.rank, len(rids), lost)

@@ -1,0 +1,160 @@
+"""pMaster's side of an Aggregator failure (a mixin of :class:`pslink.core.master.Master`).
+
+An Aggregator whose connection to pMaster closed, and that has not come back within
+``aggregator_grace`` (or that is silent past ``aggregator_timeout``), is gone: its parts are
+re-homed (:mod:`pslink.core.recovery`) and carried out here: PROMOTE a replica, ASSIGN a fresh
+part, top up replicas, ABORT keys whose state is lost. Agents that lost the Aggregator ask
+(RELOCATE) where their parts live now; the answer waits until the failover is carried out, so
+what they resend lands where it is served.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pslink.core.jobs import JobRecord, KeySpec, PartSpec
+from pslink.core.protocol import Op
+from pslink.core.recovery import Lost, Promote, Recreate, Rereplicate
+from pslink.core.rpc import RpcPeer
+
+log = logging.getLogger("pslink.core.master")
+
+
+class MasterRecovery:
+    """Requires of its host: ``state``, ``store``, ``reactor``, ``_aggregator_peers``,
+    ``assign_timeout``, ``aggregator_grace``, ``aggregator_timeout``, ``_abort_key``,
+    ``_carry_out`` and ``spec_wire``."""
+
+    def _init_recovery(self) -> None:
+        self._relocations: dict[str, list[tuple[RpcPeer, dict]]] = {}  # lost Aggregator -> who asked
+        self._failing: dict[str, int] = {}  # Aggregator being failed over -> steps still under way
+        self.failovers_done = 0
+
+    def _address_of(self, name: str) -> str:
+        record = self.state.aggregators.get(name)
+        return record.address if record is not None else ""
+
+    # -- detection ----------------------------------------------------------------------------------
+
+    def _aggregator_gone(self, name: str) -> None:
+        """Its connection closed: unless it comes back within the grace period, fail it over."""
+        self.reactor.call_later(self.aggregator_grace, self._fail_over_unless_back, name)
+
+    def _fail_over_unless_back(self, name: str) -> None:
+        if name in self._aggregator_peers or name not in self.state.aggregators or name in self._failing:
+            return
+        record = self.state.aggregators[name]
+        if record.alive:
+            return
+        self._fail_over(name)
+
+    def _fail_over(self, name: str) -> None:
+        log.warning("pMaster: aggregator %s is gone; failing its parts over", name)
+        actions = self.state.fail_over(name)
+        self.store.delete_aggregator(name)
+        self._failing[name] = 1  # released below, once every step is under way
+        for action in actions:
+            if isinstance(action, Promote):
+                self._promote(name, action)
+            elif isinstance(action, Recreate):
+                self._assign_part(name, action.record, action.spec, action.part)
+            elif isinstance(action, Rereplicate):
+                self._rereplicate(action)
+            elif isinstance(action, Lost):
+                log.error("pMaster: %s", action.error.message)
+                self._abort_key(action.record, action.spec.key, action.error)
+        self._step_done(name)
+        self._carry_out()
+
+    def _promote(self, lost: str, action: Promote) -> None:
+        part, peer = action.part, self._aggregator_peers.get(action.part.aggregator)
+        if peer is None:
+            return
+        self._failing[lost] += 1
+
+        def promoted(result, error):
+            if error is not None:
+                log.error("pMaster: promoting %s's replica of key %r part %d failed: %s", part.aggregator,
+                          action.spec.key, part.part, error)
+            else:
+                log.info("pMaster: key %r part %d of job %s now served by %s (was %s)", action.spec.key, part.part,
+                         action.record.job, part.aggregator, lost)
+                self.store.save_key(action.record.job, action.spec)
+            self._step_done(lost)
+
+        peer.call(Op.PROMOTE, promoted, timeout=self.assign_timeout, job=action.record.job, key=action.spec.key,
+                  part=part.part, replicas=[[r, self._address_of(r)] for r in part.replicas])
+
+    def _assign_part(self, lost: str, record: JobRecord, spec: KeySpec, part: PartSpec) -> None:
+        peer = self._aggregator_peers.get(part.aggregator)
+        if peer is None:
+            return
+        self._failing[lost] += 1
+        # It starts afresh and takes up the round the workers are at (their resent pushes say).
+        entries = [dict(e, rebase=True) for e in spec.task_specs(part.aggregator, self._address_of)
+                   if e["part"] == part.part]
+
+        def assigned(result, error):
+            if error is not None:
+                log.error("pMaster: re-creating key %r part %d on %s failed: %s", spec.key, part.part,
+                          part.aggregator, error)
+            else:
+                self.store.save_key(record.job, spec)
+            self._step_done(lost)
+
+        peer.call(Op.ASSIGN, assigned, timeout=self.assign_timeout, jobinfo=record.jobinfo(), tasks=entries)
+
+    def _rereplicate(self, action: Rereplicate) -> None:
+        """Tell the part's Aggregator its replicas, and the new replicas what they hold."""
+        record, spec, part = action.record, action.spec, action.part
+        self.store.save_key(record.job, spec)
+        for name in [part.aggregator, *action.added]:
+            peer = self._aggregator_peers.get(name)
+            if peer is None:
+                continue
+            entries = [e for e in spec.task_specs(name, self._address_of) if e["part"] == part.part]
+            peer.call(Op.ASSIGN, self._log_failure(f"telling {name} of key {spec.key!r}'s replicas"),
+                      timeout=self.assign_timeout, jobinfo=record.jobinfo(), tasks=entries)
+
+    def _step_done(self, lost: str) -> None:
+        self._failing[lost] -= 1
+        if self._failing[lost] == 0:
+            del self._failing[lost]
+            self.failovers_done += 1
+            self._answer_relocations(lost)
+
+    # -- Agents asking where their parts went -----------------------------------------------------------
+
+    def _relocate(self, peer: RpcPeer, req: dict) -> None:
+        """RELOCATE: ``parts`` = [[key, part, aggregator it lost], ...]. Answered once pMaster has
+        failed that Aggregator over (or at once, if it already has, or if it is fine)."""
+        record = self.state.authorize(req["job"], req["tok"], req["rank"])
+        lost = {str(entry[2]) for entry in req["parts"] if isinstance(entry, list) and len(entry) == 3}
+        pending = [n for n in lost if n in self._failing or (n in self.state.aggregators and n not in self._aggregator_peers)]
+        if pending:
+            name = pending[0]
+            self._relocations.setdefault(name, []).append((peer, req))
+            # An Aggregator that never fails over (it came back, or pMaster cannot decide): answer anyway.
+            self.reactor.call_later(self.aggregator_grace + self.aggregator_timeout, self._answer_one, name, peer, req)
+            return
+        self._answer_relocation(record, peer, req)
+
+    def _answer_relocations(self, name: str) -> None:
+        for peer, req in self._relocations.pop(name, []):
+            record = self.state.jobs.get(req["job"])
+            if record is not None:
+                self._answer_relocation(record, peer, req)
+
+    def _answer_one(self, name: str, peer: RpcPeer, req: dict) -> None:
+        waiting = self._relocations.get(name, [])
+        if (peer, req) in waiting:
+            waiting.remove((peer, req))
+            record = self.state.jobs.get(req["job"])
+            if record is not None:
+                self._answer_relocation(record, peer, req)
+
+    def _answer_relocation(self, record: JobRecord, peer: RpcPeer, req: dict) -> None:
+        keys = {entry[0] for entry in req["parts"] if isinstance(entry, list) and entry}
+        specs = [record.keys[k] for k in keys if k in record.keys]
+        lost = [[s.key, s.aborted.message] for s in specs if s.aborted is not None]
+        peer.reply(req, body={"keys": [self.spec_wire(s) for s in specs], "lost": lost})

@@ -1,0 +1,128 @@
+"""Where replicas go, and what becomes of an Aggregator's parts when it is gone. No I/O.
+
+Replication. A job with ``replication`` k keeps every part on its Aggregator plus k replicas on
+other Aggregators (the least loaded, counting primaries and replicas). Each closed round reaches
+every replica before any answer of that round goes out, and a push is acknowledged only once its
+round is replicated, so whatever a worker was told is done survives the loss of one Aggregator
+(two with k = 2).
+
+Failover, for each part of the lost Aggregator:
+
+- with a live replica: that replica is promoted (it serves the part from the last round it
+  has; the workers resend what they had in flight, the same rounds, and a round seen twice is
+  applied once), and the replicas are topped up to k again;
+- without one, in ``sum`` mode: the part starts afresh elsewhere (a sum-mode part keeps no state
+  between rounds; the rounds in flight are resent by the workers);
+- without one, in ``optimizer`` mode: its weights are gone: the key fails loudly, naming why.
+
+A lost replica is replaced by another Aggregator, which receives the state at the next round.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from pslink.core.jobs import JobRecord, KeySpec, PartSpec
+from pslink.errors import KeyStateError
+
+
+@dataclasses.dataclass
+class Promote:
+    record: JobRecord
+    spec: KeySpec
+    part: PartSpec  # already updated: part.aggregator is the promoted replica
+    source: str
+
+
+@dataclasses.dataclass
+class Recreate:
+    record: JobRecord
+    spec: KeySpec
+    part: PartSpec  # already updated: part.aggregator is where it starts afresh
+    source: str
+
+
+@dataclasses.dataclass
+class Lost:
+    record: JobRecord
+    spec: KeySpec
+    error: KeyStateError
+
+
+@dataclasses.dataclass
+class Rereplicate:
+    """The part's replicas changed: tell its Aggregator, and the new replicas what they hold."""
+
+    record: JobRecord
+    spec: KeySpec
+    part: PartSpec
+    added: list[str]
+
+
+def holdings(jobs) -> collections.Counter:
+    """Parts per Aggregator, primaries and replicas alike (what a new replica adds load to)."""
+    count: collections.Counter = collections.Counter()
+    for record in jobs.values():
+        for spec in record.keys.values():
+            for part in spec.parts:
+                count[part.aggregator] += 1
+                count.update(part.replicas)
+    return count
+
+
+def pick_replicas(candidates: list[str], load: collections.Counter, count: int, exclude) -> list[str]:
+    """``count`` of ``candidates`` (live Aggregators) not in ``exclude``, least loaded first; fewer
+    when there are not enough (the status shows it)."""
+    chosen = sorted((n for n in candidates if n not in exclude), key=lambda n: (load[n], n))[:count]
+    load.update(chosen)
+    return chosen
+
+
+def plan_failover(jobs, lost: str, candidates: list[str]) -> list:
+    """Update every part that lived on, or was replicated to, the Aggregator ``lost``; return what
+    pMaster must do. ``candidates``: the live Aggregators that may take parts or replicas."""
+    load = holdings(jobs)
+    actions: list = []
+    for record in jobs.values():
+        for spec in record.keys.values():
+            dead_key = False
+            for part in spec.parts:
+                if part.aggregator == lost:
+                    survivors = [r for r in part.replicas if r in candidates]
+                    if survivors:
+                        part.aggregator, part.replicas = survivors[0], survivors[1:]
+                        actions.append(Promote(record, spec, part, lost))
+                    elif record.mode == "sum":
+                        target = pick_replicas(candidates, load, 1, exclude=())
+                        if not target:
+                            dead_key = True
+                            continue
+                        part.aggregator, part.replicas = target[0], []
+                        actions.append(Recreate(record, spec, part, lost))
+                    else:
+                        dead_key = True
+                        continue
+                    added = _top_up(record, part, candidates, load, lost)
+                    if added:
+                        actions.append(Rereplicate(record, spec, part, added))
+                elif lost in part.replicas:
+                    part.replicas = [r for r in part.replicas if r != lost]
+                    added = _top_up(record, part, candidates, load, lost)
+                    actions.append(Rereplicate(record, spec, part, added))
+            if dead_key:
+                why = ("no replica (replication 0) in optimizer mode" if record.mode == "optimizer"
+                       else "no Aggregator is left to take it")
+                actions.append(Lost(record, spec, KeyStateError(
+                    f"key {spec.key!r} of job {record.job!r}: aggregator {lost} is gone and the key's state went "
+                    f"with it ({why}); set replication=1 to survive this", job=record.job, key=spec.key)))
+    return actions
+
+
+def _top_up(record: JobRecord, part: PartSpec, candidates: list[str], load, lost: str) -> list[str]:
+    missing = record.replication - len(part.replicas)
+    if missing <= 0:
+        return []
+    added = pick_replicas(candidates, load, missing, exclude={part.aggregator, lost, *part.replicas})
+    part.replicas = part.replicas + added
+    return added
