@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Sequence
@@ -46,6 +45,7 @@ from pslink.config import (
 )
 from pslink.core.agent_keys import MAX_MOVES, KeyInfo, Link, PartInfo, PartRequest, as_array, check_key
 from pslink.core.agent_failover import Failover
+from pslink.core.agent_master import MasterLink
 from pslink.core.agent_tasks import TaskRequests
 from pslink.core.faults import Faults
 from pslink.core.handle import Handle
@@ -68,7 +68,7 @@ from pslink.errors import (
 log = logging.getLogger(__name__)
 
 
-class Agent(TaskRequests, Failover):
+class Agent(TaskRequests, Failover, MasterLink):
     """A worker's connection to the parameter service. See :func:`pslink.connect`."""
 
     def __init__(
@@ -88,6 +88,8 @@ class Agent(TaskRequests, Failover):
         staleness: int | None = None,
         straggler_timeout: float | None = None,
         replication: int | None = None,
+        checkpoint: str | None = None,
+        checkpoint_every: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         resend_timeout: float | None = None,
         failover: bool = True,
@@ -157,7 +159,8 @@ class Agent(TaskRequests, Failover):
         elif staleness:
             config["sync"] = "ssp"
         for name, value in (("max_workers", max_workers), ("staleness", staleness),
-                            ("straggler_timeout", straggler_timeout), ("replication", replication)):
+                            ("straggler_timeout", straggler_timeout), ("replication", replication),
+                            ("checkpoint", checkpoint), ("checkpoint_every", checkpoint_every)):
             if value is not None:
                 config[name] = value
         if servers is not None:
@@ -174,6 +177,8 @@ class Agent(TaskRequests, Failover):
         self._members: dict = dict(self.settings.get("membership") or {})
         self.epoch = self._members.get("epoch", 0)  # the job's membership epoch, as replies last said
         self.dropped_pushes = 0  # pushes that came after their round closed without them (stragglers')
+        # key -> (rounds of updates lost, checkpoint round) when it restarted from a checkpoint (no replica)
+        self.rounds_lost: dict = {}
         self.mode: str = self.settings["mode"]
         self.sync: str = self.settings["sync"]
         self.partition_bytes: int = self.settings["partition_bytes"]
@@ -454,99 +459,6 @@ class Agent(TaskRequests, Failover):
                 self._conn_links[conn] = link
             return link
 
-    def _master_peer(self) -> RpcPeer:
-        peer = self._master
-        if peer is not None and not peer.conn.closed:
-            return peer
-        with self._master_lock:
-            if self._master is None or self._master.conn.closed:
-                try:
-                    conn = self.transports.connect(
-                        self.master_address, self._reactor, self._endpoint, self.limits, self.connect_timeout
-                    )
-                except PeerError as exc:
-                    raise PeerError(f"pMaster at {self.master_address} is unreachable (is `pslink service up` "
-                                    f"running there?): {exc.message}", peer=self.master_address) from None
-                self._master = self._endpoint.peer(conn)
-                self._master.info["name"] = f"pMaster at {self.master_address}"
-            return self._master
-
-    def _master_call(self, op: Op, timeout: float | None = None, **fields) -> dict:
-        """A synchronous control request to pMaster (job fields added); returns the reply body."""
-        handle = Handle(self, op.name.lower(), [], None, 1)
-        timeout = self.timeout if timeout is None else timeout
-
-        def answered(result, error):
-            if result is not None:
-                handle._result = result.get("body", {})
-            self._complete(handle, error)
-
-        if op != Op.REGISTER_WORKER:
-            fields = dict(job=self.job, tok=self.token, rank=self.rank, **fields)
-        self._master_peer().call(op, answered, timeout=timeout, **fields)
-        return handle.wait(timeout + 1.0)
-
-    def _register(self, config: dict, token: bytes | None) -> dict:
-        fields = dict(job=self.job, rank=self.rank, num_workers=self.num_workers, pid=os.getpid(),
-                      host=socket.gethostname(), config=config)
-        if token:
-            fields["tok"] = token
-        return self._master_call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
-
-    def _on_master_request(self, peer: RpcPeer, req: dict) -> None:
-        raise ProtocolError(f"an Agent serves no {req['op'].name} requests")
-
-    def _on_master_lost(self, peer: RpcPeer, exc) -> None:
-        if peer is self._master:
-            self._master = None
-            if not self._closed:
-                log.warning("agent %s/%s: lost pMaster at %s (%s); training continues, reconnecting",
-                            self.job, self.rank, self.master_address, exc)
-
-    def _heartbeat(self) -> None:
-        if self._closed:
-            return
-        try:
-            peer = self._master
-            if peer is not None and not peer.conn.closed:
-                with self._lock:
-                    iterations, self._iterations = self._iterations, []
-                peer.notify(Op.HEARTBEAT, job=self.job, tok=self.token, rank=self.rank,
-                            iters=[round(d, 6) for d in iterations])
-            elif not self._reconnecting:
-                self._reconnecting = True
-                threading.Thread(target=self._reconnect_master, daemon=True).start()
-        finally:
-            self._reactor.call_later(self.heartbeat_interval, self._heartbeat)
-
-    def _reconnect_master(self) -> None:
-        """Off the driving thread (connecting may block): re-register with the job's token."""
-        try:
-            peer = self._master_peer()
-            fields = dict(job=self.job, rank=self.rank, num_workers=self.num_workers, pid=os.getpid(),
-                          host=socket.gethostname(), tok=self.token)
-
-            def registered(result, error):
-                if error is not None:
-                    log.warning("agent %s/%s: re-registering with pMaster failed: %s", self.job, self.rank, error)
-                    return
-                body = result.get("body") or {}
-                self._update_membership(body.get("membership"))
-                if body.get("late"):
-                    # It had been taken out of the job (silent too long) and came back as a new
-                    # member: it joins every key again, at the rounds under way.
-                    log.error("agent %s/%s: this worker had been removed from the job; it rejoins at the "
-                              "current rounds (its own state may be behind the others')", self.job, self.rank)
-                    self._late, self._joined = True, set()
-                else:
-                    log.info("agent %s/%s: reconnected to pMaster", self.job, self.rank)
-
-            peer.call(Op.REGISTER_WORKER, registered, timeout=self.connect_timeout, **fields)
-        except PslinkError:
-            pass
-        finally:
-            self._reconnecting = False
-
     # -- receiving (on the driving thread) --------------------------------------------------------
 
     def on_accept(self, conn) -> None:  # pragma: no cover - an Agent listens nowhere
@@ -610,6 +522,8 @@ class Agent(TaskRequests, Failover):
                     self.epoch = epoch
             if header.get("dropped"):
                 self.dropped_pushes += 1
+            if header.get("lost"):
+                self._rounds_lost(request.info.key, header["lost"])
         moved = header.get("moved") if error is None else None
         if moved:
             self._moved(request.part, {"agg": moved[0], "address": moved[1]})

@@ -72,12 +72,14 @@ class Failover:
                 self._fail_requests([rid], KeyStateError(lost_keys[key], key=key))
                 continue
             part = request.part
-            if part.aggregator == lost:
-                self._fail_requests([rid], error)  # nowhere better to go
-                continue
             try:
+                # Where pMaster says the part is; the same Aggregator when it is still alive
+                # (the connection broke, not the Aggregator): connect to it again.
                 link = self._link(part.aggregator, part.address)
             except PslinkError as exc:
+                if part.aggregator == lost:
+                    self._fail_requests([rid], error)  # nowhere better to go
+                    continue
                 self._fail_requests([rid], PeerError(f"cannot reach aggregator {part.aggregator} at {part.address} "
                                                      f"(where key {key!r} part {part.index} went): {exc.message}"))
                 continue
@@ -85,3 +87,14 @@ class Failover:
             link.pending.add(rid)
             self._transmit(rid, request, request.frames)
         log.info("agent %s/%s: resent %d request(s) after losing aggregator %s", self.job, self.rank, len(rids), lost)
+
+    def _rounds_lost(self, key, lost: list) -> None:
+        """A part of ``key`` restarted from its checkpoint: ``lost`` = [rounds lost, checkpoint round].
+        Said once per key and restart, as an error: training goes on, but not from where it was."""
+        rounds, restored = int(lost[0]), int(lost[1])
+        if self.rounds_lost.get(key, (0, -1)) == (rounds, restored):
+            return  # the other parts of the key, or the pull after a push, say the same
+        self.rounds_lost[key] = (rounds, restored)
+        log.error("agent %s/%s: key %r lost its Aggregator with no replica and restarted from its checkpoint of "
+                  "round %d: %d round(s) of updates are lost (set replication=1 to lose none)",
+                  self.job, self.rank, key, restored, rounds)

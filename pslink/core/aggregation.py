@@ -40,6 +40,7 @@ from pslink.core.tasks import (  # noqa: F401 - re-exported: the core's vocabula
     MODES,
     SYNCS,
     BufferPool,
+    Checkpoint,
     CloseLater,
     CopyOut,
     Replicate,
@@ -228,10 +229,9 @@ class AggregatorCore(TaskMoves):
                 return self._join(task, req) if req.op == Op.JOIN else self._state(task, req)
             except PslinkError as exc:
                 return [Reply(req.origin, req.id, error=exc)]
-        if task.rebase and req.op in (Op.PUSH, Op.PUSHPULL):
-            task.closed = task.lost_upto = max(task.closed, req.round - 1)
-            task.rebase = False
         outputs: list = []
+        if task.rebase and req.op in (Op.PUSH, Op.PUSHPULL, Op.PULL):
+            outputs += self._rebase(task, req)
         if task.seen is not None:
             task.seen.add(req.rank)
             if task.seen >= task.members.expected(task.closed + 1):
@@ -283,6 +283,8 @@ class AggregatorCore(TaskMoves):
         task.value = req.payload
         task.init_rank = req.rank
         replies = [Reply(req.origin, req.id, round=0)]
+        if task.job.checkpoint:
+            replies += self._checkpoint(task)  # round 0: a part lost before its first checkpoint restarts here
         queued, task.before_init = task.before_init, []
         for waiting in queued:
             replies += self.handle(task, waiting)
@@ -389,7 +391,7 @@ class AggregatorCore(TaskMoves):
             round_ = task.rounds.get(nxt)
             if round_ is None or task.replicating is not None:
                 return replies
-            expected = task.members.expected(nxt)
+            expected = task.members.expected(nxt) - task.lost_pushes.get(nxt, set())
             if not round_.contributors >= expected:
                 if nxt > task.overdue or not round_.contributors:
                     return replies
@@ -410,9 +412,13 @@ class AggregatorCore(TaskMoves):
             del task.rounds[nxt]
             self._apply(task, round_)
             task.closed = nxt
+            task.rebase = False  # the job's rounds go on here now
+            task.lost_pushes.pop(nxt, None)
             task.last_n = len(round_.contributors)
             task.rounds_closed += 1
             task.closed_epoch = task.job.membership.epoch
+            if task.job.checkpoint and nxt % task.job.checkpoint_every == 0:
+                replies += self._checkpoint(task)
             if task.replicas:
                 # Nothing of this round is answered before its replicas have it (replicated()).
                 return replies + self._replicate(task)
@@ -420,6 +426,43 @@ class AggregatorCore(TaskMoves):
             if task.migrate_to is not None:
                 # Everything up to this round happened here; what follows happens there.
                 return replies + self._snapshot(task)
+
+    def _rebase(self, task: Task, req: Request) -> list:
+        """A part started afresh elsewhere (its Aggregator died without a replica) learns where
+        the job's rounds are from what the workers resend. Under BSP a request for round r says
+        round r - 1 is over for that worker: the rounds up to it are lost here (their waiting pulls
+        get the value there is, or in sum mode the loud error). A pull of the next round from a
+        rank that did not push it here says its push was acknowledged by the dead Aggregator and
+        went with it: the round closes without it, as for a straggler."""
+        replies: list = []
+        done = req.round - 1
+        if done > task.closed:
+            task.closed = task.lost_upto = done
+            for r in [r for r in task.rounds if r <= done]:
+                del task.rounds[r]
+            for r in [r for r in task.pulls if r <= done]:
+                for waiting in task.pulls.pop(r):
+                    replies += self._answer_lost(task, waiting)
+        if req.op == Op.PULL and req.round == task.closed + 1 and not task.job.staleness:
+            round_ = task.rounds.get(req.round)
+            if round_ is None or req.rank not in round_.contributors:
+                lost = task.lost_pushes.setdefault(req.round, set())
+                lost.add(req.rank)
+                if round_ is None and lost >= task.members.expected(req.round):
+                    # every push of the round went with the old Aggregator: the round is lost whole
+                    task.closed = task.lost_upto = req.round
+                    task.lost_pushes.pop(req.round)
+                    for waiting in task.pulls.pop(req.round, []):
+                        replies += self._answer_lost(task, waiting)
+                elif round_ is not None:
+                    replies += self._close_ready(task)
+        return replies
+
+    def _answer_lost(self, task: Task, req: Request) -> list[Reply]:
+        try:
+            return self._pull(task, req)
+        except PslinkError as exc:
+            return [Reply(req.origin, req.id, error=exc)]
 
     def _release(self, task: Task, closed: int) -> list:
         """Answer the pulls (and, with replicas, the pushes) that round ``closed`` settles."""
@@ -482,8 +525,12 @@ class AggregatorCore(TaskMoves):
     def _result(self, task: Task, req: Request) -> Reply:
         # After the snapshot (a push-pull whose push closed the round that moved the task),
         # the answer still comes from here but carries the new place.
-        return Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value,
-                     moved=task.moved_to, epoch=task.closed_epoch)
+        reply = Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value,
+                      moved=task.moved_to, epoch=task.closed_epoch)
+        if task.restored is not None and task.restored < task.lost_upto and req.round == task.lost_upto + 1:
+            # The first answer after a restart from a checkpoint: what was lost (the Agent says it loudly).
+            reply.lost = (task.lost_upto - task.restored, task.restored)
+        return reply
 
     # -- failures -----------------------------------------------------------------------------
 

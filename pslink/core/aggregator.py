@@ -25,6 +25,7 @@ import numpy as np
 
 from pslink.core.aggregation import (
     AggregatorCore,
+    Checkpoint,
     CloseLater,
     CopyOut,
     Replicate,
@@ -34,12 +35,15 @@ from pslink.core.aggregation import (
     Task,
     WorkerDone,
 )
+from pslink.core.checkpoints import CheckpointWriter, part_path
+from pslink.core.checkpoints import read as read_checkpoint
 from pslink.core.faults import Faults
 from pslink.core.loop import Reactor, ReactorThread
 from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, dtype_of, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
 from pslink.core.transport import DISCARD, Connection, Transports, split_host_port
-from pslink.errors import AbortedError, PeerError, ProtocolError, PslinkError, ShapeMismatchError, error_from_code
+from pslink.errors import (AbortedError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
+                           error_from_code)
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +118,7 @@ class Aggregator:
         self._own_transports = transports is None
         self.limits = limits
         self.core = AggregatorCore(name or "aggregator", summer=summer, clock=clock)
+        self.checkpoints = CheckpointWriter(name or "aggregator")
         self.master_address = master
         self.heartbeat_interval = heartbeat_interval
         self.reconnect_interval = reconnect_interval
@@ -167,10 +172,28 @@ class Aggregator:
         if self._master is not None:
             self._master.conn.close()
         self.reactor.drain()
+        self.checkpoints.flush()
         self.core.summer.close()
         self.reactor.close()
         if self._own_transports:
             self.transports.close()
+
+    def _restore(self, task: Task) -> None:
+        """pMaster restarts ``task`` here from its checkpoint (its Aggregator died, no replica)."""
+        job = task.job
+        path = part_path(job.checkpoint, job.job, task.key, task.part)
+        try:
+            state, arrays = read_checkpoint(path)
+            self.core.restore(task, state, arrays)
+        except (PslinkError, KeyError, ValueError) as exc:
+            reason = exc.message if isinstance(exc, PslinkError) else f"unreadable: {exc!r}"
+            error = KeyStateError(f"{task.name}: its Aggregator is gone with no replica, and its checkpoint could "
+                                  f"not be restored ({reason})", job=job.job, key=task.key)
+            log.error("aggregator %s: %s", self.name, error.message)
+            self._send_all(self.core.abort(task, error))
+            return
+        log.error("aggregator %s: %s restarted from its checkpoint of round %d; the rounds since are lost",
+                  self.name, task.name, task.restored)
 
     def slowdown(self, seconds: float, busy: bool = False) -> None:
         """Chaos hook: after every data request, stall ``seconds`` (``busy``: burning CPU, as a
@@ -293,6 +316,8 @@ class Aggregator:
                     fields = {"moved": list(out.moved)} if out.moved is not None else {}
                     if out.dropped:
                         fields["dropped"] = True
+                    if out.lost is not None:
+                        fields["lost"] = list(out.lost)
                     header = encode(Op.REPLY, id=out.id, rnd=out.round, n=out.n, ep=out.epoch, **fields)
                     frames = [header, out.payload] if out.payload is not None else [header]
                 self._send(out.origin, frames)
@@ -300,6 +325,10 @@ class Aggregator:
                 self._send_copy(out, self.copy_retries)
             elif isinstance(out, Replicate):
                 self._send_replicas(out)
+            elif isinstance(out, Checkpoint):
+                job = out.task.job
+                self.checkpoints.submit(part_path(job.checkpoint, job.job, out.task.key, out.task.part), out.state,
+                                        out.arrays)
             elif isinstance(out, WorkerDone):
                 self._tell_master(Op.WORKER_DONE, out.task)
             elif isinstance(out, CloseLater):
@@ -490,7 +519,9 @@ class Aggregator:
     def _on_control(self, peer: RpcPeer, req: dict) -> None:
         op = req["op"]
         if op == Op.ASSIGN:
-            self.core.assign(req["jobinfo"], req["tasks"])
+            for task in self.core.assign(req["jobinfo"], req["tasks"]):
+                if task.restore and task.restored is None:
+                    self._restore(task)
             peer.reply(req)
         elif op == Op.JOB_INFO:
             outputs = self.core.set_job(req["jobinfo"])

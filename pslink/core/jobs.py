@@ -9,6 +9,7 @@ from typing import Any
 
 from pslink.core.membership import Membership
 from pslink.core.optim import make_optimizer
+from pslink.core.checkpoints import DEFAULT_EVERY, check_url
 from pslink.core.partition import DEFAULT_PARTITION_BYTES
 from pslink.core.protocol import DTYPES
 from pslink.errors import ConfigError
@@ -16,7 +17,7 @@ from pslink.errors import ConfigError
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
 JOB_SETTINGS = {"mode", "optimizer", "partition_bytes", "sync", "servers", "max_workers", "staleness",
-                "straggler_timeout", "replication"}
+                "straggler_timeout", "replication", "checkpoint", "checkpoint_every"}
 MAX_REPLICATION = 2
 
 
@@ -88,6 +89,8 @@ class JobRecord:
     staleness: int = 0  # ssp
     straggler_timeout: float | None = None
     replication: int = 0  # replicas of every part, on other Aggregators (failover without loss)
+    checkpoint: str | None = None  # where parts are written every checkpoint_every rounds (failover with loss)
+    checkpoint_every: int = DEFAULT_EVERY
     preregistered: bool = False
     created: float = 0.0
     membership: Membership = dataclasses.field(default=None)  # type: ignore[assignment]
@@ -114,7 +117,8 @@ class JobRecord:
         """Settings and membership beyond the stored columns (persisted as JSON)."""
         return {"membership": self.membership.to_wire(), "max_workers": self.max_workers,
                 "staleness": self.staleness, "straggler_timeout": self.straggler_timeout,
-                "servers": self.servers, "replication": self.replication}
+                "servers": self.servers, "replication": self.replication, "checkpoint": self.checkpoint,
+                "checkpoint_every": self.checkpoint_every}
 
     def jobinfo(self) -> dict:
         """What Aggregators need to serve the job (sent with assignments)."""
@@ -127,6 +131,8 @@ class JobRecord:
             "sync": self.sync,
             "staleness": self.staleness,
             "straggler_timeout": self.straggler_timeout,
+            "checkpoint": self.checkpoint,
+            "checkpoint_every": self.checkpoint_every,
         }
 
     def settings(self) -> dict:
@@ -144,6 +150,8 @@ class JobRecord:
             "straggler_timeout": self.straggler_timeout,
             "max_workers": self.max_workers,
             "replication": self.replication,
+            "checkpoint": self.checkpoint,
+            "checkpoint_every": self.checkpoint_every,
             "late": self.late,
         }
 
@@ -204,9 +212,20 @@ def validate_settings(config: dict | None) -> dict:
         raise ConfigError(f"replication must be 0 to {MAX_REPLICATION}, got {replication}")
     if replication and sync == "asp":
         raise ConfigError("replication needs sync 'bsp' or 'ssp' (an 'asp' job applies every push at once)")
+    checkpoint = config.get("checkpoint")
+    every = _optional_int(config, "checkpoint_every", 1)
+    if checkpoint is not None:
+        check_url(checkpoint)
+        if mode != "optimizer":
+            raise ConfigError("checkpoint applies to mode 'optimizer' (a sum-mode part keeps no state between "
+                              "rounds: it restarts empty elsewhere)")
+        if sync == "asp":
+            raise ConfigError("checkpoint needs sync 'bsp' or 'ssp' (it is taken at round boundaries)")
+    elif every is not None:
+        raise ConfigError("checkpoint_every needs checkpoint (a directory or an fsspec URL)")
     return {"mode": mode, "optimizer": optimizer, "partition_bytes": partition, "sync": sync, "servers": servers,
             "max_workers": max_workers, "staleness": staleness, "straggler_timeout": straggler,
-            "replication": replication}
+            "replication": replication, "checkpoint": checkpoint, "checkpoint_every": every or DEFAULT_EVERY}
 
 
 def _optional_int(config: dict, name: str, low: int) -> int | None:

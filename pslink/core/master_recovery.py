@@ -91,7 +91,9 @@ class MasterRecovery:
             return
         self._failing[lost] += 1
         # It starts afresh and takes up the round the workers are at (their resent pushes say).
-        entries = [dict(e, rebase=True) for e in spec.task_specs(part.aggregator, self._address_of)
+        # In optimizer mode it starts from the part's last checkpoint (recovery lets none other here).
+        restore = record.mode == "optimizer"
+        entries = [dict(e, rebase=True, restore=restore) for e in spec.task_specs(part.aggregator, self._address_of)
                    if e["part"] == part.part]
 
         def assigned(result, error):
@@ -130,7 +132,9 @@ class MasterRecovery:
         failed that Aggregator over (or at once, if it already has, or if it is fine)."""
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
         lost = {str(entry[2]) for entry in req["parts"] if isinstance(entry, list) and len(entry) == 3}
-        pending = [n for n in lost if n in self._failing or (n in self.state.aggregators and n not in self._aggregator_peers)]
+        # An Agent may see the connection break before pMaster does (or alone, a glitch between
+        # the two): the answer waits for the failover, or for the Aggregator to prove alive.
+        pending = [n for n in lost if n in self._failing or n in self.state.aggregators]
         if pending:
             name = pending[0]
             self._relocations.setdefault(name, []).append((peer, req))

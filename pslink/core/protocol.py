@@ -256,7 +256,8 @@ SCHEMAS: dict[Op, Schema] = {
     ),
     Op.REPLY: Schema(
         {"id": _uint},
-        {"rnd": _uint, "n": _uint, "body": _map, "moved": _list, "ep": _uint, "dropped": _bool},
+        {"rnd": _uint, "n": _uint, "body": _map, "moved": _list, "ep": _uint, "dropped": _bool,
+         "lost": _list},
         payloads=tuple(range(0, MAX_STATE_ARRAYS + 1)),  # one tensor; a STATE_GET's arrays
     ),
     Op.TENSOR_COPY: Schema(

@@ -13,7 +13,10 @@ Failover, for each part of the lost Aggregator:
   applied once), and the replicas are topped up to k again;
 - without one, in ``sum`` mode: the part starts afresh elsewhere (a sum-mode part keeps no state
   between rounds; the rounds in flight are resent by the workers);
-- without one, in ``optimizer`` mode: its weights are gone: the key fails loudly, naming why.
+- without one, in ``optimizer`` mode with a checkpoint: the part restarts elsewhere from its last
+  checkpoint; the rounds since are lost, and the workers are told how many;
+- without one, in ``optimizer`` mode and no checkpoint: its weights are gone: the key fails
+  loudly, naming why.
 
 A lost replica is replaced by another Aggregator, which receives the state at the next round.
 """
@@ -93,7 +96,7 @@ def plan_failover(jobs, lost: str, candidates: list[str]) -> list:
                     if survivors:
                         part.aggregator, part.replicas = survivors[0], survivors[1:]
                         actions.append(Promote(record, spec, part, lost))
-                    elif record.mode == "sum":
+                    elif record.mode == "sum" or record.checkpoint:
                         target = pick_replicas(candidates, load, 1, exclude=())
                         if not target:
                             dead_key = True
@@ -111,11 +114,13 @@ def plan_failover(jobs, lost: str, candidates: list[str]) -> list:
                     added = _top_up(record, part, candidates, load, lost)
                     actions.append(Rereplicate(record, spec, part, added))
             if dead_key:
-                why = ("no replica (replication 0) in optimizer mode" if record.mode == "optimizer"
+                why = ("no replica (replication 0) and no checkpoint in optimizer mode"
+                       if record.mode == "optimizer" and not record.checkpoint
                        else "no Aggregator is left to take it")
                 actions.append(Lost(record, spec, KeyStateError(
                     f"key {spec.key!r} of job {record.job!r}: aggregator {lost} is gone and the key's state went "
-                    f"with it ({why}); set replication=1 to survive this", job=record.job, key=spec.key)))
+                    f"with it ({why}); set replication=1 to survive this, or checkpoint=DIR to resume from "
+                    "a checkpoint", job=record.job, key=spec.key)))
     return actions
 
 

@@ -13,6 +13,7 @@ import sqlite3
 
 import msgpack
 
+from pslink.core.checkpoints import DEFAULT_EVERY
 from pslink.core.master_state import AggregatorRecord, JobRecord, KeySpec, MasterState, PartSpec, WorkerInfo
 from pslink.core.membership import Membership
 
@@ -135,6 +136,8 @@ class MasterStore:
                 straggler_timeout=extra.get("straggler_timeout"),
                 servers=extra.get("servers"),
                 replication=extra.get("replication", 0),
+                checkpoint=extra.get("checkpoint"),
+                checkpoint_every=extra.get("checkpoint_every") or DEFAULT_EVERY,
             )
             for rank in record.membership.ranks:  # each gets the heartbeat timeout to reconnect
                 record.workers[rank] = WorkerInfo(rank, last_seen=now, restored=True)

@@ -9,7 +9,7 @@ import numpy as np
 
 from pslink.core.membership import TaskMembers
 from pslink.core.protocol import Op
-from pslink.core.tasks import CopyOut, Replicate, Reply, Request, Task, _Round, moved_error
+from pslink.core.tasks import Checkpoint, CopyOut, Replicate, Reply, Request, Task, _Round, moved_error
 from pslink.errors import KeyStateError, MembershipError, error_from_code
 
 
@@ -172,6 +172,20 @@ class TaskMoves:
         for req in waiting:
             outputs += self.handle(task, req)
         return outputs + self._close_ready(task)
+
+    # -- checkpoints (pslink.core.checkpoints writes them) --------------------------------------------
+
+    def _checkpoint(self, task: Task) -> list:
+        state, arrays = self._export(task, open_rounds=False)
+        # Copies: the next round steps the weights and moments in place, maybe before the write.
+        return [Checkpoint(task, task.closed, state, [a.copy() for a in arrays])]
+
+    def restore(self, task: Task, state: dict, arrays: list[np.ndarray]) -> None:
+        """Start a part afresh from its last checkpoint (its Aggregator and replicas are gone).
+        The workers' next pushes say which round they are at; the rounds in between are lost."""
+        self._import(task, state, arrays)
+        task.restored = task.closed
+        task.rebase = True
 
     # -- replication: a closed round reaches the replicas before any of its answers ---------------
 

@@ -100,6 +100,8 @@ class JobState:
     sync: str = "bsp"  # "asp": every push is applied at once and pulls never wait
     staleness: int = 0  # "ssp": a pull of round r is answered once round r - staleness closed
     straggler_timeout: float | None = None  # a round open this long closes with who came
+    checkpoint: str | None = None  # parts are written there at init and every checkpoint_every rounds
+    checkpoint_every: int = 0
 
     @classmethod
     def from_wire(cls, info: dict) -> "JobState":
@@ -118,6 +120,8 @@ class JobState:
             sync=sync,
             staleness=int(info.get("staleness") or 0),
             straggler_timeout=info.get("straggler_timeout"),
+            checkpoint=info.get("checkpoint"),
+            checkpoint_every=int(info.get("checkpoint_every") or 0),
         )
 
     def update(self, other: "JobState") -> bool:
@@ -160,6 +164,7 @@ class Reply:
     moved: tuple[str, str] | None = None
     epoch: int = 0  # the job's membership epoch when the round answered closed
     dropped: bool = False  # a push that came after its round closed without it (a straggler's)
+    lost: tuple[int, int] | None = None  # (rounds lost, checkpoint round): the part restarted from a checkpoint
     body: dict | None = None  # STATE_GET, JOIN: names and numbers
     arrays: list[np.ndarray] | None = None  # STATE_GET: the state's arrays, a frame each
 
@@ -186,6 +191,16 @@ class CloseLater:
 
 
 @dataclasses.dataclass(slots=True)
+class Checkpoint:
+    """Write round ``round``'s state of the task (copies: the task goes on) to its job's checkpoint."""
+
+    task: "Task"
+    round: int
+    state: dict
+    arrays: list[np.ndarray]
+
+
+@dataclasses.dataclass
 class Replicate:
     """Send round ``round``'s state to the task's replicas (REPLICATE); then call
     :meth:`AggregatorCore.replicated`."""
@@ -234,6 +249,11 @@ class Task:
         # where the workers' pushes are (the sums of earlier rounds went with the Aggregator).
         self.rebase = bool(spec.get("rebase"))
         self.lost_upto = 0
+        # Started from a checkpoint (an optimizer-mode part without replicas): the round it holds;
+        # the rounds between it and where the workers are were lost, and the workers are told.
+        self.restored: int | None = None
+        self.restore = bool(spec.get("restore"))
+        self.lost_pushes: dict[int, set[int]] = {}  # while rebasing: pushes that went with the old Aggregator  # the shell reads the checkpoint when it is assigned
         self.needs_init = not self.rebase and (bool(spec.get("needs_init", True)) or job.mode == "optimizer")
         self.summer = summer
         self.max_ahead = max_ahead

@@ -136,8 +136,8 @@ def test_without_a_replica_sum_mode_goes_on_and_optimizer_mode_fails_loudly():
     # each round's answer is that round's sum over both workers, wherever it was computed
     for key in range(3):
         np.testing.assert_array_equal(got[0][key], gradient(0, 19, key) + gradient(1, 19, key))
-    with pytest.raises(AssertionError, match=r"KeyStateError.*went with it \(no replica \(replication 0\) in "
-                                             r"optimizer mode\); set replication=1"):
+    with pytest.raises(AssertionError, match=r"KeyStateError.*went with it \(no replica \(replication 0\) and no "
+                                             r"checkpoint in optimizer mode\); set replication=1"):
         train_through_a_loss("weights", 20, lose_at=8, replication=0)
 
 
@@ -151,7 +151,6 @@ def train_processes(job, steps, kill_at=None, statuses=None):
     each rank's step end times, the failovers pMaster did and when the kill happened."""
     reached = threading.Event()
     killed_at: list[float] = []
-    statuses = {} if statuses is None else statuses
     with Service(aggregators=3, control={"profile_iterations": 0}) as service:
 
         def killer():
@@ -179,7 +178,11 @@ def train_processes(job, steps, kill_at=None, statuses=None):
         results = run_workers(2, worker, timeout=120)
         if thread:
             thread.join(10)
-        statuses.update({n: service.provider.diagnose(n).splitlines()[0] for n in service.provider.names()})
+        if statuses is not None or kill_at is not None:
+            # A lost replica does not stop the job: its failover may finish after the last step.
+            wait_until(lambda: service.master.failovers_done, 20, "pMaster's failover")
+        if statuses is not None:
+            statuses.update({n: service.provider.diagnose(n).splitlines()[0] for n in service.provider.names()})
         return [r[0] for r in results], [r[1] for r in results], service.master.failovers_done, killed_at
 
 
@@ -291,7 +294,7 @@ def test_pmaster_killed_and_restarted_mid_training_the_iterations_never_stop(tmp
 
 def test_a_fault_setting_kills_a_chosen_aggregator_at_a_chosen_point_and_the_replica_takes_over(monkeypatch):
     expected, _, _, _ = train_processes("clean", 40)
-    # Every process reads the setting; only agg-0 (where placement puts the job) dies, as it sends its 30th data-path message (a few rounds in).
+    # Every process reads the setting; only agg-0 dies, as it sends its 30th data-path message (a few rounds in).
     monkeypatch.setenv("PSLINK_FAULTS", "kill=agg-0@30")
     statuses: dict = {}
     got, _, failovers, _ = train_processes("chosen", 40, statuses=statuses)
@@ -300,3 +303,53 @@ def test_a_fault_setting_kills_a_chosen_aggregator_at_a_chosen_point_and_the_rep
     for rank in (0, 1):
         for key in range(3):
             np.testing.assert_array_equal(got[rank][key], expected[rank][key])
+
+
+# -- no replica, but checkpoints: the part restarts from its last one, and the job is told ---------------
+
+
+def test_kill_9_without_a_replica_restarts_from_the_checkpoint_and_says_how_many_rounds_were_lost(tmp_path):
+    from pslink.core.optim import make_optimizer
+
+    steps, every = 40, 5
+    reached = threading.Event()
+    with Service(aggregators=3, control={"profile_iterations": 0}) as service:
+
+        def killer():
+            assert reached.wait(60), "rank 0 never reached the step to kill at"
+            os.kill(service.provider.pid(busiest(service, "resumed")), signal.SIGKILL)
+
+        def worker(rank):
+            with pslink.connect("resumed", rank, 2, master=service.address, optimizer=OPTIMIZER, timeout=30,
+                                checkpoint=str(tmp_path / "ckpt"), checkpoint_every=every) as agent:
+                keys = [0, 1, 2]  # one part each (default partition size)
+                agent.init_many(keys, [np.linspace(-1, 1, 3000, dtype=np.float32) * (k + 1) for k in keys]).wait()
+                for step in range(steps):
+                    if rank == 0 and step == 22:
+                        reached.set()
+                    outs = agent.pushpull_many(keys, [gradient(rank, step, k) for k in keys]).wait()
+                return [o.copy() for o in outs], dict(agent.rounds_lost)
+
+        thread = threading.Thread(target=killer, daemon=True)
+        thread.start()
+        results = run_workers(2, worker, timeout=120)
+        thread.join(10)
+        assert service.master.failovers_done == 1
+    (weights0, lost0), (weights1, lost1) = results
+    assert lost0 == lost1 and lost0, "the workers were not told that rounds were lost"
+    for key in range(3):
+        np.testing.assert_array_equal(weights0[key], weights1[key])
+        # Replay the service's optimizer, skipping the rounds the checkpoint did not hold:
+        # round r is step r - 1; restored from round c with n lost, steps c .. c + n - 1 never count.
+        lost, restored = lost0.get(key, (0, 0))
+        assert restored % every == 0 and restored + lost <= steps
+        optimizer, state = make_optimizer(OPTIMIZER), {}
+        expected = np.linspace(-1, 1, 3000, dtype=np.float32) * (key + 1)
+        for step in range(steps):
+            if restored <= step < restored + lost:
+                continue
+            grad = gradient(0, step, key) + gradient(1, step, key)
+            grad *= optimizer.grad_scale(2)
+            optimizer.step(expected, grad, state)
+        np.testing.assert_array_equal(weights0[key], expected)
+    assert (tmp_path / "ckpt" / "resumed" / "0" / "part-0.npz").exists()
