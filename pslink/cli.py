@@ -204,7 +204,8 @@ def demo(
 @app.command("launch", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def launch_command(
     command: list[str] = typer.Argument(..., help="the worker command, e.g. python train.py --epochs 3"),
-    num_workers: int = typer.Option(..., "-n", "--num-workers", "--np", min=1, help="worker processes"),
+    num_workers: Optional[int] = typer.Option(None, "-n", "--num-workers", "--np", min=1,
+                                              help="worker processes (elastic: how many to start, default --min-np)"),
     service: Optional[str] = typer.Option(None, "--service", help="use this running service (pMaster address) "
                                           "instead of starting one"),
     aggregators: int = typer.Option(2, "--aggregators", min=1, help="Aggregators of the embedded service"),
@@ -216,12 +217,40 @@ def launch_command(
                                               help="ps-lite server processes (with --pslite; default 1)"),
     server_mode: str = typer.Option("classic", "--server-mode", help="with --pslite: classic (the program's own "
                                     "servers) or service (the parameter service serves the workers)"),
+    min_np: Optional[int] = typer.Option(None, "--min-np", min=1, help="elastic job: the fewest workers it runs "
+                                         "with (below it the launch fails)"),
+    max_np: Optional[int] = typer.Option(None, "--max-np", min=1, help="elastic job: the most workers it may have"),
+    discovery: Optional[str] = typer.Option(None, "--discovery", "--host-discovery-script",
+                                            help="elastic: a file holding, or an executable printing, the number "
+                                            "of workers wanted (or lines host:slots); polled"),
+    discovery_interval: float = typer.Option(1.0, "--discovery-interval", help="elastic: seconds between polls"),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="elastic: dead workers replaced, at most"),
+    heartbeat_timeout: Optional[float] = typer.Option(None, "--heartbeat-timeout",
+                                                      help="elastic, embedded service: seconds after which a dead "
+                                                      "worker is dropped from the job (default 5)"),
 ):
     """Run N workers of a training script (as horovodrun or torchrun), with a service if none is given;
-    with --pslite, a ps-lite program's scheduler, servers and workers (as ps-lite's launcher)."""
+    with --min-np/--max-np, an elastic job whose workers come and go (see docs/elastic.md); with
+    --pslite, a ps-lite program's scheduler, servers and workers (as ps-lite's launcher)."""
     from pslink.launch import launch, launch_pslite
 
     try:
+        if min_np is not None or max_np is not None:
+            from pslink.launch_elastic import launch_elastic
+
+            if pslite:
+                raise PslinkError("--min-np and --max-np describe an elastic job; --pslite jobs have fixed roles")
+            low = min_np if min_np is not None else (num_workers or 1)
+            high = max_np if max_np is not None else max(low, num_workers or low)
+            code = launch_elastic(command, low, high, num_workers, discovery=discovery,
+                                  discovery_interval=discovery_interval, max_restarts=max_restarts,
+                                  heartbeat_timeout=heartbeat_timeout, service=service, aggregators=aggregators,
+                                  job=job, prefix=not no_prefix)
+            raise typer.Exit(code)
+        if discovery is not None or heartbeat_timeout is not None:
+            raise PslinkError("--discovery and --heartbeat-timeout belong to elastic jobs: add --min-np/--max-np")
+        if num_workers is None:
+            raise PslinkError("pslink launch needs -n N (or --min-np A --max-np B for an elastic job)")
         if pslite:
             code = launch_pslite(command, num_workers, 1 if num_servers is None else num_servers,
                                  server_mode=server_mode, service=service, aggregators=aggregators, job=job,

@@ -11,7 +11,8 @@ Horovod scripts, the import line::
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
-Run either with ``pslink launch -n N python train.py``. See docs/torch.md.
+Run either with ``pslink launch -n N python train.py``. See docs/torch.md; elastic jobs
+(``hvd.elastic.run``, ``pslink launch --min-np A --max-np B``): docs/elastic.md.
 """
 
 try:
@@ -64,12 +65,15 @@ from pslink.torch.horovod import (  # noqa: E402
     synchronize,
 )
 from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work  # noqa: E402
+from pslink.torch import elastic  # noqa: E402  (hvd.elastic.run, hvd.elastic.TorchState)
 
 __all__ = [
     # DDP
     "HookState",
     "comm_hook",
     "connect",
+    # elastic
+    "elastic",
     # Horovod / BytePS
     "Adasum",
     "Average",

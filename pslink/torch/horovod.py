@@ -45,7 +45,12 @@ def init(comm=None, *, job: str | None = None, rank: int | None = None, size: in
     except ConfigError as exc:
         raise ConfigError(f"pslink.torch.init: {exc.message}. Run the script under `pslink launch -n N "
                           "python script.py`, which sets PSLINK_JOB, PSLINK_RANK and PSLINK_NUM_WORKERS") from None
-    _session = Session(agent, _env_int(ENV_LOCAL_RANK), _env_int(ENV_LOCAL_SIZE))
+
+    def connect_again(token: bytes):
+        """The same registration, with the job's token (elastic recovery: a new Agent)."""
+        return pslink.connect(job, rank, size, master, **dict(options, token=token))
+
+    _session = Session(agent, _env_int(ENV_LOCAL_RANK), _env_int(ENV_LOCAL_SIZE), connect=connect_again)
 
 
 def _env_int(name: str) -> int | None:

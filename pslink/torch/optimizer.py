@@ -111,6 +111,13 @@ class _GradientSync:
         for work in pending:
             work.wait(self.session.timeout)
 
+    def abandon(self) -> None:
+        """Forget the gradients in flight (elastic recovery: the round they were in was given
+        up, and the state goes back to its last commit); the next backward starts afresh."""
+        self.works.clear()
+        self.delay = {p: self.passes for p in self.params}
+        self.synchronized = False
+
     def remove_hooks(self) -> None:
         for hook in self.hooks:
             hook.remove()

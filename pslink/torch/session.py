@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pslink.core.agent import Agent
+from pslink.core.agent import connect as connect_agent
 from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
 from pslink.torch.tensors import HostView, StagingPool, explain_mismatch, service_key, wire_dtype
 
@@ -122,20 +123,61 @@ class Session:
     ``sum``. The module-level functions of :mod:`pslink.torch` use the session ``init()`` made;
     tests and libraries may hold several."""
 
-    def __init__(self, agent: Agent, local_rank: int | None = None, local_size: int | None = None):
+    def __init__(self, agent: Agent, local_rank: int | None = None, local_size: int | None = None,
+                 connect: Callable[[bytes], Agent] | None = None):
         if agent.mode != "sum":
             raise ConfigError(f"pslink.torch needs an Agent in mode 'sum', this one is in mode {agent.mode!r}")
         self.agent = agent
-        self.rank = agent.rank
-        self.size = agent.num_workers
-        self.local_rank = self.rank if local_rank is None else local_rank
-        self.local_size = self.size if local_size is None else local_size
+        # ``connect(token)`` makes a new Agent for this rank of the same job (elastic recovery).
+        self._connect = connect
         self.timeout = agent.timeout
-        self._unnamed = {kind: itertools.count() for kind in ("allreduce", "broadcast", "allgather")}
         self._staging = StagingPool()
         self._zeros: dict[np.dtype, np.ndarray] = {}
         self.optimizers: list = []  # DistributedOptimizers, in creation order (see join)
+        members = (agent.settings.get("membership") or {}).get("ranks") or list(range(agent.num_workers))
+        self.set_world(sorted(set(members) | {agent.rank}), 0)
+        # On one machine (pslink launch) local rank and size follow the world when it changes.
+        self._local_follows = local_rank in (None, self.rank) and local_size in (None, self.size)
+        self.local_rank = self.rank if local_rank is None else local_rank
+        self.local_size = self.size if local_size is None else local_size
+
+    @property
+    def capacity(self) -> int:
+        """The most workers the job may have (its ``max_workers``): sizes the keys whose shape
+        would otherwise follow the number of workers, so that they survive a change of it."""
+        return max(int(self.agent.settings.get("max_workers") or 0), self.agent.num_workers, self.size)
+
+    def set_world(self, ranks: list[int], generation: int) -> None:
+        """Take ``ranks`` (the job's service ranks, every member agreeing) as the world: ``rank``
+        becomes this worker's position among them and ``size`` their number, as Horovod renumbers
+        ranks after a reset. ``generation`` (agreed too) keeps unnamed operations of different
+        worlds on different keys, since a newcomer's counters start from zero."""
+        if self.agent.rank not in ranks:
+            raise ConfigError(f"rank {self.agent.rank} of job {self.agent.job!r} is not in the world {ranks}")
+        self.ranks = list(ranks)
+        self.rank = self.ranks.index(self.agent.rank)
+        self.size = len(self.ranks)
+        self.generation = generation
+        self._unnamed = {kind: itertools.count() for kind in ("allreduce", "broadcast", "allgather")}
         self._joined_seen = np.zeros(self.size, np.int64)  # who had joined at the last join round
+        if getattr(self, "_local_follows", False):
+            self.local_rank, self.local_size = self.rank, self.size
+
+    def reconnect(self) -> Agent:
+        """Leave the job if still in it and register this rank again with a new Agent (which
+        then comes into the running job as a late worker). Returns the new Agent."""
+        old = self.agent
+        try:
+            old.close()
+        except PslinkError:
+            pass  # it was removed already: nothing to leave
+        connect = self._connect or _reconnector(old)
+        self.agent = connect(old.token)
+        if self.agent.mode != "sum":
+            raise ConfigError(f"pslink.torch needs an Agent in mode 'sum', the new one is in mode {self.agent.mode!r}")
+        self.timeout = self.agent.timeout
+        self._staging.clear()
+        return self.agent
 
     def close(self) -> None:
         self._staging.clear()
@@ -147,6 +189,8 @@ class Session:
     def _name(self, kind: str, name: str | None) -> str:
         if name is None:
             # As Horovod does: the n-th unnamed call on every rank is the same operation.
+            if self.generation:
+                return f"{kind}.noname.g{self.generation}.{next(self._unnamed[kind])}"
             return f"{kind}.noname.{next(self._unnamed[kind])}"
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
@@ -310,11 +354,13 @@ class Session:
         a mismatch is an error on every rank (not two keys waiting for each other)."""
         if host.ndim > _MAX_GATHER_DIMS:
             raise ConfigError(f"allgather {name!r}: at most {_MAX_GATHER_DIMS} dimensions, got {host.ndim}")
-        shapes = np.zeros((self.size, 1 + _MAX_GATHER_DIMS), np.int64)
+        # One row per possible rank (the job's capacity), so the key keeps its shape when the
+        # number of workers changes (elastic jobs); rows past the current size stay zero.
+        shapes = np.zeros((self.capacity, 1 + _MAX_GATHER_DIMS), np.int64)
         shapes[self.rank, 0] = host.ndim
         shapes[self.rank, 1 : 1 + host.ndim] = host.shape
         shapes = self._pushpull(service_key("allgather", f"{name}/shapes"), shapes, f"allgather {name!r}")
-        described = [tuple(int(d) for d in row[1 : 1 + row[0]]) for row in shapes]
+        described = [tuple(int(d) for d in row[1 : 1 + row[0]]) for row in shapes[: self.size]]
         if any(s[1:] != described[self.rank][1:] for s in described):
             listing = ", ".join(f"rank {r} has shape {s}" for r, s in enumerate(described))
             raise ShapeMismatchError(f"allgather {name!r}: all dimensions but the first must agree: {listing}",
@@ -333,12 +379,14 @@ class Session:
     def join_round_async(self, optimizer_index: int | None) -> Work:
         """This rank's part of one join round: a vector of who has joined (a 1 in the slots of
         joined ranks) plus, in the last slot, ``optimizer_index + 1`` from every rank that is
-        stepping that optimizer (so a joined rank learns which gradients to mirror)."""
-        vector = np.zeros(self.size + 1, np.int64)
+        stepping that optimizer (so a joined rank learns which gradients to mirror). The vector
+        has a slot per possible rank (the job's capacity): its shape survives a change of size."""
+        capacity = self.capacity
+        vector = np.zeros(capacity + 1, np.int64)
         if optimizer_index is None:
             vector[self.rank] = 1
         else:
-            vector[self.size] = optimizer_index + 1
+            vector[capacity] = optimizer_index + 1
         handle = self._submit([JOIN_KEY], [vector], [vector], False, "join", "do all ranks make the same calls?")
 
         def finish():
@@ -363,7 +411,7 @@ class Session:
                 newcomers = [r for r in range(self.size) if not before[r]]
                 return max(newcomers) if newcomers else self.rank
             active = self.size - int(joined.sum())
-            index = int(vector[self.size]) // active - 1
+            index = int(vector[-1]) // active - 1
             if not 0 <= index < len(self.optimizers):
                 raise ConfigError(
                     f"join: the other ranks stepped optimizer #{index}, but rank {self.rank} has "
@@ -402,3 +450,17 @@ def named_tensors(params, what: str) -> list[tuple[str, torch.Tensor]]:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         raise ConfigError(f"{what}: names must be unique, these repeat: {duplicates}")
     return named
+
+
+def _reconnector(agent: Agent) -> Callable[[bytes], Agent]:
+    """How to register ``agent``'s rank again: the same job, service and settings."""
+    options = dict(mode="sum", timeout=agent.timeout, peer_timeout=agent.peer_timeout,
+                   heartbeat_interval=agent.heartbeat_interval, connect_timeout=agent.connect_timeout)
+    max_workers = agent.settings.get("max_workers")
+    if max_workers:
+        options["max_workers"] = max_workers
+
+    def connect_again(token: bytes) -> Agent:
+        return connect_agent(agent.job, agent.rank, agent.num_workers, agent.master_address, token=token, **options)
+
+    return connect_again
