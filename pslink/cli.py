@@ -110,6 +110,56 @@ def service_status(
     render_status(status, console if console.is_terminal else Console(width=max(console.width, 200)))
 
 
+@service_app.command("add")
+def service_add(
+    count: int = typer.Option(1, "--count", "-n", min=1, help="Aggregators to add"),
+    master: Optional[str] = MasterOption,
+    timeout: float = typer.Option(60.0, help="seconds to wait for them to register"),
+):
+    """Add Aggregators to a running service (started through its provider); jobs keep running, and
+    the pool no longer shrinks below its new size."""
+    from pslink.core.client import ControlClient
+
+    try:
+        with ControlClient(_master(master), timeout=timeout) as client:
+            body = client.add_aggregators(count)
+            status = client.status()
+    except PslinkError as exc:
+        _fail(exc)
+    addresses = {a["name"]: a["address"] for a in status["aggregators"]}
+    for name in body["added"]:
+        console.print(f"[green]added[/] {name} at {addresses.get(name, '?')}")
+    console.print(f"pool: {len(status['aggregators'])} Aggregators (kept at least {body['min_aggregators']})")
+
+
+@service_app.command("remove")
+def service_remove(
+    name: str = typer.Argument(..., help="the Aggregator to remove (as `pslink service status` names it)"),
+    master: Optional[str] = MasterOption,
+    timeout: float = typer.Option(120.0, help="seconds to wait for it to drain and stop"),
+):
+    """Remove an Aggregator from a running service: it drains first (its tasks move to others by
+    live migration, its replicas are re-made elsewhere), then it stops. Jobs keep running."""
+    from pslink.core.client import ControlClient
+
+    try:
+        with ControlClient(_master(master), timeout=timeout) as client:
+            body = client.remove_aggregator(name)
+    except PslinkError as exc:
+        _fail(exc)
+    if body["moved"]:
+        moved = Table(title=f"Tasks moved off {body['removed']}")
+        for column in ("job", "key", "part", "now on"):
+            moved.add_column(column)
+        for job, key, part, where in body["moved"]:
+            moved.add_row(job, str(key), str(part), where)
+        console.print(moved)
+    for job, key, part, holders in body["replicas"]:
+        console.print(f"replica of {job} key {key} part {part} now on {', '.join(holders) or '[red]none left[/]'}")
+    console.print(f"[green]removed[/] {body['removed']} ({len(body['moved'])} task(s) and "
+                  f"{len(body['replicas'])} replica(s) moved)")
+
+
 def render_status(status: dict, out: Console) -> None:
     master = status.get("master", {})
     out.print(f"[bold]pMaster[/] {master.get('address', '?')} (pid {master.get('pid', '?')}, "
@@ -123,7 +173,8 @@ def render_status(status: dict, out: Console) -> None:
         jobs = ", ".join(f"{j}:{n}" for j, n in sorted(a["jobs"].items())) or "-"
         if a.get("reserved_for"):
             jobs += f" (kept for {a['reserved_for']})"
-        aggs.add_row(a["name"], a["address"], str(a["pid"]), "yes" if a["alive"] else "[red]no[/]", jobs,
+        alive = ("[yellow]draining[/]" if a.get("draining") else "yes") if a["alive"] else "[red]no[/]"
+        aggs.add_row(a["name"], a["address"], str(a["pid"]), alive, jobs,
                      f"{a['bytes'] / 1e6:.2f}", f"{a.get('cycle', 0) * 1e3:.1f}", f"{a.get('free', 0) * 1e3:.1f}",
                      f"{a.get('load', 0):.0%}", f"{a['task_rounds_per_s']:.1f}", str(a["errors"]))
     out.print(aggs)

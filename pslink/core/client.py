@@ -56,6 +56,17 @@ class ControlClient:
     def register_job(self, job: str, num_workers: int, config: dict | None = None) -> dict:
         return self.call(Op.REGISTER_JOB, job=job, num_workers=num_workers, config=config or {})
 
+    def add_aggregators(self, count: int = 1) -> dict:
+        """Start ``count`` Aggregators through pMaster's provider; answered once they registered:
+        ``{"added": [names], "min_aggregators": n}``."""
+        return self.call(Op.POOL, action="add", count=count)
+
+    def remove_aggregator(self, name: str) -> dict:
+        """Drain the Aggregator ``name`` (its tasks and replicas move elsewhere while jobs run) and
+        stop it; answered once it was released: ``{"removed", "moved": [[job, key, part, where]],
+        "replicas": [[job, key, part, [new holders]]], "min_aggregators"}``."""
+        return self.call(Op.POOL, action="remove", agg=name)
+
     def close(self) -> None:
         self.peer.conn.close()
         self.reactor.drain()

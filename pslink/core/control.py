@@ -38,6 +38,7 @@ import statistics
 from typing import Any, Callable
 
 from pslink.core.placement import LOSS_LIMIT, NewAggregator, Placement, TaskDemand, runs_per_cycle
+from pslink.errors import ConfigError, ServiceError
 
 #: CPU seconds an Aggregator spends per byte pushed, before anything was measured (receiving the
 #: bytes and adding them up; calibrated on this project's 2-vCPU test machine, ~2 GB/s).
@@ -134,6 +135,11 @@ class ControlPlane:
         self.reserved: dict[str, str] = {}  # Aggregator -> job it is a profiling temporary for
         self.exclusive: dict[str, str] = {}  # Aggregator -> reverted job it belongs to
         self._held: dict[str, list] = collections.defaultdict(list)  # placeholder -> actions
+        # Aggregators an operator is removing: out of the plan, released once their tasks moved.
+        self.draining: set[str] = set()
+        # A removed Aggregator's Release waits until every new Aggregator its tasks go to is up
+        # (the moves to them are held until then, and it must not go before they start).
+        self._release_waits: dict[str, tuple[set, Release]] = {}
         self._pending_scale_down = False
         self._last_scale = self.clock()
         self._serial = itertools.count(1)
@@ -181,7 +187,13 @@ class ControlPlane:
                 table[name] = table.pop(placeholder)
         for job in self.jobs.values():
             job.temporaries = [name if t == placeholder else t for t in job.temporaries]
-        return [self._rebind(a, placeholder, name) for a in self._held.pop(placeholder, [])]
+        actions = [self._rebind(a, placeholder, name) for a in self._held.pop(placeholder, [])]
+        for leaving, (waits, release) in list(self._release_waits.items()):
+            waits.discard(placeholder)
+            if not waits:
+                del self._release_waits[leaving]
+                actions.append(release)  # after the moves above: pMaster lets it go once they finished
+        return actions
 
     @staticmethod
     def _rebind(action, placeholder: str, name: str):
@@ -201,6 +213,8 @@ class ControlPlane:
         self.reserved.pop(name, None)
         self.exclusive.pop(name, None)
         self.loads.pop(name, None)
+        self.draining.discard(name)
+        self._release_waits.pop(name, None)
 
     def task_recovered(self, ident: tuple, aggregator: str) -> None:
         """A part now lives on ``aggregator`` because its own Aggregator failed (a replica was
@@ -568,6 +582,106 @@ class ControlPlane:
             self.cluster_of.pop(lightest.name, None)
             actions.append(Release(lightest.name, f"drained: {reason}"))
         return actions
+
+    # -- operators changing the pool -------------------------------------------------------------------
+
+    def add_aggregators(self, count: int) -> list[Allocate]:
+        """An operator adds ``count`` Aggregators. Scaling down keeps them: ``min_aggregators``
+        rises to the pool's new size."""
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"the number of Aggregators to add must be >= 1, got {count!r}")
+        if self.aggregator_count() + count > self.max_aggregators:
+            raise ConfigError(f"adding {count} Aggregator(s) to the {self.aggregator_count()} there are would pass "
+                              f"max_aggregators={self.max_aggregators}")
+        actions = [self._allocate(self._cluster_for_new_aggregator(), "added by an operator") for _ in range(count)]
+        self.min_aggregators = max(self.min_aggregators, self.aggregator_count())
+        return actions
+
+    def remove_aggregator(self, name: str) -> tuple[list, dict[tuple, str]]:
+        """An operator removes ``name``: it takes no new task, every task on it moves (to the
+        others with room, else to a new Aggregator), then it is released. Returns the actions to
+        carry out now (Migrate, Allocate, Release; moves to a new Aggregator and a Release that
+        must follow them are held until it is up) and every move, task -> where it goes."""
+        if name in self.draining:
+            raise ServiceError(f"aggregator {name} is already being removed")
+        cluster = self.cluster_of.get(name)
+        if cluster is None or self.is_placeholder(name):
+            known = sorted(n for n in self.cluster_of if not self.is_placeholder(n))
+            raise ServiceError(f"aggregator {name!r} is not in the pool (it has: {', '.join(known) or 'none'})")
+        if self.aggregator_count() <= 1:
+            raise ServiceError(f"aggregator {name} is the last one in the pool: its jobs would have nowhere to go; "
+                               "add one first")
+        plan = self.clusters[cluster]
+        jobs = {ident[0] for ident in plan.aggregators[name].tasks}
+        # Another job's profiling or reverted Aggregators stay its own.
+        targets = [n for n in plan.aggregators if n != name
+                   and all(self.reserved.get(n, j) == j and self.exclusive.get(n, j) == j for j in jobs)]
+        if jobs and not targets and not self.elastic:
+            raise ServiceError(f"no other Aggregator of {cluster} may take the tasks of {name} and none can be "
+                               "started (pMaster has no provider); add one first")
+        self.draining.add(name)
+        self.reserved.pop(name, None)
+        self.exclusive.pop(name, None)
+        for control in self.jobs.values():
+            if name in control.temporaries:
+                control.temporaries.remove(name)
+        actions: list = []
+        reason = f"removing {name}"
+        moves = plan.try_move_all(name, targets)
+        if moves is None:
+            moves = self._move_off(plan, cluster, name, targets, actions, reason)
+        for ident, target in moves.items():
+            self._emit(actions, Migrate(ident, name, target, reason))
+        plan.remove_aggregator(name)
+        self.cluster_of.pop(name, None)
+        self.loads.pop(name, None)
+        release = Release(name, "removed by an operator")
+        waits = {t for t in moves.values() if self.is_placeholder(t)}
+        # Moves off it decided before (a revert's, to an Aggregator still starting) must start first too.
+        waits |= {p for p, held in self._held.items() for a in held if isinstance(a, Migrate) and a.source == name}
+        if waits:
+            self._release_waits[name] = (waits, release)
+        else:
+            actions.append(release)
+        # The operator asked for a smaller pool: scaling must not start another in its place.
+        self.min_aggregators = max(1, min(self.min_aggregators, self.aggregator_count()))
+        return actions, moves
+
+    def _move_off(self, plan: Placement, cluster: str, name: str, targets: list[str], actions: list,
+                  reason: str) -> dict[tuple, str]:
+        """The others lack room for all of ``name``'s tasks: each goes to the best fit among them,
+        else to one new Aggregator, else (none can be started, or it fits nowhere) to the one
+        with the most room left: the operator asked for the removal."""
+        pool = list(targets)
+        new = None
+        moves: dict[tuple, str] = {}
+        for task in sorted(plan.aggregators[name].tasks.values(), key=lambda t: (-t.cost, str(t.key), t.part)):
+            plan.unassign(task.ident)
+            target = plan.choose(task, pool)
+            if target is None and new is None and self.elastic and self.aggregator_count() < self.max_aggregators:
+                allocation = self._allocate(cluster, f"{reason}: its tasks need room")
+                actions.append(allocation)
+                new = allocation.placeholder
+                pool.append(new)
+                target = new
+            if target is None:
+                _, left = plan.evaluate(task, pool)
+                target = max(pool, key=lambda n: (left[plan.aggregators[n].index], n))
+            plan.assign(task, target)
+            moves[task.ident] = target
+        return moves
+
+    def undrain(self, name: str) -> None:
+        """A removal failed part way (a move did not start): ``name`` stays in the pool, with the
+        tasks it still has (pMaster moves the plan of the failed one back)."""
+        if name in self.draining:
+            self.draining.discard(name)
+            self._release_waits.pop(name, None)
+            self.aggregator_added(name)
+
+    def released(self, name: str) -> None:
+        """pMaster let ``name`` go."""
+        self.draining.discard(name)
 
     # -- cyclic execution ------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from pslink.core.control import Allocate, ControlPlane, Migrate, Release
 from pslink.core.loop import Reactor, ReactorThread
+from pslink.core.master_pool import MasterPool
 from pslink.core.master_recovery import MasterRecovery
 from pslink.core.master_state import JobRecord, KeySpec, MasterState
 from pslink.core.recovery import holdings, pick_replicas
@@ -73,7 +74,7 @@ def _plain_details(error: PslinkError) -> dict:
     return {k: v for k, v in error.details.items() if isinstance(v, (int, str, list))}
 
 
-class Master(MasterRecovery):
+class Master(MasterRecovery, MasterPool):
     """The pMaster daemon. ``start()`` runs it on a thread; ``serve_forever()`` on this one."""
 
     def __init__(
@@ -108,6 +109,7 @@ class Master(MasterRecovery):
         self.aggregator_timeout = aggregator_timeout
         self.aggregator_grace = aggregator_grace  # a lost Aggregator may come back this soon before failover
         self._init_recovery()
+        self._init_pool()
         self.assign_timeout = assign_timeout
         self.sweep_interval = sweep_interval
         self.migration_timeout = migration_timeout
@@ -116,6 +118,7 @@ class Master(MasterRecovery):
         self.migrations: dict[tuple, dict] = {}  # task -> {source, target, started, copied, workers}
         self._schedules_sent: dict[str, int] = {}  # Aggregator -> plan version it has
         self._release_after: dict[str, Release] = {}  # released once no migration leaves it
+        self._queued_moves: dict[tuple, Migrate] = {}  # task -> its next move, once this one is over
         self.migrations_done = 0
         self.endpoint = RpcEndpoint(self.reactor, self._on_request, limits, on_close=self._on_peer_close)
         self.listener = self.transports.listen(listen, self.reactor, self.endpoint, limits)
@@ -264,18 +267,20 @@ class Master(MasterRecovery):
             except Exception:
                 log.exception("pMaster: carrying out %r failed", action)
 
-    def _allocate(self, action: Allocate) -> None:
+    def _allocate(self, action: Allocate) -> str | None:
         if self.provider is None:
             log.error("pMaster: %s needs a new Aggregator, but there is no provider", action.reason)
-            return
+            return None
         (name,) = self.provider.start(1)
         self._allocating[name] = action.placeholder
         log.info("pMaster: starting aggregator %s (%s)", name, action.reason)
+        return name
 
     def _release(self, action: Release) -> None:
         name = action.aggregator
-        if any(e["source"] == name or e["target"] == name for e in self.migrations.values()):
-            # Tasks are still moving off (or onto) it: let it go when they are done.
+        if any(e["source"] == name or e["target"] == name for e in self.migrations.values()) or \
+                any(name in (a.source, a.target) for a in self._queued_moves.values()) or self._replicas_moving(name):
+            # Tasks (or replicas) are still moving off (or onto) it: let it go when they are done.
             self._release_after[name] = action
             return
         log.info("pMaster: releasing aggregator %s (%s)", name, action.reason)
@@ -287,15 +292,24 @@ class Master(MasterRecovery):
         if self.provider is not None:
             # Reaping may take seconds: not on the loop that serves everyone else.
             threading.Thread(target=self.provider.stop, args=(name,), daemon=True).start()
+        self._pool_released(name)
 
     def _migrate(self, action: Migrate) -> None:
+        if action.task in self.migrations:
+            # Still moving (onto this move's source): one copy of a task in flight at a time.
+            self._queued_moves[action.task] = action
+            return
         job, key, part = action.task
         record = self.state.jobs.get(job)
         spec = record.keys.get(key) if record is not None else None
         source, target = self._aggregator_peers.get(action.source), self._aggregator_peers.get(action.target)
         if spec is None or source is None or target is None:
-            log.warning("pMaster: cannot migrate %s from %s to %s (%s)", action.task, action.source, action.target,
-                        "unknown task" if spec is None else "Aggregator not connected")
+            why = "unknown task" if spec is None else "Aggregator not connected"
+            log.warning("pMaster: cannot migrate %s from %s to %s (%s)", action.task, action.source, action.target, why)
+            if spec is not None:  # a removal waiting for this move keeps its Aggregator
+                self._removal_failed(action.source, action.task, action.target, ServiceError(why))
+                if action.source in self.state.control.cluster_of:
+                    self.state.control.move_task(action.task, action.source, "migration failed")
             return
         address = self.state.aggregators[action.target].address
         entry = self.migrations[action.task] = {
@@ -306,7 +320,7 @@ class Master(MasterRecovery):
         if action.target in placed.replicas:
             # The target held a replica; now it serves the part: another Aggregator holds the replica.
             placed.replicas.remove(action.target)
-            added = pick_replicas(self.state.live_aggregators(), holdings(self.state.jobs),
+            added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
                                   record.replication - len(placed.replicas),
                                   exclude={action.target, action.source, *placed.replicas})
             placed.replicas += added
@@ -321,7 +335,8 @@ class Master(MasterRecovery):
         def started(result, error):
             if error is not None:
                 log.warning("pMaster: migration of %s to %s failed to start: %s", action.task, action.target, error)
-                self._migration_over(action.task)
+                self._removal_failed(action.source, action.task, action.target, error)  # before a release
+                self._migration_over(action.task, failed=True)
                 self.state.control.move_task(action.task, action.source, "migration failed")  # the plan goes back
                 return
             spec.parts[part].aggregator = action.target  # new lookups go there already
@@ -338,12 +353,18 @@ class Master(MasterRecovery):
         # The new place first learns the task (waiting for its copy), then the old one lets go.
         target.call(Op.ASSIGN, assigned, timeout=self.assign_timeout, jobinfo=record.jobinfo(), tasks=tasks)
 
-    def _migration_over(self, task: tuple) -> None:
+    def _migration_over(self, task: tuple, failed: bool = False) -> None:
         entry = self.migrations.pop(task, None)
         if entry is None:
             return
         if "timer" in entry:
             entry["timer"].cancel()
+        queued = self._queued_moves.pop(task, None)
+        if queued is not None and not failed:
+            self._migrate(queued)  # before the releases below: its source waits for it
+        elif queued is not None:
+            log.warning("pMaster: %s stays on %s: the move before %r failed", task, entry["source"], queued)
+            self._removal_failed(queued.source, task, queued.target, ServiceError(f"the move of {task} before failed"))
         for name in (entry["source"], entry["target"]):
             waiting = self._release_after.get(name)
             if waiting is not None and not any(name in (e["source"], e["target"]) for e in self.migrations.values()):
@@ -420,6 +441,9 @@ class Master(MasterRecovery):
 
     def _end_job(self, record: JobRecord) -> None:
         self._drop_job_tasks(record)
+        for task in [t for t in self.migrations if t[0] == record.job]:
+            # Its workers will never reach the new place: do not hold up a release waiting for them.
+            self._migration_over(task)
         self.store.delete_job(record.job)
         for ident in [b for b in self._barriers if b[0] == record.job]:
             for peer, req in self._barriers.pop(ident).values():
@@ -592,6 +616,7 @@ class Master(MasterRecovery):
         log.info("aggregator %s registered at %s", record.name, record.address)
         with self._registered:
             self._registered.notify_all()
+        self._pool_registered()
         # After a pMaster or Aggregator restart: make sure it holds what it was given.
         for job, specs in self.state.tasks_on(record.name):
             peer.call(Op.ASSIGN, self._log_failure(f"re-assigning job {job.job} to {record.name}"),
@@ -663,4 +688,5 @@ class Master(MasterRecovery):
         Op.AGG_HEARTBEAT: _aggregator_heartbeat,
         Op.TENSOR_COPY_DONE: _migration_progress,
         Op.WORKER_DONE: _migration_progress,
+        Op.POOL: MasterPool._pool,
     }

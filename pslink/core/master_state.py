@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable
 
 from pslink.core.control import ControlPlane
-from pslink.core.recovery import Promote, Recreate, holdings, pick_replicas, plan_failover
+from pslink.core.recovery import Promote, Recreate, holdings, pick_replicas, plan_failover, plan_replica_moves
 from pslink.core.jobs import (  # noqa: F401 - re-exported for the shell and the store
     JOB_SETTINGS,
     MODES,
@@ -277,7 +277,7 @@ class MasterState:
         if record.replication:
             load = holdings(self.jobs)
             for part in parts:
-                part.replicas = pick_replicas(self.live_aggregators(), load, record.replication,
+                part.replicas = pick_replicas(self.replica_candidates(), load, record.replication,
                                               exclude={part.aggregator})
         needs_init = intent == "init" or record.mode == "optimizer"
         spec = KeySpec(key, shape, dtype, rank, needs_init, parts)
@@ -325,6 +325,18 @@ class MasterState:
 
     def remove_aggregator(self, name: str) -> None:
         self.aggregators.pop(name, None)
+        self.control.released(name)
+
+    def remove_from_pool(self, name: str) -> tuple[dict[tuple, str], list]:
+        """An operator removes the Aggregator ``name``: the control plane plans the moves of the
+        tasks it serves (its actions go to the outbox), the replicas it holds go elsewhere at once.
+        Returns (task -> where it moves, the replica changes to carry out)."""
+        if name not in self.aggregators:
+            raise ServiceError(f"aggregator {name!r} is not registered with this pMaster (it has: "
+                               f"{', '.join(sorted(self.aggregators)) or 'none'})")
+        actions, moves = self.control.remove_aggregator(name)
+        self.outbox += actions
+        return moves, plan_replica_moves(self.jobs, name, self.replica_candidates())
 
     def aggregator_heartbeat(self, name: str, stats: dict) -> None:
         record = self.aggregators.get(name)
@@ -368,11 +380,15 @@ class MasterState:
     def live_aggregators(self) -> list[str]:
         return sorted(n for n, a in self.aggregators.items() if a.alive)
 
+    def replica_candidates(self) -> list[str]:
+        """Live Aggregators that may take a part or a replica (not one being removed)."""
+        return [n for n in self.live_aggregators() if n not in self.control.draining]
+
     def fail_over(self, name: str) -> list:
         """The Aggregator ``name`` is gone for good: re-home its parts and replicas
         (:mod:`pslink.core.recovery`) and forget it. Returns what pMaster must carry out."""
         self.aggregator_lost(name)
-        actions = plan_failover(self.jobs, name, self.live_aggregators())
+        actions = plan_failover(self.jobs, name, self.replica_candidates())
         for action in actions:
             if isinstance(action, (Promote, Recreate)):
                 ident = (action.record.job, action.spec.key, action.part.part)
@@ -444,6 +460,7 @@ class MasterState:
                     "pid": agg.pid,
                     "host": agg.host,
                     "alive": agg.alive,
+                    "draining": agg.name in self.control.draining,
                     "cluster": self.control.cluster_of.get(agg.name),
                     "last_seen": round(now - agg.last_seen, 1),
                     "tasks": sum(e.get("tasks", 0) for e in jobs.values()) if jobs else (len(plan.tasks) if plan else 0),

@@ -66,6 +66,8 @@ class Op(enum.IntEnum):
     WORKER_DONE = 38  # target Aggregator -> pMaster: every worker now talks to it
     SCHEDULE = 39  # pMaster -> Aggregator: its cycle and per-task budgets
     PROMOTE = 40  # pMaster -> Aggregator: serve a part from the replica you hold
+    # control (CLI -> pMaster)
+    POOL = 41  # CLI -> pMaster: add or remove Aggregators
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
@@ -310,6 +312,8 @@ SCHEMAS: dict[Op, Schema] = {
     Op.WORKER_DONE: Schema({"id": _uint, "agg": _small_str, "job": _small_str, "key": _key, "part": _uint}),
     Op.SCHEDULE: Schema({"id": _uint, "cycle": _number, "tasks": _list}),
     Op.PROMOTE: Schema({"id": _uint, "job": _small_str, "key": _key, "part": _uint, "replicas": _list}),
+    # action "add" (with count) or "remove" (with agg); pMaster checks which needs what
+    Op.POOL: Schema({"id": _uint, "action": _small_str}, {"count": _uint, "agg": _small_str}),
 }
 
 

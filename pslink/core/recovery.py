@@ -124,6 +124,21 @@ def plan_failover(jobs, lost: str, candidates: list[str]) -> list:
     return actions
 
 
+def plan_replica_moves(jobs, leaving: str, candidates: list[str]) -> list[Rereplicate]:
+    """An operator removes ``leaving``: every replica it holds goes to another of ``candidates``
+    (the live Aggregators not being removed), so each part keeps its replica count."""
+    load = holdings(jobs)
+    actions = []
+    for record in jobs.values():
+        for spec in record.keys.values():
+            for part in spec.parts:
+                if leaving in part.replicas:
+                    part.replicas = [r for r in part.replicas if r != leaving]
+                    added = _top_up(record, part, candidates, load, leaving)
+                    actions.append(Rereplicate(record, spec, part, added))
+    return actions
+
+
 def _top_up(record: JobRecord, part: PartSpec, candidates: list[str], load, lost: str) -> list[str]:
     missing = record.replication - len(part.replicas)
     if missing <= 0:

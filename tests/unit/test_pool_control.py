@@ -1,0 +1,142 @@
+"""An operator adding and removing Aggregators: the control plane's and pMaster state's decisions,
+fed by hand (no processes, no sockets, no sleeps)."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+from rich.console import Console
+
+from pslink.cli import render_status
+from pslink.core.control import Allocate, ControlPlane, Migrate, Release
+from pslink.core.master_state import MasterState
+from pslink.core.recovery import Rereplicate
+from pslink.errors import ConfigError, ServiceError
+
+
+def plane(*names, **options) -> ControlPlane:
+    """Jobs packed at once (no profiling); a task of N bytes costs N ms per 1 s iteration."""
+    options.setdefault("profile_iterations", 0)
+    options.setdefault("cost_per_byte", 1e-3)
+    control = ControlPlane(**options)
+    for name in names:
+        control.aggregator_added(name)
+    return control
+
+
+def declare(control, job, sizes):
+    control.job_arrived(job, workers=1, servers=1)
+    return [control.place_part(job, key, 0, nbytes)[0] for key, nbytes in enumerate(sizes)]
+
+
+def test_a_removed_aggregator_drains_into_the_others_then_is_released():
+    control = plane("agg-0", "agg-1", min_aggregators=2)
+    assert declare(control, "j", [300, 300]) == ["agg-0", "agg-0"]  # best fit packs them together
+    actions, moves = control.remove_aggregator("agg-0")
+    assert moves == {("j", 0, 0): "agg-1", ("j", 1, 0): "agg-1"}
+    assert sorted(actions[:-1], key=lambda a: a.task) == [
+        Migrate(("j", k, 0), "agg-0", "agg-1", "removing agg-0") for k in (0, 1)]
+    assert actions[-1] == Release("agg-0", "removed by an operator")  # after the moves
+    assert control.draining == {"agg-0"}
+    assert "agg-0" not in control.cluster_of and control.aggregator_count() == 1
+    assert control.min_aggregators == 1  # the operator asked for a smaller pool
+    # no new task goes there, while it drains or after
+    assert control.place_part("j", 2, 0, 100)[0] == "agg-1"
+    assert control.job_arrived("k", workers=1, servers=1) == []
+    control.released("agg-0")
+    assert control.draining == set()
+
+
+def test_without_room_elsewhere_a_new_aggregator_takes_the_tasks_and_the_release_waits_for_it():
+    control = plane("agg-0", "agg-1")
+    assert declare(control, "j", [600, 600]) == ["agg-0", "agg-1"]  # 0.6 s of 1 s each: no two fit together
+    actions, moves = control.remove_aggregator("agg-0")
+    (allocate,) = actions  # the move and the Release wait until it is up
+    assert isinstance(allocate, Allocate) and moves == {("j", 0, 0): allocate.placeholder}
+    assert control.aggregator_count() == 2
+    follow = control.bind(allocate.placeholder, "agg-2")
+    assert follow == [Migrate(("j", 0, 0), "agg-0", "agg-2", "removing agg-0"), Release("agg-0", "removed by an operator")]
+    assert control.clusters["cluster-0"].where[("j", 0, 0)] == "agg-2"
+
+
+def test_without_a_provider_the_others_take_the_tasks_even_past_their_room():
+    control = plane("agg-0", "agg-1", elastic=False)
+    declare(control, "j", [600, 600])
+    actions, moves = control.remove_aggregator("agg-0")
+    assert moves == {("j", 0, 0): "agg-1"}
+    assert [type(a) for a in actions] == [Migrate, Release]
+
+
+def test_removal_errors_name_what_is_wrong():
+    control = plane("agg-0", "agg-1")
+    with pytest.raises(ServiceError, match=r"aggregator 'agg-7' is not in the pool \(it has: agg-0, agg-1\)"):
+        control.remove_aggregator("agg-7")
+    control.remove_aggregator("agg-1")
+    with pytest.raises(ServiceError, match="agg-1 is already being removed"):
+        control.remove_aggregator("agg-1")
+    with pytest.raises(ServiceError, match="agg-0 is the last one in the pool"):
+        control.remove_aggregator("agg-0")
+    assert control.cluster_of == {"agg-0": "cluster-0"}  # a refused removal changes nothing
+
+
+def test_a_failed_removal_keeps_the_aggregator():
+    control = plane("agg-0", "agg-1")
+    declare(control, "j", [300])
+    control.remove_aggregator("agg-0")
+    control.undrain("agg-0")
+    assert control.draining == set() and "agg-0" in control.cluster_of
+    assert control.move_task(("j", 0, 0), "agg-0", "migration failed").target == "agg-0"  # the plan goes back
+
+
+def test_added_aggregators_are_kept_by_scaling():
+    control = plane("agg-0", min_aggregators=1)
+    actions = control.add_aggregators(2)
+    assert [type(a) for a in actions] == [Allocate, Allocate]
+    assert control.min_aggregators == 3 and control.aggregator_count() == 3
+    for i, action in enumerate(actions):
+        assert control.bind(action.placeholder, f"agg-{i + 1}") == []
+    assert control.release_idle() == []  # empty, but the operator asked for them
+    with pytest.raises(ConfigError, match="must be >= 1, got 0"):
+        control.add_aggregators(0)
+    with pytest.raises(ConfigError, match="max_aggregators=3"):
+        plane("agg-0", max_aggregators=3).add_aggregators(3)
+
+
+def test_replicas_on_a_removed_aggregator_are_made_elsewhere():
+    state = MasterState(clock=lambda: 0.0, control=ControlPlane(profile_iterations=0, elastic=False))
+    for i in range(3):
+        state.register_aggregator(f"tcp://127.0.0.1:{9000 + i}", f"agg-{i}")
+        state.aggregator_joined(f"agg-{i}")
+    record = state.register_worker("j", 0, 1, None, {"replication": 1})
+    state.declare(record, 0, {"key": "w", "shape": [4], "dtype": "float32", "intent": "init"})
+    (part,) = record.keys["w"].parts
+    (holder,) = part.replicas
+    moves, replicas = state.remove_from_pool(holder)
+    assert moves == {}
+    (change,) = replicas
+    assert isinstance(change, Rereplicate) and change.part is part
+    assert part.replicas == change.added and len(part.replicas) == 1  # the replica count is kept
+    assert part.replicas[0] not in (holder, part.aggregator)
+    status = state.status()
+    assert [a["draining"] for a in status["aggregators"] if a["name"] == holder] == [True]
+    out = Console(file=io.StringIO(), width=200)
+    render_status(status, out)  # what `pslink service status` prints
+    assert re.search(rf"{holder} .* draining", out.file.getvalue())
+    # new replicas avoid it while it drains
+    spec, _ = state.declare(record, 0, {"key": "v", "shape": [4], "dtype": "float32", "intent": "init"})
+    assert holder not in spec.parts[0].replicas and holder != spec.parts[0].aggregator
+    with pytest.raises(ServiceError, match="aggregator 'agg-9' is not registered with this pMaster"):
+        state.remove_from_pool("agg-9")
+
+
+def test_a_removal_waits_for_moves_off_it_that_wait_for_a_new_aggregator():
+    control = plane("agg-0", "agg-1")
+    declare(control, "j", [300])
+    allocation = control._allocate("cluster-0", "a revert")  # as the guard does: the move waits for it
+    control._emit([], control.move_task(("j", 0, 0), allocation.placeholder, "revert"))
+    actions, moves = control.remove_aggregator("agg-0")
+    assert actions == [] and moves == {}  # the task is leaving already; the Release must not pass it
+    follow = control.bind(allocation.placeholder, "agg-2")
+    assert [type(a) for a in follow] == [Migrate, Release] and follow[0].source == "agg-0"
