@@ -26,6 +26,7 @@ well under a second.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Any, Iterable
 
@@ -129,10 +130,13 @@ class NewAggregator:
 class Placement:
     """The assignment state of one Aggregator cluster, and Pseudocode 1 over it."""
 
-    def __init__(self, loss_limit: float = LOSS_LIMIT):
+    def __init__(self, loss_limit: float = LOSS_LIMIT, placeholder_prefix: str = "<new-"):
         if not 0 < loss_limit < 1:
             raise ValueError(f"loss_limit must be in (0, 1), got {loss_limit}")
         self.loss_limit = loss_limit
+        # Names of Aggregators this plan opens (``<prefix>N>``): unique among every plan and
+        # allocator whose placeholders can be pending at once, or two would share one name.
+        self.placeholder_prefix = placeholder_prefix
         self.aggregators: dict[str, AggregatorPlan] = {}
         self.where: dict[tuple, str] = {}  # task ident -> Aggregator name
         self._slots: list[AggregatorPlan | None] = []
@@ -147,12 +151,26 @@ class Placement:
         self._grow_ok = np.zeros(0, dtype=bool)
         self._grow_work = np.zeros(0)
         self._placeholders = 0
+        # Slots of removed Aggregators, lowest first: reused, so that the arrays every evaluation
+        # scans stay as long as the pool is, not as long as every Aggregator it ever had.
+        self._free: list[int] = []
 
     # -- the pool ---------------------------------------------------------------------------------
 
     def add_aggregator(self, name: str) -> AggregatorPlan:
         if name in self.aggregators:
             raise ValueError(f"aggregator {name!r} is already in the plan")
+        if self._free:
+            index = heapq.heappop(self._free)
+            plan = self._slots[index] = AggregatorPlan(name, index)
+            self.aggregators[name] = plan
+            self._cycle[index] = self._work[index] = self._grow_work[index] = 0.0
+            self._alive[index] = True
+            self._version[index] = 0
+            self._grow_cycle[index] = -1.0
+            self._grow_version[index] = -1
+            self._grow_ok[index] = False
+            return plan
         index = len(self._slots)
         plan = AggregatorPlan(name, index)
         self._slots.append(plan)
@@ -172,6 +190,7 @@ class Placement:
         plan = self.aggregators.pop(name)
         self._slots[plan.index] = None
         self._alive[plan.index] = False
+        heapq.heappush(self._free, plan.index)
         tasks = list(plan.tasks.values())
         for task in tasks:
             del self.where[task.ident]
@@ -286,7 +305,7 @@ class Placement:
         if not allow_new:
             return None
         self._placeholders += 1
-        placeholder = f"<new-{self._placeholders}>"
+        placeholder = f"{self.placeholder_prefix}{self._placeholders}>"
         self.add_aggregator(placeholder)
         self.assign(task, placeholder)
         return NewAggregator(placeholder)
