@@ -310,8 +310,7 @@ class ControlPlane:
         self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident, provisional=True), aggregator)
 
     def _bytes_on(self, name: str) -> int:
-        plan = self.clusters[self.cluster_of[name]].aggregators[name]
-        return sum(t.nbytes for t in plan.tasks.values())
+        return self.clusters[self.cluster_of[name]].aggregators[name].nbytes
 
     def _demand(self, control: JobControl, ident: tuple, provisional: bool = False) -> TaskDemand:
         iteration = PROVISIONAL_ITERATION if provisional or control.standalone is None else control.standalone
