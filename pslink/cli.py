@@ -16,6 +16,7 @@ from rich.table import Table
 
 from pslink.config import DEFAULT_MASTER, ENV_MASTER
 from pslink.errors import PslinkError
+from pslink.sim.cli import simulate_app
 
 app = typer.Typer(help="pslink: a shared, elastic parameter service for training jobs.", no_args_is_help=True,
                   add_completion=False)
@@ -25,6 +26,7 @@ bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 app.add_typer(service_app, name="service")
 app.add_typer(job_app, name="job")
 app.add_typer(bench_app, name="bench")
+app.add_typer(simulate_app, name="simulate")
 console = Console()
 err_console = Console(stderr=True)
 

@@ -17,9 +17,9 @@ A job's life (paper 3.3.1-3.3.2):
    released.
 3. **Guard.** While it runs packed, its iteration durations are compared with ``D``. When the
    median over the last ``guard_window`` iterations loses more than ``loss_limit``, tasks on a congested
-   Aggregator move to others with room (Appendix D); failing that, the job is reverted: a new
-   Aggregator is added and the job placed again, alone (the paper's Figure 10). A reverted job's
-   Aggregators are then kept for it.
+   Aggregator move to others with room (Appendix D), once; failing that, or when the job is still
+   too slow after that move, the job is reverted: a new Aggregator is added and the job placed
+   again, alone (the paper's Figure 10). A reverted job's Aggregators are then kept for it.
 4. **Exit.** Its tasks go; empty Aggregators are released (down to ``min_aggregators``), then the
    least-loaded ones are drained into the others while that needs no new Aggregator. With a
    ``scale_period``, releases and drains happen once per period while allocation stays on demand
@@ -86,6 +86,11 @@ class JobControl:
     iterations: int = 0
     reverts: int = 0
     exclusive: bool = False
+    # The guard moved its tasks off congested Aggregators since it was last placed. Packing fills
+    # Aggregators to their cycle, so the ones that take those tasks are as full: moving again
+    # would only push the congestion around (the trace-driven simulator saw jobs moved thousands
+    # of times). A job still too slow after one move is reverted instead.
+    relieved: bool = False
     adopted: bool = False  # placed before a pMaster restart: re-profile, do not move
 
     def current_iteration(self) -> float | None:
@@ -148,7 +153,9 @@ class ControlPlane:
 
     def _new_cluster(self) -> str:
         name = f"cluster-{len(self.clusters)}"
-        self.clusters[name] = Placement(self.loss_limit)
+        # Its own placeholder names: _allocate's "<new-N>" may still be starting when a plan opens
+        # an Aggregator, and so may another cluster's (the simulator hit both).
+        self.clusters[name] = Placement(self.loss_limit, placeholder_prefix=f"<new-{name}-")
         return name
 
     def _cluster_for_new_aggregator(self, preferred: str | None = None) -> str:
@@ -329,8 +336,7 @@ class ControlPlane:
         self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident, provisional=True), aggregator)
 
     def _bytes_on(self, name: str) -> int:
-        plan = self.clusters[self.cluster_of[name]].aggregators[name]
-        return sum(t.nbytes for t in plan.tasks.values())
+        return self.clusters[self.cluster_of[name]].aggregators[name].nbytes
 
     def _demand(self, control: JobControl, ident: tuple, provisional: bool = False) -> TaskDemand:
         iteration = PROVISIONAL_ITERATION if provisional or control.standalone is None else control.standalone
@@ -466,7 +472,7 @@ class ControlPlane:
         plan = self.clusters[control.cluster]
         congested = self._congested(control, plan)
         actions: list = []
-        if congested:
+        if congested and not control.relieved:
             others = [n for n in self._candidates(control) if n not in congested]
             for name in congested:
                 for ident in [i for i in control.parts if plan.where.get(i) == name]:
@@ -478,6 +484,7 @@ class ControlPlane:
                     plan.assign(demand, target)
                     actions.append(Migrate(ident, name, target, f"aggregator {name} congested"))
             if actions:
+                control.relieved = True
                 return actions
         if control.reverts >= self.max_reverts or not self.elastic:
             return []
@@ -487,6 +494,7 @@ class ControlPlane:
             control.standalone = current
             return []
         control.reverts += 1
+        control.relieved = False
         control.phase = "reverted"
         control.exclusive = True
         current = {i: plan.where[i] for i in control.parts if i in plan.where}

@@ -26,6 +26,7 @@ well under a second.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Any, Iterable
 
@@ -86,7 +87,7 @@ class _JobShare:
 class AggregatorPlan:
     """One Aggregator as placement sees it."""
 
-    __slots__ = ("name", "index", "jobs", "tasks", "cycle", "work", "version")
+    __slots__ = ("name", "index", "jobs", "tasks", "cycle", "work", "version", "nbytes")
 
     def __init__(self, name: str, index: int):
         self.name = name
@@ -96,6 +97,7 @@ class AggregatorPlan:
         self.cycle = 0.0
         self.work = 0.0
         self.version = 0
+        self.nbytes = 0  # bytes of its tasks: profiling spreads a job by them, once per part
 
     @property
     def free(self) -> float:
@@ -129,10 +131,13 @@ class NewAggregator:
 class Placement:
     """The assignment state of one Aggregator cluster, and Pseudocode 1 over it."""
 
-    def __init__(self, loss_limit: float = LOSS_LIMIT):
+    def __init__(self, loss_limit: float = LOSS_LIMIT, placeholder_prefix: str = "<new-"):
         if not 0 < loss_limit < 1:
             raise ValueError(f"loss_limit must be in (0, 1), got {loss_limit}")
         self.loss_limit = loss_limit
+        # Names of Aggregators this plan opens (``<prefix>N>``): unique among every plan and
+        # allocator whose placeholders can be pending at once, or two would share one name.
+        self.placeholder_prefix = placeholder_prefix
         self.aggregators: dict[str, AggregatorPlan] = {}
         self.where: dict[tuple, str] = {}  # task ident -> Aggregator name
         self._slots: list[AggregatorPlan | None] = []
@@ -147,12 +152,26 @@ class Placement:
         self._grow_ok = np.zeros(0, dtype=bool)
         self._grow_work = np.zeros(0)
         self._placeholders = 0
+        # Slots of removed Aggregators, lowest first: reused, so that the arrays every evaluation
+        # scans stay as long as the pool is, not as long as every Aggregator it ever had.
+        self._free: list[int] = []
 
     # -- the pool ---------------------------------------------------------------------------------
 
     def add_aggregator(self, name: str) -> AggregatorPlan:
         if name in self.aggregators:
             raise ValueError(f"aggregator {name!r} is already in the plan")
+        if self._free:
+            index = heapq.heappop(self._free)
+            plan = self._slots[index] = AggregatorPlan(name, index)
+            self.aggregators[name] = plan
+            self._cycle[index] = self._work[index] = self._grow_work[index] = 0.0
+            self._alive[index] = True
+            self._version[index] = 0
+            self._grow_cycle[index] = -1.0
+            self._grow_version[index] = -1
+            self._grow_ok[index] = False
+            return plan
         index = len(self._slots)
         plan = AggregatorPlan(name, index)
         self._slots.append(plan)
@@ -172,6 +191,7 @@ class Placement:
         plan = self.aggregators.pop(name)
         self._slots[plan.index] = None
         self._alive[plan.index] = False
+        heapq.heappush(self._free, plan.index)
         tasks = list(plan.tasks.values())
         for task in tasks:
             del self.where[task.ident]
@@ -243,6 +263,7 @@ class Placement:
         share.iteration = task.iteration
         share.work += task.cost
         share.tasks += 1
+        plan.nbytes += task.nbytes
         plan.tasks[task.ident] = task
         self.where[task.ident] = name
         self._refresh(plan)
@@ -256,6 +277,7 @@ class Placement:
         share = plan.jobs[task.job]
         share.work -= task.cost
         share.tasks -= 1
+        plan.nbytes -= task.nbytes
         if share.tasks == 0:
             del plan.jobs[task.job]
         self._refresh(plan)
@@ -263,10 +285,13 @@ class Placement:
 
     def remove_job(self, job: str) -> list[str]:
         """Forget a job's tasks; returns the Aggregators left empty by it."""
-        touched = {self.where[i] for i in list(self.where) if i[0] == job}
-        for ident in [i for i in self.where if i[0] == job]:
-            self.unassign(ident)
-        return sorted(n for n in touched if not self.aggregators[n].tasks)
+        # Only the Aggregators that serve the job are looked at: a job's end must not cost a
+        # scan of every task of every other job (the simulator ends 82,247 of them).
+        touched = [p for p in self.aggregators.values() if job in p.jobs]
+        for plan in touched:
+            for ident in [i for i in plan.tasks if i[0] == job]:
+                self.unassign(ident)
+        return sorted(p.name for p in touched if not p.tasks)
 
     def _refresh(self, plan: AggregatorPlan) -> None:
         plan.cycle = max((s.iteration for s in plan.jobs.values()), default=0.0)
@@ -286,7 +311,7 @@ class Placement:
         if not allow_new:
             return None
         self._placeholders += 1
-        placeholder = f"<new-{self._placeholders}>"
+        placeholder = f"{self.placeholder_prefix}{self._placeholders}>"
         self.add_aggregator(placeholder)
         self.assign(task, placeholder)
         return NewAggregator(placeholder)

@@ -186,3 +186,35 @@ def test_an_adopted_job_is_learnt_again_where_it_is():
     assert control.jobs["j"].standalone == 0.05
     with pytest.raises(KeyError):
         control.move_task(("j", "nope", 0), "agg-3")
+
+
+def test_a_job_still_slow_after_the_guard_moved_it_is_reverted_not_moved_again():
+    control = plane(min_aggregators=2, congested_load=0.9)
+    control.aggregator_added("agg-0")
+    control.aggregator_added("agg-1")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control.iterations_reported("j", [0.05] * 3)
+    (where,) = set(control.clusters["cluster-0"].where.values())
+    control.load_measured(where, 0.97)
+    moves = control.iterations_reported("j", [0.2] * 4)
+    assert moves and all(isinstance(a, Migrate) for a in moves)
+    (target,) = {a.target for a in moves}
+    control.load_measured(target, 0.97)  # the new place is as full: moving again would not help
+    actions = control.iterations_reported("j", [0.2] * 4)
+    assert any(isinstance(a, Allocate) and "revert job j" in a.reason for a in actions)
+    assert control.jobs["j"].reverts == 1 and not control.jobs["j"].relieved
+
+
+def test_a_pack_that_opens_aggregators_while_its_profiling_ones_start_names_them_apart():
+    control = plane(profile_iterations=1, min_aggregators=0)
+    profiling = [a.placeholder for a in control.job_arrived("j", workers=1, servers=2)]
+    declare(control, "j", range(4))
+    control.costs_measured("j", {("j", k, 0): 0.6 for k in range(4)})  # 2.4 s of work a 1 s cycle
+    actions = control.iterations_reported("j", [1.0])  # the profiling Aggregators have not started yet
+    opened = [a.placeholder for a in actions if isinstance(a, Allocate)]
+    assert len(opened) == 2 and not set(opened) & set(profiling)
+    for number, placeholder in enumerate(profiling + opened):  # every one binds to its own Aggregator
+        control.bind(placeholder, f"agg-{number}")
+    assert sorted(control.cluster_of) == [f"agg-{n}" for n in range(4)]

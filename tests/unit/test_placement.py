@@ -126,6 +126,27 @@ def test_removing_a_job_frees_its_aggregators():
     assert plan.aggregators["b"].work == 3
 
 
+def test_a_new_aggregator_takes_the_slot_of_a_removed_one_and_starts_clean():
+    plan = Placement()
+    for name in ("a", "b", "c"):
+        plan.add_aggregator(name)
+    plan.place(task("J", 1, 10, 6), candidates=["b"])  # b: version 1
+    plan.evaluate(task("K", 1, 20, 1))  # caches b at version 1 grown to a 20 s cycle: 2 runs x 6
+    plan.remove_aggregator("b")
+    plan.remove_aggregator("a")
+    d = plan.add_aggregator("d")  # the lowest free slot: a's
+    e = plan.add_aggregator("e")  # then b's
+    assert (d.index, e.index) == (0, 1) and len(plan._slots) == 3
+    assert not e.tasks and e.cycle == 0 and "b" not in plan.names()
+    plan.place(task("N", 1, 10, 1), candidates=["e"])  # e: version 1 too, in b's slot
+    # grown to 20 s, e holds 2 runs x 1 s, not b's 12 s: 20 - 2 - 1 left for K
+    _, left = plan.evaluate(task("K", 1, 20, 1), candidates=["e"])
+    assert left[e.index] == pytest.approx(17)
+    # with no slot free, a task that fits nowhere opens a fourth
+    assert isinstance(plan.place(task("M", 1, 20, 19.5), candidates=["e"]), NewAggregator)
+    assert len(plan._slots) == 4
+
+
 def test_bad_demands_are_refused():
     with pytest.raises(ValueError, match="iteration must be > 0"):
         TaskDemand("j", 1, 0, 0.0, 1.0)

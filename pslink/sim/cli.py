@@ -1,0 +1,224 @@
+"""``pslink simulate``: the trace-driven simulation, and ``pslink simulate calibrate``."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pslink.errors import ConfigError, PslinkError
+
+simulate_app = typer.Typer(
+    help="Trace-driven simulation of a cluster's aggregation CPUs: static servers per job (ps-lite) "
+         "against pslink's shared, elastic service.",
+    invoke_without_command=True, add_completion=False)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(1)
+
+
+@simulate_app.callback(invoke_without_command=True)
+def simulate(
+    ctx: typer.Context,
+    trace: str = typer.Option("philly", "--trace", help="philly (the packaged Philly trace) or a CSV path "
+                              "with columns jobid, submit_time, num_gpus, duration_s"),
+    out: Path = typer.Option(Path("simulation"), "--out", help="directory for summary.json, jobs.csv and the plots"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="simulate only the first N jobs (after "
+                                       "the window and the single-GPU rule)"),
+    start: Optional[str] = typer.Option(None, "--start", help="first submission to take: a date-time "
+                                        "(2017-10-01 or '2017-10-01 12:00') or an offset from the trace's "
+                                        "start (3600, 90m, 36h, 3d)"),
+    end: Optional[str] = typer.Option(None, "--end", help="take submissions before this (same forms as --start)"),
+    seed: int = typer.Option(0, "--seed", help="seed of the per-job draws (model, iteration, contention)"),
+    mix: str = typer.Option("alexnet=1,vgg19=1,resnet50=1,bert-base=1", "--mix",
+                            help="model mix, name=weight,... (alexnet, vgg19, resnet50, bert-base)"),
+    single_gpu: str = typer.Option("skip", "--single-gpu", help="skip: single-GPU jobs use no parameter "
+                                   "server (left out); ps: they ask for one server each"),
+    servers_per_worker: float = typer.Option(1.0, "--servers-per-worker", min=0.01,
+                                             help="servers a job requests per worker (rounded, >= 1)"),
+    aggregation: str = typer.Option("optimizer", "--aggregation", help="optimizer: the servers run the "
+                                    "optimizer (ps-lite, MXNet); sum: they only sum"),
+    iteration_spread: float = typer.Option(0.2, "--iteration-spread", min=0.0,
+                                           help="sigma of the lognormal per-job factor on iteration times"),
+    contention: float = typer.Option(0.1, "--contention", min=0.0, help="sigma of the per-job factor "
+                                     "exp(|N(0, sigma)|) >= 1 on task costs while sharing Aggregators"),
+    loss_limit: float = typer.Option(0.1, "--loss-limit", min=0.001, max=0.999, help="LossLimit of the placement"),
+    scale_period: float = typer.Option(0.0, "--scale-period", min=0.0, help="hybrid scaling period, "
+                                       "seconds (0: release on job exit)"),
+    startup: float = typer.Option(2.0, "--startup", min=0.0, help="seconds an Aggregator takes to start"),
+    cost_model: Optional[Path] = typer.Option(None, "--cost-model", help="cost model JSON (default: the "
+                                              "packaged calibration)"),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="write PNG plots (needs matplotlib)"),
+):
+    """Simulate the trace under static servers and under pslink; write the figures to --out."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from pslink.sim import experiment
+    from pslink.sim.costmodel import load_cost_model
+    from pslink.sim.engine import ServiceOptions
+    from pslink.sim.models import parse_mix
+    from pslink.sim.trace import ATTRIBUTION, load_trace, parse_when, select
+    from pslink.sim.workload import WorkloadOptions
+
+    started = time.perf_counter()
+    try:
+        model = load_cost_model(cost_model)
+        loaded = load_trace(trace)
+        window = (parse_when(start, loaded, "--start") if start else None,
+                  parse_when(end, loaded, "--end") if end else None)
+        rows = select(loaded, *window)
+        try:
+            workload = WorkloadOptions(mix=parse_mix(mix), seed=seed, iteration_spread=iteration_spread,
+                                       contention=contention, single_gpu=single_gpu,
+                                       servers_per_worker=servers_per_worker, aggregation=aggregation)
+            service = ServiceOptions(loss_limit=loss_limit, scale_period=scale_period, startup=startup)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if single_gpu == "skip" and not any(r.gpus > 1 for r in rows):
+            raise ConfigError(f"the {len(rows)} jobs selected all use one GPU and would use no parameter server; "
+                              "widen the window or pass --single-gpu ps")
+        out.mkdir(parents=True, exist_ok=True)
+    except PslinkError as exc:
+        _fail(exc.message)
+    except OSError as exc:
+        _fail(f"cannot create output directory {str(out)!r}: {exc.strerror}")
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]simulating[/] jobs finished"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=False) as progress:
+        bar = progress.add_task("jobs", total=None)
+        # A bar redrawn in place says nothing in a log file: there, a line every tenth of the jobs.
+        lines = not err_console.is_terminal
+
+        def on_progress(done: int, total: int) -> None:
+            if done % 25 == 0 or done == total:
+                progress.update(bar, completed=done, total=total)
+            if lines and (done * 10 // total > (done - 1) * 10 // total):
+                err_console.print(f"simulated {done:,} of {total:,} jobs ({time.perf_counter() - started:.0f} s)",
+                                  highlight=False)
+
+        outcome = experiment.run(rows, model, workload, service, limit=jobs, on_progress=on_progress)
+    wall = time.perf_counter() - started
+    summary = outcome.summary
+    first = outcome.jobs[0].submit if outcome.jobs else 0.0
+    last = outcome.jobs[-1].submit if outcome.jobs else 0.0
+    report = {
+        "attribution": ATTRIBUTION,
+        "trace": {"source": loaded.source, "first_submit": loaded.when(first), "last_submit": loaded.when(last),
+                  "rows_in_window": len(rows), "single_gpu": single_gpu},
+        "workload": {**dataclasses.asdict(workload), "jobs_limit": jobs},
+        "service": dataclasses.asdict(service),
+        "cost_model": {"per_message": model.per_message, "per_byte_worker": model.per_byte_worker,
+                       "per_byte_round": model.per_byte_round, "machine": model.machine,
+                       "file": str(cost_model) if cost_model else "packaged"},
+        "results": summary,
+        "wall_seconds": wall,
+    }
+    try:
+        (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+        _write_jobs(out / "jobs.csv", outcome.pslink.jobs)
+        written = []
+        if plots:
+            written = _plots(outcome, summary, out, f"{len(outcome.jobs)} jobs")
+    except OSError as exc:
+        _fail(f"cannot write to {str(out)!r}: {exc.strerror}")
+    _print_summary(summary, wall, out, written)
+
+
+def _plots(outcome, summary: dict, out: Path, title: str) -> list[Path]:
+    try:
+        from pslink.sim.plots import plot_all
+    except ImportError:
+        err_console.print("[yellow]matplotlib is not installed: no plots (pip install 'pslink[sim]')[/]")
+        return []
+    return plot_all(outcome.pslink, outcome.static, summary, out, title)
+
+
+def _write_jobs(path: Path, outcomes) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["job", "model", "workers", "servers", "submit_s", "duration_s", "end_s", "iteration_s",
+                         "busy_cpus", "slowdown", "migrations", "reverts"])
+        for o in outcomes:
+            writer.writerow([o.name, o.model, o.workers, o.servers, f"{o.submit:.1f}", f"{o.duration:.1f}",
+                             f"{o.end:.1f}" if o.end is not None else "", f"{o.iteration:.4f}", f"{o.busy:.4f}",
+                             f"{o.slowdown:.5f}", o.migrations, o.reverts])
+
+
+def _print_summary(summary: dict, wall: float, out: Path, written: list[Path]) -> None:
+    table = Table(title=f"{summary['jobs']} jobs, {summary['span_hours'] / 24:.1f} days", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    cpu = summary["cpu_hours"]
+    ratio, slow = summary["ratio"], summary["slowdown"]
+    rows = [
+        ("CPU hours, static servers (requested)", f"{cpu['static']:,.0f}"),
+        ("CPU hours, pslink", f"{cpu['pslink']:,.0f}"),
+        ("CPU hours busy aggregating", f"{cpu['busy']:,.0f}"),
+        ("aggregation CPU time saved", f"{summary['cpu_time_saved']:.1%}"),
+        ("utilization static / pslink", f"{summary['utilization']['static']:.1%} / {summary['utilization']['pslink']:.1%}"),
+        ("allocated/requested > 1, share of time", f"{ratio['above_1']:.2%}"),
+        ("allocated/requested median / p99 / max", f"{ratio.get('p50', 0):.2f} / {ratio.get('p99', 0):.2f} / "
+                                                   f"{ratio.get('max', 0):.2f}"),
+        ("job slowdown median / p90 / p99", f"{slow.get('p50', 0):.1%} / {slow.get('p90', 0):.1%} / "
+                                            f"{slow.get('p99', 0):.1%}"),
+        ("migrations / reverts", f"{summary['migrations']['total']:,} / {summary['counters'].get('reverts', 0):,.0f}"),
+        ("wall time", f"{wall:.0f} s"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    console.print(f"wrote {out / 'summary.json'}, {out / 'jobs.csv'}"
+                  + "".join(f", {p.name}" for p in written))
+
+
+@simulate_app.command("calibrate")
+def calibrate_command(
+    out: Path = typer.Option(Path("costmodel.json"), "--out", help="where to write the cost model (JSON)"),
+    rounds: int = typer.Option(15, "--rounds", min=3, help="measured rounds per point and pass"),
+    passes: int = typer.Option(3, "--passes", min=1, help="sweeps over every point (each point keeps the "
+                               "median of all its rounds)"),
+    nbytes: int = typer.Option(4 << 20, "--bytes", min=8, help="the large tensor measured, bytes (default: "
+                               "a full 4 MiB partition; it pins the per-byte costs)"),
+    small_bytes: int = typer.Option(4 << 10, "--small-bytes", min=4, help="the small tensor measured, bytes "
+                                    "(it pins the per-message cost)"),
+    workers: str = typer.Option("1,2,4,8", "--workers", help="numbers of workers to measure, comma-separated"),
+):
+    """Measure aggregation CPU per byte on the real Aggregator core and write a cost model."""
+    from pslink.sim.calibrate import calibrate
+    from pslink.sim.costmodel import save_cost_model
+
+    try:
+        counts = tuple(int(w) for w in workers.split(",") if w.strip())
+    except ValueError:
+        _fail(f"--workers {workers!r} is not a comma-separated list of whole numbers")
+    try:
+        model = calibrate(rounds=rounds, passes=passes, nbytes=nbytes, small_bytes=small_bytes, workers=counts,
+                          on_step=lambda line: err_console.print(f"  {line}"))
+    except ValueError as exc:
+        _fail(str(exc))
+    try:
+        save_cost_model(model, out)
+    except OSError as exc:
+        _fail(f"cannot write {str(out)!r}: {exc.strerror}")
+    table = Table(title="cost of one round: W x per_message + bytes x (W x per_byte_worker + per_byte_round)")
+    for column in ("optimizer", "per byte per worker", "per byte per round", "4 MiB, 8 workers"):
+        table.add_column(column, justify="right")
+    for name in model.per_byte_round:
+        table.add_row(name, f"{model.per_byte_worker[name]:.3e} s", f"{model.per_byte_round[name]:.3e} s",
+                      f"{model.task_cost(4 << 20, 8, name) * 1e3:.2f} ms")
+    console.print(table)
+    console.print(f"per message {model.per_message * 1e6:.2f} us; machine: {model.machine.get('cpu')}, "
+                  f"{model.machine.get('cores')} cores; wrote {out}")

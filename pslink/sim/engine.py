@@ -1,0 +1,467 @@
+"""The event-driven simulation: a cluster's jobs aggregating on static servers or on pslink.
+
+Two policies over the same jobs (:class:`~pslink.sim.workload.SimJob`):
+
+* **static** (the ps-lite baseline): a job holds its ``servers`` CPUs from submission to its end
+  and runs at its standalone speed. Nothing to simulate but the sum of step functions.
+* **pslink**: the live control plane, :class:`pslink.core.control.ControlPlane`, with its
+  placement (:mod:`pslink.core.placement`), guard and scaling, driven by simulated time. The
+  simulator plays the parts pMaster, the Aggregators and the Agents play around it: it starts an
+  Aggregator ``startup`` seconds after an ``Allocate`` and then binds it; it reports each job's
+  profiled iterations and task costs, later its iteration durations and the Aggregators' loads
+  to the guard; it carries out migrations (the job stalls ``migration_pause`` seconds, the
+  paper's Table 3 measured 14-44 ms for a whole model) and releases.
+
+How fast a packed job runs follows the model placement itself uses (the paper's cyclic
+execution, 3.3.1): on an Aggregator with cycle ``C`` a job of standalone iteration ``D`` runs
+``floor(C / D)`` iterations a cycle, so its iteration there is ``C / floor(C / D)``; if the work
+the Aggregator really has to do in a cycle (its tasks' costs, times each job's ``contention``
+when it shares the Aggregator) exceeds ``C``, the cycle stretches to that work and every job on it
+slows down accordingly. A job runs at the pace of its slowest Aggregator. Jobs make progress as
+a fluid: each has standalone seconds of work left, done at rate ``D / d``; a job whose speed
+changes gets a new end event (older ones are dropped by a token).
+
+The clock is the event time; nothing here sleeps, reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+from typing import Callable, Iterable
+
+import numpy as np
+
+from pslink.core.control import Allocate, ControlPlane, Migrate, Release
+from pslink.core.placement import LOSS_LIMIT, runs_per_cycle
+from pslink.sim.workload import SimJob
+
+ARRIVE, BIND, PROFILED, GUARD, END, TICK = range(6)
+
+
+@dataclasses.dataclass
+class JobOutcome:
+    name: str
+    model: str
+    workers: int
+    servers: int
+    submit: float
+    duration: float
+    iteration: float
+    busy: float  # CPUs its aggregation keeps busy at standalone speed
+    end: float | None = None
+    packed_at: float | None = None
+    migrations: int = 0
+    reverts: int = 0
+
+    @property
+    def slowdown(self) -> float:
+        """How much longer it ran than alone on its own servers (0.05: 5% longer)."""
+        if self.end is None or self.duration <= 0:
+            return 0.0
+        return max(0.0, (self.end - self.submit) / self.duration - 1.0)
+
+
+class Timeline:
+    """Step functions of time: CPUs allocated, CPUs requested, CPUs busy aggregating."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.allocated: list[float] = []
+        self.requested: list[float] = []
+        self.busy: list[float] = []
+
+    def record(self, t: float, allocated: float, requested: float, busy: float) -> None:
+        if self.times and self.times[-1] == t:  # several events at one instant: the last state holds
+            self.allocated[-1], self.requested[-1], self.busy[-1] = allocated, requested, busy
+            return
+        if self.times and self.allocated[-1] == allocated and self.requested[-1] == requested \
+                and self.busy[-1] == busy:
+            return
+        self.times.append(t)
+        self.allocated.append(allocated)
+        self.requested.append(requested)
+        self.busy.append(busy)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"times": np.array(self.times), "allocated": np.array(self.allocated),
+                "requested": np.array(self.requested), "busy": np.array(self.busy)}
+
+
+@dataclasses.dataclass
+class SimResult:
+    policy: str
+    timeline: Timeline
+    jobs: list[JobOutcome]
+    counters: dict[str, float]
+
+
+def _outcome(job: SimJob) -> JobOutcome:
+    return JobOutcome(job.name, job.model, job.workers, job.servers, job.submit, job.duration, job.iteration,
+                      job.busy)
+
+
+def simulate_static(jobs: Iterable[SimJob]) -> SimResult:
+    """The ps-lite baseline: every job holds its servers for its whole life."""
+    jobs = list(jobs)
+    deltas: dict[float, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    outcomes = []
+    for job in jobs:
+        end = job.submit + job.duration
+        for t, sign in ((job.submit, 1), (end, -1)):
+            deltas[t][0] += sign * job.servers
+            deltas[t][1] += sign * job.busy
+        outcome = _outcome(job)
+        outcome.end = end
+        outcomes.append(outcome)
+    timeline = Timeline()
+    servers = busy = 0.0
+    for t in sorted(deltas):
+        servers += deltas[t][0]
+        busy += deltas[t][1]
+        timeline.record(t, servers, servers, max(0.0, busy))
+    return SimResult("static", timeline, outcomes, {"jobs": len(jobs)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceOptions:
+    """How the simulated service behaves; the control-plane settings are ControlPlane's own."""
+
+    startup: float = 2.0  # seconds from an Allocate until the Aggregator serves
+    migration_pause: float = 0.05  # seconds a job stalls when some of its tasks move
+    loss_limit: float = LOSS_LIMIT
+    guard_window: int = 100
+    profile_iterations: int = 20
+    scale_period: float = 0.0
+    max_cluster_size: int = 64
+    max_reverts: int = 2
+
+    def __post_init__(self):
+        if self.startup < 0 or self.migration_pause < 0 or self.scale_period < 0:
+            raise ValueError("startup, migration_pause and scale_period must be >= 0")
+        if self.profile_iterations < 1 or self.guard_window < 1:
+            raise ValueError("profile_iterations and guard_window must be >= 1")
+
+    def control_plane(self, clock: Callable[[], float], cost_per_byte: float) -> ControlPlane:
+        # The pool may shrink to nothing and grow without bound: a cluster-wide service has no
+        # floor of its own, and the trace decides how many CPUs it needs.
+        return ControlPlane(loss_limit=self.loss_limit, guard_window=self.guard_window,
+                            profile_iterations=self.profile_iterations, min_aggregators=0,
+                            max_aggregators=1 << 30, max_cluster_size=self.max_cluster_size,
+                            scale_period=self.scale_period, max_reverts=self.max_reverts,
+                            cost_per_byte=cost_per_byte, elastic=True, clock=clock)
+
+
+class _Run:
+    """A running job: where it is in its life and how fast it goes."""
+
+    __slots__ = ("job", "outcome", "phase", "remaining", "rate", "since", "effective", "end_token",
+                 "guard_token", "guard_pending", "cost_of")
+
+    def __init__(self, job: SimJob, now: float):
+        self.job = job
+        self.outcome = _outcome(job)
+        self.phase = "profiling"
+        self.remaining = job.duration  # standalone seconds of training left
+        self.rate = 1.0  # standalone seconds done per second
+        self.since = now
+        self.effective = job.iteration  # d: its iteration now
+        self.end_token = 0
+        self.guard_token = 0
+        self.guard_pending = False  # a GUARD event will report its iterations
+        self.cost_of = {(key, part): cost for (key, part, _), cost in zip(job.parts, job.costs)}
+
+
+class PslinkSimulation:
+    """The pslink policy: jobs, simulated time and one live ControlPlane."""
+
+    def __init__(self, jobs: Iterable[SimJob], options: ServiceOptions = ServiceOptions(),
+                 cost_per_byte: float = 5e-10, on_progress: Callable[[int, int], None] | None = None,
+                 check: bool = False):
+        self.jobs = sorted(jobs, key=lambda j: j.submit)
+        self.options = options
+        self.now = 0.0
+        self.control = options.control_plane(lambda: self.now, cost_per_byte)
+        self.on_progress = on_progress
+        self.check = check  # after every event, compare the pool with the control plane's (tests)
+        self.timeline = Timeline()
+        self.counters: collections.Counter = collections.Counter()
+        self._queue: list = []
+        self._serial = itertools.count()
+        self._names = itertools.count(1)
+        self.runs: dict[str, _Run] = {}
+        self.outcomes: list[JobOutcome] = []
+        self.aggregators = 0  # allocated and not released, starting ones included
+        self.requested = 0  # servers the running jobs asked for
+        self.busy = 0.0  # CPUs the Aggregators spend aggregating
+        # What the simulator last saw of each Aggregator of the plan
+        self._seen: dict[str, int] = {}  # plan version
+        self._speeds: dict[str, dict[str, float]] = {}  # job -> its iteration there
+        self._loads: dict[str, float] = {}  # share of the Aggregator's CPU in use
+        self._places: dict[str, set[str]] = collections.defaultdict(set)  # job -> Aggregators
+        self._dirty: set[str] = set()  # jobs whose speed must be looked at again
+        self._paused: set[str] = set()  # jobs that had tasks moved by this event
+        self._recheck: set[str] = set()  # jobs the guard acted on: still too slow after it?
+        self._arrivals_left = 0
+        self._handlers = {ARRIVE: self._arrive, BIND: self._bind, PROFILED: self._profiled, GUARD: self._guard,
+                          END: self._end, TICK: self._tick}
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _push(self, when: float, kind: int, payload) -> None:
+        heapq.heappush(self._queue, (when, next(self._serial), kind, payload))
+
+    def run(self) -> SimResult:
+        for job in self.jobs:
+            self._push(job.submit, ARRIVE, job)
+        self._arrivals_left = len(self.jobs)
+        if self.options.scale_period > 0 and self.jobs:
+            self._push(self.jobs[0].submit + self.options.scale_period, TICK, None)
+        while self._queue:
+            when, _, kind, payload = heapq.heappop(self._queue)
+            self.now = when
+            if not self._handlers[kind](payload):
+                continue  # a stale event: nothing changed
+            self.counters["events"] += 1
+            self._refresh()
+            self.timeline.record(self.now, self.aggregators, self.requested, max(0.0, self.busy))
+            if self.check:
+                assert self.aggregators == self.control.aggregator_count(), (
+                    f"t={self.now}: the simulator counts {self.aggregators} Aggregators, the control plane "
+                    f"{self.control.aggregator_count()}")
+        self.outcomes.sort(key=lambda o: (o.submit, o.name))
+        return SimResult("pslink", self.timeline, self.outcomes, dict(self.counters))
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def _arrive(self, job: SimJob) -> bool:
+        self._arrivals_left -= 1
+        run = self.runs[job.name] = _Run(job, self.now)
+        self.requested += job.servers
+        actions = self.control.job_arrived(job.name, job.workers, job.servers)
+        for key, part, nbytes in job.parts:
+            actions += self.control.place_part(job.name, key, part, nbytes)[1]
+        self._apply(actions)
+        self._schedule_end(run)
+        self._push(self.now + self.options.profile_iterations * job.iteration, PROFILED, job.name)
+        return True
+
+    def _profiled(self, name: str) -> bool:
+        run = self.runs.get(name)
+        if run is None:
+            return False  # it ended while being profiled
+        job = run.job
+        self.control.costs_measured(name, {(name, key, part): cost for (key, part, _), cost in zip(job.parts, job.costs)})
+        actions = self.control.iterations_reported(name, [job.iteration] * self.options.profile_iterations)
+        run.phase = "packed"
+        run.outcome.packed_at = self.now
+        self._dirty.add(name)
+        self._apply(actions)
+        return True
+
+    def _guard(self, payload: tuple[str, int]) -> bool:
+        name, token = payload
+        run = self.runs.get(name)
+        if run is None or token != run.guard_token:
+            return False
+        run.guard_pending = False
+        # What pMaster would have heard by now: the Aggregators' loads and the tasks' costs there.
+        latest = {}
+        for place in self._places.get(name, ()):
+            agg = self._plan(place)
+            factor = run.job.contention if len(agg.jobs) > 1 else 1.0
+            latest.update({ident: run.cost_of[ident[1:]] * factor for ident in agg.tasks if ident[0] == name})
+        self.control.costs_measured(name, latest)
+        actions = self.control.iterations_reported(name, [run.effective] * self.options.guard_window)
+        if actions:
+            self.counters["guard actions"] += 1
+            # Its Agents keep reporting: if what the guard did leaves it as slow (tasks moved to an
+            # Aggregator as busy), the next window must reach the guard even though its speed did
+            # not change. Without actions the control plane has nothing left to try (its reverts
+            # are spent) until something changes the job's speed.
+            self._recheck.add(name)
+        self._apply(actions)
+        return True
+
+    def _end(self, payload: tuple[str, int]) -> bool:
+        name, token = payload
+        run = self.runs.get(name)
+        if run is None or token != run.end_token:
+            return False
+        del self.runs[name]
+        run.outcome.end = self.now
+        control = self.control.jobs.get(name)
+        run.outcome.reverts = control.reverts if control is not None else 0
+        self.counters["reverts"] += run.outcome.reverts
+        self.outcomes.append(run.outcome)
+        self.requested -= run.job.servers
+        self._apply(self.control.job_ended(name))
+        self._places.pop(name, None)
+        if self.on_progress is not None:
+            self.on_progress(len(self.outcomes), len(self.jobs))
+        return True
+
+    def _bind(self, placeholder: str) -> bool:
+        name = f"agg-{next(self._names)}"
+        follow = self.control.bind(placeholder, name)
+        for table in (self._seen, self._speeds, self._loads):
+            if placeholder in table:
+                table[name] = table.pop(placeholder)
+        self.control.loads.pop(placeholder, None)
+        self.control.load_measured(name, self._loads.get(name, 0.0))
+        for job in self._speeds.get(name, ()):
+            places = self._places[job]
+            places.discard(placeholder)
+            places.add(name)
+        self._apply(follow)
+        # Tasks that waited for it have moved: the places they left may be empty now.
+        self._apply(self.control.release_idle("emptied by migrations"))
+        return True
+
+    def _tick(self, _) -> bool:
+        self._apply(self.control.tick())
+        if self.runs or self._arrivals_left:
+            self._push(self.now + self.options.scale_period, TICK, None)
+        return True
+
+    # -- actions -------------------------------------------------------------------------------------
+
+    def _apply(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Allocate):
+                self.aggregators += 1
+                self.counters["allocations"] += 1
+                self._push(self.now + self.options.startup, BIND, action.placeholder)
+            elif isinstance(action, Release):
+                self.aggregators -= 1
+                self.counters["releases"] += 1
+                self._forget(action.aggregator)
+            elif isinstance(action, Migrate):
+                job = action.task[0]
+                self.counters["migrations"] += 1
+                control = self.control.jobs.get(job)
+                self.counters["migrated bytes"] += control.parts.get(action.task, 0) if control else 0
+                run = self.runs.get(job)
+                if run is not None:
+                    run.outcome.migrations += 1
+                    self._paused.add(job)
+
+    def _forget(self, name: str) -> None:
+        self._seen.pop(name, None)
+        self.busy -= self._loads.pop(name, 0.0)
+        for job in self._speeds.pop(name, {}):
+            self._places.get(job, set()).discard(name)
+            self._dirty.add(job)
+
+    def _plan(self, name: str):
+        return self.control.clusters[self.control.cluster_of[name]].aggregators[name]
+
+    # -- speeds --------------------------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        """Look at every Aggregator whose plan changed; re-time the jobs on it."""
+        dirty, self._dirty = self._dirty, set()
+        for plan in self.control.clusters.values():
+            for name, agg in plan.aggregators.items():
+                if self._seen.get(name) != agg.version:
+                    self._seen[name] = agg.version
+                    dirty |= self._evaluate(name, agg)
+        for job in sorted(dirty):  # sets of names iterate in a per-process hash order: sort for repeatability
+            run = self.runs.get(job)
+            if run is None or run.phase == "profiling":
+                continue
+            places = self._places.get(job, ())
+            effective = max([run.job.iteration] + [self._speeds[p][job] for p in places])
+            if abs(effective - run.effective) > 1e-12 * effective:
+                self._set_speed(run, effective)
+        recheck, self._recheck = self._recheck, set()
+        for job in sorted(recheck):
+            run = self.runs.get(job)
+            if run is not None:
+                self._watch(run)
+        paused, self._paused = self._paused, set()
+        for job in sorted(paused):
+            run = self.runs.get(job)
+            if run is not None and self.options.migration_pause > 0:
+                self._advance(run)
+                run.remaining += self.options.migration_pause * run.rate
+                self._schedule_end(run)
+
+    def _evaluate(self, name: str, agg) -> set[str]:
+        """The iteration each packed job gets on this Aggregator, and its load; returns the jobs
+        that were or are on it."""
+        before = self._speeds.get(name, {})
+        speeds: dict[str, float] = {}
+        load = 0.0
+        cycle = agg.cycle
+        if agg.jobs and cycle > 0:
+            shared = len(agg.jobs) > 1
+            work = 0.0
+            for job, share in agg.jobs.items():
+                run = self.runs.get(job)
+                if run is None:
+                    continue
+                if run.phase == "profiling":
+                    # Alone on its own Aggregators (its plan entries are provisional): its real
+                    # costs over its real iteration.
+                    load += sum(run.cost_of[i[1:]] for i in agg.tasks if i[0] == job) / run.job.iteration
+                    continue
+                work += runs_per_cycle(cycle, share.iteration) * share.work * (run.job.contention if shared else 1.0)
+            stretch = max(1.0, work / cycle)
+            for job, share in agg.jobs.items():
+                run = self.runs.get(job)
+                if run is not None and run.phase != "profiling":
+                    speeds[job] = cycle / runs_per_cycle(cycle, share.iteration) * stretch
+            load = min(1.0, load + work / cycle)
+        for job in before.keys() - speeds.keys():
+            self._places.get(job, set()).discard(name)
+        for job in speeds:
+            self._places[job].add(name)
+        self._speeds[name] = speeds
+        self.busy += load - self._loads.get(name, 0.0)
+        self._loads[name] = load
+        self.control.load_measured(name, load)  # Aggregators report their load (here: at once)
+        return before.keys() | speeds.keys()
+
+    def _advance(self, run: _Run) -> None:
+        run.remaining = max(0.0, run.remaining - (self.now - run.since) * run.rate)
+        run.since = self.now
+
+    def _schedule_end(self, run: _Run) -> None:
+        run.end_token += 1
+        self._push(self.now + run.remaining / run.rate, END, (run.job.name, run.end_token))
+
+    def _set_speed(self, run: _Run, effective: float) -> None:
+        self._advance(run)
+        run.effective = effective
+        run.rate = run.job.iteration / effective
+        self._schedule_end(run)
+        self._watch(run)
+
+    def _watch(self, run: _Run) -> None:
+        """Report a window of iterations to the guard when the control plane would act on it.
+
+        pMaster hears every job's iterations all the time, but acts only when a window's median
+        loses more than the loss limit against the job's standalone duration (the control
+        plane's own figure, which a revert may re-learn). Only such windows are simulated as
+        GUARD events: a job that is slow gets one a window after it became slow, and keeps it
+        while its speed changes (the window it judges spans those changes); a job that is fast
+        again has it cancelled. Reporting every window of every job would cost millions of
+        events for answers known in advance."""
+        control = self.control.jobs.get(run.job.name)
+        standalone = control.standalone if control is not None else None
+        slow = standalone is not None and (run.effective - standalone) / run.effective > self.options.loss_limit
+        if slow and not run.guard_pending:
+            run.guard_token += 1
+            run.guard_pending = True
+            self._push(self.now + self.options.guard_window * run.effective, GUARD, (run.job.name, run.guard_token))
+        elif not slow and run.guard_pending:
+            run.guard_token += 1  # the pending report would find nothing to do
+            run.guard_pending = False
+
+
+def simulate_pslink(jobs: Iterable[SimJob], options: ServiceOptions = ServiceOptions(), cost_per_byte: float = 5e-10,
+                    on_progress: Callable[[int, int], None] | None = None, check: bool = False) -> SimResult:
+    return PslinkSimulation(jobs, options, cost_per_byte, on_progress, check).run()
