@@ -98,6 +98,7 @@ class Agent(TaskRequests, Failover, MasterLink):
         probe_interval: float = 0.5,
         heartbeat_interval: float = 2.0,
         connect_timeout: float = 10.0,
+        rejoin: bool = False,
         spin: float = 100e-6,
         idle_poll: float = 0.002,
         transports: Transports | None = None,
@@ -166,7 +167,7 @@ class Agent(TaskRequests, Failover, MasterLink):
         if servers is not None:
             config["servers"] = servers
         try:
-            self.settings = self._register(config, token=self.token or None)
+            self.settings = self._register(config, token=self.token or None, rejoin=rejoin)
         except BaseException:
             self._release_io()  # a refused or failed registration leaves nothing open behind
             raise
@@ -244,14 +245,17 @@ class Agent(TaskRequests, Failover, MasterLink):
         self._update_membership(body)
         return body
 
-    def close(self) -> None:
-        """Leave the job (the job ends once every worker left) and release everything."""
+    def close(self, leave: bool = True) -> None:
+        """Leave the job (the job ends once every worker left) and release everything. With
+        ``leave=False`` only release: for an Agent whose rank a new Agent of this process
+        registered again (``rejoin``), which is the member now."""
         if self._closed:
             return
-        try:
-            self._master_call(Op.LEAVE, timeout=min(5.0, self.timeout))
-        except PslinkError as exc:
-            log.debug("agent %s/%s: leave failed: %s", self.job, self.rank, exc)
+        if leave:
+            try:
+                self._master_call(Op.LEAVE, timeout=min(5.0, self.timeout))
+            except PslinkError as exc:
+                log.debug("agent %s/%s: leave failed: %s", self.job, self.rank, exc)
         with self._lock:
             self._closed = True
             self._bg_cv.notify_all()
@@ -714,8 +718,10 @@ def connect(
     part on other Aggregators: the job survives losing that many without losing an update;
     bsp/ssp only), ``servers`` (how many parameter servers the
     job would ask for: it is profiled alone on that many Aggregators before pMaster packs it with
-    others; default one per worker), ``partition_bytes``, ``timeout``, ``peer_timeout`` and the
-    other :class:`Agent` settings. Job settings are fixed by the worker that creates the job.
+    others; default one per worker), ``rejoin`` (register a rank again as a newcomer: pMaster
+    takes it out of the job and back in, in one step; an Agent of this process that held the
+    rank is then closed with ``close(leave=False)``), ``partition_bytes``, ``timeout``,
+    ``peer_timeout`` and the other :class:`Agent` settings. Job settings are fixed by the worker that creates the job.
     """
     job = resolve_str(job, "job", ENV_JOB)
     rank = resolve_int(rank, "rank", ENV_RANK, minimum=0)

@@ -59,11 +59,13 @@ class MasterLink:
         self._master_peer().call(op, answered, timeout=timeout, **fields)
         return handle.wait(timeout + 1.0)
 
-    def _register(self, config: dict, token: bytes | None) -> dict:
+    def _register(self, config: dict, token: bytes | None, rejoin: bool = False) -> dict:
         fields = dict(job=self.job, rank=self.rank, num_workers=self.num_workers, pid=os.getpid(),
                       host=socket.gethostname(), config=config)
         if token:
             fields["tok"] = token
+        if rejoin:
+            fields["rejoin"] = True  # out of the job and back in as a newcomer, in one step
         return self._master_call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
 
     def _on_master_request(self, peer: RpcPeer, req: dict) -> None:

@@ -417,12 +417,24 @@ class Master(MasterRecovery, MasterPool):
         peer.reply(req, body=record.settings())
 
     def _register_worker(self, peer: RpcPeer, req: dict) -> None:
+        rank, pid, host = req["rank"], req.get("pid", 0), req.get("host", "")
+        if req.get("rejoin") and self.state.take_out_to_rejoin(req["job"], rank, req.get("tok"), pid, host):
+            # Out and back in within this request (nothing else runs on this loop meanwhile): the
+            # Aggregators drop the old incarnation from the open rounds, barriers stop waiting for
+            # it, and the registration below adds the rank back as a newcomer at once.
+            self._announce_membership()
         record = self.state.register_worker(
-            req["job"], req["rank"], req["num_workers"], req.get("tok"), req.get("config"),
-            pid=req.get("pid", 0), host=req.get("host", ""),
+            req["job"], rank, req["num_workers"], req.get("tok"), req.get("config"), pid=pid, host=host,
         )
         self.store.save_job(record)
-        peer.info.update(role="worker", job=record.job, rank=req["rank"], name=f"{record.job}/rank {req['rank']}")
+        for other in list(self.endpoint.peers.values()):
+            info = other.info
+            if other is not peer and info.get("role") == "worker" and (info.get("job"), info.get("rank")) == (
+                    record.job, rank):
+                # An earlier connection of this rank (the same process's Agent it replaces): its
+                # closing or leaving no longer concerns the worker registered now.
+                info["role"] = "replaced"
+        peer.info.update(role="worker", job=record.job, rank=rank, name=f"{record.job}/rank {rank}")
         peer.reply(req, body=record.settings())
 
     def _heartbeat(self, peer: RpcPeer, req: dict) -> None:
@@ -433,6 +445,9 @@ class Master(MasterRecovery, MasterPool):
 
     def _leave(self, peer: RpcPeer, req: dict) -> None:
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
+        if peer.info.get("role") == "replaced":
+            peer.reply(req)  # the rank registered again on another connection: that worker stays
+            return
         peer.info.pop("role", None)
         if self.state.leave(record, req["rank"]):
             log.info("job %s ended: every worker left", record.job)

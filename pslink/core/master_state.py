@@ -161,6 +161,27 @@ class MasterState:
             self.membership_changed.append(record)
         return record
 
+    def take_out_to_rejoin(self, job: str, rank: int, token: bytes | None, pid: int = 0, host: str = "") -> bool:
+        """The first half of a registration with ``rejoin``: a worker process that registers its
+        rank again as a newcomer (``pslink.torch.elastic`` does, to stop being taken for a worker
+        that died, or after a failed collective). Its rank leaves the membership here and comes
+        back (late) in :meth:`register_worker`, within the same request: no barrier and no
+        round ever sees the job without it. (Leaving first and registering after, as two
+        requests, let the others settle a world without it in between, then create fresh keys
+        that wait for it while it waited for them in a barrier.) True if it was a member; the
+        caller announces that removal before the registration adds the rank back."""
+        record = self.jobs.get(job)
+        if record is None or token is None:
+            return False  # register_worker refuses or creates the job, saying why
+        self._check_credential(record, token, rank)
+        if rank not in record.membership:
+            return False
+        current = record.workers.get(rank)
+        same_process = current is not None and pid and (current.pid, current.host) == (pid, host)
+        if current is not None and current.connected and not current.left and not same_process:
+            return False  # another live process holds the rank: register_worker refuses it
+        return self.remove_worker(record, rank, "it registered anew")
+
     def remove_worker(self, record: JobRecord, rank: int, why: str, since: float | None = None) -> bool:
         """Take a rank out of its job's membership (it left, or went silent ``since``); the rounds
         under way stop waiting for it. True if it was a member."""

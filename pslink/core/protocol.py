@@ -281,7 +281,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.REGISTER_JOB: Schema({"id": _uint, "job": _small_str, "num_workers": _uint}, {"config": _map}),
     Op.REGISTER_WORKER: Schema(
         {"id": _uint, "job": _small_str, "rank": _uint, "num_workers": _uint},
-        {"tok": _token, "config": _map, "pid": _uint, "host": _text},
+        {"tok": _token, "config": _map, "pid": _uint, "host": _text, "rejoin": _bool},
     ),
     Op.LOOKUP: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "items": _list}),
     Op.SET_OPTIMIZER: Schema(

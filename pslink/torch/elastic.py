@@ -40,8 +40,9 @@ in as a late member. This module adds what a training loop needs on top:
   restores the last commit and settles again.
 - **Failures.** A collective that fails (a :class:`~pslink.errors.PslinkError` other than a
   configuration or shape error) makes the worker drop its gradients in flight, restore the last
-  commit and, if the job has other members, leave and register again as a newcomer, so that
-  their rounds stop waiting for it; then it settles with them.
+  commit and, if the job has other members, register again as a newcomer (pMaster takes the rank
+  out and back in at once: ``Session.reconnect``), so that their rounds stop waiting for it;
+  then it settles with them.
 
 Reset callbacks run after every sync (also the first), when ``hvd.size()`` is the new size.
 """
@@ -287,8 +288,9 @@ class _World:
                               f"{SETTLE_LIMIT} attempts")
 
     def recover(self, state: State, error: PslinkError) -> None:
-        """After a failed collective: back to the last commit; if others remain, leave and come
-        back as a newcomer so that their rounds stop waiting for us."""
+        """After a failed collective: back to the last commit; if others remain, come back as a
+        newcomer (out of the job and in again, in one step) so that their rounds stop waiting
+        for us."""
         log.warning("pslink elastic: %s; restoring the last commit", error)
         state.restore()
         for optimizer in self.session.optimizers:
@@ -302,9 +304,10 @@ class _World:
 
     def _check_fresh(self) -> None:
         """A new process that registered under the rank of one that died moments ago (pMaster
-        has not removed it yet) is taken for that worker, at its rounds: leave and register
-        again, which makes it a newcomer. Only a running job has keys, and no initial worker
-        can see any: the first reset's barrier waits for all of them."""
+        has not removed it yet) is taken for that worker, at its rounds: register again, which
+        makes it a newcomer and ends the old one's part in the rounds (one step at pMaster: see
+        ``Session.reconnect``). Only a running job has keys, and no initial worker can see any:
+        the first reset's barrier waits for all of them."""
         agent = self.agent
         if self.checked_agent is agent:
             return

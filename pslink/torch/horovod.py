@@ -46,9 +46,9 @@ def init(comm=None, *, job: str | None = None, rank: int | None = None, size: in
         raise ConfigError(f"pslink.torch.init: {exc.message}. Run the script under `pslink launch -n N "
                           "python script.py`, which sets PSLINK_JOB, PSLINK_RANK and PSLINK_NUM_WORKERS") from None
 
-    def connect_again(token: bytes):
+    def connect_again(token: bytes, rejoin: bool = False):
         """The same registration, with the job's token (elastic recovery: a new Agent)."""
-        return pslink.connect(job, rank, size, master, **dict(options, token=token))
+        return pslink.connect(job, rank, size, master, **dict(options, token=token, rejoin=rejoin))
 
     _session = Session(agent, _env_int(ENV_LOCAL_RANK), _env_int(ENV_LOCAL_SIZE), connect=connect_again)
 

@@ -128,7 +128,8 @@ class Session:
         if agent.mode != "sum":
             raise ConfigError(f"pslink.torch needs an Agent in mode 'sum', this one is in mode {agent.mode!r}")
         self.agent = agent
-        # ``connect(token)`` makes a new Agent for this rank of the same job (elastic recovery).
+        # ``connect(token, rejoin=...)`` makes a new Agent for this rank of the same job (elastic
+        # recovery; ``rejoin``: the Agent option of that name).
         self._connect = connect
         self.timeout = agent.timeout
         self._staging = StagingPool()
@@ -164,15 +165,30 @@ class Session:
             self.local_rank, self.local_size = self.rank, self.size
 
     def reconnect(self) -> Agent:
-        """Leave the job if still in it and register this rank again with a new Agent (which
-        then comes into the running job as a late worker). Returns the new Agent."""
+        """Register this rank again with a new Agent, which comes into the running job as a late
+        worker, and close the old one. Returns the new Agent.
+
+        The new Agent registers with ``rejoin``: pMaster takes the rank out of the job (the
+        rounds and barriers stop waiting for the old Agent) and adds it back as a newcomer in
+        one step. Leaving first and registering after would leave a moment in which the others
+        see a job without this rank: they could settle a world without it and create the keys
+        of that world's sync, which would then wait for this rank (a member again from their
+        first round) while it waits for them in the settle barrier, until the timeout."""
         old = self.agent
-        try:
-            old.close()
-        except PslinkError:
-            pass  # it was removed already: nothing to leave
         connect = self._connect or _reconnector(old)
-        self.agent = connect(old.token)
+        try:
+            new = connect(old.token, rejoin=True)
+        except BaseException:
+            try:
+                old.close()  # as before a failed registration: out of the job, so nobody waits for it
+            except PslinkError:
+                pass
+            raise
+        try:
+            old.close(leave=False)  # the new Agent holds the rank now: leaving would take it out
+        except PslinkError:
+            pass
+        self.agent = new
         if self.agent.mode != "sum":
             raise ConfigError(f"pslink.torch needs an Agent in mode 'sum', the new one is in mode {self.agent.mode!r}")
         self.timeout = self.agent.timeout
@@ -460,7 +476,8 @@ def _reconnector(agent: Agent) -> Callable[[bytes], Agent]:
     if max_workers:
         options["max_workers"] = max_workers
 
-    def connect_again(token: bytes) -> Agent:
-        return connect_agent(agent.job, agent.rank, agent.num_workers, agent.master_address, token=token, **options)
+    def connect_again(token: bytes, rejoin: bool = False) -> Agent:
+        return connect_agent(agent.job, agent.rank, agent.num_workers, agent.master_address, token=token,
+                             rejoin=rejoin, **options)
 
     return connect_again

@@ -220,3 +220,63 @@ def test_a_removed_rank_is_told_so_and_a_rank_beyond_max_workers_is_refused(clus
             connect(cluster, "told", 2, 3)
     finally:
         a.close()
+
+
+def test_a_rank_registered_anew_is_out_of_the_job_and_back_in_in_one_step():
+    """What pslink.torch.elastic does when a new process took over the rank of a worker that
+    died (pMaster still counts the dead one), or after a failed collective: the rank registers
+    again with ``rejoin``. The round waiting for the old incarnation closes, and no barrier ever
+    sees the job without the rank: one entered right after waits for the newcomer. (A LEAVE and
+    a registration as two requests left a moment in which the others could settle a world
+    without it, then wait in that world's fresh keys for it while it waited for them in the
+    settle barrier: the flake of test_elastic_torch's replacement test.) The old Agent's
+    connection closing afterwards does not take the new one out."""
+    transports = Transports()
+    # Silent workers stay for 30 s: the newcomer sends no heartbeat that could mask a removal.
+    service = start_cluster("tcp", aggregators=2, transports=transports, disconnect_grace=0.3, worker_timeout=30.0,
+                            sweep_interval=0.05)
+    master = service.master
+    options = dict(master=service.address, transports=transports, timeout=20.0)
+    a = pslink.connect("rejoin", 0, 2, heartbeat_interval=0.2, **options)
+    b = pslink.connect("rejoin", 1, 2, heartbeat_interval=0.2, **options)
+    fresh = None
+    try:
+        for agent in (a, b):
+            agent.init("w", np.zeros(4, np.float32))
+        assert [h.wait(timeout=10).tolist() for h in [x.pushpull("w", np.ones(4, np.float32)) for x in (a, b)]] \
+            == [[2.0] * 4] * 2
+        waiting = a.pushpull("w", np.ones(4, np.float32))  # rank 1 (b) never pushes again: as if it died
+        epoch = a.membership()["epoch"]
+        fresh = pslink.connect("rejoin", 1, 2, token=b.token, rejoin=True, heartbeat_interval=3600.0, **options)
+        assert fresh.late
+        np.testing.assert_array_equal(waiting.wait(timeout=10), np.ones(4))  # closed without the old rank 1
+        assert a.membership() == {"ranks": [0, 1], "epoch": epoch + 2}  # out (epoch + 1) and in, one request
+
+        released = {}
+        thread = threading.Thread(target=lambda: released.setdefault("a", a.barrier("settle", timeout=20)))
+        thread.start()
+        b.close(leave=False)  # the old Agent goes; its connection closing must not concern the new one
+
+        def old_connection_closed():
+            try:
+                return not any(p.info.get("role") == "replaced" for p in list(master.endpoint.peers.values()))
+            except RuntimeError:  # the dict changed under us: look again
+                return False
+
+        wait_until(old_connection_closed, 10, "pMaster to see the old connection close")
+        time.sleep(0.5)  # past disconnect_grace, many sweeps
+        assert thread.is_alive()  # the barrier waits for the newcomer: never released with rank 0 alone
+        assert a.membership()["ranks"] == [0, 1]
+        assert master.state.jobs["rejoin"].workers[1].connected
+        assert fresh.barrier("settle", timeout=20)["ranks"] == [0, 1]
+        thread.join(10)
+        assert released["a"]["ranks"] == [0, 1]
+        assert fresh.join_all(timeout=10) == ["w"]  # between barriers, as an elastic framework does
+        hs = [x.pushpull("w", np.ones(4, np.float32)) for x in (a, fresh)]
+        assert [h.wait(timeout=10).tolist() for h in hs] == [[2.0] * 4] * 2
+    finally:
+        for agent in (a, b, fresh):
+            if agent is not None:
+                agent.close()
+        service.stop()
+        transports.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -23,6 +24,9 @@ import pslink.torch as hvd
 from pslink.torch.horovod import current_session
 
 OUT = sys.argv[1]
+if os.environ.get("PSLINK_LOG_LEVEL"):  # what the worker's Agent and pslink.torch.elastic say
+    logging.basicConfig(level=os.environ["PSLINK_LOG_LEVEL"], stream=sys.stderr,
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
 FEATURES, ROWS, BATCH = 8, 512, 16
 COMMIT_EVERY = 5
 

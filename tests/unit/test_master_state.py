@@ -264,3 +264,28 @@ def test_store_refuses_a_newer_schema(tmp_path):
     store.close()
     with pytest.raises(RuntimeError, match="schema 99"):
         MasterStore(path)
+
+
+def test_a_rank_registered_anew_leaves_and_comes_back_as_a_newcomer(state):
+    """``rejoin``: the rank leaves the membership (the shell announces it) and the registration
+    adds it back, late; only the process that holds the rank (or nobody) may do so."""
+    job = state.register_worker("j", 0, 2, token=None, pid=10, host="h")
+    state.register_worker("j", 1, 2, token=None, pid=11, host="h")
+    state.declare(job, 0, item("w"))  # the job runs: a rank added now is late
+    epoch = job.membership.epoch
+    with pytest.raises(AuthError, match="wrong token"):
+        state.take_out_to_rejoin("j", 1, b"x" * 16, pid=11, host="h")
+    assert not state.take_out_to_rejoin("j", 1, job.token, pid=99, host="h")  # another live process
+    assert job.membership.ranks == {0, 1}
+    with pytest.raises(MembershipError, match="already connected"):
+        state.register_worker("j", 1, 2, token=job.token, pid=99, host="h")
+    state.membership_changed.clear()
+    assert state.take_out_to_rejoin("j", 1, job.token, pid=11, host="h")
+    assert job.membership.ranks == {0} and job.membership.epoch == epoch + 1
+    assert state.membership_changed == [job]  # announced before the rank comes back
+    state.register_worker("j", 1, 2, token=job.token, pid=11, host="h")
+    assert job.membership.ranks == {0, 1} and job.membership.epoch == epoch + 2 and job.late
+    state.worker_disconnected("j", 0)  # a dead worker's rank, taken over by a new process
+    assert state.take_out_to_rejoin("j", 0, job.token, pid=12, host="h")
+    assert not state.take_out_to_rejoin("j", 2, job.token)  # not a member: a plain registration
+    assert not state.take_out_to_rejoin("nope", 0, job.token)  # register_worker says why
