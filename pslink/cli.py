@@ -204,7 +204,8 @@ def render_status(status: dict, out: Console) -> None:
         for column in ("job", "key", "part", "from", "to", "seconds", "copied", "why"):
             moving.add_column(column)
         for m in migrations:
-            moving.add_row(m["job"], str(m["key"]), str(m["part"]), m["source"], m["target"], f"{m['seconds']:.2f}",
+            moving.add_row(m["job"], str(m["key"]), str(m["part"]), m["source"], m["target"],
+                           "queued" if m.get("queued") else f"{m['seconds']:.2f}",
                            "yes" if m["copied"] else "no", m["reason"])
         out.print(moving)
     out.print(f"migrations done: {status.get('migrations_done', 0)}")

@@ -19,6 +19,7 @@ from pslink.core.control import Allocate, ControlPlane, Migrate, Release
 from pslink.core.loop import Reactor, ReactorThread
 from pslink.core.master_pool import MasterPool
 from pslink.core.master_recovery import MasterRecovery
+from pslink.core.master_throttle import MasterThrottle
 from pslink.core.master_state import JobRecord, KeySpec, MasterState
 from pslink.core.recovery import holdings, pick_replicas
 from pslink.core.protocol import DEFAULT_LIMITS, Limits, Op
@@ -74,7 +75,7 @@ def _plain_details(error: PslinkError) -> dict:
     return {k: v for k, v in error.details.items() if isinstance(v, (int, str, list))}
 
 
-class Master(MasterRecovery, MasterPool):
+class Master(MasterRecovery, MasterPool, MasterThrottle):
     """The pMaster daemon. ``start()`` runs it on a thread; ``serve_forever()`` on this one."""
 
     def __init__(
@@ -91,6 +92,7 @@ class Master(MasterRecovery, MasterPool):
         assign_timeout: float = 10.0,
         sweep_interval: float = 1.0,
         migration_timeout: float = 10.0,
+        max_migration_bytes: int | None = None,
         provider=None,
         control: dict | None = None,
         clock=time.time,
@@ -120,6 +122,7 @@ class Master(MasterRecovery, MasterPool):
         self._release_after: dict[str, Release] = {}  # released once no migration leaves it
         self._queued_moves: dict[tuple, Migrate] = {}  # task -> its next move, once this one is over
         self.migrations_done = 0
+        self._init_throttle(max_migration_bytes)  # task state copied at a time (the rest waits)
         self.endpoint = RpcEndpoint(self.reactor, self._on_request, limits, on_close=self._on_peer_close)
         self.listener = self.transports.listen(listen, self.reactor, self.endpoint, limits)
         self.address = self.listener.address
@@ -278,8 +281,7 @@ class Master(MasterRecovery, MasterPool):
 
     def _release(self, action: Release) -> None:
         name = action.aggregator
-        if any(e["source"] == name or e["target"] == name for e in self.migrations.values()) or \
-                any(name in (a.source, a.target) for a in self._queued_moves.values()) or self._replicas_moving(name):
+        if self._moving(name) or self._replicas_moving(name):
             # Tasks (or replicas) are still moving off (or onto) it: let it go when they are done.
             self._release_after[name] = action
             return
@@ -294,11 +296,8 @@ class Master(MasterRecovery, MasterPool):
             threading.Thread(target=self.provider.stop, args=(name,), daemon=True).start()
         self._pool_released(name)
 
-    def _migrate(self, action: Migrate) -> None:
-        if action.task in self.migrations:
-            # Still moving (onto this move's source): one copy of a task in flight at a time.
-            self._queued_moves[action.task] = action
-            return
+    def _start_migration(self, action: Migrate, size: int) -> None:
+        """Start a move now (``_migrate``, of the throttle, decides when)."""
         job, key, part = action.task
         record = self.state.jobs.get(job)
         spec = record.keys.get(key) if record is not None else None
@@ -314,7 +313,7 @@ class Master(MasterRecovery, MasterPool):
         address = self.state.aggregators[action.target].address
         entry = self.migrations[action.task] = {
             "source": action.source, "target": action.target, "reason": action.reason,
-            "started": self.state.clock(), "copied": False, "workers": False,
+            "started": self.state.clock(), "copied": False, "workers": False, "bytes": size,
         }
         placed = spec.parts[part]
         if action.target in placed.replicas:
@@ -365,25 +364,20 @@ class Master(MasterRecovery, MasterPool):
         elif queued is not None:
             log.warning("pMaster: %s stays on %s: the move before %r failed", task, entry["source"], queued)
             self._removal_failed(queued.source, task, queued.target, ServiceError(f"the move of {task} before failed"))
-        for name in (entry["source"], entry["target"]):
-            waiting = self._release_after.get(name)
-            if waiting is not None and not any(name in (e["source"], e["target"]) for e in self.migrations.values()):
-                del self._release_after[name]
-                self._release(waiting)
-        if not self.migrations:
-            # Sources that kept tasks until their migrations were under way may be empty now.
-            self.state.outbox += self.state.control.release_idle("emptied by migrations")
-            self.reactor.post(self._carry_out)
+        self._start_throttled()  # room for the next queued moves (before the releases: they count)
+        self._moves_settled([entry["source"], entry["target"], *((queued.source, queued.target) if queued else ())])
 
     def _force_migration(self, task: tuple, address: str) -> None:
         entry = self.migrations.get(task)
         if entry is None or entry["copied"]:
             return
         source = self._aggregator_peers.get(entry["source"])
-        if source is not None:
-            log.info("pMaster: no round of %s closed within %.0f s; moving it now", task, self.migration_timeout)
-            source.call(Op.MIGRATE, self._log_failure(f"forcing the migration of {task}"), timeout=self.assign_timeout,
-                        job=task[0], key=task[1], part=task[2], target=[entry["target"], address], force=True)
+        if source is None:  # its source is gone: nothing will end it
+            self._migration_over(task, failed=True)
+            return
+        log.info("pMaster: no round of %s closed within %.0f s; moving it now", task, self.migration_timeout)
+        source.call(Op.MIGRATE, self._log_failure(f"forcing the migration of {task}"), timeout=self.assign_timeout,
+                    job=task[0], key=task[1], part=task[2], target=[entry["target"], address], force=True)
 
     def _migration_progress(self, peer: RpcPeer, req: dict) -> None:
         task = (req["job"], req["key"], req["part"])
@@ -391,6 +385,8 @@ class Master(MasterRecovery, MasterPool):
         if entry is None:
             return
         entry["copied" if req["op"] == Op.TENSOR_COPY_DONE else "workers"] = True
+        if req["op"] == Op.TENSOR_COPY_DONE:
+            self._start_throttled()  # its bytes are across: room for the next queued move
         if entry["copied"] and entry["workers"]:
             self._migration_over(task)
             self.migrations_done += 1
@@ -456,6 +452,10 @@ class Master(MasterRecovery, MasterPool):
 
     def _end_job(self, record: JobRecord) -> None:
         self._drop_job_tasks(record)
+        for action in self._drop_throttled(job=record.job):  # never started: nothing to wait for
+            self._moves_settled([action.source, action.target])
+        for task in [t for t, a in list(self._queued_moves.items()) if t[0] == record.job]:
+            del self._queued_moves[task]
         for task in [t for t in self.migrations if t[0] == record.job]:
             # Its workers will never reach the new place: do not hold up a release waiting for them.
             self._migration_over(task)
@@ -513,11 +513,7 @@ class Master(MasterRecovery, MasterPool):
     def _status(self, peer: RpcPeer, req: dict) -> None:
         body = self.state.status()
         now = self.state.clock()
-        body["migrations"] = [
-            {"job": t[0], "key": t[1], "part": t[2], "source": e["source"], "target": e["target"],
-             "seconds": round(now - e["started"], 2), "copied": e["copied"], "reason": e["reason"]}
-            for t, e in self.migrations.items()
-        ]
+        body["migrations"] = self._migration_status(now)  # running, then queued
         body["migrations_done"] = self.migrations_done
         body["master"] = {"address": self.address, "state": self.store.path, "pid": os.getpid()}
         peer.reply(req, body=body)
@@ -606,6 +602,7 @@ class Master(MasterRecovery, MasterPool):
         error = spec.aborted
         names = {p.aggregator for p in spec.parts}
         names |= {e[side] for t, e in self.migrations.items() if t[:2] == (record.job, key) for side in ("source", "target")}
+        names |= {m["target"] for m in self._migration_status(0.0) if (m["job"], m["key"]) == (record.job, key)}
         for name in names:
             peer = self._aggregator_peers.get(name)
             if peer is not None:

@@ -153,8 +153,7 @@ class MasterPool:
             return
         removal["pending"] -= 1
         waiting = self._release_after.get(leaving)
-        if removal["pending"] == 0 and waiting is not None and not any(
-                leaving in (e["source"], e["target"]) for e in self.migrations.values()):
+        if removal["pending"] == 0 and waiting is not None and not self._moving(leaving):
             del self._release_after[leaving]
             self._release(waiting)
 

@@ -53,6 +53,7 @@ class MasterRecovery:
         actions = self.state.fail_over(name)
         self.store.delete_aggregator(name)
         self._failing[name] = 1  # released below, once every step is under way
+        self._abandon_moves_of(name)  # migrations off or onto it never end by themselves
         for action in actions:
             if isinstance(action, Promote):
                 self._promote(name, action)

@@ -98,3 +98,60 @@ def test_asp_pushes_and_optimizer_state_survive_a_migration(transports):
             np.testing.assert_allclose(weights, expected, rtol=0, atol=1e-12)  # momentum carried over
     finally:
         service.stop()
+
+
+def test_throttled_migrations_copy_a_bounded_amount_at_a_time_and_all_complete(transports):
+    """Many moves at once: at most max_migration_bytes of task state copies at a time (one task
+    always), the rest wait queued (and count as in flight), and the result is exact."""
+    part_bytes = 2048  # 6000 floats: 12 parts of 2 KiB; momentum doubles the state: 4 KiB a task
+    limit = 8192  # two tasks at a time
+    n, workers, rounds, migrated_at = 6000, 2, 40, 8
+    settings = {"type": "sgd", "lr": 0.01, "momentum": 0.9}
+
+    def train(migrate):
+        service = start_cluster("tcp", aggregators=3, transports=transports, max_migration_bytes=limit)
+        master = service.master
+        peak, seen_queued = [0], [False]
+        original = master._start_migration
+
+        def watched(action, size):
+            original(action, size)
+            peak[0] = max(peak[0], master._copying_bytes())
+            if master._throttled:
+                seen_queued[0] = True
+                assert master._moving(action.source)
+
+        master._start_migration = watched
+        both_past = threading.Barrier(workers, timeout=30)
+
+        def worker(rank):
+            agent = pslink.connect("throttled", rank, workers, master=service.address, transports=transports,
+                                   partition_bytes=part_bytes, servers=2, optimizer=settings, timeout=30)
+            try:
+                w = np.full(n, 0.5, np.float32)
+                agent.init("w", w).wait()
+                for r in range(1, rounds + 1):
+                    if r == migrated_at and migrate:
+                        both_past.wait()
+                        if rank == 0:
+                            master.migrate(master.tasks_of("throttled"), "agg-2", "test")
+                    agent.pushpull("w", contribution(rank, r, n) / 100, out=w).wait()
+                return w.copy(), agent.key_info("w")["parts"]
+            finally:
+                agent.close()
+
+        try:
+            results = run_workers(workers, worker)
+            if migrate:
+                wait_until(lambda: master.migrations_done == 12 and not master.migrations and not master._throttled,
+                           20, "migrations to finish")
+        finally:
+            service.stop()
+        return results, peak[0], seen_queued[0]
+
+    moved, peak, queued = train(True)
+    still, _, _ = train(False)
+    assert {p[3] for p in moved[0][1]} == {"agg-2"}
+    assert 0 < peak <= limit and queued
+    for rank in range(workers):
+        assert moved[rank][0].tobytes() == still[rank][0].tobytes()
