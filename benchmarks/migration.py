@@ -100,8 +100,8 @@ def run(keys: int, iterations: int, at: int | None, compute: float, log_dir: str
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mbytes", type=int, default=104, help="parameters of the job, in MiB (4 MiB tensors)")
-    parser.add_argument("--iterations", type=int, default=24)
-    parser.add_argument("--at", type=int, default=12, help="the iteration during which the job is migrated")
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--at", type=int, default=20, help="the iteration during which the job is migrated")
     parser.add_argument("--compute", type=float, default=0.3, help="seconds of simulated compute per iteration")
     parser.add_argument("--quick", action="store_true", help="16 MiB, 10 iterations (a smoke run)")
     args = parser.parse_args(argv)
