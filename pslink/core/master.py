@@ -308,7 +308,10 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
             if spec is not None:  # a removal waiting for this move keeps its Aggregator
                 self._removal_failed(action.source, action.task, action.target, ServiceError(why))
                 if action.source in self.state.control.cluster_of:
-                    self.state.control.move_task(action.task, action.source, "migration failed")
+                    try:
+                        self.state.control.move_task(action.task, action.source, "migration failed")
+                    except KeyError:
+                        pass  # the plan no longer places it (its job ended, or a failover re-placed it)
             return
         address = self.state.aggregators[action.target].address
         entry = self.migrations[action.task] = {

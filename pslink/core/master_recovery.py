@@ -50,10 +50,12 @@ class MasterRecovery:
 
     def _fail_over(self, name: str) -> None:
         log.warning("pMaster: aggregator %s is gone; failing its parts over", name)
+        self._failing[name] = 1  # released below, once every step is under way
+        # Migrations off or onto it never end by themselves. First, while the plan still has
+        # it: a queued move onto it goes back to its source in the plan before the plan forgets it.
+        self._abandon_moves_of(name)
         actions = self.state.fail_over(name)
         self.store.delete_aggregator(name)
-        self._failing[name] = 1  # released below, once every step is under way
-        self._abandon_moves_of(name)  # migrations off or onto it never end by themselves
         for action in actions:
             if isinstance(action, Promote):
                 self._promote(name, action)
