@@ -19,18 +19,14 @@ of both runs must be bit-identical (no round lost or applied twice). Ends with o
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import signal as signals
-import statistics
 import sys
 import tempfile
-import time
 
-import numpy as np
+from disturbed_job import median_before, run_workers, train
 
 TENSOR = 1 << 18  # float32 elements: 1 MiB, one part each
 SETTINGS = {"type": "sgd", "lr": 0.01, "momentum": 0.9}
@@ -41,53 +37,29 @@ def _worker(master, job, rank, keys, iterations, at, compute, signal, results):
     import pslink
 
     with pslink.connect(job, rank, 2, master=master, optimizer=SETTINGS, replication=1, timeout=120) as agent:
-        weights = [np.full(TENSOR, 0.01 * k, np.float32) for k in range(keys)]
-        agent.init_many(range(keys), weights).wait()
-        agent.pull_many(range(keys), outs=weights).wait()
-        durations = []
-        for it in range(iterations):
-            if it == at and signal is not None and rank == 0:
-                signal.put(time.time())  # the driver kills an Aggregator now
-            grads = [np.random.default_rng(1000 * rank + 10 * it + k).standard_normal(TENSOR).astype(np.float32)
-                     for k in range(keys)]
-            start = time.perf_counter()
-            time.sleep(compute)
-            agent.pushpull_many(range(keys), grads, outs=weights).wait()
-            durations.append(time.perf_counter() - start)
-        digest = hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
+        durations, digest = train(agent, rank, keys, TENSOR, iterations, at, compute, signal)
         results.put((rank, durations, digest))
 
 
 def run(keys: int, iterations: int, at: int | None, compute: float, log_dir: str) -> dict:
     from pslink.core.service import Service
 
-    context = mp.get_context("spawn")
-    signal = context.Queue() if at is not None else None
-    results = context.Queue()
     job = f"failover-{'killed' if at is not None else 'clean'}"
+    victim = []
     with Service(aggregators=3, log_dir=log_dir, control={"profile_iterations": 0}) as service:
-        procs = [context.Process(target=_worker, args=(service.address, job, rank, keys, iterations, at, compute,
-                                                       signal, results)) for rank in range(2)]
-        for p in procs:
-            p.start()
-        victim = None
-        if signal is not None:
-            signal.get(timeout=600)
+
+        def kill():
             counts: dict = {}
             for spec in service.master.state.jobs[job].keys.values():
                 for part in spec.parts:
                     counts[part.aggregator] = counts.get(part.aggregator, 0) + 1
-            victim = max(counts, key=counts.get)
-            os.kill(service.provider.pid(victim), signals.SIGKILL)
-        outcome = {}
-        for _ in range(2):
-            rank, durations, digest = results.get(timeout=900)
-            outcome[rank] = (durations, digest)
-        for p in procs:
-            p.join(60)
+            victim.append(max(counts, key=counts.get))
+            os.kill(service.provider.pid(victim[0]), signals.SIGKILL)
+
+        outcome = run_workers(_worker, (service.address, job, keys, iterations, at, compute), at is not None, kill)
         failovers = service.master.failovers_done
-    return {"durations": outcome[0][0], "digests": [outcome[r][1] for r in (0, 1)], "victim": victim,
-            "failovers": failovers}
+    return {"durations": outcome[0][0], "digests": [outcome[r][1] for r in (0, 1)],
+            "victim": victim[0] if victim else None, "failovers": failovers}
 
 
 def main(argv=None) -> int:
@@ -105,9 +77,9 @@ def main(argv=None) -> int:
         killed = run(keys, args.iterations, args.at, args.compute, os.path.join(logs, "a"))
         clean = run(keys, args.iterations, None, args.compute, os.path.join(logs, "b"))
     d = killed["durations"]
-    before = statistics.median(d[max(0, args.at - 6):args.at])
+    before = median_before(d, args.at)
     pause = max(d[args.at:]) - before
-    clean_before = statistics.median(clean["durations"][max(0, args.at - 6):args.at])
+    clean_before = median_before(clean["durations"], args.at)
     noise = max(clean["durations"][args.at:]) - clean_before  # the host alone, same window
     identical = len(set(killed["digests"] + clean["digests"])) == 1
     print(f"pslink failover benchmark on {platform.node()} ({os.cpu_count()} CPUs): {keys} tensors of 1 MiB "

@@ -19,17 +19,14 @@ be bit-identical. Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import sys
 import tempfile
-import time
 
-import numpy as np
+from disturbed_job import median_before, run_workers, train
 
 TENSOR = 1 << 20  # float32 elements: 4 MiB, one task each
 SETTINGS = {"type": "sgd", "lr": 0.01, "momentum": 0.9}
@@ -39,62 +36,43 @@ def _worker(master, job, rank, keys, iterations, at, compute, signal, results):
     import pslink
 
     with pslink.connect(job, rank, 2, master=master, optimizer=SETTINGS, servers=2, timeout=120) as agent:
-        weights = [np.full(TENSOR, 0.01 * k, np.float32) for k in range(keys)]
-        agent.init_many(range(keys), weights).wait()
-        agent.pull_many(range(keys), outs=weights).wait()
-        durations, last_moved = [], None
-        sources = {p[3] for k in range(keys) for p in agent.key_info(k)["parts"]}
-        for it in range(iterations):
-            if it == at and signal is not None and rank == 0:
-                signal.put(time.time())  # the driver migrates the job now
-            grads = [np.random.default_rng(1000 * rank + 10 * it + k).standard_normal(TENSOR).astype(np.float32)
-                     for k in range(keys)]
-            start = time.perf_counter()
-            time.sleep(compute)
-            agent.pushpull_many(range(keys), grads, outs=weights).wait()
-            durations.append(time.perf_counter() - start)
-            if signal is not None and it >= at and last_moved is None and not sources & {
-                    p[3] for k in range(keys) for p in agent.key_info(k)["parts"]}:
-                last_moved = it  # every part of this worker's keys is on its new Aggregator now
-        digest = hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
-        results.put((rank, durations, digest, [p[3] for k in range(keys) for p in agent.key_info(k)["parts"]],
-                     last_moved))
+        def places():
+            return [p[3] for k in range(keys) for p in agent.key_info(k)["parts"]]
+
+        sources, last_moved = set(), []
+
+        def moved(it):
+            if it == 0:
+                sources.update(places())  # where the keys were placed (they exist once trained once)
+            if signal is not None and it >= at and not last_moved and not sources & set(places()):
+                last_moved.append(it)  # every part of this worker's keys is on its new Aggregator now
+
+        durations, digest = train(agent, rank, keys, TENSOR, iterations, at, compute, signal, moved)
+        results.put((rank, durations, digest, places(), last_moved[0] if last_moved else None))
 
 
 def run(keys: int, iterations: int, at: int | None, compute: float, log_dir: str) -> dict:
     from pslink.core.service import Service
 
-    context = mp.get_context("spawn")
-    signal = context.Queue() if at is not None else None
-    results = context.Queue()
     job = f"migration-{'moved' if at is not None else 'still'}"
     # 4 Aggregators; the job asks for 2 and stays on them (profiling never ends here), so the only
     # move is the one this benchmark makes.
     with Service(aggregators=4, log_dir=log_dir, control={"profile_iterations": 10**9}) as service:
-        procs = [context.Process(target=_worker, args=(service.address, job, rank, keys, iterations, at, compute,
-                                                       signal, results)) for rank in range(2)]
-        for p in procs:
-            p.start()
-        moved_at = None
-        if signal is not None:
-            moved_at = signal.get(timeout=600)
+
+        def migrate():
             master = service.master
             tasks = master.tasks_of(job)
-            sources = {service.master.state.jobs[job].keys[t[1]].parts[t[2]].aggregator for t in tasks}
+            sources = {master.state.jobs[job].keys[t[1]].parts[t[2]].aggregator for t in tasks}
             targets = [n for n in service.provider.names() if n not in sources]
             for i, target in enumerate(targets):
                 master.migrate(tasks[i::len(targets)], target, "benchmark")
-        outcome = {}
-        for _ in range(2):
-            rank, durations, digest, places, last_moved = results.get(timeout=900)
-            outcome[rank] = (durations, digest, places, last_moved)
-        for p in procs:
-            p.join(60)
+
+        outcome = run_workers(_worker, (service.address, job, keys, iterations, at, compute), at is not None, migrate)
         migrated = service.master.migrations_done
     moved = [outcome[r][3] for r in (0, 1)]
     return {"durations": outcome[0][0], "digests": [outcome[r][1] for r in (0, 1)],
             "last_moved": None if None in moved else max(moved),
-            "places": sorted(set(outcome[0][2])), "migrations": migrated, "moved_at": moved_at}
+            "places": sorted(set(outcome[0][2])), "migrations": migrated}
 
 
 def main(argv=None) -> int:
@@ -112,7 +90,7 @@ def main(argv=None) -> int:
         moved = run(keys, args.iterations, args.at, args.compute, os.path.join(logs, "a"))
         still = run(keys, args.iterations, None, args.compute, os.path.join(logs, "b"))
     d = moved["durations"]
-    before = statistics.median(d[max(0, args.at - 6):args.at])
+    before = median_before(d, args.at)
     # The whole migration: iteration --at to the one after the last task moved (all of the rest if
     # the workers never saw every part move).
     last = moved["last_moved"]
@@ -120,7 +98,7 @@ def main(argv=None) -> int:
     taken = None if last is None else last - args.at + 1
     during = d[args.at:end]
     stall = max(during) - before
-    baseline_before = statistics.median(still["durations"][max(0, args.at - 6):args.at])
+    baseline_before = median_before(still["durations"], args.at)
     # The same window in the run without a migration: how much the host alone moves the figure.
     noise = max(still["durations"][args.at:end]) - baseline_before
     identical = moved["digests"][0] == still["digests"][0] and len(set(moved["digests"] + still["digests"])) == 1

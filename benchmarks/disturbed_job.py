@@ -1,0 +1,64 @@
+"""What the migration and failover benchmarks share: a 2-worker job whose iterations are timed
+while the driver disturbs the service at a chosen iteration (moves the job, kills an Aggregator),
+run once disturbed and once not, so that the two can be compared."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import statistics
+import time
+
+import numpy as np
+
+WINDOW = 6  # iterations before the disturbance whose median is the baseline
+
+
+def train(agent, rank: int, keys: int, tensor: int, iterations: int, at: int | None, compute: float, signal,
+          after_step=None) -> tuple[list[float], str]:
+    """Init ``keys`` tensors of ``tensor`` float32, then push-pull random gradients each iteration
+    after ``compute`` s of simulated compute; rank 0 tells the driver (``signal``) when iteration
+    ``at`` starts. ``after_step(it)`` runs after each iteration. Returns the iteration durations
+    and a digest of the final weights."""
+    weights = [np.full(tensor, 0.01 * k, np.float32) for k in range(keys)]
+    agent.init_many(range(keys), weights).wait()
+    agent.pull_many(range(keys), outs=weights).wait()
+    durations = []
+    for it in range(iterations):
+        if it == at and signal is not None and rank == 0:
+            signal.put(time.time())  # the driver disturbs the service now
+        grads = [np.random.default_rng(1000 * rank + 10 * it + k).standard_normal(tensor).astype(np.float32)
+                 for k in range(keys)]
+        start = time.perf_counter()
+        time.sleep(compute)
+        agent.pushpull_many(range(keys), grads, outs=weights).wait()
+        durations.append(time.perf_counter() - start)
+        if after_step is not None:
+            after_step(it)
+    return durations, hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
+
+
+def run_workers(worker, args: tuple, disturbed: bool, disturb) -> dict:
+    """Start ``worker(*args, signal, results)`` as ranks 0 and 1 (spawned processes); when
+    ``disturbed``, call ``disturb()`` once rank 0 signals. Returns each rank's result tuple (what
+    the worker put, without its leading rank)."""
+    context = mp.get_context("spawn")
+    signal = context.Queue() if disturbed else None
+    results = context.Queue()
+    procs = [context.Process(target=worker, args=(*args[:2], rank, *args[2:], signal, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    if signal is not None:
+        signal.get(timeout=600)
+        disturb()
+    outcome = {}
+    for _ in range(2):
+        rank, *rest = results.get(timeout=900)
+        outcome[rank] = tuple(rest)
+    for p in procs:
+        p.join(60)
+    return outcome
+
+
+def median_before(durations: list[float], at: int) -> float:
+    return statistics.median(durations[max(0, at - WINDOW):at])
