@@ -542,11 +542,12 @@ class ControlPlane:
 
     # -- scaling down -----------------------------------------------------------------------------------
 
-    def release_idle(self, reason: str = "idle") -> list:
-        """Release Aggregators that hold nothing (after migrations that emptied them finished)."""
-        return self._release_empty(reason)
+    def release_idle(self, reason: str = "idle", keep=()) -> list:
+        """Release Aggregators that hold nothing (after migrations that emptied them finished).
+        ``keep``: those that hold what the plan does not count (replicas)."""
+        return self._release_empty(reason, keep)
 
-    def _release_empty(self, reason: str) -> list:
+    def _release_empty(self, reason: str, keep=()) -> list:
         actions = []
         if not self.elastic:
             return actions
@@ -557,7 +558,7 @@ class ControlPlane:
                 if self.aggregator_count() <= self.min_aggregators:
                     return actions
                 if (plan.aggregators[name].tasks or name in self.reserved or self.is_placeholder(name)
-                        or name in leaving):
+                        or name in leaving or name in keep):
                     continue
                 plan.remove_aggregator(name)
                 self.cluster_of.pop(name, None)

@@ -335,6 +335,8 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         tasks = [dict(t, incoming=True) for t in spec.task_specs(None, self._address_of) if t["part"] == part]
 
         def started(result, error):
+            if self.migrations.get(action.task) is not entry:
+                return  # abandoned meanwhile (an Aggregator of it is gone): its failover placed the task
             if error is not None:
                 log.warning("pMaster: migration of %s to %s failed to start: %s", action.task, action.target, error)
                 self._removal_failed(action.source, action.task, action.target, error)  # before a release
@@ -346,6 +348,8 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
             entry["timer"] = self.reactor.call_later(self.migration_timeout, self._force_migration, action.task, address)
 
         def assigned(result, error):
+            if self.migrations.get(action.task) is not entry:
+                return  # abandoned meanwhile: the source must not let go of the task now
             if error is not None:
                 started(None, error)
                 return

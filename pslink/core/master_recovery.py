@@ -14,8 +14,9 @@ import logging
 
 from pslink.core.jobs import JobRecord, KeySpec, PartSpec
 from pslink.core.protocol import Op
-from pslink.core.recovery import Lost, Promote, Recreate, Rereplicate
+from pslink.core.recovery import Lost, Promote, Recreate, Rereplicate, holdings, pick_replicas
 from pslink.core.rpc import RpcPeer
+from pslink.errors import KeyStateError
 
 log = logging.getLogger("pslink.core.master")
 
@@ -53,8 +54,8 @@ class MasterRecovery:
         self._failing[name] = 1  # released below, once every step is under way
         # Migrations off or onto it never end by themselves. First, while the plan still has
         # it: a queued move onto it goes back to its source in the plan before the plan forgets it.
-        self._abandon_moves_of(name)
-        actions = self.state.fail_over(name)
+        stays = self._abandon_moves_of(name)
+        actions = self.state.fail_over(name, stays)
         self.store.delete_aggregator(name)
         for action in actions:
             if isinstance(action, Promote):
@@ -76,7 +77,9 @@ class MasterRecovery:
         self._failing[lost] += 1
 
         def promoted(result, error):
-            if error is not None:
+            if error is not None and action.moving:
+                self._promote_replica_instead(lost, action)  # before the step below is done
+            elif error is not None:
                 log.error("pMaster: promoting %s's replica of key %r part %d failed: %s", part.aggregator,
                           action.spec.key, part.part, error)
             else:
@@ -87,6 +90,30 @@ class MasterRecovery:
 
         peer.call(Op.PROMOTE, promoted, timeout=self.assign_timeout, job=action.record.job, key=action.spec.key,
                   part=part.part, replicas=[[r, self._address_of(r)] for r in part.replicas])
+
+    def _promote_replica_instead(self, lost: str, action: Promote) -> None:
+        """The source of a move onto ``lost`` had handed the part over (frozen for its copy, or
+        let go once the copy landed): the target may have answered rounds since, which only the
+        part's replicas have. Promote one, and top the replicas up again."""
+        record, spec, part, source = action.record, action.spec, action.part, action.part.aggregator
+        live = [r for r in part.replicas if r in self._aggregator_peers]
+        if not live:
+            error = KeyStateError(f"key {spec.key!r} of job {record.job!r}: aggregator {lost} is gone while part "
+                                  f"{part.part} moved onto it, and no replica is left", job=record.job, key=spec.key)
+            log.error("pMaster: %s", error.message)
+            self._abort_key(record, spec.key, error)
+            return
+        log.info("pMaster: %s had handed key %r part %d over to %s; promoting its replica on %s", source,
+                 spec.key, part.part, lost, live[0])
+        part.aggregator, part.replicas = live[0], live[1:]
+        self.state.control.task_recovered((record.job, spec.key, part.part), part.aggregator)
+        added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
+                              record.replication - len(part.replicas),
+                              exclude={part.aggregator, source, lost, *part.replicas})
+        part.replicas += added
+        self._promote(lost, Promote(record, spec, part, lost))
+        if added:
+            self._rereplicate(Rereplicate(record, spec, part, added))
 
     def _assign_part(self, lost: str, record: JobRecord, spec: KeySpec, part: PartSpec) -> None:
         peer = self._aggregator_peers.get(part.aggregator)

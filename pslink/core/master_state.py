@@ -405,11 +405,12 @@ class MasterState:
         """Live Aggregators that may take a part or a replica (not one being removed)."""
         return [n for n in self.live_aggregators() if n not in self.control.draining]
 
-    def fail_over(self, name: str) -> list:
+    def fail_over(self, name: str, stays: dict[tuple, str] | None = None) -> list:
         """The Aggregator ``name`` is gone for good: re-home its parts and replicas
-        (:mod:`pslink.core.recovery`) and forget it. Returns what pMaster must carry out."""
+        (:mod:`pslink.core.recovery`) and forget it. ``stays``: parts whose migration onto it
+        had not landed, and their sources. Returns what pMaster must carry out."""
         self.aggregator_lost(name)
-        actions = plan_failover(self.jobs, name, self.replica_candidates())
+        actions = plan_failover(self.jobs, name, self.replica_candidates(), stays)
         for action in actions:
             if isinstance(action, (Promote, Recreate)):
                 ident = (action.record.job, action.spec.key, action.part.part)

@@ -18,6 +18,8 @@ import logging
 
 from pslink.core.control import Migrate
 from pslink.core.protocol import DTYPES
+from pslink.core.recovery import holdings
+from pslink.errors import ServiceError
 
 log = logging.getLogger("pslink.core.master")
 
@@ -26,7 +28,7 @@ DEFAULT_MAX_MIGRATION_BYTES = 16 << 20
 
 class MasterThrottle:
     """Requires of its host: ``state``, ``migrations``, ``_queued_moves``, ``_aggregator_peers``,
-    ``_start_migration``, ``_migration_over`` and ``_release_after``/``_release``."""
+    ``_start_migration``, ``_migration_over``, ``_removal_failed`` and ``_release_after``/``_release``."""
 
     def _init_throttle(self, max_migration_bytes: int | None) -> None:
         self.max_migration_bytes = DEFAULT_MAX_MIGRATION_BYTES if max_migration_bytes is None else max_migration_bytes
@@ -90,8 +92,17 @@ class MasterThrottle:
                 self._release(waiting)
         if not self.migrations and not self._throttled:
             # Sources that kept tasks until their migrations were under way may be empty now.
-            self.state.outbox += self.state.control.release_idle("emptied by migrations")
-            self.reactor.post(self._carry_out)
+            # Judged once this turn is over, not now: a failover abandons the moves onto a lost
+            # target before it re-homes their tasks (back on their source, or on a replica).
+            self.reactor.post(self._release_idle)
+
+    def _release_idle(self) -> None:
+        if not self.migrations and not self._throttled:
+            # The plan counts no replicas: an Aggregator holding only replicas is not idle (a
+            # failover may promote them; a lost one not failed over yet still names them).
+            holding = {name for name, count in holdings(self.state.jobs).items() if count}
+            self.state.outbox += self.state.control.release_idle("emptied by migrations", keep=holding)
+            self._carry_out()
 
     def _drop_throttled(self, job: str | None = None, aggregator: str | None = None) -> list[Migrate]:
         """Take queued moves of ``job``, or off or onto ``aggregator``, out of the queue."""
@@ -101,14 +112,23 @@ class MasterThrottle:
             del self._throttled[action.task]
         return dropped
 
-    def _abandon_moves_of(self, name: str) -> None:
-        """Aggregator ``name`` is gone: migrations off or onto it will not end by themselves."""
+    def _abandon_moves_of(self, name: str) -> dict[tuple, str]:
+        """Aggregator ``name`` is gone: migrations off or onto it will not end by themselves.
+        Returns the tasks that were moving onto it and whose copy was not known to have landed,
+        each with its source: that may still be serving the task (a move waits for the round
+        under way to close), so the failover offers it the task before promoting a replica."""
         for action in self._drop_throttled(aggregator=name):
             self._start_migration(action, 0)  # fails at once (not connected): the plan goes back
-        for task in [t for t, e in self.migrations.items() if name in (e["source"], e["target"])]:
+        stays = {}
+        for task, entry in [(t, e) for t, e in self.migrations.items() if name in (e["source"], e["target"])]:
             log.warning("pMaster: abandoning the migration of %s: %s is gone", task, name)
+            if entry["target"] == name and not entry["copied"]:
+                stays[task] = entry["source"]
+                # A removal draining the source fails: it keeps the task (and the pool, it).
+                self._removal_failed(entry["source"], task, name, ServiceError(f"{name} is gone"))
             self._migration_over(task, failed=True)
         self._start_throttled()
+        return stays
 
     def _migration_status(self, now: float) -> list[dict]:
         moving = [

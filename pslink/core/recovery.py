@@ -8,6 +8,8 @@ round is replicated, so whatever a worker was told is done survives the loss of 
 
 Failover, for each part of the lost Aggregator:
 
+- moving onto it, its copy not known to have landed, with replicas: it stays on the migration's
+  source if that still serves it (it had not handed it over); else a replica is promoted;
 - with a live replica: that replica is promoted (it serves the part from the last round it
   has; the workers resend what they had in flight, the same rounds, and a round seen twice is
   applied once), and the replicas are topped up to k again;
@@ -36,6 +38,9 @@ class Promote:
     spec: KeySpec
     part: PartSpec  # already updated: part.aggregator is the promoted replica
     source: str
+    # part.aggregator is the source of a move onto the lost Aggregator: it keeps the part if it
+    # still serves it, else (it handed the part over) one of part.replicas is promoted instead.
+    moving: bool = False
 
 
 @dataclasses.dataclass
@@ -82,16 +87,27 @@ def pick_replicas(candidates: list[str], load: collections.Counter, count: int, 
     return chosen
 
 
-def plan_failover(jobs, lost: str, candidates: list[str]) -> list:
+def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str] | None = None) -> list:
     """Update every part that lived on, or was replicated to, the Aggregator ``lost``; return what
-    pMaster must do. ``candidates``: the live Aggregators that may take parts or replicas."""
+    pMaster must do. ``candidates``: the live Aggregators that may take parts or replicas.
+    ``stays``: parts that were moving onto ``lost`` and whose copy had not landed, with the
+    migration's source: that may still be serving the part (a move waits for a round to close),
+    and a promoted replica would then be a second server; so the source is asked first."""
     load = holdings(jobs)
     actions: list = []
+    stays = stays or {}
     for record in jobs.values():
         for spec in record.keys.values():
             dead_key = False
             for part in spec.parts:
-                if part.aggregator == lost:
+                source = stays.get((record.job, spec.key, part.part))
+                if source in candidates and record.replication:
+                    part.aggregator, part.replicas = source, [r for r in part.replicas if r != lost]
+                    actions.append(Promote(record, spec, part, lost, moving=True))
+                    added = _top_up(record, part, candidates, load, lost)
+                    if added:
+                        actions.append(Rereplicate(record, spec, part, added))
+                elif part.aggregator == lost:
                     survivors = [r for r in part.replicas if r in candidates]
                     if survivors:
                         part.aggregator, part.replicas = survivors[0], survivors[1:]

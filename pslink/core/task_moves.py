@@ -220,10 +220,17 @@ class TaskMoves:
             held.update(closed=state["closed"], state=state, arrays=arrays)
 
     def promote(self, ident: tuple, replicas: list) -> list:
-        """pMaster: the part's Aggregator is gone; serve it from this replica's last round."""
+        """pMaster: the part's Aggregator is gone; serve it from this replica's last round. Or,
+        to the source of a move whose target is gone: keep the part if it never handed it over."""
         task = self.tasks.get(ident)
-        if task is not None:  # promoted already (a repeated request)
+        if task is not None and task.moved_to is not None:
+            # Handed over (frozen for the copy): the target may have answered rounds since, and
+            # only the part's replicas have those (it replicates before it answers).
+            raise KeyStateError(f"{task.name} was handed over to {task.moved_to[0]} here; a replica has what "
+                                "followed", job=ident[0], key=ident[1])
+        if task is not None:  # promoted already (a repeated request), or a move's source still serving it
             task.replicas = [tuple(r) for r in replicas]
+            task.migrate_to = None  # a move not begun yet is off: its target is gone
             return []
         held = self.replicas.pop(ident, None)
         if held is None:

@@ -470,3 +470,23 @@ def test_moving_twice_or_unknown_tasks():
     assert c.core.begin_migration((c.task.job.job, c.task.key, 0), TARGET) == []  # already moving
     with pytest.raises(KeyStateError, match="does not hold"):
         c.core.begin_migration(("j", "nope", 0), TARGET)
+
+
+
+def test_the_source_of_a_move_whose_target_is_gone_keeps_the_part_only_if_it_never_handed_it_over():
+    """pMaster's PROMOTE to the source of a move onto a lost Aggregator: a source still serving
+    the part (its round had not closed) calls the move off; one that froze the part for its copy
+    refuses (the target may have answered rounds since: a replica is promoted instead)."""
+    c = Cluster(workers=2, needs_init=False)
+    ident = (c.task.job.job, c.task.key, c.task.part)
+    c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
+    migrate(c)
+    assert c.core.promote(ident, []) == []  # the move is off
+    _, outputs = c.send(Op.PUSHPULL, 1, 1, np.full(6, 2.0))
+    assert not any(isinstance(o, CopyOut) for o in outputs)
+    results = [o for o in outputs if isinstance(o, Reply) and o.payload is not None]
+    assert len(results) == 2 and all(r.moved is None for r in results)  # nobody is sent away
+    np.testing.assert_array_equal(results[0].payload, np.full(6, 3.0))
+    migrate(c, force=True)  # frozen for its copy at once
+    with pytest.raises(KeyStateError, match="handed over to agg-new"):
+        c.core.promote(ident, [])

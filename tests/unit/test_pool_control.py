@@ -140,3 +140,25 @@ def test_a_removal_waits_for_moves_off_it_that_wait_for_a_new_aggregator():
     assert actions == [] and moves == {}  # the task is leaving already; the Release must not pass it
     follow = control.bind(allocation.placeholder, "agg-2")
     assert [type(a) for a in follow] == [Migrate, Release] and follow[0].source == "agg-0"
+
+
+def test_a_part_moving_onto_a_lost_aggregator_is_offered_back_to_its_source_first():
+    """Its copy was not known to have landed: the source may still be serving the part, and a
+    promoted replica would then be a second server. (If the source had handed the part over, it
+    refuses, and pMaster promotes the replica: see master_recovery.)"""
+    from pslink.core.recovery import Promote
+
+    state = MasterState(clock=lambda: 0.0, control=ControlPlane(profile_iterations=0, elastic=False))
+    for i in range(3):
+        state.register_aggregator(f"tcp://127.0.0.1:{9000 + i}", f"agg-{i}")
+        state.aggregator_joined(f"agg-{i}")
+    record = state.register_worker("j", 0, 1, None, {"replication": 1})
+    state.declare(record, 0, {"key": "w", "shape": [4], "dtype": "float32", "intent": "init"})
+    (part,) = record.keys["w"].parts
+    source, (replica,) = part.aggregator, part.replicas
+    (target,) = {"agg-0", "agg-1", "agg-2"} - {source, replica}
+    state.control.move_task(("j", "w", 0), target)
+    part.aggregator = target  # what pMaster does once the source took the MIGRATE
+    (action,) = state.fail_over(target, {("j", "w", 0): source})
+    assert isinstance(action, Promote) and action.moving
+    assert action.part.aggregator == source and action.part.replicas == [replica]
