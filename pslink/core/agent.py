@@ -352,14 +352,18 @@ class Agent(TaskRequests, Failover, MasterLink):
     def _send_part(self, handle, op, info: KeyInfo, part: PartInfo, round_: int, payload, flat_out, average,
                    moves: int = 0) -> None:
         nbytes = (part.stop - part.start) * info.dtype.itemsize
-        handle._waiting_on[part.aggregator] = part.address
+        aggregator, address = part.where  # once: another thread may move the part meanwhile
+        handle._waiting_on[aggregator] = address
         try:
-            link = self._link(part.aggregator, part.address)
+            link = self._link(aggregator, address)
         except PslinkError as exc:
             if not self.failover:
                 self._complete(handle, exc)
                 return
-            link = Link(part.aggregator, part.address, None, self.clock())  # gone: see _transmit
+            log.warning("agent %s/%s: cannot connect to aggregator %s at %s: %s", self.job, self.rank,
+                        aggregator, address, exc.message)
+            # Gone (see _transmit): named after the Aggregator tried, not where the part may be by now.
+            link = Link(aggregator, address, None, self.clock(), exc.message)
         rid = next(self._ids)
         dest = array = None
         if flat_out is not None:
@@ -379,7 +383,7 @@ class Agent(TaskRequests, Failover, MasterLink):
         link = request.link
         try:
             if link.conn is None:
-                raise PeerError("not connected")
+                raise PeerError(link.error or "not connected")
             if self.faults is not None:
                 self.faults.send(link.conn, frames)
             else:
@@ -542,7 +546,7 @@ class Agent(TaskRequests, Failover, MasterLink):
         """A part's task lives elsewhere now (the pull that closed its last round here said so)."""
         agg, address = where.get("agg"), where.get("address")
         if isinstance(agg, str) and isinstance(address, str):
-            part.aggregator, part.address = agg, address
+            part.move(agg, address)
 
     def on_close(self, conn, exc) -> None:
         link = self._conn_links.pop(conn, None)
@@ -591,6 +595,9 @@ class Agent(TaskRequests, Failover, MasterLink):
             now = self.clock()
             if self.resend_timeout:
                 for rid, request in list(self._pending.items()):
+                    conn = request.link.conn
+                    if conn is None or conn.closed:
+                        continue  # its Aggregator is lost: the relocation under way sends it again
                     if request.frames is not None and now - request.sent > self.resend_timeout:
                         self._transmit(rid, request, request.frames)
             for link in list(self._links.values()):

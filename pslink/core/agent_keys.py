@@ -12,11 +12,28 @@ from pslink.core.transport import Connection
 from pslink.errors import ConfigError
 
 class PartInfo:
-    __slots__ = ("index", "start", "stop", "aggregator", "address")
+    """A part of a key and where it lives. The place is one (aggregator, address) tuple, replaced
+    whole (:meth:`move`): the relocation thread moves parts while the driving and calling threads
+    send to them, and a reader that took the name before a move and the address after it would
+    connect to the wrong Aggregator (or fail, and report the other one unreachable). Read
+    ``where`` once where both are needed."""
+
+    __slots__ = ("index", "start", "stop", "where")
 
     def __init__(self, index, start, stop, aggregator, address):
         self.index, self.start, self.stop = index, start, stop
-        self.aggregator, self.address = aggregator, address
+        self.where: tuple[str, str] = (aggregator, address)
+
+    @property
+    def aggregator(self) -> str:
+        return self.where[0]
+
+    @property
+    def address(self) -> str:
+        return self.where[1]
+
+    def move(self, aggregator: str, address: str) -> None:
+        self.where = (aggregator, address)
 
 
 class KeyInfo:
@@ -41,10 +58,11 @@ class KeyInfo:
 class Link:
     """The connection to one Aggregator and the requests waiting on it."""
 
-    __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending")
+    __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending", "error")
 
-    def __init__(self, name: str, address: str, conn: Connection, now: float):
+    def __init__(self, name: str, address: str, conn: Connection | None, now: float, error: str | None = None):
         self.name, self.address, self.conn = name, address, conn
+        self.error = error  # with no ``conn``: why connecting failed
         self.last_heard = now
         self.ping_sent: float | None = None
         self.pending: set[int] = set()

@@ -76,9 +76,10 @@ class TaskRequests:
         """One part of a request about the task, not its rounds: STATE_GET (``state``: the dict
         its arrays and numbers go into), STATE_SET (``state``: the key's flat arrays and
         numbers) or JOIN (``state``: the dict its answers go into, by part; ``round_`` 0 asks)."""
-        handle._waiting_on[part.aggregator] = part.address
+        aggregator, address = part.where
+        handle._waiting_on[aggregator] = address
         try:
-            link = self._link(part.aggregator, part.address)
+            link = self._link(aggregator, address)
         except PslinkError as exc:
             self._complete(handle, exc)
             return

@@ -547,6 +547,8 @@ class Aggregator:
             outputs = self.core.promote((req["job"], req["key"], req["part"]), req["replicas"])
             peer.reply(req)
             self._send_all(outputs)
+        elif op == Op.PING:  # pMaster: is this Aggregator alive (an Agent could not reach it)?
+            peer.reply(req)
         elif op == Op.SHUTDOWN:
             log.info("aggregator %s: shutdown requested by pMaster", self.name)
             self.exit_code = 0

@@ -5,7 +5,9 @@ An Aggregator whose connection to pMaster closed, and that has not come back wit
 re-homed (:mod:`pslink.core.recovery`) and carried out here: PROMOTE a replica, ASSIGN a fresh
 part, top up replicas, ABORT keys whose state is lost. Agents that lost the Aggregator ask
 (RELOCATE) where their parts live now; the answer waits until the failover is carried out, so
-what they resend lands where it is served.
+what they resend lands where it is served. An Aggregator still connected to pMaster is pinged:
+answering, it is alive (the Agent's connection broke, not the Aggregator) and the Agent is
+answered at once, to connect to it again.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pslink.core.jobs import JobRecord, KeySpec, PartSpec
 from pslink.core.protocol import Op
 from pslink.core.recovery import Lost, Promote, Recreate, Rereplicate, holdings, pick_replicas
 from pslink.core.rpc import RpcPeer
-from pslink.errors import KeyStateError
+from pslink.errors import KeyStateError, PeerError, PslinkTimeoutError
 
 log = logging.getLogger("pslink.core.master")
 
@@ -159,7 +161,7 @@ class MasterRecovery:
 
     def _relocate(self, peer: RpcPeer, req: dict) -> None:
         """RELOCATE: ``parts`` = [[key, part, aggregator it lost], ...]. Answered once pMaster has
-        failed that Aggregator over (or at once, if it already has, or if it is fine)."""
+        failed that Aggregator over (or at once, if it already has, or once it answers a ping)."""
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
         lost = {str(entry[2]) for entry in req["parts"] if isinstance(entry, list) and len(entry) == 3}
         # An Agent may see the connection break before pMaster does (or alone, a glitch between
@@ -169,7 +171,18 @@ class MasterRecovery:
             name = pending[0]
             self._relocations.setdefault(name, []).append((peer, req))
             # An Aggregator that never fails over (it came back, or pMaster cannot decide): answer anyway.
-            self.reactor.call_later(self.aggregator_grace + self.aggregator_timeout, self._answer_one, name, peer, req)
+            wait = self.aggregator_grace + self.aggregator_timeout
+            self.reactor.call_later(wait, self._answer_one, name, peer, req)
+            connected = self._aggregator_peers.get(name)
+            if name not in self._failing and connected is not None:
+                # Connected to pMaster: whether it is alive, one round trip tells. Dead, its
+                # connection closes and the failover answers; silent, the timer above does.
+                def alive(result, error):
+                    if error is None or not isinstance(error, (PeerError, PslinkTimeoutError)):
+                        if name not in self._failing and self._aggregator_peers.get(name) is connected:
+                            self._answer_one(name, peer, req)
+
+                connected.call(Op.PING, alive, timeout=wait)
             return
         self._answer_relocation(record, peer, req)
 

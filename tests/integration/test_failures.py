@@ -353,3 +353,49 @@ def test_kill_9_without_a_replica_restarts_from_the_checkpoint_and_says_how_many
             optimizer.step(expected, grad, state)
         np.testing.assert_array_equal(weights0[key], expected)
     assert (tmp_path / "ckpt" / "resumed" / "0" / "part-0.npz").exists()
+
+
+def test_a_broken_connection_to_a_live_aggregator_is_reconnected_at_once():
+    """Every data connection of the Aggregators breaks mid-training, the Aggregators live on: the
+    Agents ask pMaster where the parts went (RELOCATE), pMaster finds them alive (a ping) and
+    answers at once, instead of after aggregator_grace + aggregator_timeout (15.5 s); the Agents
+    reconnect and resend, and the weights are those of a run without the break."""
+
+    def run(job, break_at):
+        transports = Transports()
+        service = start_cluster("tcp", aggregators=2, transports=transports, control={"profile_iterations": 0})
+        barrier = threading.Barrier(2, timeout=30)
+
+        def worker(rank):
+            ends = []
+            with pslink.connect(job, rank, 2, master=service.address, transports=transports, partition_bytes=4096,
+                                optimizer=OPTIMIZER, timeout=30) as agent:
+                keys = [0, 1, 2]
+                agent.init_many(keys, [np.linspace(-1, 1, 3000, dtype=np.float32) * (k + 1) for k in keys]).wait()
+                for step in range(16):
+                    if step == break_at:
+                        barrier.wait()
+                        if rank == 0:
+                            for aggregator in service.provider.aggregators.values():
+                                for conn in list(aggregator.connections):
+                                    conn.close()
+                        barrier.wait()
+                    outs = agent.pushpull_many(keys, [gradient(rank, step, k) for k in keys]).wait()
+                    ends.append(time.monotonic())
+                return [o.copy() for o in outs], ends
+
+        try:
+            return run_workers(2, worker, timeout=60), service.master.failovers_done
+        finally:
+            service.stop()
+            transports.close()
+
+    expected, _ = run("clean", None)
+    got, failovers = run("broken", 6)
+    assert failovers == 0
+    for rank in (0, 1):
+        for key in range(3):
+            np.testing.assert_array_equal(got[rank][0][key], expected[rank][0][key])
+    ends = got[0][1]
+    pause = max(b - a for a, b in zip(ends, ends[1:]))
+    assert pause < 5.0, f"training stopped for {pause:.1f} s after its connections broke"

@@ -1,0 +1,98 @@
+"""The target of a live migration dies (SIGKILL) while task state is being copied onto it.
+
+A replicated job (replication 1) trains in BSP with two workers on a service of Aggregator
+processes; its tasks move to an Aggregator added for them, all at once or throttled (a few tasks'
+state in flight at a time); the new Aggregator kills itself (``PSLINK_FAULTS kill=NAME@N``) while
+the copies are in flight. The job must fail over and train on, within bounded pauses, to the
+weights of a run without the migration: bit for bit, as replication 1 promises. Every wait has a
+deadline; every process is reaped (the service stops them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pslink
+from pslink.core.service import Service
+from tests.helpers import run_workers
+from tests.integration.test_processes import wait_until
+
+pytestmark = pytest.mark.integration
+
+OPTIMIZER = {"type": "sgd", "lr": 0.01, "momentum": 0.9}
+KEYS = [0, 1, 2]  # 3000 floats each, in 4 KiB partitions: 3 parts a key, 9 tasks
+TASK_BYTES = 2 * 4096  # what moving one part copies: its weights and momentum
+STEPS, MIGRATE_AT = 40, 10
+
+
+def gradient(rank: int, step: int, key: int) -> np.ndarray:
+    return np.random.default_rng(1000 * step + 10 * key + rank).standard_normal(3000).astype(np.float32)
+
+
+def train(job: str, *, max_migration_bytes: int | None = None, migrate: bool = False, log_dir=None):
+    """Two workers (threads of this process, real sockets) on 3 Aggregator processes, momentum SGD
+    on the service, replication 1. With ``migrate``: before step ``MIGRATE_AT`` a fourth
+    Aggregator is added and every task of the job is moved to it, while both train on. Returns
+    each rank's final weights, rank 0's step end times, pMaster's failover count and how the
+    added Aggregator ended."""
+    options = {"max_migration_bytes": max_migration_bytes} if max_migration_bytes else None
+    with Service(aggregators=3, control={"profile_iterations": 0}, master_options=options,
+                 log_dir=str(log_dir) if log_dir else None) as service:
+        master = service.master
+        barrier = threading.Barrier(2, timeout=60)
+        added: list[str] = []
+
+        def worker(rank):
+            ends = []
+            with pslink.connect(job, rank, 2, master=service.address, optimizer=OPTIMIZER, partition_bytes=4096,
+                                replication=1, timeout=30) as agent:
+                agent.init_many(KEYS, [np.linspace(-1, 1, 3000, dtype=np.float32) * (k + 1) for k in KEYS]).wait()
+                for step in range(STEPS):
+                    if migrate and step == MIGRATE_AT:
+                        barrier.wait()
+                        if rank == 0:
+                            added.extend(service.add_aggregators(1))
+                            master.migrate(master.tasks_of(job), added[0], "test")
+                        barrier.wait()
+                    outs = agent.pushpull_many(KEYS, [gradient(rank, step, k) for k in KEYS]).wait()
+                    ends.append(time.monotonic())
+                return [o.copy() for o in outs], ends
+
+        results = run_workers(2, worker, timeout=180)
+        if migrate:
+            # A failover (or an abandoned move) may settle after the last step: wait for it, bounded.
+            wait_until(lambda: master.failovers_done and not master.migrations and not master._throttled,
+                       30, "pMaster's failover of the migration target")
+        status = {n: service.provider.diagnose(n).splitlines()[0] for n in added}
+        return [r[0] for r in results], results[0][1], master.failovers_done, status
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """The weights of the same training without a migration or a kill."""
+    return train("clean")[0]
+
+
+@pytest.mark.parametrize("throttle", [None, TASK_BYTES * 2], ids=["all-at-once", "throttled"])
+@pytest.mark.parametrize("kill_at", [1, 3])
+def test_the_migration_target_killed_mid_copy_changes_nothing(monkeypatch, tmp_path, expected, throttle, kill_at):
+    """Throttled, two tasks' state copies at a time: the first moves may have landed (their parts
+    fail over to a replica), those in flight stay on their source (which may still be serving
+    them), the queued ones never leave it."""
+    # Only the Aggregator added for the migration (the fourth: agg-3) dies, as it sends its
+    # kill_at-th data-path message: 1 is its answer to the first TENSOR_COPY (installed, not acknowledged).
+    monkeypatch.setenv("PSLINK_FAULTS", f"kill=agg-3@{kill_at}")
+    got, ends, failovers, status = train("moved", max_migration_bytes=throttle, migrate=True,
+                                         log_dir=tmp_path / "logs")
+    assert status == {"agg-3": "agg-3: exited with status -9"}, status
+    assert failovers == 1
+    for rank in (0, 1):
+        for key in KEYS:
+            np.testing.assert_array_equal(got[rank][key], expected[rank][key])
+    # Training went on: a bound that only catches a stall (the workers' own timeout is 30 s).
+    pause = max(b - a for a, b in zip(ends, ends[1:]))
+    assert pause < 10.0, f"training stopped for {pause:.1f} s after the migration target was killed"
