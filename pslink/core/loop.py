@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Callable
 
+from pslink.core.spin import SpinWindow
+
 EVENT_READ = select.POLLIN
 EVENT_WRITE = select.POLLOUT
 _FAILED = select.POLLERR | select.POLLHUP  # reported whatever was asked: treat as readable+writable
@@ -87,6 +89,8 @@ class Reactor:
         self._poller.register(self._wake_r, EVENT_READ)
         self._masks: dict[int, int] = {}
         self._last_activity = 0.0  # perf_counter() of the last I/O event: spinning counts from it
+        self.spin_window = SpinWindow()  # learns from the gaps only in run_forever (servers)
+        self._idle_since = 0.0  # perf_counter() when the last burst of I/O was handled (0: not learning)
         self._readers: dict[int, Callable[[], None]] = {}
         self._writers: dict[int, Callable[[], None]] = {}
         self._posted: collections.deque = collections.deque()
@@ -175,10 +179,16 @@ class Reactor:
         return True
 
     def run_forever(self, spin: float = 0.0) -> None:
-        """Drive until :meth:`stop`; for the thread that owns this reactor."""
+        """Drive until :meth:`stop`; for the thread that owns this reactor (a server's loop).
+
+        A server does not wait for one reply, as a client does: it serves whatever comes, so its
+        spin adapts to the gaps it sees (:class:`~pslink.core.spin.SpinWindow`), up to ``spin``.
+        """
+        window = self.spin_window
         with self._drive_lock:
+            self._idle_since = time.perf_counter() if spin > 0 else 0.0
             while not self._stopping:
-                self.run_once(None, spin)
+                self.run_once(None, window.window(spin) if spin > 0 else 0.0)
 
     def run_once(self, timeout: float | None, spin: float = 0.0) -> None:
         """One iteration: wait for I/O, then run callbacks. The caller must hold the drive lock.
@@ -212,7 +222,9 @@ class Reactor:
                 finally:
                     self._sleeping = False
         if events:
-            self._last_activity = time.perf_counter()
+            now = self._last_activity = time.perf_counter()
+            if self._idle_since:
+                self.spin_window.record(now - self._idle_since)
             wake_fd = self._wake_r
             for fd, mask in events:
                 if fd == wake_fd:
@@ -226,6 +238,8 @@ class Reactor:
                     callback = self._readers.get(fd)
                     if callback is not None:
                         self._guard(callback)
+            if self._idle_since:
+                self._idle_since = time.perf_counter()
         if self._posted:
             self._run_posted()
         if self._timers:
