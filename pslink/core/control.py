@@ -148,6 +148,9 @@ class ControlPlane:
         self._pending_scale_down = False
         self._last_scale = self.clock()
         self._serial = itertools.count(1)
+        # Aggregators holding replicas: the plan counts only tasks, pMaster knows the replicas.
+        # Scaling never releases or drains them, or the replicas would go with them.
+        self.replica_holders: Callable[[], set] = set
 
     # -- the pool ---------------------------------------------------------------------------------
 
@@ -551,6 +554,7 @@ class ControlPlane:
         actions = []
         if not self.elastic:
             return actions
+        keep = set(keep) | self.replica_holders()
         # Tasks still to move off an Aggregator (waiting for their new one to start) keep it.
         leaving = {a.source for held in self._held.values() for a in held if isinstance(a, Migrate)}
         for cluster, plan in self.clusters.items():
@@ -575,12 +579,14 @@ class ControlPlane:
     def _drain(self, plan: Placement, reason: str) -> list:
         """Move everything off the least-loaded Aggregators while others have room (3.3.2)."""
         actions: list = []
+        holders = self.replica_holders() if self.elastic else set()
         while self.elastic and self.aggregator_count() > self.min_aggregators:
             busy = [p for n, p in plan.aggregators.items() if p.tasks and n not in self.exclusive
                     and n not in self.reserved and not self.is_placeholder(n)]
-            if len(busy) < 2:
+            drainable = [p for p in busy if p.name not in holders]
+            if len(busy) < 2 or not drainable:
                 return actions
-            lightest = min(busy, key=lambda p: (p.work / p.cycle if p.cycle else 0.0, p.name))
+            lightest = min(drainable, key=lambda p: (p.work / p.cycle if p.cycle else 0.0, p.name))
             targets = [p.name for p in busy if p is not lightest]
             moves = plan.try_move_all(lightest.name, targets)
             if moves is None:

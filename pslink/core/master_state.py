@@ -55,6 +55,7 @@ class MasterState:
         self.clock = clock
         # Without a provider given, the pool is what registers: nothing is started or stopped.
         self.control = control or ControlPlane(clock=clock, elastic=False)
+        self.control.replica_holders = self.replica_holders
         self.jobs: dict[str, JobRecord] = {}
         self.membership_changed: list[JobRecord] = []  # jobs whose Aggregators must hear of it
         self.aggregators: dict[str, AggregatorRecord] = {}
@@ -343,6 +344,11 @@ class MasterState:
                             p.aggregator = name
         else:
             self.control.aggregator_added(name)
+
+    def replica_holders(self) -> set[str]:
+        """Aggregators that hold a replica of some part (scaling must keep them)."""
+        return {name for record in self.jobs.values() for spec in record.keys.values()
+                for part in spec.parts for name in part.replicas}
 
     def remove_aggregator(self, name: str) -> None:
         self.aggregators.pop(name, None)

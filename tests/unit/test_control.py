@@ -144,6 +144,35 @@ def test_job_exit_releases_and_drains_the_least_loaded():
     assert control.aggregator_count() == 1
 
 
+def test_scaling_down_keeps_aggregators_that_hold_replicas():
+    # Same pool as above, but agg-0 holds replicas of another job's parts and agg-2 too: the plan
+    # counts only tasks, so without pMaster's word both would go, and the replicas with them.
+    control = plane(min_aggregators=1)
+    for name in ("agg-0", "agg-1", "agg-2"):
+        control.aggregator_added(name)
+    control.profile_iterations = 0
+    control.replica_holders = lambda: {"agg-0", "agg-2"}
+    for job, cost in (("a", 0.02), ("b", 0.02), ("c", 0.01)):
+        control.job_arrived(job, workers=1)
+        control.jobs[job].standalone = 0.1
+        control.jobs[job].costs = {(job, 0, 0): cost}
+        control.jobs[job].parts = {(job, 0, 0): 1000}
+    plan = control.clusters["cluster-0"]
+    from pslink.core.placement import TaskDemand
+
+    plan.assign(TaskDemand("a", 0, 0, 0.1, 0.06), "agg-0")
+    plan.assign(TaskDemand("b", 0, 0, 0.1, 0.02), "agg-1")
+    plan.assign(TaskDemand("c", 0, 0, 0.1, 0.01), "agg-2")
+    actions = control.job_ended("a")
+    # agg-0 is empty but holds replicas: kept; agg-2 is the lightest but holds replicas: agg-1,
+    # the only other, drains into it instead
+    assert [a.aggregator for a in actions if isinstance(a, Release)] == ["agg-1"]
+    assert [(m.task, m.source, m.target) for m in actions if isinstance(m, Migrate)] == [
+        (("b", 0, 0), "agg-1", "agg-2")]
+    control.replica_holders = set  # the replicas went (their job ended): idle ones may go now
+    assert [a.aggregator for a in control.release_idle() if isinstance(a, Release)] == ["agg-0"]
+
+
 def test_with_a_scale_period_releases_wait_for_the_period_and_allocations_do_not():
     clock = Clock()
     control = plane(min_aggregators=1, scale_period=60.0, clock=clock)

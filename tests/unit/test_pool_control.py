@@ -113,6 +113,7 @@ def test_replicas_on_a_removed_aggregator_are_made_elsewhere():
     state.declare(record, 0, {"key": "w", "shape": [4], "dtype": "float32", "intent": "init"})
     (part,) = record.keys["w"].parts
     (holder,) = part.replicas
+    assert state.control.replica_holders() == {holder}  # what scaling keeps
     moves, replicas = state.remove_from_pool(holder)
     assert moves == {}
     (change,) = replicas
