@@ -18,7 +18,9 @@ from pslink.core.protocol import Limits
 from pslink.core.transport import DISCARD, Transports
 from pslink.errors import PeerError, ProtocolError
 
-BACKENDS = ["tcp://127.0.0.1:0", "zmq+tcp://127.0.0.1:0", "inproc://*"]
+# "tcp" between peers of one host goes over the local (Unix) socket beside the port; "tcp-only"
+# turns that off (PSLINK_LOCAL_SOCKETS=0), as between hosts.
+BACKENDS = ["tcp://127.0.0.1:0", "tcp-only", "zmq+tcp://127.0.0.1:0", "inproc://*"]
 WAIT = 10.0
 
 
@@ -50,8 +52,12 @@ class Recorder:
         self.closed.put((conn, exc))
 
 
-@pytest.fixture(params=BACKENDS, ids=["tcp", "zmq", "inproc"])
-def net(request):
+@pytest.fixture(params=BACKENDS, ids=["tcp", "tcp-only", "zmq", "inproc"])
+def net(request, monkeypatch):
+    address = request.param
+    if address == "tcp-only":
+        monkeypatch.setenv("PSLINK_LOCAL_SOCKETS", "0")
+        address = "tcp://127.0.0.1:0"
     transports = Transports()
     threads = []
 
@@ -60,7 +66,7 @@ def net(request):
         threads.append(ReactorThread(r).start())
         return r
 
-    yield request.param, transports, reactor
+    yield address, transports, reactor
     for t in threads:
         t.stop()
         t.reactor.close()
@@ -231,3 +237,37 @@ def test_oversized_message_is_refused(net):
         _, server_exc = server.closed.get(timeout=WAIT)
         assert isinstance(server_exc, ProtocolError)
         assert "exceed" in str(server_exc)
+
+
+def test_same_host_tcp_peers_meet_on_the_local_socket_unless_turned_off(monkeypatch):
+    import socket
+
+    from pslink.core.transport.tcp import TcpTransport, local_socket_name
+
+    transport, reactor = TcpTransport(), Reactor("local")
+    thread = ReactorThread(reactor).start()
+    try:
+        server = Recorder(echo=True)
+        listener = transport.listen("tcp://127.0.0.1:0", reactor, server)
+        conn = transport.connect(listener.address, reactor, Recorder(), timeout=5.0)
+        assert conn.sock.family == socket.AF_UNIX and conn.peer == listener.address
+        accepted = server.accepted.get(timeout=WAIT)
+        assert accepted.peer.startswith(f"local://{listener.address[len('tcp://'):]}#")
+        monkeypatch.setenv("PSLINK_LOCAL_SOCKETS", "0")
+        assert transport.connect(listener.address, reactor, Recorder(), timeout=5.0).sock.family == socket.AF_INET
+        monkeypatch.delenv("PSLINK_LOCAL_SOCKETS")
+        # Another host's address has no local socket; a loopback port without one falls back to TCP.
+        assert local_socket_name("10.1.2.3", 7000) is None
+        assert local_socket_name("0.0.0.0", 7000) == local_socket_name("127.0.0.1", 7000)
+        plain = socket.socket()
+        plain.bind(("127.0.0.1", 0))
+        plain.listen()
+        try:
+            fallback = transport.connect(f"tcp://127.0.0.1:{plain.getsockname()[1]}", reactor, Recorder(), timeout=5.0)
+            assert fallback.sock.family == socket.AF_INET
+        finally:
+            plain.close()
+        listener.close()
+    finally:
+        thread.stop()
+        reactor.close()
