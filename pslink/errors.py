@@ -119,6 +119,13 @@ _BY_CODE = {
 }
 
 
+def error_to_wire(error: PslinkError) -> list:
+    """``[code, message, details]`` to send an error on (``error_from_code(*wire)`` rebuilds it);
+    only the details a message can carry are kept."""
+    details = {k: v for k, v in error.details.items() if isinstance(v, (int, str, list))}
+    return [error.code, error.message, details]
+
+
 def error_from_code(code: str, message: str, details: dict | None = None) -> PslinkError:
     """Rebuild an error received from a peer; an unknown code becomes a plain PslinkError."""
     cls = _BY_CODE.get(code, PslinkError)

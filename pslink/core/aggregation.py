@@ -62,6 +62,7 @@ from pslink.errors import (
     PslinkError,
     ShapeMismatchError,
     UnknownJobError,
+    error_from_code,
 )
 
 MAX_MISSED = 8  # straggler-closed rounds remembered per task, to mark their late pushes as dropped
@@ -146,6 +147,8 @@ class AggregatorCore(TaskMoves):
                     f"{task.name}: reassigned as shape {tuple(spec['shape'])} {spec['dtype']} span "
                     f"{tuple(spec['span'])}, but it holds {task.describe()} span {task.span}"
                 )
+            if spec.get("aborted") and task.poisoned is None:  # a new task starts poisoned (Task)
+                task.poisoned = error_from_code(*spec["aborted"])  # the shell fails what waits on it
             created.append(task)
         return created
 
@@ -386,6 +389,11 @@ class AggregatorCore(TaskMoves):
 
     def _close_ready(self, task: Task, admitted: bool = False) -> list:
         replies: list = []
+        if task.poisoned is not None:
+            # An aborted key never completes a round. handle() refuses its requests and abort()
+            # emptied its rounds; this keeps it so for every caller, a membership change above all
+            # (the rounds would close for whoever is left).
+            return replies
         while True:
             nxt = task.closed + 1
             round_ = task.rounds.get(nxt)

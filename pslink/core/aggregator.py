@@ -520,7 +520,9 @@ class Aggregator:
         op = req["op"]
         if op == Op.ASSIGN:
             for task in self.core.assign(req["jobinfo"], req["tasks"]):
-                if task.restore and task.restored is None:
+                if task.poisoned is not None:
+                    self._send_all(self.core.abort(task, task.poisoned))  # the key was aborted: fail its waiters
+                elif task.restore and task.restored is None:
                     self._restore(task)
             peer.reply(req)
         elif op == Op.JOB_INFO:

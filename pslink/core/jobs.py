@@ -12,7 +12,7 @@ from pslink.core.optim import make_optimizer
 from pslink.core.checkpoints import DEFAULT_EVERY, check_url
 from pslink.core.partition import DEFAULT_PARTITION_BYTES
 from pslink.core.protocol import DTYPES
-from pslink.errors import ConfigError
+from pslink.errors import ConfigError, error_to_wire
 
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
@@ -48,6 +48,10 @@ class KeySpec:
         for p in self.parts:
             entry = {"key": self.key, "part": p.part, "span": list(p.span), "shape": list(self.shape),
                      "dtype": self.dtype, "declared_by": self.declared_by, "needs_init": self.needs_init}
+            if self.aborted is not None:
+                # Aborted before this ASSIGN: the task is created failed. An ABORT sent after it
+                # could reach the Aggregator after a worker's first requests (another connection).
+                entry["aborted"] = error_to_wire(self.aborted)
             if aggregator is None or p.aggregator == aggregator:
                 if p.replicas and address_of is not None:
                     entry["replicas"] = [[r, address_of(r)] for r in p.replicas]

@@ -577,15 +577,17 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
             if error is None:
                 spec.ready = True
                 self.store.save_key(record.job, spec)
-                if spec.aborted is not None:
-                    self._abort_key(record, spec.key, spec.aborted)  # aborted while it was being placed
             else:
                 self.state.forget_key(record, spec.key)
+            # A key aborted while it was being placed (its ASSIGN poisoned the task, or the ABORT
+            # followed the ASSIGN on the same connection) fails the lookups waiting for it: a
+            # worker that learnt where it lives could init and push before the Aggregator heard.
+            failure = ServiceError(f"placing key {spec.key!r} failed: {error}") if error is not None else spec.aborted
             for wait in self._waits.pop((record.job, spec.key), []):
-                if error is not None:
+                if failure is not None:
                     if wait.missing:
                         wait.missing.clear()
-                        wait.peer.error(wait.request, ServiceError(f"placing key {spec.key!r} failed: {error}"))
+                        wait.peer.error(wait.request, failure)
                     continue
                 wait.missing.discard(spec.key)
                 if not wait.missing:
@@ -599,8 +601,9 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         """Poison a key on every Aggregator that holds or will hold a part of it.
 
         The key is remembered as aborted: an Aggregator still starting (its assignment deferred)
-        or the target of a migration in flight gets the abort once it has the task, else the
-        first declarer would wait on a fresh, unpoisoned task until its timeout."""
+        gets the abort in its ASSIGN (KeySpec.task_specs), so the task never exists unpoisoned
+        there, and the target of a migration in flight gets it too; else the first declarer
+        could use a fresh, unpoisoned task (alone in the job once the other rank left)."""
         spec = record.keys.get(key)
         if spec is None:
             return

@@ -10,7 +10,7 @@ import numpy as np
 from pslink.core.membership import TaskMembers
 from pslink.core.protocol import Op
 from pslink.core.tasks import Checkpoint, CopyOut, Replicate, Reply, Request, Task, _Round, moved_error
-from pslink.errors import KeyStateError, MembershipError, error_from_code
+from pslink.errors import KeyStateError, MembershipError, error_from_code, error_to_wire
 
 
 class TaskMoves:
@@ -114,9 +114,7 @@ class TaskMoves:
             "members": task.members.to_wire(), "epoch": task.closed_epoch, "init_rank": task.init_rank,
         }
         if task.poisoned is not None:  # an aborted key stays aborted where it moves
-            error = task.poisoned
-            state["poisoned"] = [error.code, error.message, {k: v for k, v in error.details.items()
-                                                              if isinstance(v, (int, str, list))}]
+            state["poisoned"] = error_to_wire(task.poisoned)
         return state, arrays
 
     def _import(self, task: Task, state: dict, arrays: list[np.ndarray]) -> None:

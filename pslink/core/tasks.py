@@ -15,7 +15,7 @@ import numpy as np
 from pslink.core.membership import Membership, TaskMembers
 from pslink.core.optim import Optimizer, make_optimizer
 from pslink.core.protocol import Op, dtype_of
-from pslink.errors import MovedError, ProtocolError, PslinkError
+from pslink.errors import MovedError, ProtocolError, PslinkError, error_from_code
 
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
@@ -264,7 +264,8 @@ class Task:
         self.rounds: dict[int, _Round] = {}
         self.pulls: dict[int, list[Request]] = {}
         self.before_init: list[Request] = []
-        self.poisoned: PslinkError | None = None
+        # A key pMaster aborted before it assigned this part (see KeySpec.task_specs) starts failed.
+        self.poisoned: PslinkError | None = error_from_code(*spec["aborted"]) if spec.get("aborted") else None
         self.opt_state: dict = {}
         self.rounds_closed = 0
         # elastic membership: who each round waits for, the epoch its last round closed in
