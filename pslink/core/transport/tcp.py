@@ -74,6 +74,13 @@ class TcpConnection(Connection):
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        elif sock.family == socket.AF_UNIX:
+            # A Unix stream queues only its sender's buffer (about 200 KiB by default; TCP grows its
+            # own to MiBs): a 4 MiB part would take 20 writes and as many wake-ups of the reader.
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SEND_BUFFER)
+            except OSError:
+                pass  # the system's cap (net.core.wmem_max) applies
         self.sock = sock
         self.fd = sock.fileno()
         self.reactor = reactor
@@ -431,6 +438,7 @@ class TcpConnection(Connection):
 # off (TCP only). Abstract names vanish with their process: nothing is left on disk.
 
 LOCAL_SOCKETS_ENV = "PSLINK_LOCAL_SOCKETS"
+LOCAL_SEND_BUFFER = 4 << 20
 _WILDCARD_LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1", "localhost": "127.0.0.1"}
 
 
