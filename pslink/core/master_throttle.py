@@ -98,8 +98,9 @@ class MasterThrottle:
 
     def _release_idle(self) -> None:
         if not self.migrations and not self._throttled:
-            # The plan counts no replicas: an Aggregator holding only replicas is not idle (a
-            # failover may promote them; a lost one not failed over yet still names them).
+            # Whatever pMaster's jobs place on an Aggregator keeps it, also where the plan does not
+            # count it (yet): a part a failover gave back to its source. Replica holders the
+            # control plane keeps by itself (ControlPlane.replica_holders).
             holding = {name for name, count in holdings(self.state.jobs).items() if count}
             self.state.outbox += self.state.control.release_idle("emptied by migrations", keep=holding)
             self._carry_out()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pslink.core.control import Allocate, ControlPlane, Migrate, Release
+from pslink.core.placement import TaskDemand
 
 
 class Clock:
@@ -119,8 +120,9 @@ def test_a_congested_aggregator_is_left_for_one_with_room_without_new_ones():
     assert control.jobs["j"].reverts == 0
 
 
-def test_job_exit_releases_and_drains_the_least_loaded():
-    control = plane(min_aggregators=1)
+def three_jobs_on_three_aggregators(control: ControlPlane) -> None:
+    """Jobs a, b, c, one task each, placed directly (Pseudocode 1) on agg-0, agg-1, agg-2: a's
+    the heaviest (6% of its cycle), c's the lightest (1%)."""
     for name in ("agg-0", "agg-1", "agg-2"):
         control.aggregator_added(name)
     control.profile_iterations = 0  # placed directly by Pseudocode 1
@@ -130,11 +132,14 @@ def test_job_exit_releases_and_drains_the_least_loaded():
         control.jobs[job].costs = {(job, 0, 0): cost}
         control.jobs[job].parts = {(job, 0, 0): 1000}
     plan = control.clusters["cluster-0"]
-    from pslink.core.placement import TaskDemand
-
     plan.assign(TaskDemand("a", 0, 0, 0.1, 0.06), "agg-0")
     plan.assign(TaskDemand("b", 0, 0, 0.1, 0.02), "agg-1")
     plan.assign(TaskDemand("c", 0, 0, 0.1, 0.01), "agg-2")
+
+
+def test_job_exit_releases_and_drains_the_least_loaded():
+    control = plane(min_aggregators=1)
+    three_jobs_on_three_aggregators(control)
     actions = control.job_ended("a")
     releases = [a.aggregator for a in actions if isinstance(a, Release)]
     moves = [a for a in actions if isinstance(a, Migrate)]
@@ -148,21 +153,8 @@ def test_scaling_down_keeps_aggregators_that_hold_replicas():
     # Same pool as above, but agg-0 holds replicas of another job's parts and agg-2 too: the plan
     # counts only tasks, so without pMaster's word both would go, and the replicas with them.
     control = plane(min_aggregators=1)
-    for name in ("agg-0", "agg-1", "agg-2"):
-        control.aggregator_added(name)
-    control.profile_iterations = 0
     control.replica_holders = lambda: {"agg-0", "agg-2"}
-    for job, cost in (("a", 0.02), ("b", 0.02), ("c", 0.01)):
-        control.job_arrived(job, workers=1)
-        control.jobs[job].standalone = 0.1
-        control.jobs[job].costs = {(job, 0, 0): cost}
-        control.jobs[job].parts = {(job, 0, 0): 1000}
-    plan = control.clusters["cluster-0"]
-    from pslink.core.placement import TaskDemand
-
-    plan.assign(TaskDemand("a", 0, 0, 0.1, 0.06), "agg-0")
-    plan.assign(TaskDemand("b", 0, 0, 0.1, 0.02), "agg-1")
-    plan.assign(TaskDemand("c", 0, 0, 0.1, 0.01), "agg-2")
+    three_jobs_on_three_aggregators(control)
     actions = control.job_ended("a")
     # agg-0 is empty but holds replicas: kept; agg-2 is the lightest but holds replicas: agg-1,
     # the only other, drains into it instead

@@ -104,7 +104,9 @@ def test_added_aggregators_are_kept_by_scaling():
         plane("agg-0", max_aggregators=3).add_aggregators(3)
 
 
-def test_replicas_on_a_removed_aggregator_are_made_elsewhere():
+def one_replicated_part():
+    """pMaster's state with 3 Aggregators and job "j" (replication 1) holding key "w" in one part:
+    (state, the job's record, the part)."""
     state = MasterState(clock=lambda: 0.0, control=ControlPlane(profile_iterations=0, elastic=False))
     for i in range(3):
         state.register_aggregator(f"tcp://127.0.0.1:{9000 + i}", f"agg-{i}")
@@ -112,6 +114,11 @@ def test_replicas_on_a_removed_aggregator_are_made_elsewhere():
     record = state.register_worker("j", 0, 1, None, {"replication": 1})
     state.declare(record, 0, {"key": "w", "shape": [4], "dtype": "float32", "intent": "init"})
     (part,) = record.keys["w"].parts
+    return state, record, part
+
+
+def test_replicas_on_a_removed_aggregator_are_made_elsewhere():
+    state, record, part = one_replicated_part()
     (holder,) = part.replicas
     assert state.control.replica_holders() == {holder}  # what scaling keeps
     moves, replicas = state.remove_from_pool(holder)
@@ -149,13 +156,7 @@ def test_a_part_moving_onto_a_lost_aggregator_is_offered_back_to_its_source_firs
     refuses, and pMaster promotes the replica: see master_recovery.)"""
     from pslink.core.recovery import Promote
 
-    state = MasterState(clock=lambda: 0.0, control=ControlPlane(profile_iterations=0, elastic=False))
-    for i in range(3):
-        state.register_aggregator(f"tcp://127.0.0.1:{9000 + i}", f"agg-{i}")
-        state.aggregator_joined(f"agg-{i}")
-    record = state.register_worker("j", 0, 1, None, {"replication": 1})
-    state.declare(record, 0, {"key": "w", "shape": [4], "dtype": "float32", "intent": "init"})
-    (part,) = record.keys["w"].parts
+    state, record, part = one_replicated_part()
     source, (replica,) = part.aggregator, part.replicas
     (target,) = {"agg-0", "agg-1", "agg-2"} - {source, replica}
     state.control.move_task(("j", "w", 0), target)

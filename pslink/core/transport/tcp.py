@@ -439,7 +439,8 @@ class TcpConnection(Connection):
 
 LOCAL_SOCKETS_ENV = "PSLINK_LOCAL_SOCKETS"
 LOCAL_SEND_BUFFER = 4 << 20
-_WILDCARD_LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1", "localhost": "127.0.0.1"}
+# The loopback address local peers use for a listener bound to a wildcard, or for a name.
+_LOCAL_HOST_OF = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1", "localhost": "127.0.0.1"}
 
 
 def local_socket_name(host: str, port: int) -> str | None:
@@ -447,7 +448,7 @@ def local_socket_name(host: str, port: int) -> str | None:
     or None where there is none (not Linux, not a loopback address, or turned off)."""
     if not sys.platform.startswith("linux") or os.environ.get(LOCAL_SOCKETS_ENV, "1").strip() == "0":
         return None
-    host = _WILDCARD_LOOPBACK.get(host, host)
+    host = _LOCAL_HOST_OF.get(host, host)
     if not (host.startswith("127.") or host == "::1"):
         return None
     return f"\0pslink/{host}:{port}"
