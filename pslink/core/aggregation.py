@@ -294,16 +294,13 @@ class AggregatorCore(TaskMoves):
         return replies
 
     def _reinit(self, task: Task, req: Request) -> list[Reply]:
-        if req.payload is None or req.rank == task.init_rank and (task.closed or task.rounds):
-            # Another rank's init (the shape check in admit() was the point), or the
-            # initializer's own init arriving again (a resend): nothing to change.
+        if req.payload is None or task.closed or task.rounds:
+            # Another rank's init (the shape check in admit() was the point); the initializer's
+            # own init arriving again (a resend); or a value from a rank that only sends one
+            # because rank 0 had left when it got there (asynchronous rounds let rank 0 finish
+            # first) for a key rank 0 initialized and the job already uses: nothing to change.
+            # Like MXNet's servers, which take a value only for a key that has none.
             return [Reply(req.origin, req.id, round=task.closed)]
-        if task.closed or task.rounds:
-            raise KeyStateError(
-                f"{task.name} is already in use (round {task.closed}); init must come before the "
-                f"first push",
-                key=task.key,
-            )
         task.value = req.payload  # a repeated init before any round: the latest value wins
         task.init_rank = req.rank
         return [Reply(req.origin, req.id, round=0)]

@@ -119,6 +119,7 @@ class PSLinkKVStore(KVStoreBase):
         self._sent: dict | None = None  # the optimizer settings the service has
         self._updater = None  # gluon.Trainer.load_states reads kv._updater.optimizer
         self._barriers = itertools.count(1)
+        self._init_barriers = itertools.count(1)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.type} job={self._agent.job!r} rank={self.rank}/{self.num_workers}>"
@@ -164,6 +165,7 @@ class PSLinkKVStore(KVStoreBase):
             arrays.append(_arrays(v, k, "init")[0].asnumpy())
         self._settle()
         self._call("init", keys, lambda: self._agent.init_many(keys, arrays).wait())
+        self._after_init(keys)
         for k, array in zip(keys, arrays):
             self._keys[k] = _Key(array.shape, array.dtype)
 
@@ -189,6 +191,7 @@ class PSLinkKVStore(KVStoreBase):
             pulled.wait()
 
         self._call("broadcast", keys, init_then_pull)
+        self._after_init(keys)
         for k, info, buffer, target in zip(keys, infos, buffers, targets):
             self._keys[k] = info
             self._write(buffer, target)
@@ -376,6 +379,13 @@ class PSLinkKVStore(KVStoreBase):
     def _write(array: np.ndarray, targets: list) -> None:
         for target in targets:
             target[:] = array  # a synchronous copy; casts to the target's dtype
+
+    def _after_init(self, keys: list) -> None:
+        """Wait for every worker's init, as MXNet's dist stores do (a Barrier ends each init):
+        with asynchronous rounds rank 0 could otherwise train, even finish, before another
+        worker took its initial value."""
+        name = f"mxnet-init-{next(self._init_barriers)}"
+        self._call("init", keys, lambda: self._agent.barrier(name))
 
     def _settle(self) -> None:
         """Wait for the pushes still in flight; raise the first one's error."""
