@@ -553,8 +553,9 @@ class AggregatorCore(TaskMoves):
         return replies
 
     def _fail_all(self, task: Task, error: PslinkError) -> list[Reply]:
-        waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
-        task.before_init, task.pulls = [], {}
+        # A task still waiting for its copy holds requests too (a copy that will never come).
+        waiting = task.before_init + task.waiting_copy + [req for reqs in task.pulls.values() for req in reqs]
+        task.before_init, task.waiting_copy, task.pulls = [], [], {}
         task.rounds.clear()
         return [Reply(req.origin, req.id, error=error) for req in waiting]
 

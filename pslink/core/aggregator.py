@@ -345,6 +345,9 @@ class Aggregator:
             self.core.authorize(header)
             task = self.core.find(header)
             if header["op"] == Op.TENSOR_COPY and (task is None or not task.incoming):
+                if task is not None and header.get("from_replica"):
+                    # A replica's copy for a source that died, whose own copy landed after all.
+                    return _Copy(header, task, []), DISCARD
                 raise ProtocolError(f"aggregator {self.name} expects no copy of key {header['key']!r} "
                                     f"part {header['part']} of job {header['job']!r}")
             if len(sizes) != len(header["state"].get("arrays", [])):
@@ -361,6 +364,10 @@ class Aggregator:
             if copy.header["op"] == Op.REPLICATE:
                 self.core.replica_update(copy.header, copy.header["state"], copy.arrays)
                 outputs = []
+            elif copy.header.get("from_replica") and not copy.task.incoming:
+                # The dead source's own copy landed first (it has as much as a replica, or more):
+                # done all the same, as far as pMaster is concerned.
+                outputs = []
             else:
                 outputs = self.core.install(copy.task, copy.header["state"], copy.arrays)
         except PslinkError as exc:
@@ -369,19 +376,27 @@ class Aggregator:
         self._send(conn, [encode(Op.REPLY, id=copy.header["id"])])
         self._send_all(outputs)
 
-    def _send_copy(self, out: CopyOut, retries: int) -> None:
+    def _send_copy(self, out: CopyOut, retries: int, done=None) -> None:
+        """TENSOR_COPY to the migration's target, retried; then tell pMaster, or ``done(error)``
+        (a replica's copy, COPY_REPLICA: pMaster waits for the answer instead)."""
         task = out.task
         ident = (task.job.job, task.key, task.part)
+        if self.faults is not None and not out.from_replica:
+            self.faults.copying()  # kill=NAME@copy: dies having handed the part over
 
         def copied(result, error):
-            if error is None:
+            if error is None and done is not None:
+                done(None)
+            elif error is None:
                 self.core.copy_done(ident)
                 self._tell_master(Op.TENSOR_COPY_DONE, task)
             elif retries > 0:
                 log.warning("aggregator %s: copying %s to %s failed (%s); retrying", self.name, task.name, out.target[0], error)
-                self.reactor.call_later(0.5, self._send_copy, out, retries - 1)
+                self.reactor.call_later(0.5, self._send_copy, out, retries - 1, done)
             else:
                 log.error("aggregator %s: giving up copying %s to %s: %s", self.name, task.name, out.target[0], error)
+                if done is not None:
+                    done(error)
 
         try:
             peer = self._peer(out.target[1])
@@ -392,6 +407,7 @@ class Aggregator:
             Op.TENSOR_COPY, copied, timeout=60.0, payloads=out.arrays,
             job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part, rnd=out.state["closed"],
             dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
+            **({"from_replica": True} if out.from_replica else {}),
         )
 
     def _send_replicas(self, out: Replicate) -> None:
@@ -549,6 +565,8 @@ class Aggregator:
             outputs = self.core.promote((req["job"], req["key"], req["part"]), req["replicas"])
             peer.reply(req)
             self._send_all(outputs)
+        elif op == Op.COPY_REPLICA:
+            self._copy_replica(peer, req)
         elif op == Op.PING:  # pMaster: is this Aggregator alive (an Agent could not reach it)?
             peer.reply(req)
         elif op == Op.SHUTDOWN:
@@ -557,6 +575,18 @@ class Aggregator:
             self.reactor.stop()
         else:
             raise ProtocolError(f"{op.name} is not a request an Aggregator serves")
+
+    def _copy_replica(self, peer: RpcPeer, req: dict) -> None:
+        """COPY_REPLICA: a migration's source died before its copy landed; the replica held here
+        is the copy. Answered once it landed (or with why it could not)."""
+        ident, target = (req["job"], req["key"], req["part"]), tuple(req["target"])
+        if target[0] == self.name:  # the target holds the replica itself
+            outputs = self.core.install_replica(ident)
+            peer.reply(req)
+            self._send_all(outputs)
+            return
+        out = self.core.replica_copy(ident, target)
+        self._send_copy(out, self.copy_retries, lambda error: peer.error(req, error) if error else peer.reply(req))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ Each message an Agent sends to an Aggregator, and each answer back, is dropped w
 ``kill=NAME@N`` kills one process at a chosen point, as a crash would (SIGKILL, no clean-up): the
 process named NAME (an Aggregator's name, such as ``agg-1``, or an Agent's ``job/rank``) kills
 itself as it sends its N-th data-path message. Every process can share one setting; only the named
-one dies.
+one dies. ``kill=NAME@copy`` kills the Aggregator NAME as it is about to send its first migration
+copy (TENSOR_COPY): it handed a part over, and the copy never lands.
 
 The Agent resends a request that got no answer within its resend timeout (one second while faults
 are injected, else only with ``resend_timeout``) and the Aggregator applies a request seen twice
@@ -40,7 +41,7 @@ class Faults:
     delay: float = 0.0
     delay_ms: float = 50.0
     seed: int | None = None
-    kill: str | None = None  # "NAME@N"
+    kill: str | None = None  # "NAME@N", or "NAME@copy"
     dropped: int = 0
     duplicated: int = 0
     delayed: int = 0
@@ -54,12 +55,16 @@ class Faults:
             raise ConfigError(f"{ENV_FAULTS}: drop + dup + delay must not exceed 1")
         if self.delay_ms < 0:
             raise ConfigError(f"{ENV_FAULTS}: delay_ms must be >= 0, got {self.delay_ms}")
-        self._kill_target, self._kill_at = None, 0
+        self._kill_target, self._kill_at, self._kill_at_copy = None, 0, False
         if self.kill:
             target, sep, count = self.kill.rpartition("@")
-            if not sep or not target or not count.isdigit() or int(count) < 1:
-                raise ConfigError(f"{ENV_FAULTS}: kill must be NAME@N (N >= 1), got {self.kill!r}")
-            self._kill_target, self._kill_at = target, int(count)
+            if not sep or not target or not (count == "copy" or count.isdigit() and int(count) >= 1):
+                raise ConfigError(f"{ENV_FAULTS}: kill must be NAME@N (N >= 1) or NAME@copy, got {self.kill!r}")
+            self._kill_target = target
+            if count == "copy":
+                self._kill_at_copy = True
+            else:
+                self._kill_at = int(count)
         self.owner: str | None = None
         self.sent = 0
         self._random = random.Random(self.seed)
@@ -97,7 +102,7 @@ class Faults:
         """Send ``frames`` on ``conn``, or not, or twice, or later; or die first (``kill``)."""
         with self._lock:
             self.sent += 1
-            if self._kill_target is not None and self._kill_target == self.owner and self.sent >= self._kill_at:
+            if self._kill_at and self._kill_target == self.owner and self.sent >= self._kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # as a crash: nothing flushed, nothing closed
             draw = self._random.random()
         if draw < self.drop:
@@ -115,6 +120,13 @@ class Faults:
             conn.reactor.call_later(self.delay_ms / 1000.0, self._send_late, conn, copies)
             return
         conn.send(frames)
+
+    def copying(self) -> None:
+        """An Aggregator is about to send a migration's copy: ``kill=NAME@copy`` dies here, after
+        it handed the part over (the workers may already be told the new place) and before any
+        byte of the copy leaves."""
+        if self._kill_at_copy and self._kill_target == self.owner:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @staticmethod
     def _send_late(conn, frames: list) -> None:

@@ -117,7 +117,8 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         self.migration_timeout = migration_timeout
         self._allocating: dict[str, str] = {}  # Aggregator being started -> placeholder it fills
         self._deferred: dict[str, list] = {}  # placeholder -> (record, specs) to assign once it is up
-        self.migrations: dict[tuple, dict] = {}  # task -> {source, target, started, copied, workers}
+        # task -> {source, target, started, copied, workers, held_replica, assigned, ...}
+        self.migrations: dict[tuple, dict] = {}
         self._schedules_sent: dict[str, int] = {}  # Aggregator -> plan version it has
         self._release_after: dict[str, Release] = {}  # released once no migration leaves it
         self._queued_moves: dict[tuple, Migrate] = {}  # task -> its next move, once this one is over
@@ -314,11 +315,14 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
                         pass  # the plan no longer places it (its job ended, or a failover re-placed it)
             return
         address = self.state.aggregators[action.target].address
+        placed = spec.parts[part]
         entry = self.migrations[action.task] = {
             "source": action.source, "target": action.target, "reason": action.reason,
             "started": self.state.clock(), "copied": False, "workers": False, "bytes": size,
+            # Should the source die before its copy lands, the target may hold the only replica
+            # with the part's state (the source keeps replicating to it: see _resource_copy).
+            "held_replica": action.target in placed.replicas, "assigned": False,
         }
-        placed = spec.parts[part]
         if action.target in placed.replicas:
             # The target held a replica; now it serves the part: another Aggregator holds the replica.
             placed.replicas.remove(action.target)
@@ -335,8 +339,10 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         tasks = [dict(t, incoming=True) for t in spec.task_specs(None, self._address_of) if t["part"] == part]
 
         def started(result, error):
-            if self.migrations.get(action.task) is not entry:
-                return  # abandoned meanwhile (an Aggregator of it is gone): its failover placed the task
+            if self.migrations.get(action.task) is not entry or entry["source"] != action.source:
+                # Abandoned meanwhile (an Aggregator of it is gone): its failover placed the task.
+                # Or its source died and a replica sends the copy instead (_resource_copy).
+                return
             if error is not None:
                 log.warning("pMaster: migration of %s to %s failed to start: %s", action.task, action.target, error)
                 self._removal_failed(action.source, action.task, action.target, error)  # before a release
@@ -353,6 +359,9 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
             if error is not None:
                 started(None, error)
                 return
+            # From here on the source may hand the part over (and send workers to the target)
+            # at any time, before pMaster hears that it took the MIGRATE.
+            entry["assigned"] = True
             source.call(Op.MIGRATE, started, timeout=self.assign_timeout, job=job, key=key, part=part,
                         target=[action.target, address])
 
@@ -391,9 +400,18 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         entry = self.migrations.get(task)
         if entry is None:
             return
-        entry["copied" if req["op"] == Op.TENSOR_COPY_DONE else "workers"] = True
         if req["op"] == Op.TENSOR_COPY_DONE:
-            self._start_throttled()  # its bytes are across: room for the next queued move
+            self._copy_landed(task, entry)
+        else:
+            entry["workers"] = True
+            self._migrated_if_done(task, entry)
+
+    def _copy_landed(self, task: tuple, entry: dict) -> None:
+        entry["copied"] = True
+        self._start_throttled()  # its bytes are across: room for the next queued move
+        self._migrated_if_done(task, entry)
+
+    def _migrated_if_done(self, task: tuple, entry: dict) -> None:
         if entry["copied"] and entry["workers"]:
             self._migration_over(task)
             self.migrations_done += 1

@@ -3,7 +3,8 @@
 An Aggregator whose connection to pMaster closed, and that has not come back within
 ``aggregator_grace`` (or that is silent past ``aggregator_timeout``), is gone: its parts are
 re-homed (:mod:`pslink.core.recovery`) and carried out here: PROMOTE a replica, ASSIGN a fresh
-part, top up replicas, ABORT keys whose state is lost. Agents that lost the Aggregator ask
+part, top up replicas, ABORT keys whose state is lost; a migration off it whose copy had not
+landed gets its copy from a replica (COPY_REPLICA). Agents that lost the Aggregator ask
 (RELOCATE) where their parts live now; the answer waits until the failover is carried out, so
 what they resend lands where it is served. An Aggregator still connected to pMaster is pinged:
 answering, it is alive (the Agent's connection broke, not the Aggregator) and the Agent is
@@ -16,7 +17,7 @@ import logging
 
 from pslink.core.jobs import JobRecord, KeySpec, PartSpec
 from pslink.core.protocol import Op
-from pslink.core.recovery import Lost, Promote, Recreate, Rereplicate, holdings, pick_replicas
+from pslink.core.recovery import Lost, Promote, Recreate, Rereplicate, copy_sources, holdings, pick_replicas
 from pslink.core.rpc import RpcPeer
 from pslink.errors import KeyStateError, PeerError, PslinkTimeoutError
 
@@ -25,13 +26,15 @@ log = logging.getLogger("pslink.core.master")
 
 class MasterRecovery:
     """Requires of its host: ``state``, ``store``, ``reactor``, ``_aggregator_peers``,
-    ``assign_timeout``, ``aggregator_grace``, ``aggregator_timeout``, ``_abort_key``,
-    ``_carry_out`` and ``spec_wire``."""
+    ``assign_timeout``, ``aggregator_grace``, ``aggregator_timeout``, ``migration_timeout``,
+    ``migrations``, ``_abort_key``, ``_copy_landed``, ``_migration_over``, ``_carry_out`` and
+    ``spec_wire``."""
 
     def _init_recovery(self) -> None:
         self._relocations: dict[str, list[tuple[RpcPeer, dict]]] = {}  # lost Aggregator -> who asked
         self._failing: dict[str, int] = {}  # Aggregator being failed over -> steps still under way
         self.failovers_done = 0
+        self.copies_resourced = 0  # copies asked of a replica because a migration's source died
 
     def _address_of(self, name: str) -> str:
         record = self.state.aggregators.get(name)
@@ -116,6 +119,75 @@ class MasterRecovery:
         self._promote(lost, Promote(record, spec, part, lost))
         if added:
             self._rereplicate(Rereplicate(record, spec, part, added))
+
+    def _resource_copy(self, lost: str, task: tuple, entry: dict) -> None:
+        """``lost`` was the source of the migration of ``task``, told to hand the part over
+        (MIGRATE) and gone before its copy was known to land. It may have handed the part over
+        (pMaster's lookups, and the workers it answered, point at the target, which holds their
+        requests until the copy comes), so failing the part over to a replica would leave them
+        waiting for ever. The move goes on instead: a replica, which has every round the source
+        acknowledged, sends its state to the target as the copy. Without a replica able to,
+        the key fails loudly. A failover step: Agents that lost ``lost`` are answered after it."""
+        job, key, part = task
+        record = self.state.jobs.get(job)
+        spec = record.keys.get(key) if record is not None else None
+        if spec is None or part >= len(spec.parts):
+            self._migration_over(task, failed=True)
+            return
+        if "timer" in entry:
+            entry.pop("timer").cancel()  # it would force the dead source's MIGRATE
+        placed = spec.parts[part]
+        if placed.aggregator != entry["target"]:
+            # The MIGRATE's answer never came; the source may have taken it: as if it had.
+            placed.aggregator = entry["target"]
+            self.store.save_key(job, spec)
+        sources = copy_sources(placed.replicas, entry["target"], entry["held_replica"], self._aggregator_peers, lost)
+        log.warning("pMaster: %s is gone before its copy of %s landed on %s; copying it from a replica (%s)",
+                    lost, task, entry["target"], ", ".join(sources) or "none left")
+        self._failing[lost] += 1
+        self._copy_from(lost, task, entry, sources)
+
+    def _copy_from(self, lost: str, task: tuple, entry: dict, sources: list[str]) -> None:
+        """Ask the first of ``sources`` still connected for the copy (COPY_REPLICA, answered once
+        the copy landed); on failure the next one; when none is left, fail the key."""
+        job, key, part = task
+        target = entry["target"]
+        while sources:
+            name, sources = sources[0], sources[1:]
+            peer = self._aggregator_peers.get(name)
+            if peer is None:
+                continue
+            entry["source"] = name  # the move's source now (status, releases, its failover)
+            self.copies_resourced += 1
+
+            def copied(result, error, name=name):
+                if self.migrations.get(task) is not entry or entry["source"] != name:
+                    self._step_done(lost)  # ended meanwhile (its job ended, or its target is gone)
+                elif error is None:
+                    log.info("pMaster: %s's replica on %s is now on %s (its source %s is gone)", task, name,
+                             target, lost)
+                    self._copy_landed(task, entry)
+                    self._step_done(lost)
+                else:
+                    log.warning("pMaster: copying %s from %s's replica to %s failed: %s", task, name, target, error)
+                    self._copy_from(lost, task, entry, sources)
+
+            # Bounded: a replica that never answers must not leave the target waiting for ever.
+            peer.call(Op.COPY_REPLICA, copied, timeout=self.assign_timeout + self.migration_timeout, job=job,
+                      key=key, part=part, target=[target, self._address_of(target)])
+            return
+        record = self.state.jobs.get(job)
+        if record is not None and key in record.keys:
+            why = ("the job keeps no replica (replication 0)" if not record.replication
+                   else "no live replica holds its state")
+            error = KeyStateError(
+                f"key {key!r} part {part} of job {job!r}: aggregator {lost} is gone after it handed the part over to "
+                f"{target} and before its copy landed, and {why}; set replication=1 to survive this",
+                job=job, key=key)
+            log.error("pMaster: %s", error.message)
+            self._abort_key(record, key, error)  # the target fails what waits for the copy
+        self._migration_over(task, failed=True)
+        self._step_done(lost)
 
     def _assign_part(self, lost: str, record: JobRecord, spec: KeySpec, part: PartSpec) -> None:
         peer = self._aggregator_peers.get(part.aggregator)

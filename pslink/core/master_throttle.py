@@ -28,7 +28,8 @@ DEFAULT_MAX_MIGRATION_BYTES = 16 << 20
 
 class MasterThrottle:
     """Requires of its host: ``state``, ``migrations``, ``_queued_moves``, ``_aggregator_peers``,
-    ``_start_migration``, ``_migration_over``, ``_removal_failed`` and ``_release_after``/``_release``."""
+    ``_start_migration``, ``_migration_over``, ``_removal_failed``, ``_resource_copy`` and
+    ``_release_after``/``_release``."""
 
     def _init_throttle(self, max_migration_bytes: int | None) -> None:
         self.max_migration_bytes = DEFAULT_MAX_MIGRATION_BYTES if max_migration_bytes is None else max_migration_bytes
@@ -117,17 +118,27 @@ class MasterThrottle:
         """Aggregator ``name`` is gone: migrations off or onto it will not end by themselves.
         Returns the tasks that were moving onto it and whose copy was not known to have landed,
         each with its source: that may still be serving the task (a move waits for the round
-        under way to close), so the failover offers it the task before promoting a replica."""
+        under way to close), so the failover offers it the task before promoting a replica.
+        A move off it that may have handed its task over (its target was told to expect the
+        copy) goes on instead, with a replica sending the copy (``_resource_copy``)."""
         for action in self._drop_throttled(aggregator=name):
             self._start_migration(action, 0)  # fails at once (not connected): the plan goes back
         stays = {}
+        resourced = False
         for task, entry in [(t, e) for t, e in self.migrations.items() if name in (e["source"], e["target"])]:
+            if entry["source"] == name != entry["target"] and entry["assigned"] and not entry["copied"]:
+                # Workers may already queue at the target, for a copy that will never come.
+                self._resource_copy(name, task, entry)
+                resourced = True
+                continue
             log.warning("pMaster: abandoning the migration of %s: %s is gone", task, name)
             if entry["target"] == name and not entry["copied"]:
                 stays[task] = entry["source"]
                 # A removal draining the source fails: it keeps the task (and the pool, it).
                 self._removal_failed(entry["source"], task, name, ServiceError(f"{name} is gone"))
             self._migration_over(task, failed=True)
+        if resourced:
+            self._moves_settled([name])  # as for an abandoned move: a release waiting for it goes on
         self._start_throttled()
         return stays
 

@@ -66,6 +66,9 @@ class Op(enum.IntEnum):
     WORKER_DONE = 38  # target Aggregator -> pMaster: every worker now talks to it
     SCHEDULE = 39  # pMaster -> Aggregator: its cycle and per-task budgets
     PROMOTE = 40  # pMaster -> Aggregator: serve a part from the replica you hold
+    # pMaster -> Aggregator holding a replica: a migration's source died before its copy landed;
+    # send your replica to the target as the copy (answered once it landed)
+    COPY_REPLICA = 42
     # control (CLI -> pMaster)
     POOL = 41  # CLI -> pMaster: add or remove Aggregators
 
@@ -264,6 +267,7 @@ SCHEMAS: dict[Op, Schema] = {
     ),
     Op.TENSOR_COPY: Schema(
         {**_DATA_REQUIRED, "state": _map},
+        {"from_replica": _bool},  # sent by a replica for a source that died (COPY_REPLICA)
         payloads=tuple(range(0, 9)),
     ),
     Op.REPLICATE: Schema(
@@ -312,6 +316,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.WORKER_DONE: Schema({"id": _uint, "agg": _small_str, "job": _small_str, "key": _key, "part": _uint}),
     Op.SCHEDULE: Schema({"id": _uint, "cycle": _number, "tasks": _list}),
     Op.PROMOTE: Schema({"id": _uint, "job": _small_str, "key": _key, "part": _uint, "replicas": _list}),
+    Op.COPY_REPLICA: Schema({"id": _uint, "job": _small_str, "key": _key, "part": _uint, "target": _list}),
     # action "add" (with count) or "remove" (with agg); pMaster checks which needs what
     Op.POOL: Schema({"id": _uint, "action": _small_str}, {"count": _uint, "agg": _small_str}),
 }

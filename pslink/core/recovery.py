@@ -21,6 +21,10 @@ Failover, for each part of the lost Aggregator:
   loudly, naming why.
 
 A lost replica is replaced by another Aggregator, which receives the state at the next round.
+
+The source of a migration lost before its copy landed, once its target was told to expect the
+copy (the source may have handed the part over, and workers may queue at the target): the move
+goes on, with a replica sending the copy (:func:`copy_sources`); without one the key fails loudly.
 """
 
 from __future__ import annotations
@@ -138,6 +142,17 @@ def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str
                     f"with it ({why}); set replication=1 to survive this, or checkpoint=DIR to resume from "
                     "a checkpoint", job=record.job, key=spec.key)))
     return actions
+
+
+def copy_sources(replicas: list[str], target: str, target_held_replica: bool, live, lost: str) -> list[str]:
+    """Who may send the copy of a part whose migration's source (``lost``) died after it may
+    have handed the part over, best first. The part's replicas have every round the source
+    acknowledged (a round reaches them before any of its answers). If the target was one of
+    them when the move began, it comes first: pMaster gave its replica's place to another
+    Aggregator, but the source, never told, went on replicating to the target alone, so the
+    newcomer may hold no state yet. ``live``: the Aggregators connected to pMaster."""
+    first = [target] if target_held_replica and target in live else []
+    return first + [r for r in replicas if r in live and r not in (lost, target)]
 
 
 def plan_replica_moves(jobs, leaving: str, candidates: list[str]) -> list[Rereplicate]:

@@ -164,6 +164,30 @@ class TaskMoves:
         task.seen = set()
         return self._serve_waiting(task)
 
+    def replica_copy(self, ident: tuple, target: tuple[str, str]) -> CopyOut:
+        """pMaster: the source of the migration of part ``ident`` to ``target`` died before its
+        copy landed; this Aggregator holds a replica of the part, with every round the source
+        acknowledged (a round reached it before any of its answers): that is the copy."""
+        held = self.replicas.get(ident)
+        if held is None or "state" not in held:
+            raise KeyStateError(f"aggregator {self.name} holds no replicated state of key {ident[1]!r} part "
+                                f"{ident[2]} of job {ident[0]!r}", job=ident[0], key=ident[1])
+        # A stand-in that names the part in the copy; it is never served here (not in self.tasks).
+        part = Task(self.jobs[ident[0]], dict(held["spec"], incoming=True), self.summer, self.max_ahead)
+        return CopyOut(part, tuple(target), held["state"], held["arrays"], from_replica=True)
+
+    def install_replica(self, ident: tuple) -> list:
+        """As :meth:`replica_copy`, when the target itself holds the replica (the source went on
+        replicating to it after the move began): serve the part from it."""
+        task = self.tasks.get(ident)
+        if task is not None and not task.incoming:
+            return []  # the source's own copy landed first: it has at least as much
+        held = self.replicas.get(ident)
+        if task is None or held is None or "state" not in held:
+            raise KeyStateError(f"aggregator {self.name} waits for no copy of key {ident[1]!r} part {ident[2]} of "
+                                f"job {ident[0]!r}, or holds no replicated state of it", job=ident[0], key=ident[1])
+        return self.install(task, held["state"], held["arrays"])
+
     def _serve_waiting(self, task: Task) -> list:
         outputs: list = []
         waiting, task.waiting_copy = task.waiting_copy, []

@@ -177,6 +177,7 @@ class CopyOut:
     target: tuple[str, str]
     state: dict
     arrays: list[np.ndarray]
+    from_replica: bool = False  # a replica's state, for a migration whose source died
 
 
 @dataclasses.dataclass(slots=True)

@@ -76,6 +76,11 @@ def test_fault_settings_are_checked():
     with pytest.raises(ConfigError, match="kill must be NAME@N"):
         Faults.parse("kill=agg-1")
     assert Faults.parse("kill=job/0@5").bind("job/0")._kill_at == 5
+    with pytest.raises(ConfigError, match="or NAME@copy"):
+        Faults.parse("kill=agg-1@cpy")
+    at_copy = Faults.parse("kill=agg-1@copy").bind("agg-2")
+    assert at_copy._kill_at_copy and not at_copy._kill_at
+    at_copy.copying()  # another Aggregator's copy: nobody dies (this process is agg-2)
 
 
 # -- an Aggregator lost mid-training ------------------------------------------------------------------

@@ -540,3 +540,102 @@ def test_the_source_of_a_move_whose_target_is_gone_keeps_the_part_only_if_it_nev
     migrate(c, force=True)  # frozen for its copy at once
     with pytest.raises(KeyStateError, match="handed over to agg-new"):
         c.core.promote(ident, [])
+
+
+# -- the source of a move dies before its copy lands -------------------------------------------------
+
+REPLICA = ("agg-r", "tcp://127.0.0.1:9998")
+
+
+def replicated_source(optimizer):
+    """A source (its part replicated to a second core) and that replica's core."""
+    c = Cluster(workers=2, mode="optimizer", optimizer=optimizer)
+    replica = AggregatorCore("agg-r", summer=Summer(threads=1))
+    t = c.task
+    info = {"job": t.job.job, "token": TOKEN, "membership": t.job.membership.to_wire(), "mode": "optimizer",
+            "optimizer": t.job.optimizer.to_wire(), "sync": "bsp"}
+    replica.assign(info, [dict(spec(), replica=True)])
+    c.task.replicas = [REPLICA]
+    return c, replica
+
+
+def close_round(c: Cluster, replica: AggregatorCore, r: int, pushes) -> list:
+    """Both ranks push-pull round ``r``; the round reaches the replica before any answer."""
+    outputs = []
+    for rank in (0, 1):
+        outputs += c.send(Op.PUSHPULL, rank, r, pushes[rank])[1]
+    from pslink.core.aggregation import Replicate
+
+    (rep,) = [o for o in outputs if isinstance(o, Replicate)]
+    header = {"job": c.task.job.job, "key": c.task.key, "part": c.task.part}
+    replica.replica_update(header, rep.state, [a.copy() for a in rep.arrays])
+    ident = (c.task.job.job, c.task.key, c.task.part)
+    return [o for o in outputs if not isinstance(o, Replicate)] + c.core.replicated(ident, rep.round)
+
+
+def test_a_replica_sends_the_copy_when_the_source_died_after_handing_the_part_over():
+    """The source froze the part for its copy (the workers were told the new place) and died:
+    the target holds their requests; the replica's state, which has every round the source
+    answered, is the copy, and the job goes on as if nothing happened."""
+    settings = {"type": "sgd", "lr": 0.1, "momentum": 0.9}
+    still = Cluster(workers=2, mode="optimizer", optimizer=settings)
+    c, replica = replicated_source(settings)
+    ident = (c.task.job.job, c.task.key, c.task.part)
+    pushes = {r: [np.full(6, float(r * 10 + rank)) for rank in (0, 1)] for r in (1, 2, 3)}
+    for cluster in (still, c):
+        cluster.send(Op.INIT, 0, 0, np.arange(6, dtype=np.float32))
+    for r in (1, 2):
+        for rank in (0, 1):
+            still.send(Op.PUSHPULL, rank, r, pushes[r][rank])
+    close_round(c, replica, 1, pushes[1])
+    target, outputs = migrate(c)
+    assert outputs == []  # the move waits for round 2 to close
+    outputs = close_round(c, replica, 2, pushes[2])
+    assert [o for o in outputs if isinstance(o, CopyOut)]  # handed over: the copy is never sent
+    assert all(o.moved == TARGET for o in outputs if isinstance(o, Reply) and o.payload is not None)
+    assert send_to(target, c, Op.PUSHPULL, 0, 3, pushes[3][0]) == []  # waits at the target
+    out = replica.replica_copy(ident, TARGET)
+    assert out.from_replica and out.target == TARGET and out.state["closed"] == 2
+    copy(out, target)
+    got = [o for o in send_to(target, c, Op.PUSHPULL, 1, 3, pushes[3][1]) if isinstance(o, Reply)]
+    expected = [o for rank in (0, 1) for o in still.send(Op.PUSHPULL, rank, 3, pushes[3][rank])[1]][-1].payload
+    assert {o.origin for o in got} == {"rank0", "rank1"}
+    for reply in got:
+        np.testing.assert_array_equal(reply.payload, expected)
+    assert ident in replica.replicas  # it stays a replica (the target replicates to it from now on)
+
+
+def test_a_target_that_holds_the_replica_serves_from_it_and_a_landed_copy_wins():
+    settings = {"type": "sgd", "lr": 0.1}
+    c, replica = replicated_source(settings)
+    ident = (c.task.job.job, c.task.key, c.task.part)
+    c.send(Op.INIT, 0, 0, np.zeros(6, dtype=np.float32))
+    close_round(c, replica, 1, [np.ones(6), np.ones(6)])
+    t = c.task
+    info = {"job": t.job.job, "token": TOKEN, "membership": t.job.membership.to_wire(), "mode": "optimizer",
+            "optimizer": t.job.optimizer.to_wire(), "sync": "bsp"}
+    replica.assign(info, [spec(incoming=True)])  # the move's target is the replica holder
+    assert send_to(replica, c, Op.PULL, 0, 1) == []  # waits for the copy
+    (answer,) = replica.install_replica(ident)
+    np.testing.assert_array_equal(answer.payload, np.full(6, -0.1, np.float32))  # round 1: -0.1 * mean(1, 1)
+    assert ident not in replica.replicas and not replica.tasks[ident].incoming
+    assert replica.install_replica(ident) == []  # asked again, or the source's copy landed first
+
+
+def test_a_replica_without_state_refuses_to_send_a_copy():
+    _, replica = replicated_source({"type": "sgd", "lr": 0.1})
+    with pytest.raises(KeyStateError, match="holds no replicated state"):
+        replica.replica_copy(("j", "w", 0), TARGET)  # no round reached it yet
+    with pytest.raises(KeyStateError, match="holds no replicated state"):
+        replica.replica_copy(("j", "other", 0), TARGET)
+
+
+def test_an_abort_fails_the_requests_that_wait_for_a_copy():
+    """pMaster aborts a key whose copy will never come (its source died, no replica): what waits
+    at the target is answered with the error, not left hanging."""
+    c = Cluster(workers=2, needs_init=False)
+    target, _ = migrate(c)
+    assert send_to(target, c, Op.PUSHPULL, 0, 1, np.ones(6)) == []
+    (reply,) = target.abort_key("j", "w", KeyStateError("key 'w' part 0 of job 'j': aggregator agg-test is gone"))
+    assert reply.origin == "rank0" and "agg-test is gone" in reply.error.message
+    assert target.tasks[("j", "w", 0)].waiting_copy == []

@@ -164,3 +164,31 @@ def test_a_part_moving_onto_a_lost_aggregator_is_offered_back_to_its_source_firs
     (action,) = state.fail_over(target, {("j", "w", 0): source})
     assert isinstance(action, Promote) and action.moving
     assert action.part.aggregator == source and action.part.replicas == [replica]
+
+
+def test_a_part_handed_over_by_a_lost_source_is_not_failed_over_it_waits_for_a_copy_from_a_replica():
+    """The source of a move died after pMaster pointed the part at the target: the plan leaves
+    the part there (pMaster has a replica send the copy), and the replica stays a replica."""
+    from pslink.core.recovery import copy_sources
+
+    state, record, part = one_replicated_part()
+    source, (replica,) = part.aggregator, part.replicas
+    (target,) = {"agg-0", "agg-1", "agg-2"} - {source, replica}
+    state.control.move_task(("j", "w", 0), target)
+    part.aggregator = target
+    assert state.fail_over(source) == []
+    assert part.aggregator == target and part.replicas == [replica]
+    live = {target, replica}
+    assert copy_sources(part.replicas, target, False, live, source) == [replica]
+    assert copy_sources(part.replicas, target, False, {target}, source) == []  # the replica is gone too
+
+
+def test_copy_sources_put_a_target_that_held_the_replica_first():
+    """When the move began the target held the part's replica; pMaster gave that replica's place
+    to a newcomer the source never heard of: only the target has the rounds since."""
+    from pslink.core.recovery import copy_sources
+
+    live = {"agg-1", "agg-2", "agg-3"}
+    assert copy_sources(["agg-3"], "agg-1", True, live, "agg-0") == ["agg-1", "agg-3"]
+    assert copy_sources(["agg-3", "agg-0", "agg-1"], "agg-1", False, live, "agg-0") == ["agg-3"]
+    assert copy_sources(["agg-3"], "agg-1", True, live - {"agg-1"}, "agg-0") == ["agg-3"]
