@@ -51,13 +51,14 @@ def _worker(master, job, rank, keys, iterations, at, compute, signal, results):
         results.put((rank, durations, digest, places(), last_moved[0] if last_moved else None))
 
 
-def run(keys: int, iterations: int, at: int | None, compute: float, log_dir: str) -> dict:
+def run(keys: int, iterations: int, at: int | None, compute: float, log_dir: str, max_bytes: int | None = None) -> dict:
     from pslink.core.service import Service
 
     job = f"migration-{'moved' if at is not None else 'still'}"
     # 4 Aggregators; the job asks for 2 and stays on them (profiling never ends here), so the only
     # move is the one this benchmark makes.
-    with Service(aggregators=4, log_dir=log_dir, control={"profile_iterations": 10**9}) as service:
+    with Service(aggregators=4, log_dir=log_dir, control={"profile_iterations": 10**9},
+                 master_options={"max_migration_bytes": max_bytes}) as service:
 
         def migrate():
             master = service.master
@@ -81,13 +82,16 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--at", type=int, default=20, help="the iteration during which the job is migrated")
     parser.add_argument("--compute", type=float, default=0.3, help="seconds of simulated compute per iteration")
+    parser.add_argument("--max-migration-mib", type=int, default=None,
+                        help="pMaster's max_migration_bytes, in MiB (default: pMaster's, 16 MiB)")
     parser.add_argument("--quick", action="store_true", help="16 MiB, 10 iterations (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
         args.mbytes, args.iterations, args.at = 16, 10, 5
     keys = max(1, args.mbytes // 4)
     with tempfile.TemporaryDirectory(prefix="pslink-migration-") as logs:
-        moved = run(keys, args.iterations, args.at, args.compute, os.path.join(logs, "a"))
+        max_bytes = None if args.max_migration_mib is None else args.max_migration_mib << 20
+        moved = run(keys, args.iterations, args.at, args.compute, os.path.join(logs, "a"), max_bytes)
         still = run(keys, args.iterations, None, args.compute, os.path.join(logs, "b"))
     d = moved["durations"]
     before = median_before(d, args.at)

@@ -66,6 +66,7 @@ from pslink.errors import (
 )
 
 MAX_MISSED = 8  # straggler-closed rounds remembered per task, to mark their late pushes as dropped
+WARM_BUFFERS = 2  # a task's pool in steady state: a round's sum and the push being added to it
 
 
 class AggregatorCore(TaskMoves):
@@ -140,6 +141,8 @@ class AggregatorCore(TaskMoves):
             task = self.tasks.get(ident)
             if task is None:
                 task = self.tasks[ident] = Task(job, spec, self.summer, self.max_ahead)
+                if task.incoming:
+                    task.pool.warm(WARM_BUFFERS)
             elif "replicas" in spec:
                 task.replicas = [tuple(r) for r in spec["replicas"]]
             elif (tuple(spec["shape"]), spec["dtype"], tuple(spec["span"])) != (task.shape, task.dtype_name, task.span):
@@ -415,6 +418,9 @@ class AggregatorCore(TaskMoves):
             admitted = False
             task.close_at = None
             del task.rounds[nxt]
+            if task.last_opened is not None:
+                task.round_gap = round_.opened - task.last_opened
+            task.last_opened = round_.opened
             self._apply(task, round_)
             task.closed = nxt
             task.rebase = False  # the job's rounds go on here now
@@ -430,7 +436,7 @@ class AggregatorCore(TaskMoves):
             replies += self._release(task, nxt)
             if task.migrate_to is not None:
                 # Everything up to this round happened here; what follows happens there.
-                return replies + self._snapshot(task)
+                return replies + self._snapshot(task, at_round_end=True)
 
     def _rebase(self, task: Task, req: Request) -> list:
         """A part started afresh elsewhere (its Aggregator died without a replica) learns where

@@ -41,6 +41,7 @@ from pslink.core.faults import Faults
 from pslink.core.loop import Reactor, ReactorThread
 from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, dtype_of, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
+from pslink.core.task_moves import copy_delay
 from pslink.core.transport import DISCARD, Connection, Transports, split_host_port
 from pslink.errors import (AbortedError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
                            error_from_code)
@@ -138,6 +139,7 @@ class Aggregator:
         self.peers = RpcEndpoint(self.reactor, self._refuse_peer_request, limits)
         self._peer_by_address: dict[str, RpcPeer] = {}
         self.copy_retries = 5
+        self._last_message = clock()  # when the last message arrived: a copy waits for a quiet spell
         self._master: RpcPeer | None = None
         self._master_lost_at: float | None = None
         self._thread: ReactorThread | None = None
@@ -231,6 +233,7 @@ class Aggregator:
 
     def on_header(self, conn: Connection, raw: bytes, sizes: tuple[int, ...]):
         self.requests += 1
+        self._last_message = self.clock()
         try:
             header = decode(raw, sizes, self.limits)
         except ProtocolError as exc:
@@ -322,7 +325,7 @@ class Aggregator:
                     frames = [header, out.payload] if out.payload is not None else [header]
                 self._send(out.origin, frames)
             elif isinstance(out, CopyOut):
-                self._send_copy(out, self.copy_retries)
+                self._copy_when_idle(out)
             elif isinstance(out, Replicate):
                 self._send_replicas(out)
             elif isinstance(out, Checkpoint):
@@ -375,6 +378,22 @@ class Aggregator:
             return
         self._send(conn, [encode(Op.REPLY, id=copy.header["id"])])
         self._send_all(outputs)
+
+    def _copy_when_idle(self, out: CopyOut) -> None:
+        """Send a migration's copy once this Aggregator fell quiet (the job's workers compute)
+        or its ``idle_wait`` is up (:func:`~pslink.core.task_moves.copy_delay`). A job with no
+        pause between iterations gets its copy then, before its workers come round to the
+        task again."""
+        deadline = self.clock() + out.idle_wait
+
+        def when_quiet():
+            wait = copy_delay(self.clock(), self._last_message, deadline, out.idle_wait)
+            if wait > 0:
+                self.reactor.call_later(wait, when_quiet)
+            else:
+                self._send_copy(out, self.copy_retries)
+
+        when_quiet()
 
     def _send_copy(self, out: CopyOut, retries: int, done=None) -> None:
         """TENSOR_COPY to the migration's target, retried; then tell pMaster, or ``done(error)``

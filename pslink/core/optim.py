@@ -145,21 +145,31 @@ class SGD(Optimizer):
         if self.lr_in_momentum:
             # The buffer then holds lr * grad terms, so the weights move by it unscaled.
             grad *= self.lr
+        # ``grad`` is the round's sum, the optimizer's to overwrite: it holds each product the
+        # step needs instead of a temporary (a fresh 4 MiB array costs page faults whenever the
+        # heap has just given its free memory to something else, as to a migration's copy).
+        # Each value is computed with the same operations in the same order as before.
         if self.momentum:
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = state["momentum_buffer"] = grad.copy()
             else:
                 buf *= self.momentum
-                buf += (1.0 - self.dampening) * grad
+                if self.dampening:
+                    grad *= 1.0 - self.dampening
+                buf += grad
             if self.nesterov:
-                grad += self.momentum * buf
+                grad += self.momentum * buf  # dampening is 0 here, so grad is still the gradient
+                step = grad
             else:
-                grad = buf
-        if self.lr_in_momentum:
-            weights -= grad
+                step = buf
         else:
-            weights -= self.lr * grad
+            step = grad
+        if self.lr_in_momentum:
+            weights -= step
+        else:
+            np.multiply(step, self.lr, out=grad)  # grad is free now (or step itself)
+            weights -= grad
 
 
 class Adam(Optimizer):

@@ -12,6 +12,21 @@ from pslink.core.protocol import Op
 from pslink.core.tasks import Checkpoint, CopyOut, Replicate, Reply, Request, Task, _Round, moved_error
 from pslink.errors import KeyStateError, MembershipError, error_from_code, error_to_wire
 
+MAX_COPY_IDLE_WAIT = 1.0  # seconds a migration's copy waits at most for its Aggregator to fall idle
+
+
+def copy_delay(now: float, last_message: float, deadline: float, idle_wait: float) -> float:
+    """How long a migration's copy (``CopyOut.idle_wait``, due by ``deadline``) should still
+    wait; 0: send it now. It goes once its Aggregator heard nothing for ``idle_wait / 2`` (a
+    quarter of the job's iteration: silences that long come when the workers compute; shorter
+    ones happen within an exchange too, while the workers serve keys held elsewhere), and at
+    the latest at ``deadline``. Pure, for the Aggregator shell."""
+    silent = now - last_message
+    quiet = idle_wait / 2
+    if silent >= quiet or now >= deadline:
+        return 0.0
+    return min(quiet - silent, deadline - now)
+
 
 class TaskMoves:
     """Requires of its host: ``tasks``, ``moved``, ``replicas``, ``jobs``, ``clock``, ``summer``,
@@ -138,7 +153,12 @@ class TaskMoves:
         if state.get("poisoned") and task.poisoned is None:
             task.poisoned = error_from_code(*state["poisoned"])
 
-    def _snapshot(self, task: Task) -> list:
+    def _snapshot(self, task: Task, at_round_end: bool = False) -> list:
+        """Hand the task over: its state goes to the target in a copy, and whoever waits here
+        is sent there. At the end of a round the copy may wait, up to half the time the workers
+        take to come round again, for this Aggregator to fall idle: sent at once it competes for
+        the CPU and the sockets with the job's other keys of the same iteration, which the job
+        waits for (during compute the copy costs the job nothing)."""
         state, arrays = self._export(task)
         task.moved_to = task.migrate_to
         # Whoever still waits here must ask the new place (their pushes travel in the copy).
@@ -146,7 +166,9 @@ class TaskMoves:
         waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
         waiting += [req for reqs in task.acks.values() for req in reqs]
         task.before_init, task.pulls, task.acks = [], {}, {}
-        return [CopyOut(task, task.moved_to, state, arrays)] + [Reply(r.origin, r.id, error=moved) for r in waiting]
+        idle_wait = min(MAX_COPY_IDLE_WAIT, task.round_gap / 2) if at_round_end and task.round_gap else 0.0
+        copy = CopyOut(task, task.moved_to, state, arrays, idle_wait=max(0.0, idle_wait))
+        return [copy] + [Reply(r.origin, r.id, error=moved) for r in waiting]
 
     def copy_done(self, ident: tuple) -> None:
         """The new Aggregator has the state: forget the task, keep a forwarding address."""
@@ -228,7 +250,7 @@ class TaskMoves:
         task.replicating = None
         outputs = self._release(task, round_)
         if task.migrate_to is not None and task.moved_to is None:
-            return outputs + self._snapshot(task)
+            return outputs + self._snapshot(task, at_round_end=True)
         return outputs + self._close_ready(task)
 
     def replica_update(self, header: dict, state: dict, arrays: list[np.ndarray]) -> None:

@@ -211,3 +211,47 @@ def test_adam_with_mxnet_epsilon_and_clipping(problem):
 def test_bad_mxnet_rule_settings_are_named(config, match):
     with pytest.raises(ConfigError, match=match):
         make_optimizer(config)
+
+
+def previous_sgd_step(weights, grad, state, lr, momentum=0.0, dampening=0.0):
+    """The step as it was written with temporaries (before it reused the gradient's array)."""
+    if momentum:
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = grad.copy()
+        else:
+            buf *= momentum
+            buf += (1.0 - dampening) * grad
+        grad = buf
+    weights -= lr * grad
+
+
+@pytest.mark.parametrize("settings", [dict(lr=0.1), dict(lr=0.05, momentum=0.9),
+                                      dict(lr=0.05, momentum=0.9, dampening=0.3)])
+def test_sgd_in_place_is_bit_identical_to_the_step_with_temporaries(settings):
+    rng = np.random.default_rng(7)
+    grads = [rng.standard_normal(1000).astype(np.float32) for _ in range(6)]
+    ours, theirs = np.ones(1000, np.float32), np.ones(1000, np.float32)
+    ours_state, theirs_state = {}, {}
+    sgd = SGD({"type": "sgd", **settings})
+    for g in grads:
+        sgd.step(ours, g.copy(), ours_state)
+        previous_sgd_step(theirs, g.copy(), theirs_state, **settings)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_sgd_with_momentum_steps_without_a_temporary_array():
+    import tracemalloc
+
+    n = 1 << 18
+    sgd = SGD({"type": "sgd", "lr": 0.1, "momentum": 0.9, "dampening": 0.1})
+    weights, state = np.ones(n, np.float32), {}
+    sgd.step(weights, np.ones(n, np.float32), state)  # the first step makes the momentum buffer
+    grad = np.ones(n, np.float32)
+    tracemalloc.start()
+    try:
+        sgd.step(weights, grad, state)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < grad.nbytes // 4, f"the step allocated {peak} bytes (an array is {grad.nbytes})"
