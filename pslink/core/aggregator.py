@@ -39,6 +39,7 @@ from pslink.core.checkpoints import CheckpointWriter, part_path
 from pslink.core.checkpoints import read as read_checkpoint
 from pslink.core.faults import Faults
 from pslink.core.loop import Reactor, ReactorThread
+from pslink.core.memory import keep_freed_memory
 from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, dtype_of, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
 from pslink.core.task_moves import copy_delay
@@ -617,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("PSLINK_LOG_LEVEL", "WARNING"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s aggregator {args.name or ''} %(levelname)s %(message)s")
+    keep_freed_memory()  # this process is the Aggregator's own
     aggregator = Aggregator(args.master, args.listen, name=args.name, orphan_timeout=args.orphan_timeout)
     signal.signal(signal.SIGTERM, lambda *_: aggregator.reactor.stop())
     signal.signal(signal.SIGINT, lambda *_: aggregator.reactor.stop())

@@ -31,7 +31,9 @@ class _AggregatorActor:
 
     def __init__(self, master: str, name: str, listen_host: str | None, orphan_timeout: float):
         from pslink.core.aggregator import Aggregator
+        from pslink.core.memory import keep_freed_memory
 
+        keep_freed_memory()  # the actor's process is the Aggregator's own
         if listen_host is None:
             import ray
 
