@@ -19,7 +19,9 @@ A job's life (paper 3.3.1-3.3.2):
    median over the last ``guard_window`` iterations loses more than ``loss_limit``, tasks on a congested
    Aggregator move to others with room (Appendix D), once; failing that, or when the job is still
    too slow after that move, the job is reverted: a new Aggregator is added and the job placed
-   again, alone (the paper's Figure 10). A reverted job's Aggregators are then kept for it.
+   again, alone (the paper's Figure 10). A reverted job's Aggregators are then kept for it. A
+   job that declares keys after its profile is judged against its first full window with them
+   instead (it got heavier by itself; nothing to revert).
 4. **Exit.** Its tasks go; empty Aggregators are released (down to ``min_aggregators``), then the
    least-loaded ones are drained into the others while that needs no new Aggregator. With a
    ``scale_period``, releases and drains happen once per period while allocation stays on demand
@@ -92,6 +94,9 @@ class JobControl:
     # of times). A job still too slow after one move is reverted instead.
     relieved: bool = False
     adopted: bool = False  # placed before a pMaster restart: re-profile, do not move
+    # Keys declared after its profile: the job itself got heavier, so its standalone speed is
+    # stale. The next full window sets it again instead of being judged against the old one.
+    grown: bool = False
 
     def current_iteration(self) -> float | None:
         # The median: the loss must *stay* above the limit over the window (the paper), so one
@@ -293,6 +298,8 @@ class ControlPlane:
             return target, []
         target, actions = self._place_one(control, self._demand(control, ident), self._candidates(control),
                                           f"no room for a part of job {job}")
+        control.grown = True
+        control.window.clear()  # iterations without the new key say nothing about the job now
         return target, actions
 
     def _place_one(self, control: JobControl, demand: TaskDemand, candidates: list[str], reason: str) -> tuple[str, list]:
@@ -407,6 +414,14 @@ class ControlPlane:
         if len(control.window) < self.guard_window or control.standalone is None:
             return []
         current = control.current_iteration()
+        if control.grown:
+            # Its iterations now include keys it declared after its profile: however much slower
+            # they are, the job did that, not its neighbours (the guard would otherwise revert
+            # or spread a job for its own growth). Judged from here on against this window.
+            control.grown = False
+            control.standalone = current
+            control.window.clear()
+            return []
         loss = (current - control.standalone) / current
         if loss <= self.loss_limit:
             return []

@@ -104,6 +104,25 @@ def test_the_guard_reverts_a_slowed_job_onto_a_new_aggregator():
     assert control.jobs["j"].standalone == 0.2
 
 
+def test_a_job_slowed_by_keys_it_declared_after_its_profile_is_judged_anew_not_reverted():
+    control = plane(min_aggregators=1)
+    control.aggregator_added("agg-0")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control.iterations_reported("j", [0.05] * 3)
+    assert control.iterations_reported("j", [0.05] * 2) == []
+    declare(control, "j", [2, 3], nbytes=4000)  # more values to aggregate (ps-lite: a longer length)
+    assert control.jobs["j"].grown and not control.jobs["j"].window  # the old iterations no longer count
+    # A whole window four times slower: its own doing, so this is its speed from now on.
+    assert control.iterations_reported("j", [0.2] * 4) == []
+    assert control.jobs["j"].standalone == 0.2 and control.jobs["j"].reverts == 0
+    assert control.aggregator_count() == 1
+    # ... and a later slowdown against that is the guard's business again
+    actions = control.iterations_reported("j", [0.5] * 4)
+    assert any(isinstance(a, Allocate) and "revert job j" in a.reason for a in actions)
+
+
 def test_a_congested_aggregator_is_left_for_one_with_room_without_new_ones():
     control = plane(min_aggregators=2, congested_load=0.9)
     control.aggregator_added("agg-0")
