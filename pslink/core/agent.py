@@ -66,6 +66,7 @@ from pslink.errors import (
 )
 
 log = logging.getLogger(__name__)
+_AVERAGE = {"avg": True}  # a pull's header field: the Aggregator may answer the average
 
 
 class Agent(TaskRequests, Failover, MasterLink):
@@ -375,6 +376,7 @@ class Agent(TaskRequests, Failover, MasterLink):
         header = encode(
             op, id=rid, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index,
             rnd=round_, dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
+            **_AVERAGE if average else {},
         )
         self._transmit(rid, request, [header, payload[part.start : part.stop]] if payload is not None else [header])
 
@@ -535,7 +537,8 @@ class Agent(TaskRequests, Failover, MasterLink):
         moved = header.get("moved") if error is None else None
         if moved:
             self._moved(request.part, {"agg": moved[0], "address": moved[1]})
-        if error is None and request.average:
+        if error is None and request.average and not header.get("avg"):
+            # (an Aggregator averages a synchronous sum itself, once for every worker)
             n = header.get("n", 0)
             if n > 1:
                 np.divide(request.array, n, out=request.array)

@@ -287,7 +287,8 @@ class Aggregator:
             self._install(conn, state)
             return
         header, task, buffer, started = state
-        request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], buffer)
+        request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], buffer,
+                          average=bool(header.get("avg")))
         if header["op"] == Op.STATE_SET:
             request.header = header
         self._send_all(self.core.handle(task, request))
@@ -322,6 +323,8 @@ class Aggregator:
                         fields["dropped"] = True
                     if out.lost is not None:
                         fields["lost"] = list(out.lost)
+                    if out.averaged:
+                        fields["avg"] = True
                     header = encode(Op.REPLY, id=out.id, rnd=out.round, n=out.n, ep=out.epoch, **fields)
                     frames = [header, out.payload] if out.payload is not None else [header]
                 self._send(out.origin, frames)

@@ -251,8 +251,8 @@ class Schema:
 SCHEMAS: dict[Op, Schema] = {
     Op.INIT: Schema(_DATA_REQUIRED, payloads=(0, 1)),
     Op.PUSH: Schema(_DATA_REQUIRED, payloads=(1,)),
-    Op.PULL: Schema(_DATA_REQUIRED),
-    Op.PUSHPULL: Schema(_DATA_REQUIRED, payloads=(1,)),
+    Op.PULL: Schema(_DATA_REQUIRED, {"avg": _bool}),  # avg: answer the round's average
+    Op.PUSHPULL: Schema(_DATA_REQUIRED, {"avg": _bool}, payloads=(1,)),
     Op.PING: Schema({"id": _uint}),
     Op.PONG: Schema({"id": _uint}),
     Op.ABORT: Schema(
@@ -262,7 +262,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.REPLY: Schema(
         {"id": _uint},
         {"rnd": _uint, "n": _uint, "body": _map, "moved": _list, "ep": _uint, "dropped": _bool,
-         "lost": _list},
+         "lost": _list, "avg": _bool},  # avg: the payload is the average already
         payloads=tuple(range(0, MAX_STATE_ARRAYS + 1)),  # one tensor; a STATE_GET's arrays
     ),
     Op.TENSOR_COPY: Schema(

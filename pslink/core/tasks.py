@@ -158,6 +158,7 @@ class Request:
     round: int
     payload: np.ndarray | None = None
     header: dict | None = None  # STATE_SET: the header's names and scalars (payload: a list of arrays)
+    average: bool = False  # a pull that wants the round's sum divided by its contributors
 
 
 @dataclasses.dataclass(slots=True)
@@ -177,6 +178,7 @@ class Reply:
     lost: tuple[int, int] | None = None  # (rounds lost, checkpoint round): the part restarted from a checkpoint
     body: dict | None = None  # STATE_GET, JOIN: names and numbers
     arrays: list[np.ndarray] | None = None  # STATE_GET: the state's arrays, a frame each
+    averaged: bool = False  # the payload is the sum divided by ``n`` already
 
 
 @dataclasses.dataclass(slots=True)
@@ -300,6 +302,9 @@ class Task:
         # workers take to come round again (a migration's copy fits in before they do)
         self.last_opened: float | None = None
         self.round_gap: float | None = None
+        # (round, array): the last closed round's sum divided by its contributors, made once
+        # for every worker that pulls with average=True (each used to divide its own copy)
+        self.averaged: tuple[int, np.ndarray] | None = None
         self.seen: set[int] | None = None  # ranks heard from since the state arrived here
         # profiling: CPU seconds spent on this task, and what was last reported
         self.cpu = 0.0

@@ -639,3 +639,34 @@ def test_an_abort_fails_the_requests_that_wait_for_a_copy():
     (reply,) = target.abort_key("j", "w", KeyStateError("key 'w' part 0 of job 'j': aggregator agg-test is gone"))
     assert reply.origin == "rank0" and "agg-test is gone" in reply.error.message
     assert target.tasks[("j", "w", 0)].waiting_copy == []
+
+
+def test_a_round_is_averaged_once_for_every_worker_that_asks():
+    c = Cluster(workers=2, needs_init=False)
+
+    def send(rank, op, value=None, average=True):
+        header = c.header(op, rank, 1)
+        task = c.core.admit(header)
+        payload = None
+        if value is not None:
+            payload = c.core.receive_buffer(task)
+            payload[:] = value
+        return c.core.handle(task, Request(f"rank{rank}", header["id"], op, rank, 1, payload, average=average))
+
+    assert send(0, Op.PUSHPULL, np.full(6, 1.0)) == []
+    replies = send(1, Op.PUSHPULL, np.full(6, 4.0))
+    results = [r for r in replies if r.payload is not None]
+    assert len(results) == 2 and all(r.averaged and r.n == 2 for r in results)
+    assert results[0].payload is results[1].payload  # divided once, for both
+    np.testing.assert_array_equal(results[0].payload, np.full(6, 2.5))
+    np.testing.assert_array_equal(c.task.value, np.full(6, 5.0))  # the round's sum stays the sum
+    (plain,) = send(0, Op.PULL, average=False)
+    assert not plain.averaged and plain.payload is c.task.value
+    # asynchronous rounds: the Agent divides by the n it is told, as before
+    asp = Cluster(workers=2, sync="asp", needs_init=False)
+    header = asp.header(Op.PUSHPULL, 0, 1)
+    task = asp.core.admit(header)
+    buffer = asp.core.receive_buffer(task)
+    buffer[:] = 3.0
+    replies = asp.core.handle(task, Request("rank0", header["id"], Op.PUSHPULL, 0, 1, buffer, average=True))
+    assert replies and not any(r.averaged for r in replies)
