@@ -21,7 +21,9 @@ A job's life (paper 3.3.1-3.3.2):
    too slow after that move, the job is reverted: a new Aggregator is added and the job placed
    again, alone (the paper's Figure 10). A reverted job's Aggregators are then kept for it. A
    job that declares keys after its profile is judged against its first full window with them
-   instead (it got heavier by itself; nothing to revert).
+   instead (it got heavier by itself; nothing to revert). While its tasks move (a pack, the
+   guard's own moves, an operator's removal, a drain), and in the report right after, it is not
+   judged: each window is measured on one placement, the one it is judged for.
 4. **Exit.** Its tasks go; empty Aggregators are released (down to ``min_aggregators``), then the
    least-loaded ones are drained into the others while that needs no new Aggregator. With a
    ``scale_period``, releases and drains happen once per period while allocation stays on demand
@@ -97,6 +99,9 @@ class JobControl:
     # Keys declared after its profile: the job itself got heavier, so its standalone speed is
     # stale. The next full window sets it again instead of being judged against the old one.
     grown: bool = False
+    # Its tasks were moving when it last reported: its next report still holds iterations
+    # measured during the moves (an Agent reports what it measured since its last report).
+    settling: bool = False
 
     def current_iteration(self) -> float | None:
         # The median: the loss must *stay* above the limit over the window (the paper), so one
@@ -156,6 +161,10 @@ class ControlPlane:
         # Aggregators holding replicas: the plan counts only tasks, pMaster knows the replicas.
         # Scaling never releases or drains them, or the replicas would go with them.
         self.replica_holders: Callable[[], set] = set
+        # Jobs with tasks on the move (pMaster's migrations, running, queued, or waiting for a
+        # new Aggregator): the guard does not judge them meanwhile. The simulator's moves take
+        # no time: none.
+        self.moving_jobs: Callable[[], set] = set
 
     # -- the pool ---------------------------------------------------------------------------------
 
@@ -242,6 +251,10 @@ class ControlPlane:
         if aggregator not in self.cluster_of:
             self.aggregator_added(aggregator)
         self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident), aggregator)
+
+    def jobs_waiting_to_move(self) -> set[str]:
+        """Jobs with moves held until the Aggregator they go to is up."""
+        return {a.task[0] for held in self._held.values() for a in held if isinstance(a, Migrate)}
 
     def is_placeholder(self, name: str) -> bool:
         return name.startswith("<new-")
@@ -407,6 +420,17 @@ class ControlPlane:
             control.profiled.extend(durations)
             if len(control.profiled) >= self.profile_iterations:
                 return self._pack(control)
+            return []
+        if job in self.moving_jobs():
+            # Its tasks are moving (an operator's removal, a drain, the guard's own moves, a pack):
+            # these iterations measure neither the placement it had nor the one it gets, and
+            # they include the moves' copies. The guard judges the new placement on its own
+            # iterations (as after its own moves), not on a window filled before or during them.
+            control.window.clear()
+            control.settling = True
+            return []
+        if control.settling:
+            control.settling = False  # the first report since: measured partly during the moves
             return []
         control.window.extend(durations)
         while len(control.window) > self.guard_window:

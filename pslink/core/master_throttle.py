@@ -34,6 +34,7 @@ class MasterThrottle:
     def _init_throttle(self, max_migration_bytes: int | None) -> None:
         self.max_migration_bytes = DEFAULT_MAX_MIGRATION_BYTES if max_migration_bytes is None else max_migration_bytes
         self._throttled: dict[tuple, Migrate] = {}  # task -> its move, waiting for room (in arrival order)
+        self.state.control.moving_jobs = self._moving_jobs
 
     def _migration_bytes(self, task: tuple) -> int:
         """The task state a move of ``task`` copies (0 for a task pMaster does not know)."""
@@ -83,6 +84,12 @@ class MasterThrottle:
         return any(name in (e["source"], e["target"]) for e in self.migrations.values()) or \
             any(name in (a.source, a.target) for a in self._throttled.values()) or \
             any(name in (a.source, a.target) for a in self._queued_moves.values())
+
+    def _moving_jobs(self) -> set[str]:
+        """Jobs with a task moving: migrating, queued, or waiting for its new Aggregator to start
+        (the control plane's guard leaves them be until their moves are over)."""
+        tasks = [*self.migrations, *self._throttled, *self._queued_moves]
+        return {task[0] for task in tasks} | self.state.control.jobs_waiting_to_move()
 
     def _moves_settled(self, names) -> None:
         """Moves involving ``names`` ended: release those waiting for it; sources may be idle now."""

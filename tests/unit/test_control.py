@@ -94,8 +94,10 @@ def test_the_guard_reverts_a_slowed_job_onto_a_new_aggregator():
     actions = control.iterations_reported("j", [0.1] * 4)  # 50% slower, for the whole window
     (allocate,) = [a for a in actions if isinstance(a, Allocate)]
     assert "revert job j" in allocate.reason
+    assert control.jobs_waiting_to_move() == {"j"}  # pMaster's guard skips its reports meanwhile
     moves = start(control, actions)  # the moves waited for the new Aggregator
     assert len(moves) == 2 and all(isinstance(m, Migrate) for m in moves)
+    assert control.jobs_waiting_to_move() == set()
     (new,) = {m.target for m in moves}
     assert not control.is_placeholder(new) and {m.source for m in moves} == {"agg-0"}
     assert control.exclusive == {new: "j"} and control.jobs["j"].reverts == 1
@@ -120,6 +122,36 @@ def test_a_job_slowed_by_keys_it_declared_after_its_profile_is_judged_anew_not_r
     assert control.aggregator_count() == 1
     # ... and a later slowdown against that is the guard's business again
     actions = control.iterations_reported("j", [0.5] * 4)
+    assert any(isinstance(a, Allocate) and "revert job j" in a.reason for a in actions)
+
+
+def test_a_job_whose_tasks_moved_is_judged_on_iterations_of_its_new_placement():
+    # An operator removes its Aggregator while the host is busy (starting processes): the job
+    # ran 20% slower. Those iterations, and those during the moves, say nothing of where it runs
+    # now; judged on them, the guard reverted it the moment the moves were over.
+    control = plane(min_aggregators=2)
+    control.aggregator_added("agg-0")
+    control.aggregator_added("agg-1")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control.iterations_reported("j", [0.05] * 3)
+    assert control.jobs["j"].phase == "packed"
+    assert control.iterations_reported("j", [0.06] * 3) == []  # not a full window yet
+    (where,) = set(control.clusters["cluster-0"].where.values())
+    actions, moves = control.remove_aggregator(where)
+    assert len(moves) == 2 and all(isinstance(a, (Migrate, Release)) for a in actions)
+    moving = {"j"}  # what pMaster says while the migrations run
+    control.moving_jobs = lambda: moving
+    assert control.iterations_reported("j", [0.06] * 4) == []  # not judged while its tasks move
+    assert not control.jobs["j"].window
+    moving.clear()
+    # The first report after the moves holds iterations measured during them: not judged either.
+    assert control.iterations_reported("j", [0.06] * 4) == [] and not control.jobs["j"].window
+    assert control.iterations_reported("j", [0.05] * 4) == []  # as fast as alone where it is now
+    assert control.jobs["j"].phase == "packed" and control.jobs["j"].reverts == 0
+    # ... and a slowdown where it runs now is the guard's business
+    actions = control.iterations_reported("j", [0.1] * 4)
     assert any(isinstance(a, Allocate) and "revert job j" in a.reason for a in actions)
 
 
