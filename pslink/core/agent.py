@@ -667,7 +667,11 @@ class Agent(TaskRequests, Failover, MasterLink):
             with self._lock:
                 self._waiters -= 1
                 self._activity = self.clock()
-                if not self._waiters and (self._pending or self._async):
+                # Callbacks have nobody to wait for them: hand over now. Plain requests still in
+                # flight need no wake-up here (one per wait cost more than the wait on these VMs;
+                # their waiter is usually back within microseconds): the background thread looks
+                # again within idle_poll, as it does below while a thread waits.
+                if not self._waiters and self._async:
                     self._bg_cv.notify()
 
     def _background(self) -> None:
@@ -693,7 +697,7 @@ class Agent(TaskRequests, Failover, MasterLink):
                             continue
                         self._bg_cv.wait(None if due is None else due - now)
                     else:
-                        self._bg_cv.wait(0.05)
+                        self._bg_cv.wait(self.idle_poll)
             if not reactor.try_drive():
                 time.sleep(self.idle_poll)
                 continue

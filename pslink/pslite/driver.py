@@ -111,7 +111,7 @@ class Driver:
             with self._lock:
                 self._waiters -= 1
                 self._activity = self.clock()
-                if not self._waiters:
+                if not self._waiters and self._callbacks > 0:
                     self._cv.notify()
 
     def _background(self) -> None:
@@ -122,7 +122,7 @@ class Driver:
                     if self._closed:
                         return
                     if self._waiters:
-                        self._cv.wait(0.05)
+                        self._cv.wait(self.idle_poll)
                         continue
                     if self._callbacks > 0:
                         break

@@ -372,6 +372,24 @@ def test_callbacks_complete_with_nobody_waiting(cluster):
         agent.close()
 
 
+def test_requests_left_in_flight_by_a_wait_complete_with_nobody_waiting(cluster):
+    # A wait that ends does not wake the background thread (one wake-up per wait cost more than the
+    # wait); the background must still take over the requests still in flight on its own.
+    service, transports = cluster
+    agent = agent_for(service, transports, "left-in-flight", 0, 1)
+    try:
+        agent.init_many(range(8), [np.zeros(50_000, np.float32) for _ in range(8)]).wait()
+        handles = [agent.pushpull(key, np.full(50_000, key, np.float32)) for key in range(8)]
+        handles[0].wait()
+        deadline = time.monotonic() + 10
+        while not all(h.done() for h in handles) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert all(h.done() for h in handles), "requests nobody waits for were left unfinished"
+        assert [float(h.wait()[0]) for h in handles] == [float(k) for k in range(8)]
+    finally:
+        agent.close()
+
+
 def test_many_requests_in_flight_from_many_threads(cluster):
     service, transports = cluster
     agent = agent_for(service, transports, "threads", 0, 1, partition_bytes=4096)
