@@ -2,8 +2,8 @@
 
 Mirrors ps-lite's KV benchmark: one server and one worker, each request one key whose value is
 4 KiB, 256 KiB, 4 MiB or 64 MiB of float32, 4 requests in flight (one key each), throughput as
-value MB/s seen by the worker; each size in a deployment of its own, as ps-lite's benchmark takes
-one length per run. The deployment is a real one, started as ``pslink launch --pslite
+value MB/s seen by the worker; each size and op in a deployment of its own, as ps-lite's
+benchmark takes one length and one mode per run. The deployment is a real one, started as ``pslink launch --pslite
 -s 1 -n 1`` starts it (a scheduler, a server and a worker process running this file), in
 either server mode:
 
@@ -134,15 +134,18 @@ class _Capture(io.TextIOBase):
 
 
 def run_mode(mode: str, plan: dict, echo: bool) -> list[dict]:
-    """Every value size in a deployment of its own, as ps-lite's benchmark takes one length per run.
+    """Every value size and op in a deployment of its own, as ps-lite's benchmark takes one
+    length and one mode (push, pull or both) per run.
 
-    One job through every size would be measured against itself: the parameter service profiles
-    a job's speed while it runs alone and its performance guard reads a later, slower iteration as
+    One job through several would be measured against itself: the parameter service profiles a
+    job's speed while it runs alone, and its performance guard reads a later, slower iteration as
     interference (the 256 KiB phase after the 4 KiB one looked 3-5x slower than the job profiled,
-    and was spread over more Aggregators; see docs/benchmarks.md)."""
+    as did 4 KiB zpushpull after zpush, and each was spread over more Aggregators; see
+    docs/benchmarks.md)."""
     results = []
     for size in plan["sizes"]:
-        results += _run_deployment(mode, dict(plan, sizes=[size]), echo)
+        for op in plan["ops"]:
+            results += _run_deployment(mode, dict(plan, sizes=[size], ops=[op]), echo)
     return results
 
 
@@ -152,7 +155,7 @@ def _run_deployment(mode: str, plan: dict, echo: bool) -> list[dict]:
     capture = _Capture(echo)
     command = [sys.executable, os.path.abspath(__file__), "--program", json.dumps(plan)]
     code = PsliteLaunch(command, num_workers=1, num_servers=1, server_mode=mode, aggregators=1,
-                        job=f"pslite-bench-{os.getpid()}-{mode}-{plan['sizes'][0]}", prefix=False,
+                        job=f"pslite-bench-{os.getpid()}-{mode}-{plan['sizes'][0]}-{plan['ops'][0]}", prefix=False,
                         output=capture).run()
     found = [line[len(RESULT):] for line in capture.lines if line.startswith(RESULT)]
     if code != 0 or not found:

@@ -43,14 +43,15 @@ from pslink.config import (
     resolve_str,
     resolve_token,
 )
-from pslink.core.agent_keys import MAX_MOVES, KeyInfo, Link, PartInfo, PartRequest, as_array, check_key
+from pslink.core.agent_keys import MAX_MOVES, WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, as_array, check_key
+from pslink.core.agent_drive import Driving
 from pslink.core.agent_failover import Failover
 from pslink.core.agent_master import MasterLink
 from pslink.core.agent_tasks import TaskRequests
 from pslink.core.faults import Faults
 from pslink.core.handle import Handle
 from pslink.core.loop import Reactor
-from pslink.core.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, Limits, Op, decode, encode
+from pslink.core.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, HeaderTemplate, Limits, Op, decode, encode
 from pslink.core.rpc import RpcEndpoint, RpcPeer
 from pslink.core.transport import DISCARD, Connection, Transports
 from pslink.errors import (
@@ -60,16 +61,17 @@ from pslink.errors import (
     PeerError,
     ProtocolError,
     PslinkError,
-    PslinkTimeoutError,
     ShapeMismatchError,
     error_from_code,
 )
 
 log = logging.getLogger(__name__)
 _AVERAGE = {"avg": True}  # a pull's header field: the Aggregator may answer the average
+_OP_NAMES = {op: op.name.lower() for op in Op}  # an enum's name is a property: slow on every request
+_REPLY, _ERROR, _PONG, _STATE_GET = Op.REPLY, Op.ERROR, Op.PONG, Op.STATE_GET  # (and so is a member's lookup)
 
 
-class Agent(TaskRequests, Failover, MasterLink):
+class Agent(TaskRequests, Failover, MasterLink, Driving):
     """A worker's connection to the parameter service. See :func:`pslink.connect`."""
 
     def __init__(
@@ -303,6 +305,10 @@ class Agent(TaskRequests, Failover, MasterLink):
         if self._closed:
             raise ClosedError(f"agent of job {self.job!r} rank {self.rank} is closed")
         self._activity = self.clock()
+        if len(keys) == 1 and not self._late:
+            handle = self._submit_known(op, keys[0], arrays, outs, average)
+            if handle is not None:
+                return handle
         keys = [check_key(k) for k in keys]
         if len(keys) > 1 and len(set(keys)) != len(keys):
             raise ConfigError(f"keys of one call must be distinct, got {keys}")
@@ -319,20 +325,54 @@ class Agent(TaskRequests, Failover, MasterLink):
             flats = [(a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1) for a, _ in typed]
         if outs is not None:
             results = [self._out_array(info, out, average) for info, out in zip(infos, outs)]
+        return self._issue(op, keys, infos, flats, results, average)
+
+    def _submit_known(self, op: Op, key, arrays: list | None, outs: list | None, average: bool) -> Handle | None:
+        """One key this Agent already knows, given numpy arrays of its shape and dtype: the common
+        case of a training step (and of every ps-lite request), without the lists, lookups and
+        conversions of the batched path. None for anything else: the batched path takes it, and
+        names what is wrong."""
+        info = self._keys.get(key) if type(key) is int or type(key) is str else None
+        if info is None:
+            return None
+        flats = results = None
+        if arrays is not None:
+            array = arrays[0]
+            if (type(array) is not np.ndarray or array.shape != info.shape or not array.flags.c_contiguous
+                    or WIRE_NAMES.get(array.dtype) != info.dtype_name):
+                return None
+            flats = [array if array.ndim == 1 else array.reshape(-1)]
+        if outs is not None:
+            out = outs[0]
+            if (type(out) is not np.ndarray or out.shape != info.shape or not out.flags.c_contiguous
+                    or not out.flags.writeable or WIRE_NAMES.get(out.dtype) != info.dtype_name
+                    or (average and info.dtype_name not in FLOAT_DTYPES)):
+                return None
+            results = [out]
+        return self._issue(op, [key], [info], flats, results, average)
+
+    def _issue(self, op: Op, keys: list, infos: list[KeyInfo], flats: list | None, results: list | None,
+               average: bool) -> Handle:
+        """Count the round, make the handle and send every part: where both submit paths end."""
         with self._lock:
             if op == Op.PUSH or op == Op.PUSHPULL:
                 for info in infos:
                     info.round += 1
                 self._time_iteration(keys)
             rounds = [info.round for info in infos]
-        total_parts = sum(len(info.parts) for info in infos)
-        result = None if results is None else (results[0] if len(keys) == 1 else results)
-        handle = Handle(self, op.name.lower(), keys, result, total_parts, rounds[0] if len(keys) == 1 else 0)
+        single = len(keys) == 1
+        total_parts = len(infos[0].parts) if single else sum(len(info.parts) for info in infos)
+        result = None if results is None else (results[0] if single else results)
+        handle = Handle(self, _OP_NAMES[op], keys, result, total_parts, rounds[0] if single else 0)
         # An init's value comes from the job's first rank (rank 0, or the lowest left if it has gone).
         send_payload = flats is not None and (op != Op.INIT or self.rank == 0 or (
             not self._late and self.rank == min(self._members.get("ranks") or [0])))
         for i, info in enumerate(infos):
-            flat_out = results[i].reshape(-1) if results is not None else None
+            flat_out = None
+            if results is not None:
+                flat_out = results[i]
+                if flat_out.ndim != 1:
+                    flat_out = flat_out.reshape(-1)
             payload = flats[i] if send_payload else None
             for part in info.parts:
                 self._send_part(handle, op, info, part, rounds[i], payload, flat_out, average)
@@ -367,18 +407,25 @@ class Agent(TaskRequests, Failover, MasterLink):
             link = Link(aggregator, address, None, self.clock(), exc.message)
         rid = next(self._ids)
         dest = array = None
+        whole = part.start == 0 and part.stop == info.numel
         if flat_out is not None:
-            array = flat_out[part.start : part.stop]
+            array = flat_out if whole else flat_out[part.start : part.stop]
             dest = memoryview(array).cast("B")
         request = self._pending[rid] = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_,
                                                     payload, flat_out, moves)
         link.pending.add(rid)
-        header = encode(
-            op, id=rid, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index,
-            rnd=round_, dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
-            **_AVERAGE if average else {},
-        )
-        self._transmit(rid, request, [header, payload[part.start : part.stop]] if payload is not None else [header])
+        template = part.headers.get((op, average))
+        if template is None:
+            template = part.headers[(op, average)] = HeaderTemplate(
+                op, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index,
+                dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
+                **_AVERAGE if average else {},
+            )
+        header = template.make(rid, round_)
+        if payload is None:
+            self._transmit(rid, request, [header])
+        else:
+            self._transmit(rid, request, [header, payload if whole else payload[part.start : part.stop]])
 
     def _transmit(self, rid: int, request: PartRequest, frames: list) -> None:
         request.frames, request.sent = frames, self.clock()
@@ -480,13 +527,13 @@ class Agent(TaskRequests, Failover, MasterLink):
         except ProtocolError as exc:
             log.warning("agent %s/%s: bad message from %s: %s", self.job, self.rank, conn.peer, exc)
             return (None, exc), DISCARD
-        pending = self._pending.get(header["id"]) if header["op"] != Op.PONG else None
-        if header["op"] == Op.REPLY and sizes and pending is not None and pending.op == Op.STATE_GET:
-            if any(size != pending.nbytes for size in sizes):
-                return (header, ProtocolError(f"state from {conn.peer} carries frames of {list(sizes)} bytes; "
-                                              f"{pending.nbytes} each were expected")), DISCARD
-            return (header, None), None  # the transport allocates
-        if header["op"] == Op.REPLY and sizes:
+        if header["op"] is _REPLY and sizes:
+            pending = self._pending.get(header["id"])
+            if pending is not None and pending.op is _STATE_GET:
+                if any(size != pending.nbytes for size in sizes):
+                    return (header, ProtocolError(f"state from {conn.peer} carries frames of {list(sizes)} bytes; "
+                                                  f"{pending.nbytes} each were expected")), DISCARD
+                return (header, None), None  # the transport allocates
             if pending is None or pending.dest is None:
                 return (header, None), DISCARD  # a late reply, or a payload nobody asked for
             if sizes[0] != pending.nbytes:
@@ -503,14 +550,14 @@ class Agent(TaskRequests, Failover, MasterLink):
         if link is not None:
             link.last_heard = self.clock()
             link.ping_sent = None
-        if header is None or header["op"] == Op.PONG:
+        if header is None or header["op"] is _PONG:
             return
         rid = header["id"]
         request = self._pending.pop(rid, None)
         if request is None:
             return
         request.link.pending.discard(rid)
-        if error is None and header["op"] == Op.ERROR:
+        if error is None and header["op"] is _ERROR:
             error = error_from_code(header["code"], header["msg"], header.get("details"))
         if isinstance(error, MovedError) and request.moves < MAX_MOVES:
             # The task migrated before this request got there: follow it, same round, same data.
@@ -525,23 +572,24 @@ class Agent(TaskRequests, Failover, MasterLink):
         if error is None:
             if request.op in STATE_OPS:
                 self._state_arrived(request, header, payloads)
-            epoch = header.get("ep")
+            get = header.get
+            epoch = get("ep")
             if epoch is not None and epoch > request.handle.epoch:
                 request.handle.epoch = epoch
                 if epoch > self.epoch:
                     self.epoch = epoch
-            if header.get("dropped"):
+            if get("dropped"):
                 self.dropped_pushes += 1
-            if header.get("lost"):
+            if get("lost"):
                 self._rounds_lost(request.info.key, header["lost"])
-        moved = header.get("moved") if error is None else None
-        if moved:
-            self._moved(request.part, {"agg": moved[0], "address": moved[1]})
-        if error is None and request.average and not header.get("avg"):
-            # (an Aggregator averages a synchronous sum itself, once for every worker)
-            n = header.get("n", 0)
-            if n > 1:
-                np.divide(request.array, n, out=request.array)
+            moved = get("moved")
+            if moved:
+                self._moved(request.part, {"agg": moved[0], "address": moved[1]})
+            if request.average and not get("avg"):
+                # (an Aggregator averages a synchronous sum itself, once for every worker)
+                n = get("n", 0)
+                if n > 1:
+                    np.divide(request.array, n, out=request.array)
         self._complete(request.handle, error)
 
     @staticmethod
@@ -589,127 +637,6 @@ class Agent(TaskRequests, Failover, MasterLink):
                 self._bg_cv.notify()
             handle._callbacks.append(fn)
             return True
-
-    def _probe(self) -> None:
-        """Ping Aggregators that owe us answers and have been quiet; give up on the silent."""
-        if self._closed:
-            return
-        try:
-            now = self.clock()
-            if self.resend_timeout:
-                for rid, request in list(self._pending.items()):
-                    conn = request.link.conn
-                    if conn is None or conn.closed:
-                        continue  # its Aggregator is lost: the relocation under way sends it again
-                    if request.frames is not None and now - request.sent > self.resend_timeout:
-                        self._transmit(rid, request, request.frames)
-            for link in list(self._links.values()):
-                if not link.pending:
-                    link.ping_sent = None
-                elif link.ping_sent is not None:
-                    if now - link.ping_sent > self.peer_timeout:
-                        self._give_up(link, now - link.last_heard)
-                elif now - link.last_heard > min(self.peer_timeout / 2, 1.0):
-                    link.ping_sent = now
-                    try:
-                        link.conn.send([encode(Op.PING, id=0)])
-                    except PslinkError:
-                        pass
-        finally:
-            self._reactor.call_later(self.probe_interval, self._probe)
-
-    def _give_up(self, link: Link, silent_for: float) -> None:
-        error = PeerError(
-            f"aggregator {link.name} at {link.address} did not answer for {silent_for:.1f} s "
-            f"(job {self.job!r}, rank {self.rank}); {len(link.pending)} request(s) failed",
-            peer=link.address,
-        )
-        log.error("%s", error)
-        self._conn_links.pop(link.conn, None)
-        with self._link_lock:
-            if self._links.get(link.name) is link:
-                del self._links[link.name]
-        link.conn.close()
-        self._fail_requests(list(link.pending), error)
-
-    # -- driving ----------------------------------------------------------------------------------
-
-    def _wait(self, handle: Handle, timeout: float | None) -> None:
-        timeout = self.timeout if timeout is None else timeout
-        deadline = self.clock() + timeout
-        reactor = self._reactor
-        with self._lock:
-            self._waiters += 1
-        try:
-            while handle._left:
-                if self.clock() >= deadline:
-                    raise PslinkTimeoutError(
-                        f"{handle._describe_wait()} not done after {timeout:g} s "
-                        f"(job {self.job!r}, rank {self.rank})",
-                        job=self.job,
-                    )
-                if reactor.try_drive():
-                    try:
-                        while handle._left:
-                            remaining = deadline - self.clock()
-                            if remaining <= 0:
-                                break
-                            reactor.run_once(remaining, self.spin)
-                    finally:
-                        reactor.release()
-                else:
-                    # Someone else drives (maybe the background thread, blocked in poll).
-                    event = handle._parking_event()
-                    if handle._left:
-                        reactor.wake()
-                        reactor.park(event, min(deadline - self.clock(), 0.05))
-        finally:
-            with self._lock:
-                self._waiters -= 1
-                self._activity = self.clock()
-                # Callbacks have nobody to wait for them: hand over now. Plain requests still in
-                # flight need no wake-up here (one per wait cost more than the wait on these VMs;
-                # their waiter is usually back within microseconds): the background thread looks
-                # again within idle_poll, as it does below while a thread waits.
-                if not self._waiters and self._async:
-                    self._bg_cv.notify()
-
-    def _background(self) -> None:
-        """Drive when no thread waits: callbacks, heartbeats, probes, forgotten replies."""
-        reactor = self._reactor
-        while True:
-            with self._lock:
-                while True:
-                    if self._closed:
-                        return
-                    if not self._waiters:
-                        due = reactor.next_deadline()
-                        now = self.clock()
-                        if self._async or reactor.has_posted or (due is not None and due <= now):
-                            break
-                        if self._pending:
-                            # Plain handles: their waiter usually comes within microseconds and
-                            # drives faster than we could; step in only once things went quiet.
-                            quiet = now - self._activity
-                            if quiet >= self.idle_poll:
-                                break
-                            self._bg_cv.wait(self.idle_poll - quiet)
-                            continue
-                        self._bg_cv.wait(None if due is None else due - now)
-                    else:
-                        self._bg_cv.wait(self.idle_poll)
-            if not reactor.try_drive():
-                time.sleep(self.idle_poll)
-                continue
-            try:
-                due = reactor.next_deadline()
-                slice_ = 0.05 if self._async else (self.idle_poll if self._pending else 0.0)
-                if due is not None:
-                    slice_ = min(slice_, max(0.0, due - self.clock()))
-                reactor.run_once(slice_, 0.0)
-            finally:
-                reactor.release()
-
 
 def connect(
     job: str | None = None,

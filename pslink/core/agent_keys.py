@@ -18,11 +18,12 @@ class PartInfo:
     connect to the wrong Aggregator (or fail, and report the other one unreachable). Read
     ``where`` once where both are needed."""
 
-    __slots__ = ("index", "start", "stop", "where")
+    __slots__ = ("index", "start", "stop", "where", "headers")
 
     def __init__(self, index, start, stop, aggregator, address):
         self.index, self.start, self.stop = index, start, stop
         self.where: tuple[str, str] = (aggregator, address)
+        self.headers: dict = {}  # (op, average) -> HeaderTemplate: the part's request headers
 
     @property
     def aggregator(self) -> str:

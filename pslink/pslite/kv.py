@@ -49,6 +49,7 @@ from pslink.pslite.wire import KEY_DTYPE, LEN_DTYPE, Kind
 log = logging.getLogger("pslink.pslite")
 
 _EMPTY_KEYS = np.empty(0, KEY_DTYPE)
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _EMPTY_LENS = np.empty(0, LEN_DTYPE)
 
 
@@ -481,8 +482,7 @@ class KVWorker(SimpleApp):
         """Block until request ``timestamp`` is done (its pulled values are in place); raises its
         error if it failed. ``timeout`` defaults to the node's (PSLINK_TIMEOUT, 300 s)."""
         timeout = self.node.config.timeout if timeout is None else timeout
-        if self._service_backend is not None and self._service_backend.owns(timestamp):
-            self._service_backend.wait(timestamp, timeout)
+        if self._service_backend is not None and self._service_backend.wait(timestamp, timeout):
             return
         self._customer.wait(timestamp, timeout)
 
@@ -492,8 +492,10 @@ class KVWorker(SimpleApp):
         node = self.node
         node.require_ready(what)
         node.driver.touch()
-        cmd = wire.check_i32("cmd", cmd)
-        priority = wire.check_i32("priority", priority)
+        if type(cmd) is not int or not _I32_MIN <= cmd <= _I32_MAX:
+            cmd = wire.check_i32("cmd", cmd)
+        if type(priority) is not int or not _I32_MIN <= priority <= _I32_MAX:
+            priority = wire.check_i32("priority", priority)
         if callback is not None and not callable(callback):
             raise ConfigError(f"{what}: callback {callback!r} is not callable")
         if node.mode == "service":
@@ -673,6 +675,9 @@ class KVWorker(SimpleApp):
             raise ConfigError(f"{what}: values cannot be read as {self.dtype.name} ({exc})") from None
 
     def _zero_copy(self, vals, what: str, writable: bool) -> np.ndarray:
+        if (type(vals) is np.ndarray and vals.ndim == 1 and vals.dtype == self.dtype and vals.flags.c_contiguous
+                and (not writable or vals.flags.writeable)):
+            return vals  # what every zero-copy call gives: checked in one go
         if not isinstance(vals, np.ndarray):
             raise ConfigError(f"{what} sends without a copy, so values must be a numpy array of {self.dtype.name}; got "
                               f"{type(vals).__name__} (the copying form converts)")

@@ -33,13 +33,16 @@ PRUNE_EVERY = 256
 
 
 class _ServiceRequest:
-    __slots__ = ("ts", "handle", "post", "callback", "what", "lock", "finished", "error")
+    __slots__ = ("ts", "handle", "post", "callback", "op", "count", "finished", "error")
 
-    def __init__(self, ts, handle, post, callback, what):
-        self.ts, self.handle, self.post, self.callback, self.what = ts, handle, post, callback, what
-        self.lock = threading.Lock()
+    def __init__(self, ts, handle, post, callback, op, count):
+        self.ts, self.handle, self.post, self.callback, self.op, self.count = ts, handle, post, callback, op, count
         self.finished = handle is None
         self.error: PslinkError | None = None
+
+    @property
+    def what(self) -> str:
+        return f"{self.op} of {self.count} key(s) (service mode)"
 
 
 class ServiceBackend:
@@ -50,33 +53,43 @@ class ServiceBackend:
         self.agent = worker.node.agent
         self.pending: dict[int, _ServiceRequest] = {}
         self._submits = 0
+        self._lock = threading.Lock()  # a callback (driving thread) and a wait may finish a request at once
         app = worker.app_id
         self._key: Callable[[int], object] = (lambda key: key) if app == 0 else (lambda key: f"{app}/{key}")
-
-    def owns(self, ts: int) -> bool:
-        return ts in self.pending
 
     def submit(self, push, pull, keys, vals, lens, vals_out, lens_out, callback, what) -> int:
         n = keys.size
         ts = self.worker._customer.new_ts()
-        pkeys = [self._key(k) for k in keys.tolist()]
-        arrays = _split(vals, lens, n) if push else None
-        outs, post = None, None
-        if pull:
-            if isinstance(vals_out, np.ndarray) and lens_out is None and n and vals_out.size % n == 0:
-                k = vals_out.size // n
-                outs = [vals_out[i * k:(i + 1) * k] for i in range(n)]  # received in place
-            else:
-                post = functools.partial(_assemble, vals_out, lens_out, what, self.worker.dtype)
-        handle = None
-        if n:
+        post = None
+        if n == 1 and (not pull or (type(vals_out) is np.ndarray and lens_out is None)):
+            # One key, its values in one array and received in place: a request's common case
+            # (every value of a push is the key's, whatever ``lens`` says).
+            key = self._key(int(keys[0]))
             if push and pull:
-                handle = self.agent.pushpull_many(pkeys, arrays, outs)
+                handle = self.agent.pushpull(key, vals, vals_out)
             elif push:
-                handle = self.agent.push_many(pkeys, arrays)
+                handle = self.agent.push(key, vals)
             else:
-                handle = self.agent.pull_many(pkeys, outs)
-        request = _ServiceRequest(ts, handle, post, callback, f"{what} of {n} key(s) (service mode)")
+                handle = self.agent.pull(key, vals_out)
+        else:
+            pkeys = [self._key(k) for k in keys.tolist()]
+            arrays = _split(vals, lens, n) if push else None
+            outs = None
+            if pull:
+                if isinstance(vals_out, np.ndarray) and lens_out is None and n and vals_out.size % n == 0:
+                    k = vals_out.size // n
+                    outs = [vals_out[i * k:(i + 1) * k] for i in range(n)]  # received in place
+                else:
+                    post = functools.partial(_assemble, vals_out, lens_out, what, self.worker.dtype)
+            handle = None
+            if n:
+                if push and pull:
+                    handle = self.agent.pushpull_many(pkeys, arrays, outs)
+                elif push:
+                    handle = self.agent.push_many(pkeys, arrays)
+                else:
+                    handle = self.agent.pull_many(pkeys, outs)
+        request = _ServiceRequest(ts, handle, post, callback, what, n)
         self.pending[ts] = request
         if handle is None:
             if post is not None:
@@ -91,10 +104,11 @@ class ServiceBackend:
             self._prune()
         return ts
 
-    def wait(self, ts: int, timeout: float) -> None:
+    def wait(self, ts: int, timeout: float) -> bool:
+        """Wait for request ``ts`` if it is one of ours (True), else return False at once."""
         request = self.pending.get(ts)
         if request is None:
-            return
+            return False
         try:
             if request.handle is not None:
                 request.handle.wait(timeout)
@@ -105,9 +119,10 @@ class ServiceBackend:
         self.pending.pop(ts, None)
         if request.error is not None:
             raise request.error
+        return True
 
     def _finish(self, request: _ServiceRequest) -> None:
-        with request.lock:
+        with self._lock:
             if request.finished:
                 return
             error = request.handle.exception()

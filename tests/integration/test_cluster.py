@@ -271,6 +271,36 @@ def test_a_shape_change_after_first_use_also_fails_the_other_worker(cluster):
     run_workers(2, worker)
 
 
+def test_a_known_key_takes_whatever_its_first_call_took(cluster):
+    # Calls on one known key with plain arrays take a shorter path than the rest; both must agree.
+    service, transports = cluster
+    agent = agent_for(service, transports, "known-key", 0, 1, partition_bytes=64)
+    try:
+        agent.init("m", np.zeros((4, 6), np.float32)).wait()
+        agent.init("i", np.zeros(3, np.int32)).wait()
+        for value in [np.ones((4, 6), np.float32),                        # the short path
+                      np.arange(24, dtype=np.float32).reshape(6, 4).T,      # not contiguous
+                      np.full((4, 6), 2.0, np.float32)]:
+            out = np.empty((4, 6), np.float32)
+            assert agent.pushpull("m", value, out=out).wait() is out  # one worker: the round's sum is its push
+            np.testing.assert_array_equal(out, np.asarray(value, np.float32))
+        np.testing.assert_array_equal(agent.pull("m").wait(), np.full((4, 6), 2.0))  # out allocated
+        strided = np.empty((4, 12), np.float32)[:, ::2]
+        with pytest.raises(ConfigError, match="writable C-contiguous"):
+            agent.pull("m", out=strided)
+        read_only = np.empty((4, 6), np.float32)
+        read_only.flags.writeable = False
+        with pytest.raises(ConfigError, match="writable C-contiguous"):
+            agent.pull("m", out=read_only)
+        with pytest.raises(ShapeMismatchError, match=r"uses shape \(4, 6\) float64, but rank 0 declared it as shape \(4, 6\) float32"):
+            agent.pull("m", out=np.empty((4, 6), np.float64))
+        with pytest.raises(ConfigError, match="average needs a floating dtype"):
+            agent.pull("i", out=np.empty(3, np.int32), average=True)
+        assert agent.pushpull("i", np.array([1, 2, 3], np.int32)).wait().tolist() == [1, 2, 3]
+    finally:
+        agent.close()
+
+
 def test_wrong_credentials_and_unknown_jobs_are_refused(cluster):
     service, transports = cluster
     agent = agent_for(service, transports, "secure", 0, 1)

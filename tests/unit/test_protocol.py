@@ -9,6 +9,7 @@ import pytest
 from pslink.core.protocol import (
     DTYPES,
     PROTOCOL_VERSION,
+    HeaderTemplate,
     Limits,
     Op,
     decode,
@@ -66,6 +67,41 @@ def test_round_trip_of_every_data_op():
         raw = encode(op, id=1, job="j", tok=b"t", rank=0, key="w", part=0, rnd=0, dtype="float32",
                      shape=[6], span=[0, 6])
         assert decode(raw, payloads)["op"] is op
+
+
+@pytest.mark.parametrize("op", [Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL])
+@pytest.mark.parametrize("key", [3, "layer1.weight", 2**64 - 1])
+@pytest.mark.parametrize("extra", [{}, {"avg": True}])
+def test_a_header_template_decodes_as_the_header_encode_makes(op, key, extra):
+    fixed = dict(job="mnist", tok=b"\x01" * 16, rank=1, key=key, part=2, dtype="float32", shape=[2, 3], span=[0, 6])
+    if op in (Op.PUSH, Op.PUSHPULL) or not extra:
+        template = HeaderTemplate(op, **fixed, **extra)
+        sizes = [24] if op != Op.PULL else []
+        for rid, rnd in [(1, 0), (127, 128), (70_000, 2**33), (2**63 - 1, 2**40)]:
+            made = template.make(rid, rnd)
+            assert decode(made, sizes) == decode(encode(op, id=rid, rnd=rnd, **fixed, **extra), sizes)
+            assert len(made) == len(encode(op, id=rid, rnd=rnd, **fixed, **extra))
+
+
+def test_a_header_template_takes_id_and_round_per_request_only():
+    with pytest.raises(ValueError, match="id and rnd"):
+        HeaderTemplate(Op.PUSH, id=1, job="j")
+
+
+def test_plain_replies_are_decoded_and_their_fields_checked():
+    header = decode(encode(Op.REPLY, id=5, rnd=2, n=2, ep=1), [24])
+    assert (header["op"], header["id"], header["rnd"], header["n"], header["ep"]) == (Op.REPLY, 5, 2, 2, 1)
+    assert decode(encode(Op.REPLY, id=5), [])["id"] == 5
+    for field, value in [("id", -1), ("rnd", 1.5), ("n", True), ("ep", "1"), ("id", 2**63)]:
+        fields = dict(id=5, rnd=2, n=2, ep=1)
+        fields[field] = value
+        with pytest.raises(ProtocolError, match=f"field '{field}'"):
+            decode(encode(Op.REPLY, **fields), [24])
+    with pytest.raises(ProtocolError, match="field 'moved'"):
+        decode(encode(Op.REPLY, id=5, rnd=2, moved="elsewhere"), [24])
+    assert decode(encode(Op.REPLY, id=5, rnd=2, moved=["agg-1", "tcp://h:1"]), [24])["moved"] == ["agg-1", "tcp://h:1"]
+    with pytest.raises(ProtocolError, match="lacks field 'id'"):
+        decode(encode(Op.REPLY, rnd=2), [24])
 
 
 def test_string_and_large_int_keys():

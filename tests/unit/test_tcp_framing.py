@@ -67,6 +67,96 @@ def test_messages_fed_one_byte_at_a_time_arrive_whole():
     reactor.close()
 
 
+def test_whole_messages_in_one_read_arrive_whole():
+    # Where a message's prefix and header are buffered whole, the parser takes them in one step.
+    reactor, conn, theirs, sink = make()
+    big = np.arange(50_000, dtype=np.uint8).tobytes()
+    messages = [(b"one", [b"abc"]), (b"empty payload", [b""]), (b"none", []), (b"two", [b"ab", b"cd"]),
+                (b"big", [big]), (b"after", [b"z"])]
+    theirs.sendall(b"".join(encode_message(h, p) for h, p in messages))
+    pump(reactor)
+    assert sink.messages == messages
+    reactor.close()
+
+
+@pytest.mark.parametrize("garbage, match", [
+    (b"PL\x01\x01\x10\x00\x00\x00" + (2000).to_bytes(8, "little") + b"h" * 16, "payload of 2000 bytes exceeds"),
+    (b"PL\x01\x01\x00\x02\x00\x00" + (1).to_bytes(8, "little") + b"h" * 512, "header of 512 bytes exceeds"),
+])
+def test_limits_hold_for_whole_messages_in_one_read(garbage, match):
+    reactor, conn, theirs, sink = make(Limits(max_header_bytes=256, max_message_bytes=1000))
+    theirs.sendall(garbage)
+    pump(reactor)
+    exc = sink.closed.get(timeout=1)
+    assert isinstance(exc, ProtocolError) and match in str(exc)
+    reactor.close()
+
+
+class Echo(Sink):
+    """Answers every message; notes, for each, whether the answers so far had reached the peer."""
+
+    def __init__(self, peer: socket.socket):
+        super().__init__()
+        self.peer = peer
+        self.answered_before: list[int] = []
+        self.received = b""
+
+    def on_message(self, conn, state, payloads):
+        try:
+            while True:
+                self.received += self.peer.recv(65536)
+        except BlockingIOError:
+            pass
+        self.answered_before.append(self.received.count(b"answer"))
+        conn.send([b"answer"])
+
+
+def test_an_answer_goes_out_before_the_next_message_of_the_same_read_is_handled():
+    # The peer works on an answer while this side handles its next request, so answers are not
+    # held back to share one sendmsg at the end of a read.
+    reactor = Reactor()
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    echo = Echo(theirs)
+    with reactor._drive_lock:
+        TcpConnection(ours, reactor, echo, Limits(), peer="test-peer", on_driver_thread=True)
+    theirs.sendall(b"".join(encode_message(b"request", [b"x" * 8]) for _ in range(4)))
+    pump(reactor)
+    assert echo.answered_before == [0, 1, 2, 3]
+    reactor.close()
+
+
+class Resender(Sink):
+    """A peer that sends again as soon as it hears back: each message handled brings another."""
+
+    def __init__(self, peer: socket.socket, limit: int):
+        super().__init__()
+        self.peer, self.limit = peer, limit
+
+    def on_message(self, conn, state, payloads):
+        super().on_message(conn, state, payloads)
+        if len(self.messages) < self.limit:
+            self.peer.sendall(encode_message(b"again", [b"x"]))
+
+
+def test_a_peer_that_keeps_sending_does_not_starve_the_other_connections():
+    reactor = Reactor()
+    busy_ours, busy_theirs = socket.socketpair()
+    quiet_ours, quiet_theirs = socket.socketpair()
+    busy, quiet = Resender(busy_theirs, limit=10_000), Sink()
+    with reactor._drive_lock:
+        TcpConnection(busy_ours, reactor, busy, Limits(), peer="busy", on_driver_thread=True)
+        TcpConnection(quiet_ours, reactor, quiet, Limits(), peer="quiet", on_driver_thread=True)
+    busy_theirs.sendall(encode_message(b"first", [b"x"]))
+    quiet_theirs.sendall(encode_message(b"waiting", []))
+    with reactor._drive_lock:
+        for _ in range(3):
+            reactor.run_once(0)
+    assert quiet.messages == [(b"waiting", [])]
+    assert 1 <= len(busy.messages) <= 3  # one read of the busy socket per turn
+    reactor.close()
+
+
 def test_a_large_header_spanning_reads_is_reassembled():
     reactor, conn, theirs, sink = make()
     header = bytes(range(256)) * 1000  # 256 KB: larger than the read buffer's half

@@ -42,7 +42,6 @@ _PREFIX1 = struct.Struct("<2sBBIQ")
 READ_BUFFER = 256 * 1024  # small messages are parsed out of this buffer, many per recv
 READ_BUDGET = 8 << 20  # bytes one readable callback may take before other sockets get a turn
 MAX_IOV = 64  # buffers per sendmsg call (well under IOV_MAX)
-BATCH_BYTES = 256 * 1024  # coalesced replies go out once they reach this much, burst or not
 
 _PREFIX, _SIZES, _HEADER, _PAYLOAD = range(4)
 
@@ -108,18 +107,14 @@ class TcpConnection(Connection):
         self._wlock = threading.Lock()
         self._wq: collections.deque = collections.deque()
         self._writer_on = False
-        # While this connection's reader handles a burst of messages, what is sent on it is
-        # gathered here and written with one sendmsg when the burst ends (pipelined small
-        # requests get their replies in one syscall instead of one each).
-        self._batch: list | None = None
         if on_driver_thread:
-            self.reactor.add_reader(self.fd, self._on_readable)
+            self.reactor.add_reader(self.fd, self._read_burst)
         else:
             self.reactor.post(self._register)
 
     def _register(self) -> None:
         if not self._closed:
-            self.reactor.add_reader(self.fd, self._on_readable)
+            self.reactor.add_reader(self.fd, self._read_burst)
 
     @property
     def closed(self) -> bool:
@@ -132,21 +127,28 @@ class TcpConnection(Connection):
 
     def send(self, frames: Sequence) -> None:
         header = frames[0]
-        payloads = [p if type(p) is bytes else memoryview(p).cast("B") for p in frames[1:]]
-        head = frame_prefix(header, payloads) + header
-        # Empty payloads occupy no bytes on the stream (their size is in the prefix); an empty
-        # part in the write queue would make sendmsg return 0 forever.
-        parts = [head, *(p for p in payloads if len(p))] if payloads else [head]
+        count = len(frames)
+        if count == 1:
+            parts = [_PREFIX0.pack(MAGIC, FRAMING_VERSION, 0, len(header)) + header]
+        elif count == 2:  # a tensor message: the common case, without the general case's lists
+            payload = frames[1]
+            if type(payload) is not bytes:
+                payload = memoryview(payload).cast("B")
+            size = len(payload)
+            head = _PREFIX1.pack(MAGIC, FRAMING_VERSION, 1, len(header), size) + header
+            parts = [head, payload] if size else [head]
+        else:
+            payloads = [p if type(p) is bytes else memoryview(p).cast("B") for p in frames[1:]]
+            head = frame_prefix(header, payloads) + header
+            # Empty payloads occupy no bytes on the stream (their size is in the prefix); an empty
+            # part in the write queue would make sendmsg return 0 forever.
+            parts = [head, *(p for p in payloads if len(p))]
         with self._wlock:
             if self._closed:
                 raise PeerError(f"connection to {self.peer} is closed", peer=self.peer)
-            if self._batch is not None:
-                self._batch.extend(parts)
-                # Small replies wait for the end of the read burst to share one sendmsg; large
-                # ones must not wait behind megabytes of input still to be read.
-                if sum(len(p) for p in self._batch) < BATCH_BYTES:
-                    return
-                parts, self._batch = self._batch, []
+            # Sent at once, not held to share a sendmsg with the replies to other requests read
+            # in the same burst: the peer handles this one while we handle the next (4 KiB
+            # requests with 4 in flight went 1.5-2x faster than with replies coalesced).
             self._write(parts)
 
     def _write(self, parts: list) -> None:
@@ -155,14 +157,13 @@ class TcpConnection(Connection):
             self._wq.extend(parts)
             return
         try:
-            sent = self.sock.sendmsg(parts[:MAX_IOV])
+            sent = self.sock.sendmsg(parts if len(parts) <= MAX_IOV else parts[:MAX_IOV])
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             self.reactor.post(self._fail, PeerError(f"lost connection to {self.peer}: {exc}"))
             raise PeerError(f"lost connection to {self.peer}: {exc}", peer=self.peer) from None
-        total = sum(len(p) for p in parts)
-        if sent == total:
+        if sent == sum(map(len, parts)):
             return
         self._queue_rest(parts, sent)
         if not self._writer_on:
@@ -209,23 +210,15 @@ class TcpConnection(Connection):
 
     # -- receiving (driving thread) -------------------------------------------------------------
 
-    def _on_readable(self) -> None:
-        with self._wlock:
-            self._batch = []
-        try:
-            self._read_burst()
-        finally:
-            with self._wlock:
-                batch, self._batch = self._batch, None
-                if batch and not self._closed:
-                    try:
-                        self._write(batch)
-                    except PeerError:
-                        pass  # _write posted the failure; the connection is going away
-
     def _read_burst(self) -> None:
+        """Read what the socket has, within limits that give the reactor's other connections their
+        turn: one read into the buffer (up to READ_BUFFER bytes of messages, all handled), and
+        payloads straight into place up to READ_BUDGET bytes. A peer that sends again as soon as
+        it is answered would otherwise keep the reader here forever (pMaster's MIGRATE to a
+        busy Aggregator went unanswered)."""
         budget = READ_BUDGET
         sock = self.sock
+        buffered = False
         try:
             while budget > 0 and not self._closed:
                 if self._stage == _PAYLOAD and self._rpos == self._rlen:
@@ -243,6 +236,8 @@ class TcpConnection(Connection):
                     if self._dpos == self._sizes[self._pi]:
                         self._next_payload()
                     continue
+                if buffered:
+                    break  # the reactor calls again if there is more
                 if self._rpos and self._rpos == self._rlen:
                     self._rpos = self._rlen = 0
                 elif self._rlen == len(self._rbuf):
@@ -256,6 +251,7 @@ class TcpConnection(Connection):
                     raise PeerError(f"{self.peer} closed the connection")
                 budget -= n
                 self._rlen += n
+                buffered = True
                 self._parse()
         except BlockingIOError:
             pass
@@ -287,6 +283,17 @@ class TcpConnection(Connection):
             if stage == _PREFIX:
                 if avail < PREFIX.size:
                     break
+                if avail >= _PREFIX1.size:
+                    magic, version, nframes, hlen, size = _PREFIX1.unpack_from(self._rbuf, self._rpos)
+                    if (nframes == 1 and magic == MAGIC and version == FRAMING_VERSION and avail >= _PREFIX1.size + hlen
+                            and size <= self.limits.max_message_bytes and hlen <= self.limits.max_header_bytes):
+                        # A whole tensor message's prefix and header are here (the common case of
+                        # a small request or reply): past all three stages at once.
+                        start = self._rpos + _PREFIX1.size
+                        self._rpos = start + hlen
+                        self._sizes = (size,)
+                        self._begin_payloads(bytes(rmv[start : start + hlen]))
+                        continue
                 magic, version, nframes, hlen = PREFIX.unpack_from(self._rbuf, self._rpos)
                 if magic != MAGIC:
                     raise ProtocolError(
@@ -368,6 +375,8 @@ class TcpConnection(Connection):
             self._dests = []
         elif buffers is None:
             self._dests = [memoryview(bytearray(s)) for s in sizes]
+        elif len(buffers) == 1 and len(sizes) == 1 and type(buffers[0]) is memoryview and buffers[0].nbytes == sizes[0]:
+            self._dests = buffers  # one buffer of the right size, as a reply to a pull gives
         else:
             self._dests = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers]
             if [d.nbytes for d in self._dests] != list(sizes):
