@@ -18,9 +18,11 @@ from pslink.core.protocol import Limits
 from pslink.core.transport import DISCARD, Transports
 from pslink.errors import PeerError, ProtocolError
 
-# "tcp" between peers of one host goes over the local (Unix) socket beside the port; "tcp-only"
-# turns that off (PSLINK_LOCAL_SOCKETS=0), as between hosts.
-BACKENDS = ["tcp://127.0.0.1:0", "tcp-only", "zmq+tcp://127.0.0.1:0", "inproc://*"]
+# "tcp" between peers of one host goes over the local (Unix) socket beside the port, large
+# payloads through shared-memory rings where the platform has them; "tcp-no-shm" keeps every
+# payload on that socket (PSLINK_SHM=0); "tcp-only" turns local sockets off
+# (PSLINK_LOCAL_SOCKETS=0), as between hosts.
+BACKENDS = ["tcp://127.0.0.1:0", "tcp-no-shm", "tcp-only", "zmq+tcp://127.0.0.1:0", "inproc://*"]
 WAIT = 10.0
 
 
@@ -52,11 +54,14 @@ class Recorder:
         self.closed.put((conn, exc))
 
 
-@pytest.fixture(params=BACKENDS, ids=["tcp", "tcp-only", "zmq", "inproc"])
+@pytest.fixture(params=BACKENDS, ids=["tcp", "tcp-no-shm", "tcp-only", "zmq", "inproc"])
 def net(request, monkeypatch):
     address = request.param
     if address == "tcp-only":
         monkeypatch.setenv("PSLINK_LOCAL_SOCKETS", "0")
+        address = "tcp://127.0.0.1:0"
+    elif address == "tcp-no-shm":
+        monkeypatch.setenv("PSLINK_SHM", "0")
         address = "tcp://127.0.0.1:0"
     transports = Transports()
     threads = []
@@ -103,6 +108,34 @@ def test_echo_keeps_order_and_content(net):
         _, got_header, got, _, _ = client.messages.get(timeout=WAIT)
         assert got_header == header
         assert got == payloads
+
+
+def test_many_large_messages_from_two_threads_arrive_whole_and_in_order(net):
+    # Far more than a shared-memory ring holds, from two threads, echoed back: the rings wrap
+    # and fill, and what does not fit goes on the socket, in order.
+    server = Recorder(echo=True)
+    listener = _listen(net, server)
+    client = Recorder()
+    conn = _connect(net, listener, client)
+    sizes = [300_000, 70_000, 5 << 20, 1 << 20, 65_536, 3 << 20]
+    messages = {t: [np.full(size, (t * 31 + i) % 251, np.uint8) for i, size in enumerate(sizes * 6)] for t in range(2)}
+
+    def sender(t):
+        for i, payload in enumerate(messages[t]):
+            conn.send([f"{t}:{i}".encode(), payload, b"small"])
+
+    workers = [threading.Thread(target=sender, args=(t,)) for t in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(WAIT)
+    seen = {0: [], 1: []}
+    for _ in range(2 * len(sizes) * 6):
+        _, header, got, _, _ = client.messages.get(timeout=WAIT)
+        t, i = map(int, header.decode().split(":"))
+        assert got == [messages[t][i].tobytes(), b"small"]
+        seen[t].append(i)
+    assert seen == {t: list(range(len(sizes) * 6)) for t in range(2)}
 
 
 def test_payloads_land_in_named_buffers(net):

@@ -44,12 +44,12 @@ def train_step(ddp: DDP, optimizer, step: int, rank: int) -> list[torch.Tensor]:
     return grads
 
 
-def compare(rank: int, scratch: str) -> None:
+def compare(rank: int, scratch: str, width: int = 64, bucket_cap_mb: float = 0.02) -> None:
     """The same training twice from the same weights: DDP's own all-reduce, then the hook."""
-    base = model()
-    # Small buckets: several per iteration, and DDP rebuilds them after the first one.
-    stock = DDP(copy.deepcopy(base), bucket_cap_mb=0.02)
-    hooked = DDP(copy.deepcopy(base), bucket_cap_mb=0.02)
+    base = model(width)
+    # Small buckets by default: several per iteration, and DDP rebuilds them after the first one.
+    stock = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
+    hooked = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
     state = pslink.torch.connect()
     hooked.register_comm_hook(state, pslink.torch.comm_hook)
     result = {"stock": [], "hooked": []}
@@ -59,10 +59,19 @@ def compare(rank: int, scratch: str) -> None:
             result[name].append(train_step(ddp, optimizer, step, rank))
         result[name + "_weights"] = [p.detach().clone() for p in ddp.parameters()]
     result["generations"] = dict(state._generations)
+    # Whether the buckets crossed to the Aggregators through shared-memory rings (same host).
+    result["rings"] = any(link.conn is not None and link.conn._ring_out is not None
+                          for link in state.agent._links.values())
     torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
     print(f"rank {rank} done: buckets {sorted(state._generations.items())}")
     del stock, hooked
     state.close()
+
+
+def compare_large(rank: int, scratch: str) -> None:
+    """As ``compare``, with buckets of about 1 MB: large payloads, which cross between processes
+    of one host through shared-memory rings."""
+    compare(rank, scratch, width=512, bucket_cap_mb=1.0)
 
 
 def mismatch(rank: int, scratch: str) -> None:
@@ -96,7 +105,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{scratch}/store-{case}", rank=rank, world_size=size)
     try:
-        {"compare": compare, "mismatch": mismatch, "kill": kill}[case](rank, scratch)
+        {"compare": compare, "compare-large": compare_large, "mismatch": mismatch, "kill": kill}[case](rank, scratch)
     finally:
         gc.collect()  # no DDP model may outlive the process group (ENVIRONMENT.md)
         dist.destroy_process_group()

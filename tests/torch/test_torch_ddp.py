@@ -17,6 +17,7 @@ dist = pytest.importorskip("torch.distributed", reason="torch was built without 
 import pslink  # noqa: E402
 import pslink.torch  # noqa: E402
 from pslink.core.transport import Transports  # noqa: E402
+from pslink.core.transport.shm import rings_enabled  # noqa: E402
 from pslink.errors import ConfigError, PeerError  # noqa: E402
 from pslink.torch.ddp import HookState  # noqa: E402
 from tests.helpers import start_cluster  # noqa: E402
@@ -35,8 +36,9 @@ def launch(case: str, scratch, timeout: float = 100.0, **env) -> subprocess.Comp
 
 
 @pytest.mark.integration
-def test_the_hook_gives_the_gradients_and_weights_of_gloo_all_reduce(tmp_path):
-    done = launch("compare", tmp_path, PSLINK_TIMEOUT="60")
+@pytest.mark.parametrize("case", ["compare", "compare-large"])
+def test_the_hook_gives_the_gradients_and_weights_of_gloo_all_reduce(tmp_path, case):
+    done = launch(case, tmp_path, PSLINK_TIMEOUT="60")
     assert done.returncode == 0, done.stdout + done.stderr
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     for result in results:
@@ -46,8 +48,13 @@ def test_the_hook_gives_the_gradients_and_weights_of_gloo_all_reduce(tmp_path):
                 torch.testing.assert_close(b, a, msg=lambda m, step=step: f"step {step}: {m}")
         for a, b in zip(result["stock_weights"], result["hooked_weights"], strict=True):
             torch.testing.assert_close(b, a)
-        # The run covered several buckets and DDP's rebuild of them (a second key generation).
-        assert len(result["generations"]) >= 2 and max(result["generations"].values()) >= 1
+        assert len(result["generations"]) >= 2  # several buckets
+        if case == "compare":
+            # Small buckets: DDP's rebuild of them after the first step gives a second key generation.
+            assert max(result["generations"].values()) >= 1
+            assert not result["rings"]  # payloads under 64 KiB stay on the socket
+        else:
+            assert result["rings"] == rings_enabled()  # 1 MB buckets cross through shared memory
     for a, b in zip(results[0]["hooked_weights"], results[1]["hooked_weights"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -1,0 +1,231 @@
+"""Shared-memory rings between processes of one host: the ring's arithmetic, and the frames
+that carry payloads through it over a real Unix socket pair (both ends in this process)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from pslink.core.loop import Reactor
+from pslink.core.protocol import Limits
+from pslink.core.transport import DISCARD
+from pslink.core.transport.shm import INLINE, ReceiveRing, SendRing, ring_bytes, rings_enabled
+from pslink.core.transport.tcp import FRAMING_RING, FRAMING_RING_OPEN, MAGIC, PREFIX, TcpConnection
+from pslink.errors import ConfigError, ProtocolError
+
+needs_rings = pytest.mark.skipif(not rings_enabled(), reason="shared-memory rings need Linux on x86-64 (memfd)")
+
+
+def pair(capacity: int):
+    send = SendRing(capacity)
+    receive = ReceiveRing(os.dup(send.fd), capacity, "test-peer")
+    return send, receive
+
+
+def take(receive: ReceiveRing, position: int, size: int) -> bytes:
+    out = bytearray(size)
+    receive.take(position, size, memoryview(out))
+    return bytes(out)
+
+
+@needs_rings
+def test_payloads_are_placed_in_order_and_wrap_to_the_start_whole():
+    send, receive = pair(1000)
+    a, b = bytes(range(200)) * 2, b"b" * 500
+    assert send.place(memoryview(a)) == 0
+    assert send.place(memoryview(b)) == 400
+    assert send.place(memoryview(b"c" * 200)) == INLINE  # 100 bytes left at the end, none taken yet
+    assert take(receive, 0, 400) == a
+    # 100 bytes before the end are too few: the payload starts at the beginning (position 1000)
+    assert send.place(memoryview(b"c" * 200)) == 1000
+    assert take(receive, 400, 500) == b
+    assert take(receive, 1000, 200) == b"c" * 200
+    assert send.place(memoryview(b"d" * 1000)) == 2000  # the whole ring, once all was taken
+    assert send.place(memoryview(b"e")) == INLINE
+    assert take(receive, 2000, 1000) == b"d" * 1000
+    assert send.place(memoryview(b"f" * 1001)) == INLINE  # larger than the ring: on the socket
+    send.close()
+    receive.close()
+
+
+@needs_rings
+def test_space_is_reused_exactly_when_the_receiver_has_taken_it():
+    send, receive = pair(1000)
+    assert send.place(memoryview(b"a" * 600)) == 0
+    assert take(receive, 0, 600) == b"a" * 600
+    assert send.place(memoryview(b"b" * 300)) == 600  # held at [600, 900)
+    assert send.place(memoryview(b"c" * 200)) == 1000  # wraps onto [0, 200), taken already
+    assert send.place(memoryview(b"d" * 500)) == INLINE  # [200, 700) would overwrite the b's
+    assert send.place(memoryview(b"d" * 400)) == 1200  # [200, 600) does not
+    assert take(receive, 600, 300) == b"b" * 300
+    assert take(receive, 1000, 200) == b"c" * 200
+    assert take(receive, 1200, 400) == b"d" * 400
+    send.close()
+    receive.close()
+
+
+@needs_rings
+def test_a_receiver_refuses_positions_outside_what_was_placed():
+    send, receive = pair(1000)
+    send.place(memoryview(b"x" * 300))
+    take(receive, 0, 300)
+    for position, size in [(0, 10), (950, 100), (1950, 100), (300, 1001)]:
+        with pytest.raises(ProtocolError, match="ring position"):
+            receive.take(position, size, None)
+    send.close()
+    receive.close()
+
+
+def test_the_ring_size_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("PSLINK_SHM_RING_MIB", "8")
+    assert ring_bytes() == 8 << 20
+    for bad in ["0", "eight", "4096"]:
+        monkeypatch.setenv("PSLINK_SHM_RING_MIB", bad)
+        with pytest.raises(ConfigError, match="PSLINK_SHM_RING_MIB"):
+            ring_bytes()
+
+
+class Sink:
+    def __init__(self, placer=None):
+        self.placer = placer
+        self.messages = []
+        self.closed = []
+
+    def on_header(self, conn, header, sizes):
+        return header, (self.placer(header, sizes) if self.placer else None)
+
+    def on_message(self, conn, state, payloads):
+        self.messages.append((state, [bytes(p) for p in payloads]))
+
+    def on_close(self, conn, exc):
+        self.closed.append(exc)
+
+
+def connected(receiver=None):
+    reactor = Reactor("shm test")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender_sink, receiver_sink = Sink(), receiver or Sink()
+    with reactor._drive_lock:
+        sender = TcpConnection(ours, reactor, sender_sink, Limits(), peer="sender", on_driver_thread=True)
+        receiver_conn = TcpConnection(theirs, reactor, receiver_sink, Limits(), peer="receiver", on_driver_thread=True)
+    return reactor, sender, receiver_conn, receiver_sink
+
+
+def pump(reactor, rounds=200):
+    with reactor._drive_lock:
+        for _ in range(rounds):
+            reactor.run_once(0)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@needs_rings
+def test_large_payloads_go_through_the_ring_small_ones_on_the_socket():
+    reactor, sender, receiver, sink = connected()
+    big = np.arange(300_000, dtype=np.uint8)
+    sender.send([b"one", big, b"small", b""])
+    sender.send([b"two", b"tiny"])
+    pump(reactor)
+    assert sink.messages == [(b"one", [big.tobytes(), b"small", b""]), (b"two", [b"tiny"])]
+    assert sender._ring_out is not None and receiver._ring_in is not None
+    assert sender._ring_out.head == 300_000 and receiver._ring_in.taken == 300_000
+    reactor.close()
+
+
+@needs_rings
+def test_ring_payloads_land_in_named_buffers_or_are_dropped():
+    targets = []
+
+    def placer(header, sizes):
+        if header == b"drop":
+            return DISCARD
+        targets.append(np.zeros(sizes[0], np.uint8))
+        return [memoryview(targets[-1])]
+
+    reactor, sender, receiver, sink = connected(Sink(placer))
+    data = np.random.default_rng(0).integers(0, 255, 200_000, dtype=np.uint8)
+    sender.send([b"drop", data])
+    sender.send([b"keep", data])
+    pump(reactor)
+    assert [m[0] for m in sink.messages] == [b"drop", b"keep"]
+    np.testing.assert_array_equal(targets[0], data)
+    assert receiver._ring_in.taken == 400_000  # the dropped one's space was freed too
+    reactor.close()
+
+
+@needs_rings
+def test_with_rings_turned_off_everything_stays_on_the_socket(monkeypatch):
+    monkeypatch.setenv("PSLINK_SHM", "0")
+    reactor, sender, receiver, sink = connected()
+    sender.send([b"big", np.ones(500_000, np.uint8)])
+    pump(reactor)
+    assert sink.messages == [(b"big", [b"\x01" * 500_000])]
+    assert sender._ring_out is None and receiver._ring_in is None
+    reactor.close()
+
+
+@needs_rings
+def test_a_bad_ring_size_keeps_payloads_on_the_socket_and_says_why(monkeypatch, caplog):
+    monkeypatch.setenv("PSLINK_SHM_RING_MIB", "lots")
+    reactor, sender, receiver, sink = connected()
+    sender.send([b"big", np.ones(500_000, np.uint8)])
+    pump(reactor)
+    assert sink.messages == [(b"big", [b"\x01" * 500_000])] and sender._ring_out is None
+    assert "PSLINK_SHM_RING_MIB='lots' must be a whole number of MiB" in caplog.text
+    reactor.close()
+
+
+@needs_rings
+def test_rings_and_their_descriptors_go_with_the_connection():
+    before = open_fds()
+    for _ in range(3):
+        reactor, sender, receiver, sink = connected()
+        sender.send([b"big", np.ones(100_000, np.uint8)])
+        receiver.send([b"back", np.ones(100_000, np.uint8)])
+        pump(reactor)
+        assert len(sink.messages) == 1 and receiver._ring_out is not None
+        sender.close()
+        receiver.close()
+        pump(reactor, 5)
+        reactor.close()
+    assert open_fds() == before
+
+
+@pytest.mark.parametrize("frame, match", [
+    # a ring frame whose payload lies in a ring never handed over
+    (PREFIX.pack(MAGIC, FRAMING_RING, 1, 1) + struct.pack("<QQ", 100, 0) + b"h", "never handed over"),
+    # a ring announced without its descriptor
+    (PREFIX.pack(MAGIC, FRAMING_RING_OPEN, 0, 8) + (1 << 20).to_bytes(8, "little"), "without its descriptor"),
+    (PREFIX.pack(MAGIC, FRAMING_RING_OPEN, 1, 8) + b"\0" * 16, "ring frame with 1 payloads"),
+])
+def test_bad_ring_frames_close_the_connection_with_a_protocol_error(frame, match):
+    reactor, sender, receiver, sink = connected()
+    sender.sock.sendall(frame)
+    pump(reactor)
+    assert len(sink.closed) == 1 and isinstance(sink.closed[0], ProtocolError)
+    assert match in str(sink.closed[0])
+    reactor.close()
+
+
+def test_ring_frames_are_refused_on_tcp():
+    reactor = Reactor("tcp test")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    sink = Sink()
+    with reactor._drive_lock:
+        TcpConnection(server, reactor, sink, Limits(), peer="tcp peer", on_driver_thread=True)
+    client.sendall(PREFIX.pack(MAGIC, FRAMING_RING, 1, 1) + struct.pack("<QQ", 100, 0) + b"h")
+    pump(reactor)
+    assert len(sink.closed) == 1 and "framing version 2" in str(sink.closed[0])
+    for sock in (client, listener):
+        sock.close()
+    reactor.close()
