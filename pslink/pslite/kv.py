@@ -49,7 +49,6 @@ from pslink.pslite.wire import KEY_DTYPE, LEN_DTYPE, Kind
 log = logging.getLogger("pslink.pslite")
 
 _EMPTY_KEYS = np.empty(0, KEY_DTYPE)
-_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _EMPTY_LENS = np.empty(0, LEN_DTYPE)
 
 
@@ -492,10 +491,8 @@ class KVWorker(SimpleApp):
         node = self.node
         node.require_ready(what)
         node.driver.touch()
-        if type(cmd) is not int or not _I32_MIN <= cmd <= _I32_MAX:
-            cmd = wire.check_i32("cmd", cmd)
-        if type(priority) is not int or not _I32_MIN <= priority <= _I32_MAX:
-            priority = wire.check_i32("priority", priority)
+        cmd = wire.check_i32("cmd", cmd)
+        priority = wire.check_i32("priority", priority)
         if callback is not None and not callable(callback):
             raise ConfigError(f"{what}: callback {callback!r} is not callable")
         if node.mode == "service":

@@ -60,35 +60,30 @@ class ServiceBackend:
     def submit(self, push, pull, keys, vals, lens, vals_out, lens_out, callback, what) -> int:
         n = keys.size
         ts = self.worker._customer.new_ts()
-        post = None
+        post = outs = None
         if n == 1 and (not pull or (type(vals_out) is np.ndarray and lens_out is None)):
             # One key, its values in one array and received in place: a request's common case
-            # (every value of a push is the key's, whatever ``lens`` says).
-            key = self._key(int(keys[0]))
-            if push and pull:
-                handle = self.agent.pushpull(key, vals, vals_out)
-            elif push:
-                handle = self.agent.push(key, vals)
-            else:
-                handle = self.agent.pull(key, vals_out)
+            # (every value of a push is the key's, whatever ``lens`` says), without the slicing.
+            pkeys, arrays = [self._key(int(keys[0]))], [vals] if push else None
+            if pull:
+                outs = [vals_out]
         else:
             pkeys = [self._key(k) for k in keys.tolist()]
             arrays = _split(vals, lens, n) if push else None
-            outs = None
             if pull:
                 if isinstance(vals_out, np.ndarray) and lens_out is None and n and vals_out.size % n == 0:
                     k = vals_out.size // n
                     outs = [vals_out[i * k:(i + 1) * k] for i in range(n)]  # received in place
                 else:
                     post = functools.partial(_assemble, vals_out, lens_out, what, self.worker.dtype)
-            handle = None
-            if n:
-                if push and pull:
-                    handle = self.agent.pushpull_many(pkeys, arrays, outs)
-                elif push:
-                    handle = self.agent.push_many(pkeys, arrays)
-                else:
-                    handle = self.agent.pull_many(pkeys, outs)
+        handle = None
+        if n:
+            if push and pull:
+                handle = self.agent.pushpull_many(pkeys, arrays, outs)
+            elif push:
+                handle = self.agent.push_many(pkeys, arrays)
+            else:
+                handle = self.agent.pull_many(pkeys, outs)
         request = _ServiceRequest(ts, handle, post, callback, what, n)
         self.pending[ts] = request
         if handle is None:

@@ -219,9 +219,6 @@ class TcpConnection(Connection):
         ring.release_fd()  # the peer holds its own copy now
         if sent < len(frame):
             self._queue_rest([frame], sent)
-            if not self._writer_on:
-                self._writer_on = True
-                self.reactor.post(self._start_writer)
         self._ring_out = ring
         return ring
 
@@ -240,11 +237,9 @@ class TcpConnection(Connection):
         if sent == sum(map(len, parts)):
             return
         self._queue_rest(parts, sent)
-        if not self._writer_on:
-            self._writer_on = True
-            self.reactor.post(self._start_writer)
 
     def _queue_rest(self, parts: list, sent: int) -> None:
+        """Queue what a write did not take, for the reactor's driver to write (write lock held)."""
         for part in parts:
             length = len(part)
             if sent >= length:
@@ -252,6 +247,9 @@ class TcpConnection(Connection):
                 continue
             self._wq.append(memoryview(part)[sent:] if sent else part)
             sent = 0
+        if not self._writer_on:
+            self._writer_on = True
+            self.reactor.post(self._start_writer)
 
     def _start_writer(self) -> None:
         if not self._closed:
