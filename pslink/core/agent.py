@@ -53,7 +53,7 @@ from pslink.core.handle import Handle
 from pslink.core.loop import Reactor
 from pslink.core.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, HeaderTemplate, Limits, Op, decode, encode
 from pslink.core.rpc import RpcEndpoint, RpcPeer
-from pslink.core.transport import DISCARD, Connection, Transports
+from pslink.core.transport import DISCARD, Connection, Lent, Transports
 from pslink.errors import (
     ClosedError,
     ConfigError,
@@ -526,26 +526,31 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
             header = decode(raw, sizes, self.limits)
         except ProtocolError as exc:
             log.warning("agent %s/%s: bad message from %s: %s", self.job, self.rank, conn.peer, exc)
-            return (None, exc), DISCARD
+            return (None, exc, None), DISCARD
         if header["op"] is _REPLY and sizes:
             pending = self._pending.get(header["id"])
             if pending is not None and pending.op is _STATE_GET:
                 if any(size != pending.nbytes for size in sizes):
                     return (header, ProtocolError(f"state from {conn.peer} carries frames of {list(sizes)} bytes; "
-                                                  f"{pending.nbytes} each were expected")), DISCARD
-                return (header, None), None  # the transport allocates
+                                                  f"{pending.nbytes} each were expected"), None), DISCARD
+                return (header, None, None), None  # the transport allocates
             if pending is None or pending.dest is None:
-                return (header, None), DISCARD  # a late reply, or a payload nobody asked for
+                return (header, None, None), DISCARD  # a late reply, or a payload nobody asked for
             if sizes[0] != pending.nbytes:
                 error = ProtocolError(
                     f"reply from {conn.peer} carries {sizes[0]} bytes; {pending.nbytes} were expected"
                 )
-                return (header, error), DISCARD
-            return (header, None), [pending.dest]
-        return (header, None), None
+                return (header, error, None), DISCARD
+            if pending.average and not header.get("avg") and header.get("n", 0) > 1:
+                # A sum to divide: read it where it lies (a shared-memory ring) and divide it on
+                # the way into ``out``, instead of copying it there and dividing it in place.
+                lend = Lent([pending.dest])
+                return (header, None, lend), lend
+            return (header, None, None), [pending.dest]
+        return (header, None, None), None
 
     def on_message(self, conn, state, payloads) -> None:
-        header, error = state
+        header, error, lend = state
         link = self._conn_links.get(conn)
         if link is not None:
             link.last_heard = self.clock()
@@ -586,9 +591,12 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
             if moved:
                 self._moved(request.part, {"agg": moved[0], "address": moved[1]})
             if request.average and not get("avg"):
-                # (an Aggregator averages a synchronous sum itself, once for every worker)
+                # An Aggregator averages a synchronous sum itself, once for every worker, unless
+                # the sum comes through shared memory: then it is divided on its way in.
                 n = get("n", 0)
-                if n > 1:
+                if lend is not None and lend.lent[0]:
+                    np.divide(np.frombuffer(payloads[0], request.array.dtype), n, out=request.array)
+                elif n > 1:
                     np.divide(request.array, n, out=request.array)
         self._complete(request.handle, error)
 

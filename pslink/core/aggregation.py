@@ -220,6 +220,17 @@ class AggregatorCore(TaskMoves):
         """Where to receive a push's payload: a pooled array that may become the accumulator."""
         return task.pool.acquire()
 
+    def adds_in_place(self, task: Task, op: Op, rank: int, round_no: int) -> bool:
+        """Whether this push would only be added into its round's sum: a synchronous push into a
+        round that has one already, from a rank not in it. Its payload may then be read where it
+        arrived (a shared-memory ring, valid during :meth:`handle`) instead of from a copy."""
+        if (task.poisoned is not None or task.moved_to is not None or task.incoming or task.rebase
+                or not task.initialized or task.job.sync == "asp" or (op != Op.PUSH and op != Op.PUSHPULL)
+                or round_no <= task.closed):
+            return False
+        round_ = task.rounds.get(round_no)
+        return round_ is not None and round_.acc is not None and rank not in round_.contributors
+
     # -- requests -----------------------------------------------------------------------------
 
     def handle(self, task: Task, req: Request) -> list:

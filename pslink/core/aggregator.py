@@ -42,6 +42,7 @@ from pslink.core.loop import Reactor, ReactorThread
 from pslink.core.memory import keep_freed_memory
 from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, dtype_of, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
+from pslink.core.transport import Lent
 from pslink.core.task_moves import copy_delay
 from pslink.core.transport import DISCARD, Connection, Transports, split_host_port
 from pslink.errors import (AbortedError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
@@ -256,8 +257,11 @@ class Aggregator:
             started = time.thread_time()  # the task's CPU time counts from its header
             if sizes:
                 buffer = self.core.receive_buffer(task)
-                return (header, task, buffer, started), [memoryview(buffer).cast("B")]
-            return (header, task, None, started), None
+                if op is Op.PUSH or op is Op.PUSHPULL:  # may only be added: read it where it lies
+                    lend = Lent([memoryview(buffer).cast("B")])
+                    return (header, task, buffer, started, lend), lend
+                return (header, task, buffer, started, None), [memoryview(buffer).cast("B")]
+            return (header, task, None, started, None), None
         if op in STATE_OPS:
             try:
                 task = self.core.admit(header)
@@ -265,7 +269,7 @@ class Aggregator:
                 return _Bad(header["id"], exc), DISCARD
             # A state's arrays are kept: fresh buffers, never the pool's.
             buffers = [np.empty(task.span[1] - task.span[0], task.dtype) for _ in sizes]
-            return (header, task, buffers, time.thread_time()), [memoryview(b).cast("B") for b in buffers] or None
+            return (header, task, buffers, time.thread_time(), None), [memoryview(b).cast("B") for b in buffers] or None
         if op in (Op.PING, Op.ABORT):
             return header, None
         if op == Op.TENSOR_COPY or op == Op.REPLICATE:
@@ -286,12 +290,22 @@ class Aggregator:
         if isinstance(state, _Copy):
             self._install(conn, state)
             return
-        header, task, buffer, started = state
-        request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], buffer,
-                          average=bool(header.get("avg")))
+        header, task, buffer, started, lend = state
+        payload = buffer
+        if lend is not None and lend.lent[0]:  # the push lies in the sender's shared-memory ring
+            payload = np.frombuffer(payloads[0], task.dtype)
+            if not self.core.adds_in_place(task, header["op"], header["rank"], header["rnd"]):
+                np.copyto(buffer, payload)  # it may become the round's sum, or be kept: copy it
+                payload = buffer
+        # A sum that reaches its worker through a ring is divided there, on the copy the worker
+        # makes anyway, instead of in a pass of its own here.
+        average = bool(header.get("avg")) and not conn.payload_in_place(task.numel * task.dtype.itemsize)
+        request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], payload, average=average)
         if header["op"] == Op.STATE_SET:
             request.header = header
         self._send_all(self.core.handle(task, request))
+        if payload is not buffer:
+            request.payload = None  # the ring's bytes are the sender's again once this returns
         self._stall(task)
         spent = time.thread_time() - started
         task.cpu += spent

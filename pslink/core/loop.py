@@ -98,6 +98,7 @@ class Reactor:
         self._timer_lock = threading.Lock()
         self._seq = itertools.count()
         self._drive_lock = threading.Lock()
+        self._running: int | None = None  # the thread inside run_once (callbacks run there)
         self._sleeping = False
         self._stopping = False
         self._closed = False
@@ -138,6 +139,11 @@ class Reactor:
         return self._stopping
 
     # -- driving ------------------------------------------------------------------------------
+
+    def in_callback(self) -> bool:
+        """Whether the calling thread is the one running this reactor's callbacks now: it must
+        not block for a peer, as every connection of the reactor would wait with it."""
+        return self._running == threading.get_ident()
 
     def try_drive(self) -> bool:
         return self._drive_lock.acquire(blocking=False)
@@ -197,6 +203,13 @@ class Reactor:
         last I/O event and now: requests come in bursts, and waking a blocked thread costs more
         on a virtual machine than a whole loopback round trip.
         """
+        self._running = threading.get_ident()
+        try:
+            self._run_once(timeout, spin)
+        finally:
+            self._running = None
+
+    def _run_once(self, timeout: float | None, spin: float) -> None:
         # Work found before polling (a posted delivery may complete what the caller waits for)
         # means this iteration must not block: the caller re-checks its condition first.
         ran = self._run_posted()

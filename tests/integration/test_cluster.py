@@ -16,6 +16,7 @@ import pytest
 import pslink
 from pslink.core.protocol import Op, encode
 from pslink.core.transport import Transports
+from pslink.core.transport.shm import rings_enabled
 from pslink.errors import (
     AuthError,
     ConfigError,
@@ -86,6 +87,36 @@ def test_bsp_sums_are_exact_over_many_rounds_and_partitioned_keys(any_cluster):
     finals = run_workers(workers, worker)
     for final in finals:
         np.testing.assert_array_equal(final, sum(contribution(k, rounds, n) for k in range(workers)))
+
+
+def test_large_averages_are_exact_wherever_the_division_happens(any_cluster):
+    # Over local sockets the sums come back through shared-memory rings and each worker divides
+    # its copy on the way out of the ring; elsewhere the Aggregator divides once for everyone.
+    # Integer-valued data: every sum is exact, so both must give the very same numbers.
+    service, transports = any_cluster
+    n, workers, rounds = 1_500_000, 3, 3  # 6 MB: two parts, one on each Aggregator
+    done = threading.Barrier(workers, timeout=60)
+    tasks = []
+
+    def worker(rank):
+        agent = agent_for(service, transports, "large-avg", rank, workers)
+        try:
+            agent.init("g", np.zeros(n, np.float32)).wait()
+            for r in range(1, rounds + 1):
+                out = agent.pushpull("g", contribution(rank, r, n), average=True).wait()
+                total = sum(contribution(k, r, n) for k in range(workers))
+                np.testing.assert_array_equal(out, np.divide(total, workers, dtype=np.float32))
+            if done.wait() == 0:  # one worker looks at the tasks before the job ends
+                tasks.extend(task for aggregator in service.provider.aggregators.values()
+                             for (job, _, _), task in list(aggregator.core.tasks.items()) if job == agent.job)
+            done.wait()
+        finally:
+            agent.close()
+
+    run_workers(workers, worker)
+    assert len(tasks) == 2 and all(task.closed == rounds for task in tasks)
+    in_rings = transports.backend(service.address).schemes == ("tcp",) and rings_enabled()
+    assert all((task.averaged is None) == in_rings for task in tasks)
 
 
 def test_batched_calls_and_averages(cluster):

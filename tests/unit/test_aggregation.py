@@ -59,6 +59,13 @@ class Cluster:
         request = Request(origin if origin is not None else f"rank{rank}", header["id"], op, rank, rnd, payload)
         return request, self.core.handle(task, request)
 
+    def send_payload(self, op, rank, rnd, payload):
+        """As the shell sends a push it reads where it arrived: ``payload`` itself, no pooled copy."""
+        header = self.header(op, rank, rnd)
+        task = self.core.admit(header)
+        request = Request(f"rank{rank}", header["id"], op, rank, rnd, payload)
+        return request, self.core.handle(task, request)
+
 
 def test_bsp_rounds_sum_exactly_over_many_rounds():
     c = Cluster(workers=3, shape=(1000,), needs_init=False)
@@ -670,3 +677,28 @@ def test_a_round_is_averaged_once_for_every_worker_that_asks():
     buffer[:] = 3.0
     replies = asp.core.handle(task, Request("rank0", header["id"], Op.PUSHPULL, 0, 1, buffer, average=True))
     assert replies and not any(r.averaged for r in replies)
+
+
+def test_only_a_push_into_a_round_that_has_a_sum_may_be_read_where_it_arrived():
+    # What the shell asks before it adds a push straight from a sender's shared-memory ring:
+    # the payload is only read during handle(), then its bytes are the sender's again.
+    c = Cluster(workers=3, shape=(8,), needs_init=False)
+    task, core = c.task, c.core
+    assert not core.adds_in_place(task, Op.PUSHPULL, 0, 1)  # the first push becomes the sum: kept
+    c.send(Op.PUSHPULL, 0, 1, np.full(8, 1.0))
+    assert core.adds_in_place(task, Op.PUSHPULL, 1, 1) and core.adds_in_place(task, Op.PUSH, 2, 1)
+    assert not core.adds_in_place(task, Op.PUSHPULL, 0, 1)  # a repeat is not added again
+    assert not core.adds_in_place(task, Op.PULL, 1, 1) and not core.adds_in_place(task, Op.INIT, 1, 1)
+    assert not core.adds_in_place(task, Op.PUSHPULL, 1, 2)  # round 2 has no sum yet
+    lent = np.full(8, 2.0, np.float32)
+    request, _ = c.send_payload(Op.PUSHPULL, 1, 1, lent)
+    lent[:] = -100.0  # the sender reuses its ring space once handle() returned
+    _, replies = c.send(Op.PUSHPULL, 2, 1, np.full(8, 4.0))
+    results = [r for r in replies if r.payload is not None]
+    assert len(results) == 3
+    for reply in results:
+        np.testing.assert_array_equal(reply.payload, np.full(8, 7.0, np.float32))
+    assert not core.adds_in_place(task, Op.PUSHPULL, 1, 1)  # closed
+    asp = Cluster(workers=2, sync="asp", shape=(8,), needs_init=False)
+    asp.send(Op.PUSH, 0, 1, np.ones(8))
+    assert not asp.core.adds_in_place(asp.task, Op.PUSH, 1, 1)  # each push is applied alone

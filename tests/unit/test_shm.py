@@ -6,14 +6,16 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from pslink.core.loop import Reactor
 from pslink.core.protocol import Limits
-from pslink.core.transport import DISCARD
-from pslink.core.transport.shm import INLINE, ReceiveRing, SendRing, ring_bytes, rings_enabled
+from pslink.core.transport import DISCARD, Lent
+from pslink.core.transport.shm import INLINE, ReceiveRing, SendRing, ring_bytes, ring_wait, rings_enabled
 from pslink.core.transport.tcp import FRAMING_RING, FRAMING_RING_OPEN, MAGIC, PREFIX, TcpConnection
 from pslink.errors import ConfigError, ProtocolError
 
@@ -80,6 +82,51 @@ def test_a_receiver_refuses_positions_outside_what_was_placed():
     receive.close()
 
 
+@needs_rings
+def test_a_sender_sees_room_as_place_would_and_waits_for_the_receiver_to_make_it():
+    send, receive = pair(1000)
+    assert send.fits([400, 500]) and not send.fits([400, 500, 200]) and not send.fits([1001])
+    send.place(memoryview(b"a" * 800))
+    assert send.fits([200]) and not send.fits([300])  # the end is too short, the start not taken
+    assert not send.wait_for_room([300], 0.005)  # nothing taken: gives up after the wait
+    assert not send.wait_for_room([1001], 60.0)  # can never fit: no wait at all
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(send.wait_for_room([300], 60.0)))
+    waiter.start()
+    take(receive, 0, 800)
+    waiter.join(60.0)
+    assert waited == [True] and send.place(memoryview(b"b" * 300)) == 1000
+    send.close()
+    receive.close()
+
+
+@needs_rings
+def test_a_lent_payload_is_read_where_it_lies_and_freed_when_its_reader_returns():
+    send, receive = pair(1000)
+    position = send.place(memoryview(b"x" * 600))
+    view = receive.lend(position, 600)
+    assert bytes(view) == b"x" * 600
+    assert send.place(memoryview(b"y" * 600)) == INLINE  # still being read
+    receive.settle()
+    assert send.place(memoryview(b"y" * 600)) == 1000
+    with pytest.raises(ProtocolError, match="ring position"):
+        receive.lend(position, 600)  # lent already
+    del view
+    send.close()
+    receive.close()
+
+
+def test_the_ring_wait_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("PSLINK_SHM_WAIT_MS", "2.5")
+    assert ring_wait() == 0.0025
+    monkeypatch.setenv("PSLINK_SHM_WAIT_MS", "0")
+    assert ring_wait() == 0.0
+    for bad in ["-1", "soon", "1e9"]:
+        monkeypatch.setenv("PSLINK_SHM_WAIT_MS", bad)
+        with pytest.raises(ConfigError, match="PSLINK_SHM_WAIT_MS"):
+            ring_wait()
+
+
 def test_the_ring_size_setting_is_checked(monkeypatch):
     monkeypatch.setenv("PSLINK_SHM_RING_MIB", "8")
     assert ring_bytes() == 8 << 20
@@ -118,6 +165,14 @@ def connected(receiver=None):
 def pump(reactor, rounds=200):
     with reactor._drive_lock:
         for _ in range(rounds):
+            reactor.run_once(0)
+
+
+def pump_until(reactor, done, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    with reactor._drive_lock:
+        while not done():
+            assert time.monotonic() < deadline, "timed out"
             reactor.run_once(0)
 
 
@@ -228,4 +283,86 @@ def test_ring_frames_are_refused_on_tcp():
     assert len(sink.closed) == 1 and "framing version 2" in str(sink.closed[0])
     for sock in (client, listener):
         sock.close()
+    reactor.close()
+
+
+class LendingSink(Sink):
+    """Takes ring payloads where they lie; notes what was lent and whether its space was
+    still held while it read."""
+
+    def __init__(self):
+        super().__init__()
+        self.lent = []
+
+    def on_header(self, conn, header, sizes):
+        buffers = Lent([memoryview(bytearray(size)) for size in sizes])
+        return (header, buffers), buffers
+
+    def on_message(self, conn, state, payloads):
+        header, buffers = state
+        ring = conn._ring_in
+        held = ring is not None and int(ring._consumed[0]) < ring.taken
+        self.lent.append((list(buffers.lent), held))
+        self.messages.append((header, [bytes(p) for p in payloads]))
+
+
+@needs_rings
+def test_a_lending_receiver_reads_ring_payloads_in_place_and_frees_them_after(monkeypatch):
+    monkeypatch.setenv("PSLINK_SHM_RING_MIB", "1")
+    reactor, sender, receiver, sink = connected(LendingSink())
+    sent = []
+    for i in range(8):  # 2.4 MB through a 1 MiB ring: its space is freed after each message
+        sent.append((b"m%d" % i, [np.full(300_000, i, np.uint8).tobytes(), b"small"]))
+        sender.send([sent[-1][0], np.frombuffer(sent[-1][1][0], np.uint8), b"small"])
+        pump_until(reactor, lambda: len(sink.messages) == len(sent))
+        assert int(receiver._ring_in._consumed[0]) == receiver._ring_in.taken
+    assert sink.messages == sent
+    assert sink.lent == [([True, False], True)] * 8  # the large one in place, held while read
+    reactor.close()
+
+
+def _send_from_the_reactor(reactor, sender, count):
+    """Post sends that run on the reactor's own thread, as an Aggregator's replies do."""
+    payloads = [np.full(300_000, i, np.uint8) for i in range(count)]
+
+    def send_all():
+        for i, payload in enumerate(payloads):
+            sender.send([b"%d" % i, payload])
+            sender.send([b"small%d" % i, b"s"])
+
+    reactor.post(send_all)
+    expected = []
+    for i, payload in enumerate(payloads):
+        expected += [(b"%d" % i, [payload.tobytes()]), (b"small%d" % i, [b"s"])]
+    return expected
+
+
+@needs_rings
+def test_the_reactor_holds_messages_back_for_ring_room_in_order(monkeypatch):
+    monkeypatch.setenv("PSLINK_SHM_RING_MIB", "1")
+    reactor, sender, receiver, sink = connected()
+    expected = _send_from_the_reactor(reactor, sender, 6)
+    pump_until(reactor, lambda: len(sink.messages) == len(expected))
+    assert sink.messages == expected
+    assert not sender._held
+    # all six went through the ring (three at a time): none fell back to the socket
+    assert receiver._ring_in.taken >= 6 * 300_000
+    reactor.close()
+
+
+@needs_rings
+def test_held_messages_take_the_socket_once_the_wait_is_over(monkeypatch):
+    monkeypatch.setenv("PSLINK_SHM_RING_MIB", "1")
+    monkeypatch.setenv("PSLINK_SHM_WAIT_MS", "1")
+    reactor, sender, receiver, sink = connected()
+    with reactor._drive_lock:
+        reactor.remove_reader(receiver.fd)  # a receiver that takes nothing for now
+    expected = _send_from_the_reactor(reactor, sender, 6)
+    pump_until(reactor, lambda: sender._held_until is not None)
+    pump_until(reactor, lambda: not sender._held)  # the wait ran out: the rest went on the socket
+    with reactor._drive_lock:
+        reactor.add_reader(receiver.fd, receiver._read_burst)
+    pump_until(reactor, lambda: len(sink.messages) == len(expected))
+    assert sink.messages == expected
+    assert receiver._ring_in.taken < 6 * 300_000  # some came on the socket, still in order
     reactor.close()

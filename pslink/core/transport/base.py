@@ -9,6 +9,10 @@ header has arrived, the transport asks the handler where its payloads go
 (:meth:`Handler.on_header` returns destination buffers, ``None`` to let the transport allocate, or
 :data:`DISCARD` to drop them), then it calls :meth:`Handler.on_message` with the filled buffers.
 All handler callbacks run on the thread that drives the connection's reactor.
+
+A handler that only reads a payload once (adds it into a sum, say) may return its buffers as a
+:class:`Lent` list: a payload that sits in shared memory is then handed over where it lies,
+valid until ``on_message`` returns, instead of being copied into the buffer first.
 """
 
 from __future__ import annotations
@@ -22,6 +26,19 @@ from pslink.errors import ConfigError
 
 #: Returned by :meth:`Handler.on_header` as the buffers to make the transport drop the payloads.
 DISCARD = object()
+
+
+class Lent(list):
+    """Destination buffers, as :meth:`Handler.on_header` returns them, that also say: a payload
+    the transport can show in place (in a shared-memory ring) may be handed to ``on_message``
+    there instead of being copied into its buffer. ``lent[i]`` is True where that happened; the
+    handler reads such a payload before ``on_message`` returns and keeps no reference to it."""
+
+    __slots__ = ("lent",)
+
+    def __init__(self, buffers):
+        super().__init__(buffers)
+        self.lent = [False] * len(self)
 
 
 class Handler(Protocol):
@@ -58,6 +75,12 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Close; queued output may be dropped."""
+
+    def payload_in_place(self, nbytes: int) -> bool:
+        """Whether a payload of ``nbytes`` sent here usually reaches the peer where a
+        :class:`Lent` receiver reads it in place (a shared-memory ring): the peer can then
+        transform it on the one copy it makes anyway (divide a sum, say)."""
+        return False
 
     @property
     @abc.abstractmethod

@@ -15,7 +15,10 @@ it), about 0.5 ms. Only the payload takes this way; headers and their order stay
 Each direction of a connection has a ring of its own, made by its sender the first time a
 payload is large enough (:data:`MIN_PAYLOAD`), as an anonymous ``memfd`` handed to the receiver
 over the socket (``SCM_RIGHTS``): nothing is named, nothing is left behind by a process that
-dies. A payload that does not fit (the receiver is behind) goes on the socket as before.
+dies. A payload that does not fit (the receiver is behind) waits a little for room
+(:meth:`SendRing.wait_for_room`, ``PSLINK_SHM_WAIT_MS``), then goes on the socket as before. A
+receiver may also read a payload where it lies (:meth:`ReceiveRing.lend`) and free its space once
+it is done (:meth:`ReceiveRing.settle`): one copy fewer for what is read only once.
 
 The receiver's ``consumed`` counter is one aligned 8-byte word, written by the receiver after its
 copy and read by the sender before it reuses space. That ordering holds without fences on
@@ -29,6 +32,7 @@ import mmap
 import os
 import platform
 import sys
+import time
 
 import numpy as np
 
@@ -36,11 +40,14 @@ from pslink.errors import ConfigError, ProtocolError
 
 SHM_ENV = "PSLINK_SHM"
 RING_MIB_ENV = "PSLINK_SHM_RING_MIB"
+WAIT_MS_ENV = "PSLINK_SHM_WAIT_MS"
 MIN_PAYLOAD = 64 << 10  # smaller payloads are cheaper on the socket than bookkept in a ring
 DEFAULT_RING_BYTES = 16 << 20  # four 4 MiB parts in flight per direction before falling back
 MAX_RING_BYTES = 1 << 30  # the largest ring a receiver maps
 HEADER_BYTES = 64  # the first cache line holds ``consumed``; the data follows
 INLINE = (1 << 64) - 1  # a payload's position when it travels on the socket
+DEFAULT_WAIT = 0.02  # how long a sender may wait for room before its payload takes the socket
+ROOM_POLL = 50e-6  # between looks at ``consumed`` while waiting (a sleep: the receiver needs the CPU)
 
 
 def rings_enabled() -> bool:
@@ -54,16 +61,29 @@ def rings_enabled() -> bool:
 
 
 def ring_bytes() -> int:
-    raw = os.environ.get(RING_MIB_ENV, "").strip()
+    """Bytes of each ring this process makes (``PSLINK_SHM_RING_MIB``)."""
+    mib = _setting(RING_MIB_ENV, int, "a whole number of MiB", 1, MAX_RING_BYTES >> 20)
+    return DEFAULT_RING_BYTES if mib is None else mib << 20
+
+
+def ring_wait() -> float:
+    """Seconds a sending thread waits for room in a full ring (``PSLINK_SHM_WAIT_MS``)."""
+    ms = _setting(WAIT_MS_ENV, float, "a number of milliseconds", 0, 60_000)
+    return DEFAULT_WAIT if ms is None else ms / 1000
+
+
+def _setting(name: str, kind, what: str, low, high):
+    """An environment variable's number, checked (None if it is not set)."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_RING_BYTES
+        return None
     try:
-        mib = int(raw)
+        value = kind(raw)
     except ValueError:
-        raise ConfigError(f"{RING_MIB_ENV}={raw!r} must be a whole number of MiB") from None
-    if not 1 <= mib <= MAX_RING_BYTES >> 20:
-        raise ConfigError(f"{RING_MIB_ENV}={mib} must be between 1 and {MAX_RING_BYTES >> 20}")
-    return mib << 20
+        raise ConfigError(f"{name}={raw!r} must be {what}") from None
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value:g} must be between {low} and {high}")
+    return value
 
 
 class _Ring:
@@ -106,6 +126,40 @@ class SendRing(_Ring):
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def fits(self, sizes) -> bool:
+        """Whether payloads of these sizes (those of one message that go through the ring)
+        would all be placed now, as :meth:`place` would place them one after another."""
+        capacity = self.capacity
+        head = self.head
+        consumed = int(self._consumed[0])
+        for size in sizes:
+            if size > capacity:
+                return False
+            offset = head % capacity
+            start = head if offset + size <= capacity else head + capacity - offset
+            if consumed < head and start + size - consumed > capacity:
+                return False
+            head = start + size
+        return True
+
+    def wait_for_room(self, sizes, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the receiver to take enough that ``sizes`` fit.
+
+        A full ring means the receiver is behind; on a host short of cores it is behind because
+        it needs the CPU this sender holds. Sending the payload on the socket instead costs both
+        sides about four times the CPU, so a thread that may block yields until there is room."""
+        if self.fits(sizes):
+            return True
+        if any(size > self.capacity for size in sizes) or timeout <= 0:
+            return False
+        deadline = time.monotonic() + timeout
+        while True:
+            time.sleep(ROOM_POLL)
+            if self.fits(sizes):
+                return True
+            if time.monotonic() >= deadline:
+                return False
 
     def place(self, payload: memoryview) -> int:
         """Copy ``payload`` into the ring and return its position, or :data:`INLINE` if there is
@@ -157,4 +211,18 @@ class ReceiveRing(_Ring):
         if dest is not None:
             dest[:] = self._data[offset : offset + size]
         self.taken = position + size
+        self._consumed[0] = self.taken
+
+    def lend(self, position: int, size: int) -> memoryview:
+        """The payload at ``position`` where it lies; its space is freed by :meth:`settle`."""
+        capacity = self.capacity
+        offset = position % capacity
+        if position < self.taken or offset + size > capacity:
+            raise ProtocolError(f"bad frame from {self.peer}: a payload of {size} bytes at ring position {position} "
+                                f"(taken up to {self.taken} of a {capacity}-byte ring)")
+        self.taken = position + size
+        return self._data[offset : offset + size]
+
+    def settle(self) -> None:
+        """Free the space of what was lent: its reader is done with it."""
         self._consumed[0] = self.taken

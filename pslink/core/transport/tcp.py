@@ -29,8 +29,16 @@ from typing import Sequence
 
 from pslink.core.loop import Reactor
 from pslink.core.protocol import DEFAULT_LIMITS, Limits
-from pslink.core.transport.base import DISCARD, Connection, Handler, Listener, Transport, split_host_port
-from pslink.core.transport.shm import INLINE, MIN_PAYLOAD, ReceiveRing, SendRing, ring_bytes, rings_enabled
+from pslink.core.transport.base import DISCARD, Connection, Handler, Lent, Listener, Transport, split_host_port
+from pslink.core.transport.shm import (
+    INLINE,
+    MIN_PAYLOAD,
+    ReceiveRing,
+    SendRing,
+    ring_bytes,
+    ring_wait,
+    rings_enabled,
+)
 from pslink.errors import ConfigError, PeerError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -51,6 +59,7 @@ _PREFIX1 = struct.Struct("<2sBBIQ")
 READ_BUFFER = 256 * 1024  # small messages are parsed out of this buffer, many per recv
 READ_BUDGET = 8 << 20  # bytes one readable callback may take before other sockets get a turn
 MAX_IOV = 64  # buffers per sendmsg call (well under IOV_MAX)
+HOLD_POLL = 200e-6  # how often the reactor looks for ring room while it holds a message back
 
 _PREFIX, _SIZES, _HEADER, _PAYLOAD = range(4)
 
@@ -116,17 +125,21 @@ class TcpConnection(Connection):
         self._wlock = threading.Lock()
         self._wq: collections.deque = collections.deque()
         self._writer_on = False
+        self._held: collections.deque = collections.deque()  # messages waiting for ring room
+        self._held_until: float | None = None  # when the first of them stops waiting
         # Same-host peers: large payloads go through shared-memory rings (shm.py). A Unix stream
         # is read with recvmsg, which takes a ring's descriptor; rings are made only where
         # rings_enabled() says so, but taken from any peer that makes one.
         local = sock.family == socket.AF_UNIX
         self._fds_expected = local
         self._rings_allowed = local and rings_enabled()
+        self._ring_wait = ring_wait() if self._rings_allowed else 0.0
         self._ring_out: SendRing | None = None
         self._ring_in: ReceiveRing | None = None
         self._fds: list[int] = []  # descriptors received, for the ring frames that follow them
         self._framing = FRAMING_VERSION  # of the frame being read
         self._positions: tuple[int, ...] | None = None  # its payloads' ring positions, if any
+        self._lent: Lent | None = None  # the handler reads this message's ring payloads in place
         if on_driver_thread:
             self.reactor.add_reader(self.fd, self._read_burst)
         else:
@@ -144,6 +157,9 @@ class TcpConnection(Connection):
         return f"<TcpConnection {self.peer}{' closed' if self._closed else ''}>"
 
     # -- sending ------------------------------------------------------------------------------
+
+    def payload_in_place(self, nbytes: int) -> bool:
+        return self._rings_allowed and nbytes >= MIN_PAYLOAD
 
     def send(self, frames: Sequence) -> None:
         header = frames[0]
@@ -178,24 +194,72 @@ class TcpConnection(Connection):
             self._write(parts)
 
     def _send_with_ring(self, header: bytes, payloads: list) -> None:
-        """Send a message whose large payloads go through the ring (those that fit)."""
+        """Send a message whose large payloads go through the ring (those that fit).
+
+        A full ring means the peer is behind; on a host short of cores, behind because it needs
+        the CPU this side holds. Sending the payload on the socket instead costs both sides about
+        four times the CPU, so a message first waits (up to ``PSLINK_SHM_WAIT_MS``) for room: an
+        application thread sleeps for it; the reactor's thread, which serves every connection,
+        holds the message back (and what follows it) and looks again on a timer."""
+        ring = self._ring_out
+        if ring is not None and self._ring_wait and not self._wq and not self._held \
+                and not self.reactor.in_callback():
+            # Without the write lock: the reactor may need it to flush what the peer reads first.
+            ring.wait_for_room(_ring_sizes(payloads), self._ring_wait)
         with self._wlock:
             if self._closed:
                 raise PeerError(f"connection to {self.peer} is closed", peer=self.peer)
+            if self._held:
+                self._held.append((header, payloads))
+                return
             ring = self._ring_out if self._ring_out is not None else self._open_ring()
-            positions = [ring.place(p) if ring is not None and len(p) >= MIN_PAYLOAD else INLINE for p in payloads]
-            if all(pos == INLINE for pos in positions):  # no ring, or no room in it: all on the socket
-                parts = [frame_prefix(header, payloads) + header, *(p for p in payloads if len(p))]
-            else:
-                prefix = PREFIX.pack(MAGIC, FRAMING_RING, len(payloads), len(header)) + b"".join(
-                    _LOCATION.pack(len(p), pos) for p, pos in zip(payloads, positions))
-                parts = [prefix + header, *(p for p, pos in zip(payloads, positions) if pos == INLINE and len(p))]
-            self._write(parts)
+            if ring is not None and self._ring_wait and self.reactor.in_callback() \
+                    and not ring.fits(sizes := _ring_sizes(payloads)) and max(sizes) <= ring.capacity:
+                self._held.append((header, payloads))
+                self._held_until = self.reactor.clock() + self._ring_wait
+                self.reactor.call_later(HOLD_POLL, self._release_held)
+                return
+            self._write(self._ring_parts(ring, header, payloads))
+
+    def _ring_parts(self, ring: SendRing | None, header: bytes, payloads: list) -> list:
+        """(Write lock held.) Place what fits in the ring; the frame and what goes on the socket."""
+        positions = [ring.place(p) if ring is not None and len(p) >= MIN_PAYLOAD else INLINE for p in payloads]
+        if all(pos == INLINE for pos in positions):  # no ring, or no room in it: all on the socket
+            return [frame_prefix(header, payloads) + header, *(p for p in payloads if len(p))]
+        prefix = PREFIX.pack(MAGIC, FRAMING_RING, len(payloads), len(header)) + b"".join(
+            _LOCATION.pack(len(p), pos) for p, pos in zip(payloads, positions))
+        return [prefix + header, *(p for p, pos in zip(payloads, positions) if pos == INLINE and len(p))]
+
+    def _release_held(self) -> None:
+        """(Reactor.) Send the messages held back for ring room, in order, as room comes; past
+        the wait, a payload that still does not fit goes on the socket."""
+        try:
+            with self._wlock:
+                while self._held and not self._closed:
+                    item = self._held[0]
+                    if type(item) is list:  # a message without ring payloads, queued behind
+                        self._held.popleft()
+                        self._write_now(item)
+                        continue
+                    header, payloads = item
+                    ring = self._ring_out
+                    if ring is not None and not ring.fits(_ring_sizes(payloads)):
+                        now = self.reactor.clock()
+                        if self._held_until is None:
+                            self._held_until = now + self._ring_wait
+                        if now < self._held_until:
+                            self.reactor.call_later(HOLD_POLL, self._release_held)
+                            return
+                    self._held.popleft()
+                    self._held_until = None
+                    self._write_now(self._ring_parts(ring, header, payloads))
+        except PeerError:
+            pass  # the connection failed: _write posted its teardown
 
     def _open_ring(self) -> SendRing | None:
         """(Write lock held.) Make this direction's ring and hand it to the peer, or None: the
         descriptor must go with bytes written now, so not while older output is queued."""
-        if self._wq:
+        if self._wq or self._held:
             return None
         try:
             ring = SendRing(ring_bytes())
@@ -224,6 +288,12 @@ class TcpConnection(Connection):
 
     def _write(self, parts: list) -> None:
         """Write now what the socket takes, queue the rest (write lock held)."""
+        if self._held:  # messages wait for ring room: this one goes after them
+            self._held.append(parts)
+            return
+        self._write_now(parts)
+
+    def _write_now(self, parts: list) -> None:
         if self._wq:
             self._wq.extend(parts)
             return
@@ -371,7 +441,11 @@ class TcpConnection(Connection):
             if position != INLINE:
                 if ring is None:
                     raise ProtocolError(f"bad frame from {self.peer}: payloads in a ring it never handed over")
-                ring.take(position, stream[i], None if self._discard else self._dests[i])
+                if self._lent is not None:
+                    self._dests[i] = ring.lend(position, stream[i])
+                    self._lent.lent[i] = True
+                else:
+                    ring.take(position, stream[i], None if self._discard else self._dests[i])
                 stream[i] = 0
         self._sizes, self._positions = tuple(stream), None
 
@@ -497,6 +571,7 @@ class TcpConnection(Connection):
         state, buffers = self.handler.on_header(self, header, sizes)
         self._state = state
         self._discard = buffers is DISCARD
+        self._lent = buffers if type(buffers) is Lent and self._positions is not None else None
         if self._discard:
             self._dests = []
         elif buffers is None:
@@ -511,6 +586,8 @@ class TcpConnection(Connection):
                     f"of {list(sizes)}"
                 )
         if self._positions is not None:
+            if self._lent is not None and self._dests is buffers:
+                self._dests = list(buffers)  # ring views replace entries: not in the handler's list
             self._framing = FRAMING_VERSION
             self._take_from_ring()
         self._pi = -1
@@ -525,14 +602,17 @@ class TcpConnection(Connection):
         if self._pi < len(self._sizes):
             self._stage = _PAYLOAD
             return
-        state, dests = self._state, self._dests
-        self._state, self._dests = None, []
+        state, dests, lent = self._state, self._dests, self._lent
+        self._state, self._dests, self._lent = None, [], None
         self._stage = _PREFIX
         try:
             self.handler.on_message(self, state, dests)
         except Exception:
             # The message was consumed whole, so the stream is still in step: keep serving.
             log.exception("handler failed on a message from %s", self.peer)
+        finally:
+            if lent is not None and self._ring_in is not None:
+                self._ring_in.settle()  # the handler is done with what lay in the ring
 
     # -- closing --------------------------------------------------------------------------------
 
@@ -559,6 +639,7 @@ class TcpConnection(Connection):
                 return
             self._closed = True
             self._wq.clear()
+            self._held.clear()
         self._teardown()
         self.handler.on_close(self, exc)
 
@@ -568,11 +649,17 @@ class TcpConnection(Connection):
                 return
             self._closed = True
             self._wq.clear()
+            self._held.clear()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.reactor.post(self._teardown)
+
+
+def _ring_sizes(payloads: list) -> list[int]:
+    """The sizes of a message's payloads that go through a ring, when there is room."""
+    return [len(p) for p in payloads if len(p) >= MIN_PAYLOAD]
 
 
 # -- same-host peers --------------------------------------------------------------------------------
