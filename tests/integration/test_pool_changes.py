@@ -208,6 +208,7 @@ def test_cli_add_and_remove_on_a_service_of_processes(service_up):  # noqa: F811
     def change():
         wait_until(packed, 60, "the job to be profiled and packed")  # its own moves are over
         seen["add"] = cli("add", "-n", "1")
+        seen["names after add"] = [a["name"] for a in status_of(master)["aggregators"]]
         victim = seen["victim"] = serving(master, "procs")
         seen["pid"] = [a["pid"] for a in status_of(master)["aggregators"] if a["name"] == victim][0]
         seen["remove"] = cli("remove", victim)
@@ -223,7 +224,10 @@ def test_cli_add_and_remove_on_a_service_of_processes(service_up):  # noqa: F811
     assert f"removed {victim}" in seen["remove"] and victim not in seen["serving"]
     wait_until(lambda: not psutil.pid_exists(seen["pid"]) or psutil.Process(seen["pid"]).status() == "zombie", 20,
                f"{victim}'s process to exit")
-    assert victim not in seen["names"] and added in seen["names"]
+    assert added in seen["names after add"] and victim not in seen["names"] and seen["names"]
+    # (The added one need not stay to the end: the control plane may start another and release
+    # the one it emptied, as when a job runs slower than profiled on a loaded CI machine and is
+    # reverted onto an Aggregator of its own. CI saw the pool end as agg-1 and agg-3.)
     bad = subprocess.run(CLI + ["service", "remove", "agg-9", "-m", master], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 1 and "aggregator 'agg-9' is not registered" in bad.stderr
