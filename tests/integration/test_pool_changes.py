@@ -191,7 +191,7 @@ def test_a_removed_replica_holder_is_replaced_and_the_new_replica_survives_a_cra
         transports.close()
 
 
-def test_cli_add_and_remove_on_a_service_of_processes(service_up):  # noqa: F811 - the fixture
+def test_cli_add_and_remove_on_a_service_of_processes(service_up, tmp_path):  # noqa: F811 - the fixture
     master, _ = service_up
     seen: dict = {}
 
@@ -224,10 +224,13 @@ def test_cli_add_and_remove_on_a_service_of_processes(service_up):  # noqa: F811
     assert f"removed {victim}" in seen["remove"] and victim not in seen["serving"]
     wait_until(lambda: not psutil.pid_exists(seen["pid"]) or psutil.Process(seen["pid"]).status() == "zombie", 20,
                f"{victim}'s process to exit")
-    assert added in seen["names after add"] and victim not in seen["names"] and seen["names"]
-    # (The added one need not stay to the end: the control plane may start another and release
-    # the one it emptied, as when a job runs slower than profiled on a loaded CI machine and is
-    # reverted onto an Aggregator of its own. CI saw the pool end as agg-1 and agg-3.)
+    decisions = [line for line in (tmp_path / "service.log").read_text(errors="replace").splitlines()
+                 if "starting aggregator" in line or "releasing aggregator" in line]
+    assert added in seen["names after add"] and victim not in seen["names"] and seen["names"], (seen, decisions)
+    # (The added one need not stay to the end: the performance guard may revert the job onto a
+    # new Aggregator of its own and release the one it emptied. The CLI's own processes slow this
+    # job's millisecond iterations: pMaster's log showed "revert job procs: 24% slower than
+    # alone" in a passing run, and CI saw the pool end as agg-1 and agg-3.)
     bad = subprocess.run(CLI + ["service", "remove", "agg-9", "-m", master], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 1 and "aggregator 'agg-9' is not registered" in bad.stderr

@@ -61,8 +61,9 @@ def service_up(tmp_path):
     port = free_port()
     master = f"tcp://127.0.0.1:{port}"
     log = open(tmp_path / "service.log", "wb")
+    # INFO: pMaster logs each Aggregator it starts or releases, and why (for a failing test).
     proc = subprocess.Popen(CLI + ["service", "up", "--port", str(port), "--aggregators", "2",
-                                   "--state", str(tmp_path / "state")],
+                                   "--state", str(tmp_path / "state"), "--log-level", "INFO"],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         wait_until(lambda: len([a for a in status_of(master)["aggregators"] if a["alive"]]) == 2, 60,
