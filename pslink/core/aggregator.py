@@ -42,9 +42,8 @@ from pslink.core.loop import Reactor, ReactorThread
 from pslink.core.memory import keep_freed_memory
 from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, dtype_of, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
-from pslink.core.transport import Lent
 from pslink.core.task_moves import copy_delay
-from pslink.core.transport import DISCARD, Connection, Transports, split_host_port
+from pslink.core.transport import DISCARD, Connection, Lent, Transports, split_host_port
 from pslink.errors import (AbortedError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
                            error_from_code)
 
@@ -257,10 +256,11 @@ class Aggregator:
             started = time.thread_time()  # the task's CPU time counts from its header
             if sizes:
                 buffer = self.core.receive_buffer(task)
+                dest = memoryview(buffer).cast("B")
                 if op is Op.PUSH or op is Op.PUSHPULL:  # may only be added: read it where it lies
-                    lend = Lent([memoryview(buffer).cast("B")])
+                    lend = Lent([dest])
                     return (header, task, buffer, started, lend), lend
-                return (header, task, buffer, started, None), [memoryview(buffer).cast("B")]
+                return (header, task, buffer, started, None), [dest]
             return (header, task, None, started, None), None
         if op in STATE_OPS:
             try:

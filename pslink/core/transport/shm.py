@@ -127,18 +127,26 @@ class SendRing(_Ring):
             os.close(self.fd)
             self.fd = -1
 
+    def _start(self, head: int, size: int, consumed: int) -> int | None:
+        """Where a payload of ``size`` placed after ``head`` would start, or None: no room."""
+        capacity = self.capacity
+        if size > capacity:
+            return None
+        offset = head % capacity
+        start = head if offset + size <= capacity else head + capacity - offset  # never split
+        # The receiver holds [consumed, head); the space skipped above never held anything.
+        if consumed < head and start + size - consumed > capacity:
+            return None
+        return start
+
     def fits(self, sizes) -> bool:
         """Whether payloads of these sizes (those of one message that go through the ring)
         would all be placed now, as :meth:`place` would place them one after another."""
-        capacity = self.capacity
         head = self.head
         consumed = int(self._consumed[0])
         for size in sizes:
-            if size > capacity:
-                return False
-            offset = head % capacity
-            start = head if offset + size <= capacity else head + capacity - offset
-            if consumed < head and start + size - consumed > capacity:
+            start = self._start(head, size, consumed)
+            if start is None:
                 return False
             head = start + size
         return True
@@ -165,19 +173,10 @@ class SendRing(_Ring):
         """Copy ``payload`` into the ring and return its position, or :data:`INLINE` if there is
         no room (the receiver has not taken enough yet): then it goes on the socket."""
         size = len(payload)
-        capacity = self.capacity
-        if size > capacity:
+        start = self._start(self.head, size, int(self._consumed[0]))
+        if start is None:
             return INLINE
-        head = self.head
-        offset = head % capacity
-        start = head
-        if offset + size > capacity:  # a payload is never split: start again at the beginning
-            start += capacity - offset
-            offset = 0
-        # The receiver holds [consumed, head); the space skipped above never held anything.
-        consumed = int(self._consumed[0])
-        if consumed < head and start + size - consumed > capacity:
-            return INLINE
+        offset = start % self.capacity
         self._data[offset : offset + size] = payload
         self.head = start + size
         return start
@@ -201,22 +200,17 @@ class ReceiveRing(_Ring):
 
     def take(self, position: int, size: int, dest) -> None:
         """Copy the payload at ``position`` into ``dest`` (None: drop it) and free its space."""
-        capacity = self.capacity
-        offset = position % capacity
-        # Frames come in the order their payloads were placed, so everything placed before this
-        # one was taken already: positions only grow, and a payload never runs past the end.
-        if position < self.taken or offset + size > capacity:
-            raise ProtocolError(f"bad frame from {self.peer}: a payload of {size} bytes at ring position {position} "
-                                f"(taken up to {self.taken} of a {capacity}-byte ring)")
+        view = self.lend(position, size)
         if dest is not None:
-            dest[:] = self._data[offset : offset + size]
-        self.taken = position + size
-        self._consumed[0] = self.taken
+            dest[:] = view
+        self.settle()
 
     def lend(self, position: int, size: int) -> memoryview:
         """The payload at ``position`` where it lies; its space is freed by :meth:`settle`."""
         capacity = self.capacity
         offset = position % capacity
+        # Frames come in the order their payloads were placed, so everything placed before this
+        # one was taken already: positions only grow, and a payload never runs past the end.
         if position < self.taken or offset + size > capacity:
             raise ProtocolError(f"bad frame from {self.peer}: a payload of {size} bytes at ring position {position} "
                                 f"(taken up to {self.taken} of a {capacity}-byte ring)")
