@@ -226,6 +226,18 @@ def test_with_rings_turned_off_everything_stays_on_the_socket(monkeypatch):
 
 
 @needs_rings
+def test_a_bad_ring_wait_is_said_and_nothing_waits(monkeypatch, caplog):
+    monkeypatch.setenv("PSLINK_SHM_WAIT_MS", "soon")
+    reactor, sender, receiver, sink = connected()
+    assert sender._ring_wait == 0.0
+    assert "PSLINK_SHM_WAIT_MS='soon' must be a number of milliseconds" in caplog.text
+    sender.send([b"big", np.ones(500_000, np.uint8)])
+    pump(reactor)
+    assert sink.messages == [(b"big", [b"\x01" * 500_000])]  # the connection still works
+    reactor.close()
+
+
+@needs_rings
 def test_a_bad_ring_size_keeps_payloads_on_the_socket_and_says_why(monkeypatch, caplog):
     monkeypatch.setenv("PSLINK_SHM_RING_MIB", "lots")
     reactor, sender, receiver, sink = connected()

@@ -42,13 +42,7 @@ from pslink.core.transport.framing import (
     SIZE,
     frame_prefix,
 )
-from pslink.core.transport.shm import (
-    MIN_PAYLOAD,
-    ReceiveRing,
-    SendRing,
-    ring_wait,
-    rings_enabled,
-)
+from pslink.core.transport.shm import MIN_PAYLOAD, ReceiveRing, SendRing, rings_enabled
 from pslink.core.transport.tcp_rings import RingSide
 from pslink.errors import PeerError, ProtocolError
 
@@ -118,7 +112,7 @@ class TcpConnection(RingSide, Connection):
         local = sock.family == socket.AF_UNIX
         self._fds_expected = local
         self._rings_allowed = local and rings_enabled()
-        self._ring_wait = ring_wait() if self._rings_allowed else 0.0
+        self._ring_wait = self._wait_setting() if self._rings_allowed else 0.0
         self._ring_out: SendRing | None = None
         self._ring_in: ReceiveRing | None = None
         self._fds: list[int] = []  # descriptors received, for the ring frames that follow them

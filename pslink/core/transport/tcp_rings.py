@@ -24,6 +24,7 @@ from pslink.core.transport.shm import (
     ReceiveRing,
     SendRing,
     ring_bytes,
+    ring_wait,
 )
 from pslink.errors import ConfigError, PeerError, ProtocolError
 
@@ -36,6 +37,14 @@ class RingSide:
     """Sending large payloads through this connection's ring, and taking them out of the peer's."""
 
     # -- sending ------------------------------------------------------------------------------
+
+    def _wait_setting(self) -> float:
+        """``PSLINK_SHM_WAIT_MS``; a bad one is said, as a bad ring size is, and nothing waits."""
+        try:
+            return ring_wait()
+        except ConfigError as exc:
+            log.warning("connection to %s: %s; large payloads do not wait for ring room", self.peer, exc)
+            return 0.0
 
     def payload_in_place(self, nbytes: int) -> bool:
         return self._rings_allowed and nbytes >= MIN_PAYLOAD
