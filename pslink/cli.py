@@ -45,8 +45,14 @@ def _fail(exc: Exception) -> None:
 @service_app.command("up")
 def service_up(
     aggregators: int = typer.Option(2, "--aggregators", "-n", min=1, help="Aggregator processes to start"),
-    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for every interface)"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for every interface); other hosts "
+                             "reach the service only through an address that is not loopback"),
     port: int = typer.Option(7770, "--port", "-p", help="pMaster port (0: any free port)"),
+    advertise: Optional[str] = typer.Option(None, help="address workers and Aggregators on other hosts dial "
+                                            "(default $PSLINK_ADVERTISE, else --host, else this host's "
+                                            "default-route address)"),
+    interface: Optional[str] = typer.Option(None, help="advertise this network interface's address (default "
+                                            "$PSLINK_INTERFACE)"),
     state: Optional[str] = typer.Option(None, "--state", help="directory for durable state (SQLite); a restart resumes from it"),
     transport: str = typer.Option("tcp", help="tcp (native, fastest) or zmq"),
     provider: str = typer.Option("local", help="local (subprocesses) or ray (Ray actors, any node)"),
@@ -65,12 +71,14 @@ def service_up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        listen = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
         if provider == "ray":
-            service = Service(f"{scheme}://{host}:{port}", aggregators, state_dir=state, provider="ray",
-                              provider_options={"address": ray_address}).start()
+            service = Service(listen, aggregators, state_dir=state, provider="ray",
+                              provider_options={"address": ray_address}, advertise=advertise,
+                              interface=interface).start()
         else:
-            service = Service(f"{scheme}://{host}:{port}", aggregators, state_dir=state,
-                              aggregator_options={"log_level": log_level}).start()
+            service = Service(listen, aggregators, state_dir=state, aggregator_options={"log_level": log_level},
+                              advertise=advertise, interface=interface).start()
     except PslinkError as exc:
         _fail(exc)
     try:
@@ -81,6 +89,7 @@ def service_up(
             f"Aggregators {pids}\n"
             f"state      {state or 'not kept (pass --state DIR to survive restarts)'}\n\n"
             f"workers:   export {ENV_MASTER}={service.address}\n"
+            f"more Aggregators, from any host: pslink aggregator --master {service.address}\n"
             f"status:    pslink service status -m {service.address}\n"
             "Ctrl-C stops the service and every process it started.",
             title="pslink service up", border_style="green"))
@@ -162,26 +171,122 @@ def service_remove(
                   f"{len(body['replicas'])} replica(s) moved)")
 
 
+def _listen_address(listen: str, scheme: str) -> str:
+    """``HOST``, ``HOST:PORT``, ``[V6]:PORT`` or a whole address -> ``scheme://host:port``."""
+    if "://" in listen:
+        return listen
+    if listen.startswith("["):
+        return f"{scheme}://{listen if ']:' in listen else listen + ':0'}"
+    if listen.count(":") == 1:
+        return f"{scheme}://{listen}"
+    return f"{scheme}://{'[' + listen + ']' if ':' in listen else listen}:0"
+
+
+@app.command("aggregator")
+def aggregator_command(
+    master: Optional[str] = MasterOption,
+    listen: str = typer.Option("0.0.0.0", "--listen", help="address to bind: HOST or HOST:PORT (default: every "
+                               "interface, any free port)"),
+    advertise: Optional[str] = typer.Option(None, help="address peers on other hosts dial (default "
+                                            "$PSLINK_ADVERTISE, else the local address that routes to pMaster)"),
+    interface: Optional[str] = typer.Option(None, help="advertise this network interface's address (default "
+                                            "$PSLINK_INTERFACE)"),
+    name: Optional[str] = typer.Option(None, help="its name in the pool (default: pMaster names it)"),
+    timeout: float = typer.Option(10.0, help="seconds to wait for pMaster to accept it"),
+    drain_timeout: float = typer.Option(300.0, help="seconds Ctrl-C waits for its tasks to move off"),
+    log_level: str = typer.Option("WARNING", help="log level"),
+):
+    """Join a running service's pool from this host: one Aggregator that serves any job, kept by
+    the pool's scaling. Ctrl-C drains it first (its tasks and replicas move to the others while jobs
+    keep training, as `pslink service remove` does), then it stops; a second Ctrl-C stops it at once."""
+    from pslink.core.aggregator import Aggregator
+    from pslink.core.client import ControlClient
+    from pslink.core.transport import scheme_of
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    address = _master(master)
+    bind = _listen_address(listen, scheme_of(address))
+    try:
+        aggregator = Aggregator(address, bind, name=name, advertise=advertise, interface=interface, keep=True).start()
+    except PslinkError as exc:
+        _fail(exc)
+    try:
+        if not aggregator.registered.wait(timeout):
+            why = f" ({aggregator.master_error})" if aggregator.master_error is not None else ""
+            _fail(PslinkError(f"pMaster at {address} did not accept this Aggregator within {timeout:.0f} s{why}; "
+                              f"is `pslink service up` running there, and is {address} its address as seen "
+                              "from this host?"))
+        if aggregator.registration_error is not None:
+            _fail(aggregator.registration_error)
+        console.print(Panel.fit(
+            f"aggregator [bold]{aggregator.name}[/] at {aggregator.address}\n"
+            f"pMaster    {address}\n"
+            "Ctrl-C drains it (its tasks move to the others), then stops it; twice stops it at once.",
+            title="pslink aggregator", border_style="green"))
+        interrupts = threading.Event()
+        signals: list = []
+
+        def on_signal(*_):
+            signals.append(1)
+            interrupts.set()
+            if len(signals) > 1:
+                aggregator.reactor.stop()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        while not interrupts.wait(0.5):
+            if aggregator.exit_code is not None:  # pMaster told it to stop, or it gave up on pMaster
+                console.print(f"aggregator {aggregator.name} stopped (status {aggregator.exit_code})")
+                raise typer.Exit(aggregator.exit_code)
+        console.print(f"draining {aggregator.name}: its tasks move to the other Aggregators...")
+        try:
+            with ControlClient(address, timeout=drain_timeout) as client:
+                body = client.remove_aggregator(aggregator.name)
+            console.print(f"[green]drained[/] {aggregator.name}: {len(body['moved'])} task(s) and "
+                          f"{len(body['replicas'])} replica(s) moved")
+        except PslinkError as exc:
+            err_console.print(f"[bold red]error:[/] could not drain {aggregator.name} ({exc}); stopping it: "
+                              "pMaster fails its tasks over to replicas or elsewhere")
+            raise typer.Exit(1)
+    finally:
+        aggregator.stop()
+
+
+def host_labels(aggregators: list[dict]) -> dict[str, str]:
+    """Aggregator -> its host as a reader tells hosts apart: the host name, and where hosts of
+    one name differ (containers, network namespaces of one machine) the address too."""
+    ids_by_name: dict[str, set] = {}
+    for a in aggregators:
+        ids_by_name.setdefault(a.get("host") or "?", set()).add(a.get("host_id") or a.get("host"))
+    labels = {}
+    for a in aggregators:
+        name = a.get("host") or "?"
+        address = a["address"].split("://", 1)[-1].rpartition(":")[0]
+        labels[a["name"]] = name if len(ids_by_name[name]) < 2 else f"{name} ({address})"
+    return labels
+
+
 def render_status(status: dict, out: Console) -> None:
     master = status.get("master", {})
     out.print(f"[bold]pMaster[/] {master.get('address', '?')} (pid {master.get('pid', '?')}, "
               f"state {master.get('state') or 'in memory'})")
     aggs = Table(title="Aggregators")
-    for column in ("name", "address", "pid", "alive", "tasks by job", "MB", "cycle ms", "free ms", "load",
+    for column in ("name", "host", "address", "pid", "alive", "tasks by job", "MB", "cycle ms", "free ms", "load",
                    "task rounds/s", "bad msgs"):
-        left = column in ("name", "address", "tasks by job")
+        left = column in ("name", "host", "address", "tasks by job")
         aggs.add_column(column, justify="left" if left else "right", no_wrap=column in ("name", "address"))
+    labels = host_labels(status["aggregators"])
     for a in status["aggregators"]:
         jobs = ", ".join(f"{j}:{n}" for j, n in sorted(a["jobs"].items())) or "-"
         if a.get("reserved_for"):
             jobs += f" (kept for {a['reserved_for']})"
         alive = ("[yellow]draining[/]" if a.get("draining") else "yes") if a["alive"] else "[red]no[/]"
-        aggs.add_row(a["name"], a["address"], str(a["pid"]), alive, jobs,
+        aggs.add_row(a["name"], labels[a["name"]], a["address"], str(a["pid"]), alive, jobs,
                      f"{a['bytes'] / 1e6:.2f}", f"{a.get('cycle', 0) * 1e3:.1f}", f"{a.get('free', 0) * 1e3:.1f}",
                      f"{a.get('load', 0):.0%}", f"{a['task_rounds_per_s']:.1f}", str(a["errors"]))
     out.print(aggs)
     jobs = Table(title="Jobs")
-    for column in ("job", "mode", "workers", "keys", "tasks", "MB", "phase", "iteration ms (alone)", "loss",
+    for column in ("job", "mode", "workers (hosts)", "keys", "tasks", "MB", "phase", "iteration ms (alone)", "loss",
                    "rounds/s", "aggregators"):
         jobs.add_column(column, justify="left" if column in ("job", "mode", "phase", "aggregators") else "right",
                         no_wrap=column == "job")
@@ -190,7 +295,8 @@ def render_status(status: dict, out: Console) -> None:
         control = j.get("control") or {}
         current, alone, loss = control.get("current"), control.get("standalone"), control.get("loss")
         timing = (f"{current * 1e3:.1f}" if current else "-") + (f" ({alone * 1e3:.1f})" if alone else "")
-        jobs.add_row(j["job"], mode, f"{j['workers']}/{j['num_workers']}", str(j["keys"]), str(j["tasks"]),
+        hosts = f" ({j['worker_hosts']})" if j.get("worker_hosts", 1) > 1 else ""
+        jobs.add_row(j["job"], mode, f"{j['workers']}/{j['num_workers']}{hosts}", str(j["keys"]), str(j["tasks"]),
                      f"{j['bytes'] / 1e6:.2f}", control.get("phase", "-"), timing,
                      f"{loss:.0%}" if loss is not None else "-", f"{j['rounds_per_s']:.1f}",
                      ", ".join(j["aggregators"]) or "-")
@@ -282,6 +388,15 @@ def launch_command(
     heartbeat_timeout: Optional[float] = typer.Option(None, "--heartbeat-timeout",
                                                       help="elastic, embedded service: seconds after which a dead "
                                                       "worker is dropped from the job (default 5)"),
+    nnodes: int = typer.Option(1, "--nnodes", min=1, help="hosts the job runs on (torchrun's multi-node form: "
+                               "run this command on each, with its --node-rank; -n workers per host)"),
+    node_rank: int = typer.Option(0, "--node-rank", min=0, help="this host's index among --nnodes (its workers "
+                                  "get global ranks node-rank * n ... )"),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="with --nnodes > 1: node 0's address, "
+                                              "for torch.distributed's rendezvous (MASTER_ADDR)"),
+    master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
+                                              help="torch.distributed's rendezvous port (MASTER_PORT; default: "
+                                              "a free one, 29500 on several nodes)"),
 ):
     """Run N workers of a training script (as horovodrun or torchrun), with a service if none is given;
     with --min-np/--max-np, an elastic job whose workers come and go (see docs/elastic.md); with
@@ -289,6 +404,10 @@ def launch_command(
     from pslink.launch import launch, launch_pslite
 
     try:
+        if nnodes > 1 and (pslite or min_np is not None or max_np is not None):
+            raise PslinkError("--nnodes runs a fixed job on several hosts; a ps-lite program runs each role on its "
+                              "host with DMLC_* (see docs/pslite.md), and elastic jobs (--min-np/--max-np) run "
+                              "from one host")
         if min_np is not None or max_np is not None:
             from pslink.launch_elastic import launch_elastic
 
@@ -313,7 +432,8 @@ def launch_command(
             if num_servers is not None or server_mode != "classic":
                 raise PslinkError("-s and --server-mode describe a ps-lite deployment: add --pslite")
             code = launch(command, num_workers, service=service, aggregators=aggregators, job=job,
-                          prefix=not no_prefix)
+                          prefix=not no_prefix, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                          master_port=master_port)
     except PslinkError as exc:
         _fail(exc)
     raise typer.Exit(code)

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import IO, Callable, Sequence
 
+from pslink.core import hosts
 from pslink.errors import ConfigError
 
 GRACE_SECONDS = 5.0
@@ -80,13 +81,25 @@ class Launch:
         output: IO[str] | None = None,
         env: dict | None = None,
         worker_env: Callable[[int], dict] | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str | None = None,
+        master_port: int | None = None,
     ):
         if not command:
             raise ConfigError("pslink launch needs a command to run, e.g. pslink launch -n 2 python train.py")
         if num_workers < 1:
             raise ConfigError(f"-n must be at least 1, got {num_workers}")
+        check_nodes(nnodes, node_rank, service, job, master_addr)
         self.command = list(command)
-        self.num_workers = num_workers
+        self.num_workers = num_workers  # on this node
+        # torchrun's multi-node form: every node runs num_workers workers; node i's have the
+        # global ranks i * num_workers ... (i + 1) * num_workers - 1.
+        self.nnodes, self.node_rank = nnodes, node_rank
+        self.world_size = nnodes * num_workers
+        self.first_rank = node_rank * num_workers
+        self.master_addr = master_addr or "127.0.0.1"
+        self._master_port = master_port
         self.service_address = service
         self.aggregators = aggregators
         script = next((arg for arg in self.command if arg.endswith(".py")), self.command[0])
@@ -101,7 +114,6 @@ class Launch:
         self.others = "workers"  # how a failure message names the rest
         self._service = None
         self._scratch: tempfile.TemporaryDirectory | None = None
-        self._master_port: int | None = None
 
     def _say(self, message: str) -> None:
         with self.output.lock:
@@ -118,38 +130,53 @@ class Launch:
         self.service_address = self._service.address
         return self.service_address
 
-    def environment(self, rank: int) -> dict:
+    def environment(self, local_rank: int) -> dict:
+        """The environment of this node's worker ``local_rank``."""
+        rank = self.first_rank + local_rank
         env = dict(self.env)
         env.update(
             PSLINK_MASTER=self.service_address,
             PSLINK_JOB=self.job,
             PSLINK_RANK=str(rank),
-            PSLINK_NUM_WORKERS=str(self.num_workers),
-            PSLINK_LOCAL_RANK=str(rank),
+            PSLINK_NUM_WORKERS=str(self.world_size),
+            PSLINK_LOCAL_RANK=str(local_rank),
             PSLINK_LOCAL_SIZE=str(self.num_workers),
             # torchrun's names too, so torch.distributed.init_process_group() (gloo, env://) and
             # scripts written for torchrun run unchanged under pslink launch.
             RANK=str(rank),
-            WORLD_SIZE=str(self.num_workers),
-            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(local_rank),
             LOCAL_WORLD_SIZE=str(self.num_workers),
-            MASTER_ADDR="127.0.0.1",
+            GROUP_RANK=str(self.node_rank),
+            MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self._rendezvous_port()),
             PYTHONUNBUFFERED="1",  # lines reach the prefixer as they are printed
         )
+        if self.nnodes > 1 and "GLOO_SOCKET_IFNAME" not in env:
+            # gloo finds its own address through the host name, which often resolves to loopback
+            # (or to another network): the interface that reaches node 0 is the one its peers
+            # reach too (torchrun leaves this to the user; a multi-node run hangs without it).
+            interface = hosts.interface_toward(self.master_addr)
+            if interface is not None:
+                env["GLOO_SOCKET_IFNAME"] = interface
         if self.worker_env is not None:
             env.update(self.worker_env(rank))
         return env
 
     def _rendezvous_port(self) -> int:
-        """One free port per launch for torch.distributed's env:// rendezvous (MASTER_PORT)."""
+        """One free port per launch for torch.distributed's env:// rendezvous (MASTER_PORT); on
+        several nodes the one given (every node must name the same), torchrun's 29500 by default."""
         if self._master_port is None:
-            self._master_port = free_port()
+            self._master_port = free_port() if self.nnodes == 1 else DEFAULT_MASTER_PORT
         return self._master_port
 
     def processes(self) -> list[tuple[str, str, dict]]:
         """What to start: (label for messages, output prefix, environment) per process."""
-        return [(f"rank {rank}", f"[rank{rank}]: ", self.environment(rank)) for rank in range(self.num_workers)]
+        specs = []
+        for local_rank in range(self.num_workers):
+            rank = self.first_rank + local_rank
+            specs.append((f"rank {rank}", f"[rank{rank}]: ", self.environment(local_rank)))
+        return specs
 
     def start_workers(self) -> None:
         for label, prefix, env in self.processes():
@@ -297,6 +324,28 @@ class PsliteLaunch(Launch):
             label = "scheduler" if role == "scheduler" else f"{role} {rank}"
             specs.append((label, f"[{name}]: ", env))
         return specs
+
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+
+
+def check_nodes(nnodes: int, node_rank: int, service: str | None, job: str | None, master_addr: str | None) -> None:
+    """The multi-node form's settings: every node must name the same service, job and
+    rendezvous, so none of them may be left to a per-node default."""
+    if nnodes < 1:
+        raise ConfigError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank must be between 0 and {nnodes - 1} (--nnodes {nnodes}), got {node_rank}")
+    if nnodes == 1:
+        return
+    missing = [f"{flag} ({why})" for flag, value, why in (
+        ("--service ADDR", service, "the pMaster every node's workers join; `pslink service up` runs one"),
+        ("--job NAME", job, "the same job name on every node"),
+        ("--master-addr HOST", master_addr, "node 0's address, where torch.distributed's rendezvous "
+                                            "(MASTER_ADDR) listens, as torchrun's --master-addr"),
+    ) if not value]
+    if missing:
+        raise ConfigError(f"a launch on {nnodes} nodes needs " + "; ".join(missing))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -43,6 +43,7 @@ from pslink.config import (
     resolve_str,
     resolve_token,
 )
+from pslink.core import hosts
 from pslink.core.agent_keys import MAX_MOVES, WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, as_array, check_key
 from pslink.core.agent_drive import Driving
 from pslink.core.agent_failover import Failover
@@ -127,6 +128,7 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
         self.clock = clock
         self.transports = transports or Transports()
         self._own_transports = transports is None
+        self.host_id = hosts.host_id()  # pMaster places the job's parts and replicas by hosts
         self._reactor = Reactor(f"agent {job}/{rank}", clock)
         self._endpoint = RpcEndpoint(self._reactor, self._on_master_request, limits, on_close=self._on_master_lost)
         self._master: RpcPeer | None = None

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 
+from pslink.core import hosts
 from pslink.core.handle import Handle
 from pslink.core.protocol import Op
 from pslink.core.rpc import RpcPeer
@@ -61,7 +61,7 @@ class MasterLink:
 
     def _register(self, config: dict, token: bytes | None, rejoin: bool = False) -> dict:
         fields = dict(job=self.job, rank=self.rank, num_workers=self.num_workers, pid=os.getpid(),
-                      host=socket.gethostname(), config=config)
+                      host=hosts.host_name(), host_id=self.host_id, config=config)
         if token:
             fields["tok"] = token
         if rejoin:
@@ -99,7 +99,7 @@ class MasterLink:
         try:
             peer = self._master_peer()
             fields = dict(job=self.job, rank=self.rank, num_workers=self.num_workers, pid=os.getpid(),
-                          host=socket.gethostname(), tok=self.token)
+                          host=hosts.host_name(), host_id=self.host_id, tok=self.token)
 
             def registered(result, error):
                 if error is not None:

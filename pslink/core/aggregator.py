@@ -15,8 +15,8 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -35,6 +35,7 @@ from pslink.core.aggregation import (
     Task,
     WorkerDone,
 )
+from pslink.core import hosts
 from pslink.core.checkpoints import CheckpointWriter, part_path
 from pslink.core.checkpoints import read as read_checkpoint
 from pslink.core.faults import Faults
@@ -43,20 +44,11 @@ from pslink.core.memory import keep_freed_memory
 from pslink.core.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, dtype_of, encode, encode_error
 from pslink.core.rpc import RpcEndpoint, RpcPeer
 from pslink.core.task_moves import copy_delay
-from pslink.core.transport import DISCARD, Connection, Lent, Transports, split_host_port
-from pslink.errors import (AbortedError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
+from pslink.core.transport import DISCARD, Connection, Lent, Transports
+from pslink.errors import (AbortedError, ConfigError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
                            error_from_code)
 
 log = logging.getLogger(__name__)
-
-
-def advertised(address: str) -> str:
-    """The address peers should dial: a wildcard bind is replaced by this host's name."""
-    if address.startswith("tcp://"):
-        host, port = split_host_port(address)
-        if host in ("0.0.0.0", "::", ""):
-            return f"tcp://{socket.gethostname()}:{port}"
-    return address
 
 
 def _peek_id(raw: bytes) -> int:
@@ -109,9 +101,13 @@ class Aggregator:
         spin: float = 2e-3,
         summer: Summer | None = None,
         faults: Faults | None = None,
+        advertise: str | None = None,
+        interface: str | None = None,
+        keep: bool = False,
         clock=time.monotonic,
     ):
         self.name = name
+        self.keep = keep  # an operator's own: pMaster's scaling never stops it
         self.faults = faults if faults is not None else Faults.from_env()
         if self.faults is not None:
             self.faults.bind(name)
@@ -127,8 +123,17 @@ class Aggregator:
         self.orphan_timeout = orphan_timeout
         self.spin = spin
         self.clock = clock
+        advertise, interface = hosts.settings(advertise, interface)
         self.listener = self.transports.listen(listen, self.reactor, self, limits)
-        self.address = advertised(self.listener.address)
+        try:
+            # What workers and other Aggregators dial: never a wildcard, never loopback to
+            # another host (pMaster refuses that at registration, naming the fix).
+            self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface,
+                                                    toward=master)
+        except BaseException:
+            self.listener.close()
+            raise
+        self.host_id = hosts.host_id()
         self.errors = 0  # bad messages and broken peers, reported to pMaster
         self.requests = 0
         self.busy = 0.0  # CPU seconds spent on tasks: the load pMaster sees (spinning is not work)
@@ -146,6 +151,9 @@ class Aggregator:
         self._thread: ReactorThread | None = None
         self._stopped = False
         self.exit_code: int | None = None
+        self.registration_error: ConfigError | None = None  # pMaster refused it (it then stops)
+        self.registered = threading.Event()  # set once pMaster answered its registration (either way)
+        self.master_error: PslinkError | None = None  # why pMaster was last unreachable
         if master is not None:
             self.reactor.post(self._connect_master)
             self.reactor.call_later(heartbeat_interval, self._heartbeat)
@@ -515,11 +523,20 @@ class Aggregator:
         tasks = [[job, key, part] for (job, key, part) in self.core.tasks]
         peer.call(
             Op.REGISTER_AGGREGATOR, self._registered, timeout=10.0,
-            address=self.address, pid=os.getpid(), host=socket.gethostname(), tasks=tasks,
-            **({"agg": self.name} if self.name else {}),
+            address=self.address, pid=os.getpid(), host=hosts.host_name(), host_id=self.host_id, tasks=tasks,
+            **({"agg": self.name} if self.name else {}), **({"keep": True} if self.keep else {}),
         )
 
     def _registered(self, result: dict | None, error: PslinkError | None) -> None:
+        if isinstance(error, ConfigError):
+            # pMaster refused what this Aggregator is (an address nobody can dial): retrying
+            # would be refused again. Say why and stop.
+            log.error("aggregator %s: pMaster at %s refused it: %s", self.name or "", self.master_address, error.message)
+            self.registration_error = error
+            self.exit_code = 2
+            self.registered.set()
+            self.reactor.stop()
+            return
         if error is not None:
             log.warning("aggregator %s: registration with pMaster failed: %s", self.name, error)
             if self._master is not None:
@@ -531,6 +548,8 @@ class Aggregator:
         self.core.name = self.name
         self.reactor.name = f"aggregator {self.name}"
         self._master_lost_at = None
+        self.master_error = None
+        self.registered.set()
         log.info("aggregator %s serving at %s", self.name, self.address)
 
     def _on_master_lost(self, peer: RpcPeer, exc) -> None:
@@ -541,6 +560,7 @@ class Aggregator:
             self._master_down(exc)
 
     def _master_down(self, exc) -> None:
+        self.master_error = exc
         now = self.clock()
         if self._master_lost_at is None:
             self._master_lost_at = now
@@ -555,7 +575,8 @@ class Aggregator:
 
     def _heartbeat(self) -> None:
         try:
-            if self._master is not None and self._master_lost_at is None:
+            # Not before pMaster named it (a joining Aggregator has no name until then).
+            if self._master is not None and self._master_lost_at is None and self.name is not None:
                 busy, since = self._busy_reported
                 now = self.clock()
                 load = (self.busy - busy) / (now - since) if now > since else 0.0
@@ -630,13 +651,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pslink.core.aggregator", description=__doc__.split("\n")[0])
     parser.add_argument("--master", required=True, help="pMaster address, e.g. tcp://127.0.0.1:7770")
     parser.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to bind (port 0: any)")
+    parser.add_argument("--advertise", default=None,
+                        help=f"address peers dial (default ${hosts.ENV_ADVERTISE}, else the bound address, else the "
+                        "local address that routes to pMaster)")
+    parser.add_argument("--interface", default=None,
+                        help=f"advertise this network interface's address (default ${hosts.ENV_INTERFACE})")
     parser.add_argument("--name", default=None, help="stable name (pMaster assigns one if omitted)")
     parser.add_argument("--orphan-timeout", type=float, default=60.0, help="exit after this long without pMaster")
     parser.add_argument("--log-level", default=os.environ.get("PSLINK_LOG_LEVEL", "WARNING"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s aggregator {args.name or ''} %(levelname)s %(message)s")
     keep_freed_memory()  # this process is the Aggregator's own
-    aggregator = Aggregator(args.master, args.listen, name=args.name, orphan_timeout=args.orphan_timeout)
+    try:
+        aggregator = Aggregator(args.master, args.listen, name=args.name, orphan_timeout=args.orphan_timeout,
+                                advertise=args.advertise, interface=args.interface)
+    except PslinkError as exc:
+        log.error("aggregator %s cannot start: %s", args.name or "", exc.message)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: aggregator.reactor.stop())
     signal.signal(signal.SIGINT, lambda *_: aggregator.reactor.stop())
     try:

@@ -31,6 +31,14 @@ A job's life (paper 3.3.1-3.3.2):
 
 Aggregators are grouped in clusters of at most ``max_cluster_size``, each with its own placement
 state; a job is packed into the best-fit cluster (enough free CPU, the least of it).
+
+Hosts. pMaster tells the control plane each Aggregator's host (``host_of``). Where the pool spans
+several hosts, a job's parts are spread over them: each part goes, among the Aggregators that
+qualify, to the host holding the fewest of the job's bytes so far, so that no single NIC carries
+a whole job (with Aggregators on the worker hosts, as BytePS co-locates servers, each host's NIC
+then carries what a ring all-reduce would). One host, or none known (the simulator): the same
+decisions as without hosts. Aggregators an operator joined by hand (``pinned``) are never
+released or drained by scaling: the operator gave them.
 """
 
 from __future__ import annotations
@@ -158,6 +166,8 @@ class ControlPlane:
         self._pending_scale_down = False
         self._last_scale = self.clock()
         self._serial = itertools.count(1)
+        self.host_of: dict[str, str] = {}  # Aggregator -> its host's identity (pMaster fills it in)
+        self.pinned: set[str] = set()  # joined by an operator: scaling keeps them
         # Aggregators holding replicas: the plan counts only tasks, pMaster knows the replicas.
         # Scaling never releases or drains them, or the replicas would go with them.
         self.replica_holders: Callable[[], set] = set
@@ -239,6 +249,7 @@ class ControlPlane:
         self.loads.pop(name, None)
         self.draining.discard(name)
         self._release_waits.pop(name, None)
+        self.pinned.discard(name)
 
     def task_recovered(self, ident: tuple, aggregator: str) -> None:
         """A part now lives on ``aggregator`` because its own Aggregator failed (a replica was
@@ -281,7 +292,7 @@ class ControlPlane:
             control.phase = "packed"
             return []
         actions: list = []
-        for name in self._idle(cluster)[:servers]:
+        for name in self._across_hosts(self._idle(cluster))[:servers]:
             control.temporaries.append(name)
             self.reserved[name] = job
         while self.elastic and len(control.temporaries) < servers and self.aggregator_count() < self.max_aggregators:
@@ -290,6 +301,28 @@ class ControlPlane:
             self.reserved[allocation.placeholder] = job
             actions.append(allocation)
         return actions
+
+    def _across_hosts(self, names: list[str]) -> list[str]:
+        """``names`` reordered to take one per host in turn (a job's profiling Aggregators then
+        span its hosts' NICs); kept as they are on one host."""
+        by_host: dict[str, list[str]] = {}
+        for name in names:
+            by_host.setdefault(self.host_of.get(name, ""), []).append(name)
+        if len(by_host) < 2:
+            return names
+        columns = list(by_host.values())
+        return [n for row in itertools.zip_longest(*columns) for n in row if n is not None]
+
+    def _job_bytes_by_host(self, control: JobControl) -> collections.Counter:
+        """Bytes of the job's parts placed so far on each host."""
+        count: collections.Counter = collections.Counter()
+        for ident, nbytes in control.parts.items():
+            for plan in self.clusters.values():
+                name = plan.where.get(ident)
+                if name is not None:
+                    count[self.host_of.get(name, "")] += nbytes
+                    break
+        return count
 
     def _idle(self, cluster: str) -> list[str]:
         plan = self.clusters[cluster]
@@ -304,15 +337,38 @@ class ControlPlane:
         control.parts[ident] = nbytes
         if control.phase == "profiling":
             # Alone on its own Aggregators while profiling (or, with none to spare, with the
-            # others): spread by bytes.
+            # others): spread by bytes, over hosts first.
             pool = control.temporaries or self._candidates(control)
-            target = min(pool, key=lambda n: (self._bytes_on(n), n))
+            on_host = self._job_bytes_by_host(control)
+            target = min(pool, key=lambda n: (on_host[self.host_of.get(n, "")], self._bytes_on(n), n))
             self.clusters[self.cluster_of[target]].assign(self._demand(control, ident, provisional=True), target)
             return target, []
-        target, actions = self._place_one(control, self._demand(control, ident), self._candidates(control),
-                                          f"no room for a part of job {job}")
+        target, actions = self._place_spread(control, self._demand(control, ident), self._candidates(control),
+                                             f"no room for a part of job {job}", self._job_bytes_by_host(control))
         control.grown = True
         control.window.clear()  # iterations without the new key say nothing about the job now
+        return target, actions
+
+    def _place_spread(self, control: JobControl, demand: TaskDemand, candidates: list[str], reason: str,
+                      on_host: collections.Counter) -> tuple[str, list]:
+        """Pseudocode 1 for one task, trying the hosts that hold the fewest of the job's bytes
+        first (``on_host``, updated); on one host simply :meth:`_place_one`."""
+        by_host: dict[str, list[str]] = {}
+        for name in candidates:
+            if not self.is_placeholder(name):
+                by_host.setdefault(self.host_of.get(name, ""), []).append(name)
+        target = None
+        if len(by_host) > 1:
+            plan = self.clusters[control.cluster]
+            for host in sorted(by_host, key=lambda h: (on_host[h], h)):
+                target = plan.choose(demand, by_host[host])
+                if target is not None:
+                    plan.assign(demand, target)
+                    break
+        actions: list = []
+        if target is None:
+            target, actions = self._place_one(control, demand, candidates, reason)
+        on_host[self.host_of.get(target, "")] += demand.nbytes
         return target, actions
 
     def _place_one(self, control: JobControl, demand: TaskDemand, candidates: list[str], reason: str) -> tuple[str, list]:
@@ -488,8 +544,10 @@ class ControlPlane:
                    candidates: list[str] | None = None) -> list:
         pool = candidates if candidates is not None else self._candidates(control)
         actions: list = []
+        on_host: collections.Counter = collections.Counter()
         for demand in sorted(demands, key=lambda d: (-d.cost, str(d.key), d.part)):
-            target, more = self._place_one(control, demand, pool, f"{reason}: job {control.job} needs room")
+            target, more = self._place_spread(control, demand, pool, f"{reason}: job {control.job} needs room",
+                                              on_host)
             actions += more
             if target not in pool:
                 pool = pool + [target]
@@ -593,7 +651,7 @@ class ControlPlane:
         actions = []
         if not self.elastic:
             return actions
-        keep = set(keep) | self.replica_holders()
+        keep = set(keep) | self.replica_holders() | self.pinned
         # Tasks still to move off an Aggregator (waiting for their new one to start) keep it.
         leaving = {a.source for held in self._held.values() for a in held if isinstance(a, Migrate)}
         for cluster, plan in self.clusters.items():
@@ -622,7 +680,7 @@ class ControlPlane:
         while self.elastic and self.aggregator_count() > self.min_aggregators:
             busy = [p for n, p in plan.aggregators.items() if p.tasks and n not in self.exclusive
                     and n not in self.reserved and not self.is_placeholder(n)]
-            drainable = [p for p in busy if p.name not in holders]
+            drainable = [p for p in busy if p.name not in holders and p.name not in self.pinned]
             if len(busy) < 2 or not drainable:
                 return actions
             lightest = min(drainable, key=lambda p: (p.work / p.cycle if p.cycle else 0.0, p.name))
@@ -662,9 +720,9 @@ class ControlPlane:
         if cluster is None or self.is_placeholder(name):
             known = sorted(n for n in self.cluster_of if not self.is_placeholder(n))
             raise ServiceError(f"aggregator {name!r} is not in the pool (it has: {', '.join(known) or 'none'})")
-        if self.aggregator_count() <= 1:
-            raise ServiceError(f"aggregator {name} is the last one in the pool: its jobs would have nowhere to go; "
-                               "add one first")
+        if self.aggregator_count() <= 1 and not self.elastic:
+            raise ServiceError(f"aggregator {name} is the last one in the pool and pMaster has no provider to start "
+                               "another: its jobs would have nowhere to go; add one first")
         plan = self.clusters[cluster]
         jobs = {ident[0] for ident in plan.aggregators[name].tasks}
         # Another job's profiling or reverted Aggregators stay its own.
@@ -681,6 +739,13 @@ class ControlPlane:
                 control.temporaries.remove(name)
         actions: list = []
         reason = f"removing {name}"
+        replacement = None
+        if self.aggregator_count() <= 1:
+            # The last one of an elastic pool: a new one takes its place (and its tasks) first.
+            allocation = self._allocate(cluster, f"{reason}, the last Aggregator of the pool")
+            actions.append(allocation)
+            replacement = allocation.placeholder
+            targets = [replacement]
         moves = plan.try_move_all(name, targets)
         if moves is None:
             moves = self._move_off(plan, cluster, name, targets, actions, reason)
@@ -690,7 +755,7 @@ class ControlPlane:
         self.cluster_of.pop(name, None)
         self.loads.pop(name, None)
         release = Release(name, "removed by an operator")
-        waits = {t for t in moves.values() if self.is_placeholder(t)}
+        waits = {t for t in moves.values() if self.is_placeholder(t)} | ({replacement} if replacement else set())
         # Moves off it decided before (a revert's, to an Aggregator still starting) must start first too.
         waits |= {p for p, held in self._held.items() for a in held if isinstance(a, Migrate) and a.source == name}
         if waits:
@@ -736,6 +801,8 @@ class ControlPlane:
     def released(self, name: str) -> None:
         """pMaster let ``name`` go."""
         self.draining.discard(name)
+        self.pinned.discard(name)
+        self.host_of.pop(name, None)
 
     # -- cyclic execution ------------------------------------------------------------------------------------
 

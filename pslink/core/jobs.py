@@ -71,7 +71,8 @@ class KeySpec:
 class WorkerInfo:
     rank: int
     pid: int = 0
-    host: str = ""
+    host: str = ""  # its host's name, for messages
+    host_id: str = ""  # its host's identity (pslink.core.hosts.host_id): who shares a host with whom
     last_seen: float = 0.0
     connected: bool = True
     left: bool = False
@@ -172,6 +173,7 @@ class AggregatorRecord:
     address: str
     pid: int = 0
     host: str = ""
+    host_id: str = ""
     alive: bool = True
     last_seen: float = 0.0
     stats: dict = dataclasses.field(default_factory=dict)

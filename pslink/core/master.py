@@ -15,8 +15,10 @@ import threading
 import time
 from typing import Any
 
+from pslink.core import hosts
 from pslink.core.control import Allocate, ControlPlane, Migrate, Release
 from pslink.core.loop import Reactor, ReactorThread
+from pslink.core.master_hosts import MasterHosts
 from pslink.core.master_pool import MasterPool
 from pslink.core.master_recovery import MasterRecovery
 from pslink.core.master_throttle import MasterThrottle
@@ -75,7 +77,7 @@ def _plain_details(error: PslinkError) -> dict:
     return {k: v for k, v in error.details.items() if isinstance(v, (int, str, list))}
 
 
-class Master(MasterRecovery, MasterPool, MasterThrottle):
+class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
     """The pMaster daemon. ``start()`` runs it on a thread; ``serve_forever()`` on this one."""
 
     def __init__(
@@ -95,6 +97,9 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         max_migration_bytes: int | None = None,
         provider=None,
         control: dict | None = None,
+        advertise: str | None = None,
+        interface: str | None = None,
+        dial_back_timeout: float = 3.0,
         clock=time.time,
     ):
         self.reactor = Reactor("pmaster")
@@ -125,8 +130,13 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         self.migrations_done = 0
         self._init_throttle(max_migration_bytes)  # task state copied at a time (the rest waits)
         self.endpoint = RpcEndpoint(self.reactor, self._on_request, limits, on_close=self._on_peer_close)
+        advertise, interface = hosts.settings(advertise, interface)
         self.listener = self.transports.listen(listen, self.reactor, self.endpoint, limits)
-        self.address = self.listener.address
+        # Workers and Aggregators on other hosts dial this; a wildcard bind advertises the
+        # address of this host's default route (or --advertise / --interface).
+        self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface)
+        self.host_id = hosts.host_id()
+        self.dial_back_timeout = dial_back_timeout
         self._aggregator_peers: dict[str, RpcPeer] = {}
         self._waits: dict[tuple[str, Any], list[_LookupWait]] = {}
         self._barriers: dict[tuple[str, str], dict[int, tuple[RpcPeer, dict]]] = {}
@@ -328,7 +338,8 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
             placed.replicas.remove(action.target)
             added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
                                   record.replication - len(placed.replicas),
-                                  exclude={action.target, action.source, *placed.replicas})
+                                  exclude={action.target, action.source, *placed.replicas},
+                                  hosts=self.state.control.host_of, away_from=[action.target, *placed.replicas])
             placed.replicas += added
             for name in added:
                 holder = self._aggregator_peers.get(name)
@@ -415,6 +426,7 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         if entry["copied"] and entry["workers"]:
             self._migration_over(task)
             self.migrations_done += 1
+            self._separate_replicas(task)
             log.info("pMaster: migrated %s from %s to %s in %.3f s (%s)", task, entry["source"], entry["target"],
                      self.state.clock() - entry["started"], entry["reason"])
 
@@ -438,14 +450,14 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         peer.reply(req, body=record.settings())
 
     def _register_worker(self, peer: RpcPeer, req: dict) -> None:
-        rank, pid, host = req["rank"], req.get("pid", 0), req.get("host", "")
-        if req.get("rejoin") and self.state.take_out_to_rejoin(req["job"], rank, req.get("tok"), pid, host):
+        rank, pid, host, host_id = req["rank"], req.get("pid", 0), req.get("host", ""), req.get("host_id", "")
+        if req.get("rejoin") and self.state.take_out_to_rejoin(req["job"], rank, req.get("tok"), pid, host, host_id):
             # Out and back in within this request (nothing else runs on this loop meanwhile): the
             # Aggregators drop the old incarnation from the open rounds, barriers stop waiting for
             # it, and the registration below adds the rank back as a newcomer at once.
             self._announce_membership()
         record = self.state.register_worker(
-            req["job"], rank, req["num_workers"], req.get("tok"), req.get("config"), pid=pid, host=host,
+            req["job"], rank, req["num_workers"], req.get("tok"), req.get("config"), pid=pid, host=host, host_id=host_id,
         )
         self.store.save_job(record)
         for other in list(self.endpoint.peers.values()):
@@ -490,7 +502,8 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
                 peer.error(req, ClosedError(f"job {record.job!r} ended during barrier {ident[1]!r}"))
 
     def _drop_job_tasks(self, record: JobRecord) -> None:
-        for name in record.aggregators():
+        holders = {r for spec in record.keys.values() for part in spec.parts for r in part.replicas}
+        for name in record.aggregators() | holders:  # replica holders too, or they keep the replicas
             peer = self._aggregator_peers.get(name)
             if peer is not None:
                 peer.notify(Op.DROP_JOB, job=record.job)
@@ -610,6 +623,9 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
                 wait.missing.discard(spec.key)
                 if not wait.missing:
                     self._answer_lookup(wait)
+            if error is None and spec.aborted is None:
+                for part in spec.parts:  # placed while the host it should replicate to was starting
+                    self._separate_part(record, spec, part)
 
     def _answer_lookup(self, wait: _LookupWait) -> None:
         aggs = self.state.aggregators
@@ -638,29 +654,6 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
                             key=key, msg=error.message, code=error.code, details=_plain_details(error))
 
     # -- aggregators ----------------------------------------------------------------------------
-
-    def _register_aggregator(self, peer: RpcPeer, req: dict) -> None:
-        record = self.state.register_aggregator(req["address"], req.get("agg"), req.get("pid", 0), req.get("host", ""))
-        old = self._aggregator_peers.get(record.name)
-        if old is not None and old is not peer:
-            old.conn.close()
-        self._aggregator_peers[record.name] = peer
-        peer.info.update(role="aggregator", name=record.name)
-        self.store.save_aggregator(record)
-        peer.reply(req, body={"agg": record.name})
-        placeholder = self._allocating.pop(record.name, None)
-        self.state.aggregator_joined(record.name, placeholder)
-        if placeholder is not None:
-            for job_record, specs in self._deferred.pop(placeholder, []):
-                self._assign(job_record, specs)
-        log.info("aggregator %s registered at %s", record.name, record.address)
-        with self._registered:
-            self._registered.notify_all()
-        self._pool_registered()
-        # After a pMaster or Aggregator restart: make sure it holds what it was given.
-        for job, specs in self.state.tasks_on(record.name):
-            peer.call(Op.ASSIGN, self._log_failure(f"re-assigning job {job.job} to {record.name}"),
-                      timeout=self.assign_timeout, jobinfo=job.jobinfo(), tasks=specs)
 
     def _aggregator_heartbeat(self, peer: RpcPeer, req: dict) -> None:
         if peer.info.get("role") == "aggregator":
@@ -724,7 +717,7 @@ class Master(MasterRecovery, MasterPool, MasterThrottle):
         Op.JOB_KEYS: _job_keys,
         Op.RELOCATE: MasterRecovery._relocate,
         Op.STATUS: _status,
-        Op.REGISTER_AGGREGATOR: _register_aggregator,
+        Op.REGISTER_AGGREGATOR: MasterHosts._register_aggregator,
         Op.AGG_HEARTBEAT: _aggregator_heartbeat,
         Op.TENSOR_COPY_DONE: _migration_progress,
         Op.WORKER_DONE: _migration_progress,

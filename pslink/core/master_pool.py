@@ -54,7 +54,7 @@ class MasterPool:
         count = req.get("count", 1)
         if self.provider is None:
             raise ServiceError("this pMaster has no provider to start Aggregators with (it serves those that "
-                               "register with it): start one with `python -m pslink.core.aggregator --master ...`")
+                               "register with it): start one on any host with `pslink aggregator --master ...`")
         if not 1 <= count <= MAX_ADD:
             raise ConfigError(f"the number of Aggregators to add must be 1 to {MAX_ADD}, got {count}")
         allocations = self.state.control.add_aggregators(count)

@@ -114,6 +114,7 @@ class MasterState:
         config: dict | None = None,
         pid: int = 0,
         host: str = "",
+        host_id: str = "",
     ) -> JobRecord:
         """Add a worker to its job, creating the job on first use (see the module's notes)."""
         record = self.jobs.get(job)
@@ -143,13 +144,14 @@ class MasterState:
             raise MembershipError(f"rank {rank} is out of range for job {job!r} of {record.max_workers} workers "
                                   f"at most", job=job)
         current = record.workers.get(rank)
-        reconnect = current is not None and (current.restored or (pid and (current.pid, current.host) == (pid, host)))
+        host_id = host_id or host
+        reconnect = current is not None and (current.restored or (pid and (current.pid, current.host_id) == (pid, host_id)))
         if current is not None and current.connected and not current.left and not reconnect:
             raise MembershipError(
                 f"rank {rank} of job {job!r} is already connected (pid {current.pid} on {current.host or '?'})",
                 job=job,
             )
-        record.workers[rank] = WorkerInfo(rank, pid=pid, host=host, last_seen=self.clock())
+        record.workers[rank] = WorkerInfo(rank, pid=pid, host=host, host_id=host_id, last_seen=self.clock())
         record.joined.add(rank)
         record.idle_since = None
         record.late = False
@@ -162,7 +164,8 @@ class MasterState:
             self.membership_changed.append(record)
         return record
 
-    def take_out_to_rejoin(self, job: str, rank: int, token: bytes | None, pid: int = 0, host: str = "") -> bool:
+    def take_out_to_rejoin(self, job: str, rank: int, token: bytes | None, pid: int = 0, host: str = "",
+                           host_id: str = "") -> bool:
         """The first half of a registration with ``rejoin``: a worker process that registers its
         rank again as a newcomer (``pslink.torch.elastic`` does, to stop being taken for a worker
         that died, or after a failed collective). Its rank leaves the membership here and comes
@@ -178,7 +181,7 @@ class MasterState:
         if rank not in record.membership:
             return False
         current = record.workers.get(rank)
-        same_process = current is not None and pid and (current.pid, current.host) == (pid, host)
+        same_process = current is not None and pid and (current.pid, current.host_id) == (pid, host_id or host)
         if current is not None and current.connected and not current.left and not same_process:
             return False  # another live process holds the rank: register_worker refuses it
         return self.remove_worker(record, rank, "it registered anew")
@@ -300,7 +303,8 @@ class MasterState:
             load = holdings(self.jobs)
             for part in parts:
                 part.replicas = pick_replicas(self.replica_candidates(), load, record.replication,
-                                              exclude={part.aggregator})
+                                              exclude={part.aggregator}, hosts=self.control.host_of,
+                                              away_from=[part.aggregator])
         needs_init = intent == "init" or record.mode == "optimizer"
         spec = KeySpec(key, shape, dtype, rank, needs_init, parts)
         record.keys[key] = spec
@@ -320,12 +324,16 @@ class MasterState:
 
     # -- aggregators --------------------------------------------------------------------------
 
-    def register_aggregator(self, address: str, name: str | None = None, pid: int = 0, host: str = "") -> AggregatorRecord:
+    def register_aggregator(self, address: str, name: str | None = None, pid: int = 0, host: str = "",
+                            host_id: str = "", taken=()) -> AggregatorRecord:
+        """``taken``: names the provider uses or will use (a nameless Aggregator gets another)."""
         if name is None:
-            while f"agg-{self._agg_serial}" in self.aggregators:
+            while f"agg-{self._agg_serial}" in self.aggregators or f"agg-{self._agg_serial}" in taken:
                 self._agg_serial += 1
             name = f"agg-{self._agg_serial}"
-        record = AggregatorRecord(name, address, pid=pid, host=host, alive=True, last_seen=self.clock())
+        record = AggregatorRecord(name, address, pid=pid, host=host, host_id=host_id or host, alive=True,
+                                  last_seen=self.clock())
+        self.control.host_of[name] = record.host_id
         previous = self.aggregators.get(name)
         if previous is not None:
             record.stats = previous.stats
@@ -363,7 +371,7 @@ class MasterState:
                                f"{', '.join(sorted(self.aggregators)) or 'none'})")
         actions, moves = self.control.remove_aggregator(name)
         self.outbox += actions
-        return moves, plan_replica_moves(self.jobs, name, self.replica_candidates())
+        return moves, plan_replica_moves(self.jobs, name, self.replica_candidates(), self.control.host_of)
 
     def aggregator_heartbeat(self, name: str, stats: dict) -> None:
         record = self.aggregators.get(name)
@@ -416,7 +424,7 @@ class MasterState:
         (:mod:`pslink.core.recovery`) and forget it. ``stays``: parts whose migration onto it
         had not landed, and their sources. Returns what pMaster must carry out."""
         self.aggregator_lost(name)
-        actions = plan_failover(self.jobs, name, self.replica_candidates(), stays)
+        actions = plan_failover(self.jobs, name, self.replica_candidates(), stays, self.control.host_of)
         for action in actions:
             if isinstance(action, (Promote, Recreate)):
                 ident = (action.record.job, action.spec.key, action.part.part)
@@ -487,6 +495,7 @@ class MasterState:
                     "address": agg.address,
                     "pid": agg.pid,
                     "host": agg.host,
+                    "host_id": agg.host_id,
                     "alive": agg.alive,
                     "draining": agg.name in self.control.draining,
                     "cluster": self.control.cluster_of.get(agg.name),
@@ -517,6 +526,8 @@ class MasterState:
                     "sync": record.sync,
                     "optimizer": (record.optimizer or {}).get("type"),
                     "workers": len(record.live_workers()),
+                    "worker_hosts": len({w.host_id for w in record.workers.values()
+                                         if w.rank in record.live_workers()}),
                     "num_workers": record.num_workers,
                     "keys": len(record.keys),
                     "tasks": sum(len(s.parts) for s in record.keys.values()),

@@ -285,7 +285,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.REGISTER_JOB: Schema({"id": _uint, "job": _small_str, "num_workers": _uint}, {"config": _map}),
     Op.REGISTER_WORKER: Schema(
         {"id": _uint, "job": _small_str, "rank": _uint, "num_workers": _uint},
-        {"tok": _token, "config": _map, "pid": _uint, "host": _text, "rejoin": _bool},
+        {"tok": _token, "config": _map, "pid": _uint, "host": _text, "host_id": _small_str, "rejoin": _bool},
     ),
     Op.LOOKUP: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "items": _list}),
     Op.SET_OPTIMIZER: Schema(
@@ -301,7 +301,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.RELOCATE: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "parts": _list}),
     Op.REGISTER_AGGREGATOR: Schema(
         {"id": _uint, "address": _text},
-        {"agg": _small_str, "pid": _uint, "host": _text, "tasks": _list},
+        {"agg": _small_str, "pid": _uint, "host": _text, "host_id": _small_str, "keep": _bool, "tasks": _list},
     ),
     Op.ASSIGN: Schema({"id": _uint, "jobinfo": _map, "tasks": _list}),
     Op.JOB_INFO: Schema({"id": _uint, "jobinfo": _map}),

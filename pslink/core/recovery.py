@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Mapping
 
 from pslink.core.jobs import JobRecord, KeySpec, PartSpec
 from pslink.errors import KeyStateError
@@ -83,20 +84,34 @@ def holdings(jobs) -> collections.Counter:
     return count
 
 
-def pick_replicas(candidates: list[str], load: collections.Counter, count: int, exclude) -> list[str]:
+def pick_replicas(candidates: list[str], load: collections.Counter, count: int, exclude,
+                  hosts: Mapping[str, str] | None = None, away_from=()) -> list[str]:
     """``count`` of ``candidates`` (live Aggregators) not in ``exclude``, least loaded first; fewer
-    when there are not enough (the status shows it)."""
-    chosen = sorted((n for n in candidates if n not in exclude), key=lambda n: (load[n], n))[:count]
-    load.update(chosen)
+    when there are not enough (the status shows it). With ``hosts`` (Aggregator -> host), those on
+    a host that none of ``away_from`` (the part's primary and other replicas) nor an earlier pick
+    is on come first: a whole host lost (its NIC, its power) then loses no update. Where every
+    candidate shares a host with them, the least loaded is taken all the same."""
+    pool = [n for n in candidates if n not in exclude]
+    used = {hosts.get(n) for n in away_from} if hosts else set()
+    chosen = []
+    while pool and len(chosen) < count:
+        best = min(pool, key=lambda n: (hosts is not None and hosts.get(n) in used, load[n], n))
+        pool.remove(best)
+        chosen.append(best)
+        load[best] += 1
+        if hosts is not None:
+            used.add(hosts.get(best))
     return chosen
 
 
-def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str] | None = None) -> list:
+def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str] | None = None,
+                  hosts: Mapping[str, str] | None = None) -> list:
     """Update every part that lived on, or was replicated to, the Aggregator ``lost``; return what
     pMaster must do. ``candidates``: the live Aggregators that may take parts or replicas.
     ``stays``: parts that were moving onto ``lost`` and whose copy had not landed, with the
     migration's source: that may still be serving the part (a move waits for a round to close),
-    and a promoted replica would then be a second server; so the source is asked first."""
+    and a promoted replica would then be a second server; so the source is asked first.
+    ``hosts``: Aggregator -> host, to keep replicas off their primary's host."""
     load = holdings(jobs)
     actions: list = []
     stays = stays or {}
@@ -108,7 +123,7 @@ def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str
                 if source in candidates and record.replication:
                     part.aggregator, part.replicas = source, [r for r in part.replicas if r != lost]
                     actions.append(Promote(record, spec, part, lost, moving=True))
-                    added = _top_up(record, part, candidates, load, lost)
+                    added = _top_up(record, part, candidates, load, lost, hosts)
                     if added:
                         actions.append(Rereplicate(record, spec, part, added))
                 elif part.aggregator == lost:
@@ -126,17 +141,19 @@ def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str
                     else:
                         dead_key = True
                         continue
-                    added = _top_up(record, part, candidates, load, lost)
+                    added = _top_up(record, part, candidates, load, lost, hosts)
                     if added:
                         actions.append(Rereplicate(record, spec, part, added))
                 elif lost in part.replicas:
                     part.replicas = [r for r in part.replicas if r != lost]
-                    added = _top_up(record, part, candidates, load, lost)
+                    added = _top_up(record, part, candidates, load, lost, hosts)
                     actions.append(Rereplicate(record, spec, part, added))
             if dead_key:
-                why = ("no replica (replication 0) and no checkpoint in optimizer mode"
-                       if record.mode == "optimizer" and not record.checkpoint
-                       else "no Aggregator is left to take it")
+                if record.mode == "optimizer" and not record.checkpoint:
+                    why = ("no replica (replication 0) and no checkpoint in optimizer mode" if not record.replication
+                           else "its replicas were lost with it, and there is no checkpoint in optimizer mode")
+                else:
+                    why = "no Aggregator is left to take it"
                 actions.append(Lost(record, spec, KeyStateError(
                     f"key {spec.key!r} of job {record.job!r}: aggregator {lost} is gone and the key's state went "
                     f"with it ({why}); set replication=1 to survive this, or checkpoint=DIR to resume from "
@@ -155,7 +172,8 @@ def copy_sources(replicas: list[str], target: str, target_held_replica: bool, li
     return first + [r for r in replicas if r in live and r not in (lost, target)]
 
 
-def plan_replica_moves(jobs, leaving: str, candidates: list[str]) -> list[Rereplicate]:
+def plan_replica_moves(jobs, leaving: str, candidates: list[str], hosts: Mapping[str, str] | None = None
+                       ) -> list[Rereplicate]:
     """An operator removes ``leaving``: every replica it holds goes to another of ``candidates``
     (the live Aggregators not being removed), so each part keeps its replica count."""
     load = holdings(jobs)
@@ -165,15 +183,17 @@ def plan_replica_moves(jobs, leaving: str, candidates: list[str]) -> list[Rerepl
             for part in spec.parts:
                 if leaving in part.replicas:
                     part.replicas = [r for r in part.replicas if r != leaving]
-                    added = _top_up(record, part, candidates, load, leaving)
+                    added = _top_up(record, part, candidates, load, leaving, hosts)
                     actions.append(Rereplicate(record, spec, part, added))
     return actions
 
 
-def _top_up(record: JobRecord, part: PartSpec, candidates: list[str], load, lost: str) -> list[str]:
+def _top_up(record: JobRecord, part: PartSpec, candidates: list[str], load, lost: str,
+            hosts: Mapping[str, str] | None = None) -> list[str]:
     missing = record.replication - len(part.replicas)
     if missing <= 0:
         return []
-    added = pick_replicas(candidates, load, missing, exclude={part.aggregator, lost, *part.replicas})
+    added = pick_replicas(candidates, load, missing, exclude={part.aggregator, lost, *part.replicas}, hosts=hosts,
+                          away_from=[part.aggregator, *part.replicas])
     part.replicas = part.replicas + added
     return added

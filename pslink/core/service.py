@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from pslink.core import hosts
 from pslink.core.master import Master
 from pslink.core.providers import LocalProvider, Provider, ThreadProvider
 from pslink.core.transport import Transports
@@ -41,18 +42,25 @@ class Service:
         aggregator_options: dict | None = None,
         control: dict | None = None,
         provider_options: dict | None = None,
+        advertise: str | None = None,
+        interface: str | None = None,
     ):
         if aggregators < 1:
             raise ServiceError(f"a service needs at least one Aggregator, got {aggregators}")
         self.count = aggregators
         self.transports = transports or Transports()
         self._own_transports = transports is None
+        advertise, interface = hosts.settings(advertise, interface)
         self.master = Master(listen, state_dir=state_dir, transports=self.transports, control=control,
-                             **(master_options or {}))
+                             advertise=advertise, interface=interface, **(master_options or {}))
         self.address = self.master.address
         if provider == "local":
-            host = "0.0.0.0" if listen.split("://", 1)[-1].startswith("0.0.0.0") else "127.0.0.1"
+            # Aggregators on pMaster's host bind where pMaster did (every address, or the one it
+            # was given) and advertise as it does: reachable from wherever pMaster is.
+            bound = self.master.listener.address
+            host = hosts.host_of(bound) if bound.startswith(("tcp://", "zmq+tcp://")) else "127.0.0.1"
             self.provider: Provider = LocalProvider(self.address, listen_host=host, log_dir=log_dir,
+                                                    advertise=advertise, interface=interface,
                                                     **(aggregator_options or {}))
         elif provider == "ray":
             from pslink.core.providers.ray import RayProvider
@@ -91,8 +99,7 @@ class Service:
         known = sorted(self.master.state.aggregators)
         if not known:
             return []
-        if hasattr(self.provider, "reserve"):
-            self.provider.reserve(known)  # new Aggregators must not take a name an old one has
+        self.provider.reserve(known)  # new Aggregators must not take a name an old one has
         # They retry every reconnect interval (0.5 s); a few of those is plenty.
         self.master.wait_for_aggregators(known, min(timeout, self.rejoin_window))
         return [n for n in known if self.master.aggregator_alive(n)]

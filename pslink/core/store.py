@@ -17,7 +17,7 @@ from pslink.core.checkpoints import DEFAULT_EVERY
 from pslink.core.master_state import AggregatorRecord, JobRecord, KeySpec, MasterState, PartSpec, WorkerInfo
 from pslink.core.membership import Membership
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -32,9 +32,15 @@ CREATE TABLE IF NOT EXISTS keys (
     PRIMARY KEY (job, key)
 );
 CREATE TABLE IF NOT EXISTS aggregators (
-    name TEXT PRIMARY KEY, address TEXT NOT NULL, pid INTEGER NOT NULL, host TEXT NOT NULL
+    name TEXT PRIMARY KEY, address TEXT NOT NULL, pid INTEGER NOT NULL, host TEXT NOT NULL,
+    host_id TEXT NOT NULL DEFAULT ''
 );
 """
+
+# How a state file of an older schema becomes the current one, step by step.
+_MIGRATIONS = {
+    2: "ALTER TABLE aggregators ADD COLUMN host_id TEXT NOT NULL DEFAULT ''",  # hosts (several machines)
+}
 
 
 class MasterStore:
@@ -53,10 +59,16 @@ class MasterStore:
         row = self.db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
         if row is None:
             self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) != SCHEMA_VERSION:
-            raise RuntimeError(
-                f"state file {path} has schema {row[0]}; this pslink reads schema {SCHEMA_VERSION}"
-            )
+        else:
+            version = int(row[0])
+            while version in _MIGRATIONS and version < SCHEMA_VERSION:
+                self.db.execute(_MIGRATIONS[version])
+                version += 1
+                self.db.execute("UPDATE meta SET value=? WHERE name='schema'", (str(version),))
+            if version != SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"state file {path} has schema {row[0]}; this pslink reads schema {SCHEMA_VERSION}"
+                )
 
     def _exec(self, sql: str, args: tuple = ()) -> None:
         if self.db is not None:
@@ -103,8 +115,8 @@ class MasterStore:
 
     def save_aggregator(self, record: AggregatorRecord) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO aggregators VALUES (?, ?, ?, ?)",
-            (record.name, record.address, record.pid, record.host),
+            "INSERT OR REPLACE INTO aggregators VALUES (?, ?, ?, ?, ?)",
+            (record.name, record.address, record.pid, record.host, record.host_id),
         )
 
     def load(self, state: MasterState) -> None:
@@ -112,8 +124,11 @@ class MasterStore:
         if self.db is None:
             return
         now = state.clock()
-        for name, address, pid, host in self.db.execute("SELECT * FROM aggregators"):
-            state.aggregators[name] = AggregatorRecord(name, address, pid=pid, host=host, alive=False, last_seen=now)
+        for name, address, pid, host, host_id in self.db.execute(
+                "SELECT name, address, pid, host, host_id FROM aggregators"):
+            state.aggregators[name] = AggregatorRecord(name, address, pid=pid, host=host, host_id=host_id, alive=False,
+                                                       last_seen=now)
+            state.control.host_of[name] = host_id
         for job, token, num_workers, mode, optimizer, partition, prereg, created, joined, sync, extra in self.db.execute(
             "SELECT * FROM jobs"
         ):

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import pslink
-from pslink.errors import ConfigError
+from pslink.errors import ConfigError, PslinkError
 
 LEARNING_RATE = 0.1
 MOMENTUM = 0.9
@@ -175,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", default=None, help="write the result as JSON to this file")
     args = parser.parse_args(argv)
     options = {"optimizer": optimizer_settings()} if args.mode == "optimizer" else {}
-    with pslink.connect(args.job, args.rank, args.num_workers, args.master, **options) as agent:
-        result = train(agent, epochs=args.epochs, progress=not args.no_progress)
+    try:
+        with pslink.connect(args.job, args.rank, args.num_workers, args.master, **options) as agent:
+            result = train(agent, epochs=args.epochs, progress=not args.no_progress)
+    except PslinkError as exc:  # it names what to fix: no traceback from inside pslink
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
     if args.result:
         with open(args.result, "w") as f:
             json.dump(result, f)

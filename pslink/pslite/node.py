@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pslink.core import hosts
 from pslink.core.aggregation import BufferPool
 from pslink.core.loop import Reactor
 from pslink.core.protocol import DEFAULT_LIMITS, Limits
@@ -128,7 +129,7 @@ class Node:
         self._sched = None
         if self.role == "scheduler":
             self._sched = SchedulerState(config.num_workers, config.num_servers, config.mode, self.address,
-                                         os.getpid(), self._local, clock())
+                                         os.getpid(), self._local, clock(), host_id=hosts.host_id())
         self._start_begun = False
         self._ready = False
         self._failure: PslinkError | None = None
@@ -272,7 +273,8 @@ class Node:
         conn = self._connect_scheduler(deadline)
         self._sched_conn = conn
         config = self.config
-        fields = {"role": self.role, "addr": self.address, "host": os.uname().nodename, "pid": os.getpid(),
+        fields = {"role": self.role, "addr": self.address, "host": os.uname().nodename, "host_id": hosts.host_id(),
+                  "pid": os.getpid(),
                   "rank": -1 if config.rank is None else config.rank, "nw": config.num_workers,
                   "ns": config.num_servers, "mode": config.mode}
         conn.send([wire.encode_fields(Kind.REGISTER, fields)])

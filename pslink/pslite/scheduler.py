@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pslink.core import hosts
+
 SCHEDULER, SERVER_GROUP, WORKER_GROUP = 1, 2, 4
 K_MAX_KEY = (1 << 64) - 1  # ps-lite's kMaxKey
 ROLE_BIT = {"scheduler": SCHEDULER, "server": SERVER_GROUP, "worker": WORKER_GROUP}
@@ -95,7 +97,8 @@ class Out:
 
 class SchedulerState:
     def __init__(self, num_workers: int, num_servers: int, mode: str, address: str, pid: int,
-                 local_origin: Any, now: float = 0.0):
+                 local_origin: Any, now: float = 0.0, host_id: str = ""):
+        self.host_id = host_id  # the scheduler's host: a node elsewhere must not advertise loopback
         self.num_workers = num_workers
         self.num_servers = num_servers  # as configured (DMLC_NUM_SERVER)
         self.expected_servers = 0 if mode == "service" else num_servers
@@ -142,6 +145,10 @@ class SchedulerState:
         if (fields["nw"], fields["ns"]) != (self.num_workers, self.num_servers):
             return (f"{who} has DMLC_NUM_WORKER={fields['nw']} DMLC_NUM_SERVER={fields['ns']}, but the "
                     f"scheduler has DMLC_NUM_WORKER={self.num_workers} DMLC_NUM_SERVER={self.num_servers}")
+        unreachable = hosts.unreachable_reason(fields["addr"], fields.get("host_id"), self.host_id)
+        if unreachable is not None:
+            return (f"{who} ({fields['host']}) cannot join: {unreachable}; set DMLC_NODE_HOST to an address of its "
+                    "host that the other nodes reach, or DMLC_INTERFACE to the interface that has one")
         if role == "server" and self.mode == "service":
             return (f"{who}: in service mode the Aggregator pool serves the workers, so no server process "
                     "may register (run servers only with PSLINK_PSLITE_MODE=classic)")

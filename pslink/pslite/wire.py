@@ -223,6 +223,8 @@ def _check_fields(kind: Kind, fields: dict) -> None:
             raise ProtocolError(f"REGISTER: role {fields.get('role')!r} must be worker or server")
         for name in ("addr", "host", "mode"):
             _str(kind, fields, name)
+        if "host_id" in fields:
+            _str(kind, fields, "host_id")
         _int_field(kind, fields, "pid", 0)
         _int_field(kind, fields, "rank", -1)
         _int_field(kind, fields, "nw", 1)

@@ -7,12 +7,16 @@ size limits, and report closed peers.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import queue
+import socket
 import threading
 
 import numpy as np
 import pytest
 
+from pslink.bench import netns
 from pslink.core.loop import Reactor, ReactorThread
 from pslink.core.protocol import Limits
 from pslink.core.transport import DISCARD, Transports
@@ -21,8 +25,13 @@ from pslink.errors import PeerError, ProtocolError
 # "tcp" between peers of one host goes over the local (Unix) socket beside the port, large
 # payloads through shared-memory rings where the platform has them; "tcp-no-shm" keeps every
 # payload on that socket (PSLINK_SHM=0); "tcp-only" turns local sockets off
-# (PSLINK_LOCAL_SOCKETS=0), as between hosts.
-BACKENDS = ["tcp://127.0.0.1:0", "tcp-no-shm", "tcp-only", "zmq+tcp://127.0.0.1:0", "inproc://*"]
+# (PSLINK_LOCAL_SOCKETS=0). Across hosts (network namespaces, when they can be made here):
+# "tcp-other-host" listens on host A's address and connects from host B, so TCP carries
+# everything; "tcp-host-address" connects from host A itself to that (non-loopback) address, so
+# the local socket and the rings are used: which path is taken follows the host, not the address.
+BACKENDS = ["tcp://127.0.0.1:0", "tcp-no-shm", "tcp-only", "tcp-other-host", "tcp-host-address",
+            "zmq+tcp://127.0.0.1:0", "inproc://*"]
+BACKEND_IDS = ["tcp", "tcp-no-shm", "tcp-only", "tcp-other-host", "tcp-host-address", "zmq", "inproc"]
 WAIT = 10.0
 
 
@@ -54,15 +63,36 @@ class Recorder:
         self.closed.put((conn, exc))
 
 
-@pytest.fixture(params=BACKENDS, ids=["tcp", "tcp-no-shm", "tcp-only", "zmq", "inproc"])
+class Net(tuple):
+    """``(address, transports, reactor factory)``, and the hosts the two sides are made on."""
+
+    server_host = client_host = contextlib.nullcontext
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    reason = netns.unavailable()
+    if reason is not None:
+        pytest.skip(f"no second host to test against: {reason}")
+    with netns.VirtualHosts(["A", "B"]) as made:
+        yield made
+
+
+@pytest.fixture(params=BACKENDS, ids=BACKEND_IDS)
 def net(request, monkeypatch):
     address = request.param
+    server_host = client_host = contextlib.nullcontext
     if address == "tcp-only":
         monkeypatch.setenv("PSLINK_LOCAL_SOCKETS", "0")
         address = "tcp://127.0.0.1:0"
     elif address == "tcp-no-shm":
         monkeypatch.setenv("PSLINK_SHM", "0")
         address = "tcp://127.0.0.1:0"
+    elif address in ("tcp-other-host", "tcp-host-address"):
+        hosts = request.getfixturevalue("hosts")
+        server_host = functools.partial(hosts.enter, "A")
+        client_host = functools.partial(hosts.enter, "B" if address == "tcp-other-host" else "A")
+        address = f"tcp://{hosts.address('A')}:0"
     transports = Transports()
     threads = []
 
@@ -71,7 +101,9 @@ def net(request, monkeypatch):
         threads.append(ReactorThread(r).start())
         return r
 
-    yield address, transports, reactor
+    made = Net((address, transports, reactor))
+    made.server_host, made.client_host = server_host, client_host
+    yield made
     for t in threads:
         t.stop()
         t.reactor.close()
@@ -80,12 +112,14 @@ def net(request, monkeypatch):
 
 def _listen(net, handler, limits=Limits()):
     address, transports, reactor = net
-    return transports.listen(address, reactor("server"), handler, limits)
+    with net.server_host():
+        return transports.listen(address, reactor("server"), handler, limits)
 
 
 def _connect(net, listener, handler, limits=Limits()):
     _, transports, reactor = net
-    return transports.connect(listener.address, reactor("client"), handler, limits, timeout=5.0)
+    with net.client_host():
+        return transports.connect(listener.address, reactor("client"), handler, limits, timeout=5.0)
 
 
 def _payloads(rng, count, size):
@@ -136,6 +170,32 @@ def test_many_large_messages_from_two_threads_arrive_whole_and_in_order(net):
         assert got == [messages[t][i].tobytes(), b"small"]
         seen[t].append(i)
     assert seen == {t: list(range(len(sizes) * 6)) for t in range(2)}
+
+
+@pytest.mark.parametrize("net, same_host", [("tcp://127.0.0.1:0", True), ("tcp-host-address", True),
+                                             ("tcp-only", False), ("tcp-other-host", False)],
+                         indirect=["net"], ids=["loopback", "host-address", "tcp-only", "other-host"])
+def test_the_path_follows_the_host_not_the_address(net, same_host):
+    # A peer in the listener's own network namespace meets it on the local socket, also when it
+    # dials the host's network address, and its large payloads cross a shared-memory ring; a
+    # peer on another host takes TCP, and no ring, whatever the address looks like.
+    from pslink.core.transport.shm import rings_enabled
+
+    server = Recorder(echo=True)
+    listener = _listen(net, server)
+    client = Recorder()
+    conn = _connect(net, listener, client)
+    payload = np.arange(1 << 18, dtype=np.uint8)
+    conn.send([b"big", payload])
+    _, header, got, _, _ = client.messages.get(timeout=WAIT)
+    assert header == b"big" and got == [payload.tobytes()]
+    accepted = server.accepted.get(timeout=WAIT)
+    if same_host:
+        assert conn.sock.family == socket.AF_UNIX and accepted.peer.startswith("local://")
+        assert (conn._ring_out is not None) == rings_enabled()
+    else:
+        assert conn.sock.family in (socket.AF_INET, socket.AF_INET6) and accepted.peer.startswith("tcp://")
+        assert conn._ring_out is None and accepted._ring_out is None
 
 
 def test_payloads_land_in_named_buffers(net):
@@ -275,7 +335,7 @@ def test_oversized_message_is_refused(net):
 def test_same_host_tcp_peers_meet_on_the_local_socket_unless_turned_off(monkeypatch):
     import socket
 
-    from pslink.core.transport.tcp import TcpTransport, local_socket_name
+    from pslink.core.transport.tcp import TcpTransport, local_socket_names
 
     transport, reactor = TcpTransport(), Reactor("local")
     thread = ReactorThread(reactor).start()
@@ -289,9 +349,11 @@ def test_same_host_tcp_peers_meet_on_the_local_socket_unless_turned_off(monkeypa
         monkeypatch.setenv("PSLINK_LOCAL_SOCKETS", "0")
         assert transport.connect(listener.address, reactor, Recorder(), timeout=5.0).sock.family == socket.AF_INET
         monkeypatch.delenv("PSLINK_LOCAL_SOCKETS")
-        # Another host's address has no local socket; a loopback port without one falls back to TCP.
-        assert local_socket_name("10.1.2.3", 7000) is None
-        assert local_socket_name("0.0.0.0", 7000) == local_socket_name("127.0.0.1", 7000)
+        # Another host's address is never tried on a local socket; this host's are, the wildcard
+        # listener's after the address's own; a loopback port without one falls back to TCP.
+        assert local_socket_names("10.1.2.3", 7000) == []
+        assert local_socket_names("127.0.0.1", 7000) == ["\0pslink/127.0.0.1:7000", "\0pslink/*:7000"]
+        assert local_socket_names("localhost", 7000) == local_socket_names("127.0.0.1", 7000)
         plain = socket.socket()
         plain.bind(("127.0.0.1", 0))
         plain.listen()

@@ -76,9 +76,21 @@ def test_removal_errors_name_what_is_wrong():
     control.remove_aggregator("agg-1")
     with pytest.raises(ServiceError, match="agg-1 is already being removed"):
         control.remove_aggregator("agg-1")
-    with pytest.raises(ServiceError, match="agg-0 is the last one in the pool"):
-        control.remove_aggregator("agg-0")
-    assert control.cluster_of == {"agg-0": "cluster-0"}  # a refused removal changes nothing
+    fixed = plane("agg-0", elastic=False)
+    with pytest.raises(ServiceError, match="agg-0 is the last one in the pool and pMaster has no provider"):
+        fixed.remove_aggregator("agg-0")
+    assert fixed.cluster_of == {"agg-0": "cluster-0"}  # a refused removal changes nothing
+
+
+def test_the_last_aggregator_of_an_elastic_pool_is_replaced_before_it_goes():
+    control = plane("agg-0")
+    declare(control, "j", [300])
+    actions, moves = control.remove_aggregator("agg-0")
+    (allocate,) = [a for a in actions if isinstance(a, Allocate)]
+    assert moves == {("j", 0, 0): allocate.placeholder}
+    assert not [a for a in actions if isinstance(a, (Migrate, Release))]  # both wait for the new one
+    later = control.bind(allocate.placeholder, "agg-1")
+    assert [type(a) for a in later] == [Migrate, Release] and later[0].target == "agg-1"
 
 
 def test_a_failed_removal_keeps_the_aggregator():

@@ -20,6 +20,23 @@ class Provider(abc.ABC):
     def names(self) -> list[str]:
         """The Aggregators this provider started and that have not been stopped."""
 
+    def __init__(self):
+        self._reserved: set[str] = set()
+        self._serial = 0
+
+    def reserve(self, names) -> None:
+        """Names already taken by Aggregators this provider did not start (a restarted service's,
+        or one an operator joined): it never starts another under them."""
+        self._reserved.update(names)
+
+    def next_name(self) -> str:
+        """``agg-N`` for the next Aggregator: the lowest N from here on not in use or reserved."""
+        taken = set(self.names()) | self._reserved
+        while f"agg-{self._serial}" in taken:
+            self._serial += 1
+        self._serial += 1
+        return f"agg-{self._serial - 1}"
+
     def stop_all(self, timeout: float = 10.0) -> None:
         for name in list(self.names()):
             self.stop(name, timeout)

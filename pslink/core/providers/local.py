@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from pslink.core import hosts
 from pslink.core.providers.base import Provider
 
 
@@ -17,41 +18,34 @@ class LocalProvider(Provider):
     """
 
     def __init__(self, master: str, listen_host: str = "127.0.0.1", log_dir: str | None = None,
-                 orphan_timeout: float = 60.0, log_level: str | None = None, scheme: str | None = None):
+                 orphan_timeout: float = 60.0, log_level: str | None = None, scheme: str | None = None,
+                 advertise: str | None = None, interface: str | None = None):
+        super().__init__()
         self.master = master
         self.listen_host = listen_host
         # Aggregators speak the transport pMaster was given (tcp or zmq+tcp).
         self.scheme = scheme or (master.split("://", 1)[0] if master.startswith("zmq+tcp://") else "tcp")
         self.log_dir = log_dir
+        self.advertise = advertise
+        self.interface = interface
         self.orphan_timeout = orphan_timeout
         self.log_level = log_level or os.environ.get("PSLINK_LOG_LEVEL", "WARNING")
         self._procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, str] = {}
-        self._serial = 0
-        self._reserved: set[str] = set()
-
-    def reserve(self, names) -> None:
-        """Names already taken by Aggregators this provider did not start (a restarted service's)."""
-        self._reserved.update(names)
-
-    def _next_name(self) -> str:
-        while f"agg-{self._serial}" in self._procs or f"agg-{self._serial}" in self._reserved:
-            self._serial += 1
-        name = f"agg-{self._serial}"
-        self._serial += 1
-        return name
 
     def start(self, count: int) -> list[str]:
         names = []
         for _ in range(count):
-            name = self._next_name()
+            name = self.next_name()
             command = [
                 sys.executable, "-m", "pslink.core.aggregator",
                 "--master", self.master,
-                "--listen", f"{self.scheme}://{self.listen_host}:0",
+                "--listen", f"{self.scheme}://{hosts.bracket(self.listen_host)}:0",
                 "--name", name,
                 "--orphan-timeout", str(self.orphan_timeout),
                 "--log-level", self.log_level,
+                *(["--advertise", self.advertise] if self.advertise else []),
+                *(["--interface", self.interface] if self.interface else []),
             ]
             output = None
             if self.log_dir is not None:

@@ -27,7 +27,8 @@ def _ray():
 
 
 class _AggregatorActor:
-    """Runs inside the actor's process: one Aggregator on a thread of it."""
+    """Runs inside the actor's process: one Aggregator on a thread of it, listening on the
+    node's address (the one Ray's nodes reach each other at) unless ``listen_host`` is given."""
 
     def __init__(self, master: str, name: str, listen_host: str | None, orphan_timeout: float):
         from pslink.core.aggregator import Aggregator
@@ -62,6 +63,7 @@ class RayProvider(Provider):
 
     def __init__(self, master: str, address: str | None = None, cpus: float = 1.0, listen_host: str | None = None,
                  orphan_timeout: float = 60.0, init_options: dict | None = None, namespace: str = "pslink"):
+        super().__init__()
         ray = _ray()
         self.master = master
         self.cpus = cpus
@@ -73,19 +75,17 @@ class RayProvider(Provider):
             self._started_ray = True
         self._actor_class = ray.remote(_AggregatorActor)
         self._actors: dict = {}
-        self._serial = 0
 
     def start(self, count: int) -> list[str]:
         names = []
         for _ in range(count):
-            while f"agg-{self._serial}" in self._actors:
-                self._serial += 1
-            name = f"agg-{self._serial}"
-            self._serial += 1
+            name = self.next_name()
             # The CPU reservation is the point: Ray schedules the Aggregator where a CPU is free
-            # and keeps other work off it.
-            self._actors[name] = self._actor_class.options(num_cpus=self.cpus, name=f"pslink-{name}-{os.getpid()}").remote(
-                self.master, name, self.listen_host, self.orphan_timeout)
+            # and keeps other work off it. SPREAD puts them on every node in turn (where the
+            # CPUs allow): the pool spans the cluster's NICs, and a node lost takes few of them.
+            self._actors[name] = self._actor_class.options(
+                num_cpus=self.cpus, name=f"pslink-{name}-{os.getpid()}", scheduling_strategy="SPREAD",
+            ).remote(self.master, name, self.listen_host, self.orphan_timeout)
             names.append(name)
         return names
 

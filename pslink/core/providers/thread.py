@@ -12,6 +12,7 @@ class ThreadProvider(Provider):
     pMaster and the Agents so that ``inproc://`` addresses resolve."""
 
     def __init__(self, master: str, transports: Transports, listen: str = "tcp://127.0.0.1:0", **options):
+        super().__init__()
         self.master = master
         self.transports = transports
         self.listen = listen
@@ -20,14 +21,11 @@ class ThreadProvider(Provider):
         options.setdefault("spin", 0.0)
         self.options = options
         self.aggregators: dict[str, Aggregator] = {}
-        self._serial = 0
 
     def start(self, count: int) -> list[str]:
         names = []
         for _ in range(count):
-            while f"agg-{self._serial}" in self.aggregators:
-                self._serial += 1
-            name = f"agg-{self._serial}"
+            name = self.next_name()
             listen = self.listen
             if listen.startswith("inproc://"):
                 listen = f"inproc://{name}"
