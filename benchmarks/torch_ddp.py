@@ -3,14 +3,16 @@
     python benchmarks/torch_ddp.py            # the measured run (about 25 M parameters)
     python benchmarks/torch_ddp.py --quick    # a smoke run: small model, few steps
 
-Both variants run in this one invocation, alternating (gloo, pslink, gloo, pslink, ...; five runs
+Every variant runs in this one invocation, alternating (alone, gloo, pslink, alone, ...; five runs
 of each by default), each as 2 worker processes started by ``pslink launch`` against one
-embedded service (2 Aggregator processes). A step is forward, backward (with the gradient exchange) and an SGD step of an MLP
+embedded service (2 Aggregator processes). "alone" is the limit: the same training with no
+communication at all, each worker by itself, side by side so that the CPUs are shared alike. A
+step is forward, backward (with the gradient exchange) and an SGD step of an MLP
 1024 -> H -> H -> 1024 -> 10 (H = 4096: 25.2 M parameters, 101 MB of gradients per step) on a
 random batch. Reported: the median step time of each variant (per worker, then the mean of the
 two workers), the ratio pslink / gloo (the target is <= 1.0) with the ratio of each pslink run to
-the gloo run before it, and each worker's extra memory: peak RSS while training minus RSS once
-its model and optimizer exist. The last line is JSON.
+the gloo run before it, how far both are above the limit, and each worker's extra memory: peak
+RSS while training minus RSS once its model and optimizer exist. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ def worker(args) -> None:
 
     rank, size = int(os.environ["PSLINK_RANK"]), int(os.environ["PSLINK_NUM_WORKERS"])
     torch.set_num_threads(1)  # 2 workers on 2 cores, beside the Aggregators
-    dist.init_process_group("gloo", init_method=f"file://{args.out}/store", rank=rank, world_size=size)
+    alone = args.worker == "alone"  # the limit: the same training with no communication at all
+    if not alone:
+        dist.init_process_group("gloo", init_method=f"file://{args.out}/store", rank=rank, world_size=size)
     process = psutil.Process()
     model = build_model(args.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -55,7 +59,7 @@ def worker(args) -> None:
     y = torch.randint(0, 10, (args.batch_size,), generator=torch.Generator().manual_seed(rank))
     gc.collect()
     base_rss = process.memory_info().rss
-    ddp = DDP(model)
+    ddp = model if alone else DDP(model)
     state = None
     if args.worker == "pslink":
         state = pslink.torch.connect()
@@ -75,9 +79,15 @@ def worker(args) -> None:
                    "params": sum(p.numel() for p in model.parameters())}, f)
     del ddp
     gc.collect()
-    dist.destroy_process_group()
+    if not alone:
+        dist.destroy_process_group()
     if state is not None:
         state.close()
+
+
+# "alone": the limit, every worker training by itself with no communication at all, run side by
+# side in the same alternation so that the CPUs are shared alike.
+VARIANTS = ("alone", "gloo", "pslink")
 
 
 def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
@@ -106,7 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (DDP rebuilds its buckets)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each variant, alternating")
-    parser.add_argument("--worker", choices=["gloo", "pslink"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["gloo", "pslink", "alone"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -117,11 +127,11 @@ def main(argv=None) -> int:
 
     from pslink.core.service import Service
 
-    figures: dict[str, dict] = {v: {"medians": [], "extra_mb": [[], []]} for v in ("gloo", "pslink")}
+    figures: dict[str, dict] = {v: {"medians": [], "extra_mb": [[], []]} for v in VARIANTS}
     params = 0
     with Service(aggregators=2) as service:
         for index in range(args.repeats):
-            for variant in ("gloo", "pslink"):
+            for variant in VARIANTS:
                 results = run_variant(variant, args, service.address, index)
                 params = results[0]["params"]
                 median = statistics.mean(statistics.median(r["times"]) for r in results)
@@ -140,7 +150,7 @@ def main(argv=None) -> int:
     print(f"\nmodel: {params / 1e6:.1f} M parameters ({params * 4 / 1e6:.0f} MB of float32 gradients), "
           f"batch {args.batch_size} per worker, 2 workers, {args.steps} steps x {args.repeats} runs per variant")
     print(f"{'variant':8} {'step ms':>9} {'extra MB rank 0':>16} {'extra MB rank 1':>16}")
-    for variant in ("gloo", "pslink"):
+    for variant in VARIANTS:
         print(f"{variant:8} {step_ms[variant]:9.1f} {extra[variant][0]:16.0f} {extra[variant][1]:16.0f}")
     overhead = [p - g for p, g in zip(extra["pslink"], extra["gloo"], strict=True)]
     print("pslink's own memory per worker (pslink extra - gloo extra): "
@@ -148,10 +158,13 @@ def main(argv=None) -> int:
     print("ratio of each run to the gloo run before it: " + ", ".join(f"{r:.3f}" for r in pairs)
           + f" ({sum(r <= 1.0 for r in pairs)} of {len(pairs)} at or below 1.0)")
     print(f"ratio pslink / gloo: {ratio:.3f} (target <= 1.0: {'met' if ratio <= 1.0 else 'not met'})")
+    print(f"above the limit (each worker alone, no communication): pslink {step_ms['pslink'] / step_ms['alone']:.3f}x, "
+          f"gloo {step_ms['gloo'] / step_ms['alone']:.3f}x")
     print(json.dumps({
         "benchmark": "torch_ddp", "quick": args.quick, "params": params, "batch_size": args.batch_size,
         "workers": 2, "steps": args.steps, "repeats": args.repeats,
         "gloo_step_ms": round(step_ms["gloo"], 2), "pslink_step_ms": round(step_ms["pslink"], 2),
+        "alone_step_ms": round(step_ms["alone"], 2), "pslink_over_limit": round(step_ms["pslink"] / step_ms["alone"], 4),
         "ratio": round(ratio, 4), "pair_ratios": [round(r, 4) for r in pairs], "gloo_extra_mb": [round(m, 1) for m in extra["gloo"]],
         "pslink_extra_mb": [round(m, 1) for m in extra["pslink"]],
         "pslink_minus_gloo_mb": [round(m, 1) for m in overhead],

@@ -51,7 +51,9 @@ def size_label(size: int) -> str:
 # -- pslink cases --------------------------------------------------------------------------------------
 
 
-def _run_ops(agent, op: str, keys, arrays, outs, inflight: int, count: int) -> float:
+def run_ops(agent, op: str, keys, arrays, outs, inflight: int, count: int) -> float:
+    """``count`` operations with ``inflight`` of them outstanding, key j carrying every j-th one;
+    returns the seconds they took."""
     from collections import deque
 
     handles: deque = deque()
@@ -92,17 +94,17 @@ def _worker(master: str, rank: int, workers: int, plan: list, seconds: float, pa
             outs = [np.empty_like(a) for a in arrays]
             agent.init_many(keys, arrays).wait()
             # Warm up (connections, buffer pools, page faults), then size the timed run on rank 0.
-            warm = _run_ops(agent, op, keys, arrays, outs, inflight, 3 * inflight)
+            warm = run_ops(agent, op, keys, arrays, outs, inflight, 3 * inflight)
             if rank == 0:
                 per_op = warm / (3 * inflight)
                 extra = max(0, int(0.3 / per_op) - 3 * inflight)
                 counts[case_id] = max(5 * inflight, int(seconds / per_op))
                 counts[len(plan) + case_id] = extra
             barrier.wait()
-            _run_ops(agent, op, keys, arrays, outs, inflight, counts[len(plan) + case_id])
+            run_ops(agent, op, keys, arrays, outs, inflight, counts[len(plan) + case_id])
             barrier.wait()
             count = counts[case_id]
-            elapsed = _run_ops(agent, op, keys, arrays, outs, inflight, count)
+            elapsed = run_ops(agent, op, keys, arrays, outs, inflight, count)
             results.put((case_id, rank, count, elapsed))
             barrier.wait()
     finally:

@@ -1,4 +1,4 @@
-"""Raw loopback baselines (no pslink code), measured in the same run as pslink's figures."""
+"""Raw socket baselines (no pslink code), measured in the same run as pslink's figures."""
 
 from __future__ import annotations
 
@@ -7,12 +7,38 @@ import socket
 import time
 
 
-def _stream_sender(port: int, seconds: float) -> None:
-    chunk = memoryview(bytearray(4 << 20))
-    with socket.create_connection(("127.0.0.1", port)) as s:
+CHUNK = 4 << 20
+
+
+def stream_send(host: str, port: int, seconds: float) -> None:
+    """Send to ``host:port`` as fast as the socket takes it, for ``seconds``."""
+    chunk = memoryview(bytearray(CHUNK))
+    with socket.create_connection((host, port), timeout=30) as s:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             s.sendall(chunk)
+
+
+def stream_receive(server: socket.socket) -> float:
+    """Accept one stream on the listening ``server`` and read it to its end: MB/s, timed from the
+    first byte (not from the sender's start)."""
+    conn, _ = server.accept()
+    buf = memoryview(bytearray(CHUNK))
+    total, start = 0, None
+    with conn:
+        while True:
+            n = conn.recv_into(buf)
+            if not n:
+                break
+            if start is None:
+                start = time.perf_counter()
+                continue
+            total += n
+    return total / (time.perf_counter() - start) / 1e6
+
+
+def _stream_sender(port: int, seconds: float) -> None:
+    stream_send("127.0.0.1", port, seconds)
 
 
 def tcp_stream(seconds: float) -> float:
@@ -22,21 +48,9 @@ def tcp_stream(seconds: float) -> float:
         server.listen(1)
         sender = mp.get_context("spawn").Process(target=_stream_sender, args=(server.getsockname()[1], seconds + 0.3))
         sender.start()
-        conn, _ = server.accept()
-        buf = memoryview(bytearray(4 << 20))
-        total, start = 0, None
-        with conn:
-            while True:
-                n = conn.recv_into(buf)
-                if not n:
-                    break
-                if start is None:
-                    start = time.perf_counter()  # from the first byte, not the process start
-                    continue
-                total += n
-        elapsed = time.perf_counter() - start
+        mbps = stream_receive(server)
         sender.join()
-    return total / elapsed / 1e6
+    return mbps
 
 
 def recv_exact(conn: socket.socket, view: memoryview, spin: float = 0.0) -> bool:

@@ -36,6 +36,7 @@ from pslink.config import (
     ENV_MASTER,
     ENV_MAX_WORKERS,
     ENV_NUM_WORKERS,
+    ENV_PARTITION_BYTES,
     ENV_RANK,
     ENV_TIMEOUT,
     resolve_float,
@@ -158,6 +159,10 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
         if optimizer is not None:
             config["optimizer"] = optimizer
             config.setdefault("mode", "optimizer")
+        if partition_bytes is None and os.environ.get(ENV_PARTITION_BYTES, "").strip():
+            # Smaller parts pipeline better across a slow link (a part's answer crosses back only
+            # once it crossed); the job's first worker sets it for every worker.
+            partition_bytes = resolve_int(None, "partition_bytes", ENV_PARTITION_BYTES, 8)
         if partition_bytes is not None:
             config["partition_bytes"] = partition_bytes
         if sync is not None:
