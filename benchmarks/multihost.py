@@ -112,7 +112,7 @@ def _start(hosts, host, argv, env=None) -> subprocess.Popen:
 
 
 def _wait_ready(hosts, via: str, master: str, aggregators: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    from pslink.core.client import ControlClient
+    from pslink.core.service.client import ControlClient
     from pslink.errors import PslinkError
 
     deadline = time.monotonic() + timeout

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from pslink.core.placement import Placement, TaskDemand
+from pslink.core.master.placement import Placement, TaskDemand
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from pslink.core.aggregation import Summer
+from pslink.core.aggregator.core import Summer
 
 
 def best_of(fn, repeat):

@@ -11,7 +11,7 @@ import os as _os
 
 from pslink.core.agent import Agent
 from pslink.core.agent import connect as _connect
-from pslink.core.handle import Handle
+from pslink.core.agent.handle import Handle
 from pslink.errors import (
     AbortedError,
     AuthError,

@@ -106,7 +106,7 @@ def service_status(
     as_json: bool = typer.Option(False, "--json", help="print the raw status as JSON"),
 ):
     """Show Aggregators, jobs, tasks, bytes and rounds per second."""
-    from pslink.core.client import ControlClient
+    from pslink.core.service.client import ControlClient
 
     try:
         with ControlClient(_master(master), timeout=5.0) as client:
@@ -129,7 +129,7 @@ def service_add(
 ):
     """Add Aggregators to a running service (started through its provider); jobs keep running, and
     the pool no longer shrinks below its new size."""
-    from pslink.core.client import ControlClient
+    from pslink.core.service.client import ControlClient
 
     try:
         with ControlClient(_master(master), timeout=timeout) as client:
@@ -151,7 +151,7 @@ def service_remove(
 ):
     """Remove an Aggregator from a running service: it drains first (its tasks move to others by
     live migration, its replicas are re-made elsewhere), then it stops. Jobs keep running."""
-    from pslink.core.client import ControlClient
+    from pslink.core.service.client import ControlClient
 
     try:
         with ControlClient(_master(master), timeout=timeout) as client:
@@ -200,7 +200,7 @@ def aggregator_command(
     the pool's scaling. Ctrl-C drains it first (its tasks and replicas move to the others while jobs
     keep training, as `pslink service remove` does), then it stops; a second Ctrl-C stops it at once."""
     from pslink.core.aggregator import Aggregator
-    from pslink.core.client import ControlClient
+    from pslink.core.service.client import ControlClient
     from pslink.core.transport import scheme_of
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -326,7 +326,7 @@ def job_create(
     master: Optional[str] = MasterOption,
 ):
     """Register a job ahead of its workers; prints the token they must present (PSLINK_TOKEN)."""
-    from pslink.core.client import ControlClient
+    from pslink.core.service.client import ControlClient
 
     config: dict = {"mode": mode}
     if optimizer:

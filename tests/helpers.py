@@ -6,8 +6,8 @@ import queue
 import threading
 import traceback
 
-from pslink.core.loop import Reactor, ReactorThread
-from pslink.core.protocol import decode
+from pslink.core.wire.loop import Reactor, ReactorThread
+from pslink.core.wire.protocol import decode
 from pslink.core.service import Service
 from pslink.core.transport import Transports
 

@@ -1,6 +1,6 @@
 """Who runs a node's I/O: the thread that waits, else a background thread.
 
-The same policy as the Agent's (see pslink/core/agent.py and docs/transport.md): on these
+The same policy as the Agent's (see pslink/core/agent/agent.py and docs/transport.md): on these
 virtual machines waking a blocked thread costs more than a loopback round trip, so a thread that
 waits for a reply reads the sockets itself, spinning briefly before it blocks. A background
 thread drives only when no thread has waited for ``idle_poll`` seconds: then it serves requests
@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from pslink.core.loop import Reactor
+from pslink.core.wire.loop import Reactor
 from pslink.errors import ConfigError, PslinkTimeoutError
 
 

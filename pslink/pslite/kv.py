@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pslink.core.protocol import DTYPES
+from pslink.core.wire.protocol import DTYPES
 from pslink.core.transport import DISCARD
 from pslink.errors import ConfigError, ProtocolError, PslinkError, ShapeMismatchError
 from pslink.pslite import wire

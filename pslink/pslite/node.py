@@ -32,9 +32,9 @@ from typing import Any, Callable
 import numpy as np
 
 from pslink.core import hosts
-from pslink.core.aggregation import BufferPool
-from pslink.core.loop import Reactor
-from pslink.core.protocol import DEFAULT_LIMITS, Limits
+from pslink.core.aggregator.core import BufferPool
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
 from pslink.core.transport import DISCARD, Transports, split_host_port
 from pslink.errors import ClosedError, ConfigError, PeerError, ProtocolError, PslinkError, error_from_code
 from pslink.pslite import wire

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-from pslink.core.protocol import DTYPES
+from pslink.core.wire.protocol import DTYPES
 from pslink.errors import ProtocolError, PslinkError
 
 MAGIC = b"PK"

@@ -1,6 +1,6 @@
 """Measure the cost model on the real Aggregator: ``pslink simulate calibrate``.
 
-An :class:`~pslink.core.aggregation.AggregatorCore` (the very object an Aggregator process runs)
+An :class:`~pslink.core.aggregator.core.AggregatorCore` (the very object an Aggregator process runs)
 serves one task while this module plays its workers, exactly as the process shell does: admit the
 header, receive the payload into the buffer the core hands out, let the core handle the request,
 send the replies. Sockets are left out so that only the Aggregator's own CPU is counted; the two
@@ -27,9 +27,9 @@ from typing import Callable
 
 import numpy as np
 
-from pslink.core.aggregation import AggregatorCore, Request, Summer
+from pslink.core.aggregator.core import AggregatorCore, Request, Summer
 from pslink.core.partition import DEFAULT_PARTITION_BYTES
-from pslink.core.protocol import Op
+from pslink.core.wire.protocol import Op
 from pslink.sim.costmodel import OPTIMIZERS, CostModel
 
 WORKERS = (1, 2, 4, 8)

@@ -4,8 +4,8 @@ Two policies over the same jobs (:class:`~pslink.sim.workload.SimJob`):
 
 * **static** (the ps-lite baseline): a job holds its ``servers`` CPUs from submission to its end
   and runs at its standalone speed. Nothing to simulate but the sum of step functions.
-* **pslink**: the live control plane, :class:`pslink.core.control.ControlPlane`, with its
-  placement (:mod:`pslink.core.placement`), guard and scaling, driven by simulated time. The
+* **pslink**: the live control plane, :class:`pslink.core.master.control.ControlPlane`, with its
+  placement (:mod:`pslink.core.master.placement`), guard and scaling, driven by simulated time. The
   simulator plays the parts pMaster, the Aggregators and the Agents play around it: it starts an
   Aggregator ``startup`` seconds after an ``Allocate`` and then binds it; it reports each job's
   profiled iterations and task costs, later its iteration durations and the Aggregators' loads
@@ -34,8 +34,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from pslink.core.control import Allocate, ControlPlane, Migrate, Release
-from pslink.core.placement import LOSS_LIMIT, runs_per_cycle
+from pslink.core.master.control import Allocate, ControlPlane, Migrate, Release
+from pslink.core.master.placement import LOSS_LIMIT, runs_per_cycle
 from pslink.sim.workload import SimJob
 
 ARRIVE, BIND, PROFILED, GUARD, END, TICK = range(6)

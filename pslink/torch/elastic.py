@@ -60,7 +60,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pslink.core.protocol import Op
+from pslink.core.wire.protocol import Op
 from pslink.errors import ConfigError, MembershipError, PslinkError, ShapeMismatchError
 from pslink.torch.session import Session
 

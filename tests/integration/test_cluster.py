@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 import pslink
-from pslink.core.protocol import Op, encode
+from pslink.core.wire.protocol import Op, encode
 from pslink.core.transport import Transports
 from pslink.core.transport.shm import rings_enabled
 from pslink.errors import (
@@ -502,7 +502,7 @@ def test_requests_on_a_closed_agent_and_bad_arguments(cluster):
 
 def test_pmaster_restart_resumes_from_sqlite_while_training_continues(tmp_path, transports):
     from pslink.core.master import Master
-    from pslink.core.providers import ThreadProvider
+    from pslink.core.service.providers import ThreadProvider
 
     state_dir = str(tmp_path / "state")
     master = Master("tcp://127.0.0.1:0", state_dir=state_dir, transports=transports).start()

@@ -155,7 +155,7 @@ def test_a_key_aborted_while_its_aggregator_starts_fails_its_first_declarer(tran
     """Rank 0 declares a key that goes to an Aggregator still starting; rank 1 declares it with
     another shape before that Aggregator is up. Rank 0 must get the shape mismatch, not wait on a
     fresh task until its timeout."""
-    import pslink.core.providers.thread as thread_provider
+    import pslink.core.service.providers.thread as thread_provider
 
     gate = threading.Event()
 

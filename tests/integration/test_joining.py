@@ -11,7 +11,7 @@ import pytest
 
 from pslink.core.aggregator import Aggregator
 from pslink.core.master import Master
-from pslink.core.protocol import Op, encode
+from pslink.core.wire.protocol import Op, encode
 from pslink.core.transport import Transports
 from pslink.errors import ConfigError
 from tests.helpers import RawClient

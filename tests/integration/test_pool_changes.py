@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import pslink
-from pslink.core.client import ControlClient
+from pslink.core.service.client import ControlClient
 from pslink.core.transport import Transports
 from pslink.errors import ServiceError
 from tests.helpers import run_workers, start_cluster

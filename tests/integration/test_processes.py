@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 import pslink
-from pslink.core.client import ControlClient
+from pslink.core.service.client import ControlClient
 from pslink.core.service import Service
 from pslink.errors import PeerError, PslinkError
 

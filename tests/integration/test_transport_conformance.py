@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from pslink.bench import netns
-from pslink.core.loop import Reactor, ReactorThread
-from pslink.core.protocol import Limits
+from pslink.core.wire.loop import Reactor, ReactorThread
+from pslink.core.wire.protocol import Limits
 from pslink.core.transport import DISCARD, Transports
 from pslink.errors import PeerError, ProtocolError
 

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from pslink.bench import netns
-from pslink.core.client import ControlClient
+from pslink.core.service.client import ControlClient
 from pslink.errors import PslinkError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pslink.core.loop import Reactor
+from pslink.core.wire.loop import Reactor
 from pslink.errors import ConfigError
 from pslink.pslite.driver import Driver
 

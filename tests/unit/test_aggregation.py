@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from pslink.core.aggregation import AggregatorCore, BufferPool, Request, Summer
-from pslink.core.protocol import Op
+from pslink.core.aggregator.core import AggregatorCore, BufferPool, Request, Summer
+from pslink.core.wire.protocol import Op
 from pslink.errors import (
     AbortedError,
     AuthError,
@@ -172,7 +172,7 @@ def test_a_repeated_push_is_answered_and_added_once():
 
 
 def test_waiting_is_bounded():
-    from pslink.core import aggregation
+    from pslink.core.aggregator import core as aggregation
 
     c = Cluster(workers=1, needs_init=False)
     _, replies = c.send(Op.PULL, 0, 500)
@@ -230,7 +230,7 @@ def test_a_key_aborted_before_its_assignment_never_completes_a_round_even_alone(
     assigned the key with rank 0 the only member. The ABORT that used to follow the ASSIGN came on
     pMaster's connection, rank 0's init and push-pull on its own: when they came first, the round
     closed with rank 0 alone and rank 0 saw no error. The ASSIGN now carries the abort."""
-    from pslink.core.jobs import KeySpec, PartSpec
+    from pslink.core.master.jobs import KeySpec, PartSpec
 
     key = KeySpec("w", (6,), "float32", declared_by=0, needs_init=True, parts=[PartSpec(0, (0, 6), "agg-test")])
     key.aborted = ShapeMismatchError("key 'w' of job 'j': rank 1 uses shape (3, 2) float32, but rank 0 declared "
@@ -257,7 +257,7 @@ def test_an_aborted_key_stays_failed_when_the_members_it_waits_for_leave():
     (failed,) = c.core.abort(task, task.poisoned)  # as the shell does for a poisoned task it is assigned
     assert failed.origin == "rank0" and isinstance(failed.error, AbortedError)
     # Even pushes the task still held (a copy of an open round) close nothing once rank 1 leaves.
-    from pslink.core.aggregation import _Round
+    from pslink.core.aggregator.core import _Round
 
     round_ = c.task.rounds[1] = _Round(0.0)
     round_.contributors, round_.acc = {0}, np.ones(6, np.float32)
@@ -404,7 +404,7 @@ def test_asp_keeps_a_value_that_a_queued_reply_still_reads():
 
 # -- live migration (AutoPS Appendix B) ------------------------------------------------------------
 
-from pslink.core.aggregation import CopyOut, Reply, WorkerDone  # noqa: E402
+from pslink.core.aggregator.core import CopyOut, Reply, WorkerDone  # noqa: E402
 from pslink.errors import MovedError  # noqa: E402
 
 TARGET = ("agg-new", "tcp://127.0.0.1:9999")
@@ -571,7 +571,7 @@ def close_round(c: Cluster, replica: AggregatorCore, r: int, pushes) -> list:
     outputs = []
     for rank in (0, 1):
         outputs += c.send(Op.PUSHPULL, rank, r, pushes[rank])[1]
-    from pslink.core.aggregation import Replicate
+    from pslink.core.aggregator.core import Replicate
 
     (rep,) = [o for o in outputs if isinstance(o, Replicate)]
     header = {"job": c.task.job.job, "key": c.task.key, "part": c.task.part}

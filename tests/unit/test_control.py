@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pslink.core.control import Allocate, ControlPlane, Migrate, Release
-from pslink.core.placement import TaskDemand
+from pslink.core.master.control import Allocate, ControlPlane, Migrate, Release
+from pslink.core.master.placement import TaskDemand
 
 
 class Clock:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pslink.core.aggregation import AggregatorCore, CloseLater, Reply, Request, Summer
-from pslink.core.cycle import CycleBudget
-from pslink.core.protocol import Op
+from pslink.core.aggregator.core import AggregatorCore, CloseLater, Reply, Request, Summer
+from pslink.core.aggregator.cycle import CycleBudget
+from pslink.core.wire.protocol import Op
 
 A, B = ("j1", "a", 0), ("j2", "b", 0)
 

@@ -8,12 +8,12 @@ import sqlite3
 import pytest
 
 from pslink.core import hosts
-from pslink.core.control import ControlPlane
-from pslink.core.jobs import JobRecord, KeySpec, PartSpec
-from pslink.core.master_state import MasterState
-from pslink.core.providers.base import Provider
-from pslink.core.recovery import pick_replicas, plan_failover
-from pslink.core.store import MasterStore
+from pslink.core.master.control import ControlPlane
+from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
+from pslink.core.master.state import MasterState
+from pslink.core.service.providers.base import Provider
+from pslink.core.master.recovery import pick_replicas, plan_failover
+from pslink.core.master.store import MasterStore
 from pslink.errors import ConfigError
 from pslink.launch import Launch, check_nodes
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pslink.core.control import ControlPlane
-from pslink.core.master_state import MasterState
+from pslink.core.master.control import ControlPlane
+from pslink.core.master.state import MasterState
 from pslink.core.partition import partition_spans
-from pslink.core.store import MasterStore
+from pslink.core.master.store import MasterStore
 from pslink.errors import (
     AuthError,
     ConfigError,

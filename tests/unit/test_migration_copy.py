@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pslink.core.protocol import Op
-from pslink.core.task_moves import MAX_COPY_IDLE_WAIT, copy_delay
-from pslink.core.tasks import BufferPool, CopyOut
+from pslink.core.wire.protocol import Op
+from pslink.core.aggregator.moves import MAX_COPY_IDLE_WAIT, copy_delay
+from pslink.core.aggregator.tasks import BufferPool, CopyOut
 
 from test_aggregation import Cluster, migrate
 

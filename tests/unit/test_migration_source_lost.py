@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pslink.core.master import Master
-from pslink.core.protocol import Op
+from pslink.core.wire.protocol import Op
 from pslink.core.transport import Transports
 from pslink.errors import PeerError
 

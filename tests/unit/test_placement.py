@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from pslink.core.placement import (
+from pslink.core.master.placement import (
     NewAggregator,
     Placement,
     TaskDemand,

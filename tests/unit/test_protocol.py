@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pslink.core.protocol import (
+from pslink.core.wire.protocol import (
     DTYPES,
     PROTOCOL_VERSION,
     HeaderTemplate,

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from pslink.core.loop import Reactor
-from pslink.core.protocol import Limits
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import Limits
 from pslink.core.transport import DISCARD, Lent
 from pslink.core.transport.shm import INLINE, ReceiveRing, SendRing, ring_bytes, ring_wait, rings_enabled
 from pslink.core.transport.tcp import FRAMING_RING, FRAMING_RING_OPEN, MAGIC, PREFIX, TcpConnection

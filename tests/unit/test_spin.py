@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pslink.core.spin import SpinWindow
+from pslink.core.wire.spin import SpinWindow
 
 SPIN = 2e-3
 

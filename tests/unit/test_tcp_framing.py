@@ -8,8 +8,8 @@ import socket
 import numpy as np
 import pytest
 
-from pslink.core.loop import Reactor
-from pslink.core.protocol import Limits
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import Limits
 from pslink.core.transport.tcp import TcpConnection, frame_prefix
 from pslink.errors import PeerError, ProtocolError
 

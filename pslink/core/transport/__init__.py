@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from pslink.core.loop import Reactor
-from pslink.core.protocol import DEFAULT_LIMITS, Limits
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
 from pslink.core.transport.base import (
     DISCARD,
     Connection,

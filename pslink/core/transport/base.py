@@ -20,8 +20,8 @@ from __future__ import annotations
 import abc
 from typing import Any, Protocol, Sequence
 
-from pslink.core.loop import Reactor
-from pslink.core.protocol import DEFAULT_LIMITS, Limits
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
 from pslink.errors import ConfigError
 
 #: Returned by :meth:`Handler.on_header` as the buffers to make the transport drop the payloads.

@@ -15,8 +15,8 @@ import itertools
 import threading
 from typing import Sequence
 
-from pslink.core.loop import Reactor
-from pslink.core.protocol import DEFAULT_LIMITS, Limits
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
 from pslink.core.transport.base import DISCARD, Connection, Handler, Listener, Transport
 from pslink.errors import PeerError, ProtocolError
 

@@ -27,8 +27,8 @@ import threading
 from collections.abc import Sequence
 
 from pslink.core import hosts
-from pslink.core.loop import Reactor
-from pslink.core.protocol import DEFAULT_LIMITS, Limits
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
 from pslink.core.transport.base import DISCARD, Connection, Handler, Lent, Listener, Transport, split_host_port
 from pslink.core.transport.framing import (
     _FD_SPACE,
@@ -44,7 +44,7 @@ from pslink.core.transport.framing import (
     frame_prefix,
 )
 from pslink.core.transport.shm import MIN_PAYLOAD, ReceiveRing, SendRing, rings_enabled
-from pslink.core.transport.tcp_rings import RingSide
+from pslink.core.transport.rings import RingSide
 from pslink.errors import PeerError, ProtocolError
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from typing import Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from pslink.core.loop import Reactor
-from pslink.core.protocol import DEFAULT_LIMITS, Limits
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
 from pslink.core.transport.base import DISCARD, Connection, Handler, Listener, Transport
 from pslink.errors import PeerError, ProtocolError
 

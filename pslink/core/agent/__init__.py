@@ -1,0 +1,5 @@
+"""The Agent: the worker-side client of the parameter service (see :mod:`pslink.core.agent.agent`)."""
+
+from pslink.core.agent.agent import Agent, connect
+
+__all__ = ["Agent", "connect"]

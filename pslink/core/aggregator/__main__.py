@@ -1,0 +1,5 @@
+import sys
+
+from pslink.core.aggregator.process import main
+
+sys.exit(main())

@@ -1,0 +1,630 @@
+"""The Aggregator's core: master copies keyed by (job, key, part), BSP rounds, no I/O.
+
+The process shell (``pslink.core.aggregator.process``) decodes a message, asks :meth:`AggregatorCore.admit`
+whether the request fits the task (credential, shape, dtype, span), receives the payload into the
+buffer :meth:`AggregatorCore.receive_buffer` gives, and then calls :meth:`AggregatorCore.handle`,
+which returns the replies to send. Tests drive the same object with no sockets.
+
+Rounds. Every worker numbers its pushes of a key 1, 2, 3, ...; round ``r`` of a task closes when
+every rank the task's members expect for ``r`` (:mod:`pslink.core.membership`) has pushed its
+``r``-th push, and rounds close in order. A pull names the round whose result it wants (the
+puller's own last push) and is answered once that round closed (``ssp``: once round
+``r - staleness`` closed, with the latest value). In ``sum`` mode the result is the round's sum; in
+``optimizer`` mode the round's gradient steps the master weights, and a pull returns the weights.
+With a straggler timeout, a round open that long closes with the pushes it has; a push that comes
+after its round closed is dropped (answered, marked ``dropped``, not added to a later round).
+
+Retries. A request may arrive twice (an Agent resending after a lost reply, or a duplicated
+message): a push for a round the rank already pushed, or one that closed, is answered and not
+added again; a second init from the rank whose init set the value is answered.
+
+Buffers. A push is received straight into a pooled array; the first push of a round *becomes*
+the round's accumulator (no copy), later ones are added into it. Arrays return to their pool when
+nothing references them any more, which includes replies still queued on a socket, so a buffer
+is never overwritten while a zero-copy send may still read it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import numpy as np
+
+from pslink.core.aggregator.cycle import CycleBudget
+from pslink.core.wire.protocol import Op
+from pslink.core.aggregator.moves import TaskMoves
+from pslink.core.aggregator.tasks import (  # noqa: F401 - re-exported: the core's vocabulary
+    DEFAULT_MAX_AHEAD,
+    MAX_BEFORE_INIT,
+    MODES,
+    SYNCS,
+    BufferPool,
+    Checkpoint,
+    CloseLater,
+    CopyOut,
+    Replicate,
+    JobState,
+    Reply,
+    Request,
+    Summer,
+    Task,
+    WorkerDone,
+    _Round,
+    moved_error,
+)
+from pslink.errors import (
+    AuthError,
+    ClosedError,
+    KeyStateError,
+    MembershipError,
+    ProtocolError,
+    PslinkError,
+    ShapeMismatchError,
+    UnknownJobError,
+    error_from_code,
+)
+
+MAX_MISSED = 8  # straggler-closed rounds remembered per task, to mark their late pushes as dropped
+WARM_BUFFERS = 2  # a task's pool in steady state: a round's sum and the push being added to it
+
+
+class AggregatorCore(TaskMoves):
+    """All tasks of one Aggregator, and the rules that move their rounds."""
+
+    def __init__(self, name: str = "aggregator", summer: Summer | None = None, max_ahead: int = DEFAULT_MAX_AHEAD,
+                 clock=None):
+        self.name = name
+        self.summer = summer or Summer()
+        self.max_ahead = max_ahead
+        self.clock = clock or (lambda: 0.0)
+        self.budget: CycleBudget | None = None  # cyclic execution, once pMaster sent a schedule
+        self.jobs: dict[str, JobState] = {}
+        self.tasks: dict[tuple[str, Any, int], Task] = {}
+        self.moved: dict[tuple[str, Any, int], tuple[str, str]] = {}  # tombstones of migrated tasks
+        self.replicas: dict[tuple[str, Any, int], dict] = {}  # parts held for another Aggregator
+
+    # -- control (from pMaster) ---------------------------------------------------------------
+
+    def set_job(self, info: dict) -> list:
+        """A job's settings from pMaster (with an assignment, or after a change). A membership of
+        a later epoch takes effect at once: the open rounds stop waiting for ranks that left
+        (what they pushed stays), and close if nothing else is missing. Returns what to send."""
+        incoming = JobState.from_wire(info)
+        job = self.jobs.get(incoming.job)
+        if job is None:
+            self.jobs[incoming.job] = incoming
+            return []
+        if incoming.membership.epoch < job.membership.epoch:
+            incoming.membership = job.membership  # a stale message: keep the newer membership
+        left = job.membership.ranks - incoming.membership.ranks
+        if job.update(incoming):
+            # New hyperparameters keep momentum and moments; a new optimizer type starts afresh.
+            for (job_id, _, _), task in self.tasks.items():
+                if job_id == job.job:
+                    task.opt_state = {}
+        outputs: list = []
+        if left:
+            error = MembershipError(f"job {job.job!r}: rank(s) {sorted(left)} left the job "
+                                    f"(membership epoch {job.membership.epoch})", job=job.job)
+            for (job_id, _, _), task in self.tasks.items():
+                if job_id == job.job and not task.incoming and task.moved_to is None:
+                    outputs += self._members_left(task, job.membership.ranks, error)
+        return outputs
+
+    def _members_left(self, task: Task, ranks, error) -> list:
+        if not task.members.keep_only(ranks):
+            return []
+        outputs: list = []
+        for r in list(task.pulls):  # a removed rank's own waiting pulls will never be collected
+            mine = [q for q in task.pulls[r] if q.rank not in ranks]
+            if mine:
+                outputs += [Reply(q.origin, q.id, error=error) for q in mine]
+                task.pulls[r] = [q for q in task.pulls[r] if q.rank in ranks]
+                if not task.pulls[r]:
+                    del task.pulls[r]
+        return outputs + (self._close_ready(task) if task.initialized else [])
+
+    def assign(self, info: dict, specs: list[dict]) -> list[Task]:
+        """Create (idempotently) the tasks pMaster placed here."""
+        self.set_job(info)
+        job = self.jobs[info["job"]]
+        created = []
+        for spec in specs:
+            ident = (job.job, spec["key"], spec["part"])
+            if spec.get("replica"):
+                if spec.get("drop"):
+                    self.replicas.pop(ident, None)
+                elif ident not in self.tasks:
+                    self.replicas.setdefault(ident, {"spec": {k: v for k, v in spec.items() if k != "replica"}})
+                continue
+            task = self.tasks.get(ident)
+            if task is None:
+                task = self.tasks[ident] = Task(job, spec, self.summer, self.max_ahead)
+                if task.incoming:
+                    task.pool.warm(WARM_BUFFERS)
+            elif "replicas" in spec:
+                task.replicas = [tuple(r) for r in spec["replicas"]]
+            elif (tuple(spec["shape"]), spec["dtype"], tuple(spec["span"])) != (task.shape, task.dtype_name, task.span):
+                raise ShapeMismatchError(
+                    f"{task.name}: reassigned as shape {tuple(spec['shape'])} {spec['dtype']} span "
+                    f"{tuple(spec['span'])}, but it holds {task.describe()} span {task.span}"
+                )
+            if spec.get("aborted") and task.poisoned is None:  # a new task starts poisoned (Task)
+                task.poisoned = error_from_code(*spec["aborted"])  # the shell fails what waits on it
+            created.append(task)
+        return created
+
+    def drop_job(self, job_id: str) -> list[Reply]:
+        """Forget a job; anything still waiting is failed."""
+        self.jobs.pop(job_id, None)
+        for ident in [i for i in self.moved if i[0] == job_id]:
+            del self.moved[ident]
+        for ident in [i for i in self.replicas if i[0] == job_id]:
+            del self.replicas[ident]
+        replies = []
+        for ident in [i for i in self.tasks if i[0] == job_id]:
+            task = self.tasks.pop(ident)
+            replies += self._fail_all(task, ClosedError(f"job {job_id!r} ended; {task.name} was released"))
+        return replies
+
+    # -- admission: runs on the header, before any payload byte is read -------------------------
+
+    def authorize(self, header: dict) -> JobState:
+        """The job a request names, if its credential is right; else raise."""
+        job_id = header["job"]
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise UnknownJobError(f"aggregator {self.name} serves no job {job_id!r}", job=job_id)
+        if not hmac.compare_digest(header["tok"], job.token):
+            raise AuthError(
+                f"wrong credential for job {job_id!r} from rank {header['rank']}; refused", job=job_id
+            )
+        return job
+
+    def admit(self, header: dict) -> Task:
+        """Return the task a data-path header addresses, or raise the error to send back."""
+        job_id = self.authorize(header).job
+        key, part = header["key"], header["part"]
+        task = self.tasks.get((job_id, key, part))
+        if task is None or task.moved_to is not None:
+            moved = self.moved.get((job_id, key, part)) or (task.moved_to if task is not None else None)
+            if moved is not None:
+                raise moved_error(key, part, moved)
+            raise KeyStateError(
+                f"aggregator {self.name} does not hold part {part} of key {key!r} of job {job_id!r}",
+                job=job_id,
+                key=key,
+            )
+        if tuple(header["shape"]) != task.shape or header["dtype"] != task.dtype_name:
+            raise ShapeMismatchError(
+                f"key {key!r} of job {job_id!r}: rank {header['rank']} sent shape "
+                f"{tuple(header['shape'])} {header['dtype']}, but the key has {task.describe()} "
+                f"(declared by rank {task.declared_by})",
+                job=job_id,
+                key=key,
+                shapes=[list(header["shape"]), list(task.shape)],
+                ranks=[header["rank"], task.declared_by],
+            )
+        if tuple(header["span"]) != task.span:
+            raise ProtocolError(
+                f"key {key!r} part {part}: span {tuple(header['span'])} does not match {task.span}; "
+                "workers disagree on the partition size"
+            )
+        return task
+
+    def find(self, header: dict) -> Task | None:
+        return self.tasks.get((header["job"], header["key"], header["part"]))
+
+    def receive_buffer(self, task: Task) -> np.ndarray:
+        """Where to receive a push's payload: a pooled array that may become the accumulator."""
+        return task.pool.acquire()
+
+    def adds_in_place(self, task: Task, op: Op, rank: int, round_no: int) -> bool:
+        """Whether this push would only be added into its round's sum: a synchronous push into a
+        round that has one already, from a rank not in it. Its payload may then be read where it
+        arrived (a shared-memory ring, valid during :meth:`handle`) instead of from a copy."""
+        if (task.poisoned is not None or task.moved_to is not None or task.incoming or task.rebase
+                or not task.initialized or task.job.sync == "asp" or (op != Op.PUSH and op != Op.PUSHPULL)
+                or round_no <= task.closed):
+            return False
+        round_ = task.rounds.get(round_no)
+        return round_ is not None and round_.acc is not None and rank not in round_.contributors
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def handle(self, task: Task, req: Request) -> list:
+        if task.poisoned is not None:
+            return [Reply(req.origin, req.id, error=task.poisoned)]
+        if task.moved_to is not None:
+            return [Reply(req.origin, req.id, error=moved_error(task.key, task.part, task.moved_to))]
+        if task.incoming:
+            task.waiting_copy.append(req)  # nothing is applied here before the copy is complete
+            return []
+        if req.op == Op.STATE_GET or req.op == Op.STATE_SET or req.op == Op.JOIN:
+            try:
+                return self._join(task, req) if req.op == Op.JOIN else self._state(task, req)
+            except PslinkError as exc:
+                return [Reply(req.origin, req.id, error=exc)]
+        outputs: list = []
+        if task.rebase and req.op in (Op.PUSH, Op.PUSHPULL, Op.PULL):
+            outputs += self._rebase(task, req)
+        if task.seen is not None:
+            task.seen.add(req.rank)
+            if task.seen >= task.members.expected(task.closed + 1):
+                task.seen = None
+                outputs.append(WorkerDone(task))
+        return self._handle_here(task, req) + outputs
+
+    def _handle_here(self, task: Task, req: Request) -> list:
+        if not task.initialized:
+            if req.op == Op.INIT and req.payload is not None:
+                return self._initialize(task, req)
+            if len(task.before_init) >= MAX_BEFORE_INIT:
+                return [Reply(req.origin, req.id, error=KeyStateError(
+                    f"{task.name}: {MAX_BEFORE_INIT} requests already wait for rank 0's init; is rank 0 "
+                    "calling init for this key?", key=task.key))]
+            task.before_init.append(req)  # ps-lite aborts here; we wait for the init
+            return []
+        try:
+            return self._dispatch(task, req)
+        except PslinkError as exc:
+            return [Reply(req.origin, req.id, error=exc)]
+
+    def _dispatch(self, task: Task, req: Request) -> list[Reply]:
+        op = req.op
+        if op == Op.INIT:
+            return self._reinit(task, req)
+        if op == Op.PULL:
+            return self._pull(task, req)
+        replies = self._push(task, req)
+        durable = task.closed - (task.replicating is not None)  # rounds every replica has
+        if op == Op.PUSH and task.replicas and req.round > durable:
+            # An acknowledged push is never lost: the ack waits until its round is replicated.
+            task.acks.setdefault(req.round, []).append(req)
+            return replies or []
+        if replies is None:  # not added: a repeat, or too late for its round
+            dropped = req.rank in task.missed.get(req.round, ())
+            if op == Op.PUSH:
+                return [Reply(req.origin, req.id, round=req.round, dropped=dropped)]
+            answer = self._pull(task, req)
+            for reply in answer:
+                reply.dropped = dropped
+            return answer
+        if op == Op.PUSH:
+            replies.insert(0, Reply(req.origin, req.id, round=req.round))
+            return replies
+        return self._pull(task, req) + replies  # PUSHPULL: push, then wait for that round
+
+    def _initialize(self, task: Task, req: Request) -> list[Reply]:
+        task.value = req.payload
+        task.init_rank = req.rank
+        replies = [Reply(req.origin, req.id, round=0)]
+        if task.job.checkpoint:
+            replies += self._checkpoint(task)  # round 0: a part lost before its first checkpoint restarts here
+        queued, task.before_init = task.before_init, []
+        for waiting in queued:
+            replies += self.handle(task, waiting)
+        return replies
+
+    def _reinit(self, task: Task, req: Request) -> list[Reply]:
+        if req.payload is None or task.closed or task.rounds:
+            # Another rank's init (the shape check in admit() was the point); the initializer's
+            # own init arriving again (a resend); or a value from a rank that only sends one
+            # because rank 0 had left when it got there (asynchronous rounds let rank 0 finish
+            # first) for a key rank 0 initialized and the job already uses: nothing to change.
+            # Like MXNet's servers, which take a value only for a key that has none.
+            return [Reply(req.origin, req.id, round=task.closed)]
+        task.value = req.payload  # a repeated init before any round: the latest value wins
+        task.init_rank = req.rank
+        return [Reply(req.origin, req.id, round=0)]
+
+    def _push(self, task: Task, req: Request) -> list[Reply]:
+        """Add a push to its round; returns the replies that closing rounds release. A push that
+        is not added (a repeat, or one too late) returns None: the caller answers it as done."""
+        if task.job.sync == "asp":
+            return self._push_async(task, req)
+        r, rank = req.round, req.rank
+        if r <= task.closed:
+            return None  # already in a closed round, or too late for it (dropped): answered as done
+        expected = task.members.expected(r)
+        if rank not in expected:
+            if rank not in task.members:
+                raise MembershipError(
+                    f"{task.name}: rank {rank} is not a member (members: {sorted(task.members.first)}); a worker "
+                    "that left or was removed must register again", job=task.job.job)
+            raise KeyStateError(
+                f"{task.name}: rank {rank} pushed round {r}, but it joined at round "
+                f"{task.members.first[rank]}", key=task.key)
+        if r > task.closed + task.max_ahead:
+            raise KeyStateError(
+                f"{task.name}: rank {rank} pushed round {r}, more than {task.max_ahead} rounds "
+                f"ahead of round {task.closed} (are the other workers stuck?)",
+                key=task.key,
+            )
+        round_ = task.rounds.get(r)
+        outputs: list = []
+        if round_ is None:
+            round_ = task.rounds[r] = _Round(self.clock())
+            if task.job.straggler_timeout:
+                outputs.append(CloseLater(task, round_.opened + task.job.straggler_timeout, r))
+        if rank in round_.contributors:
+            return None  # the same push again (a resend or a duplicate): added once
+        if round_.acc is None:
+            round_.acc = req.payload
+        else:
+            self.summer.add(round_.acc, req.payload)
+        round_.contributors.add(rank)
+        return outputs + self._close_ready(task)
+
+    def _push_async(self, task: Task, req: Request) -> list[Reply]:
+        """ASP: apply this push alone, now. Sum mode adds it to the value (ps-lite's default
+        handle, MXNet's dist_async merge); optimizer mode steps the weights with it."""
+        if req.rank not in task.members:
+            raise MembershipError(f"{task.name}: rank {req.rank} is not a member of job {task.job.job!r}",
+                                  job=task.job.job)
+        round_ = _Round()
+        round_.contributors.add(req.rank)
+        round_.acc = req.payload
+        if task.job.mode == "sum":
+            value = task.value
+            if task.pool.in_use(value, known=2):  # a queued reply still reads it: add into a copy
+                fresh = task.pool.acquire()
+                np.copyto(fresh, value)
+                value = fresh
+            self.summer.add(value, req.payload)
+            task.value = value
+        else:
+            self._apply(task, round_)
+        task.closed += 1
+        task.last_n = 1
+        task.rounds_closed += 1
+        task.closed_epoch = task.job.membership.epoch
+        return []
+
+    def set_schedule(self, cycle: float, budgets: dict[tuple, tuple[int, float]]) -> None:
+        """pMaster's plan for this Aggregator: its cycle and each task's runs and cost."""
+        self.budget = CycleBudget(cycle, budgets, self.clock()) if cycle > 0 and budgets else None
+
+    def close_due(self, task: Task, round_: int | None = None) -> list:
+        """A round that waited for its slot runs now; or round ``round_`` is past its straggler
+        timeout and closes (when its turn comes) with whoever pushed."""
+        if self.tasks.get((task.job.job, task.key, task.part)) is not task or task.incoming or task.moved_to:
+            return []
+        if round_ is not None:
+            task.overdue = max(task.overdue, round_)
+            return self._close_ready(task)
+        if task.close_at is None:
+            return []
+        return self._close_ready(task, admitted=True)
+
+    def _close_ready(self, task: Task, admitted: bool = False) -> list:
+        replies: list = []
+        if task.poisoned is not None:
+            # An aborted key never completes a round. handle() refuses its requests and abort()
+            # emptied its rounds; this keeps it so for every caller, a membership change above all
+            # (the rounds would close for whoever is left).
+            return replies
+        while True:
+            nxt = task.closed + 1
+            round_ = task.rounds.get(nxt)
+            if round_ is None or task.replicating is not None:
+                return replies
+            expected = task.members.expected(nxt) - task.lost_pushes.get(nxt, set())
+            if not round_.contributors >= expected:
+                if nxt > task.overdue or not round_.contributors:
+                    return replies
+                task.missed[nxt] = frozenset(expected - round_.contributors)
+                for old in [r for r in task.missed if r <= nxt - MAX_MISSED]:
+                    del task.missed[old]
+            if not admitted:
+                if task.close_at is not None:
+                    return replies  # already waiting for its slot
+                if self.budget is not None:
+                    now = self.clock()
+                    when = self.budget.admit((task.job.job, task.key, task.part), now)
+                    if when > now:
+                        task.close_at = when
+                        return replies + [CloseLater(task, when)]
+            admitted = False
+            task.close_at = None
+            del task.rounds[nxt]
+            if task.last_opened is not None:
+                task.round_gap = round_.opened - task.last_opened
+            task.last_opened = round_.opened
+            self._apply(task, round_)
+            task.closed = nxt
+            task.rebase = False  # the job's rounds go on here now
+            task.lost_pushes.pop(nxt, None)
+            task.last_n = len(round_.contributors)
+            task.rounds_closed += 1
+            task.closed_epoch = task.job.membership.epoch
+            if task.job.checkpoint and nxt % task.job.checkpoint_every == 0:
+                replies += self._checkpoint(task)
+            if task.replicas:
+                # Nothing of this round is answered before its replicas have it (replicated()).
+                return replies + self._replicate(task)
+            replies += self._release(task, nxt)
+            if task.migrate_to is not None:
+                # Everything up to this round happened here; what follows happens there.
+                return replies + self._snapshot(task, at_round_end=True)
+
+    def _rebase(self, task: Task, req: Request) -> list:
+        """A part started afresh elsewhere (its Aggregator died without a replica) learns where
+        the job's rounds are from what the workers resend. Under BSP a request for round r says
+        round r - 1 is over for that worker: the rounds up to it are lost here (their waiting pulls
+        get the value there is, or in sum mode the loud error). A pull of the next round from a
+        rank that did not push it here says its push was acknowledged by the dead Aggregator and
+        went with it: the round closes without it, as for a straggler."""
+        replies: list = []
+        done = req.round - 1
+        if done > task.closed:
+            task.closed = task.lost_upto = done
+            for r in [r for r in task.rounds if r <= done]:
+                del task.rounds[r]
+            for r in [r for r in task.pulls if r <= done]:
+                for waiting in task.pulls.pop(r):
+                    replies += self._answer_lost(task, waiting)
+        if req.op == Op.PULL and req.round == task.closed + 1 and not task.job.staleness:
+            round_ = task.rounds.get(req.round)
+            if round_ is None or req.rank not in round_.contributors:
+                lost = task.lost_pushes.setdefault(req.round, set())
+                lost.add(req.rank)
+                if round_ is None and lost >= task.members.expected(req.round):
+                    # every push of the round went with the old Aggregator: the round is lost whole
+                    task.closed = task.lost_upto = req.round
+                    task.lost_pushes.pop(req.round)
+                    for waiting in task.pulls.pop(req.round, []):
+                        replies += self._answer_lost(task, waiting)
+                elif round_ is not None:
+                    replies += self._close_ready(task)
+        return replies
+
+    def _answer_lost(self, task: Task, req: Request) -> list[Reply]:
+        try:
+            return self._pull(task, req)
+        except PslinkError as exc:
+            return [Reply(req.origin, req.id, error=exc)]
+
+    def _release(self, task: Task, closed: int) -> list:
+        """Answer the pulls (and, with replicas, the pushes) that round ``closed`` settles."""
+        replies = []
+        for r in [r for r in task.pulls if r - task.job.staleness <= closed]:
+            for req in task.pulls.pop(r):
+                reply = self._result(task, req)
+                reply.moved = task.migrate_to  # the paper's step 2: the next pull learns the new place
+                replies.append(reply)
+        for r in [r for r in task.acks if r <= closed]:
+            replies += [Reply(req.origin, req.id, round=r, dropped=req.rank in task.missed.get(r, ()))
+                        for req in task.acks.pop(r)]
+        return replies
+
+    def _apply(self, task: Task, round_: _Round) -> None:
+        job = task.job
+        if job.mode == "sum":
+            task.value = round_.acc
+            return
+        optimizer = job.optimizer
+        if optimizer is None:
+            raise KeyStateError(f"{task.name}: job {job.job!r} runs in optimizer mode but has no optimizer set")
+        weights = task.value
+        if task.pool.in_use(weights, known=2):  # task.value and the local name
+            # A reply with the old weights may still be on a socket: step a copy.
+            fresh = task.pool.acquire()
+            np.copyto(fresh, weights)
+            weights = fresh
+        grad = round_.acc
+        scale = optimizer.grad_scale(len(round_.contributors))
+        if scale != 1.0:
+            grad *= scale
+        optimizer.step(weights, grad, task.opt_state)
+        task.value = weights
+
+    def _pull(self, task: Task, req: Request) -> list[Reply]:
+        r = req.round
+        if task.job.sync == "asp":
+            return [self._result(task, req)]  # the latest value, whatever round it is at
+        if r - task.job.staleness > task.closed - (task.replicating is not None):  # bsp: staleness 0
+            if r > task.closed + task.max_ahead:
+                raise KeyStateError(
+                    f"{task.name}: rank {req.rank} asked for round {r}, more than {task.max_ahead} "
+                    f"rounds after the current round {task.closed}",
+                    key=task.key,
+                )
+            task.pulls.setdefault(r, []).append(req)
+            return []
+        if task.lost_upto and r <= task.lost_upto and task.job.mode == "sum":
+            raise KeyStateError(f"{task.name}: the sum of round {r} was lost with the Aggregator that held it; "
+                                f"this part continues from round {task.lost_upto + 1}", key=task.key)
+        if r < task.closed and task.job.mode == "sum" and not task.job.staleness:
+            raise KeyStateError(
+                f"{task.name}: rank {req.rank} asked for round {r}, but round {task.closed} has "
+                f"closed since and its sum replaced it",
+                key=task.key,
+            )
+        return [self._result(task, req)]
+
+    def _result(self, task: Task, req: Request) -> Reply:
+        # After the snapshot (a push-pull whose push closed the round that moved the task),
+        # the answer still comes from here but carries the new place.
+        reply = Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value,
+                      moved=task.moved_to, epoch=task.closed_epoch)
+        if req.average and task.last_n > 1 and task.job.mode == "sum" and task.job.sync != "asp" \
+                and task.value is not None and task.value.dtype.kind == "f":
+            reply.payload, reply.averaged = self._average(task), True
+        if task.restored is not None and task.restored < task.lost_upto and req.round == task.lost_upto + 1:
+            # The first answer after a restart from a checkpoint: what was lost (the Agent says it loudly).
+            reply.lost = (task.lost_upto - task.restored, task.restored)
+        return reply
+
+    @staticmethod
+    def _average(task: Task) -> np.ndarray:
+        """The last closed round's sum divided by its contributors, once per round: the same
+        division each worker's Agent made of its own copy, so the same numbers."""
+        if task.averaged is None or task.averaged[0] != task.closed:
+            task.averaged = None  # the last round's array may be free again (its replies went out)
+            array = task.pool.acquire()
+            np.divide(task.value, task.last_n, out=array)
+            task.averaged = (task.closed, array)
+        return task.averaged[1]
+
+    # -- failures -----------------------------------------------------------------------------
+
+    def abort(self, task: Task, error: PslinkError) -> list[Reply]:
+        """Poison a task: every waiting request and every later one gets ``error``."""
+        if task.poisoned is None:
+            task.poisoned = error
+        return self._fail_all(task, task.poisoned)
+
+    def abort_key(self, job_id: str, key: Any, error: PslinkError) -> list[Reply]:
+        replies = []
+        for (j, k, _), task in list(self.tasks.items()):
+            if j == job_id and k == key:
+                replies += self.abort(task, error)
+        return replies
+
+    def _fail_all(self, task: Task, error: PslinkError) -> list[Reply]:
+        # A task still waiting for its copy holds requests too (a copy that will never come).
+        waiting = task.before_init + task.waiting_copy + [req for reqs in task.pulls.values() for req in reqs]
+        task.before_init, task.waiting_copy, task.pulls = [], [], {}
+        task.rounds.clear()
+        return [Reply(req.origin, req.id, error=error) for req in waiting]
+
+    def fail_origin(self, origin: Any) -> None:
+        """Forget requests from a peer that went away (nobody is left to answer)."""
+        for task in self.tasks.values():
+            task.before_init = [r for r in task.before_init if r.origin is not origin]
+            for r in list(task.pulls):
+                kept = [q for q in task.pulls[r] if q.origin is not origin]
+                if kept:
+                    task.pulls[r] = kept
+                else:
+                    del task.pulls[r]
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def costs(self, smoothing: float = 0.5) -> dict[str, list]:
+        """e_t of every task that closed rounds since the last call: CPU seconds per round,
+        smoothed, per job as [key, part, seconds]."""
+        out: dict[str, list] = {}
+        for (job_id, key, part), task in self.tasks.items():
+            cpu, rounds = task.reported
+            if task.rounds_closed > rounds:
+                sample = (task.cpu - cpu) / (task.rounds_closed - rounds)
+                task.cost = sample if task.cost is None else smoothing * sample + (1 - smoothing) * task.cost
+                task.reported = (task.cpu, task.rounds_closed)
+            if task.cost is not None:
+                out.setdefault(job_id, []).append([key, part, task.cost])
+        return out
+
+    def stats(self) -> dict:
+        """Per job: tasks held, bytes, rounds closed over all tasks, and the furthest round."""
+        per_job: dict[str, dict] = {}
+        for (job_id, _, _), task in self.tasks.items():
+            entry = per_job.setdefault(job_id, {"tasks": 0, "bytes": 0, "task_rounds": 0, "round": 0})
+            entry["tasks"] += 1
+            entry["bytes"] += task.nbytes
+            entry["task_rounds"] += task.rounds_closed
+            entry["round"] = max(entry["round"], task.closed)
+        return per_job
+

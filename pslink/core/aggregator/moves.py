@@ -1,0 +1,291 @@
+"""What moves a task's state in or out of an Aggregator (no I/O): live migration (AutoPS
+Appendix B), replication to other Aggregators and the promotion of a replica when its part's
+Aggregator is gone, the optimizer state for checkpoints (STATE_GET / STATE_SET), and a worker
+joining a running job (JOIN). A mixin of :class:`pslink.core.aggregator.core.AggregatorCore`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pslink.core.membership import TaskMembers
+from pslink.core.wire.protocol import Op
+from pslink.core.aggregator.tasks import Checkpoint, CopyOut, Replicate, Reply, Request, Task, _Round, moved_error
+from pslink.errors import KeyStateError, MembershipError, error_from_code, error_to_wire
+
+MAX_COPY_IDLE_WAIT = 1.0  # seconds a migration's copy waits at most for its Aggregator to fall idle
+
+
+def copy_delay(now: float, last_message: float, deadline: float, idle_wait: float) -> float:
+    """How long a migration's copy (``CopyOut.idle_wait``, due by ``deadline``) should still
+    wait; 0: send it now. It goes once its Aggregator heard nothing for ``idle_wait / 2`` (a
+    quarter of the job's iteration: silences that long come when the workers compute; shorter
+    ones happen within an exchange too, while the workers serve keys held elsewhere), and at
+    the latest at ``deadline``. Pure, for the Aggregator shell."""
+    silent = now - last_message
+    quiet = idle_wait / 2
+    if silent >= quiet or now >= deadline:
+        return 0.0
+    return min(quiet - silent, deadline - now)
+
+
+class TaskMoves:
+    """Requires of its host: ``tasks``, ``moved``, ``replicas``, ``jobs``, ``clock``, ``summer``,
+    ``handle``, ``_release`` and ``_close_ready``."""
+
+    def _state(self, task: Task, req: Request) -> list[Reply]:
+        """STATE_GET / STATE_SET: a part's optimizer state, for checkpoints and their resumption.
+        Between rounds it is exactly the state the next step will use."""
+        optimizer = task.job.optimizer
+        if task.job.mode != "optimizer" or optimizer is None:
+            why = f"it runs in {task.job.mode} mode" if task.job.mode != "optimizer" else "no optimizer is set"
+            raise KeyStateError(f"{task.name}: job {task.job.job!r} keeps no optimizer state on the service ({why})",
+                                key=task.key)
+        if req.op == Op.STATE_GET:
+            names, arrays, scalars = [], [], {}
+            for name, value in sorted(task.opt_state.items()):
+                if isinstance(value, np.ndarray):
+                    names.append(name)
+                    arrays.append(value.copy())  # the next round updates it in place, maybe before the send
+                else:
+                    scalars[name] = value
+            body = {"names": names, "scalars": scalars}
+            return [Reply(req.origin, req.id, round=task.closed, body=body, arrays=arrays)]
+        names, scalars = req.header["names"], req.header.get("scalars") or {}
+        optimizer.check_state(names, scalars, task.name)
+        task.opt_state = {**scalars, **dict(zip(names, req.payload))}
+        return [Reply(req.origin, req.id, round=task.closed)]
+
+    def _join(self, task: Task, req: Request) -> list[Reply]:
+        """JOIN: a worker added to the running job asks where it comes in (round 0: a query) or
+        joins the task from round ``req.round``: the first round no worker has started, so the
+        rounds under way close without it. A round that closed meanwhile refuses (``ok`` false)
+        and the Agent asks again; every part of a key must take the same round."""
+        rank = req.rank
+        if rank not in task.job.membership:
+            raise MembershipError(f"{task.name}: rank {rank} is not a member of job {task.job.job!r}; "
+                                  "register the worker first", job=task.job.job)
+        started = max([task.closed] + [r for r, round_ in task.rounds.items() if round_.contributors])
+        first = task.members.first.get(rank)
+        body = {"closed": task.closed, "started": started, "member_from": first}
+        if req.round == 0:
+            return [Reply(req.origin, req.id, round=task.closed, body=body)]
+        wanted = req.round
+        if first is not None and (first == wanted or any(rank in r.contributors for r in task.rounds.values())
+                                  or first <= task.closed):
+            # Already in: asked twice, or from an earlier round it has taken part in.
+            body["ok"] = first == wanted
+            return [Reply(req.origin, req.id, round=task.closed, body=body)]
+        if wanted <= task.closed:
+            body["ok"] = False  # too late for that round here: ask again
+            return [Reply(req.origin, req.id, round=task.closed, body=body)]
+        task.members.join(rank, wanted)
+        body.update(ok=True, member_from=wanted)
+        return [Reply(req.origin, req.id, round=task.closed, body=body)]
+
+    # -- migration (AutoPS Appendix B) --------------------------------------------------------------
+
+    def begin_migration(self, ident: tuple, target: tuple[str, str], force: bool = False) -> list:
+        """MIGRATE_INIT: move the task to ``target`` (name, address). Under BSP it moves when its
+        current round closes, so the workers learn the new place from that round's replies; an
+        asynchronous job, an uninitialized task or ``force`` moves at once."""
+        task = self.tasks.get(ident)
+        if task is None:
+            if ident in self.moved:
+                return []  # already gone
+            raise KeyStateError(f"aggregator {self.name} does not hold {ident[1]!r} part {ident[2]} of job {ident[0]!r}")
+        if task.moved_to is not None:
+            return []
+        if task.incoming:
+            raise KeyStateError(f"{task.name} is still arriving here; it cannot move on yet")
+        task.migrate_to = tuple(target)
+        if force or task.job.sync == "asp" or not task.initialized:
+            return self._snapshot(task)
+        return []
+
+    @staticmethod
+    def _export(task: Task, open_rounds: bool = True) -> tuple[dict, list[np.ndarray]]:
+        """A task's state as plain data plus its arrays (a frame each): for a migration (with the
+        open rounds' partial sums) or a replica (closed rounds only)."""
+        names, arrays, scalars = [], [], {}
+        if task.value is not None:
+            names.append("value")
+            arrays.append(task.value)
+        for name, value in task.opt_state.items():
+            if isinstance(value, np.ndarray):
+                names.append(f"opt:{name}")
+                arrays.append(value)
+            else:
+                scalars[name] = value
+        rounds = []
+        for r in sorted(task.rounds) if open_rounds else ():
+            round_ = task.rounds[r]
+            rounds.append([r, sorted(round_.contributors)])
+            if round_.acc is not None:
+                names.append(f"round:{r}")
+                arrays.append(round_.acc)
+        state = {
+            "closed": task.closed, "last_n": task.last_n, "rounds_closed": task.rounds_closed,
+            "arrays": names, "scalars": scalars, "open": rounds,
+            "members": task.members.to_wire(), "epoch": task.closed_epoch, "init_rank": task.init_rank,
+        }
+        if task.poisoned is not None:  # an aborted key stays aborted where it moves
+            state["poisoned"] = error_to_wire(task.poisoned)
+        return state, arrays
+
+    def _import(self, task: Task, state: dict, arrays: list[np.ndarray]) -> None:
+        named = dict(zip(state["arrays"], arrays))
+        task.value = named.get("value")
+        task.closed = state["closed"]
+        task.last_n = state["last_n"]
+        task.rounds_closed = state["rounds_closed"]
+        task.opt_state = dict(state.get("scalars", {}))
+        task.opt_state.update({n[4:]: a for n, a in named.items() if n.startswith("opt:")})
+        task.rounds = {}
+        for r, ranks in state["open"]:
+            round_ = task.rounds[r] = _Round(self.clock())
+            round_.contributors = set(ranks)
+            round_.acc = named.get(f"round:{r}")
+        if "members" in state:
+            task.members = TaskMembers.from_wire(state["members"])
+            task.members.keep_only(task.job.membership.ranks)  # who left since the state was taken
+            task.closed_epoch = state.get("epoch", task.closed_epoch)
+            task.init_rank = state.get("init_rank")
+        if state.get("poisoned") and task.poisoned is None:
+            task.poisoned = error_from_code(*state["poisoned"])
+
+    def _snapshot(self, task: Task, at_round_end: bool = False) -> list:
+        """Hand the task over: its state goes to the target in a copy, and whoever waits here
+        is sent there. At the end of a round the copy may wait, up to half the time the workers
+        take to come round again, for this Aggregator to fall idle: sent at once it competes for
+        the CPU and the sockets with the job's other keys of the same iteration, which the job
+        waits for (during compute the copy costs the job nothing)."""
+        state, arrays = self._export(task)
+        task.moved_to = task.migrate_to
+        # Whoever still waits here must ask the new place (their pushes travel in the copy).
+        moved = moved_error(task.key, task.part, task.moved_to)
+        waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
+        waiting += [req for reqs in task.acks.values() for req in reqs]
+        task.before_init, task.pulls, task.acks = [], {}, {}
+        idle_wait = min(MAX_COPY_IDLE_WAIT, task.round_gap / 2) if at_round_end and task.round_gap else 0.0
+        copy = CopyOut(task, task.moved_to, state, arrays, idle_wait=max(0.0, idle_wait))
+        return [copy] + [Reply(r.origin, r.id, error=moved) for r in waiting]
+
+    def copy_done(self, ident: tuple) -> None:
+        """The new Aggregator has the state: forget the task, keep a forwarding address."""
+        task = self.tasks.pop(ident, None)
+        if task is not None and task.moved_to is not None:
+            self.moved[ident] = task.moved_to
+
+    def install(self, task: Task, state: dict, arrays: list[np.ndarray]) -> list:
+        """TENSOR_COPY arrived: take the state over, then serve what waited for it."""
+        if not task.incoming:
+            raise KeyStateError(f"{task.name} is not waiting for a copy here")
+        self._import(task, state, arrays)
+        self.replicas.pop((task.job.job, task.key, task.part), None)  # it serves the part now
+        task.incoming = False
+        task.seen = set()
+        return self._serve_waiting(task)
+
+    def replica_copy(self, ident: tuple, target: tuple[str, str]) -> CopyOut:
+        """pMaster: the source of the migration of part ``ident`` to ``target`` died before its
+        copy landed; this Aggregator holds a replica of the part, with every round the source
+        acknowledged (a round reached it before any of its answers): that is the copy."""
+        held = self.replicas.get(ident)
+        if held is None or "state" not in held:
+            raise KeyStateError(f"aggregator {self.name} holds no replicated state of key {ident[1]!r} part "
+                                f"{ident[2]} of job {ident[0]!r}", job=ident[0], key=ident[1])
+        # A stand-in that names the part in the copy; it is never served here (not in self.tasks).
+        part = Task(self.jobs[ident[0]], dict(held["spec"], incoming=True), self.summer, self.max_ahead)
+        return CopyOut(part, tuple(target), held["state"], held["arrays"], from_replica=True)
+
+    def install_replica(self, ident: tuple) -> list:
+        """As :meth:`replica_copy`, when the target itself holds the replica (the source went on
+        replicating to it after the move began): serve the part from it."""
+        task = self.tasks.get(ident)
+        if task is not None and not task.incoming:
+            return []  # the source's own copy landed first: it has at least as much
+        held = self.replicas.get(ident)
+        if task is None or held is None or "state" not in held:
+            raise KeyStateError(f"aggregator {self.name} waits for no copy of key {ident[1]!r} part {ident[2]} of "
+                                f"job {ident[0]!r}, or holds no replicated state of it", job=ident[0], key=ident[1])
+        return self.install(task, held["state"], held["arrays"])
+
+    def _serve_waiting(self, task: Task) -> list:
+        outputs: list = []
+        waiting, task.waiting_copy = task.waiting_copy, []
+        for req in waiting:
+            outputs += self.handle(task, req)
+        return outputs + self._close_ready(task)
+
+    # -- checkpoints (pslink.core.checkpoints writes them) --------------------------------------------
+
+    def _checkpoint(self, task: Task) -> list:
+        state, arrays = self._export(task, open_rounds=False)
+        # Copies: the next round steps the weights and moments in place, maybe before the write.
+        return [Checkpoint(task, task.closed, state, [a.copy() for a in arrays])]
+
+    def restore(self, task: Task, state: dict, arrays: list[np.ndarray]) -> None:
+        """Start a part afresh from its last checkpoint (its Aggregator and replicas are gone).
+        The workers' next pushes say which round they are at; the rounds in between are lost."""
+        self._import(task, state, arrays)
+        task.restored = task.closed
+        task.rebase = True
+
+    # -- replication: a closed round reaches the replicas before any of its answers ---------------
+
+    def _replicate(self, task: Task) -> list:
+        """The round that just closed goes to every replica; its answers wait for their acks."""
+        task.replicating = task.closed
+        state, arrays = self._export(task, open_rounds=False)
+        return [Replicate(task, task.closed, state, arrays)]
+
+    def replicated(self, ident: tuple, round_: int, lost: list | None = None) -> list:
+        """Every replica acknowledged ``round_`` (``lost``: replicas that failed instead): answer
+        what waited for it, then go on closing rounds."""
+        task = self.tasks.get(ident)
+        if task is None or task.replicating != round_:
+            return []
+        if lost:
+            task.replicas = [r for r in task.replicas if r[0] not in lost]
+        task.replicating = None
+        outputs = self._release(task, round_)
+        if task.migrate_to is not None and task.moved_to is None:
+            return outputs + self._snapshot(task, at_round_end=True)
+        return outputs + self._close_ready(task)
+
+    def replica_update(self, header: dict, state: dict, arrays: list[np.ndarray]) -> None:
+        """REPLICATE: keep a closed round's state of a part this Aggregator is a replica of."""
+        ident = (header["job"], header["key"], header["part"])
+        held = self.replicas.get(ident)
+        if held is None:
+            raise KeyStateError(f"aggregator {self.name} holds no replica of key {ident[1]!r} part {ident[2]} "
+                                f"of job {ident[0]!r}", job=ident[0], key=ident[1])
+        if state["closed"] >= held.get("closed", -1):
+            held.update(closed=state["closed"], state=state, arrays=arrays)
+
+    def promote(self, ident: tuple, replicas: list) -> list:
+        """pMaster: the part's Aggregator is gone; serve it from this replica's last round. Or,
+        to the source of a move whose target is gone: keep the part if it never handed it over."""
+        task = self.tasks.get(ident)
+        if task is not None and task.moved_to is not None:
+            # Handed over (frozen for the copy): the target may have answered rounds since, and
+            # only the part's replicas have those (it replicates before it answers).
+            raise KeyStateError(f"{task.name} was handed over to {task.moved_to[0]} here; a replica has what "
+                                "followed", job=ident[0], key=ident[1])
+        if task is not None:  # promoted already (a repeated request), or a move's source still serving it
+            task.replicas = [tuple(r) for r in replicas]
+            task.migrate_to = None  # a move not begun yet is off: its target is gone
+            return []
+        held = self.replicas.pop(ident, None)
+        if held is None:
+            raise KeyStateError(f"aggregator {self.name} holds no replica of key {ident[1]!r} part {ident[2]} "
+                                f"of job {ident[0]!r} to promote", job=ident[0], key=ident[1])
+        job = self.jobs[ident[0]]
+        task = self.tasks[ident] = Task(job, dict(held["spec"], replicas=replicas), self.summer, self.max_ahead)
+        if "state" in held:
+            self._import(task, held["state"], held["arrays"])
+        return []
+
+    def find_ident(self, ident: tuple) -> Task | None:
+        return self.tasks.get(ident)
+

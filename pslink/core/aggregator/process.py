@@ -1,0 +1,681 @@
+"""The Aggregator process: serves push/pull of any number of jobs and takes orders from pMaster.
+
+A thin shell around :class:`~pslink.core.aggregator.core.AggregatorCore`: it validates each message
+(:func:`pslink.core.wire.protocol.decode`), admits it (credential, shape), receives the payload
+straight into the buffer the core names, and sends what the core answers. A malformed message gets
+an error reply and is counted; a peer that breaks the framing is disconnected and counted; either
+way everyone else keeps being served.
+
+Run one with ``python -m pslink.core.aggregator.process --master tcp://host:port``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from pslink.core.aggregator.core import (
+    AggregatorCore,
+    Checkpoint,
+    CloseLater,
+    CopyOut,
+    Replicate,
+    Reply,
+    Request,
+    Summer,
+    Task,
+    WorkerDone,
+)
+from pslink.core import hosts
+from pslink.core.checkpoints import CheckpointWriter, part_path
+from pslink.core.checkpoints import read as read_checkpoint
+from pslink.core.faults import Faults
+from pslink.core.wire.loop import Reactor, ReactorThread
+from pslink.core.memory import keep_freed_memory
+from pslink.core.wire.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, dtype_of, encode, encode_error
+from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
+from pslink.core.aggregator.moves import copy_delay
+from pslink.core.transport import DISCARD, Connection, Lent, Transports
+from pslink.errors import (AbortedError, ConfigError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
+                           error_from_code)
+
+log = logging.getLogger(__name__)
+
+
+def _peek_id(raw: bytes) -> int:
+    """Best effort: the request id of a header that failed validation, so the error finds its
+    request. 0 when even that cannot be read."""
+    try:
+        header = msgpack.unpackb(raw, raw=False, max_str_len=1 << 16, max_bin_len=1 << 16,
+                                 max_array_len=1 << 10, max_map_len=64)
+        value = header.get("id") if isinstance(header, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    except Exception:
+        return 0
+
+
+class _Copy:
+    """A TENSOR_COPY being received: where its arrays land."""
+
+    __slots__ = ("header", "task", "arrays")
+
+    def __init__(self, header: dict, task: Task, arrays: list):
+        self.header = header
+        self.task = task
+        self.arrays = arrays
+
+
+class _Bad:
+    """A message rejected at its header: answer with ``error``."""
+
+    __slots__ = ("request_id", "error")
+
+    def __init__(self, request_id: int, error: PslinkError):
+        self.request_id = request_id
+        self.error = error
+
+
+class Aggregator:
+    """One Aggregator. ``start()`` runs it on a thread; ``serve_forever()`` on this one."""
+
+    def __init__(
+        self,
+        master: str | None,
+        listen: str = "tcp://127.0.0.1:0",
+        *,
+        name: str | None = None,
+        transports: Transports | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        heartbeat_interval: float = 1.0,
+        reconnect_interval: float = 0.5,
+        orphan_timeout: float | None = 60.0,
+        spin: float = 2e-3,
+        summer: Summer | None = None,
+        faults: Faults | None = None,
+        advertise: str | None = None,
+        interface: str | None = None,
+        keep: bool = False,
+        clock=time.monotonic,
+    ):
+        self.name = name
+        self.keep = keep  # an operator's own: pMaster's scaling never stops it
+        self.faults = faults if faults is not None else Faults.from_env()
+        if self.faults is not None:
+            self.faults.bind(name)
+        self.reactor = Reactor(f"aggregator {name or ''}".strip(), clock)
+        self.transports = transports or Transports()
+        self._own_transports = transports is None
+        self.limits = limits
+        self.core = AggregatorCore(name or "aggregator", summer=summer, clock=clock)
+        self.checkpoints = CheckpointWriter(name or "aggregator")
+        self.master_address = master
+        self.heartbeat_interval = heartbeat_interval
+        self.reconnect_interval = reconnect_interval
+        self.orphan_timeout = orphan_timeout
+        self.spin = spin
+        self.clock = clock
+        advertise, interface = hosts.settings(advertise, interface)
+        self.listener = self.transports.listen(listen, self.reactor, self, limits)
+        try:
+            # What workers and other Aggregators dial: never a wildcard, never loopback to
+            # another host (pMaster refuses that at registration, naming the fix).
+            self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface,
+                                                    toward=master)
+        except BaseException:
+            self.listener.close()
+            raise
+        self.host_id = hosts.host_id()
+        self.errors = 0  # bad messages and broken peers, reported to pMaster
+        self.requests = 0
+        self.busy = 0.0  # CPU seconds spent on tasks: the load pMaster sees (spinning is not work)
+        self._slowdown: tuple[float, bool] = (0.0, False)
+        self._busy_reported = (0.0, clock())
+        self.connections: set[Connection] = set()
+        self.control = RpcEndpoint(self.reactor, self._on_control, limits, on_close=self._on_master_lost)
+        # Connections to other Aggregators, for migrations (TENSOR_COPY).
+        self.peers = RpcEndpoint(self.reactor, self._refuse_peer_request, limits)
+        self._peer_by_address: dict[str, RpcPeer] = {}
+        self.copy_retries = 5
+        self._last_message = clock()  # when the last message arrived: a copy waits for a quiet spell
+        self._master: RpcPeer | None = None
+        self._master_lost_at: float | None = None
+        self._thread: ReactorThread | None = None
+        self._stopped = False
+        self.exit_code: int | None = None
+        self.registration_error: ConfigError | None = None  # pMaster refused it (it then stops)
+        self.registered = threading.Event()  # set once pMaster answered its registration (either way)
+        self.master_error: PslinkError | None = None  # why pMaster was last unreachable
+        if master is not None:
+            self.reactor.post(self._connect_master)
+            self.reactor.call_later(heartbeat_interval, self._heartbeat)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def start(self) -> "Aggregator":
+        self._thread = ReactorThread(self.reactor, self.spin).start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.reactor.run_forever(self.spin)
+
+    def stop(self) -> None:
+        """Stop serving and close every socket (for ``start()``-ed Aggregators). Once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._thread is not None:
+            self._thread.stop()
+        else:
+            self.reactor.stop()
+        # The loop no longer runs: close on this thread and carry out the posted teardowns.
+        self.listener.close()
+        for conn in list(self.connections):
+            conn.close()
+        if self._master is not None:
+            self._master.conn.close()
+        self.reactor.drain()
+        self.checkpoints.flush()
+        self.core.summer.close()
+        self.reactor.close()
+        if self._own_transports:
+            self.transports.close()
+
+    def _restore(self, task: Task) -> None:
+        """pMaster restarts ``task`` here from its checkpoint (its Aggregator died, no replica)."""
+        job = task.job
+        path = part_path(job.checkpoint, job.job, task.key, task.part)
+        try:
+            state, arrays = read_checkpoint(path)
+            self.core.restore(task, state, arrays)
+        except (PslinkError, KeyError, ValueError) as exc:
+            reason = exc.message if isinstance(exc, PslinkError) else f"unreadable: {exc!r}"
+            error = KeyStateError(f"{task.name}: its Aggregator is gone with no replica, and its checkpoint could "
+                                  f"not be restored ({reason})", job=job.job, key=task.key)
+            log.error("aggregator %s: %s", self.name, error.message)
+            self._send_all(self.core.abort(task, error))
+            return
+        log.error("aggregator %s: %s restarted from its checkpoint of round %d; the rounds since are lost",
+                  self.name, task.name, task.restored)
+
+    def slowdown(self, seconds: float, busy: bool = False) -> None:
+        """Chaos hook: after every data request, stall ``seconds`` (``busy``: burning CPU, as a
+        CPU-starved host; otherwise sleeping, as a congested network). 0 ends it."""
+        self._slowdown = (max(0.0, seconds), busy)
+
+    def _stall(self, task: Task) -> None:
+        seconds, busy = self._slowdown
+        if not seconds:
+            return
+        if busy:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+        else:
+            time.sleep(seconds)
+
+    def freeze(self) -> None:
+        """Stop driving the loop while keeping every socket open: to its peers the Aggregator
+        hangs (as under SIGSTOP). For tests of timeouts; only for ``start()``-ed Aggregators."""
+        if self._thread is not None:
+            self._thread.stop()
+
+    # -- data path: transport handler -----------------------------------------------------------
+
+    def on_accept(self, conn: Connection) -> None:
+        self.connections.add(conn)
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        self.connections.discard(conn)
+        self.core.fail_origin(conn)
+        if isinstance(exc, ProtocolError):
+            self.errors += 1
+            log.warning("aggregator %s dropped %s: %s", self.name, conn.peer, exc)
+
+    def on_header(self, conn: Connection, raw: bytes, sizes: tuple[int, ...]):
+        self.requests += 1
+        self._last_message = self.clock()
+        try:
+            header = decode(raw, sizes, self.limits)
+        except ProtocolError as exc:
+            self.errors += 1
+            log.warning("aggregator %s: bad message from %s: %s", self.name, conn.peer, exc)
+            return _Bad(_peek_id(raw), exc), DISCARD
+        op = header["op"]
+        if op in DATA_OPS:
+            try:
+                task = self.core.admit(header)
+            except ShapeMismatchError as exc:
+                # Both sides of a mismatch must hear of it: poison the key for every waiter.
+                task = self.core.find(header)
+                if task is not None:
+                    self._send_all(self.core.abort(task, exc))
+                return _Bad(header["id"], exc), DISCARD
+            except PslinkError as exc:
+                return _Bad(header["id"], exc), DISCARD
+            started = time.thread_time()  # the task's CPU time counts from its header
+            if sizes:
+                buffer = self.core.receive_buffer(task)
+                dest = memoryview(buffer).cast("B")
+                if op is Op.PUSH or op is Op.PUSHPULL:  # may only be added: read it where it lies
+                    lend = Lent([dest])
+                    return (header, task, buffer, started, lend), lend
+                return (header, task, buffer, started, None), [dest]
+            return (header, task, None, started, None), None
+        if op in STATE_OPS:
+            try:
+                task = self.core.admit(header)
+            except PslinkError as exc:
+                return _Bad(header["id"], exc), DISCARD
+            # A state's arrays are kept: fresh buffers, never the pool's.
+            buffers = [np.empty(task.span[1] - task.span[0], task.dtype) for _ in sizes]
+            return (header, task, buffers, time.thread_time(), None), [memoryview(b).cast("B") for b in buffers] or None
+        if op in (Op.PING, Op.ABORT):
+            return header, None
+        if op == Op.TENSOR_COPY or op == Op.REPLICATE:
+            return self._copy_header(header, sizes)
+        error = ProtocolError(f"{op.name} is not served on an Aggregator's data port")
+        return _Bad(header["id"], error), DISCARD
+
+    def on_message(self, conn: Connection, state: Any, payloads: list) -> None:
+        if isinstance(state, _Bad):
+            self._send(conn, [encode_error(state.request_id, state.error)])
+            return
+        if isinstance(state, dict):  # PING or ABORT
+            if state["op"] == Op.PING:
+                self._send(conn, [encode(Op.PONG, id=state["id"])])
+            else:
+                self._abort(conn, state)
+            return
+        if isinstance(state, _Copy):
+            self._install(conn, state)
+            return
+        header, task, buffer, started, lend = state
+        payload = buffer
+        if lend is not None and lend.lent[0]:  # the push lies in the sender's shared-memory ring
+            payload = np.frombuffer(payloads[0], task.dtype)
+            if not self.core.adds_in_place(task, header["op"], header["rank"], header["rnd"]):
+                np.copyto(buffer, payload)  # it may become the round's sum, or be kept: copy it
+                payload = buffer
+        # A sum that reaches its worker through a ring is divided there, on the copy the worker
+        # makes anyway, instead of in a pass of its own here.
+        average = bool(header.get("avg")) and not conn.payload_in_place(task.numel * task.dtype.itemsize)
+        request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], payload, average=average)
+        if header["op"] == Op.STATE_SET:
+            request.header = header
+        self._send_all(self.core.handle(task, request))
+        if payload is not buffer:
+            request.payload = None  # the ring's bytes are the sender's again once this returns
+        self._stall(task)
+        spent = time.thread_time() - started
+        task.cpu += spent
+        self.busy += spent
+
+    def _abort(self, conn: Connection | None, header: dict) -> None:
+        try:
+            self.core.authorize(header)
+        except PslinkError as exc:
+            if conn is not None:
+                self._send(conn, [encode_error(header["id"], exc)])
+            return
+        # Keep the original error's class (a shape mismatch stays one for every waiter).
+        error = error_from_code(header.get("code", AbortedError.code), header["msg"], header.get("details"))
+        self._send_all(self.core.abort_key(header["job"], header["key"], error))
+        if conn is not None and header["id"]:
+            self._send(conn, [encode(Op.REPLY, id=header["id"])])
+
+    def _send_all(self, outputs: list) -> None:
+        for out in outputs:
+            if isinstance(out, Reply):
+                if out.error is not None:
+                    frames = [encode_error(out.id, out.error)]
+                elif out.body is not None:  # STATE_GET or JOIN: names and numbers (and an array a frame)
+                    frames = [encode(Op.REPLY, id=out.id, rnd=out.round, body=out.body), *(out.arrays or ())]
+                else:
+                    fields = {"moved": list(out.moved)} if out.moved is not None else {}
+                    if out.dropped:
+                        fields["dropped"] = True
+                    if out.lost is not None:
+                        fields["lost"] = list(out.lost)
+                    if out.averaged:
+                        fields["avg"] = True
+                    header = encode(Op.REPLY, id=out.id, rnd=out.round, n=out.n, ep=out.epoch, **fields)
+                    frames = [header, out.payload] if out.payload is not None else [header]
+                self._send(out.origin, frames)
+            elif isinstance(out, CopyOut):
+                self._copy_when_idle(out)
+            elif isinstance(out, Replicate):
+                self._send_replicas(out)
+            elif isinstance(out, Checkpoint):
+                job = out.task.job
+                self.checkpoints.submit(part_path(job.checkpoint, job.job, out.task.key, out.task.part), out.state,
+                                        out.arrays)
+            elif isinstance(out, WorkerDone):
+                self._tell_master(Op.WORKER_DONE, out.task)
+            elif isinstance(out, CloseLater):
+                self.reactor.call_later(max(0.0, out.when - self.clock()), self._close_due, out.task, out.round)
+
+    def _close_due(self, task: Task, round_: int | None = None) -> None:
+        self._send_all(self.core.close_due(task, round_))
+
+    # -- migration ------------------------------------------------------------------------------------
+
+    def _copy_header(self, header: dict, sizes: tuple[int, ...]):
+        """A TENSOR_COPY from the task's old Aggregator: receive its arrays straight into place."""
+        try:
+            self.core.authorize(header)
+            task = self.core.find(header)
+            if header["op"] == Op.TENSOR_COPY and (task is None or not task.incoming):
+                if task is not None and header.get("from_replica"):
+                    # A replica's copy for a source that died, whose own copy landed after all.
+                    return _Copy(header, task, []), DISCARD
+                raise ProtocolError(f"aggregator {self.name} expects no copy of key {header['key']!r} "
+                                    f"part {header['part']} of job {header['job']!r}")
+            if len(sizes) != len(header["state"].get("arrays", [])):
+                raise ProtocolError(f"{header['op'].name} of key {header['key']!r} names "
+                                    f"{header['state'].get('arrays')} but carries {len(sizes)} arrays")
+        except PslinkError as exc:
+            return _Bad(header["id"], exc), DISCARD
+        start, stop = header["span"]
+        block = np.empty((len(sizes), stop - start), dtype_of(header["dtype"]))  # one allocation for all
+        return _Copy(header, task, list(block)), [memoryview(row).cast("B") for row in block]
+
+    def _install(self, conn: Connection, copy: "_Copy") -> None:
+        try:
+            if copy.header["op"] == Op.REPLICATE:
+                self.core.replica_update(copy.header, copy.header["state"], copy.arrays)
+                outputs = []
+            elif copy.header.get("from_replica") and not copy.task.incoming:
+                # The dead source's own copy landed first (it has as much as a replica, or more):
+                # done all the same, as far as pMaster is concerned.
+                outputs = []
+            else:
+                outputs = self.core.install(copy.task, copy.header["state"], copy.arrays)
+        except PslinkError as exc:
+            self._send(conn, [encode_error(copy.header["id"], exc)])
+            return
+        self._send(conn, [encode(Op.REPLY, id=copy.header["id"])])
+        self._send_all(outputs)
+
+    def _copy_when_idle(self, out: CopyOut) -> None:
+        """Send a migration's copy once this Aggregator fell quiet (the job's workers compute)
+        or its ``idle_wait`` is up (:func:`~pslink.core.aggregator.moves.copy_delay`). A job with no
+        pause between iterations gets its copy then, before its workers come round to the
+        task again."""
+        deadline = self.clock() + out.idle_wait
+
+        def when_quiet():
+            wait = copy_delay(self.clock(), self._last_message, deadline, out.idle_wait)
+            if wait > 0:
+                self.reactor.call_later(wait, when_quiet)
+            else:
+                self._send_copy(out, self.copy_retries)
+
+        when_quiet()
+
+    def _send_copy(self, out: CopyOut, retries: int, done=None) -> None:
+        """TENSOR_COPY to the migration's target, retried; then tell pMaster, or ``done(error)``
+        (a replica's copy, COPY_REPLICA: pMaster waits for the answer instead)."""
+        task = out.task
+        ident = (task.job.job, task.key, task.part)
+        if self.faults is not None and not out.from_replica:
+            self.faults.copying()  # kill=NAME@copy: dies having handed the part over
+
+        def copied(result, error):
+            if error is None and done is not None:
+                done(None)
+            elif error is None:
+                self.core.copy_done(ident)
+                self._tell_master(Op.TENSOR_COPY_DONE, task)
+            elif retries > 0:
+                log.warning("aggregator %s: copying %s to %s failed (%s); retrying", self.name, task.name, out.target[0], error)
+                self.reactor.call_later(0.5, self._send_copy, out, retries - 1, done)
+            else:
+                log.error("aggregator %s: giving up copying %s to %s: %s", self.name, task.name, out.target[0], error)
+                if done is not None:
+                    done(error)
+
+        try:
+            peer = self._peer(out.target[1])
+        except PslinkError as exc:
+            copied(None, exc)
+            return
+        peer.call(
+            Op.TENSOR_COPY, copied, timeout=60.0, payloads=out.arrays,
+            job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part, rnd=out.state["closed"],
+            dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
+            **({"from_replica": True} if out.from_replica else {}),
+        )
+
+    def _send_replicas(self, out: Replicate) -> None:
+        """REPLICATE to every replica; when all answered (or failed), the round's answers go out."""
+        task = out.task
+        ident = (task.job.job, task.key, task.part)
+        waiting = {"left": len(task.replicas), "lost": []}
+
+        def done(name, error):
+            if error is not None:
+                log.warning("aggregator %s: replica %s of %s failed (%s); going on without it",
+                            self.name, name, task.name, error)
+                waiting["lost"].append(name)
+            waiting["left"] -= 1
+            if waiting["left"] == 0:
+                self._send_all(self.core.replicated(ident, out.round, waiting["lost"]))
+
+        for name, address in list(task.replicas):
+            try:
+                peer = self._peer(address)
+            except PslinkError as exc:
+                done(name, exc)
+                continue
+            peer.call(
+                Op.REPLICATE, lambda result, error, name=name: done(name, error), timeout=10.0,
+                payloads=out.arrays, job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part,
+                rnd=out.round, dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
+            )
+
+    def _peer(self, address: str) -> RpcPeer:
+        peer = self._peer_by_address.get(address)
+        if peer is None or peer.conn.closed:
+            conn = self.transports.connect(address, self.reactor, self.peers, self.limits, timeout=5.0)
+            peer = self._peer_by_address[address] = self.peers.peer(conn)
+            peer.info["name"] = f"aggregator at {address}"
+        return peer
+
+    @staticmethod
+    def _refuse_peer_request(peer: RpcPeer, req: dict) -> None:
+        raise ProtocolError(f"{req['op'].name} is not a request between Aggregators")
+
+    def _tell_master(self, op: Op, task: Task) -> None:
+        if self._master is not None:
+            self._master.notify(op, agg=self.name, job=task.job.job, key=task.key, part=task.part)
+
+    def _send(self, conn: Connection, frames) -> None:
+        try:
+            if self.faults is not None:
+                self.faults.send(conn, frames)
+            else:
+                conn.send(frames)
+        except PeerError:
+            pass  # that peer is gone; on_close forgets its requests
+
+    # -- control path (pMaster) -------------------------------------------------------------------
+
+    def _connect_master(self) -> None:
+        if self._master is not None or self.reactor.stopping:
+            return
+        try:
+            conn = self.transports.connect(self.master_address, self.reactor, self.control, self.limits, timeout=2.0)
+        except PeerError as exc:
+            self._master_down(exc)
+            return
+        peer = self.control.peer(conn)
+        peer.info["name"] = "pMaster"
+        self._master = peer
+        tasks = [[job, key, part] for (job, key, part) in self.core.tasks]
+        peer.call(
+            Op.REGISTER_AGGREGATOR, self._registered, timeout=10.0,
+            address=self.address, pid=os.getpid(), host=hosts.host_name(), host_id=self.host_id, tasks=tasks,
+            **({"agg": self.name} if self.name else {}), **({"keep": True} if self.keep else {}),
+        )
+
+    def _registered(self, result: dict | None, error: PslinkError | None) -> None:
+        if isinstance(error, ConfigError):
+            # pMaster refused what this Aggregator is (an address nobody can dial): retrying
+            # would be refused again. Say why and stop.
+            log.error("aggregator %s: pMaster at %s refused it: %s", self.name or "", self.master_address, error.message)
+            self.registration_error = error
+            self.exit_code = 2
+            self.registered.set()
+            self.reactor.stop()
+            return
+        if error is not None:
+            log.warning("aggregator %s: registration with pMaster failed: %s", self.name, error)
+            if self._master is not None:
+                self._master.conn.close()
+                self._master = None
+            self._master_down(error)
+            return
+        self.name = result["body"]["agg"]
+        self.core.name = self.name
+        self.reactor.name = f"aggregator {self.name}"
+        self._master_lost_at = None
+        self.master_error = None
+        self.registered.set()
+        log.info("aggregator %s serving at %s", self.name, self.address)
+
+    def _on_master_lost(self, peer: RpcPeer, exc) -> None:
+        if self.exit_code is not None:
+            return  # shutting down on pMaster's request: its going away is expected
+        if peer is self._master:
+            self._master = None
+            self._master_down(exc)
+
+    def _master_down(self, exc) -> None:
+        self.master_error = exc
+        now = self.clock()
+        if self._master_lost_at is None:
+            self._master_lost_at = now
+            log.warning("aggregator %s: pMaster at %s unreachable (%s); retrying", self.name, self.master_address, exc)
+        if self.orphan_timeout is not None and now - self._master_lost_at > self.orphan_timeout:
+            # Nobody will ever manage this process again: leave instead of lingering forever.
+            log.error("aggregator %s: pMaster gone for %.0f s; exiting", self.name, self.orphan_timeout)
+            self.exit_code = 3
+            self.reactor.stop()
+            return
+        self.reactor.call_later(self.reconnect_interval, self._connect_master)
+
+    def _heartbeat(self) -> None:
+        try:
+            # Not before pMaster named it (a joining Aggregator has no name until then).
+            if self._master is not None and self._master_lost_at is None and self.name is not None:
+                busy, since = self._busy_reported
+                now = self.clock()
+                load = (self.busy - busy) / (now - since) if now > since else 0.0
+                self._busy_reported = (self.busy, now)
+                self._master.notify(
+                    Op.AGG_HEARTBEAT, agg=self.name,
+                    stats={"jobs": self.core.stats(), "errors": self.errors, "requests": self.requests,
+                           "costs": self.core.costs(), "load": round(min(1.0, load), 4),
+                           "cycle": self.core.budget.describe() if self.core.budget else None},
+                )
+        finally:
+            self.reactor.call_later(self.heartbeat_interval, self._heartbeat)
+
+    def _on_control(self, peer: RpcPeer, req: dict) -> None:
+        op = req["op"]
+        if op == Op.ASSIGN:
+            for task in self.core.assign(req["jobinfo"], req["tasks"]):
+                if task.poisoned is not None:
+                    self._send_all(self.core.abort(task, task.poisoned))  # the key was aborted: fail its waiters
+                elif task.restore and task.restored is None:
+                    self._restore(task)
+            peer.reply(req)
+        elif op == Op.JOB_INFO:
+            outputs = self.core.set_job(req["jobinfo"])
+            peer.reply(req)
+            self._send_all(outputs)
+        elif op == Op.DROP_JOB:
+            self._send_all(self.core.drop_job(req["job"]))
+            if req["id"]:
+                peer.reply(req)
+        elif op == Op.ABORT:
+            self._abort(None, req)
+        elif op == Op.SCHEDULE:
+            budgets = {(job, key, part): (int(runs), float(cost)) for job, key, part, runs, cost in req["tasks"]}
+            self.core.set_schedule(float(req["cycle"]), budgets)
+            if req["id"]:
+                peer.reply(req)
+        elif op == Op.MIGRATE:
+            target = tuple(req["target"])
+            outputs = self.core.begin_migration((req["job"], req["key"], req["part"]), target, req.get("force", False))
+            peer.reply(req)
+            self._send_all(outputs)
+        elif op == Op.PROMOTE:
+            outputs = self.core.promote((req["job"], req["key"], req["part"]), req["replicas"])
+            peer.reply(req)
+            self._send_all(outputs)
+        elif op == Op.COPY_REPLICA:
+            self._copy_replica(peer, req)
+        elif op == Op.PING:  # pMaster: is this Aggregator alive (an Agent could not reach it)?
+            peer.reply(req)
+        elif op == Op.SHUTDOWN:
+            log.info("aggregator %s: shutdown requested by pMaster", self.name)
+            self.exit_code = 0
+            self.reactor.stop()
+        else:
+            raise ProtocolError(f"{op.name} is not a request an Aggregator serves")
+
+    def _copy_replica(self, peer: RpcPeer, req: dict) -> None:
+        """COPY_REPLICA: a migration's source died before its copy landed; the replica held here
+        is the copy. Answered once it landed (or with why it could not)."""
+        ident, target = (req["job"], req["key"], req["part"]), tuple(req["target"])
+        if target[0] == self.name:  # the target holds the replica itself
+            outputs = self.core.install_replica(ident)
+            peer.reply(req)
+            self._send_all(outputs)
+            return
+        out = self.core.replica_copy(ident, target)
+        self._send_copy(out, self.copy_retries, lambda error: peer.error(req, error) if error else peer.reply(req))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pslink.core.aggregator", description=__doc__.split("\n")[0])
+    parser.add_argument("--master", required=True, help="pMaster address, e.g. tcp://127.0.0.1:7770")
+    parser.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to bind (port 0: any)")
+    parser.add_argument("--advertise", default=None,
+                        help=f"address peers dial (default ${hosts.ENV_ADVERTISE}, else the bound address, else the "
+                        "local address that routes to pMaster)")
+    parser.add_argument("--interface", default=None,
+                        help=f"advertise this network interface's address (default ${hosts.ENV_INTERFACE})")
+    parser.add_argument("--name", default=None, help="stable name (pMaster assigns one if omitted)")
+    parser.add_argument("--orphan-timeout", type=float, default=60.0, help="exit after this long without pMaster")
+    parser.add_argument("--log-level", default=os.environ.get("PSLINK_LOG_LEVEL", "WARNING"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s aggregator {args.name or ''} %(levelname)s %(message)s")
+    keep_freed_memory()  # this process is the Aggregator's own
+    try:
+        aggregator = Aggregator(args.master, args.listen, name=args.name, orphan_timeout=args.orphan_timeout,
+                                advertise=args.advertise, interface=args.interface)
+    except PslinkError as exc:
+        log.error("aggregator %s cannot start: %s", args.name or "", exc.message)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: aggregator.reactor.stop())
+    signal.signal(signal.SIGINT, lambda *_: aggregator.reactor.stop())
+    try:
+        aggregator.serve_forever()
+    finally:
+        aggregator.core.summer.close()
+    return aggregator.exit_code or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

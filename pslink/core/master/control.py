@@ -1,0 +1,842 @@
+"""The control plane's decisions (AutoPS 3.3): profiling, packing, the performance guard, scaling.
+
+Pure and clock-driven: feed it events (a job arrives, a part is declared, iterations are
+reported, costs are measured, Aggregators come and go, jobs end, time passes) and it answers with
+actions (:class:`Allocate`, :class:`Release`, :class:`Migrate`). pMaster carries them out; the
+trace-driven simulator feeds the very same object with simulated time.
+
+A job's life (paper 3.3.1-3.3.2):
+
+1. **Profiling.** On arrival it gets ``servers`` Aggregators of its own (idle ones first, else new
+   ones), as many as it would ask ps-lite for, and runs alone there; its parts are spread over them
+   by bytes. Agents report iteration durations, Aggregators report each task's CPU time per
+   iteration.
+2. **Packing.** After ``profile_iterations`` iterations its standalone iteration duration ``D`` is
+   the median measured, and every task is placed by Pseudocode 1 (:mod:`pslink.core.master.placement`) in
+   the best-fit cluster; tasks whose place changes are migrated; Aggregators left empty are
+   released.
+3. **Guard.** While it runs packed, its iteration durations are compared with ``D``. When the
+   median over the last ``guard_window`` iterations loses more than ``loss_limit``, tasks on a congested
+   Aggregator move to others with room (Appendix D), once; failing that, or when the job is still
+   too slow after that move, the job is reverted: a new Aggregator is added and the job placed
+   again, alone (the paper's Figure 10). A reverted job's Aggregators are then kept for it. A
+   job that declares keys after its profile is judged against its first full window with them
+   instead (it got heavier by itself; nothing to revert). While its tasks move (a pack, the
+   guard's own moves, an operator's removal, a drain), and in the report right after, it is not
+   judged: each window is measured on one placement, the one it is judged for.
+4. **Exit.** Its tasks go; empty Aggregators are released (down to ``min_aggregators``), then the
+   least-loaded ones are drained into the others while that needs no new Aggregator. With a
+   ``scale_period``, releases and drains happen once per period while allocation stays on demand
+   (the paper's hybrid scaling).
+
+Aggregators are grouped in clusters of at most ``max_cluster_size``, each with its own placement
+state; a job is packed into the best-fit cluster (enough free CPU, the least of it).
+
+Hosts. pMaster tells the control plane each Aggregator's host (``host_of``). Where the pool spans
+several hosts, a job's parts are spread over them: each part goes, among the Aggregators that
+qualify, to the host holding the fewest of the job's bytes so far, so that no single NIC carries
+a whole job (with Aggregators on the worker hosts, as BytePS co-locates servers, each host's NIC
+then carries what a ring all-reduce would). One host, or none known (the simulator): the same
+decisions as without hosts. Aggregators an operator joined by hand (``pinned``) are never
+released or drained by scaling: the operator gave them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import statistics
+from typing import Any, Callable
+
+from pslink.core.master.placement import LOSS_LIMIT, NewAggregator, Placement, TaskDemand, runs_per_cycle
+from pslink.errors import ConfigError, ServiceError
+
+#: CPU seconds an Aggregator spends per byte pushed, before anything was measured (receiving the
+#: bytes and adding them up; calibrated on this project's 2-vCPU test machine, ~2 GB/s).
+DEFAULT_COST_PER_BYTE = 5e-10
+PROVISIONAL_ITERATION = 1.0  # placeholder duration for a profiling job's tasks (its Aggregators are its own)
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocate:
+    """Start an Aggregator in ``cluster``; tell :meth:`ControlPlane.bind` its name once it is up."""
+
+    cluster: str
+    placeholder: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    aggregator: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Migrate:
+    task: tuple  # (job, key, part)
+    source: str
+    target: str
+    reason: str
+
+
+@dataclasses.dataclass
+class JobControl:
+    job: str
+    workers: int
+    servers: int
+    cluster: str
+    phase: str = "profiling"  # profiling -> packed -> reverted
+    temporaries: list[str] = dataclasses.field(default_factory=list)
+    parts: dict[tuple, int] = dataclasses.field(default_factory=dict)  # task -> bytes
+    costs: dict[tuple, float] = dataclasses.field(default_factory=dict)  # e_t, as profiled
+    latest_costs: dict[tuple, float] = dataclasses.field(default_factory=dict)  # e_t since (reporting)
+    standalone: float | None = None  # D_j
+    profiled: list[float] = dataclasses.field(default_factory=list)
+    window: collections.deque = dataclasses.field(default_factory=collections.deque)
+    iterations: int = 0
+    reverts: int = 0
+    exclusive: bool = False
+    # The guard moved its tasks off congested Aggregators since it was last placed. Packing fills
+    # Aggregators to their cycle, so the ones that take those tasks are as full: moving again
+    # would only push the congestion around (the trace-driven simulator saw jobs moved thousands
+    # of times). A job still too slow after one move is reverted instead.
+    relieved: bool = False
+    adopted: bool = False  # placed before a pMaster restart: re-profile, do not move
+    # Keys declared after its profile: the job itself got heavier, so its standalone speed is
+    # stale. The next full window sets it again instead of being judged against the old one.
+    grown: bool = False
+    # Its tasks were moving when it last reported: its next report still holds iterations
+    # measured during the moves (an Agent reports what it measured since its last report).
+    settling: bool = False
+
+    def current_iteration(self) -> float | None:
+        # The median: the loss must *stay* above the limit over the window (the paper), so one
+        # slow iteration (a pause, a hiccup of the host) does not move a job.
+        return statistics.median(self.window) if self.window else None
+
+
+class ControlPlane:
+    """Placement and scaling decisions for a pool of Aggregators, in clusters."""
+
+    def __init__(
+        self,
+        *,
+        loss_limit: float = LOSS_LIMIT,
+        guard_window: int = 100,
+        profile_iterations: int = 20,
+        min_aggregators: int = 1,
+        max_aggregators: int = 1024,
+        max_cluster_size: int = 64,
+        scale_period: float = 0.0,
+        max_reverts: int = 2,
+        cost_per_byte: float = DEFAULT_COST_PER_BYTE,
+        congested_load: float = 0.95,
+        cost_inflation: float = 3.0,
+        elastic: bool = True,
+        clock: Callable[[], float] | None = None,
+    ):
+        self.loss_limit = loss_limit
+        self.guard_window = guard_window
+        self.profile_iterations = profile_iterations
+        self.min_aggregators = min_aggregators
+        self.max_aggregators = max_aggregators
+        self.max_cluster_size = max_cluster_size
+        self.scale_period = scale_period
+        self.max_reverts = max_reverts
+        self.cost_per_byte = cost_per_byte
+        self.congested_load = congested_load
+        self.cost_inflation = cost_inflation
+        # Without a provider nothing can be started or stopped: place within the pool as it is.
+        self.elastic = elastic
+        self.clock = clock or (lambda: 0.0)
+        self.clusters: dict[str, Placement] = {}
+        self.cluster_of: dict[str, str] = {}  # Aggregator (or placeholder) -> cluster
+        self.jobs: dict[str, JobControl] = {}
+        self.loads: dict[str, float] = {}  # Aggregator -> CPU load 0..1, as measured
+        self.reserved: dict[str, str] = {}  # Aggregator -> job it is a profiling temporary for
+        self.exclusive: dict[str, str] = {}  # Aggregator -> reverted job it belongs to
+        self._held: dict[str, list] = collections.defaultdict(list)  # placeholder -> actions
+        # Aggregators an operator is removing: out of the plan, released once their tasks moved.
+        self.draining: set[str] = set()
+        # A removed Aggregator's Release waits until every new Aggregator its tasks go to is up
+        # (the moves to them are held until then, and it must not go before they start).
+        self._release_waits: dict[str, tuple[set, Release]] = {}
+        self._pending_scale_down = False
+        self._last_scale = self.clock()
+        self._serial = itertools.count(1)
+        self.host_of: dict[str, str] = {}  # Aggregator -> its host's identity (pMaster fills it in)
+        self.pinned: set[str] = set()  # joined by an operator: scaling keeps them
+        # Aggregators holding replicas: the plan counts only tasks, pMaster knows the replicas.
+        # Scaling never releases or drains them, or the replicas would go with them.
+        self.replica_holders: Callable[[], set] = set
+        # Jobs with tasks on the move (pMaster's migrations, running, queued, or waiting for a
+        # new Aggregator): the guard does not judge them meanwhile. The simulator's moves take
+        # no time: none.
+        self.moving_jobs: Callable[[], set] = set
+
+    # -- the pool ---------------------------------------------------------------------------------
+
+    def _new_cluster(self) -> str:
+        name = f"cluster-{len(self.clusters)}"
+        # Its own placeholder names: _allocate's "<new-N>" may still be starting when a plan opens
+        # an Aggregator, and so may another cluster's (the simulator hit both).
+        self.clusters[name] = Placement(self.loss_limit, placeholder_prefix=f"<new-{name}-")
+        return name
+
+    def _cluster_for_new_aggregator(self, preferred: str | None = None) -> str:
+        if preferred is not None and len(self.clusters[preferred].aggregators) < self.max_cluster_size:
+            return preferred
+        for name, plan in self.clusters.items():
+            if len(plan.aggregators) < self.max_cluster_size:
+                return name
+        return self._new_cluster()
+
+    def aggregator_added(self, name: str) -> None:
+        """An Aggregator nobody asked for joined (the initial pool, a restart, an operator)."""
+        if name in self.cluster_of:
+            return
+        cluster = self._cluster_for_new_aggregator()
+        self.clusters[cluster].add_aggregator(name)
+        self.cluster_of[name] = cluster
+
+    def aggregator_count(self) -> int:
+        return len(self.cluster_of)
+
+    def _allocate(self, cluster: str, reason: str) -> Allocate:
+        plan = self.clusters[cluster]
+        placeholder = f"<new-{next(self._serial)}>"
+        plan.add_aggregator(placeholder)
+        self.cluster_of[placeholder] = cluster
+        return Allocate(cluster, placeholder, reason)
+
+    def bind(self, placeholder: str, name: str) -> list:
+        """An allocated Aggregator registered as ``name``: the actions that waited for it."""
+        cluster = self.cluster_of.pop(placeholder)
+        self.clusters[cluster].rename(placeholder, name)
+        self.cluster_of[name] = cluster
+        for table in (self.reserved, self.exclusive):
+            if placeholder in table:
+                table[name] = table.pop(placeholder)
+        for job in self.jobs.values():
+            job.temporaries = [name if t == placeholder else t for t in job.temporaries]
+        actions = [self._rebind(a, placeholder, name) for a in self._held.pop(placeholder, [])]
+        for leaving, (waits, release) in list(self._release_waits.items()):
+            waits.discard(placeholder)
+            if not waits:
+                del self._release_waits[leaving]
+                actions.append(release)  # after the moves above: pMaster lets it go once they finished
+        return actions
+
+    @staticmethod
+    def _rebind(action, placeholder: str, name: str):
+        if isinstance(action, Migrate):
+            return dataclasses.replace(
+                action,
+                source=name if action.source == placeholder else action.source,
+                target=name if action.target == placeholder else action.target,
+            )
+        return action
+
+    def aggregator_lost(self, name: str) -> None:
+        """An Aggregator went away: forget it (its tasks' recovery is the failure path's job)."""
+        cluster = self.cluster_of.pop(name, None)
+        if cluster is not None:
+            self.clusters[cluster].remove_aggregator(name)
+        self.reserved.pop(name, None)
+        self.exclusive.pop(name, None)
+        self.loads.pop(name, None)
+        self.draining.discard(name)
+        self._release_waits.pop(name, None)
+        self.pinned.discard(name)
+
+    def task_recovered(self, ident: tuple, aggregator: str) -> None:
+        """A part now lives on ``aggregator`` because its own Aggregator failed (a replica was
+        promoted, or it started afresh there)."""
+        control = self.jobs.get(ident[0])
+        if control is None or ident not in control.parts:
+            return
+        for plan in self.clusters.values():
+            plan.unassign(ident)
+        if aggregator not in self.cluster_of:
+            self.aggregator_added(aggregator)
+        self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident), aggregator)
+
+    def jobs_waiting_to_move(self) -> set[str]:
+        """Jobs with moves held until the Aggregator they go to is up."""
+        return {a.task[0] for held in self._held.values() for a in held if isinstance(a, Migrate)}
+
+    def is_placeholder(self, name: str) -> bool:
+        return name.startswith("<new-")
+
+    def _emit(self, actions: list, action) -> None:
+        """Hold actions that target an Aggregator still being started."""
+        targets = [getattr(action, "target", None), getattr(action, "source", None)]
+        waiting = next((t for t in targets if t and self.is_placeholder(t)), None)
+        if waiting is not None:
+            self._held[waiting].append(action)
+        else:
+            actions.append(action)
+
+    # -- jobs ---------------------------------------------------------------------------------------
+
+    def job_arrived(self, job: str, workers: int, servers: int | None = None) -> list:
+        """A new job: reserve its profiling Aggregators (idle ones first)."""
+        if job in self.jobs:
+            return []
+        servers = max(1, servers if servers is not None else workers)
+        cluster = max(self.clusters, key=lambda c: len(self._idle(c)), default=None) or self._new_cluster()
+        control = self.jobs[job] = JobControl(job, workers, servers, cluster)
+        if self.profile_iterations <= 0:
+            control.phase = "packed"
+            return []
+        actions: list = []
+        for name in self._across_hosts(self._idle(cluster))[:servers]:
+            control.temporaries.append(name)
+            self.reserved[name] = job
+        while self.elastic and len(control.temporaries) < servers and self.aggregator_count() < self.max_aggregators:
+            allocation = self._allocate(self._cluster_for_new_aggregator(cluster), f"profile job {job} alone")
+            control.temporaries.append(allocation.placeholder)
+            self.reserved[allocation.placeholder] = job
+            actions.append(allocation)
+        return actions
+
+    def _across_hosts(self, names: list[str]) -> list[str]:
+        """``names`` reordered to take one per host in turn (a job's profiling Aggregators then
+        span its hosts' NICs); kept as they are on one host."""
+        by_host: dict[str, list[str]] = {}
+        for name in names:
+            by_host.setdefault(self.host_of.get(name, ""), []).append(name)
+        if len(by_host) < 2:
+            return names
+        columns = list(by_host.values())
+        return [n for row in itertools.zip_longest(*columns) for n in row if n is not None]
+
+    def _job_bytes_by_host(self, control: JobControl) -> collections.Counter:
+        """Bytes of the job's parts placed so far on each host."""
+        count: collections.Counter = collections.Counter()
+        for ident, nbytes in control.parts.items():
+            for plan in self.clusters.values():
+                name = plan.where.get(ident)
+                if name is not None:
+                    count[self.host_of.get(name, "")] += nbytes
+                    break
+        return count
+
+    def _idle(self, cluster: str) -> list[str]:
+        plan = self.clusters[cluster]
+        return sorted(n for n, a in plan.aggregators.items()
+                      if not a.tasks and n not in self.reserved and n not in self.exclusive
+                      and not self.is_placeholder(n))
+
+    def place_part(self, job: str, key: Any, part: int, nbytes: int) -> tuple[str, list]:
+        """Where a newly declared part goes (an Aggregator or a placeholder), plus actions."""
+        control = self.jobs[job]
+        ident = (job, key, part)
+        control.parts[ident] = nbytes
+        if control.phase == "profiling":
+            # Alone on its own Aggregators while profiling (or, with none to spare, with the
+            # others): spread by bytes, over hosts first.
+            pool = control.temporaries or self._candidates(control)
+            on_host = self._job_bytes_by_host(control)
+            target = min(pool, key=lambda n: (on_host[self.host_of.get(n, "")], self._bytes_on(n), n))
+            self.clusters[self.cluster_of[target]].assign(self._demand(control, ident, provisional=True), target)
+            return target, []
+        target, actions = self._place_spread(control, self._demand(control, ident), self._candidates(control),
+                                             f"no room for a part of job {job}", self._job_bytes_by_host(control))
+        control.grown = True
+        control.window.clear()  # iterations without the new key say nothing about the job now
+        return target, actions
+
+    def _place_spread(self, control: JobControl, demand: TaskDemand, candidates: list[str], reason: str,
+                      on_host: collections.Counter) -> tuple[str, list]:
+        """Pseudocode 1 for one task, trying the hosts that hold the fewest of the job's bytes
+        first (``on_host``, updated); on one host simply :meth:`_place_one`."""
+        by_host: dict[str, list[str]] = {}
+        for name in candidates:
+            if not self.is_placeholder(name):
+                by_host.setdefault(self.host_of.get(name, ""), []).append(name)
+        target = None
+        if len(by_host) > 1:
+            plan = self.clusters[control.cluster]
+            for host in sorted(by_host, key=lambda h: (on_host[h], h)):
+                target = plan.choose(demand, by_host[host])
+                if target is not None:
+                    plan.assign(demand, target)
+                    break
+        actions: list = []
+        if target is None:
+            target, actions = self._place_one(control, demand, candidates, reason)
+        on_host[self.host_of.get(target, "")] += demand.nbytes
+        return target, actions
+
+    def _place_one(self, control: JobControl, demand: TaskDemand, candidates: list[str], reason: str) -> tuple[str, list]:
+        """Pseudocode 1 for one task; without elasticity the least-full candidate takes what fits
+        nowhere."""
+        plan = self.clusters[control.cluster]
+        decision = plan.place(demand, candidates, allow_new=self.elastic)
+        if isinstance(decision, NewAggregator):
+            self.cluster_of[decision.placeholder] = control.cluster
+            return decision.placeholder, [Allocate(control.cluster, decision.placeholder, reason)]
+        if decision is None:
+            _, left = plan.evaluate(demand, candidates)
+            names = [n for n in candidates if n in plan.aggregators]
+            decision = max(names, key=lambda n: (left[plan.aggregators[n].index], n))
+            plan.assign(demand, decision)
+        return decision, []
+
+    def forget_parts(self, job: str, key: Any, parts: int) -> None:
+        control = self.jobs.get(job)
+        for part in range(parts):
+            ident = (job, key, part)
+            for plan in self.clusters.values():
+                plan.unassign(ident)
+            if control is not None:
+                control.parts.pop(ident, None)
+                control.costs.pop(ident, None)
+
+    def adopt_job(self, job: str, workers: int, servers: int | None, cluster: str | None = None) -> JobControl:
+        """A job that ran before a pMaster restart: it keeps its places and is profiled again."""
+        control = self.jobs.get(job)
+        if control is None:
+            cluster = cluster or next(iter(self.clusters), None) or self._new_cluster()
+            control = self.jobs[job] = JobControl(job, workers, max(1, servers or workers), cluster, adopted=True)
+        return control
+
+    def adopt_part(self, job: str, workers: int, servers: int | None, key: Any, part: int, nbytes: int,
+                   aggregator: str) -> None:
+        """A part placed before a pMaster restart: keep it where it is, learn the job again."""
+        if aggregator not in self.cluster_of:
+            self.aggregator_added(aggregator)
+        control = self.adopt_job(job, workers, servers, self.cluster_of[aggregator])
+        ident = (job, key, part)
+        control.parts[ident] = nbytes
+        self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident, provisional=True), aggregator)
+
+    def _bytes_on(self, name: str) -> int:
+        return self.clusters[self.cluster_of[name]].aggregators[name].nbytes
+
+    def _demand(self, control: JobControl, ident: tuple, provisional: bool = False) -> TaskDemand:
+        iteration = PROVISIONAL_ITERATION if provisional or control.standalone is None else control.standalone
+        cost = control.costs.get(ident)
+        if cost is None:
+            cost = self.estimate_cost(control, control.parts[ident])
+        return TaskDemand(control.job, ident[1], ident[2], iteration, cost, control.parts[ident])
+
+    def estimate_cost(self, control: JobControl, nbytes: int) -> float:
+        """e_t before it was measured: bytes pushed per iteration times the cost of a byte (the
+        job's own measured rate when it has one)."""
+        measured = [(control.costs[i], control.parts[i]) for i in control.costs if control.parts.get(i)]
+        per_byte = (sum(c for c, _ in measured) / sum(b for _, b in measured)) if measured else (
+            self.cost_per_byte * control.workers)
+        return per_byte * nbytes
+
+    def _candidates(self, control: JobControl) -> list[str]:
+        plan = self.clusters[control.cluster]
+        return [n for n in plan.aggregators
+                if self.reserved.get(n, control.job) == control.job
+                and self.exclusive.get(n, control.job) == control.job]
+
+    def move_task(self, ident: tuple, target: str, reason: str = "requested") -> Migrate | None:
+        """An operator's move (or a benchmark's): update the plan and say how to carry it out."""
+        source = self._where(ident)
+        if source == target:
+            return None
+        source_plan = self.clusters[self.cluster_of[source]]
+        demand = source_plan.unassign(ident)
+        self.clusters[self.cluster_of[target]].assign(demand, target)
+        return Migrate(ident, source, target, reason)
+
+    def costs_measured(self, job: str, costs: dict[tuple, float]) -> None:
+        """Aggregators' per-task CPU seconds per iteration (e_t). Placement uses what was
+        measured while the job was profiled: later figures include whatever slows the
+        Aggregator down (congestion), which must not make a task look too big to move."""
+        control = self.jobs.get(job)
+        if control is None:
+            return
+        measured = {i: c for i, c in costs.items() if i in control.parts}
+        control.latest_costs.update(measured)
+        if control.phase == "profiling" or control.adopted:
+            control.costs.update(measured)
+        else:
+            for ident, cost in measured.items():  # parts declared after packing: first figure only
+                control.costs.setdefault(ident, cost)
+
+    def load_measured(self, name: str, load: float) -> None:
+        self.loads[name] = load
+
+    def iterations_reported(self, job: str, durations: list[float]) -> list:
+        """Iteration durations measured by a job's Agents: profiling, then the guard."""
+        control = self.jobs.get(job)
+        if control is None or not durations:
+            return []
+        control.iterations += len(durations)
+        if control.phase == "profiling":
+            control.profiled.extend(durations)
+            if len(control.profiled) >= self.profile_iterations:
+                return self._pack(control)
+            return []
+        if job in self.moving_jobs():
+            # Its tasks are moving (an operator's removal, a drain, the guard's own moves, a pack):
+            # these iterations measure neither the placement it had nor the one it gets, and
+            # they include the moves' copies. The guard judges the new placement on its own
+            # iterations (as after its own moves), not on a window filled before or during them.
+            control.window.clear()
+            control.settling = True
+            return []
+        if control.settling:
+            control.settling = False  # the first report since: measured partly during the moves
+            return []
+        control.window.extend(durations)
+        while len(control.window) > self.guard_window:
+            control.window.popleft()
+        if len(control.window) < self.guard_window or control.standalone is None:
+            return []
+        current = control.current_iteration()
+        if control.grown:
+            # Its iterations now include keys it declared after its profile: however much slower
+            # they are, the job did that, not its neighbours (the guard would otherwise revert
+            # or spread a job for its own growth). Judged from here on against this window.
+            control.grown = False
+            control.standalone = current
+            control.window.clear()
+            return []
+        loss = (current - control.standalone) / current
+        if loss <= self.loss_limit:
+            return []
+        control.window.clear()  # judge the next placement on its own iterations
+        return self._guard(control, loss, current)
+
+    def _pack(self, control: JobControl) -> list:
+        """Profiling is over: place every task of the job by Pseudocode 1, best-fit cluster."""
+        control.standalone = statistics.median(control.profiled)
+        control.phase = "packed"
+        current = {i: self._where(i) for i in control.parts}
+        if control.adopted or not self.elastic and not control.temporaries:
+            # Measured where it already runs: record the real demands, move nothing.
+            for ident, name in current.items():
+                self.clusters[self.cluster_of[name]].assign(self._demand(control, ident), name)
+            return []
+        for ident in control.parts:
+            self.clusters[self.cluster_of[current[ident]]].unassign(ident)
+        for name in control.temporaries:
+            self.reserved.pop(name, None)
+        demands = [self._demand(control, i) for i in control.parts]
+        control.cluster = self._best_cluster(control, demands)
+        actions = self._place_job(control, demands, current, "pack after profiling")
+        control.temporaries = []
+        return actions + self._release_empty(f"job {control.job} packed")
+
+    def _where(self, ident: tuple) -> str:
+        for plan in self.clusters.values():
+            name = plan.where.get(ident)
+            if name is not None:
+                return name
+        raise KeyError(ident)
+
+    def _best_cluster(self, control: JobControl, demands: list[TaskDemand]) -> str:
+        need = sum(d.cost for d in demands) / control.standalone
+        fits = [(plan.free_capacity(), name) for name, plan in self.clusters.items() if plan.free_capacity() >= need]
+        return min(fits)[1] if fits else control.cluster
+
+    def _place_job(self, control: JobControl, demands: list[TaskDemand], current: dict, reason: str,
+                   candidates: list[str] | None = None) -> list:
+        pool = candidates if candidates is not None else self._candidates(control)
+        actions: list = []
+        on_host: collections.Counter = collections.Counter()
+        for demand in sorted(demands, key=lambda d: (-d.cost, str(d.key), d.part)):
+            target, more = self._place_spread(control, demand, pool, f"{reason}: job {control.job} needs room",
+                                              on_host)
+            actions += more
+            if target not in pool:
+                pool = pool + [target]
+            if current.get(demand.ident) != target:
+                self._emit(actions, Migrate(demand.ident, current[demand.ident], target, reason))
+        return actions
+
+    def _congested(self, control: JobControl, plan: Placement) -> list[str]:
+        """The job's Aggregators that are the likely cause: busy (their measured load) or slow
+        for it (its tasks there cost several times what they cost when profiled)."""
+        out = []
+        for name in sorted({plan.where[i] for i in control.parts if i in plan.where}):
+            tasks = [i for i in control.parts if plan.where.get(i) == name]
+            before = sum(control.costs.get(i, 0.0) for i in tasks)
+            now = sum(control.latest_costs.get(i, 0.0) for i in tasks)
+            if self.loads.get(name, 0.0) >= self.congested_load or (before > 0 and now >= self.cost_inflation * before):
+                out.append(name)
+        return out
+
+    def _guard(self, control: JobControl, loss: float, current: float) -> list:
+        """The job runs too slowly on its packed placement: relieve it (Appendix D, Figure 10)."""
+        plan = self.clusters[control.cluster]
+        congested = self._congested(control, plan)
+        actions: list = []
+        if congested and not control.relieved:
+            others = [n for n in self._candidates(control) if n not in congested]
+            for name in congested:
+                for ident in [i for i in control.parts if plan.where.get(i) == name]:
+                    demand = plan.unassign(ident)
+                    target = plan.choose(demand, others)
+                    if target is None:
+                        plan.assign(demand, name)
+                        break
+                    plan.assign(demand, target)
+                    actions.append(Migrate(ident, name, target, f"aggregator {name} congested"))
+            if actions:
+                control.relieved = True
+                return actions
+        if control.reverts >= self.max_reverts or not self.elastic:
+            return []
+        if control.exclusive and not congested:
+            # Alone on Aggregators of its own and not held up by them: this is how fast it runs
+            # alone now (the host changed), so that is its standalone speed from here on.
+            control.standalone = current
+            return []
+        control.reverts += 1
+        control.relieved = False
+        control.phase = "reverted"
+        control.exclusive = True
+        current = {i: plan.where[i] for i in control.parts if i in plan.where}
+        demands = [plan.unassign(i) for i in current]
+        # The job's own new Aggregator joins its cluster even past the size limit: a job is
+        # served from one cluster.
+        allocation = self._allocate(control.cluster, f"revert job {control.job}: {loss:.0%} slower than alone")
+        self.exclusive[allocation.placeholder] = control.job
+        actions = [allocation]
+        new = [allocation.placeholder]
+        decisions = plan.place_all(demands, new)
+        for ident, decision in decisions.items():
+            target = decision.placeholder if isinstance(decision, NewAggregator) else decision
+            if isinstance(decision, NewAggregator):
+                self.cluster_of[target] = control.cluster
+                self.exclusive[target] = control.job
+                actions.append(Allocate(control.cluster, target, f"revert job {control.job}"))
+            self._emit(actions, Migrate(ident, current[ident], target, f"revert job {control.job}"))
+        return actions + self._release_empty(f"job {control.job} reverted")
+
+    def job_ended(self, job: str) -> list:
+        control = self.jobs.pop(job, None)
+        if control is None:
+            return []
+        for plan in self.clusters.values():
+            plan.remove_job(job)
+        for table in (self.reserved, self.exclusive):
+            for name in [n for n, j in table.items() if j == job]:
+                del table[name]
+        if self.scale_period > 0:
+            self._pending_scale_down = True
+            return []
+        return self._scale_down(f"job {job} ended")
+
+    def tick(self) -> list:
+        """Time passed: the periodic half of hybrid scaling."""
+        now = self.clock()
+        if self.scale_period <= 0 or now - self._last_scale < self.scale_period:
+            return []
+        self._last_scale = now
+        if not self._pending_scale_down:
+            return []
+        self._pending_scale_down = False
+        return self._scale_down("periodic scaling")
+
+    # -- scaling down -----------------------------------------------------------------------------------
+
+    def release_idle(self, reason: str = "idle", keep=()) -> list:
+        """Release Aggregators that hold nothing (after migrations that emptied them finished).
+        ``keep``: those that hold what the plan does not count (replicas)."""
+        return self._release_empty(reason, keep)
+
+    def _release_empty(self, reason: str, keep=()) -> list:
+        actions = []
+        if not self.elastic:
+            return actions
+        keep = set(keep) | self.replica_holders() | self.pinned
+        # Tasks still to move off an Aggregator (waiting for their new one to start) keep it.
+        leaving = {a.source for held in self._held.values() for a in held if isinstance(a, Migrate)}
+        for cluster, plan in self.clusters.items():
+            for name in sorted(plan.aggregators):
+                if self.aggregator_count() <= self.min_aggregators:
+                    return actions
+                if (plan.aggregators[name].tasks or name in self.reserved or self.is_placeholder(name)
+                        or name in leaving or name in keep):
+                    continue
+                plan.remove_aggregator(name)
+                self.cluster_of.pop(name, None)
+                self.exclusive.pop(name, None)
+                actions.append(Release(name, reason))
+        return actions
+
+    def _scale_down(self, reason: str) -> list:
+        actions = self._release_empty(reason)
+        for cluster, plan in self.clusters.items():
+            actions += self._drain(plan, reason)
+        return actions + self._release_empty(reason)
+
+    def _drain(self, plan: Placement, reason: str) -> list:
+        """Move everything off the least-loaded Aggregators while others have room (3.3.2)."""
+        actions: list = []
+        holders = self.replica_holders() if self.elastic else set()
+        while self.elastic and self.aggregator_count() > self.min_aggregators:
+            busy = [p for n, p in plan.aggregators.items() if p.tasks and n not in self.exclusive
+                    and n not in self.reserved and not self.is_placeholder(n)]
+            drainable = [p for p in busy if p.name not in holders and p.name not in self.pinned]
+            if len(busy) < 2 or not drainable:
+                return actions
+            lightest = min(drainable, key=lambda p: (p.work / p.cycle if p.cycle else 0.0, p.name))
+            targets = [p.name for p in busy if p is not lightest]
+            moves = plan.try_move_all(lightest.name, targets)
+            if moves is None:
+                return actions
+            actions += [Migrate(ident, lightest.name, target, f"drain {lightest.name}: {reason}")
+                        for ident, target in moves.items()]
+            plan.remove_aggregator(lightest.name)
+            self.cluster_of.pop(lightest.name, None)
+            actions.append(Release(lightest.name, f"drained: {reason}"))
+        return actions
+
+    # -- operators changing the pool -------------------------------------------------------------------
+
+    def add_aggregators(self, count: int) -> list[Allocate]:
+        """An operator adds ``count`` Aggregators. Scaling down keeps them: ``min_aggregators``
+        rises to the pool's new size."""
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"the number of Aggregators to add must be >= 1, got {count!r}")
+        if self.aggregator_count() + count > self.max_aggregators:
+            raise ConfigError(f"adding {count} Aggregator(s) to the {self.aggregator_count()} there are would pass "
+                              f"max_aggregators={self.max_aggregators}")
+        actions = [self._allocate(self._cluster_for_new_aggregator(), "added by an operator") for _ in range(count)]
+        self.min_aggregators = max(self.min_aggregators, self.aggregator_count())
+        return actions
+
+    def remove_aggregator(self, name: str) -> tuple[list, dict[tuple, str]]:
+        """An operator removes ``name``: it takes no new task, every task on it moves (to the
+        others with room, else to a new Aggregator), then it is released. Returns the actions to
+        carry out now (Migrate, Allocate, Release; moves to a new Aggregator and a Release that
+        must follow them are held until it is up) and every move, task -> where it goes."""
+        if name in self.draining:
+            raise ServiceError(f"aggregator {name} is already being removed")
+        cluster = self.cluster_of.get(name)
+        if cluster is None or self.is_placeholder(name):
+            known = sorted(n for n in self.cluster_of if not self.is_placeholder(n))
+            raise ServiceError(f"aggregator {name!r} is not in the pool (it has: {', '.join(known) or 'none'})")
+        if self.aggregator_count() <= 1 and not self.elastic:
+            raise ServiceError(f"aggregator {name} is the last one in the pool and pMaster has no provider to start "
+                               "another: its jobs would have nowhere to go; add one first")
+        plan = self.clusters[cluster]
+        jobs = {ident[0] for ident in plan.aggregators[name].tasks}
+        # Another job's profiling or reverted Aggregators stay its own.
+        targets = [n for n in plan.aggregators if n != name
+                   and all(self.reserved.get(n, j) == j and self.exclusive.get(n, j) == j for j in jobs)]
+        if jobs and not targets and not self.elastic:
+            raise ServiceError(f"no other Aggregator of {cluster} may take the tasks of {name} and none can be "
+                               "started (pMaster has no provider); add one first")
+        self.draining.add(name)
+        self.reserved.pop(name, None)
+        self.exclusive.pop(name, None)
+        for control in self.jobs.values():
+            if name in control.temporaries:
+                control.temporaries.remove(name)
+        actions: list = []
+        reason = f"removing {name}"
+        replacement = None
+        if self.aggregator_count() <= 1:
+            # The last one of an elastic pool: a new one takes its place (and its tasks) first.
+            allocation = self._allocate(cluster, f"{reason}, the last Aggregator of the pool")
+            actions.append(allocation)
+            replacement = allocation.placeholder
+            targets = [replacement]
+        moves = plan.try_move_all(name, targets)
+        if moves is None:
+            moves = self._move_off(plan, cluster, name, targets, actions, reason)
+        for ident, target in moves.items():
+            self._emit(actions, Migrate(ident, name, target, reason))
+        plan.remove_aggregator(name)
+        self.cluster_of.pop(name, None)
+        self.loads.pop(name, None)
+        release = Release(name, "removed by an operator")
+        waits = {t for t in moves.values() if self.is_placeholder(t)} | ({replacement} if replacement else set())
+        # Moves off it decided before (a revert's, to an Aggregator still starting) must start first too.
+        waits |= {p for p, held in self._held.items() for a in held if isinstance(a, Migrate) and a.source == name}
+        if waits:
+            self._release_waits[name] = (waits, release)
+        else:
+            actions.append(release)
+        # The operator asked for a smaller pool: scaling must not start another in its place.
+        self.min_aggregators = max(1, min(self.min_aggregators, self.aggregator_count()))
+        return actions, moves
+
+    def _move_off(self, plan: Placement, cluster: str, name: str, targets: list[str], actions: list,
+                  reason: str) -> dict[tuple, str]:
+        """The others lack room for all of ``name``'s tasks: each goes to the best fit among them,
+        else to one new Aggregator, else (none can be started, or it fits nowhere) to the one
+        with the most room left: the operator asked for the removal."""
+        pool = list(targets)
+        new = None
+        moves: dict[tuple, str] = {}
+        for task in sorted(plan.aggregators[name].tasks.values(), key=lambda t: (-t.cost, str(t.key), t.part)):
+            plan.unassign(task.ident)
+            target = plan.choose(task, pool)
+            if target is None and new is None and self.elastic and self.aggregator_count() < self.max_aggregators:
+                allocation = self._allocate(cluster, f"{reason}: its tasks need room")
+                actions.append(allocation)
+                new = allocation.placeholder
+                pool.append(new)
+                target = new
+            if target is None:
+                _, left = plan.evaluate(task, pool)
+                target = max(pool, key=lambda n: (left[plan.aggregators[n].index], n))
+            plan.assign(task, target)
+            moves[task.ident] = target
+        return moves
+
+    def undrain(self, name: str) -> None:
+        """A removal failed part way (a move did not start): ``name`` stays in the pool, with the
+        tasks it still has (pMaster moves the plan of the failed one back)."""
+        if name in self.draining:
+            self.draining.discard(name)
+            self._release_waits.pop(name, None)
+            self.aggregator_added(name)
+
+    def released(self, name: str) -> None:
+        """pMaster let ``name`` go."""
+        self.draining.discard(name)
+        self.pinned.discard(name)
+        self.host_of.pop(name, None)
+
+    # -- cyclic execution ------------------------------------------------------------------------------------
+
+    def schedules(self) -> dict[str, tuple[int, float, list]]:
+        """Per Aggregator: (plan version, cycle, [[job, key, part, runs, cost], ...]) for the tasks
+        of jobs past profiling (a profiling job has no measured iteration to fit a cycle to)."""
+        out = {}
+        for plan in self.clusters.values():
+            for name, agg in plan.aggregators.items():
+                if self.is_placeholder(name):
+                    continue
+                entries = []
+                for ident, task in agg.tasks.items():
+                    control = self.jobs.get(ident[0])
+                    if control is None or control.standalone is None:
+                        continue
+                    entries.append([ident[0], ident[1], ident[2], runs_per_cycle(agg.cycle, task.iteration), task.cost])
+                out[name] = (agg.version, agg.cycle, entries)
+        return out
+
+    # -- reporting -----------------------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        jobs = {}
+        for name, c in self.jobs.items():
+            current = c.current_iteration()
+            jobs[name] = {
+                "phase": c.phase, "cluster": c.cluster, "standalone": c.standalone, "current": current,
+                "loss": (current - c.standalone) / current if current and c.standalone else None,
+                "iterations": c.iterations, "reverts": c.reverts,
+            }
+        return {
+            "clusters": {name: plan.describe() for name, plan in self.clusters.items()},
+            "jobs": jobs,
+            "reserved": dict(self.reserved),
+            "exclusive": dict(self.exclusive),
+        }

@@ -1,0 +1,178 @@
+"""pMaster's durable state in SQLite: jobs and tokens, key placements, Aggregators.
+
+A restarted pMaster loads this back and resumes: workers and Aggregators reconnect and find their
+jobs, tokens and assignments as they left them. Workers themselves are not stored (they register
+again); Aggregators come back as not-yet-alive until they reconnect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+
+import msgpack
+
+from pslink.core.checkpoints import DEFAULT_EVERY
+from pslink.core.master.state import AggregatorRecord, JobRecord, KeySpec, MasterState, PartSpec, WorkerInfo
+from pslink.core.membership import Membership
+
+SCHEMA_VERSION = 3
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    job TEXT PRIMARY KEY, token BLOB NOT NULL, num_workers INTEGER NOT NULL, mode TEXT NOT NULL,
+    optimizer TEXT, partition_bytes INTEGER NOT NULL, preregistered INTEGER NOT NULL,
+    created REAL NOT NULL, joined TEXT NOT NULL, sync TEXT NOT NULL, extra TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS keys (
+    job TEXT NOT NULL, key BLOB NOT NULL, shape TEXT NOT NULL, dtype TEXT NOT NULL,
+    declared_by INTEGER NOT NULL, needs_init INTEGER NOT NULL, parts TEXT NOT NULL,
+    PRIMARY KEY (job, key)
+);
+CREATE TABLE IF NOT EXISTS aggregators (
+    name TEXT PRIMARY KEY, address TEXT NOT NULL, pid INTEGER NOT NULL, host TEXT NOT NULL,
+    host_id TEXT NOT NULL DEFAULT ''
+);
+"""
+
+# How a state file of an older schema becomes the current one, step by step.
+_MIGRATIONS = {
+    2: "ALTER TABLE aggregators ADD COLUMN host_id TEXT NOT NULL DEFAULT ''",  # hosts (several machines)
+}
+
+
+class MasterStore:
+    """Write-through persistence; ``path=None`` keeps nothing (an embedded, throwaway service)."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        if path is None:
+            self.db = None
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+        row = self.db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+        if row is None:
+            self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        else:
+            version = int(row[0])
+            while version in _MIGRATIONS and version < SCHEMA_VERSION:
+                self.db.execute(_MIGRATIONS[version])
+                version += 1
+                self.db.execute("UPDATE meta SET value=? WHERE name='schema'", (str(version),))
+            if version != SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"state file {path} has schema {row[0]}; this pslink reads schema {SCHEMA_VERSION}"
+                )
+
+    def _exec(self, sql: str, args: tuple = ()) -> None:
+        if self.db is not None:
+            self.db.execute(sql, args)
+
+    def save_job(self, record: JobRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                record.job,
+                record.token,
+                record.num_workers,
+                record.mode,
+                json.dumps(record.optimizer) if record.optimizer is not None else None,
+                record.partition_bytes,
+                int(record.preregistered),
+                record.created,
+                json.dumps(sorted(record.joined)),
+                record.sync,
+                json.dumps(record.extra()),
+            ),
+        )
+
+    def delete_job(self, job: str) -> None:
+        self._exec("DELETE FROM keys WHERE job=?", (job,))
+        self._exec("DELETE FROM jobs WHERE job=?", (job,))
+
+    def save_key(self, job: str, spec: KeySpec) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                job,
+                msgpack.packb(spec.key),
+                json.dumps(list(spec.shape)),
+                spec.dtype,
+                spec.declared_by,
+                int(spec.needs_init),
+                json.dumps([[p.part, list(p.span), p.aggregator, p.replicas] for p in spec.parts]),
+            ),
+        )
+
+    def delete_aggregator(self, name: str) -> None:
+        self._exec("DELETE FROM aggregators WHERE name=?", (name,))
+
+    def save_aggregator(self, record: AggregatorRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO aggregators VALUES (?, ?, ?, ?, ?)",
+            (record.name, record.address, record.pid, record.host, record.host_id),
+        )
+
+    def load(self, state: MasterState) -> None:
+        """Fill ``state`` with what was saved."""
+        if self.db is None:
+            return
+        now = state.clock()
+        for name, address, pid, host, host_id in self.db.execute(
+                "SELECT name, address, pid, host, host_id FROM aggregators"):
+            state.aggregators[name] = AggregatorRecord(name, address, pid=pid, host=host, host_id=host_id, alive=False,
+                                                       last_seen=now)
+            state.control.host_of[name] = host_id
+        for job, token, num_workers, mode, optimizer, partition, prereg, created, joined, sync, extra in self.db.execute(
+            "SELECT * FROM jobs"
+        ):
+            extra = json.loads(extra)
+            state.jobs[job] = record = JobRecord(
+                job=job,
+                token=bytes(token),
+                num_workers=num_workers,
+                mode=mode,
+                optimizer=json.loads(optimizer) if optimizer else None,
+                partition_bytes=partition,
+                sync=sync,
+                preregistered=bool(prereg),
+                created=created,
+                joined=set(json.loads(joined)),
+                idle_since=now,  # its workers get a heartbeat timeout to reconnect
+                membership=Membership.from_wire(extra["membership"]),
+                max_workers=extra.get("max_workers"),
+                staleness=extra.get("staleness", 0),
+                straggler_timeout=extra.get("straggler_timeout"),
+                servers=extra.get("servers"),
+                replication=extra.get("replication", 0),
+                checkpoint=extra.get("checkpoint"),
+                checkpoint_every=extra.get("checkpoint_every") or DEFAULT_EVERY,
+            )
+            for rank in record.membership.ranks:  # each gets the heartbeat timeout to reconnect
+                record.workers[rank] = WorkerInfo(rank, last_seen=now, restored=True)
+            state.control.adopt_job(job, num_workers, record.servers)
+        for job, key, shape, dtype, declared_by, needs_init, parts in self.db.execute("SELECT * FROM keys"):
+            record = state.jobs.get(job)
+            if record is None:
+                continue
+            spec = KeySpec(
+                key=msgpack.unpackb(key, raw=False),
+                shape=tuple(json.loads(shape)),
+                dtype=dtype,
+                declared_by=declared_by,
+                needs_init=bool(needs_init),
+                parts=[PartSpec(part, tuple(span), agg, list(replicas)) for part, span, agg, replicas in json.loads(parts)],
+                ready=True,
+            )
+            state.adopt_key(record, spec)
+
+    def close(self) -> None:
+        if self.db is not None:
+            self.db.close()
+            self.db = None

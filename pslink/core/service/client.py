@@ -1,0 +1,81 @@
+"""A synchronous control-plane client for tools (``pslink service status``, ``pslink job create``)."""
+
+from __future__ import annotations
+
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Op
+from pslink.core.transport.rpc import RpcEndpoint
+from pslink.core.transport import Transports
+from pslink.errors import PslinkTimeoutError, ProtocolError
+
+
+class ControlClient:
+    """Request/reply with pMaster on the calling thread; no background thread."""
+
+    def __init__(self, master: str, timeout: float = 10.0, transports: Transports | None = None):
+        self.master = master
+        self.timeout = timeout
+        self.transports = transports or Transports()
+        self._own_transports = transports is None
+        self.reactor = Reactor("control-client")
+        self.endpoint = RpcEndpoint(self.reactor, self._refuse, DEFAULT_LIMITS)
+        conn = self.transports.connect(master, self.reactor, self.endpoint, DEFAULT_LIMITS, timeout)
+        self.peer = self.endpoint.peer(conn)
+        self.peer.info["name"] = f"pMaster at {master}"
+
+    @staticmethod
+    def _refuse(peer, req):
+        raise ProtocolError(f"a control client serves no {req['op'].name} requests")
+
+    def call(self, op: Op, **fields) -> dict:
+        """Send a request and return the reply's body (or raise the error pMaster sent)."""
+        outcome: dict = {}
+
+        def answered(result, error):
+            outcome["result"], outcome["error"] = result, error
+
+        self.peer.call(op, answered, timeout=self.timeout, **fields)
+        deadline = self.reactor.clock() + self.timeout + 1.0
+        with_lock = self.reactor.acquire()
+        try:
+            while "result" not in outcome:
+                remaining = deadline - self.reactor.clock()
+                if remaining <= 0:
+                    raise PslinkTimeoutError(f"{op.name} to pMaster at {self.master} got no answer")
+                self.reactor.run_once(remaining)
+        finally:
+            if with_lock:
+                self.reactor.release()
+        if outcome["error"] is not None:
+            raise outcome["error"]
+        return outcome["result"].get("body", {})
+
+    def status(self) -> dict:
+        return self.call(Op.STATUS)
+
+    def register_job(self, job: str, num_workers: int, config: dict | None = None) -> dict:
+        return self.call(Op.REGISTER_JOB, job=job, num_workers=num_workers, config=config or {})
+
+    def add_aggregators(self, count: int = 1) -> dict:
+        """Start ``count`` Aggregators through pMaster's provider; answered once they registered:
+        ``{"added": [names], "min_aggregators": n}``."""
+        return self.call(Op.POOL, action="add", count=count)
+
+    def remove_aggregator(self, name: str) -> dict:
+        """Drain the Aggregator ``name`` (its tasks and replicas move elsewhere while jobs run) and
+        stop it; answered once it was released: ``{"removed", "moved": [[job, key, part, where]],
+        "replicas": [[job, key, part, [new holders]]], "min_aggregators"}``."""
+        return self.call(Op.POOL, action="remove", agg=name)
+
+    def close(self) -> None:
+        self.peer.conn.close()
+        self.reactor.drain()
+        self.reactor.close()
+        if self._own_transports:
+            self.transports.close()
+
+    def __enter__(self) -> "ControlClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,135 @@
+"""A whole parameter service in one object: pMaster plus a pool of Aggregators.
+
+``pslink service up`` runs one in the foreground; ``pslink demo`` and the tests embed one::
+
+    with Service(aggregators=2) as service:
+        agent = pslink.connect("job", 0, 1, master=service.address)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pslink.core import hosts
+from pslink.core.master import Master
+from pslink.core.service.providers import LocalProvider, Provider, ThreadProvider
+from pslink.core.transport import Transports
+from pslink.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    """pMaster (on a thread of this process) and ``aggregators`` Aggregators.
+
+    ``provider="local"`` runs Aggregators as subprocesses, ``"ray"`` as Ray actors (on any node of
+    a Ray cluster; ``provider_options`` go to :class:`~pslink.core.service.providers.ray.RayProvider`),
+    ``"thread"`` inside this process (then ``aggregator_listen`` may be ``inproc://*`` for a
+    socket-free cluster).
+    """
+
+    def __init__(
+        self,
+        listen: str = "tcp://127.0.0.1:0",
+        aggregators: int = 2,
+        *,
+        provider: str = "local",
+        state_dir: str | None = None,
+        log_dir: str | None = None,
+        transports: Transports | None = None,
+        aggregator_listen: str | None = None,
+        master_options: dict | None = None,
+        aggregator_options: dict | None = None,
+        control: dict | None = None,
+        provider_options: dict | None = None,
+        advertise: str | None = None,
+        interface: str | None = None,
+    ):
+        if aggregators < 1:
+            raise ServiceError(f"a service needs at least one Aggregator, got {aggregators}")
+        self.count = aggregators
+        self.transports = transports or Transports()
+        self._own_transports = transports is None
+        advertise, interface = hosts.settings(advertise, interface)
+        self.master = Master(listen, state_dir=state_dir, transports=self.transports, control=control,
+                             advertise=advertise, interface=interface, **(master_options or {}))
+        self.address = self.master.address
+        if provider == "local":
+            # Aggregators on pMaster's host bind where pMaster did (every address, or the one it
+            # was given) and advertise as it does: reachable from wherever pMaster is.
+            bound = self.master.listener.address
+            host = hosts.host_of(bound) if bound.startswith(("tcp://", "zmq+tcp://")) else "127.0.0.1"
+            self.provider: Provider = LocalProvider(self.address, listen_host=host, log_dir=log_dir,
+                                                    advertise=advertise, interface=interface,
+                                                    **(aggregator_options or {}))
+        elif provider == "ray":
+            from pslink.core.service.providers.ray import RayProvider
+
+            self.provider = RayProvider(self.address, **(provider_options or {}))
+        elif provider == "thread":
+            default_listen = "inproc://*" if self.address.startswith("inproc://") else "tcp://127.0.0.1:0"
+            self.provider = ThreadProvider(self.address, self.transports, aggregator_listen or default_listen,
+                                           **(aggregator_options or {}))
+        else:
+            raise ServiceError(f"unknown provider {provider!r}; use 'local', 'ray' or 'thread'")
+        # The pool grows and shrinks with load, never below what was asked for here.
+        self.master.use_provider(self.provider, min_aggregators=(control or {}).get("min_aggregators", aggregators))
+        self._started = False
+        self._stopped = False
+        self.rejoin_window = 5.0  # how long a restarted service waits for the Aggregators it knew
+
+    def start(self, timeout: float = 30.0) -> "Service":
+        """Start pMaster and the Aggregators; return once every Aggregator registered."""
+        self.master.start()
+        self._started = True
+        try:
+            adopted = self._adopt(timeout)
+            names = self.provider.start(max(0, self.count - len(adopted)))
+            self.wait_for(names, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _adopt(self, timeout: float) -> list[str]:
+        """After a restart from ``state_dir``: the Aggregators the store knows keep running (they
+        serve jobs while pMaster is away and reconnect to it), so wait for them rather than start
+        as many again; those that do not come back are failed over by pMaster. Returns the ones
+        that came back. A fresh service knows none and returns at once."""
+        known = sorted(self.master.state.aggregators)
+        if not known:
+            return []
+        self.provider.reserve(known)  # new Aggregators must not take a name an old one has
+        # They retry every reconnect interval (0.5 s); a few of those is plenty.
+        self.master.wait_for_aggregators(known, min(timeout, self.rejoin_window))
+        return [n for n in known if self.master.aggregator_alive(n)]
+
+    def wait_for(self, names: list[str], timeout: float) -> None:
+        if not self.master.wait_for_aggregators(names, timeout):
+            missing = [n for n in names if not self.master.aggregator_alive(n)]
+            details = "\n".join(self.provider.diagnose(n) for n in missing)
+            raise ServiceError(f"aggregator(s) {missing} did not register within {timeout} s\n{details}")
+
+    def add_aggregators(self, count: int, timeout: float = 30.0) -> list[str]:
+        names = self.provider.start(count)
+        self.wait_for(names, timeout)
+        return names
+
+    def stop(self) -> None:
+        """Stop everything this service started (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._started:
+            self.master.stop(shutdown_aggregators=True)
+        if isinstance(self.provider, LocalProvider):
+            self.provider.wait_exit(5.0)
+        self.provider.close()
+        if self._own_transports:
+            self.transports.close()
+
+    def __enter__(self) -> "Service":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
