@@ -80,3 +80,47 @@ def resolve_token(value: bytes | str | None, environ=os.environ) -> bytes | None
         return bytes.fromhex(value)
     except ValueError:
         raise ConfigError(f"{ENV_TOKEN} must be the job token in hex, got {value[:12]!r}...") from None
+
+
+# Names users reach for that mean one of connect()'s: the error says which (Horovod, torchrun and
+# ps-lite words for the same things).
+CONNECT_ALIASES = {
+    "size": "num_workers", "world_size": "num_workers", "workers": "num_workers", "nworkers": "num_workers",
+    "job_id": "job", "name": "job", "job_name": "job",
+    "master_address": "master", "address": "master", "service": "master", "server": "master",
+    "local_rank": "rank", "worker_rank": "rank",
+    "partition": "partition_bytes", "partition_size": "partition_bytes",
+}
+
+
+def resolve_connect(job, rank, num_workers, master, options: dict, known, environ=os.environ):
+    """``connect()``'s arguments, each falling back to its environment variable, and its options
+    checked against ``known`` (a wrong name is a ConfigError naming the one meant). This is the
+    edge where the environment is read: the Agent itself takes everything as arguments."""
+    import difflib
+
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        name = unknown[0]
+        meant = CONNECT_ALIASES.get(name) or next(iter(difflib.get_close_matches(name, sorted(known) + [
+            "job", "rank", "num_workers", "master"], n=1)), None)
+        hint = f"; did you mean {meant!r}?" if meant else f"; known options: {', '.join(sorted(known))}"
+        raise ConfigError(f"connect() got an unknown option {name!r}{hint}")
+    options = dict(options)
+    job = resolve_str(job, "job", ENV_JOB, environ=environ)
+    rank = resolve_int(rank, "rank", ENV_RANK, minimum=0, environ=environ)
+    num_workers = resolve_int(num_workers, "num_workers", ENV_NUM_WORKERS, minimum=1, environ=environ)
+    max_workers = options.get("max_workers")
+    if max_workers is None and _env(ENV_MAX_WORKERS, environ):
+        max_workers = options["max_workers"] = resolve_int(None, "max_workers", ENV_MAX_WORKERS, minimum=1,
+                                                           environ=environ)
+    if rank >= max(num_workers, max_workers or 0):
+        raise ConfigError(f"rank {rank} is out of range for {max(num_workers, max_workers or 0)} workers")
+    if options.get("partition_bytes") is None and _env(ENV_PARTITION_BYTES, environ):
+        # Smaller parts pipeline better across a slow link (a part's answer crosses back only once
+        # it crossed); the job's first worker sets it for every worker.
+        options["partition_bytes"] = resolve_int(None, "partition_bytes", ENV_PARTITION_BYTES, 8, environ=environ)
+    master = resolve_str(master, "master", ENV_MASTER, default=DEFAULT_MASTER, environ=environ)
+    options["timeout"] = resolve_float(options.get("timeout"), "timeout", ENV_TIMEOUT, DEFAULT_TIMEOUT,
+                                       environ=environ)
+    return job, rank, num_workers, master, options

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pslink.core import hosts
+from pslink.core.agent.driver import Driver
 from pslink.core.aggregator.core import BufferPool
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
@@ -39,7 +40,6 @@ from pslink.core.transport import DISCARD, Transports, split_host_port
 from pslink.errors import ClosedError, ConfigError, PeerError, ProtocolError, PslinkError, error_from_code
 from pslink.pslite import wire
 from pslink.pslite.config import Config
-from pslink.pslite.driver import Driver
 from pslink.pslite.resend import Resender
 from pslink.pslite.scheduler import ALL_GROUPS, ROLE_BIT, SCHEDULER, Range, SchedulerState, key_ranges
 from pslink.pslite.wire import Kind
@@ -97,7 +97,9 @@ class Node:
             # Servers spin as Aggregators do: requests come in bursts, and a wake-up costs more
             # than a round trip here. Workers spin briefly, as Agents do.
             spin = 2e-3 if self.role == "server" else 100e-6
-        self.driver = Driver(self.reactor, self.role, spin=spin, idle_poll=idle_poll, clock=clock)
+        # Nodes serve requests that come unasked (servers, SimpleApp): the background thread drives
+        # whenever no thread waits and none submitted lately.
+        self.driver = Driver(self.reactor, f"pslite-{self.role}", spin=spin, idle_poll=idle_poll, serves=True, clock=clock)
         self._lock = threading.RLock()
         self._link_lock = threading.Lock()
         self._local = _LocalConn(self)

@@ -99,7 +99,7 @@ class HookState:
 def connect(
     job: str | None = None,
     rank: int | None = None,
-    size: int | None = None,
+    num_workers: int | None = None,
     master: str | None = None,
     *,
     name: str = "ddp",
@@ -110,7 +110,7 @@ def connect(
     """Join the job on the parameter service and return the state for :func:`comm_hook`.
 
     Each argument falls back to what ``pslink launch`` sets (``PSLINK_JOB``, ``PSLINK_RANK``,
-    ``PSLINK_NUM_WORKERS``, ``PSLINK_MASTER``); rank and size then fall back to an initialized
+    ``PSLINK_NUM_WORKERS``, ``PSLINK_MASTER``); rank and num_workers then fall back to an initialized
     ``torch.distributed`` or torchrun's ``RANK``/``WORLD_SIZE``. ``name`` scopes the keys: give
     each DDP model of a job its own. ``agent`` reuses a connected Agent instead of joining;
     ``timeout`` (default: the Agent's, ``PSLINK_TIMEOUT`` or 300 s) bounds how long a bucket
@@ -121,12 +121,12 @@ def connect(
     _check_name(name)
     if agent is None:
         rank = _fallback(rank, ENV_RANK, "RANK", dist.get_rank)
-        size = _fallback(size, ENV_NUM_WORKERS, "WORLD_SIZE", dist.get_world_size)
+        num_workers = _fallback(num_workers, ENV_NUM_WORKERS, "WORLD_SIZE", dist.get_world_size)
         if options.get("mode", "sum") != "sum" or "optimizer" in options:
             raise ConfigError("the DDP hook averages gradients (mode 'sum'); DDP's optimizer steps locally")
         options["mode"] = "sum"
         try:
-            agent = pslink.connect(job, rank, size, master, **options)
+            agent = pslink.connect(job, rank, num_workers, master, **options)
         except PeerError as exc:
             raise PeerError(
                 f"pslink.torch.connect: no parameter service reachable: {exc.message}. Start one with "

@@ -60,7 +60,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pslink.core.wire.protocol import Op
 from pslink.errors import ConfigError, MembershipError, PslinkError, ShapeMismatchError
 from pslink.torch.session import Session
 
@@ -314,8 +313,7 @@ class _World:
         self.checked_agent = agent
         if agent.late:
             return
-        body = agent._master_call(Op.JOB_KEYS)  # the job's keys: not empty once it trains
-        if body.get("keys"):
+        if agent.job_keys():  # the job's keys: not empty once it trains
             log.info("pslink elastic: rank %d takes over from a worker that left; registering anew", agent.rank)
             self.session.reconnect()
             self.checked_agent = self.session.agent

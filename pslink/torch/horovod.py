@@ -24,10 +24,11 @@ ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
 _session: Session | None = None
 
 
-def init(comm=None, *, job: str | None = None, rank: int | None = None, size: int | None = None,
+def init(comm=None, *, job: str | None = None, rank: int | None = None, num_workers: int | None = None,
          master: str | None = None, **options: Any) -> None:
-    """Join the job (job, rank, size and service from ``pslink launch``'s environment, or as
-    arguments). Calling it again while initialized does nothing, as in Horovod."""
+    """Join the job (job, rank, num_workers and master from ``pslink launch``'s environment, or as
+    arguments, as :func:`pslink.connect` names them). Calling it again while initialized does
+    nothing, as in Horovod."""
     global _session
     if _session is not None:
         return
@@ -37,7 +38,7 @@ def init(comm=None, *, job: str | None = None, rank: int | None = None, size: in
         raise ConfigError("pslink.torch reduces on the service in mode 'sum'; the optimizer steps locally")
     options["mode"] = "sum"
     try:
-        agent = pslink.connect(job, rank, size, master, **options)
+        agent = pslink.connect(job, rank, num_workers, master, **options)
     except PeerError as exc:
         raise PeerError(f"pslink.torch.init: no parameter service reachable: {exc.message}. Run the script "
                         "under `pslink launch -n N`, or start `pslink service up` and set PSLINK_MASTER",
@@ -48,7 +49,7 @@ def init(comm=None, *, job: str | None = None, rank: int | None = None, size: in
 
     def connect_again(token: bytes, rejoin: bool = False):
         """The same registration, with the job's token (elastic recovery: a new Agent)."""
-        return pslink.connect(job, rank, size, master, **dict(options, token=token, rejoin=rejoin))
+        return pslink.connect(job, rank, num_workers, master, **dict(options, token=token, rejoin=rejoin))
 
     _session = Session(agent, _env_int(ENV_LOCAL_RANK), _env_int(ENV_LOCAL_SIZE), connect=connect_again)
 

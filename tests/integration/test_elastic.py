@@ -71,7 +71,7 @@ def test_a_silent_worker_is_removed_after_the_grace_period_and_its_waits_fail(cl
         a.init("w", np.zeros(4, np.float32)).wait()
         b.init("w", np.zeros(4, np.float32)).wait()
         waiting = a.pushpull("w", np.ones(4, np.float32))  # waits for rank 1
-        b._master.conn.close()  # as if rank 1's process died: pMaster sees its connection close
+        b._master.peer.conn.close()  # as if rank 1's process died: pMaster sees its connection close
         b._closed = True  # ... and it never comes back (no heartbeats, no reconnect)
         started = time.monotonic()
         np.testing.assert_array_equal(waiting.wait(timeout=10), np.ones(4))
@@ -94,7 +94,7 @@ def test_a_worker_added_to_a_running_job_comes_in_at_the_next_round(cluster):
             results = [h.wait() for h in hs]
         np.testing.assert_array_equal(results[0], np.full(4, 94.0))
         c = connect(cluster, "grow", 2, 3, **options)
-        assert c._late
+        assert c.late
         current = c.pull("w").wait()
         np.testing.assert_array_equal(current, np.full(4, 94.0))
         for expected in (91.0, 88.0):  # each round: 94 - (1 + 1 + 1)
@@ -210,7 +210,7 @@ def test_a_removed_rank_is_told_so_and_a_rank_beyond_max_workers_is_refused(clus
     try:
         a.init("w", np.zeros(2, np.float32)).wait()
         b.init("w", np.zeros(2, np.float32)).wait()
-        b._master.conn.close()
+        b._master.peer.conn.close()
         b._closed = True
         wait_until(lambda: a.membership()["ranks"] == [0], 10, "rank 1's removal")
         b._closed = False

@@ -18,6 +18,7 @@ import keras
 
 import pslink.tf
 from pslink.core.agent import Agent
+from pslink.core.agent.keys import Seat
 from pslink.errors import ShapeMismatchError
 from pslink.tf import _internals
 from pslink.tf.exchange import _difference, make_key, unique_names
@@ -36,7 +37,7 @@ class LoopbackAgent(Agent):
     """Worker 0 of a two-worker job; the other worker is imagined, and recorded calls are real."""
 
     def __init__(self):  # no service: nothing of Agent.__init__ is needed
-        self.job, self.rank, self.num_workers = "loopback", 0, 2
+        self.seat = Seat("loopback", 0, 2, b"", "")
         self.mode, self.sync = "sum", "bsp"
         self._closed = False
         self.calls: list[tuple[list, list]] = []

@@ -61,7 +61,7 @@ def compare(rank: int, scratch: str, width: int = 64, bucket_cap_mb: float = 0.0
     result["generations"] = dict(state._generations)
     # Whether the buckets crossed to the Aggregators through shared-memory rings (same host).
     result["rings"] = any(link.conn is not None and link.conn._ring_out is not None
-                          for link in state.agent._links.values())
+                          for link in state.agent._requests.links.values())
     torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
     print(f"rank {rank} done: buckets {sorted(state._generations.items())}")
     del stock, hooked

@@ -113,7 +113,14 @@ def test_no_reachable_service_fails_when_the_hook_is_registered(process_group):
 def test_connect_checks_its_settings(process_group, cluster):
     service, transports = cluster
     with pytest.raises(ConfigError, match="2 workers"):
+        pslink.torch.connect(job="sizes", rank=0, num_workers=2, master=service.address, transports=transports)
+    # One set of names for every connect: a word from torchrun or Horovod is named for what it means.
+    with pytest.raises(ConfigError, match="unknown option 'size'; did you mean 'num_workers'"):
         pslink.torch.connect(job="sizes", rank=0, size=2, master=service.address, transports=transports)
+    with pytest.raises(ConfigError, match="unknown option 'world_size'; did you mean 'num_workers'"):
+        pslink.connect("sizes", 0, master=service.address, world_size=2)
+    with pytest.raises(ConfigError, match="unknown option 'timout'; did you mean 'timeout'"):
+        pslink.connect("sizes", 0, 2, service.address, timout=3)
     with pytest.raises(ConfigError, match="mode 'sum'"):
         pslink.torch.connect(job="modes", master=service.address, optimizer={"type": "sgd", "lr": 0.1})
     with pytest.raises(ConfigError, match="name"):

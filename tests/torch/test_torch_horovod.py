@@ -398,7 +398,7 @@ def test_the_module_api_needs_init_and_says_how(monkeypatch):
     with pytest.raises(ConfigError, match="pslink launch"):
         hvd.init()
     with pytest.raises(PeerError, match="no parameter service reachable"):
-        hvd.init(job="nobody", rank=0, size=1, master="tcp://127.0.0.1:9", connect_timeout=2.0)
+        hvd.init(job="nobody", rank=0, num_workers=1, master="tcp://127.0.0.1:9", connect_timeout=2.0)
     assert not hvd.is_initialized()
 
 
@@ -406,7 +406,7 @@ def test_the_module_api_on_one_rank(service, monkeypatch):
     cluster, _ = service
     monkeypatch.setenv("PSLINK_LOCAL_RANK", "0")
     monkeypatch.setenv("PSLINK_LOCAL_SIZE", "1")
-    hvd.init(job=f"module-{next(_jobs)}", rank=0, size=1, master=cluster.address)
+    hvd.init(job=f"module-{next(_jobs)}", rank=0, num_workers=1, master=cluster.address)
     try:
         assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_size()) == (0, 1, 0, 1, 1)
         t = torch.tensor([1.0, 2.0])

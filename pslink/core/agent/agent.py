@@ -12,50 +12,41 @@ then talks to the Aggregators directly. Requests are asynchronous; any number ma
 Payloads are sent from the caller's array and received straight into the ``out`` array, so the
 arrays must stay untouched until their handle is done.
 
-Threads: whoever waits drives the I/O. ``Handle.wait`` reads the sockets on the calling thread
-(spinning briefly before it blocks), because handing a reply from an I/O thread to a waiting
-thread costs more than a whole round trip on a virtual machine. A background thread drives only
-when nobody waits: for handles with callbacks, heartbeats and liveness probes.
+The Agent is the public API, the sending of requests and the receiving of answers; it composes:
+
+- :class:`~pslink.core.agent.driver.Driver`: whoever waits drives the I/O (``Handle.wait``
+  reads the sockets on the calling thread); a background thread drives only when nobody waits;
+- :class:`~pslink.core.agent.handle.Handles`: the handles requests return;
+- :class:`~pslink.core.agent.requests.Requests`: requests in flight, Aggregator links, probes;
+- :class:`~pslink.core.agent.master_link.MasterLink`: calls to pMaster, heartbeats;
+- :class:`~pslink.core.agent.failover.Failover`: a lost Aggregator's requests go where their
+  parts went;
+- :class:`~pslink.core.agent.task_requests.TaskRequests`: optimizer state, joining a running job.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import threading
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
-from pslink.config import (
-    DEFAULT_MASTER,
-    DEFAULT_TIMEOUT,
-    ENV_JOB,
-    ENV_MASTER,
-    ENV_MAX_WORKERS,
-    ENV_NUM_WORKERS,
-    ENV_PARTITION_BYTES,
-    ENV_RANK,
-    ENV_TIMEOUT,
-    resolve_float,
-    resolve_int,
-    resolve_str,
-    resolve_token,
-)
+from pslink.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, resolve_token
 from pslink.core import hosts
-from pslink.core.agent.keys import MAX_MOVES, WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, as_array, check_key
-from pslink.core.agent.driving import Driving
+from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
+from pslink.core.agent.handle import Handle, Handles
+from pslink.core.agent.keys import MAX_MOVES, WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, Seat, as_array, check_key
 from pslink.core.agent.master_link import MasterLink
+from pslink.core.agent.requests import Requests
+from pslink.core.agent.settings import job_config
 from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.faults import Faults
-from pslink.core.agent.handle import Handle
+from pslink.core.transport import DISCARD, Lent, Transports
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, HeaderTemplate, Limits, Op, decode, encode
-from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
-from pslink.core.transport import DISCARD, Connection, Lent, Transports
 from pslink.errors import (
     ClosedError,
     ConfigError,
@@ -67,13 +58,13 @@ from pslink.errors import (
     error_from_code,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pslink.core.agent")
 _AVERAGE = {"avg": True}  # a pull's header field: the Aggregator may answer the average
 _OP_NAMES = {op: op.name.lower() for op in Op}  # an enum's name is a property: slow on every request
 _REPLY, _ERROR, _PONG, _STATE_GET = Op.REPLY, Op.ERROR, Op.PONG, Op.STATE_GET  # (and so is a member's lookup)
 
 
-class Agent(TaskRequests, Failover, MasterLink, Driving):
+class Agent:
     """A worker's connection to the parameter service. See :func:`pslink.connect`."""
 
     def __init__(
@@ -110,93 +101,110 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
         limits: Limits = DEFAULT_LIMITS,
         clock=time.monotonic,
     ):
-        self.job, self.rank, self.num_workers, self.master_address = job, rank, num_workers, master
+        self.master_address = master
         self.timeout = timeout
         self.faults = faults if faults is not None else Faults.from_env()
         if self.faults is not None:
             self.faults.bind(f"{job}/{rank}")
-        # A request unanswered this long is sent again (same id; Aggregators apply it once).
-        # Messages over TCP are not lost, so it is off unless faults are injected.
-        self.resend_timeout = resend_timeout if resend_timeout is not None else (1.0 if self.faults else None)
-        self.failover = failover  # requests on a lost Aggregator go where pMaster moved its parts
-        self.peer_timeout = peer_timeout
-        self.probe_interval = probe_interval
-        self.heartbeat_interval = heartbeat_interval
-        self.connect_timeout = connect_timeout
-        self.spin = spin
-        self.idle_poll = idle_poll
         self.limits = limits
         self.clock = clock
         self.transports = transports or Transports()
         self._own_transports = transports is None
-        self.host_id = hosts.host_id()  # pMaster places the job's parts and replicas by hosts
+        # pMaster places the job's parts and replicas by the hosts of its workers.
+        self.seat = Seat(job, rank, num_workers, resolve_token(token) or b"", hosts.host_id())
         self._reactor = Reactor(f"agent {job}/{rank}", clock)
-        self._endpoint = RpcEndpoint(self._reactor, self._on_master_request, limits, on_close=self._on_master_lost)
-        self._master: RpcPeer | None = None
-        self._master_lock = threading.Lock()
-        self._reconnecting = False
-        self._links: dict[str, Link] = {}
-        self._conn_links: dict[Connection, Link] = {}
-        self._link_lock = threading.Lock()
         self._keys: dict[Any, KeyInfo] = {}
-        self._pending: dict[int, PartRequest] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._bg_cv = threading.Condition(self._lock)
-        self._waiters = 0
-        self._async = 0
-        self._activity = clock()  # last submit or wait by a user thread
+        self._lock = threading.Lock()  # rounds and iteration times
+        self._closed = False
+        self._driver = Driver(self._reactor, f"agent-{rank}", spin=spin, idle_poll=idle_poll,
+                              in_flight=lambda: bool(self._requests.pending), clock=clock)
+        self._handles = Handles(self._driver, timeout, job, rank)
+        # A request unanswered this long is sent again (same id; Aggregators apply it once).
+        # Messages over TCP are not lost, so it is off unless faults are injected.
+        resend_timeout = resend_timeout if resend_timeout is not None else (1.0 if self.faults else None)
+        self._requests = Requests(self.seat, self.transports, self._reactor, self, limits, self._handles,
+                                  connect_timeout=connect_timeout, peer_timeout=peer_timeout,
+                                  probe_interval=probe_interval, resend_timeout=resend_timeout, faults=self.faults,
+                                  clock=clock)
         # Iteration timing for pMaster's profiler: the first key this worker pushes is pushed once
         # per iteration, so the time between its pushes is the iteration duration.
         self._reference_key: Any = None
         self._reference_time: float | None = None
         self._iterations: list[float] = []
-        self._closed = False
-        self.token: bytes = resolve_token(token) or b""
-        config = {}
-        if mode is not None:
-            config["mode"] = mode
-        if optimizer is not None:
-            config["optimizer"] = optimizer
-            config.setdefault("mode", "optimizer")
-        if partition_bytes is None and os.environ.get(ENV_PARTITION_BYTES, "").strip():
-            # Smaller parts pipeline better across a slow link (a part's answer crosses back only
-            # once it crossed); the job's first worker sets it for every worker.
-            partition_bytes = resolve_int(None, "partition_bytes", ENV_PARTITION_BYTES, 8)
-        if partition_bytes is not None:
-            config["partition_bytes"] = partition_bytes
-        if sync is not None:
-            config["sync"] = sync
-        elif staleness:
-            config["sync"] = "ssp"
-        for name, value in (("max_workers", max_workers), ("staleness", staleness),
-                            ("straggler_timeout", straggler_timeout), ("replication", replication),
-                            ("checkpoint", checkpoint), ("checkpoint_every", checkpoint_every)):
-            if value is not None:
-                config[name] = value
-        if servers is not None:
-            config["servers"] = servers
+        self._master = MasterLink(self.seat, master, self.transports, self._reactor, limits, self._handles,
+                                  connect_timeout=connect_timeout, timeout=timeout,
+                                  heartbeat_interval=heartbeat_interval, take_iterations=self._take_iterations,
+                                  on_back=self._registered_again, closed=lambda: self._closed)
+        config = job_config(mode=mode, optimizer=optimizer, partition_bytes=partition_bytes, sync=sync,
+                            servers=servers, max_workers=max_workers, staleness=staleness,
+                            straggler_timeout=straggler_timeout, replication=replication, checkpoint=checkpoint,
+                            checkpoint_every=checkpoint_every)
         try:
-            self.settings = self._register(config, token=self.token or None, rejoin=rejoin)
+            self.settings = self._master.register(config, token=self.seat.token or None, rejoin=rejoin)
         except BaseException:
             self._release_io()  # a refused or failed registration leaves nothing open behind
             raise
-        self.token = self.settings["token"]
-        # Elastic membership: a worker registered while its job ran joins each key before use.
-        self._late = bool(self.settings.get("late"))
-        self._joined: set = set()
-        self._members: dict = dict(self.settings.get("membership") or {})
-        self.epoch = self._members.get("epoch", 0)  # the job's membership epoch, as replies last said
+        self.seat.token = self.settings["token"]
+        self.seat.update_members(self.settings.get("membership"))
+        self.seat.num_workers = num_workers  # the job's size as this worker was told it, until members change
+        self.epoch = self.seat.members.get("epoch", 0)  # the job's membership epoch, as replies last said
         self.dropped_pushes = 0  # pushes that came after their round closed without them (stragglers')
-        # key -> (rounds of updates lost, checkpoint round) when it restarted from a checkpoint (no replica)
-        self.rounds_lost: dict = {}
         self.mode: str = self.settings["mode"]
         self.sync: str = self.settings["sync"]
         self.partition_bytes: int = self.settings["partition_bytes"]
-        self._reactor.call_later(heartbeat_interval, self._heartbeat)
-        self._reactor.call_later(probe_interval, self._probe)
-        self._bg = threading.Thread(target=self._background, name=f"pslink-agent-{rank}", daemon=True)
-        self._bg.start()
+        self._failover = Failover(self.seat, self._keys, self._requests, self._master, self._reactor,
+                                  enabled=failover, closed=lambda: self._closed)
+        self._requests.on_lost = self._failover.link_lost
+        # Elastic membership: a worker registered while its job ran joins each key before use.
+        self._tasks = TaskRequests(self.seat, self._keys, self._resolve, self._requests, self._handles,
+                                   self._master, late=bool(self.settings.get("late")))
+        self._master.start_heartbeats()
+        self._driver.start()
+
+    # -- who it is --------------------------------------------------------------------------------
+
+    @property
+    def job(self) -> str:
+        return self.seat.job
+
+    @property
+    def rank(self) -> int:
+        return self.seat.rank
+
+    @property
+    def num_workers(self) -> int:
+        """The job's workers (its members now, in an elastic job)."""
+        return self.seat.num_workers
+
+    @property
+    def token(self) -> bytes:
+        return self.seat.token
+
+    @property
+    def host_id(self) -> str:
+        return self.seat.host_id
+
+    @property
+    def rounds_lost(self) -> dict:
+        """key -> (rounds of updates lost, checkpoint round) when it restarted from a checkpoint."""
+        return self._failover.rounds_lost
+
+    def _registered_again(self, body: dict) -> None:
+        """pMaster answered this worker's registration after it had lost pMaster."""
+        self.seat.update_members(body.get("membership"))
+        if body.get("late"):
+            # It had been taken out of the job (silent too long) and came back as a new member:
+            # it joins every key again, at the rounds under way.
+            log.error("agent %s: this worker had been removed from the job; it rejoins at the current rounds (its "
+                      "own state may be behind the others')", self.seat)
+            self._tasks.late, self._tasks.joined = True, set()
+        else:
+            log.info("agent %s: reconnected to pMaster", self.seat)
+
+    def _take_iterations(self) -> list:
+        with self._lock:
+            iterations, self._iterations = self._iterations, []
+        return iterations
 
     def __repr__(self) -> str:
         return f"<Agent job={self.job!r} rank={self.rank}/{self.num_workers} master={self.master_address}>"
@@ -244,16 +252,37 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
 
     def set_optimizer(self, optimizer: dict) -> None:
         """Have the Aggregators apply ``optimizer`` (plain data, see pslink.core.optim)."""
-        body = self._master_call(Op.SET_OPTIMIZER, optimizer=optimizer)
+        body = self._master.call(Op.SET_OPTIMIZER, optimizer=optimizer)
         self.settings = body
         self.mode = body["mode"]
 
     def barrier(self, name: str = "barrier", timeout: float | None = None) -> dict:
         """Wait until every member of the job reached the barrier of this name (a member that
         leaves meanwhile is not waited for). Returns the members it released: ``{"ranks", "epoch"}``."""
-        body = self._master_call(Op.BARRIER, timeout=timeout, name=name)
-        self._update_membership(body)
+        body = self._master.call(Op.BARRIER, timeout=timeout, name=name)
+        self.seat.update_members(body)
         return body
+
+    def optimizer_state(self, keys: Sequence | None = None, timeout: float | None = None) -> dict:
+        """The service's optimizer state (optimizer mode), for checkpoints: see
+        :meth:`TaskRequests.optimizer_state <pslink.core.agent.task_requests.TaskRequests.optimizer_state>`."""
+        return self._tasks.optimizer_state(keys, timeout)
+
+    def set_optimizer_state(self, states: dict, timeout: float | None = None) -> None:
+        """Replace the service's optimizer state of the keys in ``states`` (e.g. from a checkpoint)."""
+        self._tasks.set_optimizer_state(states, timeout)
+
+    def join_all(self, timeout: float | None = None) -> list:
+        """Come into every key the job has (a worker added to a running job, before it trains)."""
+        return self._tasks.join_all(timeout)
+
+    def membership(self) -> dict:
+        """The job's members now, from pMaster: ``{"ranks": [...], "epoch": n}``."""
+        return self._tasks.membership()
+
+    def job_keys(self) -> list:
+        """Every key the job has declared, with where its parts live (pMaster's view)."""
+        return self._master.call(Op.JOB_KEYS)["keys"]
 
     def close(self, leave: bool = True) -> None:
         """Leave the job (the job ends once every worker left) and release everything. With
@@ -263,23 +292,19 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
             return
         if leave:
             try:
-                self._master_call(Op.LEAVE, timeout=min(5.0, self.timeout))
+                self._master.call(Op.LEAVE, timeout=min(5.0, self.timeout))
             except PslinkError as exc:
-                log.debug("agent %s/%s: leave failed: %s", self.job, self.rank, exc)
-        with self._lock:
-            self._closed = True
-            self._bg_cv.notify_all()
-        self._bg.join(5.0)
-        self._fail_requests(list(self._pending), ClosedError(f"agent of job {self.job!r} rank {self.rank} closed"))
+                log.debug("agent %s: leave failed: %s", self.seat, exc)
+        self._closed = True
+        self._requests.closed = True
+        self._driver.close()
+        self._requests.fail(list(self._requests.pending), ClosedError(f"agent of job {self.job!r} rank {self.rank} "
+                                                                        "closed"))
         self._release_io()
 
     def _release_io(self) -> None:
-        with self._link_lock:
-            links, self._links = list(self._links.values()), {}
-        for link in links:
-            link.conn.close()
-        if self._master is not None:
-            self._master.conn.close()
+        self._requests.close_links()
+        self._master.close()
         self._reactor.drain()  # carry out the connections' teardown
         self._reactor.close()
         if self._own_transports:
@@ -288,7 +313,7 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
     @property
     def late(self) -> bool:
         """True when this worker registered while its job was running (it joins keys under way)."""
-        return self._late
+        return self._tasks.late
 
     @property
     def closed(self) -> bool:
@@ -311,8 +336,9 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
     def _submit(self, op: Op, keys: list, arrays: list | None, outs: list | None, average: bool) -> Handle:
         if self._closed:
             raise ClosedError(f"agent of job {self.job!r} rank {self.rank} is closed")
-        self._activity = self.clock()
-        if len(keys) == 1 and not self._late:
+        self._driver.touch()
+        late = self._tasks.late
+        if len(keys) == 1 and not late:
             handle = self._submit_known(op, keys[0], arrays, outs, average)
             if handle is not None:
                 return handle
@@ -325,8 +351,8 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
             raise ConfigError(f"{len(keys)} keys but {len(outs)} outs")
         typed = [as_array(a, k) for k, a in zip(keys, arrays)] if arrays is not None else None
         infos = self._resolve(op, keys, typed, outs)
-        if self._late:
-            self._join(infos)
+        if late:
+            self._tasks.join(infos)
         flats = results = None
         if typed is not None:
             flats = [(a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1) for a, _ in typed]
@@ -370,10 +396,10 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
         single = len(keys) == 1
         total_parts = len(infos[0].parts) if single else sum(len(info.parts) for info in infos)
         result = None if results is None else (results[0] if single else results)
-        handle = Handle(self, _OP_NAMES[op], keys, result, total_parts, rounds[0] if single else 0)
+        handle = self._handles.new(_OP_NAMES[op], keys, result, total_parts, rounds[0] if single else 0)
         # An init's value comes from the job's first rank (rank 0, or the lowest left if it has gone).
         send_payload = flats is not None and (op != Op.INIT or self.rank == 0 or (
-            not self._late and self.rank == min(self._members.get("ranks") or [0])))
+            not self._tasks.late and self.rank == min(self.seat.members.get("ranks") or [0])))
         for i, info in enumerate(infos):
             flat_out = None
             if results is not None:
@@ -403,51 +429,35 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
         aggregator, address = part.where  # once: another thread may move the part meanwhile
         handle._waiting_on[aggregator] = address
         try:
-            link = self._link(aggregator, address)
+            link = self._requests.link(aggregator, address)
         except PslinkError as exc:
-            if not self.failover:
-                self._complete(handle, exc)
+            if not self._failover.enabled:
+                self._handles.complete(handle, exc)
                 return
-            log.warning("agent %s/%s: cannot connect to aggregator %s at %s: %s", self.job, self.rank,
-                        aggregator, address, exc.message)
-            # Gone (see _transmit): named after the Aggregator tried, not where the part may be by now.
+            log.warning("agent %s: cannot connect to aggregator %s at %s: %s", self.seat, aggregator, address,
+                        exc.message)
+            # Gone (see Requests.transmit): named after the Aggregator tried, not where the part may be by now.
             link = Link(aggregator, address, None, self.clock(), exc.message)
-        rid = next(self._ids)
         dest = array = None
         whole = part.start == 0 and part.stop == info.numel
         if flat_out is not None:
             array = flat_out if whole else flat_out[part.start : part.stop]
             dest = memoryview(array).cast("B")
-        request = self._pending[rid] = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_,
-                                                    payload, flat_out, moves)
-        link.pending.add(rid)
+        request = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out,
+                              moves)
+        rid = self._requests.add(request)
         template = part.headers.get((op, average))
         if template is None:
             template = part.headers[(op, average)] = HeaderTemplate(
-                op, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index,
+                op, **self.seat.fields(), key=info.key, part=part.index,
                 dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
                 **_AVERAGE if average else {},
             )
         header = template.make(rid, round_)
         if payload is None:
-            self._transmit(rid, request, [header])
+            self._requests.transmit(rid, request, [header])
         else:
-            self._transmit(rid, request, [header, payload if whole else payload[part.start : part.stop]])
-
-    def _transmit(self, rid: int, request: PartRequest, frames: list) -> None:
-        request.frames, request.sent = frames, self.clock()
-        link = request.link
-        try:
-            if link.conn is None:
-                raise PeerError(link.error or "not connected")
-            if self.faults is not None:
-                self.faults.send(link.conn, frames)
-            else:
-                link.conn.send(frames)
-        except PslinkError as exc:
-            # The Aggregator is gone (maybe not noticed yet): ask where the part went.
-            self._link_lost(link, PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"),
-                            [rid])
+            self._requests.transmit(rid, request, [header, payload if whole else payload[part.start : part.stop]])
 
     def _out_array(self, info: KeyInfo, out, average: bool) -> np.ndarray:
         if average and info.dtype_name not in FLOAT_DTYPES:
@@ -492,7 +502,7 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
                     item.update(shape=[int(d) for d in shape], dtype=dtype)
                 missing.append(item)
         if missing:
-            body = self._master_call(Op.LOOKUP, items=missing)
+            body = self._master.call(Op.LOOKUP, items=missing)
             for spec in body["keys"]:
                 self._keys.setdefault(spec["key"], KeyInfo(spec))
             infos = [self._keys[k] for k in keys]
@@ -502,26 +512,11 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
         """Tell the key's Aggregators, so the other workers waiting on it fail now, not later."""
         for part in info.parts:
             try:
-                link = self._link(part.aggregator, part.address)
-                link.conn.send([encode(Op.ABORT, id=0, job=self.job, tok=self.token, rank=self.rank,
-                                       key=info.key, part=part.index, msg=error.message, code=error.code)])
+                link = self._requests.link(part.aggregator, part.address)
+                link.conn.send([encode(Op.ABORT, id=0, **self.seat.fields(), key=info.key, part=part.index,
+                                       msg=error.message, code=error.code)])
             except PslinkError:
                 pass
-
-    # -- connections ------------------------------------------------------------------------------
-
-    def _link(self, name: str, address: str) -> Link:
-        link = self._links.get(name)
-        if link is not None and not link.conn.closed:
-            return link
-        with self._link_lock:
-            link = self._links.get(name)
-            if link is None or link.conn.closed or link.address != address:
-                conn = self.transports.connect(address, self._reactor, self, self.limits, self.connect_timeout)
-                link = Link(name, address, conn, self.clock())
-                self._links[name] = link
-                self._conn_links[conn] = link
-            return link
 
     # -- receiving (on the driving thread) --------------------------------------------------------
 
@@ -532,10 +527,10 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
         try:
             header = decode(raw, sizes, self.limits)
         except ProtocolError as exc:
-            log.warning("agent %s/%s: bad message from %s: %s", self.job, self.rank, conn.peer, exc)
+            log.warning("agent %s: bad message from %s: %s", self.seat, conn.peer, exc)
             return (None, exc, None), DISCARD
         if header["op"] is _REPLY and sizes:
-            pending = self._pending.get(header["id"])
+            pending = self._requests.pending.get(header["id"])
             if pending is not None and pending.op is _STATE_GET:
                 if any(size != pending.nbytes for size in sizes):
                     return (header, ProtocolError(f"state from {conn.peer} carries frames of {list(sizes)} bytes; "
@@ -558,32 +553,30 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
 
     def on_message(self, conn, state, payloads) -> None:
         header, error, lend = state
-        link = self._conn_links.get(conn)
+        link = self._requests.by_conn.get(conn)
         if link is not None:
             link.last_heard = self.clock()
             link.ping_sent = None
         if header is None or header["op"] is _PONG:
             return
-        rid = header["id"]
-        request = self._pending.pop(rid, None)
+        request = self._requests.take(header["id"])
         if request is None:
             return
-        request.link.pending.discard(rid)
         if error is None and header["op"] is _ERROR:
             error = error_from_code(header["code"], header["msg"], header.get("details"))
         if isinstance(error, MovedError) and request.moves < MAX_MOVES:
             # The task migrated before this request got there: follow it, same round, same data.
             self._moved(request.part, error.details)
             if request.op in STATE_OPS:
-                self._send_state(request.handle, request.op, request.info, request.part, request.array,
-                                 request.moves + 1)
+                self._tasks.send_state(request.handle, request.op, request.info, request.part, request.array,
+                                       request.moves + 1)
                 return
             self._send_part(request.handle, request.op, request.info, request.part, request.round,
                             request.payload, request.flat_out, request.average, request.moves + 1)
             return
         if error is None:
             if request.op in STATE_OPS:
-                self._state_arrived(request, header, payloads)
+                TaskRequests.state_arrived(request, header, payloads)
             get = header.get
             epoch = get("ep")
             if epoch is not None and epoch > request.handle.epoch:
@@ -593,7 +586,7 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
             if get("dropped"):
                 self.dropped_pushes += 1
             if get("lost"):
-                self._rounds_lost(request.info.key, header["lost"])
+                self._failover.rounds_lost_at(request.info.key, header["lost"])
             moved = get("moved")
             if moved:
                 self._moved(request.part, {"agg": moved[0], "address": moved[1]})
@@ -605,7 +598,7 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
                     np.divide(np.frombuffer(payloads[0], request.array.dtype), n, out=request.array)
                 elif n > 1:
                     np.divide(request.array, n, out=request.array)
-        self._complete(request.handle, error)
+        self._handles.complete(request.handle, error)
 
     @staticmethod
     def _moved(part: PartInfo, where: dict) -> None:
@@ -615,78 +608,6 @@ class Agent(TaskRequests, Failover, MasterLink, Driving):
             part.move(agg, address)
 
     def on_close(self, conn, exc) -> None:
-        link = self._conn_links.pop(conn, None)
-        if link is None:
-            return
-        with self._link_lock:
-            if self._links.get(link.name) is link:
-                del self._links[link.name]
-        if link.pending:
-            self._link_lost(link, exc)
-
-    def _complete(self, handle: Handle, error: PslinkError | None) -> None:
-        with self._lock:
-            callbacks = handle._part_done(error)
-            if callbacks:
-                self._async -= 1
-        for callback in callbacks:
-            try:
-                callback(handle)
-            except Exception:
-                log.exception("callback of %r failed", handle)
-
-    def _fail_requests(self, rids: list[int], error: PslinkError) -> None:
-        for rid in rids:
-            request = self._pending.pop(rid, None)
-            if request is not None:
-                request.link.pending.discard(rid)
-                self._complete(request.handle, error)
-
-    def _add_callback(self, handle: Handle, fn) -> bool:
-        with self._lock:
-            if handle.done():
-                return False
-            if handle._callbacks is None:
-                handle._callbacks = []
-                self._async += 1
-                self._bg_cv.notify()
-            handle._callbacks.append(fn)
-            return True
-
-def connect(
-    job: str | None = None,
-    rank: int | None = None,
-    num_workers: int | None = None,
-    master: str | None = None,
-    **options,
-) -> Agent:
-    """Join a job on the parameter service and return its :class:`Agent`.
-
-    Each argument falls back to an environment variable (as ``pslink launch`` sets them):
-    ``PSLINK_JOB``, ``PSLINK_RANK``, ``PSLINK_NUM_WORKERS``, ``PSLINK_MASTER`` (default
-    tcp://127.0.0.1:7770), ``PSLINK_TOKEN`` and ``PSLINK_TIMEOUT``. Options: ``token``, ``mode``
-    (``"sum"`` or ``"optimizer"``), ``optimizer`` (e.g. ``{"type": "sgd", "lr": 0.1}``),
-    ``sync`` (``"bsp"``, the default; ``"ssp"`` with ``staleness`` s: a pull of round r is
-    answered once round r - s closed; or ``"asp"``: pushes apply at once, pulls never wait),
-    ``straggler_timeout`` (seconds a round may wait for its last pushes before it closes with
-    those it has), ``max_workers`` (ranks up to it may join the running job; default
-    ``num_workers``, also ``PSLINK_MAX_WORKERS``), ``replication`` (0, 1 or 2 replicas of every
-    part on other Aggregators: the job survives losing that many without losing an update;
-    bsp/ssp only), ``servers`` (how many parameter servers the
-    job would ask for: it is profiled alone on that many Aggregators before pMaster packs it with
-    others; default one per worker), ``rejoin`` (register a rank again as a newcomer: pMaster
-    takes it out of the job and back in, in one step; an Agent of this process that held the
-    rank is then closed with ``close(leave=False)``), ``partition_bytes``, ``timeout``,
-    ``peer_timeout`` and the other :class:`Agent` settings. Job settings are fixed by the worker that creates the job.
-    """
-    job = resolve_str(job, "job", ENV_JOB)
-    rank = resolve_int(rank, "rank", ENV_RANK, minimum=0)
-    num_workers = resolve_int(num_workers, "num_workers", ENV_NUM_WORKERS, minimum=1)
-    max_workers = options.get("max_workers")
-    if max_workers is None and os.environ.get(ENV_MAX_WORKERS):
-        max_workers = options["max_workers"] = resolve_int(None, "max_workers", ENV_MAX_WORKERS, minimum=1)
-    if rank >= max(num_workers, max_workers or 0):
-        raise ConfigError(f"rank {rank} is out of range for {max(num_workers, max_workers or 0)} workers")
-    master = resolve_str(master, "master", ENV_MASTER, default=DEFAULT_MASTER)
-    options["timeout"] = resolve_float(options.get("timeout"), "timeout", ENV_TIMEOUT, DEFAULT_TIMEOUT)
-    return Agent(job, rank, num_workers, master, **options)
+        link = self._requests.closed_link(conn)
+        if link is not None and link.pending:
+            self._failover.link_lost(link, exc)

@@ -1,4 +1,4 @@
-"""What an Agent does when it loses an Aggregator (a mixin of :class:`pslink.core.agent.Agent`).
+"""What an Agent does when it loses an Aggregator.
 
 The requests waiting on the lost Aggregator are not failed at once: the Agent asks pMaster where
 the parts live now (RELOCATE; pMaster answers once it has promoted a replica or started the part
@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
-from pslink.core.agent.keys import Link
+from pslink.core.agent.keys import KeyInfo, Link, Seat
+from pslink.core.agent.master_link import MasterLink
+from pslink.core.agent.requests import Requests
+from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Op
 from pslink.errors import KeyStateError, PeerError, PslinkError
 
@@ -30,94 +34,100 @@ RELOCATE_BACKOFF = 0.2
 
 
 class Failover:
-    """Requires of its host: ``_pending``, ``_keys``, ``_link``, ``_transmit``, ``_fail_requests``,
-    ``_master_call``, ``_reactor``, ``_closed``, ``failover`` and its identity."""
+    """Moves the requests of a lost Aggregator to where pMaster says their parts are now.
+    ``keys``: the Agent's key table (parts move in place); ``enabled``: False fails them at once
+    (``failover=False``); ``closed()``: the Agent closed."""
 
-    def _link_lost(self, link: Link, exc, rids: list[int] | None = None) -> None:
+    def __init__(self, seat: Seat, keys: dict[object, KeyInfo], requests: Requests, master: MasterLink,
+                 reactor: Reactor, *, enabled: bool, closed: Callable[[], bool]):
+        self.seat, self.keys, self.requests, self.master, self.reactor = seat, keys, requests, master, reactor
+        self.enabled = enabled
+        self.closed = closed
+        self.rounds_lost: dict = {}  # key -> (rounds of updates lost, checkpoint round) after a restart
+
+    def link_lost(self, link: Link, exc, rids: list[int] | None = None) -> None:
         """``rids`` (default: every request waiting on ``link``) lost their Aggregator."""
         reason = exc.message if isinstance(exc, PslinkError) else str(exc)
         error = PeerError(f"lost connection to aggregator {link.name} at {link.address}: {reason}", peer=link.address)
         rids = list(link.pending) if rids is None else rids
-        if not self.failover or self._closed:
-            self._fail_requests(rids, error)
+        if not self.enabled or self.closed():
+            self.requests.fail(rids, error)
             return
-        log.warning("agent %s/%s: lost aggregator %s (%s); asking pMaster where its parts went",
-                    self.job, self.rank, link.name, reason)
+        log.warning("agent %s: lost aggregator %s (%s); asking pMaster where its parts went", self.seat, link.name,
+                    reason)
         self._ask_where(link.name, rids, error, 1)
 
     def _ask_where(self, lost: str, rids: list[int], error: PeerError, attempt: int) -> None:
-        if self._closed:
+        if self.closed():
             return
         # Off the driving thread: asking pMaster waits for an answer, which this thread delivers.
         threading.Thread(target=self._relocate, args=(lost, rids, error, attempt), daemon=True,
                          name=f"pslink-relocate-{lost}").start()
 
     def _relocate(self, lost: str, rids: list[int], error: PeerError, attempt: int = 1) -> None:
-        if self._closed:
+        if self.closed():
             return
-        parts = [[info.key, part.index, lost] for info in list(self._keys.values()) for part in info.parts
+        parts = [[info.key, part.index, lost] for info in list(self.keys.values()) for part in info.parts
                  if part.aggregator == lost]
         try:
-            body = self._master_call(Op.RELOCATE, parts=parts)
+            body = self.master.call(Op.RELOCATE, parts=parts)
         except PslinkError as exc:
-            log.error("agent %s/%s: pMaster could not say where aggregator %s's parts went: %s",
-                      self.job, self.rank, lost, exc)
-            self._reactor.post(self._fail_requests, rids, error)
+            log.error("agent %s: pMaster could not say where aggregator %s's parts went: %s", self.seat, lost, exc)
+            self.reactor.post(self.requests.fail, rids, error)
             return
         for spec in body.get("keys", []):
-            info = self._keys.get(spec["key"])
+            info = self.keys.get(spec["key"])
             if info is None:
                 continue
             for index, _start, _stop, aggregator, address in spec["parts"]:
                 info.parts[index].move(aggregator, address)  # in place: pending requests share it
         lost_keys = {key: message for key, message in body.get("lost", [])}
-        self._reactor.post(self._resend, lost, rids, error, lost_keys, attempt)
+        self.reactor.post(self._resend, lost, rids, error, lost_keys, attempt)
 
     def _resend(self, lost: str, rids: list[int], error: PeerError, lost_keys: dict, attempt: int = 1) -> None:
         """On the driving thread: each request goes again, as it was, to where its part is now."""
         again = []
         for rid in rids:
-            request = self._pending.get(rid)
+            request = self.requests.pending.get(rid)
             if request is None:
                 continue  # answered or failed meanwhile
             key = request.info.key
             if key in lost_keys:
-                self._fail_requests([rid], KeyStateError(lost_keys[key], key=key))
+                self.requests.fail([rid], KeyStateError(lost_keys[key], key=key))
                 continue
             part = request.part
             aggregator, address = part.where
             try:
                 # Where pMaster says the part is; the same Aggregator when it is still alive
                 # (the connection broke, not the Aggregator): connect to it again.
-                link = self._link(aggregator, address)
+                link = self.requests.link(aggregator, address)
             except PslinkError as exc:
-                log.warning("agent %s/%s: cannot connect to aggregator %s at %s (where key %r part %d is): %s",
-                            self.job, self.rank, aggregator, address, key, part.index, exc.message)
+                log.warning("agent %s: cannot connect to aggregator %s at %s (where key %r part %d is): %s",
+                            self.seat, aggregator, address, key, part.index, exc.message)
                 if aggregator == lost and attempt < RELOCATE_ATTEMPTS:
                     again.append(rid)  # pMaster found it alive: ask again (it fails over a dead one)
                 elif aggregator == lost:
-                    self._fail_requests([rid], PeerError(f"{error.message}; reconnecting failed {attempt} time(s): "
+                    self.requests.fail([rid], PeerError(f"{error.message}; reconnecting failed {attempt} time(s): "
                                                          f"{exc.message}", peer=address))
                 else:
-                    self._fail_requests([rid], PeerError(f"cannot reach aggregator {aggregator} at {address} "
+                    self.requests.fail([rid], PeerError(f"cannot reach aggregator {aggregator} at {address} "
                                                          f"(where key {key!r} part {part.index} went): {exc.message}",
                                                          peer=address))
                 continue
             request.link = link
             link.pending.add(rid)
-            self._transmit(rid, request, request.frames)
+            self.requests.transmit(rid, request, request.frames)
         if again:
-            self._reactor.call_later(RELOCATE_BACKOFF * attempt, self._ask_where, lost, again, error, attempt + 1)
-        log.info("agent %s/%s: resent %d request(s) after losing aggregator %s", self.job, self.rank,
-                 len(rids) - len(again), lost)
+            self.reactor.call_later(RELOCATE_BACKOFF * attempt, self._ask_where, lost, again, error, attempt + 1)
+        log.info("agent %s: resent %d request(s) after losing aggregator %s", self.seat, len(rids) - len(again), lost)
 
-    def _rounds_lost(self, key, lost: list) -> None:
+    def rounds_lost_at(self, key, lost: list) -> None:
         """A part of ``key`` restarted from its checkpoint: ``lost`` = [rounds lost, checkpoint round].
         Said once per key and restart, as an error: training goes on, but not from where it was."""
         rounds, restored = int(lost[0]), int(lost[1])
         if self.rounds_lost.get(key, (0, -1)) == (rounds, restored):
             return  # the other parts of the key, or the pull after a push, say the same
         self.rounds_lost[key] = (rounds, restored)
-        log.error("agent %s/%s: key %r lost its Aggregator with no replica and restarted from its checkpoint of "
-                  "round %d: %d round(s) of updates are lost (set replication=1 to lose none)",
-                  self.job, self.rank, key, restored, rounds)
+        log.error("agent %s: key %r lost its Aggregator with no replica and restarted from its checkpoint of "
+                  "round %d: %d round(s) of updates are lost (set replication=1 to lose none)", self.seat, key,
+                  restored, rounds)

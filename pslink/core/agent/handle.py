@@ -1,11 +1,16 @@
-"""Handles: what Agent operations return, to wait on or to attach callbacks to."""
+"""Handles: what Agent operations return, to wait on or to attach callbacks to; and
+:class:`Handles`, which makes, completes and waits on an Agent's handles."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable
 
-from pslink.errors import PslinkError
+from pslink.core.agent.driver import Driver
+from pslink.errors import PslinkError, PslinkTimeoutError
+
+log = logging.getLogger("pslink.core.agent")
 
 
 class Handle:
@@ -17,12 +22,12 @@ class Handle:
     """
 
     __slots__ = (
-        "_agent", "op", "keys", "round", "epoch", "_left", "_error", "_result", "_event", "_callbacks",
+        "_book", "op", "keys", "round", "epoch", "_left", "_error", "_result", "_event", "_callbacks",
         "_waiting_on", "__weakref__",
     )
 
-    def __init__(self, agent, op: str, keys: list, result: Any, parts: int, round_: int = 0):
-        self._agent = agent
+    def __init__(self, book: "Handles", op: str, keys: list, result: Any, parts: int, round_: int = 0):
+        self._book = book
         self.op = op
         self.keys = keys
         self.round = round_
@@ -40,7 +45,7 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done (at most ``timeout`` s, default: the Agent's timeout)."""
         if self._left:
-            self._agent._wait(self, timeout)
+            self._book.wait(self, timeout)
         if self._error is not None:
             raise self._error
         return self._result
@@ -51,7 +56,7 @@ class Handle:
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         """Call ``fn(handle)`` when done: on the thread that drives the Agent's I/O (keep it
         short, never block in it), or right now if already done."""
-        if self._agent._add_callback(self, fn):
+        if self._book.add_callback(self, fn):
             return
         fn(self)
 
@@ -60,7 +65,7 @@ class Handle:
         keys = self.keys if len(self.keys) <= 4 else self.keys[:4] + ["..."]
         return f"<Handle {self.op} {keys} {state}{' failed' if self._error else ''}>"
 
-    # -- called by the Agent on its driving thread ------------------------------------------------
+    # -- called by Handles, on the driving thread ---------------------------------------------------
 
     def _part_done(self, error: PslinkError | None) -> list:
         """One part finished; returns the callbacks to run if the whole handle is now done.
@@ -98,3 +103,51 @@ class Handle:
         keys = ", ".join(repr(k) for k in self.keys[:8]) + (" ..." if len(self.keys) > 8 else "")
         round_ = f" (round {self.round})" if self.round else ""
         return f"{self.op} of key {keys}{round_}" + (f" from aggregator {peers}" if peers else "")
+
+
+class Handles:
+    """An Agent's handles: made here, completed part by part on the driving thread, waited on
+    through the :class:`~pslink.core.agent.driver.Driver` (so a waiting thread drives the I/O).
+    ``timeout``: the default wait; ``job`` and ``rank`` name the Agent in errors."""
+
+    def __init__(self, driver: Driver, timeout: float, job: str, rank: int):
+        self.driver = driver
+        self.timeout = timeout
+        self.job, self.rank = job, rank
+        self._lock = threading.Lock()
+
+    def new(self, op: str, keys: list, result: Any, parts: int, round_: int = 0) -> Handle:
+        return Handle(self, op, keys, result, parts, round_)
+
+    def wait(self, handle: Handle, timeout: float | None) -> None:
+        self.driver.wait(
+            lambda: not handle._left, self.timeout if timeout is None else timeout, handle._describe_wait,
+            on_timeout=lambda t: PslinkTimeoutError(f"{handle._describe_wait()} not done after {t:g} s (job "
+                                                    f"{self.job!r}, rank {self.rank})", job=self.job),
+            parking=handle._parking_event)
+
+    def complete(self, handle: Handle, error: PslinkError | None) -> None:
+        """One part of ``handle`` finished (``error``: how it failed); its callbacks run once
+        the whole handle is done."""
+        with self._lock:
+            callbacks = handle._part_done(error)
+        if callbacks:
+            self.driver.callbacks_pending(-1)
+        for callback in callbacks:
+            try:
+                callback(handle)
+            except Exception:
+                log.exception("callback of %r failed", handle)
+
+    def add_callback(self, handle: Handle, fn) -> bool:
+        """Attach ``fn``; False when the handle is already done (the caller runs it)."""
+        with self._lock:
+            if handle.done():
+                return False
+            first = handle._callbacks is None
+            if first:
+                handle._callbacks = []
+            handle._callbacks.append(fn)
+        if first:
+            self.driver.callbacks_pending(+1)
+        return True

@@ -1,5 +1,5 @@
-"""An Agent's link to pMaster (a mixin of :class:`pslink.core.agent.Agent`): control calls,
-registration, heartbeats with iteration times, and re-registering after pMaster comes back.
+"""An Agent's link to pMaster: control calls, registration, heartbeats with iteration times, and
+registering again after pMaster comes back.
 
 The data path never waits for pMaster: while it is away the Agent trains on the mapping it has
 and reconnects on every heartbeat until pMaster answers again (with the job's token, so a
@@ -11,113 +11,133 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Callable
 
 from pslink.core import hosts
-from pslink.core.agent.handle import Handle
-from pslink.core.wire.protocol import Op
-from pslink.core.transport.rpc import RpcPeer
+from pslink.core.agent.handle import Handles
+from pslink.core.agent.keys import Seat
+from pslink.core.transport import Transports
+from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import Limits, Op
 from pslink.errors import PeerError, ProtocolError, PslinkError
 
-log = logging.getLogger("pslink.core.agent.agent")
+log = logging.getLogger("pslink.core.agent")
 
 
 class MasterLink:
-    """Requires of its host: ``transports``, ``_reactor``, ``_endpoint``, ``limits``, ``_master``,
-    ``_master_lock``, ``master_address``, ``connect_timeout``, ``timeout``, ``heartbeat_interval``,
-    ``_lock``, ``_iterations``, ``_reconnecting``, ``_closed``, ``_complete``,
-    ``_update_membership``, ``_late``, ``_joined`` and its identity."""
+    """Requests to pMaster at ``address`` for the worker in ``seat``. ``take_iterations()`` gives
+    the iteration times measured since the last heartbeat; ``on_back(body)`` hears pMaster's
+    answer when the worker registered again after losing it; ``closed()`` says the Agent closed."""
 
-    def _master_peer(self) -> RpcPeer:
-        peer = self._master
+    def __init__(self, seat: Seat, address: str, transports: Transports, reactor: Reactor, limits: Limits,
+                 handles: Handles, *, connect_timeout: float, timeout: float, heartbeat_interval: float,
+                 take_iterations: Callable[[], list], on_back: Callable[[dict], None], closed: Callable[[], bool]):
+        self.seat = seat
+        self.address = address
+        self.transports, self.reactor, self.limits, self.handles = transports, reactor, limits, handles
+        self.connect_timeout = connect_timeout
+        self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.take_iterations = take_iterations
+        self.on_back = on_back
+        self.closed = closed
+        self.endpoint = RpcEndpoint(reactor, self._refuse, limits, on_close=self._lost)
+        self.peer: RpcPeer | None = None
+        self._lock = threading.Lock()
+        self._reconnecting = False
+
+    def start_heartbeats(self) -> None:
+        self.reactor.call_later(self.heartbeat_interval, self._heartbeat)
+
+    def connected(self) -> RpcPeer:
+        """The connection to pMaster, made if there is none (raises PeerError naming the address)."""
+        peer = self.peer
         if peer is not None and not peer.conn.closed:
             return peer
-        with self._master_lock:
-            if self._master is None or self._master.conn.closed:
+        with self._lock:
+            if self.peer is None or self.peer.conn.closed:
                 try:
-                    conn = self.transports.connect(
-                        self.master_address, self._reactor, self._endpoint, self.limits, self.connect_timeout
-                    )
+                    conn = self.transports.connect(self.address, self.reactor, self.endpoint, self.limits,
+                                                   self.connect_timeout)
                 except PeerError as exc:
-                    raise PeerError(f"pMaster at {self.master_address} is unreachable (is `pslink service up` "
-                                    f"running there?): {exc.message}", peer=self.master_address) from None
-                self._master = self._endpoint.peer(conn)
-                self._master.info["name"] = f"pMaster at {self.master_address}"
-            return self._master
+                    raise PeerError(f"pMaster at {self.address} is unreachable (is `pslink service up` "
+                                    f"running there?): {exc.message}", peer=self.address) from None
+                self.peer = self.endpoint.peer(conn)
+                self.peer.info["name"] = f"pMaster at {self.address}"
+            return self.peer
 
-    def _master_call(self, op: Op, timeout: float | None = None, **fields) -> dict:
-        """A synchronous control request to pMaster (job fields added); returns the reply body."""
-        handle = Handle(self, op.name.lower(), [], None, 1)
+    def call(self, op: Op, timeout: float | None = None, **fields) -> dict:
+        """A synchronous control request to pMaster (the job's fields added); returns the body."""
+        handle = self.handles.new(op.name.lower(), [], None, 1)
         timeout = self.timeout if timeout is None else timeout
 
         def answered(result, error):
             if result is not None:
                 handle._result = result.get("body", {})
-            self._complete(handle, error)
+            self.handles.complete(handle, error)
 
         if op != Op.REGISTER_WORKER:
-            fields = dict(job=self.job, tok=self.token, rank=self.rank, **fields)
-        self._master_peer().call(op, answered, timeout=timeout, **fields)
+            fields = dict(self.seat.fields(), **fields)
+        self.connected().call(op, answered, timeout=timeout, **fields)
         return handle.wait(timeout + 1.0)
 
-    def _register(self, config: dict, token: bytes | None, rejoin: bool = False) -> dict:
-        fields = dict(job=self.job, rank=self.rank, num_workers=self.num_workers, pid=os.getpid(),
-                      host=hosts.host_name(), host_id=self.host_id, config=config)
+    def _identity(self) -> dict:
+        seat = self.seat
+        return dict(job=seat.job, rank=seat.rank, num_workers=seat.num_workers, pid=os.getpid(),
+                    host=hosts.host_name(), host_id=seat.host_id)
+
+    def register(self, config: dict, token: bytes | None, rejoin: bool = False) -> dict:
+        fields = dict(self._identity(), config=config)
         if token:
             fields["tok"] = token
         if rejoin:
             fields["rejoin"] = True  # out of the job and back in as a newcomer, in one step
-        return self._master_call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
+        return self.call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
 
-    def _on_master_request(self, peer: RpcPeer, req: dict) -> None:
+    @staticmethod
+    def _refuse(peer: RpcPeer, req: dict) -> None:
         raise ProtocolError(f"an Agent serves no {req['op'].name} requests")
 
-    def _on_master_lost(self, peer: RpcPeer, exc) -> None:
-        if peer is self._master:
-            self._master = None
-            if not self._closed:
-                log.warning("agent %s/%s: lost pMaster at %s (%s); training continues, reconnecting",
-                            self.job, self.rank, self.master_address, exc)
+    def _lost(self, peer: RpcPeer, exc) -> None:
+        if peer is self.peer:
+            self.peer = None
+            if not self.closed():
+                log.warning("agent %s: lost pMaster at %s (%s); training continues, reconnecting", self.seat,
+                            self.address, exc)
 
     def _heartbeat(self) -> None:
-        if self._closed:
+        if self.closed():
             return
         try:
-            peer = self._master
+            peer = self.peer
             if peer is not None and not peer.conn.closed:
-                with self._lock:
-                    iterations, self._iterations = self._iterations, []
-                peer.notify(Op.HEARTBEAT, job=self.job, tok=self.token, rank=self.rank,
-                            iters=[round(d, 6) for d in iterations])
+                iterations = self.take_iterations()
+                peer.notify(Op.HEARTBEAT, **self.seat.fields(), iters=[round(d, 6) for d in iterations])
             elif not self._reconnecting:
                 self._reconnecting = True
-                threading.Thread(target=self._reconnect_master, daemon=True).start()
+                threading.Thread(target=self._reconnect, daemon=True).start()
         finally:
-            self._reactor.call_later(self.heartbeat_interval, self._heartbeat)
+            self.reactor.call_later(self.heartbeat_interval, self._heartbeat)
 
-    def _reconnect_master(self) -> None:
-        """Off the driving thread (connecting may block): re-register with the job's token."""
+    def _reconnect(self) -> None:
+        """Off the driving thread (connecting may block): register again with the job's token."""
         try:
-            peer = self._master_peer()
-            fields = dict(job=self.job, rank=self.rank, num_workers=self.num_workers, pid=os.getpid(),
-                          host=hosts.host_name(), host_id=self.host_id, tok=self.token)
+            peer = self.connected()
 
             def registered(result, error):
                 if error is not None:
-                    log.warning("agent %s/%s: re-registering with pMaster failed: %s", self.job, self.rank, error)
+                    log.warning("agent %s: re-registering with pMaster failed: %s", self.seat, error)
                     return
-                body = result.get("body") or {}
-                self._update_membership(body.get("membership"))
-                if body.get("late"):
-                    # It had been taken out of the job (silent too long) and came back as a new
-                    # member: it joins every key again, at the rounds under way.
-                    log.error("agent %s/%s: this worker had been removed from the job; it rejoins at the "
-                              "current rounds (its own state may be behind the others')", self.job, self.rank)
-                    self._late, self._joined = True, set()
-                else:
-                    log.info("agent %s/%s: reconnected to pMaster", self.job, self.rank)
+                self.on_back(result.get("body") or {})
 
-            peer.call(Op.REGISTER_WORKER, registered, timeout=self.connect_timeout, **fields)
+            peer.call(Op.REGISTER_WORKER, registered, timeout=self.connect_timeout,
+                      **self._identity(), tok=self.seat.token)
         except PslinkError:
             pass
         finally:
             self._reconnecting = False
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.conn.close()

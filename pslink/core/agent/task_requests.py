@@ -1,5 +1,5 @@
-"""Agent requests about a task rather than its rounds (a mixin of :class:`pslink.core.agent.Agent`):
-the optimizer state kept on the service (for checkpoints), and joining a job that is running.
+"""Agent requests about a task rather than its rounds: the optimizer state kept on the service
+(for checkpoints), and joining a job that is running.
 
 Joining. A worker that registers while its job runs (elastic scaling, or replacing one that left)
 comes into each key at the first round no worker has started: it asks every part where the key
@@ -11,12 +11,14 @@ Its first pull of a key then returns the round before: the current value.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from pslink.core.agent.keys import KeyInfo, PartInfo, PartRequest, as_array, check_key
-from pslink.core.agent.handle import Handle
+from pslink.core.agent.handle import Handle, Handles
+from pslink.core.agent.keys import KeyInfo, PartInfo, PartRequest, Seat, as_array, check_key
+from pslink.core.agent.master_link import MasterLink
+from pslink.core.agent.requests import Requests
 from pslink.core.wire.protocol import Op, encode
 from pslink.errors import ConfigError, PslinkError, PslinkTimeoutError, ShapeMismatchError
 
@@ -26,8 +28,16 @@ JOIN_ATTEMPTS = 50  # rounds keep closing while a worker asks where to come in: 
 
 
 class TaskRequests:
-    """Requires of its host the Agent's ``_resolve``, ``_link``, ``_pending``, ``_ids``,
-    ``_complete``, ``_fail_requests``, ``_master_call`` and its identity."""
+    """Requests about tasks for the worker in ``seat``: ``keys`` is the Agent's key table and
+    ``resolve(op, keys, arrays, outs)`` its way to learn keys from pMaster. ``late``: the worker
+    registered while its job ran (it joins every key before it uses it)."""
+
+    def __init__(self, seat: Seat, keys: dict[object, KeyInfo], resolve: Callable, requests: Requests,
+                 handles: Handles, master: MasterLink, *, late: bool):
+        self.seat, self.keys, self.resolve = seat, keys, resolve
+        self.requests, self.handles, self.master = requests, handles, master
+        self.late = late
+        self.joined: set = set()  # keys a late worker has joined
 
     def optimizer_state(self, keys: Sequence | None = None, timeout: float | None = None) -> dict:
         """The service's optimizer state (optimizer mode), for checkpoints: ``{key: {name: array
@@ -35,13 +45,13 @@ class TaskRequests:
         ``exp_avg_sq`` and ``step``; ``{}`` for a key not stepped yet). ``keys`` defaults to every
         key this Agent has used. Take it between rounds (once this worker's pushes are done and
         the others' rounds closed), when it is exactly what the next step will use."""
-        keys = list(self._keys) if keys is None else [check_key(k) for k in keys]
-        infos = self._resolve(Op.PULL, keys, None, None)
+        keys = list(self.keys) if keys is None else [check_key(k) for k in keys]
+        infos = self.resolve(Op.PULL, keys, None, None)
         states: dict = {info.key: {} for info in infos}
-        handle = Handle(self, "optimizer_state", keys, states, sum(len(info.parts) for info in infos))
+        handle = self.handles.new("optimizer_state", keys, states, sum(len(info.parts) for info in infos))
         for info in infos:
             for part in info.parts:
-                self._send_state(handle, Op.STATE_GET, info, part, states[info.key])
+                self.send_state(handle, Op.STATE_GET, info, part, states[info.key])
         return handle.wait(timeout)
 
     def set_optimizer_state(self, states: dict, timeout: float | None = None) -> None:
@@ -51,8 +61,8 @@ class TaskRequests:
         if not isinstance(states, dict):
             raise ConfigError(f"optimizer states are a dict {{key: {{name: array or int}}}}, got {type(states).__name__}")
         keys = [check_key(k) for k in states]
-        infos = self._resolve(Op.PULL, keys, None, None)
-        handle = Handle(self, "set_optimizer_state", keys, None, sum(len(info.parts) for info in infos))
+        infos = self.resolve(Op.PULL, keys, None, None)
+        handle = self.handles.new("set_optimizer_state", keys, None, sum(len(info.parts) for info in infos))
         for info in infos:
             state = states[info.key]
             if not isinstance(state, dict):
@@ -68,10 +78,10 @@ class TaskRequests:
                                              f"{dtype}, but the key has {info.describe()}", key=info.key)
                 arrays[str(name)] = np.ascontiguousarray(array).reshape(-1)
             for part in info.parts:
-                self._send_state(handle, Op.STATE_SET, info, part, (arrays, scalars))
+                self.send_state(handle, Op.STATE_SET, info, part, (arrays, scalars))
         handle.wait(timeout)
 
-    def _send_state(self, handle: Handle, op: Op, info: KeyInfo, part: PartInfo, state, moves: int = 0,
+    def send_state(self, handle: Handle, op: Op, info: KeyInfo, part: PartInfo, state, moves: int = 0,
                     round_: int = 0) -> None:
         """One part of a request about the task, not its rounds: STATE_GET (``state``: the dict
         its arrays and numbers go into), STATE_SET (``state``: the key's flat arrays and
@@ -79,26 +89,24 @@ class TaskRequests:
         aggregator, address = part.where
         handle._waiting_on[aggregator] = address
         try:
-            link = self._link(aggregator, address)
+            link = self.requests.link(aggregator, address)
         except PslinkError as exc:
-            self._complete(handle, exc)
+            self.handles.complete(handle, exc)
             return
-        rid = next(self._ids)
         nbytes = (part.stop - part.start) * info.dtype.itemsize
-        request = self._pending[rid] = PartRequest(handle, link, nbytes, None, state, False, op, info, part, round_,
-                                                    None, None, moves)
-        link.pending.add(rid)
-        fields = dict(id=rid, job=self.job, tok=self.token, rank=self.rank, key=info.key, part=part.index, rnd=round_,
+        request = PartRequest(handle, link, nbytes, None, state, False, op, info, part, round_, None, None, moves)
+        rid = self.requests.add(request)
+        fields = dict(id=rid, **self.seat.fields(), key=info.key, part=part.index, rnd=round_,
                       dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop])
         frames = [encode(op, **fields)]
         if op == Op.STATE_SET:
             arrays, scalars = state
             frames = [encode(op, **fields, names=list(arrays), scalars=scalars)]
             frames += [flat[part.start : part.stop] for flat in arrays.values()]
-        self._transmit(rid, request, frames)
+        self.requests.transmit(rid, request, frames)
 
     @staticmethod
-    def _state_arrived(request: PartRequest, header: dict, payloads: list) -> None:
+    def state_arrived(request: PartRequest, header: dict, payloads: list) -> None:
         """A part's STATE_GET answer (its slice of each array, and its numbers) or JOIN answer."""
         body, info, part, into = header.get("body") or {}, request.info, request.part, request.array
         if request.op == Op.JOIN:
@@ -117,28 +125,23 @@ class TaskRequests:
     def join_all(self, timeout: float | None = None) -> list:
         """Come into every key the job has (a worker added to a running job, before it trains:
         so it takes part in the very next round of each). Returns the keys."""
-        body = self._master_call(Op.JOB_KEYS)
+        body = self.master.call(Op.JOB_KEYS)
         for spec in body["keys"]:
-            self._keys.setdefault(spec["key"], KeyInfo(spec))
-        self._update_membership(body.get("membership"))
-        infos = [self._keys[spec["key"]] for spec in body["keys"]]
-        self._join(infos, timeout)
+            self.keys.setdefault(spec["key"], KeyInfo(spec))
+        self.seat.update_members(body.get("membership"))
+        infos = [self.keys[spec["key"]] for spec in body["keys"]]
+        self.join(infos, timeout)
         return [info.key for info in infos]
 
     def membership(self) -> dict:
         """The job's members now, from pMaster: ``{"ranks": [...], "epoch": n}``."""
-        body = self._master_call(Op.JOB_KEYS, keys=False)
-        self._update_membership(body.get("membership"))
-        return dict(self._members)
+        body = self.master.call(Op.JOB_KEYS, keys=False)
+        self.seat.update_members(body.get("membership"))
+        return dict(self.seat.members)
 
-    def _update_membership(self, membership: dict | None) -> None:
-        if membership and "ranks" in membership and membership.get("epoch", -1) >= self._members.get("epoch", -1):
-            self._members = {"ranks": list(membership["ranks"]), "epoch": membership["epoch"]}
-            self.num_workers = len(self._members["ranks"])
-
-    def _join(self, infos: list[KeyInfo], timeout: float | None = None) -> None:
+    def join(self, infos: list[KeyInfo], timeout: float | None = None) -> None:
         """Make sure this worker contributes to ``infos`` (it joined the job while it ran)."""
-        pending = [info for info in infos if info.key not in self._joined]
+        pending = [info for info in infos if info.key not in self.joined]
         for _ in range(JOIN_ATTEMPTS):
             if not pending:
                 return
@@ -148,7 +151,7 @@ class TaskRequests:
                 froms = {a["member_from"] for a in answers[info.key].values()}
                 if None not in froms and len(froms) == 1:  # a member already (the key is newer than us)
                     info.round = froms.pop() - 1
-                    self._joined.add(info.key)
+                    self.joined.add(info.key)
                 else:
                     joining[info.key] = max(a["started"] for a in answers[info.key].values()) + 1
             pending = [info for info in pending if info.key in joining]
@@ -158,17 +161,16 @@ class TaskRequests:
             for info in pending:
                 if all(a.get("ok") for a in answers[info.key].values()):
                     info.round = joining[info.key] - 1
-                    self._joined.add(info.key)
-                    log.info("agent %s/%s: joined key %r at round %d", self.job, self.rank, info.key,
-                             joining[info.key])
-            pending = [info for info in pending if info.key not in self._joined]
-        raise PslinkTimeoutError(f"rank {self.rank} of job {self.job!r} could not join key(s) "
+                    self.joined.add(info.key)
+                    log.info("agent %s: joined key %r at round %d", self.seat, info.key, joining[info.key])
+            pending = [info for info in pending if info.key not in self.joined]
+        raise PslinkTimeoutError(f"rank {self.seat.rank} of job {self.seat.job!r} could not join key(s) "
                                  f"{[i.key for i in pending]}: their rounds kept closing while it asked")
 
     def _ask_join(self, infos: list[KeyInfo], rounds: dict, timeout: float | None) -> dict:
         answers: dict = {info.key: {} for info in infos}
-        handle = Handle(self, "join", [i.key for i in infos], answers, sum(len(i.parts) for i in infos))
+        handle = self.handles.new("join", [i.key for i in infos], answers, sum(len(i.parts) for i in infos))
         for info in infos:
             for part in info.parts:
-                self._send_state(handle, Op.JOIN, info, part, answers[info.key], round_=rounds.get(info.key, 0))
+                self.send_state(handle, Op.JOIN, info, part, answers[info.key], round_=rounds.get(info.key, 0))
         return handle.wait(timeout)

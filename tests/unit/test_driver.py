@@ -1,5 +1,6 @@
-"""Who drives a ps-lite node's reactor (pslink.pslite.driver): the waiting thread, else the
-background thread. A real reactor and real threads; every wait has a timeout."""
+"""Who drives a client's reactor (pslink.core.agent.driver, the Agent's and the ps-lite node's):
+the waiting thread, else the background thread. A real reactor and real threads; every wait has a
+timeout."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import threading
 
 import pytest
 
+from pslink.core.agent.driver import Driver
 from pslink.core.wire.loop import Reactor
-from pslink.errors import ConfigError
-from pslink.pslite.driver import Driver
+from pslink.errors import ConfigError, PslinkTimeoutError
 
 
 @pytest.fixture
 def driver():
+    """As a ps-lite node runs it: requests may come unasked."""
     reactor = Reactor("test driver")
-    driver = Driver(reactor, "test", idle_poll=0.002).start()
+    driver = Driver(reactor, "test", idle_poll=0.002, serves=True).start()
     yield driver
     driver.close()
     reactor.close()
@@ -73,7 +75,7 @@ def test_the_background_thread_drives_once_the_waiter_left(driver):
 
     driver.reactor.post(on_reactor)
     assert later.wait(5.0), "nobody drove the reactor after the waiter left"
-    assert ran_on == ["pslite-test"]
+    assert ran_on == ["pslink-test"]
 
 
 def test_waiting_inside_a_callback_is_refused(driver):
@@ -90,3 +92,27 @@ def test_waiting_inside_a_callback_is_refused(driver):
     driver.reactor.post(callback)
     assert finished.wait(5.0)
     assert len(errors) == 1 and "a pull inside a callback" in str(errors[0])
+
+
+def test_a_client_with_nothing_in_flight_leaves_incoming_work_to_its_timers():
+    # As an Agent runs it: with no request in flight and nobody waiting, the background thread
+    # sleeps until a timer is due (heartbeats, probes) instead of polling every idle_poll; with
+    # a request in flight it steps in once the client went quiet.
+    reactor = Reactor("agent-like")
+    in_flight = []
+    driver = Driver(reactor, "agent", idle_poll=0.002, in_flight=lambda: bool(in_flight)).start()
+    try:
+        ran = threading.Event()
+        reactor.call_later(0.05, ran.set)  # a due timer is driven
+        assert ran.wait(5.0)
+        in_flight.append(1)
+        answered = threading.Event()
+        reactor.post(answered.set)  # posted work is driven at once
+        assert answered.wait(5.0)
+        with pytest.raises(PslinkTimeoutError, match="a reply that never comes: not done after 0.05 s"):
+            driver.wait(lambda: False, 0.05, lambda: "a reply that never comes")
+        with pytest.raises(KeyError):
+            driver.wait(lambda: False, 0.05, lambda: "x", on_timeout=lambda t: KeyError(t))
+    finally:
+        driver.close()
+        reactor.close()

@@ -1,0 +1,45 @@
+"""``pslink.connect``: one call to join a job, with every setting named once across adapters."""
+
+from __future__ import annotations
+
+import inspect
+
+from pslink.config import resolve_connect
+from pslink.core.agent.agent import Agent
+
+
+def connect(
+    job: str | None = None,
+    rank: int | None = None,
+    num_workers: int | None = None,
+    master: str | None = None,
+    **options,
+) -> Agent:
+    """Join a job on the parameter service and return its :class:`Agent`.
+
+    Each argument falls back to an environment variable (as ``pslink launch`` sets them):
+    ``PSLINK_JOB``, ``PSLINK_RANK``, ``PSLINK_NUM_WORKERS``, ``PSLINK_MASTER`` (default
+    tcp://127.0.0.1:7770), ``PSLINK_TOKEN``, ``PSLINK_TIMEOUT``, ``PSLINK_MAX_WORKERS`` and
+    ``PSLINK_PARTITION_BYTES``. Options: ``token``, ``mode`` (``"sum"`` or ``"optimizer"``),
+    ``optimizer`` (e.g. ``{"type": "sgd", "lr": 0.1}``), ``sync`` (``"bsp"``, the default;
+    ``"ssp"`` with ``staleness`` s: a pull of round r is answered once round r - s closed; or
+    ``"asp"``: pushes apply at once, pulls never wait), ``straggler_timeout`` (seconds a round may
+    wait for its last pushes before it closes with those it has), ``max_workers`` (ranks up to it
+    may join the running job; default ``num_workers``), ``replication`` (0, 1 or 2 replicas of
+    every part on other Aggregators: the job survives losing that many without losing an update;
+    bsp/ssp only), ``servers`` (how many parameter servers the job would ask for: it is profiled
+    alone on that many Aggregators before pMaster packs it with others; default one per worker),
+    ``rejoin`` (register a rank again as a newcomer: pMaster takes it out of the job and back in,
+    in one step; an Agent of this process that held the rank is then closed with
+    ``close(leave=False)``), ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other
+    :class:`Agent` settings. Job settings are fixed by the worker that creates the job. A name
+    that is not one of these is a ConfigError naming the one meant (``size`` -> ``num_workers``).
+    """
+    job, rank, num_workers, master, options = resolve_connect(job, rank, num_workers, master, options,
+                                                              AGENT_OPTIONS)
+    return Agent(job, rank, num_workers, master, **options)
+
+
+#: What :func:`connect` passes on to :class:`Agent` besides job, rank, num_workers and master.
+AGENT_OPTIONS = frozenset(inspect.signature(Agent.__init__).parameters) - {"self", "job", "rank", "num_workers",
+                                                                            "master"}

@@ -1,0 +1,167 @@
+"""An Agent's requests in flight (one per part) and the Aggregator connections they wait on.
+
+A request is sent on the link to the Aggregator its part lives on and stays in the table until
+its answer comes, or until it fails. Probes, every ``probe_interval``: a link that owes answers
+and has been quiet gets a PING; one that stays silent past ``peer_timeout`` fails its requests;
+with faults injected (``resend_timeout``), a request unanswered that long is sent again, with the
+same id (the Aggregator applies it once). A request that cannot be sent (its Aggregator is gone,
+maybe not noticed yet) is handed to ``on_lost``, the Agent's failover.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Callable
+
+from pslink.core.agent.handle import Handles
+from pslink.core.agent.keys import Link, PartRequest, Seat
+from pslink.core.faults import Faults
+from pslink.core.transport import Connection, Handler, Transports
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import Limits, Op, encode
+from pslink.errors import PeerError, PslinkError
+
+log = logging.getLogger("pslink.core.agent")
+
+#: Called with the link a request could not be sent on, why, and the request ids.
+LostCallback = Callable[[Link, PslinkError, list], None]
+
+
+class Requests:
+    """The table of requests in flight and the links to Aggregators (connected through
+    ``transports`` with ``handler`` receiving on them: the Agent)."""
+
+    def __init__(self, seat: Seat, transports: Transports, reactor: Reactor, handler: Handler, limits: Limits,
+                 handles: Handles, *, connect_timeout: float, peer_timeout: float, probe_interval: float,
+                 resend_timeout: float | None, faults: Faults | None, clock: Callable[[], float]):
+        self.seat = seat
+        self.transports, self.reactor, self.handler, self.limits = transports, reactor, handler, limits
+        self.handles = handles
+        self.connect_timeout = connect_timeout
+        self.peer_timeout = peer_timeout
+        self.probe_interval = probe_interval
+        self.resend_timeout = resend_timeout
+        self.faults = faults
+        self.clock = clock
+        self.pending: dict[int, PartRequest] = {}
+        self.ids = itertools.count(1)
+        self.links: dict[str, Link] = {}
+        self.by_conn: dict[Connection, Link] = {}
+        self._link_lock = threading.Lock()
+        self.on_lost: LostCallback = lambda link, error, rids: self.fail(rids, error)
+        self.closed = False
+        reactor.call_later(probe_interval, self._probe)
+
+    # -- links ------------------------------------------------------------------------------------
+
+    def link(self, name: str, address: str) -> Link:
+        """The connection to Aggregator ``name`` at ``address``, made on first use (raises
+        PeerError when it cannot be)."""
+        link = self.links.get(name)
+        if link is not None and not link.conn.closed:
+            return link
+        with self._link_lock:
+            link = self.links.get(name)
+            if link is None or link.conn.closed or link.address != address:
+                conn = self.transports.connect(address, self.reactor, self.handler, self.limits, self.connect_timeout)
+                link = Link(name, address, conn, self.clock())
+                self.links[name] = link
+                self.by_conn[conn] = link
+            return link
+
+    def closed_link(self, conn: Connection) -> Link | None:
+        """``conn`` closed: forget its link (returned, with the requests still waiting on it)."""
+        link = self.by_conn.pop(conn, None)
+        if link is not None:
+            with self._link_lock:
+                if self.links.get(link.name) is link:
+                    del self.links[link.name]
+        return link
+
+    def close_links(self) -> None:
+        with self._link_lock:
+            links, self.links = list(self.links.values()), {}
+        for link in links:
+            link.conn.close()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add(self, request: PartRequest) -> int:
+        rid = next(self.ids)
+        self.pending[rid] = request
+        request.link.pending.add(rid)
+        return rid
+
+    def take(self, rid: int) -> PartRequest | None:
+        """The request ``rid`` answered: out of the table (None if it was not in it)."""
+        request = self.pending.pop(rid, None)
+        if request is not None:
+            request.link.pending.discard(rid)
+        return request
+
+    def transmit(self, rid: int, request: PartRequest, frames: list) -> None:
+        request.frames, request.sent = frames, self.clock()
+        link = request.link
+        try:
+            if link.conn is None:
+                raise PeerError(link.error or "not connected")
+            if self.faults is not None:
+                self.faults.send(link.conn, frames)
+            else:
+                link.conn.send(frames)
+        except PslinkError as exc:
+            # The Aggregator is gone (maybe not noticed yet): ask where the part went.
+            self.on_lost(link, PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"),
+                         [rid])
+
+    def fail(self, rids: list[int], error: PslinkError) -> None:
+        for rid in rids:
+            request = self.take(rid)
+            if request is not None:
+                self.handles.complete(request.handle, error)
+
+    # -- probes -----------------------------------------------------------------------------------
+
+    def _probe(self) -> None:
+        """Ping Aggregators that owe answers and have been quiet; give up on the silent."""
+        if self.closed:
+            return
+        try:
+            now = self.clock()
+            if self.resend_timeout:
+                for rid, request in list(self.pending.items()):
+                    conn = request.link.conn
+                    if conn is None or conn.closed:
+                        continue  # its Aggregator is lost: the relocation under way sends it again
+                    if request.frames is not None and now - request.sent > self.resend_timeout:
+                        self.transmit(rid, request, request.frames)
+            for link in list(self.links.values()):
+                if not link.pending:
+                    link.ping_sent = None
+                elif link.ping_sent is not None:
+                    if now - link.ping_sent > self.peer_timeout:
+                        self._give_up(link, now - link.last_heard)
+                elif now - link.last_heard > min(self.peer_timeout / 2, 1.0):
+                    link.ping_sent = now
+                    try:
+                        link.conn.send([encode(Op.PING, id=0)])
+                    except PslinkError:
+                        pass
+        finally:
+            self.reactor.call_later(self.probe_interval, self._probe)
+
+    def _give_up(self, link: Link, silent_for: float) -> None:
+        error = PeerError(
+            f"aggregator {link.name} at {link.address} did not answer for {silent_for:.1f} s "
+            f"(job {self.seat.job!r}, rank {self.seat.rank}); {len(link.pending)} request(s) failed",
+            peer=link.address,
+        )
+        log.error("%s", error)
+        self.by_conn.pop(link.conn, None)
+        with self._link_lock:
+            if self.links.get(link.name) is link:
+                del self.links[link.name]
+        link.conn.close()
+        self.fail(list(link.pending), error)
