@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from pslink.core.aggregator.core import Summer
+from pslink.core.aggregator.tasks import Summer
 
 
 def best_of(fn, repeat):

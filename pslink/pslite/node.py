@@ -33,7 +33,7 @@ import numpy as np
 
 from pslink.core import hosts
 from pslink.core.agent.driver import Driver
-from pslink.core.aggregator.core import BufferPool
+from pslink.core.aggregator.tasks import BufferPool
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
 from pslink.core.transport import DISCARD, Transports, split_host_port

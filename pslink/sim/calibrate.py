@@ -27,7 +27,8 @@ from typing import Callable
 
 import numpy as np
 
-from pslink.core.aggregator.core import AggregatorCore, Request, Summer
+from pslink.core.aggregator.core import AggregatorCore
+from pslink.core.aggregator.tasks import Request, Summer
 from pslink.core.partition import DEFAULT_PARTITION_BYTES
 from pslink.core.wire.protocol import Op
 from pslink.sim.costmodel import OPTIMIZERS, CostModel

@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from pslink.core.aggregator.core import AggregatorCore, BufferPool, Request, Summer
+from pslink.core.aggregator.core import AggregatorCore
+from pslink.core.aggregator.tasks import BufferPool, Request, Summer
 from pslink.core.wire.protocol import Op
 from pslink.errors import (
     AbortedError,
@@ -257,7 +258,7 @@ def test_an_aborted_key_stays_failed_when_the_members_it_waits_for_leave():
     (failed,) = c.core.abort(task, task.poisoned)  # as the shell does for a poisoned task it is assigned
     assert failed.origin == "rank0" and isinstance(failed.error, AbortedError)
     # Even pushes the task still held (a copy of an open round) close nothing once rank 1 leaves.
-    from pslink.core.aggregator.core import _Round
+    from pslink.core.aggregator.tasks import _Round
 
     round_ = c.task.rounds[1] = _Round(0.0)
     round_.contributors, round_.acc = {0}, np.ones(6, np.float32)
@@ -404,7 +405,7 @@ def test_asp_keeps_a_value_that_a_queued_reply_still_reads():
 
 # -- live migration (AutoPS Appendix B) ------------------------------------------------------------
 
-from pslink.core.aggregator.core import CopyOut, Reply, WorkerDone  # noqa: E402
+from pslink.core.aggregator.tasks import CopyOut, Reply, WorkerDone  # noqa: E402
 from pslink.errors import MovedError  # noqa: E402
 
 TARGET = ("agg-new", "tcp://127.0.0.1:9999")
@@ -417,13 +418,13 @@ def migrate(c: Cluster, force=False):
     info = {"job": t.job.job, "token": TOKEN, "membership": t.job.membership.to_wire(), "mode": t.job.mode,
             "optimizer": t.job.optimizer.to_wire() if t.job.optimizer else None, "sync": t.job.sync}
     target.assign(info, [spec(key=t.key, shape=t.shape, needs_init=t.needs_init, incoming=True)])
-    outputs = c.core.begin_migration((t.job.job, t.key, t.part), TARGET, force=force)
+    outputs = c.core.moves.begin_migration((t.job.job, t.key, t.part), TARGET, force=force)
     return target, outputs
 
 
 def copy(out: CopyOut, target: AggregatorCore) -> list:
     task = target.tasks[(out.task.job.job, out.task.key, out.task.part)]
-    return target.install(task, out.state, [a.copy() for a in out.arrays])
+    return target.moves.install(task, out.state, [a.copy() for a in out.arrays])
 
 
 def send_to(core: AggregatorCore, c: Cluster, op, rank, rnd, value=None):
@@ -459,7 +460,7 @@ def test_bsp_migration_moves_at_the_round_close_and_loses_nothing():
     installed = copy(out, target)
     result = [o for o in installed if isinstance(o, Reply) and o.payload is not None]
     np.testing.assert_array_equal(result[0].payload, np.full(6, 30.0))  # 10 (copied) + 20
-    c.core.copy_done((c.task.job.job, c.task.key, c.task.part))
+    c.core.moves.copy_done((c.task.job.job, c.task.key, c.task.part))
     with pytest.raises(MovedError):  # a forwarding address stays behind
         c.core.admit(c.header(Op.PULL, 0, 2))
     done = send_to(target, c, Op.PULL, 0, 2)
@@ -524,9 +525,9 @@ def test_an_aborted_task_stays_aborted_where_it_moves():
 def test_moving_twice_or_unknown_tasks():
     c = Cluster(workers=1, needs_init=False)
     target, outputs = migrate(c, force=True)
-    assert c.core.begin_migration((c.task.job.job, c.task.key, 0), TARGET) == []  # already moving
+    assert c.core.moves.begin_migration((c.task.job.job, c.task.key, 0), TARGET) == []  # already moving
     with pytest.raises(KeyStateError, match="does not hold"):
-        c.core.begin_migration(("j", "nope", 0), TARGET)
+        c.core.moves.begin_migration(("j", "nope", 0), TARGET)
 
 
 
@@ -538,7 +539,7 @@ def test_the_source_of_a_move_whose_target_is_gone_keeps_the_part_only_if_it_nev
     ident = (c.task.job.job, c.task.key, c.task.part)
     c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
     migrate(c)
-    assert c.core.promote(ident, []) == []  # the move is off
+    assert c.core.moves.promote(ident, []) == []  # the move is off
     _, outputs = c.send(Op.PUSHPULL, 1, 1, np.full(6, 2.0))
     assert not any(isinstance(o, CopyOut) for o in outputs)
     results = [o for o in outputs if isinstance(o, Reply) and o.payload is not None]
@@ -546,7 +547,7 @@ def test_the_source_of_a_move_whose_target_is_gone_keeps_the_part_only_if_it_nev
     np.testing.assert_array_equal(results[0].payload, np.full(6, 3.0))
     migrate(c, force=True)  # frozen for its copy at once
     with pytest.raises(KeyStateError, match="handed over to agg-new"):
-        c.core.promote(ident, [])
+        c.core.moves.promote(ident, [])
 
 
 # -- the source of a move dies before its copy lands -------------------------------------------------
@@ -571,13 +572,13 @@ def close_round(c: Cluster, replica: AggregatorCore, r: int, pushes) -> list:
     outputs = []
     for rank in (0, 1):
         outputs += c.send(Op.PUSHPULL, rank, r, pushes[rank])[1]
-    from pslink.core.aggregator.core import Replicate
+    from pslink.core.aggregator.tasks import Replicate
 
     (rep,) = [o for o in outputs if isinstance(o, Replicate)]
     header = {"job": c.task.job.job, "key": c.task.key, "part": c.task.part}
-    replica.replica_update(header, rep.state, [a.copy() for a in rep.arrays])
+    replica.moves.replica_update(header, rep.state, [a.copy() for a in rep.arrays])
     ident = (c.task.job.job, c.task.key, c.task.part)
-    return [o for o in outputs if not isinstance(o, Replicate)] + c.core.replicated(ident, rep.round)
+    return [o for o in outputs if not isinstance(o, Replicate)] + c.core.moves.replicated(ident, rep.round)
 
 
 def test_a_replica_sends_the_copy_when_the_source_died_after_handing_the_part_over():
@@ -601,7 +602,7 @@ def test_a_replica_sends_the_copy_when_the_source_died_after_handing_the_part_ov
     assert [o for o in outputs if isinstance(o, CopyOut)]  # handed over: the copy is never sent
     assert all(o.moved == TARGET for o in outputs if isinstance(o, Reply) and o.payload is not None)
     assert send_to(target, c, Op.PUSHPULL, 0, 3, pushes[3][0]) == []  # waits at the target
-    out = replica.replica_copy(ident, TARGET)
+    out = replica.moves.replica_copy(ident, TARGET)
     assert out.from_replica and out.target == TARGET and out.state["closed"] == 2
     copy(out, target)
     got = [o for o in send_to(target, c, Op.PUSHPULL, 1, 3, pushes[3][1]) if isinstance(o, Reply)]
@@ -623,18 +624,18 @@ def test_a_target_that_holds_the_replica_serves_from_it_and_a_landed_copy_wins()
             "optimizer": t.job.optimizer.to_wire(), "sync": "bsp"}
     replica.assign(info, [spec(incoming=True)])  # the move's target is the replica holder
     assert send_to(replica, c, Op.PULL, 0, 1) == []  # waits for the copy
-    (answer,) = replica.install_replica(ident)
+    (answer,) = replica.moves.install_replica(ident)
     np.testing.assert_array_equal(answer.payload, np.full(6, -0.1, np.float32))  # round 1: -0.1 * mean(1, 1)
     assert ident not in replica.replicas and not replica.tasks[ident].incoming
-    assert replica.install_replica(ident) == []  # asked again, or the source's copy landed first
+    assert replica.moves.install_replica(ident) == []  # asked again, or the source's copy landed first
 
 
 def test_a_replica_without_state_refuses_to_send_a_copy():
     _, replica = replicated_source({"type": "sgd", "lr": 0.1})
     with pytest.raises(KeyStateError, match="holds no replicated state"):
-        replica.replica_copy(("j", "w", 0), TARGET)  # no round reached it yet
+        replica.moves.replica_copy(("j", "w", 0), TARGET)  # no round reached it yet
     with pytest.raises(KeyStateError, match="holds no replicated state"):
-        replica.replica_copy(("j", "other", 0), TARGET)
+        replica.moves.replica_copy(("j", "other", 0), TARGET)
 
 
 def test_an_abort_fails_the_requests_that_wait_for_a_copy():

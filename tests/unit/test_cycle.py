@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pslink.core.aggregator.core import AggregatorCore, CloseLater, Reply, Request, Summer
+from pslink.core.aggregator.core import AggregatorCore
+from pslink.core.aggregator.tasks import CloseLater, Reply, Request, Summer
 from pslink.core.aggregator.cycle import CycleBudget
 from pslink.core.wire.protocol import Op
 

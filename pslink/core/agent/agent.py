@@ -51,7 +51,6 @@ from pslink.errors import (
     ClosedError,
     ConfigError,
     MovedError,
-    PeerError,
     ProtocolError,
     PslinkError,
     ShapeMismatchError,

@@ -33,17 +33,11 @@ import numpy as np
 
 from pslink.core.aggregator.cycle import CycleBudget
 from pslink.core.wire.protocol import Op
-from pslink.core.aggregator.moves import TaskMoves
-from pslink.core.aggregator.tasks import (  # noqa: F401 - re-exported: the core's vocabulary
+from pslink.core.aggregator.moves import Moves
+from pslink.core.aggregator.tasks import (
     DEFAULT_MAX_AHEAD,
     MAX_BEFORE_INIT,
-    MODES,
-    SYNCS,
-    BufferPool,
-    Checkpoint,
     CloseLater,
-    CopyOut,
-    Replicate,
     JobState,
     Reply,
     Request,
@@ -69,8 +63,9 @@ MAX_MISSED = 8  # straggler-closed rounds remembered per task, to mark their lat
 WARM_BUFFERS = 2  # a task's pool in steady state: a round's sum and the push being added to it
 
 
-class AggregatorCore(TaskMoves):
-    """All tasks of one Aggregator, and the rules that move their rounds."""
+class AggregatorCore:
+    """All tasks of one Aggregator, and the rules that move their rounds. What moves a task's
+    state in or out (migration, replicas, checkpoints, joins) is ``self.moves``."""
 
     def __init__(self, name: str = "aggregator", summer: Summer | None = None, max_ahead: int = DEFAULT_MAX_AHEAD,
                  clock=None):
@@ -83,6 +78,9 @@ class AggregatorCore(TaskMoves):
         self.tasks: dict[tuple[str, Any, int], Task] = {}
         self.moved: dict[tuple[str, Any, int], tuple[str, str]] = {}  # tombstones of migrated tasks
         self.replicas: dict[tuple[str, Any, int], dict] = {}  # parts held for another Aggregator
+        self.moves = Moves(tasks=self.tasks, moved=self.moved, replicas=self.replicas, jobs=self.jobs,
+                           summer=self.summer, max_ahead=max_ahead, clock=self.clock, name=lambda: self.name,
+                           serve=self.handle, release=self._release, close_ready=self._close_ready, pull=self._pull)
 
     # -- control (from pMaster) ---------------------------------------------------------------
 
@@ -243,12 +241,12 @@ class AggregatorCore(TaskMoves):
             return []
         if req.op == Op.STATE_GET or req.op == Op.STATE_SET or req.op == Op.JOIN:
             try:
-                return self._join(task, req) if req.op == Op.JOIN else self._state(task, req)
+                return self.moves.join(task, req) if req.op == Op.JOIN else self.moves.state(task, req)
             except PslinkError as exc:
                 return [Reply(req.origin, req.id, error=exc)]
         outputs: list = []
         if task.rebase and req.op in (Op.PUSH, Op.PUSHPULL, Op.PULL):
-            outputs += self._rebase(task, req)
+            outputs += self.moves.rebase(task, req)
         if task.seen is not None:
             task.seen.add(req.rank)
             if task.seen >= task.members.expected(task.closed + 1):
@@ -301,7 +299,7 @@ class AggregatorCore(TaskMoves):
         task.init_rank = req.rank
         replies = [Reply(req.origin, req.id, round=0)]
         if task.job.checkpoint:
-            replies += self._checkpoint(task)  # round 0: a part lost before its first checkpoint restarts here
+            replies += self.moves.checkpoint(task)  # round 0: a part lost before its first checkpoint restarts here
         queued, task.before_init = task.before_init, []
         for waiting in queued:
             replies += self.handle(task, waiting)
@@ -440,51 +438,14 @@ class AggregatorCore(TaskMoves):
             task.rounds_closed += 1
             task.closed_epoch = task.job.membership.epoch
             if task.job.checkpoint and nxt % task.job.checkpoint_every == 0:
-                replies += self._checkpoint(task)
+                replies += self.moves.checkpoint(task)
             if task.replicas:
                 # Nothing of this round is answered before its replicas have it (replicated()).
-                return replies + self._replicate(task)
+                return replies + self.moves.replicate(task)
             replies += self._release(task, nxt)
             if task.migrate_to is not None:
                 # Everything up to this round happened here; what follows happens there.
-                return replies + self._snapshot(task, at_round_end=True)
-
-    def _rebase(self, task: Task, req: Request) -> list:
-        """A part started afresh elsewhere (its Aggregator died without a replica) learns where
-        the job's rounds are from what the workers resend. Under BSP a request for round r says
-        round r - 1 is over for that worker: the rounds up to it are lost here (their waiting pulls
-        get the value there is, or in sum mode the loud error). A pull of the next round from a
-        rank that did not push it here says its push was acknowledged by the dead Aggregator and
-        went with it: the round closes without it, as for a straggler."""
-        replies: list = []
-        done = req.round - 1
-        if done > task.closed:
-            task.closed = task.lost_upto = done
-            for r in [r for r in task.rounds if r <= done]:
-                del task.rounds[r]
-            for r in [r for r in task.pulls if r <= done]:
-                for waiting in task.pulls.pop(r):
-                    replies += self._answer_lost(task, waiting)
-        if req.op == Op.PULL and req.round == task.closed + 1 and not task.job.staleness:
-            round_ = task.rounds.get(req.round)
-            if round_ is None or req.rank not in round_.contributors:
-                lost = task.lost_pushes.setdefault(req.round, set())
-                lost.add(req.rank)
-                if round_ is None and lost >= task.members.expected(req.round):
-                    # every push of the round went with the old Aggregator: the round is lost whole
-                    task.closed = task.lost_upto = req.round
-                    task.lost_pushes.pop(req.round)
-                    for waiting in task.pulls.pop(req.round, []):
-                        replies += self._answer_lost(task, waiting)
-                elif round_ is not None:
-                    replies += self._close_ready(task)
-        return replies
-
-    def _answer_lost(self, task: Task, req: Request) -> list[Reply]:
-        try:
-            return self._pull(task, req)
-        except PslinkError as exc:
-            return [Reply(req.origin, req.id, error=exc)]
+                return replies + self.moves.snapshot(task, at_round_end=True)
 
     def _release(self, task: Task, closed: int) -> list:
         """Answer the pulls (and, with replicas, the pushes) that round ``closed`` settles."""

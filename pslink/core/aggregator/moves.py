@@ -1,16 +1,20 @@
 """What moves a task's state in or out of an Aggregator (no I/O): live migration (AutoPS
 Appendix B), replication to other Aggregators and the promotion of a replica when its part's
 Aggregator is gone, the optimizer state for checkpoints (STATE_GET / STATE_SET), and a worker
-joining a running job (JOIN). A mixin of :class:`pslink.core.aggregator.core.AggregatorCore`."""
+joining a running job (JOIN). The :class:`~pslink.core.aggregator.core.AggregatorCore` owns one
+(``core.moves``) and shares its tables with it."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
 from pslink.core.membership import TaskMembers
 from pslink.core.wire.protocol import Op
-from pslink.core.aggregator.tasks import Checkpoint, CopyOut, Replicate, Reply, Request, Task, _Round, moved_error
-from pslink.errors import KeyStateError, MembershipError, error_from_code, error_to_wire
+from pslink.core.aggregator.tasks import (Checkpoint, CopyOut, JobState, Replicate, Reply, Request, Summer, Task, _Round,
+                                          moved_error)
+from pslink.errors import KeyStateError, MembershipError, PslinkError, error_from_code, error_to_wire
 
 MAX_COPY_IDLE_WAIT = 1.0  # seconds a migration's copy waits at most for its Aggregator to fall idle
 
@@ -28,11 +32,28 @@ def copy_delay(now: float, last_message: float, deadline: float, idle_wait: floa
     return min(quiet - silent, deadline - now)
 
 
-class TaskMoves:
-    """Requires of its host: ``tasks``, ``moved``, ``replicas``, ``jobs``, ``clock``, ``summer``,
-    ``handle``, ``_release`` and ``_close_ready``."""
+class Moves:
+    """State moving in and out of one Aggregator's tasks. ``tasks``, ``moved``, ``replicas`` and
+    ``jobs`` are the core's tables (shared, not copied); ``serve(task, request)`` handles a request
+    that waited for a copy, ``release(task, round)`` answers what waited for a round,
+    ``close_ready(task)`` closes the rounds that can, ``pull(task, request)`` answers a pull;
+    ``name()`` is the Aggregator's name now."""
 
-    def _state(self, task: Task, req: Request) -> list[Reply]:
+    def __init__(self, *, tasks: dict[tuple, Task], moved: dict[tuple, tuple[str, str]], replicas: dict[tuple, dict],
+                 jobs: dict[str, JobState], summer: Summer, max_ahead: int, clock: Callable[[], float],
+                 name: Callable[[], str], serve: Callable[[Task, Request], list],
+                 release: Callable[[Task, int], list], close_ready: Callable[[Task], list],
+                 pull: Callable[[Task, Request], list]):
+        self.tasks, self.moved, self.replicas, self.jobs = tasks, moved, replicas, jobs
+        self.summer, self.max_ahead, self.clock = summer, max_ahead, clock
+        self._name = name
+        self.serve, self.release, self.close_ready, self.pull = serve, release, close_ready, pull
+
+    @property
+    def name(self) -> str:
+        return self._name()
+
+    def state(self, task: Task, req: Request) -> list[Reply]:
         """STATE_GET / STATE_SET: a part's optimizer state, for checkpoints and their resumption.
         Between rounds it is exactly the state the next step will use."""
         optimizer = task.job.optimizer
@@ -55,7 +76,7 @@ class TaskMoves:
         task.opt_state = {**scalars, **dict(zip(names, req.payload))}
         return [Reply(req.origin, req.id, round=task.closed)]
 
-    def _join(self, task: Task, req: Request) -> list[Reply]:
+    def join(self, task: Task, req: Request) -> list[Reply]:
         """JOIN: a worker added to the running job asks where it comes in (round 0: a query) or
         joins the task from round ``req.round``: the first round no worker has started, so the
         rounds under way close without it. A round that closed meanwhile refuses (``ok`` false)
@@ -99,7 +120,7 @@ class TaskMoves:
             raise KeyStateError(f"{task.name} is still arriving here; it cannot move on yet")
         task.migrate_to = tuple(target)
         if force or task.job.sync == "asp" or not task.initialized:
-            return self._snapshot(task)
+            return self.snapshot(task)
         return []
 
     @staticmethod
@@ -153,7 +174,7 @@ class TaskMoves:
         if state.get("poisoned") and task.poisoned is None:
             task.poisoned = error_from_code(*state["poisoned"])
 
-    def _snapshot(self, task: Task, at_round_end: bool = False) -> list:
+    def snapshot(self, task: Task, at_round_end: bool = False) -> list:
         """Hand the task over: its state goes to the target in a copy, and whoever waits here
         is sent there. At the end of a round the copy may wait, up to half the time the workers
         take to come round again, for this Aggregator to fall idle: sent at once it competes for
@@ -214,12 +235,51 @@ class TaskMoves:
         outputs: list = []
         waiting, task.waiting_copy = task.waiting_copy, []
         for req in waiting:
-            outputs += self.handle(task, req)
-        return outputs + self._close_ready(task)
+            outputs += self.serve(task, req)
+        return outputs + self.close_ready(task)
+
+    # -- a part started afresh: the workers' requests say where its rounds are ----------------------------
+
+    def rebase(self, task: Task, req: Request) -> list:
+        """A part started afresh elsewhere (its Aggregator died without a replica) learns where
+        the job's rounds are from what the workers resend. Under BSP a request for round r says
+        round r - 1 is over for that worker: the rounds up to it are lost here (their waiting pulls
+        get the value there is, or in sum mode the loud error). A pull of the next round from a
+        rank that did not push it here says its push was acknowledged by the dead Aggregator and
+        went with it: the round closes without it, as for a straggler."""
+        replies: list = []
+        done = req.round - 1
+        if done > task.closed:
+            task.closed = task.lost_upto = done
+            for r in [r for r in task.rounds if r <= done]:
+                del task.rounds[r]
+            for r in [r for r in task.pulls if r <= done]:
+                for waiting in task.pulls.pop(r):
+                    replies += self._answer_lost(task, waiting)
+        if req.op == Op.PULL and req.round == task.closed + 1 and not task.job.staleness:
+            round_ = task.rounds.get(req.round)
+            if round_ is None or req.rank not in round_.contributors:
+                lost = task.lost_pushes.setdefault(req.round, set())
+                lost.add(req.rank)
+                if round_ is None and lost >= task.members.expected(req.round):
+                    # every push of the round went with the old Aggregator: the round is lost whole
+                    task.closed = task.lost_upto = req.round
+                    task.lost_pushes.pop(req.round)
+                    for waiting in task.pulls.pop(req.round, []):
+                        replies += self._answer_lost(task, waiting)
+                elif round_ is not None:
+                    replies += self.close_ready(task)
+        return replies
+
+    def _answer_lost(self, task: Task, req: Request) -> list[Reply]:
+        try:
+            return self.pull(task, req)
+        except PslinkError as exc:
+            return [Reply(req.origin, req.id, error=exc)]
 
     # -- checkpoints (pslink.core.checkpoints writes them) --------------------------------------------
 
-    def _checkpoint(self, task: Task) -> list:
+    def checkpoint(self, task: Task) -> list:
         state, arrays = self._export(task, open_rounds=False)
         # Copies: the next round steps the weights and moments in place, maybe before the write.
         return [Checkpoint(task, task.closed, state, [a.copy() for a in arrays])]
@@ -233,7 +293,7 @@ class TaskMoves:
 
     # -- replication: a closed round reaches the replicas before any of its answers ---------------
 
-    def _replicate(self, task: Task) -> list:
+    def replicate(self, task: Task) -> list:
         """The round that just closed goes to every replica; its answers wait for their acks."""
         task.replicating = task.closed
         state, arrays = self._export(task, open_rounds=False)
@@ -248,10 +308,10 @@ class TaskMoves:
         if lost:
             task.replicas = [r for r in task.replicas if r[0] not in lost]
         task.replicating = None
-        outputs = self._release(task, round_)
+        outputs = self.release(task, round_)
         if task.migrate_to is not None and task.moved_to is None:
-            return outputs + self._snapshot(task, at_round_end=True)
-        return outputs + self._close_ready(task)
+            return outputs + self.snapshot(task, at_round_end=True)
+        return outputs + self.close_ready(task)
 
     def replica_update(self, header: dict, state: dict, arrays: list[np.ndarray]) -> None:
         """REPLICATE: keep a closed round's state of a part this Aggregator is a replica of."""

@@ -6,7 +6,9 @@ straight into the buffer the core names, and sends what the core answers. A malf
 an error reply and is counted; a peer that breaks the framing is disconnected and counted; either
 way everyone else keeps being served.
 
-Run one with ``python -m pslink.core.aggregator.process --master tcp://host:port``.
+It composes :class:`~pslink.core.aggregator.copies.Copies` (task state to and from other
+Aggregators) and :class:`~pslink.core.aggregator.master_link.MasterLink` (registration,
+heartbeats). Run one with ``python -m pslink.core.aggregator --master tcp://host:port``.
 """
 
 from __future__ import annotations
@@ -23,27 +25,18 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from pslink.core.aggregator.core import (
-    AggregatorCore,
-    Checkpoint,
-    CloseLater,
-    CopyOut,
-    Replicate,
-    Reply,
-    Request,
-    Summer,
-    Task,
-    WorkerDone,
-)
 from pslink.core import hosts
+from pslink.core.aggregator.core import AggregatorCore
+from pslink.core.aggregator.tasks import Checkpoint, CloseLater, CopyOut, Replicate, Reply, Request, Summer, Task, WorkerDone
 from pslink.core.checkpoints import CheckpointWriter, part_path
 from pslink.core.checkpoints import read as read_checkpoint
 from pslink.core.faults import Faults
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.memory import keep_freed_memory
-from pslink.core.wire.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, dtype_of, encode, encode_error
-from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
-from pslink.core.aggregator.moves import copy_delay
+from pslink.core.wire.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode, encode_error
+from pslink.core.transport.rpc import RpcPeer
+from pslink.core.aggregator.copies import Arriving, Copies, Rejected
+from pslink.core.aggregator.master_link import MasterLink
 from pslink.core.transport import DISCARD, Connection, Lent, Transports
 from pslink.errors import (AbortedError, ConfigError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
                            error_from_code)
@@ -61,27 +54,6 @@ def _peek_id(raw: bytes) -> int:
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
     except Exception:
         return 0
-
-
-class _Copy:
-    """A TENSOR_COPY being received: where its arrays land."""
-
-    __slots__ = ("header", "task", "arrays")
-
-    def __init__(self, header: dict, task: Task, arrays: list):
-        self.header = header
-        self.task = task
-        self.arrays = arrays
-
-
-class _Bad:
-    """A message rejected at its header: answer with ``error``."""
-
-    __slots__ = ("request_id", "error")
-
-    def __init__(self, request_id: int, error: PslinkError):
-        self.request_id = request_id
-        self.error = error
 
 
 class Aggregator:
@@ -118,9 +90,6 @@ class Aggregator:
         self.core = AggregatorCore(name or "aggregator", summer=summer, clock=clock)
         self.checkpoints = CheckpointWriter(name or "aggregator")
         self.master_address = master
-        self.heartbeat_interval = heartbeat_interval
-        self.reconnect_interval = reconnect_interval
-        self.orphan_timeout = orphan_timeout
         self.spin = spin
         self.clock = clock
         advertise, interface = hosts.settings(advertise, interface)
@@ -140,23 +109,63 @@ class Aggregator:
         self._slowdown: tuple[float, bool] = (0.0, False)
         self._busy_reported = (0.0, clock())
         self.connections: set[Connection] = set()
-        self.control = RpcEndpoint(self.reactor, self._on_control, limits, on_close=self._on_master_lost)
-        # Connections to other Aggregators, for migrations (TENSOR_COPY).
-        self.peers = RpcEndpoint(self.reactor, self._refuse_peer_request, limits)
-        self._peer_by_address: dict[str, RpcPeer] = {}
-        self.copy_retries = 5
         self._last_message = clock()  # when the last message arrived: a copy waits for a quiet spell
-        self._master: RpcPeer | None = None
-        self._master_lost_at: float | None = None
         self._thread: ReactorThread | None = None
         self._stopped = False
         self.exit_code: int | None = None
-        self.registration_error: ConfigError | None = None  # pMaster refused it (it then stops)
-        self.registered = threading.Event()  # set once pMaster answered its registration (either way)
-        self.master_error: PslinkError | None = None  # why pMaster was last unreachable
+        self.copies = Copies(self.core, self.transports, self.reactor, limits, name=lambda: self.name, clock=clock,
+                             faults=self.faults, last_message=lambda: self._last_message, reply=self._send,
+                             carry_out=self._send_all, tell_master=self._tell_master)
+        self.master = MasterLink(master or "", self.transports, self.reactor, limits, registration=self._registration,
+                                 on_request=self._on_control, stats=self._stats, on_named=self._named,
+                                 stop=self._stop, stopping=lambda: self.exit_code is not None, name=lambda: self.name,
+                                 clock=clock, heartbeat_interval=heartbeat_interval,
+                                 reconnect_interval=reconnect_interval, orphan_timeout=orphan_timeout)
         if master is not None:
-            self.reactor.post(self._connect_master)
-            self.reactor.call_later(heartbeat_interval, self._heartbeat)
+            self.master.start()
+
+    # -- what pMaster hears -----------------------------------------------------------------------
+
+    @property
+    def registered(self) -> threading.Event:
+        """Set once pMaster answered this Aggregator's registration (either way)."""
+        return self.master.registered
+
+    @property
+    def registration_error(self) -> ConfigError | None:
+        """pMaster refused this Aggregator (it then stopped)."""
+        return self.master.refusal
+
+    @property
+    def master_error(self) -> PslinkError | None:
+        """Why pMaster was last unreachable."""
+        return self.master.error
+
+    def _registration(self) -> dict:
+        tasks = [[job, key, part] for (job, key, part) in self.core.tasks]
+        return dict(address=self.address, pid=os.getpid(), host=hosts.host_name(), host_id=self.host_id, tasks=tasks,
+                    **({"agg": self.name} if self.name else {}), **({"keep": True} if self.keep else {}))
+
+    def _named(self, name: str) -> None:
+        self.name = name
+        self.core.name = name
+        self.reactor.name = f"aggregator {name}"
+        log.info("aggregator %s serving at %s", name, self.address)
+
+    def _stats(self) -> dict:
+        busy, since = self._busy_reported
+        now = self.clock()
+        load = (self.busy - busy) / (now - since) if now > since else 0.0
+        self._busy_reported = (self.busy, now)
+        return {"jobs": self.core.stats(), "errors": self.errors, "requests": self.requests, "costs": self.core.costs(),
+                "load": round(min(1.0, load), 4), "cycle": self.core.budget.describe() if self.core.budget else None}
+
+    def _stop(self, status: int) -> None:
+        self.exit_code = status
+        self.reactor.stop()
+
+    def _tell_master(self, op: Op, task: Task) -> None:
+        self.master.notify(op, agg=self.name, job=task.job.job, key=task.key, part=task.part)
 
     # -- running ------------------------------------------------------------------------------
 
@@ -180,8 +189,7 @@ class Aggregator:
         self.listener.close()
         for conn in list(self.connections):
             conn.close()
-        if self._master is not None:
-            self._master.conn.close()
+        self.master.close()
         self.reactor.drain()
         self.checkpoints.flush()
         self.core.summer.close()
@@ -195,7 +203,7 @@ class Aggregator:
         path = part_path(job.checkpoint, job.job, task.key, task.part)
         try:
             state, arrays = read_checkpoint(path)
-            self.core.restore(task, state, arrays)
+            self.core.moves.restore(task, state, arrays)
         except (PslinkError, KeyError, ValueError) as exc:
             reason = exc.message if isinstance(exc, PslinkError) else f"unreadable: {exc!r}"
             error = KeyStateError(f"{task.name}: its Aggregator is gone with no replica, and its checkpoint could "
@@ -248,7 +256,7 @@ class Aggregator:
         except ProtocolError as exc:
             self.errors += 1
             log.warning("aggregator %s: bad message from %s: %s", self.name, conn.peer, exc)
-            return _Bad(_peek_id(raw), exc), DISCARD
+            return Rejected(_peek_id(raw), exc), DISCARD
         op = header["op"]
         if op in DATA_OPS:
             try:
@@ -258,9 +266,9 @@ class Aggregator:
                 task = self.core.find(header)
                 if task is not None:
                     self._send_all(self.core.abort(task, exc))
-                return _Bad(header["id"], exc), DISCARD
+                return Rejected(header["id"], exc), DISCARD
             except PslinkError as exc:
-                return _Bad(header["id"], exc), DISCARD
+                return Rejected(header["id"], exc), DISCARD
             started = time.thread_time()  # the task's CPU time counts from its header
             if sizes:
                 buffer = self.core.receive_buffer(task)
@@ -274,19 +282,19 @@ class Aggregator:
             try:
                 task = self.core.admit(header)
             except PslinkError as exc:
-                return _Bad(header["id"], exc), DISCARD
+                return Rejected(header["id"], exc), DISCARD
             # A state's arrays are kept: fresh buffers, never the pool's.
             buffers = [np.empty(task.span[1] - task.span[0], task.dtype) for _ in sizes]
             return (header, task, buffers, time.thread_time(), None), [memoryview(b).cast("B") for b in buffers] or None
         if op in (Op.PING, Op.ABORT):
             return header, None
         if op == Op.TENSOR_COPY or op == Op.REPLICATE:
-            return self._copy_header(header, sizes)
+            return self.copies.header(header, sizes)
         error = ProtocolError(f"{op.name} is not served on an Aggregator's data port")
-        return _Bad(header["id"], error), DISCARD
+        return Rejected(header["id"], error), DISCARD
 
     def on_message(self, conn: Connection, state: Any, payloads: list) -> None:
-        if isinstance(state, _Bad):
+        if isinstance(state, Rejected):
             self._send(conn, [encode_error(state.request_id, state.error)])
             return
         if isinstance(state, dict):  # PING or ABORT
@@ -295,8 +303,8 @@ class Aggregator:
             else:
                 self._abort(conn, state)
             return
-        if isinstance(state, _Copy):
-            self._install(conn, state)
+        if isinstance(state, Arriving):
+            self.copies.install(conn, state)
             return
         header, task, buffer, started, lend = state
         payload = buffer
@@ -351,9 +359,9 @@ class Aggregator:
                     frames = [header, out.payload] if out.payload is not None else [header]
                 self._send(out.origin, frames)
             elif isinstance(out, CopyOut):
-                self._copy_when_idle(out)
+                self.copies.when_idle(out)
             elif isinstance(out, Replicate):
-                self._send_replicas(out)
+                self.copies.replicate(out)
             elif isinstance(out, Checkpoint):
                 job = out.task.job
                 self.checkpoints.submit(part_path(job.checkpoint, job.job, out.task.key, out.task.part), out.state,
@@ -366,138 +374,6 @@ class Aggregator:
     def _close_due(self, task: Task, round_: int | None = None) -> None:
         self._send_all(self.core.close_due(task, round_))
 
-    # -- migration ------------------------------------------------------------------------------------
-
-    def _copy_header(self, header: dict, sizes: tuple[int, ...]):
-        """A TENSOR_COPY from the task's old Aggregator: receive its arrays straight into place."""
-        try:
-            self.core.authorize(header)
-            task = self.core.find(header)
-            if header["op"] == Op.TENSOR_COPY and (task is None or not task.incoming):
-                if task is not None and header.get("from_replica"):
-                    # A replica's copy for a source that died, whose own copy landed after all.
-                    return _Copy(header, task, []), DISCARD
-                raise ProtocolError(f"aggregator {self.name} expects no copy of key {header['key']!r} "
-                                    f"part {header['part']} of job {header['job']!r}")
-            if len(sizes) != len(header["state"].get("arrays", [])):
-                raise ProtocolError(f"{header['op'].name} of key {header['key']!r} names "
-                                    f"{header['state'].get('arrays')} but carries {len(sizes)} arrays")
-        except PslinkError as exc:
-            return _Bad(header["id"], exc), DISCARD
-        start, stop = header["span"]
-        block = np.empty((len(sizes), stop - start), dtype_of(header["dtype"]))  # one allocation for all
-        return _Copy(header, task, list(block)), [memoryview(row).cast("B") for row in block]
-
-    def _install(self, conn: Connection, copy: "_Copy") -> None:
-        try:
-            if copy.header["op"] == Op.REPLICATE:
-                self.core.replica_update(copy.header, copy.header["state"], copy.arrays)
-                outputs = []
-            elif copy.header.get("from_replica") and not copy.task.incoming:
-                # The dead source's own copy landed first (it has as much as a replica, or more):
-                # done all the same, as far as pMaster is concerned.
-                outputs = []
-            else:
-                outputs = self.core.install(copy.task, copy.header["state"], copy.arrays)
-        except PslinkError as exc:
-            self._send(conn, [encode_error(copy.header["id"], exc)])
-            return
-        self._send(conn, [encode(Op.REPLY, id=copy.header["id"])])
-        self._send_all(outputs)
-
-    def _copy_when_idle(self, out: CopyOut) -> None:
-        """Send a migration's copy once this Aggregator fell quiet (the job's workers compute)
-        or its ``idle_wait`` is up (:func:`~pslink.core.aggregator.moves.copy_delay`). A job with no
-        pause between iterations gets its copy then, before its workers come round to the
-        task again."""
-        deadline = self.clock() + out.idle_wait
-
-        def when_quiet():
-            wait = copy_delay(self.clock(), self._last_message, deadline, out.idle_wait)
-            if wait > 0:
-                self.reactor.call_later(wait, when_quiet)
-            else:
-                self._send_copy(out, self.copy_retries)
-
-        when_quiet()
-
-    def _send_copy(self, out: CopyOut, retries: int, done=None) -> None:
-        """TENSOR_COPY to the migration's target, retried; then tell pMaster, or ``done(error)``
-        (a replica's copy, COPY_REPLICA: pMaster waits for the answer instead)."""
-        task = out.task
-        ident = (task.job.job, task.key, task.part)
-        if self.faults is not None and not out.from_replica:
-            self.faults.copying()  # kill=NAME@copy: dies having handed the part over
-
-        def copied(result, error):
-            if error is None and done is not None:
-                done(None)
-            elif error is None:
-                self.core.copy_done(ident)
-                self._tell_master(Op.TENSOR_COPY_DONE, task)
-            elif retries > 0:
-                log.warning("aggregator %s: copying %s to %s failed (%s); retrying", self.name, task.name, out.target[0], error)
-                self.reactor.call_later(0.5, self._send_copy, out, retries - 1, done)
-            else:
-                log.error("aggregator %s: giving up copying %s to %s: %s", self.name, task.name, out.target[0], error)
-                if done is not None:
-                    done(error)
-
-        try:
-            peer = self._peer(out.target[1])
-        except PslinkError as exc:
-            copied(None, exc)
-            return
-        peer.call(
-            Op.TENSOR_COPY, copied, timeout=60.0, payloads=out.arrays,
-            job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part, rnd=out.state["closed"],
-            dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
-            **({"from_replica": True} if out.from_replica else {}),
-        )
-
-    def _send_replicas(self, out: Replicate) -> None:
-        """REPLICATE to every replica; when all answered (or failed), the round's answers go out."""
-        task = out.task
-        ident = (task.job.job, task.key, task.part)
-        waiting = {"left": len(task.replicas), "lost": []}
-
-        def done(name, error):
-            if error is not None:
-                log.warning("aggregator %s: replica %s of %s failed (%s); going on without it",
-                            self.name, name, task.name, error)
-                waiting["lost"].append(name)
-            waiting["left"] -= 1
-            if waiting["left"] == 0:
-                self._send_all(self.core.replicated(ident, out.round, waiting["lost"]))
-
-        for name, address in list(task.replicas):
-            try:
-                peer = self._peer(address)
-            except PslinkError as exc:
-                done(name, exc)
-                continue
-            peer.call(
-                Op.REPLICATE, lambda result, error, name=name: done(name, error), timeout=10.0,
-                payloads=out.arrays, job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part,
-                rnd=out.round, dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
-            )
-
-    def _peer(self, address: str) -> RpcPeer:
-        peer = self._peer_by_address.get(address)
-        if peer is None or peer.conn.closed:
-            conn = self.transports.connect(address, self.reactor, self.peers, self.limits, timeout=5.0)
-            peer = self._peer_by_address[address] = self.peers.peer(conn)
-            peer.info["name"] = f"aggregator at {address}"
-        return peer
-
-    @staticmethod
-    def _refuse_peer_request(peer: RpcPeer, req: dict) -> None:
-        raise ProtocolError(f"{req['op'].name} is not a request between Aggregators")
-
-    def _tell_master(self, op: Op, task: Task) -> None:
-        if self._master is not None:
-            self._master.notify(op, agg=self.name, job=task.job.job, key=task.key, part=task.part)
-
     def _send(self, conn: Connection, frames) -> None:
         try:
             if self.faults is not None:
@@ -507,88 +383,7 @@ class Aggregator:
         except PeerError:
             pass  # that peer is gone; on_close forgets its requests
 
-    # -- control path (pMaster) -------------------------------------------------------------------
-
-    def _connect_master(self) -> None:
-        if self._master is not None or self.reactor.stopping:
-            return
-        try:
-            conn = self.transports.connect(self.master_address, self.reactor, self.control, self.limits, timeout=2.0)
-        except PeerError as exc:
-            self._master_down(exc)
-            return
-        peer = self.control.peer(conn)
-        peer.info["name"] = "pMaster"
-        self._master = peer
-        tasks = [[job, key, part] for (job, key, part) in self.core.tasks]
-        peer.call(
-            Op.REGISTER_AGGREGATOR, self._registered, timeout=10.0,
-            address=self.address, pid=os.getpid(), host=hosts.host_name(), host_id=self.host_id, tasks=tasks,
-            **({"agg": self.name} if self.name else {}), **({"keep": True} if self.keep else {}),
-        )
-
-    def _registered(self, result: dict | None, error: PslinkError | None) -> None:
-        if isinstance(error, ConfigError):
-            # pMaster refused what this Aggregator is (an address nobody can dial): retrying
-            # would be refused again. Say why and stop.
-            log.error("aggregator %s: pMaster at %s refused it: %s", self.name or "", self.master_address, error.message)
-            self.registration_error = error
-            self.exit_code = 2
-            self.registered.set()
-            self.reactor.stop()
-            return
-        if error is not None:
-            log.warning("aggregator %s: registration with pMaster failed: %s", self.name, error)
-            if self._master is not None:
-                self._master.conn.close()
-                self._master = None
-            self._master_down(error)
-            return
-        self.name = result["body"]["agg"]
-        self.core.name = self.name
-        self.reactor.name = f"aggregator {self.name}"
-        self._master_lost_at = None
-        self.master_error = None
-        self.registered.set()
-        log.info("aggregator %s serving at %s", self.name, self.address)
-
-    def _on_master_lost(self, peer: RpcPeer, exc) -> None:
-        if self.exit_code is not None:
-            return  # shutting down on pMaster's request: its going away is expected
-        if peer is self._master:
-            self._master = None
-            self._master_down(exc)
-
-    def _master_down(self, exc) -> None:
-        self.master_error = exc
-        now = self.clock()
-        if self._master_lost_at is None:
-            self._master_lost_at = now
-            log.warning("aggregator %s: pMaster at %s unreachable (%s); retrying", self.name, self.master_address, exc)
-        if self.orphan_timeout is not None and now - self._master_lost_at > self.orphan_timeout:
-            # Nobody will ever manage this process again: leave instead of lingering forever.
-            log.error("aggregator %s: pMaster gone for %.0f s; exiting", self.name, self.orphan_timeout)
-            self.exit_code = 3
-            self.reactor.stop()
-            return
-        self.reactor.call_later(self.reconnect_interval, self._connect_master)
-
-    def _heartbeat(self) -> None:
-        try:
-            # Not before pMaster named it (a joining Aggregator has no name until then).
-            if self._master is not None and self._master_lost_at is None and self.name is not None:
-                busy, since = self._busy_reported
-                now = self.clock()
-                load = (self.busy - busy) / (now - since) if now > since else 0.0
-                self._busy_reported = (self.busy, now)
-                self._master.notify(
-                    Op.AGG_HEARTBEAT, agg=self.name,
-                    stats={"jobs": self.core.stats(), "errors": self.errors, "requests": self.requests,
-                           "costs": self.core.costs(), "load": round(min(1.0, load), 4),
-                           "cycle": self.core.budget.describe() if self.core.budget else None},
-                )
-        finally:
-            self.reactor.call_later(self.heartbeat_interval, self._heartbeat)
+    # -- pMaster's requests --------------------------------------------------------------------
 
     def _on_control(self, peer: RpcPeer, req: dict) -> None:
         op = req["op"]
@@ -616,35 +411,22 @@ class Aggregator:
                 peer.reply(req)
         elif op == Op.MIGRATE:
             target = tuple(req["target"])
-            outputs = self.core.begin_migration((req["job"], req["key"], req["part"]), target, req.get("force", False))
+            outputs = self.core.moves.begin_migration((req["job"], req["key"], req["part"]), target, req.get("force", False))
             peer.reply(req)
             self._send_all(outputs)
         elif op == Op.PROMOTE:
-            outputs = self.core.promote((req["job"], req["key"], req["part"]), req["replicas"])
+            outputs = self.core.moves.promote((req["job"], req["key"], req["part"]), req["replicas"])
             peer.reply(req)
             self._send_all(outputs)
         elif op == Op.COPY_REPLICA:
-            self._copy_replica(peer, req)
+            self.copies.from_replica(peer, req)
         elif op == Op.PING:  # pMaster: is this Aggregator alive (an Agent could not reach it)?
             peer.reply(req)
         elif op == Op.SHUTDOWN:
             log.info("aggregator %s: shutdown requested by pMaster", self.name)
-            self.exit_code = 0
-            self.reactor.stop()
+            self._stop(0)
         else:
             raise ProtocolError(f"{op.name} is not a request an Aggregator serves")
-
-    def _copy_replica(self, peer: RpcPeer, req: dict) -> None:
-        """COPY_REPLICA: a migration's source died before its copy landed; the replica held here
-        is the copy. Answered once it landed (or with why it could not)."""
-        ident, target = (req["job"], req["key"], req["part"]), tuple(req["target"])
-        if target[0] == self.name:  # the target holds the replica itself
-            outputs = self.core.install_replica(ident)
-            peer.reply(req)
-            self._send_all(outputs)
-            return
-        out = self.core.replica_copy(ident, target)
-        self._send_copy(out, self.copy_retries, lambda error: peer.error(req, error) if error else peer.reply(req))
 
 
 def main(argv: list[str] | None = None) -> int:

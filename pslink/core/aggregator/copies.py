@@ -1,0 +1,207 @@
+"""Task state crossing between Aggregators: a migration's TENSOR_COPY (sent once the source
+falls quiet, received straight into place, retried), a closed round's REPLICATE to every replica
+(its answers go out once all replicas have it), and the copy a replica sends for a migration
+whose source died (COPY_REPLICA). The core decides what moves (:mod:`pslink.core.aggregator.moves`);
+this object carries it over the network for the process shell.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+
+from pslink.core.aggregator.core import AggregatorCore
+from pslink.core.aggregator.tasks import CopyOut, Replicate, Task
+from pslink.core.aggregator.moves import copy_delay
+from pslink.core.faults import Faults
+from pslink.core.transport import DISCARD, Connection, Transports
+from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import Limits, Op, dtype_of, encode, encode_error
+from pslink.errors import ProtocolError, PslinkError
+
+log = logging.getLogger("pslink.core.aggregator.process")
+
+
+class Arriving:
+    """A TENSOR_COPY or REPLICATE being received: where its arrays land."""
+
+    __slots__ = ("header", "task", "arrays")
+
+    def __init__(self, header: dict, task: Task, arrays: list):
+        self.header = header
+        self.task = task
+        self.arrays = arrays
+
+
+class Rejected:
+    """A message refused at its header: it is answered with ``error``."""
+
+    __slots__ = ("request_id", "error")
+
+    def __init__(self, request_id: int, error: PslinkError):
+        self.request_id = request_id
+        self.error = error
+
+
+class Copies:
+    """Sends and receives task state for one Aggregator. ``reply(conn, frames)`` answers a
+    sender; ``carry_out(outputs)`` sends what the core returned; ``tell_master(op, task)``
+    reports a landed copy; ``last_message()`` is when the Aggregator last heard from anyone;
+    ``name()`` its name now."""
+
+    def __init__(self, core: AggregatorCore, transports: Transports, reactor: Reactor, limits: Limits, *,
+                 name: Callable[[], str], clock: Callable[[], float], faults: Faults | None,
+                 last_message: Callable[[], float], reply: Callable[[Connection, list], None],
+                 carry_out: Callable[[list], None], tell_master: Callable[[Op, Task], None], retries: int = 5):
+        self.core, self.transports, self.reactor, self.limits = core, transports, reactor, limits
+        self.name, self.clock, self.faults, self.last_message = name, clock, faults, last_message
+        self.reply, self.carry_out, self.tell_master = reply, carry_out, tell_master
+        self.retries = retries
+        # Connections to other Aggregators (requests go out on them; none come in).
+        self.endpoint = RpcEndpoint(reactor, self._refuse_peer_request, limits)
+        self._peer_by_address: dict[str, RpcPeer] = {}
+
+    def header(self, header: dict, sizes: tuple[int, ...]):
+        """A TENSOR_COPY from the task's old Aggregator: receive its arrays straight into place."""
+        try:
+            self.core.authorize(header)
+            task = self.core.find(header)
+            if header["op"] == Op.TENSOR_COPY and (task is None or not task.incoming):
+                if task is not None and header.get("from_replica"):
+                    # A replica's copy for a source that died, whose own copy landed after all.
+                    return Arriving(header, task, []), DISCARD
+                raise ProtocolError(f"aggregator {self.name()} expects no copy of key {header['key']!r} "
+                                    f"part {header['part']} of job {header['job']!r}")
+            if len(sizes) != len(header["state"].get("arrays", [])):
+                raise ProtocolError(f"{header['op'].name} of key {header['key']!r} names "
+                                    f"{header['state'].get('arrays')} but carries {len(sizes)} arrays")
+        except PslinkError as exc:
+            return Rejected(header["id"], exc), DISCARD
+        start, stop = header["span"]
+        block = np.empty((len(sizes), stop - start), dtype_of(header["dtype"]))  # one allocation for all
+        return Arriving(header, task, list(block)), [memoryview(row).cast("B") for row in block]
+
+    def install(self, conn: Connection, copy: "Arriving") -> None:
+        try:
+            if copy.header["op"] == Op.REPLICATE:
+                self.core.moves.replica_update(copy.header, copy.header["state"], copy.arrays)
+                outputs = []
+            elif copy.header.get("from_replica") and not copy.task.incoming:
+                # The dead source's own copy landed first (it has as much as a replica, or more):
+                # done all the same, as far as pMaster is concerned.
+                outputs = []
+            else:
+                outputs = self.core.moves.install(copy.task, copy.header["state"], copy.arrays)
+        except PslinkError as exc:
+            self.reply(conn, [encode_error(copy.header["id"], exc)])
+            return
+        self.reply(conn, [encode(Op.REPLY, id=copy.header["id"])])
+        self.carry_out(outputs)
+
+    def when_idle(self, out: CopyOut) -> None:
+        """Send a migration's copy once this Aggregator fell quiet (the job's workers compute)
+        or its ``idle_wait`` is up (:func:`~pslink.core.aggregator.moves.copy_delay`). A job with no
+        pause between iterations gets its copy then, before its workers come round to the
+        task again."""
+        deadline = self.clock() + out.idle_wait
+
+        def when_quiet():
+            wait = copy_delay(self.clock(), self.last_message(), deadline, out.idle_wait)
+            if wait > 0:
+                self.reactor.call_later(wait, when_quiet)
+            else:
+                self.send(out, self.retries)
+
+        when_quiet()
+
+    def send(self, out: CopyOut, retries: int, done=None) -> None:
+        """TENSOR_COPY to the migration's target, retried; then tell pMaster, or ``done(error)``
+        (a replica's copy, COPY_REPLICA: pMaster waits for the answer instead)."""
+        task = out.task
+        ident = (task.job.job, task.key, task.part)
+        if self.faults is not None and not out.from_replica:
+            self.faults.copying()  # kill=NAME@copy: dies having handed the part over
+
+        def copied(result, error):
+            if error is None and done is not None:
+                done(None)
+            elif error is None:
+                self.core.moves.copy_done(ident)
+                self.tell_master(Op.TENSOR_COPY_DONE, task)
+            elif retries > 0:
+                log.warning("aggregator %s: copying %s to %s failed (%s); retrying", self.name(), task.name,
+                            out.target[0], error)
+                self.reactor.call_later(0.5, self.send, out, retries - 1, done)
+            else:
+                log.error("aggregator %s: giving up copying %s to %s: %s", self.name(), task.name, out.target[0], error)
+                if done is not None:
+                    done(error)
+
+        try:
+            peer = self.peer(out.target[1])
+        except PslinkError as exc:
+            copied(None, exc)
+            return
+        peer.call(
+            Op.TENSOR_COPY, copied, timeout=60.0, payloads=out.arrays,
+            job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part, rnd=out.state["closed"],
+            dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
+            **({"from_replica": True} if out.from_replica else {}),
+        )
+
+    def replicate(self, out: Replicate) -> None:
+        """REPLICATE to every replica; when all answered (or failed), the round's answers go out."""
+        task = out.task
+        ident = (task.job.job, task.key, task.part)
+        waiting = {"left": len(task.replicas), "lost": []}
+
+        def done(name, error):
+            if error is not None:
+                log.warning("aggregator %s: replica %s of %s failed (%s); going on without it",
+                            self.name(), name, task.name, error)
+                waiting["lost"].append(name)
+            waiting["left"] -= 1
+            if waiting["left"] == 0:
+                self.carry_out(self.core.moves.replicated(ident, out.round, waiting["lost"]))
+
+        for name, address in list(task.replicas):
+            try:
+                peer = self.peer(address)
+            except PslinkError as exc:
+                done(name, exc)
+                continue
+            peer.call(
+                Op.REPLICATE, lambda result, error, name=name: done(name, error), timeout=10.0,
+                payloads=out.arrays, job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part,
+                rnd=out.round, dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
+            )
+
+    def peer(self, address: str) -> RpcPeer:
+        """The connection to the Aggregator at ``address``, made on first use."""
+        peer = self._peer_by_address.get(address)
+        if peer is None or peer.conn.closed:
+            conn = self.transports.connect(address, self.reactor, self.endpoint, self.limits, timeout=5.0)
+            peer = self._peer_by_address[address] = self.endpoint.peer(conn)
+            peer.info["name"] = f"aggregator at {address}"
+        return peer
+
+    @staticmethod
+    def _refuse_peer_request(peer: RpcPeer, req: dict) -> None:
+        raise ProtocolError(f"{req['op'].name} is not a request between Aggregators")
+
+    def from_replica(self, peer: RpcPeer, req: dict) -> None:
+        """COPY_REPLICA: a migration's source died before its copy landed; the replica held here
+        is the copy. Answered once it landed (or with why it could not)."""
+        ident, target = (req["job"], req["key"], req["part"]), tuple(req["target"])
+        if target[0] == self.name():  # the target holds the replica itself
+            outputs = self.core.moves.install_replica(ident)
+            peer.reply(req)
+            self.carry_out(outputs)
+            return
+        out = self.core.moves.replica_copy(ident, target)
+        self.send(out, self.retries, lambda error: peer.error(req, error) if error else peer.reply(req))
+
+
