@@ -125,7 +125,7 @@ def _packed(jobs):
     def check(service):
         control = service.master.state.control
         return (all(j in control.jobs and control.jobs[j].phase != "profiling" for j in jobs)
-                and not service.master.migrations)
+                and service.master.mover.core.idle())
     return check
 
 

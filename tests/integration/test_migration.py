@@ -60,7 +60,7 @@ def test_bsp_sums_stay_exact_while_every_task_migrates(kind, transports):
     try:
         parts = run_workers(workers, worker)
         assert {p[3] for p in parts[0]} == {"agg-2"} == {p[3] for p in parts[1]}
-        wait_until(lambda: master.migrations_done == 6 and not master.migrations, 20, "migrations to finish")
+        wait_until(lambda: master.migrations_done == 6 and master.mover.core.idle(), 20, "migrations to finish")
     finally:
         service.stop()
 
@@ -112,16 +112,18 @@ def test_throttled_migrations_copy_a_bounded_amount_at_a_time_and_all_complete(t
         service = start_cluster("tcp", aggregators=3, transports=transports, max_migration_bytes=limit)
         master = service.master
         peak, seen_queued = [0], [False]
-        original = master._start_migration
+        moves = master.mover.core
+        original = moves._start
 
-        def watched(action, size):
-            original(action, size)
-            peak[0] = max(peak[0], master._copying_bytes())
-            if master._throttled:
+        def watched(now):
+            actions = original(now)
+            peak[0] = max(peak[0], moves.copying_bytes())
+            if moves.throttled:
                 seen_queued[0] = True
-                assert master._moving(action.source)
+                assert all(moves.moving(a.source) for a in moves.throttled.values())
+            return actions
 
-        master._start_migration = watched
+        moves._start = watched
         both_past = threading.Barrier(workers, timeout=30)
 
         def worker(rank):
@@ -143,7 +145,7 @@ def test_throttled_migrations_copy_a_bounded_amount_at_a_time_and_all_complete(t
         try:
             results = run_workers(workers, worker)
             if migrate:
-                wait_until(lambda: master.migrations_done == 12 and not master.migrations and not master._throttled,
+                wait_until(lambda: master.migrations_done == 12 and master.mover.core.idle(),
                            20, "migrations to finish")
         finally:
             service.stop()

@@ -75,10 +75,10 @@ def train(job: str, *, max_migration_bytes: int | None = None, migrate: bool = F
         results = run_workers(2, worker, timeout=180)
         if migrate:
             # A failover (or an abandoned move) may settle after the last step: wait for it, bounded.
-            wait_until(lambda: master.failovers_done and not master.migrations and not master._throttled,
+            wait_until(lambda: master.failovers_done and master.mover.core.idle(),
                        30, "pMaster's failover of the migration target")
         status = {n: service.provider.diagnose(n).splitlines()[0] for n in [*watch, *added]}
-        counts = {"failovers": master.failovers_done, "copies_resourced": master.copies_resourced,
+        counts = {"failovers": master.failovers_done, "copies_resourced": master.failover.copies_resourced,
                   "sources": sources}
         return [r[0] for r in results], results[0][1], counts, status
 

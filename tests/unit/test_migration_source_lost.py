@@ -51,7 +51,7 @@ def moving(master, replication=1, *, target_holds_replica=False, migrate=True):
         state.register_aggregator(f"tcp://127.0.0.1:{9000 + i}", name)
         state.aggregator_joined(name)
     peers = {n: FakePeer(n) for n in names}
-    master._aggregator_peers.update(peers)
+    master.links.peers.update(peers)
     record = state.register_worker("j", 0, 1, None, {"replication": replication, "mode": "optimizer"})
     spec, _ = state.declare(record, 0, {"key": "w", "shape": [4], "dtype": "float32", "intent": "init"})
     spec.ready = True
@@ -60,17 +60,20 @@ def moving(master, replication=1, *, target_holds_replica=False, migrate=True):
     replica = part.replicas[0] if part.replicas else None
     target = replica if target_holds_replica else next(n for n in names if n not in (source, replica))
     if migrate:
-        action = state.control.move_task(TASK, target, "test")
-        master._start_migration(action, 16)
+        master.mover.migrate(state.control.move_task(TASK, target, "test"))
         peers[target].answer(Op.ASSIGN)  # the target waits for the copy now
     return part, peers, (source, replica, target)
 
 
 def lose(master, name):
     """``name``'s connection closed and it did not come back: its failover."""
-    master._aggregator_peers.pop(name)
+    master.links.peers.pop(name)
     master.state.aggregator_lost(name)
-    master._fail_over(name)
+    master.failover.fail_over(name)
+
+
+def move_of(master):
+    return master.mover.core.running.get(TASK)
 
 
 def test_a_source_dead_after_it_handed_the_part_over_has_a_replica_send_the_copy(master):
@@ -80,12 +83,12 @@ def test_a_source_dead_after_it_handed_the_part_over_has_a_replica_send_the_copy
     lose(master, source)
     ((op, _, fields),) = peers[replica].calls
     assert op == Op.COPY_REPLICA and fields["target"] == [target, master.state.aggregators[target].address]
-    assert master.migrations[TASK]["source"] == replica and master.failovers_done == 0  # Agents wait
+    assert move_of(master).source == replica and master.failovers_done == 0  # Agents wait
     peers[replica].answer(Op.COPY_REPLICA)  # the copy landed
-    assert master.failovers_done == 1 and master.migrations[TASK]["copied"]
+    assert master.failovers_done == 1 and move_of(master).copied
     assert part.aggregator == target and part.replicas == [replica]
-    master._migration_progress(peers[target], {"op": Op.WORKER_DONE, "job": "j", "key": "w", "part": 0})
-    assert TASK not in master.migrations and master.migrations_done == 1
+    master.mover.progress(peers[target], {"op": Op.WORKER_DONE, "job": "j", "key": "w", "part": 0})
+    assert move_of(master) is None and master.migrations_done == 1
 
 
 def test_a_source_dead_before_it_answered_the_migrate_is_taken_as_having_handed_over(master):
@@ -94,7 +97,7 @@ def test_a_source_dead_before_it_answered_the_migrate_is_taken_as_having_handed_
     assert part.aggregator == source  # the MIGRATE is unanswered
     lose(master, source)
     peers[source].answer(Op.MIGRATE, PeerError("gone"))  # the failed call, afterwards: ignored
-    assert part.aggregator == target and master.migrations[TASK]["source"] == replica
+    assert part.aggregator == target and move_of(master).source == replica
     peers[replica].answer(Op.COPY_REPLICA)
     assert master.failovers_done == 1 and part.aggregator == target
 
@@ -104,7 +107,7 @@ def test_a_failed_copy_from_the_last_replica_fails_the_key_loudly(master):
     peers[source].answer(Op.MIGRATE)
     lose(master, source)
     peers[replica].answer(Op.COPY_REPLICA, PeerError("no"))
-    assert TASK not in master.migrations and master.failovers_done == 1
+    assert move_of(master) is None and master.failovers_done == 1
     message = master.state.jobs["j"].keys["w"].aborted.message
     assert f"aggregator {source} is gone after it handed the part over to {target}" in message
     assert "key 'w' part 0 of job 'j'" in message
@@ -119,7 +122,7 @@ def test_without_replicas_the_key_fails_at_once(master):
     assert not any(c[0] == Op.COPY_REPLICA for p in peers.values() for c in p.calls)
     message = master.state.jobs["j"].keys["w"].aborted.message
     assert "replication 0" in message and source in message and "part 0" in message
-    assert master.failovers_done == 1 and TASK not in master.migrations
+    assert master.failovers_done == 1 and move_of(master) is None
 
 
 def test_a_target_that_held_the_replica_is_asked_first(master):
@@ -135,10 +138,9 @@ def test_a_target_that_held_the_replica_is_asked_first(master):
 def test_a_source_dead_before_the_target_took_the_task_fails_over_as_before(master):
     """The MIGRATE was never sent: the source served the part to the end; its replica takes over."""
     part, peers, (source, replica, target) = moving(master, migrate=False)
-    action = master.state.control.move_task(TASK, target, "test")
-    master._start_migration(action, 16)  # the ASSIGN to the target is unanswered
+    master.mover.migrate(master.state.control.move_task(TASK, target, "test"))  # the ASSIGN is unanswered
     lose(master, source)
-    assert TASK not in master.migrations
+    assert move_of(master) is None
     assert part.aggregator == replica
     peers[replica].answer(Op.PROMOTE)
     assert master.failovers_done == 1
@@ -153,4 +155,4 @@ def test_the_replica_sending_the_copy_lost_too_fails_the_key(master):
     peers[replica].answer(Op.COPY_REPLICA, PeerError("connection closed"))  # as its connection closes
     assert master.state.jobs["j"].keys["w"].aborted is not None
     lose(master, replica)
-    assert master.failovers_done == 2 and TASK not in master.migrations
+    assert master.failovers_done == 2 and move_of(master) is None

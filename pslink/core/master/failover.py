@@ -1,4 +1,4 @@
-"""pMaster's side of an Aggregator failure (a mixin of :class:`pslink.core.master.Master`).
+"""pMaster's side of an Aggregator failure.
 
 An Aggregator whose connection to pMaster closed, and that has not come back within
 ``aggregator_grace`` (or that is silent past ``aggregator_timeout``), is gone: its parts are
@@ -14,52 +14,61 @@ answered at once, to connect to it again.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
-from pslink.core.wire.protocol import Op
+from pslink.core.master.links import AggregatorLinks
+from pslink.core.master.migrations import Move
+from pslink.core.master.moving import Mover
 from pslink.core.master.recovery import Lost, Promote, Recreate, Rereplicate, copy_sources, holdings, pick_replicas
+from pslink.core.master.state import MasterState
+from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
-from pslink.errors import KeyStateError, PeerError, PslinkTimeoutError
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import Op
+from pslink.errors import KeyStateError, PeerError, PslinkError, PslinkTimeoutError
 
-log = logging.getLogger("pslink.core.master.master")
+log = logging.getLogger("pslink.core.master")
 
 
-class MasterRecovery:
-    """Requires of its host: ``state``, ``store``, ``reactor``, ``_aggregator_peers``,
-    ``assign_timeout``, ``aggregator_grace``, ``aggregator_timeout``, ``migration_timeout``,
-    ``migrations``, ``_abort_key``, ``_copy_landed``, ``_migration_over``, ``_carry_out`` and
-    ``spec_wire``."""
+class Failover:
+    """Fails lost Aggregators over. ``abort_key(record, key, error)`` fails a key everywhere;
+    ``spec_wire(spec)`` is a key's placement as Agents read it; ``carry_out()`` carries out what
+    the control plane decided meanwhile. An Aggregator whose connection closed may come back
+    within ``grace`` seconds; one silent past ``silent`` is gone."""
 
-    def _init_recovery(self) -> None:
+    def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks,
+                 mover: Mover, *, grace: float, silent: float, migration_timeout: float,
+                 abort_key: Callable[[JobRecord, object, PslinkError], None], spec_wire: Callable[[KeySpec], dict],
+                 carry_out: Callable[[], None]):
+        self.state, self.store, self.reactor, self.links, self.mover = state, store, reactor, links, mover
+        self.grace, self.silent, self.migration_timeout = grace, silent, migration_timeout
+        self.abort_key, self.spec_wire, self.carry_out = abort_key, spec_wire, carry_out
         self._relocations: dict[str, list[tuple[RpcPeer, dict]]] = {}  # lost Aggregator -> who asked
-        self._failing: dict[str, int] = {}  # Aggregator being failed over -> steps still under way
-        self.failovers_done = 0
+        self.failing: dict[str, int] = {}  # Aggregator being failed over -> steps still under way
+        self.done = 0  # failovers carried out
         self.copies_resourced = 0  # copies asked of a replica because a migration's source died
-
-    def _address_of(self, name: str) -> str:
-        record = self.state.aggregators.get(name)
-        return record.address if record is not None else ""
 
     # -- detection ----------------------------------------------------------------------------------
 
-    def _aggregator_gone(self, name: str) -> None:
+    def connection_lost(self, name: str) -> None:
         """Its connection closed: unless it comes back within the grace period, fail it over."""
-        self.reactor.call_later(self.aggregator_grace, self._fail_over_unless_back, name)
+        self.reactor.call_later(self.grace, self._fail_over_unless_back, name)
 
     def _fail_over_unless_back(self, name: str) -> None:
-        if name in self._aggregator_peers or name not in self.state.aggregators or name in self._failing:
+        if name in self.links.peers or name not in self.state.aggregators or name in self.failing:
             return
         record = self.state.aggregators[name]
         if record.alive:
             return
-        self._fail_over(name)
+        self.fail_over(name)
 
-    def _fail_over(self, name: str) -> None:
+    def fail_over(self, name: str) -> None:
         log.warning("pMaster: aggregator %s is gone; failing its parts over", name)
-        self._failing[name] = 1  # released below, once every step is under way
+        self.failing[name] = 1  # released below, once every step is under way
         # Migrations off or onto it never end by themselves. First, while the plan still has
         # it: a queued move onto it goes back to its source in the plan before the plan forgets it.
-        stays = self._abandon_moves_of(name)
+        stays = self.mover.aggregator_lost(name)
         actions = self.state.fail_over(name, stays)
         self.store.delete_aggregator(name)
         for action in actions:
@@ -71,15 +80,15 @@ class MasterRecovery:
                 self._rereplicate(action)
             elif isinstance(action, Lost):
                 log.error("pMaster: %s", action.error.message)
-                self._abort_key(action.record, action.spec.key, action.error)
+                self.abort_key(action.record, action.spec.key, action.error)
         self._step_done(name)
-        self._carry_out()
+        self.carry_out()
 
     def _promote(self, lost: str, action: Promote) -> None:
-        part, peer = action.part, self._aggregator_peers.get(action.part.aggregator)
+        part, peer = action.part, self.links.get(action.part.aggregator)
         if peer is None:
             return
-        self._failing[lost] += 1
+        self.failing[lost] += 1
 
         def promoted(result, error):
             if error is not None and action.moving:
@@ -93,20 +102,20 @@ class MasterRecovery:
                 self.store.save_key(action.record.job, action.spec)
             self._step_done(lost)
 
-        peer.call(Op.PROMOTE, promoted, timeout=self.assign_timeout, job=action.record.job, key=action.spec.key,
-                  part=part.part, replicas=[[r, self._address_of(r)] for r in part.replicas])
+        peer.call(Op.PROMOTE, promoted, timeout=self.links.timeout, job=action.record.job, key=action.spec.key,
+                  part=part.part, replicas=[[r, self.links.address_of(r)] for r in part.replicas])
 
     def _promote_replica_instead(self, lost: str, action: Promote) -> None:
         """The source of a move onto ``lost`` had handed the part over (frozen for its copy, or
         let go once the copy landed): the target may have answered rounds since, which only the
         part's replicas have. Promote one, and top the replicas up again."""
         record, spec, part, source = action.record, action.spec, action.part, action.part.aggregator
-        live = [r for r in part.replicas if r in self._aggregator_peers]
+        live = [r for r in part.replicas if r in self.links.peers]
         if not live:
             error = KeyStateError(f"key {spec.key!r} of job {record.job!r}: aggregator {lost} is gone while part "
                                   f"{part.part} moved onto it, and no replica is left", job=record.job, key=spec.key)
             log.error("pMaster: %s", error.message)
-            self._abort_key(record, spec.key, error)
+            self.abort_key(record, spec.key, error)
             return
         log.info("pMaster: %s had handed key %r part %d over to %s; promoting its replica on %s", source,
                  spec.key, part.part, lost, live[0])
@@ -121,61 +130,62 @@ class MasterRecovery:
         if added:
             self._rereplicate(Rereplicate(record, spec, part, added))
 
-    def _resource_copy(self, lost: str, task: tuple, entry: dict) -> None:
-        """``lost`` was the source of the migration of ``task``, told to hand the part over
-        (MIGRATE) and gone before its copy was known to land. It may have handed the part over
-        (pMaster's lookups, and the workers it answered, point at the target, which holds their
-        requests until the copy comes), so failing the part over to a replica would leave them
-        waiting for ever. The move goes on instead: a replica, which has every round the source
-        acknowledged, sends its state to the target as the copy. Without a replica able to,
-        the key fails loudly. A failover step: Agents that lost ``lost`` are answered after it."""
+    def copy_from_replica(self, move: Move, lost: str) -> None:
+        """``lost`` was the source of ``move``, told to hand the part over (MIGRATE) and gone
+        before its copy was known to land. It may have handed the part over (pMaster's lookups,
+        and the workers it answered, point at the target, which holds their requests until the
+        copy comes), so failing the part over to a replica would leave them waiting for ever.
+        The move goes on instead: a replica, which has every round the source acknowledged, sends
+        its state to the target as the copy. Without a replica able to, the key fails loudly. A
+        failover step: Agents that lost ``lost`` are answered after it."""
+        task = move.task
         job, key, part = task
         record = self.state.jobs.get(job)
         spec = record.keys.get(key) if record is not None else None
         if spec is None or part >= len(spec.parts):
-            self._migration_over(task, failed=True)
+            self.mover.give_up(task)
             return
-        if "timer" in entry:
-            entry.pop("timer").cancel()  # it would force the dead source's MIGRATE
+        self.mover.stop_deadline(task)  # it would force the dead source's MIGRATE
         placed = spec.parts[part]
-        if placed.aggregator != entry["target"]:
+        if placed.aggregator != move.target:
             # The MIGRATE's answer never came; the source may have taken it: as if it had.
-            placed.aggregator = entry["target"]
+            placed.aggregator = move.target
             self.store.save_key(job, spec)
-        sources = copy_sources(placed.replicas, entry["target"], entry["held_replica"], self._aggregator_peers, lost)
+        sources = copy_sources(placed.replicas, move.target, move.held_replica, self.links.peers, lost)
         log.warning("pMaster: %s is gone before its copy of %s landed on %s; copying it from a replica (%s)",
-                    lost, task, entry["target"], ", ".join(sources) or "none left")
-        self._failing[lost] += 1
-        self._copy_from(lost, task, entry, sources)
+                    lost, task, move.target, ", ".join(sources) or "none left")
+        self.failing[lost] += 1
+        self._copy_from(lost, move, sources)
 
-    def _copy_from(self, lost: str, task: tuple, entry: dict, sources: list[str]) -> None:
+    def _copy_from(self, lost: str, move: Move, sources: list[str]) -> None:
         """Ask the first of ``sources`` still connected for the copy (COPY_REPLICA, answered once
         the copy landed); on failure the next one; when none is left, fail the key."""
+        task = move.task
         job, key, part = task
-        target = entry["target"]
+        target = move.target
         while sources:
             name, sources = sources[0], sources[1:]
-            peer = self._aggregator_peers.get(name)
+            peer = self.links.get(name)
             if peer is None:
                 continue
-            entry["source"] = name  # the move's source now (status, releases, its failover)
+            self.mover.core.resourced(task, name)  # the move's source now (status, releases, its failover)
             self.copies_resourced += 1
 
             def copied(result, error, name=name):
-                if self.migrations.get(task) is not entry or entry["source"] != name:
+                if self.mover.core.running.get(task) is not move or move.source != name:
                     self._step_done(lost)  # ended meanwhile (its job ended, or its target is gone)
                 elif error is None:
                     log.info("pMaster: %s's replica on %s is now on %s (its source %s is gone)", task, name,
                              target, lost)
-                    self._copy_landed(task, entry)
+                    self.mover.copy_landed(task)
                     self._step_done(lost)
                 else:
                     log.warning("pMaster: copying %s from %s's replica to %s failed: %s", task, name, target, error)
-                    self._copy_from(lost, task, entry, sources)
+                    self._copy_from(lost, move, sources)
 
             # Bounded: a replica that never answers must not leave the target waiting for ever.
-            peer.call(Op.COPY_REPLICA, copied, timeout=self.assign_timeout + self.migration_timeout, job=job,
-                      key=key, part=part, target=[target, self._address_of(target)])
+            peer.call(Op.COPY_REPLICA, copied, timeout=self.links.timeout + self.migration_timeout, job=job,
+                      key=key, part=part, target=[target, self.links.address_of(target)])
             return
         record = self.state.jobs.get(job)
         if record is not None and key in record.keys:
@@ -186,19 +196,19 @@ class MasterRecovery:
                 f"{target} and before its copy landed, and {why}; set replication=1 to survive this",
                 job=job, key=key)
             log.error("pMaster: %s", error.message)
-            self._abort_key(record, key, error)  # the target fails what waits for the copy
-        self._migration_over(task, failed=True)
+            self.abort_key(record, key, error)  # the target fails what waits for the copy
+        self.mover.give_up(task)
         self._step_done(lost)
 
     def _assign_part(self, lost: str, record: JobRecord, spec: KeySpec, part: PartSpec) -> None:
-        peer = self._aggregator_peers.get(part.aggregator)
+        peer = self.links.get(part.aggregator)
         if peer is None:
             return
-        self._failing[lost] += 1
+        self.failing[lost] += 1
         # It starts afresh and takes up the round the workers are at (their resent pushes say).
         # In optimizer mode it starts from the part's last checkpoint (recovery lets none other here).
         restore = record.mode == "optimizer"
-        entries = [dict(e, rebase=True, restore=restore) for e in spec.task_specs(part.aggregator, self._address_of)
+        entries = [dict(e, rebase=True, restore=restore) for e in spec.task_specs(part.aggregator, self.links.address_of)
                    if e["part"] == part.part]
 
         def assigned(result, error):
@@ -209,50 +219,47 @@ class MasterRecovery:
                 self.store.save_key(record.job, spec)
             self._step_done(lost)
 
-        peer.call(Op.ASSIGN, assigned, timeout=self.assign_timeout, jobinfo=record.jobinfo(), tasks=entries)
+        peer.call(Op.ASSIGN, assigned, timeout=self.links.timeout, jobinfo=record.jobinfo(), tasks=entries)
 
     def _rereplicate(self, action: Rereplicate) -> None:
         """Tell the part's Aggregator its replicas, and the new replicas what they hold."""
         record, spec, part = action.record, action.spec, action.part
         self.store.save_key(record.job, spec)
         for name in [part.aggregator, *action.added]:
-            peer = self._aggregator_peers.get(name)
-            if peer is None:
-                continue
-            entries = [e for e in spec.task_specs(name, self._address_of) if e["part"] == part.part]
-            peer.call(Op.ASSIGN, self._log_failure(f"telling {name} of key {spec.key!r}'s replicas"),
-                      timeout=self.assign_timeout, jobinfo=record.jobinfo(), tasks=entries)
+            entries = [e for e in spec.task_specs(name, self.links.address_of) if e["part"] == part.part]
+            self.links.tell(name, Op.ASSIGN, f"telling {name} of key {spec.key!r}'s replicas", jobinfo=record.jobinfo(),
+                            tasks=entries)
 
     def _step_done(self, lost: str) -> None:
-        self._failing[lost] -= 1
-        if self._failing[lost] == 0:
-            del self._failing[lost]
-            self.failovers_done += 1
+        self.failing[lost] -= 1
+        if self.failing[lost] == 0:
+            del self.failing[lost]
+            self.done += 1
             self._answer_relocations(lost)
 
     # -- Agents asking where their parts went -----------------------------------------------------------
 
-    def _relocate(self, peer: RpcPeer, req: dict) -> None:
+    def relocate(self, peer: RpcPeer, req: dict) -> None:
         """RELOCATE: ``parts`` = [[key, part, aggregator it lost], ...]. Answered once pMaster has
         failed that Aggregator over (or at once, if it already has, or once it answers a ping)."""
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
         lost = {str(entry[2]) for entry in req["parts"] if isinstance(entry, list) and len(entry) == 3}
         # An Agent may see the connection break before pMaster does (or alone, a glitch between
         # the two): the answer waits for the failover, or for the Aggregator to prove alive.
-        pending = [n for n in lost if n in self._failing or n in self.state.aggregators]
+        pending = [n for n in lost if n in self.failing or n in self.state.aggregators]
         if pending:
             name = pending[0]
             self._relocations.setdefault(name, []).append((peer, req))
             # An Aggregator that never fails over (it came back, or pMaster cannot decide): answer anyway.
-            wait = self.aggregator_grace + self.aggregator_timeout
+            wait = self.grace + self.silent
             self.reactor.call_later(wait, self._answer_one, name, peer, req)
-            connected = self._aggregator_peers.get(name)
-            if name not in self._failing and connected is not None:
+            connected = self.links.get(name)
+            if name not in self.failing and connected is not None:
                 # Connected to pMaster: whether it is alive, one round trip tells. Dead, its
                 # connection closes and the failover answers; silent, the timer above does.
                 def alive(result, error):
                     if error is None or not isinstance(error, (PeerError, PslinkTimeoutError)):
-                        if name not in self._failing and self._aggregator_peers.get(name) is connected:
+                        if name not in self.failing and self.links.get(name) is connected:
                             self._answer_one(name, peer, req)
 
                 connected.call(Op.PING, alive, timeout=wait)

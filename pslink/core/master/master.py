@@ -17,17 +17,19 @@ from typing import Any
 
 from pslink.core import hosts
 from pslink.core.master.control import Allocate, ControlPlane, Migrate, Release
-from pslink.core.wire.loop import Reactor, ReactorThread
-from pslink.core.master.joining import MasterHosts
-from pslink.core.master.pool import MasterPool
-from pslink.core.master.failover import MasterRecovery
-from pslink.core.master.throttle import MasterThrottle
+from pslink.core.master.failover import Failover
+from pslink.core.master.jobs import AggregatorRecord
+from pslink.core.master.joining import Joining
+from pslink.core.master.links import AggregatorLinks
+from pslink.core.master.moving import Mover
+from pslink.core.master.pool import Pool
+from pslink.core.master.replicas import Replicas
 from pslink.core.master.state import JobRecord, KeySpec, MasterState
-from pslink.core.master.recovery import holdings, pick_replicas
-from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op
-from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.master.store import MasterStore
 from pslink.core.transport import Transports
+from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
+from pslink.core.wire.loop import Reactor, ReactorThread
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op
 from pslink.errors import (
     ClosedError,
     MembershipError,
@@ -37,7 +39,7 @@ from pslink.errors import (
     ShapeMismatchError,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pslink.core.master")
 
 DEFAULT_MASTER = "tcp://127.0.0.1:7770"
 STATE_FILE = "pmaster.sqlite"
@@ -77,8 +79,14 @@ def _plain_details(error: PslinkError) -> dict:
     return {k: v for k, v in error.details.items() if isinstance(v, (int, str, list))}
 
 
-class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
-    """The pMaster daemon. ``start()`` runs it on a thread; ``serve_forever()`` on this one."""
+class Master:
+    """The pMaster daemon. ``start()`` runs it on a thread; ``serve_forever()`` on this one.
+
+    It serves jobs, workers and keys itself and composes the rest: :class:`AggregatorLinks` (its
+    connections to the Aggregators), :class:`Mover` (migrations, around the pure
+    :class:`~pslink.core.master.migrations.Migrations`), :class:`Pool` (starting, releasing and
+    operators' changes), :class:`Failover`, :class:`Joining` (which Aggregators may join) and
+    :class:`Replicas` (replicas on other hosts than their primary)."""
 
     def __init__(
         self,
@@ -114,21 +122,9 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
         self.worker_timeout = worker_timeout
         self.disconnect_grace = disconnect_grace  # a worker whose connection closed is removed after it
         self.aggregator_timeout = aggregator_timeout
-        self.aggregator_grace = aggregator_grace  # a lost Aggregator may come back this soon before failover
-        self._init_recovery()
-        self._init_pool()
-        self.assign_timeout = assign_timeout
         self.sweep_interval = sweep_interval
-        self.migration_timeout = migration_timeout
-        self._allocating: dict[str, str] = {}  # Aggregator being started -> placeholder it fills
         self._deferred: dict[str, list] = {}  # placeholder -> (record, specs) to assign once it is up
-        # task -> {source, target, started, copied, workers, held_replica, assigned, ...}
-        self.migrations: dict[tuple, dict] = {}
         self._schedules_sent: dict[str, int] = {}  # Aggregator -> plan version it has
-        self._release_after: dict[str, Release] = {}  # released once no migration leaves it
-        self._queued_moves: dict[tuple, Migrate] = {}  # task -> its next move, once this one is over
-        self.migrations_done = 0
-        self._init_throttle(max_migration_bytes)  # task state copied at a time (the rest waits)
         self.endpoint = RpcEndpoint(self.reactor, self._on_request, limits, on_close=self._on_peer_close)
         advertise, interface = hosts.settings(advertise, interface)
         self.listener = self.transports.listen(listen, self.reactor, self.endpoint, limits)
@@ -136,12 +132,43 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
         # address of this host's default route (or --advertise / --interface).
         self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface)
         self.host_id = hosts.host_id()
-        self.dial_back_timeout = dial_back_timeout
-        self._aggregator_peers: dict[str, RpcPeer] = {}
         self._waits: dict[tuple[str, Any], list[_LookupWait]] = {}
         self._barriers: dict[tuple[str, str], dict[int, tuple[RpcPeer, dict]]] = {}
+        # The collaborators. A cycle among them (a move that fails asks the pool; the pool asks
+        # which Aggregators move) goes through the small callables named here.
+        self.links = AggregatorLinks(self.state, assign_timeout)
+        self.replicas = Replicas(self.state, self.store, self.links)
+        self.mover = Mover(self.state, self.store, self.reactor, self.links, max_bytes=max_migration_bytes,
+                           migration_timeout=migration_timeout, settled=lambda names: self.pool.settled(names),
+                           removal_failed=lambda *why: self.pool.removal_failed(*why), moved=self.replicas.after_move,
+                           copy_from_replica=lambda move, lost: self.failover.copy_from_replica(move, lost))
+        self.pool = Pool(self.state, self.store, self.reactor, self.links, provider=lambda: self.provider,
+                         moves=self.mover.core, alive=self.aggregator_alive, carry_out=self._carry_out)
+        self.failover = Failover(self.state, self.store, self.reactor, self.links, self.mover, grace=aggregator_grace,
+                                 silent=aggregator_timeout, migration_timeout=migration_timeout,
+                                 abort_key=self._abort_key, spec_wire=self.spec_wire, carry_out=self._carry_out)
+        self.joining = Joining(self.state, self.store, self.reactor, self.links, host_id=self.host_id,
+                               dial_back_timeout=dial_back_timeout, provider=lambda: self.provider,
+                               joined=self._aggregator_joined, carry_out=self._carry_out)
         self._thread: ReactorThread | None = None
         self._registered = threading.Condition()
+        self._handlers = {
+            Op.REGISTER_JOB: self._register_job,
+            Op.REGISTER_WORKER: self._register_worker,
+            Op.LOOKUP: self._lookup,
+            Op.SET_OPTIMIZER: self._set_optimizer,
+            Op.HEARTBEAT: self._heartbeat,
+            Op.BARRIER: self._barrier,
+            Op.LEAVE: self._leave,
+            Op.JOB_KEYS: self._job_keys,
+            Op.STATUS: self._status,
+            Op.AGG_HEARTBEAT: self._aggregator_heartbeat,
+            Op.RELOCATE: self.failover.relocate,
+            Op.REGISTER_AGGREGATOR: self.joining.register,
+            Op.TENSOR_COPY_DONE: self.mover.progress,
+            Op.WORKER_DONE: self.mover.progress,
+            Op.POOL: self.pool.request,
+        }
         self.reactor.call_later(sweep_interval, self._sweep)
         if self.state.jobs:
             log.info("pMaster resumed %d job(s) from %s", len(self.state.jobs), self.store.path)
@@ -191,6 +218,14 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
         record = self.state.jobs.get(job)
         return [] if record is None else [(job, s.key, p.part) for s in record.keys.values() for p in s.parts]
 
+    @property
+    def failovers_done(self) -> int:
+        return self.failover.done
+
+    @property
+    def migrations_done(self) -> int:
+        return self.mover.core.done
+
     def use_provider(self, provider, min_aggregators: int | None = None) -> None:
         """Let pMaster start and stop Aggregators through ``provider`` (it becomes elastic)."""
         self.provider = provider
@@ -201,7 +236,7 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
 
     def aggregator_alive(self, name: str) -> bool:
         record = self.state.aggregators.get(name)
-        return record is not None and record.alive and name in self._aggregator_peers
+        return record is not None and record.alive and name in self.links.peers
 
     def wait_for_aggregators(self, names: list[str], timeout: float) -> bool:
         """Block (any thread) until every named Aggregator has registered; False on timeout."""
@@ -215,7 +250,7 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
         return True
 
     def _shutdown_aggregators(self) -> None:
-        for peer in list(self._aggregator_peers.values()):
+        for peer in list(self.links.peers.values()):
             peer.notify(Op.SHUTDOWN)
 
     def _close_peers(self) -> None:
@@ -225,11 +260,11 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
     # -- dispatch -----------------------------------------------------------------------------
 
     def _on_request(self, peer: RpcPeer, req: dict) -> None:
-        handler = self._HANDLERS.get(req["op"])
+        handler = self._handlers.get(req["op"])
         if handler is None:
             raise ProtocolError(f"pMaster does not serve {req['op'].name}")
         try:
-            handler(self, peer, req)
+            handler(peer, req)
         finally:
             self._carry_out()
 
@@ -253,17 +288,17 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
                      record.membership.epoch)
             self.store.save_job(record)
             for name in record.aggregators():
-                peer = self._aggregator_peers.get(name)
+                peer = self.links.peers.get(name)
                 if peer is not None:
-                    peer.call(Op.JOB_INFO, self._log_failure(f"telling {name} of job {record.job}'s members"),
-                              timeout=self.assign_timeout, jobinfo=record.jobinfo())
+                    peer.call(Op.JOB_INFO, self.links.log_failure(f"telling {name} of job {record.job}'s members"),
+                              timeout=self.links.timeout, jobinfo=record.jobinfo())
             for ident in [b for b in self._barriers if b[0] == record.job]:
                 self._settle_barrier(record, ident)
 
     def _send_schedules(self) -> None:
         """Cyclic execution: each Aggregator whose plan changed learns its cycle and budgets."""
         for name, (version, cycle, entries) in self.state.control.schedules().items():
-            peer = self._aggregator_peers.get(name)
+            peer = self.links.peers.get(name)
             if peer is None or self._schedules_sent.get(name) == version or not entries:
                 continue
             self._schedules_sent[name] = version
@@ -273,162 +308,13 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
         for action in self.state.take_actions():
             try:
                 if isinstance(action, Allocate):
-                    self._allocate(action)
+                    self.pool.allocate(action)
                 elif isinstance(action, Release):
-                    self._release(action)
+                    self.pool.release(action)
                 elif isinstance(action, Migrate):
-                    self._migrate(action)
+                    self.mover.migrate(action)
             except Exception:
                 log.exception("pMaster: carrying out %r failed", action)
-
-    def _allocate(self, action: Allocate) -> str | None:
-        if self.provider is None:
-            log.error("pMaster: %s needs a new Aggregator, but there is no provider", action.reason)
-            return None
-        (name,) = self.provider.start(1)
-        self._allocating[name] = action.placeholder
-        log.info("pMaster: starting aggregator %s (%s)", name, action.reason)
-        return name
-
-    def _release(self, action: Release) -> None:
-        name = action.aggregator
-        if self._moving(name) or self._replicas_moving(name):
-            # Tasks (or replicas) are still moving off (or onto) it: let it go when they are done.
-            self._release_after[name] = action
-            return
-        log.info("pMaster: releasing aggregator %s (%s)", name, action.reason)
-        peer = self._aggregator_peers.pop(name, None)
-        if peer is not None:
-            peer.notify(Op.SHUTDOWN)
-        self.state.remove_aggregator(name)
-        self.store.delete_aggregator(name)
-        if self.provider is not None:
-            # Reaping may take seconds: not on the loop that serves everyone else.
-            threading.Thread(target=self.provider.stop, args=(name,), daemon=True).start()
-        self._pool_released(name)
-
-    def _start_migration(self, action: Migrate, size: int) -> None:
-        """Start a move now (``_migrate``, of the throttle, decides when)."""
-        job, key, part = action.task
-        record = self.state.jobs.get(job)
-        spec = record.keys.get(key) if record is not None else None
-        source, target = self._aggregator_peers.get(action.source), self._aggregator_peers.get(action.target)
-        if spec is None or source is None or target is None:
-            why = "unknown task" if spec is None else "Aggregator not connected"
-            log.warning("pMaster: cannot migrate %s from %s to %s (%s)", action.task, action.source, action.target, why)
-            if spec is not None:  # a removal waiting for this move keeps its Aggregator
-                self._removal_failed(action.source, action.task, action.target, ServiceError(why))
-                if action.source in self.state.control.cluster_of:
-                    try:
-                        self.state.control.move_task(action.task, action.source, "migration failed")
-                    except KeyError:
-                        pass  # the plan no longer places it (its job ended, or a failover re-placed it)
-            return
-        address = self.state.aggregators[action.target].address
-        placed = spec.parts[part]
-        entry = self.migrations[action.task] = {
-            "source": action.source, "target": action.target, "reason": action.reason,
-            "started": self.state.clock(), "copied": False, "workers": False, "bytes": size,
-            # Should the source die before its copy lands, the target may hold the only replica
-            # with the part's state (the source keeps replicating to it: see _resource_copy).
-            "held_replica": action.target in placed.replicas, "assigned": False,
-        }
-        if action.target in placed.replicas:
-            # The target held a replica; now it serves the part: another Aggregator holds the replica.
-            placed.replicas.remove(action.target)
-            added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
-                                  record.replication - len(placed.replicas),
-                                  exclude={action.target, action.source, *placed.replicas},
-                                  hosts=self.state.control.host_of, away_from=[action.target, *placed.replicas])
-            placed.replicas += added
-            for name in added:
-                holder = self._aggregator_peers.get(name)
-                if holder is not None:
-                    holder.call(Op.ASSIGN, self._log_failure(f"giving {name} a replica of {action.task}"),
-                                timeout=self.assign_timeout, jobinfo=record.jobinfo(),
-                                tasks=[e for e in spec.task_specs(name) if e["part"] == part])
-        tasks = [dict(t, incoming=True) for t in spec.task_specs(None, self._address_of) if t["part"] == part]
-
-        def started(result, error):
-            if self.migrations.get(action.task) is not entry or entry["source"] != action.source:
-                # Abandoned meanwhile (an Aggregator of it is gone): its failover placed the task.
-                # Or its source died and a replica sends the copy instead (_resource_copy).
-                return
-            if error is not None:
-                log.warning("pMaster: migration of %s to %s failed to start: %s", action.task, action.target, error)
-                self._removal_failed(action.source, action.task, action.target, error)  # before a release
-                self._migration_over(action.task, failed=True)
-                self.state.control.move_task(action.task, action.source, "migration failed")  # the plan goes back
-                return
-            spec.parts[part].aggregator = action.target  # new lookups go there already
-            self.store.save_key(job, spec)
-            entry["timer"] = self.reactor.call_later(self.migration_timeout, self._force_migration, action.task, address)
-
-        def assigned(result, error):
-            if self.migrations.get(action.task) is not entry:
-                return  # abandoned meanwhile: the source must not let go of the task now
-            if error is not None:
-                started(None, error)
-                return
-            # From here on the source may hand the part over (and send workers to the target)
-            # at any time, before pMaster hears that it took the MIGRATE.
-            entry["assigned"] = True
-            source.call(Op.MIGRATE, started, timeout=self.assign_timeout, job=job, key=key, part=part,
-                        target=[action.target, address])
-
-        # The new place first learns the task (waiting for its copy), then the old one lets go.
-        target.call(Op.ASSIGN, assigned, timeout=self.assign_timeout, jobinfo=record.jobinfo(), tasks=tasks)
-
-    def _migration_over(self, task: tuple, failed: bool = False) -> None:
-        entry = self.migrations.pop(task, None)
-        if entry is None:
-            return
-        if "timer" in entry:
-            entry["timer"].cancel()
-        queued = self._queued_moves.pop(task, None)
-        if queued is not None and not failed:
-            self._migrate(queued)  # before the releases below: its source waits for it
-        elif queued is not None:
-            log.warning("pMaster: %s stays on %s: the move before %r failed", task, entry["source"], queued)
-            self._removal_failed(queued.source, task, queued.target, ServiceError(f"the move of {task} before failed"))
-        self._start_throttled()  # room for the next queued moves (before the releases: they count)
-        self._moves_settled([entry["source"], entry["target"], *((queued.source, queued.target) if queued else ())])
-
-    def _force_migration(self, task: tuple, address: str) -> None:
-        entry = self.migrations.get(task)
-        if entry is None or entry["copied"]:
-            return
-        source = self._aggregator_peers.get(entry["source"])
-        if source is None:  # its source is gone: nothing will end it
-            self._migration_over(task, failed=True)
-            return
-        log.info("pMaster: no round of %s closed within %.0f s; moving it now", task, self.migration_timeout)
-        source.call(Op.MIGRATE, self._log_failure(f"forcing the migration of {task}"), timeout=self.assign_timeout,
-                    job=task[0], key=task[1], part=task[2], target=[entry["target"], address], force=True)
-
-    def _migration_progress(self, peer: RpcPeer, req: dict) -> None:
-        task = (req["job"], req["key"], req["part"])
-        entry = self.migrations.get(task)
-        if entry is None:
-            return
-        if req["op"] == Op.TENSOR_COPY_DONE:
-            self._copy_landed(task, entry)
-        else:
-            entry["workers"] = True
-            self._migrated_if_done(task, entry)
-
-    def _copy_landed(self, task: tuple, entry: dict) -> None:
-        entry["copied"] = True
-        self._start_throttled()  # its bytes are across: room for the next queued move
-        self._migrated_if_done(task, entry)
-
-    def _migrated_if_done(self, task: tuple, entry: dict) -> None:
-        if entry["copied"] and entry["workers"]:
-            self._migration_over(task)
-            self.migrations_done += 1
-            self._separate_replicas(task)
-            log.info("pMaster: migrated %s from %s to %s in %.3f s (%s)", task, entry["source"], entry["target"],
-                     self.state.clock() - entry["started"], entry["reason"])
 
     def _on_peer_close(self, peer: RpcPeer, exc) -> None:
         role = peer.info.get("role")
@@ -436,11 +322,11 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
             self.state.worker_disconnected(peer.info["job"], peer.info["rank"])
         elif role == "aggregator":
             name = peer.info["name"]
-            if self._aggregator_peers.get(name) is peer:
-                del self._aggregator_peers[name]
+            if self.links.peers.get(name) is peer:
+                del self.links.peers[name]
                 self.state.aggregator_lost(name)
                 log.warning("aggregator %s disconnected (%s)", name, exc)
-                self._aggregator_gone(name)
+                self.failover.connection_lost(name)
 
     # -- jobs and workers ---------------------------------------------------------------------
 
@@ -489,13 +375,7 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
 
     def _end_job(self, record: JobRecord) -> None:
         self._drop_job_tasks(record)
-        for action in self._drop_throttled(job=record.job):  # never started: nothing to wait for
-            self._moves_settled([action.source, action.target])
-        for task in [t for t, a in list(self._queued_moves.items()) if t[0] == record.job]:
-            del self._queued_moves[task]
-        for task in [t for t in self.migrations if t[0] == record.job]:
-            # Its workers will never reach the new place: do not hold up a release waiting for them.
-            self._migration_over(task)
+        self.mover.job_ended(record.job)
         self.store.delete_job(record.job)
         for ident in [b for b in self._barriers if b[0] == record.job]:
             for peer, req in self._barriers.pop(ident).values():
@@ -504,7 +384,7 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
     def _drop_job_tasks(self, record: JobRecord) -> None:
         holders = {r for spec in record.keys.values() for part in spec.parts for r in part.replicas}
         for name in record.aggregators() | holders:  # replica holders too, or they keep the replicas
-            peer = self._aggregator_peers.get(name)
+            peer = self.links.peers.get(name)
             if peer is not None:
                 peer.notify(Op.DROP_JOB, job=record.job)
 
@@ -512,8 +392,8 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
         self.state.set_optimizer(record, req["optimizer"])
         self.store.save_job(record)
-        targets = [self._aggregator_peers[n] for n in record.aggregators() if n in self._aggregator_peers]
-        self._broadcast(targets, Op.JOB_INFO, dict(jobinfo=record.jobinfo()), lambda error: (
+        targets = [self.links.peers[n] for n in record.aggregators() if n in self.links.peers]
+        self.links.broadcast_each([(t, dict(jobinfo=record.jobinfo())) for t in targets], Op.JOB_INFO, lambda error: (
             peer.error(req, error) if error else peer.reply(req, body=record.settings())
         ))
 
@@ -551,8 +431,8 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
     def _status(self, peer: RpcPeer, req: dict) -> None:
         body = self.state.status()
         now = self.state.clock()
-        body["migrations"] = self._migration_status(now)  # running, then queued
-        body["migrations_done"] = self.migrations_done
+        body["migrations"] = self.mover.core.status(now)  # running, then queued
+        body["migrations_done"] = self.mover.core.done
         body["master"] = {"address": self.address, "state": self.store.path, "pid": os.getpid()}
         peer.reply(req, body=body)
 
@@ -595,13 +475,13 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
         by_aggregator: dict[str, list[dict]] = {}
         for spec in specs:
             for name in {p.aggregator for p in spec.parts} | {r for p in spec.parts for r in p.replicas}:
-                by_aggregator.setdefault(name, []).extend(spec.task_specs(name, self._address_of))
-        missing = [n for n in by_aggregator if n not in self._aggregator_peers]
+                by_aggregator.setdefault(name, []).extend(spec.task_specs(name, self.links.address_of))
+        missing = [n for n in by_aggregator if n not in self.links.peers]
         if missing:
             self._assigned(record, specs, ServiceError(f"aggregator(s) {missing} are not connected to pMaster"))
             return
-        calls = [(self._aggregator_peers[n], dict(jobinfo=record.jobinfo(), tasks=t)) for n, t in by_aggregator.items()]
-        self._broadcast_each(calls, Op.ASSIGN, lambda error: self._assigned(record, specs, error))
+        calls = [(self.links.peers[n], dict(jobinfo=record.jobinfo(), tasks=t)) for n, t in by_aggregator.items()]
+        self.links.broadcast_each(calls, Op.ASSIGN, lambda error: self._assigned(record, specs, error))
 
     def _assigned(self, record: JobRecord, specs: list[KeySpec], error: PslinkError | None) -> None:
         for spec in specs:
@@ -625,7 +505,7 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
                     self._answer_lookup(wait)
             if error is None and spec.aborted is None:
                 for part in spec.parts:  # placed while the host it should replicate to was starting
-                    self._separate_part(record, spec, part)
+                    self.replicas.separate(record, spec, part)
 
     def _answer_lookup(self, wait: _LookupWait) -> None:
         aggs = self.state.aggregators
@@ -645,10 +525,10 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
             spec.aborted = error
         error = spec.aborted
         names = {p.aggregator for p in spec.parts}
-        names |= {e[side] for t, e in self.migrations.items() if t[:2] == (record.job, key) for side in ("source", "target")}
-        names |= {m["target"] for m in self._migration_status(0.0) if (m["job"], m["key"]) == (record.job, key)}
+        names |= {m[side] for m in self.mover.core.status(0.0) if (m["job"], m["key"]) == (record.job, key)
+                  for side in ("source", "target")}
         for name in names:
-            peer = self._aggregator_peers.get(name)
+            peer = self.links.peers.get(name)
             if peer is not None:
                 peer.notify(Op.ABORT, job=record.job, tok=record.token, rank=error.details.get("ranks", [0])[0],
                             key=key, msg=error.message, code=error.code, details=_plain_details(error))
@@ -659,32 +539,24 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
         if peer.info.get("role") == "aggregator":
             self.state.aggregator_heartbeat(peer.info["name"], req["stats"])
 
-    @staticmethod
-    def _log_failure(what: str):
-        def callback(result, error):
-            if error is not None:
-                log.warning("%s failed: %s", what, error)
-        return callback
-
-    def _broadcast(self, peers: list[RpcPeer], op: Op, fields: dict, done) -> None:
-        self._broadcast_each([(p, fields) for p in peers], op, done)
-
-    def _broadcast_each(self, calls: list[tuple[RpcPeer, dict]], op: Op, done) -> None:
-        """Send one request per peer; ``done(error_or_None)`` once every answer is in."""
-        if not calls:
-            done(None)
-            return
-        outcome = {"left": len(calls), "error": None}
-
-        def answered(result, error):
-            if error is not None and outcome["error"] is None:
-                outcome["error"] = error
-            outcome["left"] -= 1
-            if outcome["left"] == 0:
-                done(outcome["error"])
-
-        for peer, fields in calls:
-            peer.call(op, answered, timeout=self.assign_timeout, **fields)
+    def _aggregator_joined(self, peer: RpcPeer, record: AggregatorRecord, req: dict) -> None:
+        """An Aggregator was admitted (:class:`Joining`): into the plan (filling the placeholder it
+        was started for, if any), its deferred assignments, the waits for it."""
+        placeholder = self.pool.allocating.pop(record.name, None)
+        self.state.aggregator_joined(record.name, placeholder)
+        if req.get("keep"):
+            self.state.control.pinned.add(record.name)  # an operator's (`pslink aggregator`): scaling keeps it
+        if placeholder is not None:
+            for job_record, specs in self._deferred.pop(placeholder, []):
+                self._assign(job_record, specs)
+        with self._registered:
+            self._registered.notify_all()
+        self.pool.registered()
+        # After a pMaster or Aggregator restart: make sure it holds what it was given.
+        for job, specs in self.state.tasks_on(record.name):
+            self.links.tell(record.name, Op.ASSIGN, f"re-assigning job {job.job} to {record.name}",
+                            jobinfo=job.jobinfo(), tasks=specs)
+        self.replicas.everywhere()
 
     # -- liveness -------------------------------------------------------------------------------
 
@@ -697,29 +569,11 @@ class Master(MasterRecovery, MasterPool, MasterHosts, MasterThrottle):
                 self._end_job(record)
             for name in silent:
                 log.warning("aggregator %s silent for %.0f s: failing it over", name, self.aggregator_timeout)
-                peer = self._aggregator_peers.pop(name, None)
+                peer = self.links.peers.pop(name, None)
                 if peer is not None:
                     peer.conn.close()
-                if name not in self._failing:
-                    self._fail_over(name)
+                if name not in self.failover.failing:
+                    self.failover.fail_over(name)
             self._carry_out()
         finally:
             self.reactor.call_later(self.sweep_interval, self._sweep)
-
-    _HANDLERS = {
-        Op.REGISTER_JOB: _register_job,
-        Op.REGISTER_WORKER: _register_worker,
-        Op.LOOKUP: _lookup,
-        Op.SET_OPTIMIZER: _set_optimizer,
-        Op.HEARTBEAT: _heartbeat,
-        Op.BARRIER: _barrier,
-        Op.LEAVE: _leave,
-        Op.JOB_KEYS: _job_keys,
-        Op.RELOCATE: MasterRecovery._relocate,
-        Op.STATUS: _status,
-        Op.REGISTER_AGGREGATOR: MasterHosts._register_aggregator,
-        Op.AGG_HEARTBEAT: _aggregator_heartbeat,
-        Op.TENSOR_COPY_DONE: _migration_progress,
-        Op.WORKER_DONE: _migration_progress,
-        Op.POOL: MasterPool._pool,
-    }

@@ -1,5 +1,8 @@
-"""pMaster's side of an operator changing the pool while jobs run (a mixin of
-:class:`pslink.core.master.Master`): ``pslink service add`` and ``pslink service remove``.
+"""pMaster's pool: starting and releasing Aggregators, and an operator changing the pool while
+jobs run (``pslink service add`` and ``pslink service remove``).
+
+A release waits until no migration leaves or reaches the Aggregator (nor, for one being removed,
+a replica it hands on); then it gets SHUTDOWN and the provider stops it.
 
 Adding starts Aggregators through the provider; the answer comes once they registered (or, past
 ``pool_timeout``, an error naming those that did not). ``min_aggregators`` rises with them, so
@@ -15,10 +18,18 @@ sent: what moved where. A move that fails to start keeps it in the pool, and the
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Callable
 
-from pslink.core.wire.protocol import Op
-from pslink.core.master.recovery import Rereplicate
+from pslink.core.master.control import Allocate, Release
+from pslink.core.master.links import AggregatorLinks
+from pslink.core.master.migrations import Migrations
+from pslink.core.master.recovery import Rereplicate, holdings
+from pslink.core.master.state import MasterState
+from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import Op
 from pslink.errors import ConfigError, ProtocolError, PslinkError, PslinkTimeoutError, ServiceError
 
 log = logging.getLogger("pslink.core.master.master")
@@ -26,18 +37,79 @@ log = logging.getLogger("pslink.core.master.master")
 MAX_ADD = 64  # per request: a typo (-n 1000) should not start a thousand processes
 
 
-class MasterPool:
-    """Requires of its host: ``state``, ``store``, ``reactor``, ``provider``, ``_aggregator_peers``,
-    ``_allocate``, ``_release_after``, ``assign_timeout``, ``aggregator_alive``,
-    ``_address_of`` and ``_log_failure``."""
+class Pool:
+    """The pool as pMaster runs it. ``provider()`` starts and stops Aggregators (None: the pool
+    stays as it is); ``moves`` tells which Aggregators are part of a migration; ``alive(name)``
+    whether an Aggregator is registered and connected; ``carry_out()`` carries out what the
+    control plane decided meanwhile."""
 
     pool_timeout = 60.0  # how long an added Aggregator may take to register
 
-    def _init_pool(self) -> None:
+    def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks, *,
+                 provider: Callable, moves: Migrations, alive: Callable[[str], bool], carry_out: Callable[[], None]):
+        self.state, self.store, self.reactor, self.links = state, store, reactor, links
+        self.provider, self.moves, self.alive, self.carry_out = provider, moves, alive, carry_out
+        self.allocating: dict[str, str] = {}  # Aggregator being started -> placeholder it fills
+        self._release_after: dict[str, Release] = {}  # released once no migration leaves it
         self._pool_adds: list[dict] = []  # {peer, req, names, timer}: answered once all registered
         self._pool_removals: dict[str, dict] = {}  # draining Aggregator -> {peer, req, moves, replicas}
 
-    def _pool(self, peer: RpcPeer, req: dict) -> None:
+    # -- starting and releasing ---------------------------------------------------------------------
+
+    def allocate(self, action: Allocate) -> str | None:
+        provider = self.provider()
+        if provider is None:
+            log.error("pMaster: %s needs a new Aggregator, but there is no provider", action.reason)
+            return None
+        (name,) = provider.start(1)
+        self.allocating[name] = action.placeholder
+        log.info("pMaster: starting aggregator %s (%s)", name, action.reason)
+        return name
+
+    def release(self, action: Release) -> None:
+        name = action.aggregator
+        if self.moves.moving(name) or self._replicas_moving(name):
+            # Tasks (or replicas) are still moving off (or onto) it: let it go when they are done.
+            self._release_after[name] = action
+            return
+        log.info("pMaster: releasing aggregator %s (%s)", name, action.reason)
+        peer = self.links.peers.pop(name, None)
+        if peer is not None:
+            peer.notify(Op.SHUTDOWN)
+        self.state.remove_aggregator(name)
+        self.store.delete_aggregator(name)
+        provider = self.provider()
+        if provider is not None:
+            # Reaping may take seconds: not on the loop that serves everyone else.
+            threading.Thread(target=provider.stop, args=(name,), daemon=True).start()
+        self._pool_released(name)
+
+    def settled(self, names) -> None:
+        """Moves involving ``names`` ended: release those waiting for it; sources may be idle now."""
+        for name in dict.fromkeys(names):
+            waiting = self._release_after.get(name)
+            if waiting is not None and not self.moves.moving(name) and not self._replicas_moving(name):
+                del self._release_after[name]
+                self.release(waiting)
+        if self.moves.idle():
+            # Sources that kept tasks until their migrations were under way may be empty now.
+            # Judged once this turn is over, not now: a failover abandons the moves onto a lost
+            # target before it re-homes their tasks (back on their source, or on a replica).
+            self.reactor.post(self._release_idle)
+
+    def _release_idle(self) -> None:
+        if self.moves.idle():
+            # Whatever pMaster's jobs place on an Aggregator keeps it, also where the plan does not
+            # count it (yet): a part a failover gave back to its source. Replica holders the
+            # control plane keeps by itself (ControlPlane.replica_holders).
+            holding = {name for name, count in holdings(self.state.jobs).items() if count}
+            self.state.outbox += self.state.control.release_idle("emptied by migrations", keep=holding)
+            self.carry_out()
+
+    # -- an operator's requests ---------------------------------------------------------------------
+
+    def request(self, peer: RpcPeer, req: dict) -> None:
+        """POOL: add (``count``) or remove (``agg``) Aggregators."""
         action = req["action"]
         if action == "add":
             self._pool_add(peer, req)
@@ -52,7 +124,7 @@ class MasterPool:
 
     def _pool_add(self, peer: RpcPeer, req: dict) -> None:
         count = req.get("count", 1)
-        if self.provider is None:
+        if self.provider() is None:
             raise ServiceError("this pMaster has no provider to start Aggregators with (it serves those that "
                                "register with it): start one on any host with `pslink aggregator --master ...`")
         if not 1 <= count <= MAX_ADD:
@@ -61,7 +133,7 @@ class MasterPool:
         names = []
         try:
             for allocation in allocations:
-                names.append(self._allocate(allocation))
+                names.append(self.allocate(allocation))
         except Exception as exc:
             for allocation in allocations[len(names):]:  # never started: out of the plan again
                 self.state.control.aggregator_lost(allocation.placeholder)
@@ -70,11 +142,11 @@ class MasterPool:
         wait = {"peer": peer, "req": req, "names": names}
         wait["timer"] = self.reactor.call_later(self.pool_timeout, self._pool_add_timed_out, wait)
         self._pool_adds.append(wait)
-        self._pool_registered()
+        self.registered()
 
-    def _pool_registered(self) -> None:
+    def registered(self) -> None:
         """An Aggregator registered: answer the adds now complete."""
-        for wait in [w for w in self._pool_adds if all(self.aggregator_alive(n) for n in w["names"])]:
+        for wait in [w for w in self._pool_adds if all(self.alive(n) for n in w["names"])]:
             self._pool_adds.remove(wait)
             wait["timer"].cancel()
             wait["peer"].reply(wait["req"], body={"added": wait["names"],
@@ -83,8 +155,9 @@ class MasterPool:
     def _pool_add_timed_out(self, wait: dict) -> None:
         if wait in self._pool_adds:
             self._pool_adds.remove(wait)
-            missing = [n for n in wait["names"] if not self.aggregator_alive(n)]
-            details = "; ".join(filter(None, (self.provider.diagnose(n) for n in missing))) if self.provider else ""
+            missing = [n for n in wait["names"] if not self.alive(n)]
+            provider = self.provider()
+            details = "; ".join(filter(None, (provider.diagnose(n) for n in missing))) if provider else ""
             wait["peer"].error(wait["req"], PslinkTimeoutError(
                 f"aggregator(s) {', '.join(missing)} did not register within {self.pool_timeout:.0f} s"
                 + (f" ({details})" if details else "")))
@@ -94,7 +167,7 @@ class MasterPool:
     def _pool_remove(self, peer: RpcPeer, req: dict, name: str) -> None:
         if name in self._pool_removals:
             raise ServiceError(f"aggregator {name} is already being removed")
-        if name in self.state.aggregators and name not in self._aggregator_peers:
+        if name in self.state.aggregators and name not in self.links.peers:
             # Its tasks could not be copied off it: pMaster fails it over by itself instead.
             raise ServiceError(f"aggregator {name} is not connected to pMaster (down, or failing over); "
                                "it cannot be drained")
@@ -113,10 +186,10 @@ class MasterPool:
         then may ``leaving`` go (until then, it is the replica the rounds reach)."""
         record, spec, part = action.record, action.spec, action.part
         self.store.save_key(record.job, spec)
-        primary = self._aggregator_peers.get(part.aggregator)
+        primary = self.links.get(part.aggregator)
 
         def entries(name):
-            return [e for e in spec.task_specs(name, self._address_of) if e["part"] == part.part]
+            return [e for e in spec.task_specs(name, self.links.address_of) if e["part"] == part.part]
 
         def tell_primary(result=None, error=None):
             if error is not None:
@@ -126,7 +199,7 @@ class MasterPool:
                 if primary is None:
                     self._replica_moved(leaving)
                     return
-                primary.call(Op.ASSIGN, told, timeout=self.assign_timeout, jobinfo=record.jobinfo(),
+                primary.call(Op.ASSIGN, told, timeout=self.links.timeout, jobinfo=record.jobinfo(),
                              tasks=entries(part.aggregator))
 
         def told(result, error):
@@ -134,13 +207,13 @@ class MasterPool:
                 log.warning("pMaster: telling %s of key %r's replicas failed: %s", part.aggregator, spec.key, error)
             self._replica_moved(leaving)
 
-        holders = [(n, self._aggregator_peers.get(n)) for n in action.added]
+        holders = [(n, self.links.get(n)) for n in action.added]
         holders = [(n, p) for n, p in holders if p is not None]
         outcome = {"left": len(holders)}
         if not holders:
             tell_primary()
         for name, holder in holders:
-            holder.call(Op.ASSIGN, tell_primary, timeout=self.assign_timeout, jobinfo=record.jobinfo(),
+            holder.call(Op.ASSIGN, tell_primary, timeout=self.links.timeout, jobinfo=record.jobinfo(),
                         tasks=entries(name))
 
     def _replicas_moving(self, name: str) -> bool:
@@ -153,9 +226,9 @@ class MasterPool:
             return
         removal["pending"] -= 1
         waiting = self._release_after.get(leaving)
-        if removal["pending"] == 0 and waiting is not None and not self._moving(leaving):
+        if removal["pending"] == 0 and waiting is not None and not self.moves.moving(leaving):
             del self._release_after[leaving]
-            self._release(waiting)
+            self.release(waiting)
 
     def _pool_released(self, name: str) -> None:
         """``name`` was released: answer its removal with what moved where."""
@@ -172,7 +245,7 @@ class MasterPool:
         removal["peer"].reply(removal["req"], body={"removed": name, "moved": moved, "replicas": replicas,
                                                     "min_aggregators": self.state.control.min_aggregators})
 
-    def _removal_failed(self, source: str, task: tuple, target: str, error: PslinkError) -> None:
+    def removal_failed(self, source: str, task: tuple, target: str, error: PslinkError) -> None:
         """A task leaving a draining Aggregator could not move: it stays in the pool with what it
         still holds (the caller puts the task back in the plan)."""
         if source not in self.state.control.draining:

@@ -1,0 +1,216 @@
+"""pMaster carrying out migrations: the I/O around the pure migration core
+(:mod:`pslink.core.master.migrations`).
+
+The target learns the task first (ASSIGN, waiting for its copy), then the source lets it go
+(MIGRATE: at its round's end, or at once when forced after ``migration_timeout``); once the
+source took the order, new lookups go to the target. The Aggregators report TENSOR_COPY_DONE and
+WORKER_DONE. A move that fails to start goes back to its source in the control plane's plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from pslink.core.master.control import Migrate
+from pslink.core.master.links import AggregatorLinks
+from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrations, Move,
+                                           Routed, Settle, bytes_of)
+from pslink.core.master.recovery import holdings, pick_replicas
+from pslink.core.master.state import MasterState
+from pslink.core.master.store import MasterStore
+from pslink.core.transport.rpc import RpcPeer
+from pslink.core.wire.loop import Reactor
+from pslink.core.wire.protocol import Op
+from pslink.errors import ServiceError
+
+log = logging.getLogger("pslink.core.master")
+
+
+class Mover:
+    """Carries out the migration core's actions for pMaster. ``settled(names)``: moves involving
+    these Aggregators ended (the pool releases what waited); ``removal_failed(source, task,
+    target, error)``: a move off an Aggregator being removed failed; ``moved(task)``: a move is
+    done (its replicas may need another host); ``copy_from_replica(move, lost)``: the failover
+    has a replica send a move's copy."""
+
+    def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks, *,
+                 max_bytes: int | None, migration_timeout: float, settled: Callable[[list], None],
+                 removal_failed: Callable, moved: Callable[[tuple], None],
+                 copy_from_replica: Callable[[Move, str], None]):
+        self.state, self.store, self.reactor, self.links = state, store, reactor, links
+        kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
+        self.core = Migrations(self._size_of, **kwargs)
+        self.migration_timeout = migration_timeout
+        self.settled, self.removal_failed, self.moved = settled, removal_failed, moved
+        self.copy_from_replica = copy_from_replica
+        self._timers: dict[tuple, object] = {}  # task -> its deadline (forcing the hand-over)
+        # The control plane's guard does not judge a job whose tasks move.
+        state.control.moving_jobs = lambda: self.core.moving_jobs() | state.control.jobs_waiting_to_move()
+
+    def _size_of(self, task: tuple) -> int:
+        job, key, part = task
+        record = self.state.jobs.get(job)
+        spec = record.keys.get(key) if record is not None else None
+        return 0 if spec is None or part >= len(spec.parts) else bytes_of(record, spec, part)
+
+    # -- events in ----------------------------------------------------------------------------------
+
+    def migrate(self, action: Migrate) -> None:
+        self.carry(self.core.request(action, self.state.clock()))
+
+    def progress(self, peer: RpcPeer, req: dict) -> None:
+        """TENSOR_COPY_DONE or WORKER_DONE from an Aggregator."""
+        task = (req["job"], req["key"], req["part"])
+        now = self.state.clock()
+        if req["op"] == Op.TENSOR_COPY_DONE:
+            self.carry(self.core.copy_done(task, now))
+        else:
+            self.carry(self.core.workers_done(task, now))
+
+    def copy_landed(self, task: tuple) -> None:
+        """A replica's copy of a move whose source is lost landed (the failover asked for it)."""
+        self.carry(self.core.copy_done(task, self.state.clock()))
+
+    def give_up(self, task: tuple) -> None:
+        """A move ends undone because its source is gone (the failover places the task)."""
+        self.carry(self.core.abandon(task, self.state.clock(), why="abandoned"))
+
+    def aggregator_lost(self, name: str) -> dict[tuple, str]:
+        stays, actions = self.core.aggregator_lost(name, self.state.clock())
+        for action in actions:
+            if isinstance(action, Finished) and action.move.target == name and not action.move.copied:
+                # A removal draining the source fails: it keeps the task (and the pool, it).
+                self.removal_failed(action.move.source, action.move.task, name, ServiceError(f"{name} is gone"))
+        self.carry(actions)
+        return stays
+
+    def job_ended(self, job: str) -> None:
+        self.carry(self.core.job_ended(job, self.state.clock()))
+
+    # -- actions out --------------------------------------------------------------------------------
+
+    def carry(self, actions: list) -> None:
+        settle: list = []
+        for action in actions:
+            try:
+                if isinstance(action, Begin):
+                    self._begin(action.move)
+                elif isinstance(action, HandOver):
+                    self._hand_over(action.move, action.force)
+                elif isinstance(action, Routed):
+                    self._routed(action.move)
+                elif isinstance(action, Finished):
+                    self._finished(action.move, action.why)
+                elif isinstance(action, Dropped):
+                    self._dropped(action.action, action.why)
+                elif isinstance(action, CopyFromReplica):
+                    self.copy_from_replica(action.move, action.lost)
+                elif isinstance(action, Settle):
+                    settle += action.names
+            except Exception:
+                log.exception("pMaster: carrying out %r failed", action)
+        if settle:
+            self.settled(list(dict.fromkeys(settle)))
+
+    def _begin(self, move: Move) -> None:
+        """The new place first learns the task (waiting for its copy), then the old one lets go."""
+        job, key, part = move.task
+        record = self.state.jobs.get(job)
+        spec = record.keys.get(key) if record is not None else None
+        if spec is None or move.source not in self.links.peers or move.target not in self.links.peers:
+            why = "unknown task" if spec is None else "Aggregator not connected"
+            log.warning("pMaster: cannot migrate %s from %s to %s (%s)", move.task, move.source, move.target, why)
+            # Failed (a removal waiting for this move keeps its Aggregator; the plan goes back).
+            self.carry(self.core.target_ready(move.task, False, self.state.clock()))
+            return
+        placed = spec.parts[part]
+        # Should the source die before its copy lands, the target may hold the only replica with
+        # the part's state (the source keeps replicating to it: see Failover.copy_from_replica).
+        move.held_replica = move.target in placed.replicas
+        if move.held_replica:
+            # The target held a replica; now it serves the part: another Aggregator holds the replica.
+            placed.replicas.remove(move.target)
+            added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
+                                  record.replication - len(placed.replicas),
+                                  exclude={move.target, move.source, *placed.replicas},
+                                  hosts=self.state.control.host_of, away_from=[move.target, *placed.replicas])
+            placed.replicas += added
+            for name in added:
+                self.links.tell(name, Op.ASSIGN, f"giving {name} a replica of {move.task}", jobinfo=record.jobinfo(),
+                                tasks=[e for e in spec.task_specs(name) if e["part"] == part])
+        tasks = [dict(t, incoming=True) for t in spec.task_specs(None, self.links.address_of) if t["part"] == part]
+
+        def assigned(result, error):
+            if error is not None:
+                log.warning("pMaster: migration of %s to %s failed to start: %s", move.task, move.target, error)
+            self.carry(self.core.target_ready(move.task, error is None, self.state.clock()))
+
+        self.links.call(move.target, Op.ASSIGN, assigned, jobinfo=record.jobinfo(), tasks=tasks)
+
+    def _hand_over(self, move: Move, force: bool) -> None:
+        job, key, part = move.task
+        source = move.source
+        target = [move.target, self.links.address_of(move.target)]
+        if force:
+            log.info("pMaster: no round of %s closed within %.0f s; moving it now", move.task, self.migration_timeout)
+            if not self.links.call(source, Op.MIGRATE, self.links.log_failure(f"forcing the migration of {move.task}"),
+                                   job=job, key=key, part=part, target=target, force=True):
+                self.give_up(move.task)  # its source is gone: nothing will end it
+            return
+
+        def started(result, error):
+            if error is not None:
+                log.warning("pMaster: migration of %s to %s failed to start: %s", move.task, move.target, error)
+            self.carry(self.core.handed_over(move.task, source, error is None, self.state.clock()))
+
+        # From here on the source may hand the part over (and send workers to the target)
+        # at any time, before pMaster hears that it took the MIGRATE.
+        if not self.links.call(source, Op.MIGRATE, started, job=job, key=key, part=part, target=target):
+            started(None, ServiceError(f"aggregator {source} is not connected"))
+
+    def _routed(self, move: Move) -> None:
+        job, key, part = move.task
+        record = self.state.jobs.get(job)
+        spec = record.keys.get(key) if record is not None else None
+        if spec is not None:
+            spec.parts[part].aggregator = move.target  # new lookups go there already
+            self.store.save_key(job, spec)
+        self._timers[move.task] = self.reactor.call_later(self.migration_timeout, self._deadline, move.task)
+
+    def stop_deadline(self, task: tuple) -> None:
+        timer = self._timers.pop(task, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _deadline(self, task: tuple) -> None:
+        self._timers.pop(task, None)
+        self.carry(self.core.deadline(task))
+
+    def _finished(self, move: Move, why: str) -> None:
+        self.stop_deadline(move.task)
+        if why == "done":
+            log.info("pMaster: migrated %s from %s to %s in %.3f s (%s)", move.task, move.source, move.target,
+                     self.state.clock() - move.started, move.reason)
+            self.moved(move.task)
+        elif why == "failed":
+            self.removal_failed(move.source, move.task, move.target, ServiceError("the move failed to start"))
+            self._plan_back(move.task, move.source)
+
+    def _dropped(self, action: Migrate, why: str) -> None:
+        if why not in ("failed", "preceded"):
+            return
+        log.warning("pMaster: %s stays where it is: its move from %s to %s is off (%s)", action.task, action.source,
+                    action.target, "the move before it did not finish" if why == "preceded" else "an Aggregator of it "
+                    "is gone")
+        self.removal_failed(action.source, action.task, action.target,
+                            ServiceError(f"the move of {action.task} before it failed"))
+        if why == "failed":
+            self._plan_back(action.task, action.source)  # (after a move that failed, its own ending did)
+
+    def _plan_back(self, task: tuple, source: str) -> None:
+        if source in self.state.control.cluster_of:
+            try:
+                self.state.control.move_task(task, source, "migration failed")  # the plan goes back
+            except KeyError:
+                pass  # the plan no longer places it (its job ended, or a failover re-placed it)

@@ -1,0 +1,95 @@
+"""Each part's replicas on another host than its primary, as far as the pool's hosts allow.
+
+Replicas are placed on other hosts than their primary (:func:`~pslink.core.master.recovery.pick_replicas`),
+but a migration may then bring a part onto the host of its replica (packing, the guard, a drain
+decide where parts go, not where their replicas are), and a part placed while the only other host's
+Aggregator was still starting had no other host to replicate to. So after a move lands, when a key
+is placed and when an Aggregator joins, a replica that shares its primary's host moves to another
+host that has a live Aggregator: the new holder learns the part first, then the primary learns its
+new replicas, then the old holder drops its copy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pslink.core.master.links import AggregatorLinks
+from pslink.core.master.recovery import holdings, pick_replicas
+from pslink.core.master.state import MasterState
+from pslink.core.master.store import MasterStore
+from pslink.core.wire.protocol import Op
+
+log = logging.getLogger("pslink.core.master")
+
+
+class Replicas:
+    """Moves replicas off their primary's host for pMaster."""
+
+    def __init__(self, state: MasterState, store: MasterStore, links: AggregatorLinks):
+        self.state, self.store, self.links = state, store, links
+
+    def after_move(self, task: tuple) -> None:
+        """After ``task`` moved: a replica that now shares its primary's host goes to another host,
+        if one has a live Aggregator."""
+        job, key, index = task
+        record = self.state.jobs.get(job)
+        spec = record.keys.get(key) if record is not None else None
+        if spec is not None and spec.ready and index < len(spec.parts):
+            self.separate(record, spec, spec.parts[index])
+
+    def everywhere(self) -> None:
+        """An Aggregator joined: replicas that had to share their primary's host (no other host had
+        one, or the new one was still starting when they were placed) may move to its host now."""
+        for record in list(self.state.jobs.values()):
+            for spec in list(record.keys.values()):
+                if spec.ready:
+                    for part in spec.parts:
+                        self.separate(record, spec, part)
+
+    def separate(self, record, spec, part) -> None:
+        """Move the replicas of ``part`` that share its primary's host, if another host can take them."""
+        job, key, index = record.job, spec.key, part.part
+        host_of = self.state.control.host_of
+        primary_host = host_of.get(part.aggregator)
+        for old in [r for r in part.replicas if host_of.get(r) == primary_host]:
+            others = [r for r in part.replicas if r != old]
+            new = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs), 1,
+                                exclude={part.aggregator, *part.replicas}, hosts=host_of,
+                                away_from=[part.aggregator, *others])
+            if not new or host_of.get(new[0]) in {host_of.get(n) for n in [part.aggregator, *others]}:
+                return  # no other host has room for it: it stays where it is
+            log.info("pMaster: key %r part %d of job %s shares a host with its replica on %s; the replica "
+                     "goes to %s", key, index, job, old, new[0])
+            part.replicas = others + new
+            self.store.save_key(job, spec)
+            self._swap_replica(record, spec, part, old, new[0])
+
+    def _swap_replica(self, record, spec, part, old: str, new: str) -> None:
+        """The new holder learns the part, then the primary its replicas (a round replicated to a
+        holder that does not know the part yet would be dropped), then the old holder forgets it."""
+
+        def entries(name, **extra):
+            return [dict(e, **extra) for e in spec.task_specs(name, self.links.address_of) if e["part"] == part.part]
+
+        def tell_primary(result, error):
+            if error is not None:
+                log.warning("pMaster: giving %s a replica of key %r part %d failed: %s", new, spec.key, part.part,
+                            error)
+            primary = self.links.get(part.aggregator)
+            if primary is not None:
+                primary.call(Op.ASSIGN, drop_old, timeout=self.links.timeout, jobinfo=record.jobinfo(),
+                             tasks=entries(part.aggregator))
+
+        def drop_old(result, error):
+            holder = self.links.get(old)
+            if holder is not None and error is None:
+                stale = [dict(e, replica=True, drop=True) for e in spec.task_specs(None) if e["part"] == part.part]
+                holder.call(Op.ASSIGN, self.links.log_failure(f"dropping {old}'s replica of key {spec.key!r}"),
+                            timeout=self.links.timeout, jobinfo=record.jobinfo(), tasks=stale)
+
+        holder = self.links.get(new)
+        if holder is None:
+            tell_primary(None, None)
+            return
+        holder.call(Op.ASSIGN, tell_primary, timeout=self.links.timeout, jobinfo=record.jobinfo(),
+                    tasks=entries(new))
