@@ -6,9 +6,12 @@ raises :class:`~pslink.errors.ConfigError` naming both the argument and the vari
 
 from __future__ import annotations
 
+import logging
 import os
 
 from pslink.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ENV_JOB = "PSLINK_JOB"
 ENV_RANK = "PSLINK_RANK"
@@ -18,6 +21,10 @@ ENV_MASTER = "PSLINK_MASTER"
 ENV_TOKEN = "PSLINK_TOKEN"
 ENV_TIMEOUT = "PSLINK_TIMEOUT"
 ENV_PARTITION_BYTES = "PSLINK_PARTITION_BYTES"
+ENV_LOCAL_SOCKETS = "PSLINK_LOCAL_SOCKETS"
+ENV_SHM = "PSLINK_SHM"
+ENV_SHM_RING_MIB = "PSLINK_SHM_RING_MIB"
+ENV_SHM_WAIT_MS = "PSLINK_SHM_WAIT_MS"
 
 DEFAULT_MASTER = "tcp://127.0.0.1:7770"
 DEFAULT_TIMEOUT = 300.0
@@ -124,3 +131,51 @@ def resolve_connect(job, rank, num_workers, master, options: dict, known, enviro
     options["timeout"] = resolve_float(options.get("timeout"), "timeout", ENV_TIMEOUT, DEFAULT_TIMEOUT,
                                        environ=environ)
     return job, rank, num_workers, master, options
+
+
+# -- transports ------------------------------------------------------------------------------------
+
+
+def transport_options(environ=os.environ):
+    """The :class:`~pslink.core.transport.TransportOptions` the environment asks for.
+
+    ``PSLINK_LOCAL_SOCKETS=0``: peers on this host talk TCP; ``PSLINK_SHM=0``: no shared-memory
+    rings; ``PSLINK_SHM_RING_MIB``: each ring's size; ``PSLINK_SHM_WAIT_MS``: how long a payload
+    waits for ring room. A malformed ring size or wait is logged and turns off what it sets (no
+    rings; no waiting), as a setting a running service meets must not stop it."""
+    from pslink.core.transport.options import DEFAULT_RING_BYTES, DEFAULT_RING_WAIT, MAX_RING_BYTES, TransportOptions
+
+    rings = (_env(ENV_SHM, environ) or "1").strip() != "0"
+    ring_bytes, ring_wait = DEFAULT_RING_BYTES, DEFAULT_RING_WAIT
+    try:
+        mib = _number(ENV_SHM_RING_MIB, int, "a whole number of MiB", 1, MAX_RING_BYTES >> 20, environ)
+        if mib is not None:
+            ring_bytes = mib << 20
+    except ConfigError as exc:
+        log.warning("%s; large payloads stay on the socket (no shared-memory rings)", exc)
+        rings = False
+    try:
+        ms = _number(ENV_SHM_WAIT_MS, float, "a number of milliseconds", 0, 60_000, environ)
+        if ms is not None:
+            ring_wait = ms / 1000
+    except ConfigError as exc:
+        log.warning("%s; large payloads do not wait for ring room", exc)
+        ring_wait = 0.0
+    return TransportOptions(
+        local_sockets=(_env(ENV_LOCAL_SOCKETS, environ) or "1").strip() != "0",
+        rings=rings, ring_bytes=ring_bytes, ring_wait=ring_wait,
+    )
+
+
+def _number(name: str, kind, what: str, low, high, environ):
+    """An environment variable's number, checked (None if it is not set)."""
+    raw = (_env(name, environ) or "").strip()
+    if not raw:
+        return None
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} must be {what}") from None
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value:g} must be between {low} and {high}")
+    return value

@@ -56,7 +56,9 @@ from pslink.pslite.api import (
     start,
 )
 from pslink.pslite.config import Config
-from pslink.pslite.kv import KVMeta, KVPairs, KVServer, KVServerDefaultHandle, KVWorker, default_slicer
+from pslink.pslite.kv import KVMeta, KVPairs, default_slicer
+from pslink.pslite.kv_server import KVServer, KVServerDefaultHandle
+from pslink.pslite.kv_worker import KVWorker
 from pslink.pslite.node import Node
 from pslink.pslite.scheduler import ALL_GROUPS, K_MAX_KEY, SCHEDULER, SERVER_GROUP, WORKER_GROUP, Range
 from pslink.pslite.simple import SimpleApp, SimpleData

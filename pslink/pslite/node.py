@@ -29,25 +29,24 @@ import threading
 import time
 from typing import Any, Callable
 
-import numpy as np
-
 from pslink.core import hosts
 from pslink.core.agent.driver import Driver
-from pslink.core.aggregator.tasks import BufferPool
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
 from pslink.core.transport import DISCARD, Transports, split_host_port
 from pslink.errors import ClosedError, ConfigError, PeerError, ProtocolError, PslinkError, error_from_code
 from pslink.pslite import wire
 from pslink.pslite.config import Config
+from pslink.pslite.inbox import Inbox
+from pslink.pslite.links import LocalConn, Links
 from pslink.pslite.resend import Resender
 from pslink.pslite.scheduler import ALL_GROUPS, ROLE_BIT, SCHEDULER, Range, SchedulerState, key_ranges
+from pslink.pslite.scheduling import HANDLED as SCHEDULER_KINDS
+from pslink.pslite.scheduling import SchedulerRunner
 from pslink.pslite.wire import Kind
 
 log = logging.getLogger("pslink.pslite")
 
-MAX_QUEUED = 1 << 16  # requests one app id may hold before it exists
-POOL_MIN_BYTES = 64 << 10  # below this, a fresh np.empty is cheaper than a pool lookup
 FINAL_CUSTOMER = -1  # the barrier key finalize uses, apart from every user barrier
 
 
@@ -60,24 +59,6 @@ class NodeInfo:
     def describe(self) -> str:
         name = "scheduler" if self.role == "scheduler" else f"{self.role} {self.rank}"
         return f"{name} (node id {self.id}, {self.address})"
-
-
-class _LocalConn:
-    """A node's connection to itself (the scheduler's own control messages, SimpleApp requests
-    a node sends its own group): delivery is posted to the node's reactor, payloads copied."""
-
-    peer = "this node"
-    closed = False
-
-    def __init__(self, node: "Node"):
-        self.node = node
-
-    def send(self, frames) -> None:
-        payloads = [np.frombuffer(bytes(memoryview(p).cast("B")), np.uint8) for p in frames[1:]]
-        self.node.reactor.post(self.node._deliver_local, bytes(frames[0]), payloads)
-
-    def close(self) -> None:
-        pass
 
 
 class Node:
@@ -101,8 +82,7 @@ class Node:
         # whenever no thread waits and none submitted lately.
         self.driver = Driver(self.reactor, f"pslite-{self.role}", spin=spin, idle_poll=idle_poll, serves=True, clock=clock)
         self._lock = threading.RLock()
-        self._link_lock = threading.Lock()
-        self._local = _LocalConn(self)
+        self._local = LocalConn(self.reactor, self._deliver_local)
         try:
             self.listener = self.transports.listen(config.listen_address(), self.reactor, self, limits)
         except PeerError as exc:
@@ -121,17 +101,14 @@ class Node:
         self._groups: dict[int, list[int]] = {}
         self._ranges: list[Range] | None = None
         self._apps: dict[tuple[int, int], Any] = {}
-        self._queued: dict[tuple[int, int], list] = {}
-        self._early: list = []  # requests that came before our own node table
-        self._links: dict[int, Any] = {}
-        self._outstanding: dict[int, set] = collections.defaultdict(set)
+        self.inbox = Inbox(self._apps, self.route_key, lambda: self.id or 0, self.describe)
         self._resender = Resender(self, config.resend_timeout) if config.resend else None
-        self._pools: dict[tuple, BufferPool] = {}
+        self._trace = config.verbose >= 2  # PS_VERBOSE=2: log every message, as ps-lite does
+        self.links = Links(self.transports, self.reactor, self, limits, local=self._local,
+                           connect_timeout=config.start_timeout, node_id=lambda: self.id, nodes=lambda: self.nodes,
+                           scheduler_conn=lambda: self._sched_conn, apps=self._apps, closed=lambda: self._closed,
+                           describe=self.describe, resending=self._resender is not None, trace=self._trace)
         self._sched_conn = None
-        self._sched = None
-        if self.role == "scheduler":
-            self._sched = SchedulerState(config.num_workers, config.num_servers, config.mode, self.address,
-                                         os.getpid(), self._local, clock(), host_id=hosts.host_id())
         self._start_begun = False
         self._ready = False
         self._failure: PslinkError | None = None
@@ -144,13 +121,20 @@ class Node:
         self._exit_callbacks: list[Callable[[], None]] = []
         self._agent = None
         self._agent_lock = threading.Lock()
-        self.bad_messages = 0
-        self._trace = config.verbose >= 2  # PS_VERBOSE=2: log every message, as ps-lite does
+        self._sched: SchedulerRunner | None = None
+        if self.role == "scheduler":
+            state = SchedulerState(config.num_workers, config.num_servers, config.mode, self.address,
+                                   os.getpid(), self._local, clock(), host_id=hosts.host_id())
+            self._sched = SchedulerRunner(state, self.reactor, clock, config.heartbeat_interval,
+                                          config.heartbeat_timeout, self.driver.notify)
         self.driver.start()
         if config.heartbeat_interval > 0 and self.role != "scheduler":
             self.reactor.call_later(config.heartbeat_interval, self._heartbeat)
-        if config.heartbeat_timeout > 0 and config.heartbeat_interval > 0 and self.role == "scheduler":
-            self.reactor.call_later(self._heartbeat_check_interval(), self._check_heartbeats)
+
+    @property
+    def bad_messages(self) -> int:
+        """Messages this node could not read (each logged, and answered if it was a request)."""
+        return self.inbox.bad_messages
 
     def __repr__(self) -> str:
         rank = "?" if self.rank is None else self.rank
@@ -265,9 +249,7 @@ class Node:
 
     def _start_progress(self) -> str:
         if self._sched is not None:
-            counts = collections.Counter(w["role"] for w in self._sched.waiting)
-            return (f"start of the scheduler at {self.address}: {counts['worker']} of {self.num_workers} worker(s) "
-                    f"and {counts['server']} of {self._sched.expected_servers} server(s) registered")
+            return self._sched.progress(self.num_workers, self.address)
         return (f"start of the {self.role} at {self.address}: waiting for every node to register with the "
                 f"scheduler at {self.scheduler_address}")
 
@@ -363,19 +345,19 @@ class Node:
         if self._sched is not None and self._failure is None:
             # Stay until every node heard its release and hung up (so none finds us gone early).
             try:
-                self.driver.wait(lambda: not self._sched.remaining(), 10.0,
-                                 lambda: f"scheduler waiting for {len(self._sched.remaining())} node(s) to leave")
+                remaining = self._sched.state.remaining
+                self.driver.wait(lambda: not remaining(), 10.0,
+                                 lambda: f"scheduler waiting for {len(remaining())} node(s) to leave")
             except PslinkError as exc:
                 log.warning("%s", exc)
         with self._lock:
             self._closed = True
+        if self._sched is not None:
+            self._sched.stopped = True
         self.driver.notify()
         self.reactor.wake()  # a customer thread driving in poll returns and sees the node closed
         self.driver.close()
-        with self._link_lock:
-            links, self._links = list(self._links.values()), {}
-        for conn in links:
-            conn.close()
+        self.links.close()
         if self._sched_conn is not None:
             self._sched_conn.close()
         self.listener.close()
@@ -430,19 +412,15 @@ class Node:
                 raise ConfigError(f"app {app.app_id} customer {app.customer_id} already exists on the "
                                   f"{self.describe()}")
             self._apps[key] = app
-            queued = self._queued.pop(key, None)
+            queued = self.inbox.take_queued(key)
         if queued:
-            self.reactor.post(self._replay, queued)
+            self.reactor.post(self.inbox.replay, queued)
 
     def remove_app(self, app) -> None:
         with self._lock:
             key = self.route_key(app.app_id, app.customer_id)
             if self._apps.get(key) is app:
                 del self._apps[key]
-
-    def _replay(self, queued: list) -> None:
-        for conn, header, arrays in queued:
-            self._deliver_request(conn, header, arrays)
 
     def post(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the thread that drives this node's I/O."""
@@ -452,44 +430,10 @@ class Node:
 
     def send_request(self, target: int, frames: list, app, ts: int) -> None:
         """Send a request to node ``target``; the app hears of its answer or of the link failing."""
-        key = (self.route_key(app.app_id, app.customer_id), ts)
-        self._outstanding[target].add(key)
+        key = self.route_key(app.app_id, app.customer_id)
         if self._resender is not None:
-            self._resender.sent(target, key, frames)
-        if self._trace:
-            log.debug("%s -> %s: %r", self, self._describe_id(target), wire.decode(frames[0], _sizes(frames)))
-        try:
-            self._conn_to(target).send(frames)
-        except PslinkError as exc:
-            self._outstanding[target].discard(key)
-            # Completion runs on the driving thread, as every other answer does.
-            self.reactor.post(app._target_failed, ts, target,
-                              PeerError(f"cannot send to {self._describe_id(target)}: {exc.message}"))
-
-    def _describe_id(self, node: int) -> str:
-        info = self.nodes.get(node)
-        return info.describe() if info is not None else f"node {node}"
-
-    def _conn_to(self, target: int, connect_timeout: float | None = None):
-        if target == self.id:
-            return self._local
-        if target == SCHEDULER and self._sched_conn is not None:
-            return self._sched_conn
-        conn = self._links.get(target)
-        if conn is not None and not conn.closed:
-            return conn
-        with self._link_lock:
-            conn = self._links.get(target)
-            if conn is None or conn.closed:
-                if self._closed:
-                    raise ClosedError(f"the {self.describe()} was finalized")
-                info = self.nodes.get(target)
-                if info is None:
-                    raise ConfigError(f"node {target} does not exist")
-                timeout = self.config.start_timeout if connect_timeout is None else connect_timeout
-                conn = self.transports.connect(info.address, self.reactor, self, self.limits, timeout=timeout)
-                self._links[target] = conn
-            return conn
+            self._resender.sent(target, (key, ts), frames)
+        self.links.send_request(target, frames, app, key, ts)
 
     def _send_control(self, kind: Kind, fields: dict, **fixed) -> None:
         frame = wire.encode_fields(kind, fields, sender=self.id or 0, **fixed)
@@ -509,18 +453,6 @@ class Node:
         finally:
             self.reactor.call_later(self.config.heartbeat_interval, self._heartbeat)
 
-    def _heartbeat_check_interval(self) -> float:
-        return max(0.1, min(self.config.heartbeat_timeout / 4, self.config.heartbeat_interval or 1.0))
-
-    def _check_heartbeats(self) -> None:
-        if self._closed:
-            return
-        try:
-            if self._sched.complete:
-                self._apply_outs(self._sched.expired(self.clock(), self.config.heartbeat_timeout))
-        finally:
-            self.reactor.call_later(self._heartbeat_check_interval(), self._check_heartbeats)
-
     # -- receiving (on the driving thread) --------------------------------------------------------
 
     def on_accept(self, conn) -> None:
@@ -538,23 +470,21 @@ class Node:
                 return (header, app), (DISCARD if sizes else None)
             return (header, app), app._response_buffers(header, sizes)
         if kind == Kind.KV_REQUEST:
-            arrays = self._request_arrays(header, sizes)
+            arrays = self.inbox.buffers(header, sizes)
             return (header, arrays), [memoryview(a).cast("B") for a in arrays]
         return (header, None), None
 
     def on_message(self, conn, state, payloads) -> None:
         header, extra = state
         if isinstance(header, ProtocolError):
-            self._bad_message(conn, header, extra)
+            self.inbox.bad_message(conn, header, extra)
             return
         if self._trace:
             log.debug("%s <- %s: %r", self, conn.peer, header)
         kind = header.kind
         if kind == Kind.KV_RESPONSE or kind == Kind.SIMPLE_RESPONSE or kind == Kind.ERROR:
             key = self.route_key(header.app, header.customer)
-            outstanding = self._outstanding.get(header.sender)
-            if outstanding is not None:
-                outstanding.discard((key, header.ts))
+            self.links.answered(header.sender, key, header.ts)
             if self._resender is not None:
                 self._resender.answered(header.sender, (key, header.ts))
             app = extra if kind == Kind.KV_RESPONSE else self._apps.get(key)
@@ -571,7 +501,7 @@ class Node:
                 conn = self._resender.receive(conn, header)
                 if conn is None:
                     return  # a duplicate (PS_RESEND)
-            self._deliver_request(conn, header, extra)
+            self.inbox.deliver(conn, header, extra)
         else:
             self._on_control(conn, header)
 
@@ -585,96 +515,18 @@ class Node:
             payloads = buffers
         self.on_message(self._local, state, payloads)
 
-    def _request_arrays(self, header, sizes) -> list:
-        if not sizes:
-            return []
-        arrays = [np.empty(sizes[0] // 8, wire.KEY_DTYPE)]
-        nvals = sizes[1] // header.dtype.itemsize
-        if sizes[1] >= POOL_MIN_BYTES:
-            pool = self._pools.get((header.dtype, nvals))
-            if pool is None:
-                pool = self._pools[(header.dtype, nvals)] = BufferPool(header.dtype, nvals)
-            arrays.append(pool.acquire())
-        else:
-            arrays.append(np.empty(nvals, header.dtype))
-        if len(sizes) == 3:
-            arrays.append(np.empty(sizes[2] // 4, wire.LEN_DTYPE))
-        return arrays
-
-    def _deliver_request(self, conn, header, arrays) -> None:
-        if not self._ready:
-            # A peer that got the node table first may ask before we got ours: hold it.
-            self._early.append((conn, header, arrays))
-            return
-        key = self.route_key(header.app, header.customer)
-        app = self._apps.get(key)
-        if app is None:
-            queue = self._queued.setdefault(key, [])
-            if len(queue) >= MAX_QUEUED:
-                self._reply_error(conn, header, ConfigError(
-                    f"the {self.describe()} has no app {header.app} (customer {header.customer}) after "
-                    f"{MAX_QUEUED} requests for it were queued; is it ever created?"))
-                return
-            queue.append((conn, header, arrays))  # ps-lite aborts here; we wait for the app
-            return
-        if header.kind == Kind.KV_REQUEST:
-            app._on_kv_request(conn, header, arrays)
-        else:
-            app._on_simple_request(conn, header)
-
     def reply_error(self, conn, header, exc: BaseException) -> None:
-        self._reply_error(conn, header, exc)
-
-    def _reply_error(self, conn, header, exc: BaseException) -> None:
-        frame = wire.encode_error(exc, app=header.app, customer=header.customer, ts=header.ts, sender=self.id or 0)
-        try:
-            conn.send([frame])
-        except PslinkError:
-            pass  # the requester is gone
-
-    def _bad_message(self, conn, error: ProtocolError, raw: bytes) -> None:
-        self.bad_messages += 1
-        log.warning("%s: bad message from %s: %s", self, conn.peer, error)
-        try:
-            fixed = wire.FIXED.unpack_from(raw)
-        except Exception:
-            return
-        if fixed[0] == wire.MAGIC and fixed[2] in (Kind.KV_REQUEST, Kind.SIMPLE_REQUEST):
-            frame = wire.encode_error(error, app=fixed[5], customer=fixed[6], ts=fixed[7], sender=self.id or 0)
-            try:
-                conn.send([frame])
-            except PslinkError:
-                pass
+        self.inbox.reply_error(conn, header, exc)
 
     def on_close(self, conn, exc) -> None:
         reason = exc.message if isinstance(exc, PslinkError) else str(exc or "closed")
         if self._sched is not None:
-            self._apply_outs(self._sched.lost(conn, reason))
-            self.driver.notify()
+            self._sched.lost(conn, reason)
         if conn is self._sched_conn:
             if not self._finalizing and not self._closed:
                 self._fail(PeerError(f"the {self.describe()} lost the scheduler at {self.scheduler_address}: {reason}",
                                      peer=self.scheduler_address))
-            self._fail_outstanding(SCHEDULER, reason)
-            return
-        for target, link in list(self._links.items()):
-            if link is conn:
-                with self._link_lock:
-                    if self._links.get(target) is conn:
-                        del self._links[target]
-                self._fail_outstanding(target, reason)
-
-    def _fail_outstanding(self, target: int, reason: str) -> None:
-        if self._resender is not None and target != SCHEDULER:
-            return  # PS_RESEND: they are sent again over a new connection
-        keys = self._outstanding.pop(target, set())
-        if not keys:
-            return
-        error = PeerError(f"lost the connection to {self._describe_id(target)}: {reason}")
-        for route, ts in keys:
-            app = self._apps.get(route)
-            if app is not None:
-                app._target_failed(ts, target, error)
+        self.links.lost(conn, reason)
 
     def _fail(self, error: PslinkError) -> None:
         """Something the whole deployment needs failed: every wait on this node raises ``error``."""
@@ -690,18 +542,8 @@ class Node:
 
     def _on_control(self, conn, header) -> None:
         kind, fields = header.kind, header.tail
-        if self._sched is not None and kind in (Kind.REGISTER, Kind.BARRIER, Kind.HEARTBEAT, Kind.LEAVE):
-            now = self.clock()
-            self._sched.heard(conn, now)
-            if kind == Kind.REGISTER:
-                outs = self._sched.register(conn, fields, now)
-            elif kind == Kind.BARRIER:
-                outs = self._sched.barrier(conn, fields["group"], header.customer, bool(header.flags & wire.FINAL))
-            elif kind == Kind.LEAVE:
-                outs = self._sched.leave(conn)
-            else:
-                outs = []
-            self._apply_outs(outs)
+        if self._sched is not None and kind in SCHEDULER_KINDS:
+            self._sched.on_control(conn, header)
             return
         if kind == Kind.NODES:
             self._apply_table(fields)
@@ -716,22 +558,6 @@ class Node:
             log.warning("%s: unexpected %s from %s", self, kind.name, conn.peer)
         self.driver.notify()
 
-    def _apply_outs(self, outs) -> None:
-        for out in outs:
-            kind = Kind[out.kind]
-            frame = wire.encode_fields(kind, out.fields, sender=SCHEDULER, customer=out.customer, flags=out.flags)
-            if out.by_origin:
-                conn = out.target
-            else:
-                member = self._sched.members.get(out.target)
-                conn = member.origin if member is not None else None
-            if conn is None:
-                continue
-            try:
-                conn.send([frame])
-            except PslinkError:
-                pass  # that node is gone; its on_close says so
-
     def _apply_table(self, fields: dict) -> None:
         nodes = {row[0]: NodeInfo(*row) for row in fields["nodes"]}
         me = nodes.get(fields["id"])
@@ -745,8 +571,7 @@ class Node:
             self.nodes, self._groups = nodes, groups
             self.id, self.rank = me.id, me.rank
             self._ready = True
-        early, self._early = self._early, []
-        self._replay(early)
+        self.inbox.table_known()
         log.info("%s joined: %d worker(s), %d server process(es)", self, len(groups[4]), len(groups[2]))
 
     # -- helpers for apps ---------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class Resender:
                 entry[1] = now
                 try:
                     # On the I/O thread: a peer that does not answer must not hold it for long.
-                    conn = node._conn_to(target, connect_timeout=min(1.0, self.timeout))
+                    conn = node.links.conn_to(target, connect_timeout=min(1.0, self.timeout))
                     conn.send(entry[0])
                 except PslinkError as exc:
                     log.info("%s: PS_RESEND: node %s is unreachable, trying again later: %s", node, target, exc)

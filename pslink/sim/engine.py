@@ -9,8 +9,12 @@ Two policies over the same jobs (:class:`~pslink.sim.workload.SimJob`):
   simulator plays the parts pMaster, the Aggregators and the Agents play around it: it starts an
   Aggregator ``startup`` seconds after an ``Allocate`` and then binds it; it reports each job's
   profiled iterations and task costs, later its iteration durations and the Aggregators' loads
-  to the guard; it carries out migrations (the job stalls ``migration_pause`` seconds, the
-  paper's Table 3 measured 14-44 ms for a whole model) and releases.
+  to the guard; it carries out migrations through the migration core pMaster runs
+  (:mod:`pslink.core.master.migrations`): moves are throttled as live ones are, a move's source
+  hands its task over at the end of its job's round (one iteration), the copy crosses at
+  ``copy_bandwidth`` and stalls the job's next round by its duration, and the move ends once the
+  workers came round to the new place (another iteration); releases of Aggregators a move still
+  involves wait for it, as pMaster's do.
 
 How fast a packed job runs follows the model placement itself uses (the paper's cyclic
 execution, 3.3.1): on an Aggregator with cycle ``C`` a job of standalone iteration ``D`` runs
@@ -34,11 +38,14 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from pslink.core.master.control import Allocate, ControlPlane, Migrate, Release
+from pslink.core.master.actions import Allocate, Migrate, Release
+from pslink.core.master.control import ControlPlane
+from pslink.core.master.migrations import (DEFAULT_MAX_MIGRATION_BYTES, Begin, Finished, HandOver, Migrations,
+                                           Settle)
 from pslink.core.master.placement import LOSS_LIMIT, runs_per_cycle
 from pslink.sim.workload import SimJob
 
-ARRIVE, BIND, PROFILED, GUARD, END, TICK = range(6)
+ARRIVE, BIND, PROFILED, GUARD, END, TICK, COPIED, CAUGHT_UP = range(8)
 
 
 @dataclasses.dataclass
@@ -130,7 +137,10 @@ class ServiceOptions:
     """How the simulated service behaves; the control-plane settings are ControlPlane's own."""
 
     startup: float = 2.0  # seconds from an Allocate until the Aggregator serves
-    migration_pause: float = 0.05  # seconds a job stalls when some of its tasks move
+    copy_bandwidth: float = 1e9  # bytes per second a migration's copy crosses at (0: no time)
+    copy_latency: float = 0.002  # seconds a copy costs besides its bytes
+    max_migration_bytes: int = DEFAULT_MAX_MIGRATION_BYTES  # pMaster's throttle
+    timed_moves: bool = True  # False: a move ends in the instant it starts (tests of placement alone)
     loss_limit: float = LOSS_LIMIT
     guard_window: int = 100
     profile_iterations: int = 20
@@ -139,8 +149,8 @@ class ServiceOptions:
     max_reverts: int = 2
 
     def __post_init__(self):
-        if self.startup < 0 or self.migration_pause < 0 or self.scale_period < 0:
-            raise ValueError("startup, migration_pause and scale_period must be >= 0")
+        if min(self.startup, self.copy_bandwidth, self.copy_latency, self.scale_period) < 0:
+            raise ValueError("startup, copy_bandwidth, copy_latency and scale_period must be >= 0")
         if self.profile_iterations < 1 or self.guard_window < 1:
             raise ValueError("profile_iterations and guard_window must be >= 1")
 
@@ -202,11 +212,14 @@ class PslinkSimulation:
         self._loads: dict[str, float] = {}  # share of the Aggregator's CPU in use
         self._places: dict[str, set[str]] = collections.defaultdict(set)  # job -> Aggregators
         self._dirty: set[str] = set()  # jobs whose speed must be looked at again
-        self._paused: set[str] = set()  # jobs that had tasks moved by this event
+        # The migrations, as pMaster carries them out; the guard leaves moving jobs be, as live.
+        self.migrations = Migrations(self._move_size, options.max_migration_bytes)
+        self.control.moving_jobs = lambda: self.migrations.moving_jobs() | self.control.jobs_waiting_to_move()
+        self._held: dict[str, Release] = {}  # releases waiting for the moves that involve them
         self._recheck: set[str] = set()  # jobs the guard acted on: still too slow after it?
         self._arrivals_left = 0
         self._handlers = {ARRIVE: self._arrive, BIND: self._bind, PROFILED: self._profiled, GUARD: self._guard,
-                          END: self._end, TICK: self._tick}
+                          END: self._end, TICK: self._tick, COPIED: self._copied, CAUGHT_UP: self._caught_up}
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -228,9 +241,9 @@ class PslinkSimulation:
             self._refresh()
             self.timeline.record(self.now, self.aggregators, self.requested, max(0.0, self.busy))
             if self.check:
-                assert self.aggregators == self.control.aggregator_count(), (
+                assert self.aggregators == self.control.aggregator_count() + len(self._held), (
                     f"t={self.now}: the simulator counts {self.aggregators} Aggregators, the control plane "
-                    f"{self.control.aggregator_count()}")
+                    f"{self.control.aggregator_count()} and {len(self._held)} waiting for their moves")
         self.outcomes.sort(key=lambda o: (o.submit, o.name))
         return SimResult("pslink", self.timeline, self.outcomes, dict(self.counters))
 
@@ -297,6 +310,7 @@ class PslinkSimulation:
         self.counters["reverts"] += run.outcome.reverts
         self.outcomes.append(run.outcome)
         self.requested -= run.job.servers
+        self._carry(self.migrations.job_ended(name, self.now))
         self._apply(self.control.job_ended(name))
         self._places.pop(name, None)
         if self.on_progress is not None:
@@ -335,18 +349,75 @@ class PslinkSimulation:
                 self.counters["allocations"] += 1
                 self._push(self.now + self.options.startup, BIND, action.placeholder)
             elif isinstance(action, Release):
-                self.aggregators -= 1
-                self.counters["releases"] += 1
-                self._forget(action.aggregator)
+                self._forget(action.aggregator)  # out of the plan: it serves no job's rounds from now on
+                if self.migrations.moving(action.aggregator):
+                    self._held[action.aggregator] = action  # its CPU is held until the moves off it are over
+                else:
+                    self._release(action)
             elif isinstance(action, Migrate):
-                job = action.task[0]
+                self._carry(self.migrations.request(action, self.now))
+
+    def _release(self, action: Release) -> None:
+        self.aggregators -= 1
+        self.counters["releases"] += 1
+
+    # -- migrations, as pMaster carries them out ---------------------------------------------------
+
+    def _move_size(self, task: tuple) -> int:
+        control = self.control.jobs.get(task[0])
+        return control.parts.get(task, 0) if control is not None else 0
+
+    def _round(self, job: str) -> float:
+        """How long until the job's workers come round again (one iteration), for timed moves."""
+        run = self.runs.get(job)
+        return run.effective if run is not None and self.options.timed_moves else 0.0
+
+    def _copy_seconds(self, nbytes: int) -> float:
+        if not self.options.timed_moves:
+            return 0.0
+        bandwidth = self.options.copy_bandwidth
+        return self.options.copy_latency + (nbytes / bandwidth if bandwidth else 0.0)
+
+    def _carry(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Begin):  # the target expects the task at once
+                self._carry(self.migrations.target_ready(action.move.task, True, self.now))
+            elif isinstance(action, HandOver):  # the source hands it over as its round closes
+                move = action.move
+                self._carry(self.migrations.handed_over(move.task, move.source, True, self.now))
+                self._push(self.now + self._round(move.task[0]) + self._copy_seconds(move.bytes), COPIED,
+                           (move.task, move.bytes))
+            elif isinstance(action, Finished) and action.why == "done":
                 self.counters["migrations"] += 1
-                control = self.control.jobs.get(job)
-                self.counters["migrated bytes"] += control.parts.get(action.task, 0) if control else 0
-                run = self.runs.get(job)
+                self.counters["migrated bytes"] += action.move.bytes
+                run = self.runs.get(action.move.task[0])
                 if run is not None:
                     run.outcome.migrations += 1
-                    self._paused.add(job)
+            elif isinstance(action, Settle):
+                for name in action.names:
+                    held = self._held.get(name)
+                    if held is not None and not self.migrations.moving(name):
+                        del self._held[name]
+                        self._release(held)
+                if self.migrations.idle():
+                    self._apply(self.control.release_idle("emptied by migrations"))
+
+    def _copied(self, payload: tuple) -> bool:
+        """A move's copy landed: the job's round waited for it; then its workers come round."""
+        task, nbytes = payload
+        run = self.runs.get(task[0])
+        stall = self._copy_seconds(nbytes)
+        if run is not None and stall > 0:
+            self._advance(run)
+            run.remaining += stall * run.rate
+            self._schedule_end(run)
+        self._carry(self.migrations.copy_done(task, self.now))
+        self._push(self.now + self._round(task[0]), CAUGHT_UP, task)
+        return True
+
+    def _caught_up(self, task: tuple) -> bool:
+        self._carry(self.migrations.workers_done(task, self.now))
+        return True
 
     def _forget(self, name: str) -> None:
         self._seen.pop(name, None)
@@ -381,13 +452,6 @@ class PslinkSimulation:
             run = self.runs.get(job)
             if run is not None:
                 self._watch(run)
-        paused, self._paused = self._paused, set()
-        for job in sorted(paused):
-            run = self.runs.get(job)
-            if run is not None and self.options.migration_pause > 0:
-                self._advance(run)
-                run.remaining += self.options.migration_pause * run.rate
-                self._schedule_end(run)
 
     def _evaluate(self, name: str, agg) -> set[str]:
         """The iteration each packed job gets on this Aggregator, and its load; returns the jobs

@@ -8,9 +8,11 @@ One line for ``tf.distribute`` users (Keras ``model.fit`` or a custom loop, unch
     model.fit(...)
 
 Horovod users change the import (``import pslink.tf as hvd``): ``init``, ``rank``, ``size``,
-``allreduce``, ``broadcast``, ``broadcast_variables``, ``DistributedGradientTape``, and in
-``pslink.tf.keras``: ``DistributedOptimizer`` and the callbacks ``BroadcastGlobalVariablesCallback``
-and ``MetricAverageCallback``. Run the script with ``pslink launch -n N python train.py``.
+``allreduce``, ``allgather``, ``broadcast``, ``broadcast_variables``, ``broadcast_object``,
+``allgather_object``, ``barrier``, ``DistributedGradientTape``, and in ``pslink.tf.keras``:
+``DistributedOptimizer`` and the callbacks ``BroadcastGlobalVariablesCallback`` and
+``MetricAverageCallback`` (the names offered are checked against
+``pslink.core.collectives.HOROVOD_NAMES``). Run the script with ``pslink launch -n N python train.py``.
 Tested with TensorFlow 2.17 and Keras 3 (see docs/tf.md).
 """
 
@@ -22,21 +24,74 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         f"(TensorFlow 2.17.1, the version tested) ({_exc})"
     ) from None
 
-from pslink.tf.context import init, is_initialized, local_rank, local_size, rank, shutdown, size
-from pslink.tf.ops import DistributedGradientTape, allreduce, broadcast, broadcast_variables
+from pslink.core.collectives import (
+    Adasum,
+    Average,
+    Sum,
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
+from pslink.tf.context import (
+    cross_rank,
+    cross_size,
+    cuda_built,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+from pslink.tf.ops import (
+    DistributedGradientTape,
+    allgather,
+    allgather_object,
+    allreduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    broadcast_variables,
+)
 from pslink.tf.strategy import ParameterServiceStrategy
 
 __all__ = [
+    "Adasum",
+    "Average",
     "DistributedGradientTape",
     "ParameterServiceStrategy",
+    "Sum",
+    "allgather",
+    "allgather_object",
     "allreduce",
+    "barrier",
     "broadcast",
+    "broadcast_object",
     "broadcast_variables",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
     "init",
     "is_initialized",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "rank",
+    "rocm_built",
     "shutdown",
     "size",
 ]

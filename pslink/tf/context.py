@@ -12,7 +12,10 @@ import atexit
 import os
 import threading
 
+import tensorflow as tf
+
 import pslink
+from pslink.core import collectives
 from pslink.core.agent import Agent
 from pslink.errors import ConfigError, PeerError
 from pslink.tf.exchange import Exchange
@@ -141,3 +144,18 @@ def local_size() -> int:
     """The number of workers on this machine (``PSLINK_LOCAL_SIZE``, else 1)."""
     exchange()
     return int(os.environ.get("PSLINK_LOCAL_SIZE", "1"))
+
+
+def cross_rank() -> int:
+    """The index of this worker's machine, as Horovod numbers them."""
+    return collectives.cross_rank(rank(), local_size())
+
+
+def cross_size() -> int:
+    """The number of machines, as Horovod counts them."""
+    return collectives.cross_size(size(), local_size())
+
+
+def cuda_built() -> bool:
+    """Whether this TensorFlow was built with CUDA (as Horovod reports it)."""
+    return tf.test.is_built_with_cuda()

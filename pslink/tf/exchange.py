@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from pslink.core import collectives
 from pslink.core.agent import Agent
+from pslink.core.collectives import service_key
 from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
 from pslink.tf import _internals
-
-MAX_KEY = 256  # the service's limit on string keys
 
 # TensorFlow dtypes the service carries as they are; others are converted for the trip (exactly).
 _NATIVE = {
@@ -30,14 +30,6 @@ _NATIVE = {
     tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,
 }
 _CARRIED_AS = {tf.bfloat16: tf.float32, tf.bool: tf.uint8}
-
-
-def make_key(*parts) -> str:
-    """A service key from ``parts``; keys over the service's limit keep a readable head and a hash."""
-    key = "/".join(str(p) for p in parts)
-    if len(key) > MAX_KEY:
-        key = f"{key[:200]}~{hashlib.sha1(key.encode()).hexdigest()[:16]}"
-    return key
 
 
 def shape_text(shape) -> str:
@@ -84,7 +76,7 @@ class SiteKeys:
             counts = self._counts.setdefault(tf.compat.v1.get_default_graph(), {})
             occurrence = counts.get(digest, 0)
             counts[digest] = occurrence + 1
-        return [make_key(self.prefix, f"{digest}.{occurrence}", i) for i in range(len(tensors))]
+        return [service_key(self.prefix, f"{digest}.{occurrence}", i) for i in range(len(tensors))]
 
 
 class Exchange:
@@ -116,7 +108,7 @@ class Exchange:
         keys = list(keys)
 
         def run(*arrays):
-            final = [make_key(k, a.shape) if d else k for k, a, d in zip(keys, arrays, dynamic)]
+            final = [service_key(k, a.shape) if d else k for k, a, d in zip(keys, arrays, dynamic)]
             outs = [np.empty(a.shape, a.dtype) for a in arrays]
             try:
                 self.agent.pushpull_many(final, arrays, outs=outs, average=average).wait()
@@ -139,7 +131,10 @@ class Exchange:
         results = self.sum(keys, carried, what=what)
         return [self._restore(r, t) for r, t in zip(results, tensors)]
 
-    def _call(self, run: Callable, tensors: list[tf.Tensor], what: str) -> list[tf.Tensor]:
+    def _call(self, run: Callable, tensors: list[tf.Tensor], what: str,
+              shapes: list[tf.TensorShape] | None = None) -> list[tf.Tensor]:
+        """``run`` on the tensors' values, eagerly or as one op of the graph being traced; the
+        results have the tensors' dtypes and ``shapes`` (default: the tensors' shapes)."""
         if tf.executing_eagerly():
             # Directly: our own errors reach the caller unchanged.
             outs = run(*[t.numpy() for t in tensors])
@@ -151,8 +146,8 @@ class Exchange:
             )
         results = self.ordered(lambda: tf.numpy_function(
             run, tensors, Tout=[t.dtype for t in tensors], stateful=True, name="pslink_pushpull"))
-        for r, t in zip(results, tensors):
-            r.set_shape(t.shape)
+        for r, shape in zip(results, shapes or [t.shape for t in tensors]):
+            r.set_shape(shape)
         return results
 
     def ordered(self, build: Callable):
@@ -183,8 +178,7 @@ class Exchange:
         return result if result.dtype == like.dtype else tf.cast(result, like.dtype)
 
     def _check_root(self, root: int, what: str) -> None:
-        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.num_workers:
-            raise ConfigError(f"{what}: root_rank must be a rank in [0, {self.num_workers}), got {root!r}")
+        collectives.check_root(root, self.num_workers, what)
 
     # -- variables -------------------------------------------------------------------------------
 
@@ -203,15 +197,46 @@ class Exchange:
     def assign_from_root(self, variables: Sequence, entries: list[tuple[str, str, str]], root: int,
                          what: str) -> list:
         """Assign ``root``'s values to ``variables`` (checked already); returns the assign ops."""
-        keys = [make_key("tf.var", name, dtype, shape) for name, shape, dtype in entries]
+        keys = [service_key("tf.var", name, dtype, shape) for name, shape, dtype in entries]
         values = self.broadcast(keys, [tf.convert_to_tensor(v) for v in variables], root, what)
         return [variable.assign(value) for variable, value in zip(variables, values)]
 
-    def allgather_rows(self, key: str, row: np.ndarray) -> np.ndarray:
-        """Every worker's ``row`` stacked in rank order (each fills its own row of a sum)."""
-        rows = np.zeros((self.num_workers,) + row.shape, row.dtype)
-        rows[self.rank] = row
-        return self.agent.pushpull(key, rows, out=rows).wait()
+    # -- gathers and objects ------------------------------------------------------------------
+
+    def allgather(self, tensor, name: str, what: str) -> tf.Tensor:
+        """Every worker's ``tensor`` concatenated along the first dimension, in rank order (the
+        first dimension may differ between workers, the others must agree)."""
+        tensor = tf.convert_to_tensor(tensor)
+        carried = self._carry(tensor, name, summing=False)
+        pushpull = self.round(what)
+
+        def run(array):
+            gathered, _ = collectives.gather_rows(pushpull, name, array, self.rank, self.num_workers)
+            return [gathered]
+
+        shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tf.TensorShape([None])
+        return self._restore(self._call(run, [carried], what, shapes=[shape])[0], tensor)
+
+    def broadcast_object(self, obj, root: int, name: str, what: str):
+        """``root``'s ``obj`` (any picklable object) on every worker."""
+        self._check_root(root, what)
+        return collectives.broadcast_object(self.round(what), name, obj, self.rank, root)
+
+    def allgather_object(self, obj, name: str, what: str) -> list:
+        """Every worker's ``obj``, as a list in rank order."""
+        return collectives.allgather_object(self.round(what), name, obj, self.rank, self.num_workers)
+
+    def round(self, what: str) -> collectives.PushPull:
+        """One synchronous push-pull round for the shared collectives, its errors naming ``what``."""
+
+        def pushpull(key: str, array: np.ndarray, out: np.ndarray) -> np.ndarray:
+            try:
+                return self.agent.pushpull(key, array, out=out).wait()
+            except PslinkError as exc:
+                raise type(exc)(f"{what} (rank {self.rank} of {self.num_workers}): {exc.message}",
+                                **exc.details) from None
+
+        return pushpull
 
     def check_once(self, entries: list[tuple[str, str, str]], scope: str, what: str) -> None:
         """:meth:`check_same_variables`, the first time this process meets this list of variables.
@@ -232,14 +257,19 @@ class Exchange:
             return
         text = "\n".join("\t".join(entry) for entry in entries).encode()
         digest = np.frombuffer(hashlib.sha256(text).digest()[:16], np.uint8)
-        digests = self.allgather_rows(make_key("tf.check", scope, "digest"), digest)
+        pushpull = self.round(what)
+
+        def gather(key: str, row: np.ndarray) -> np.ndarray:
+            return collectives.gather_same_rows(pushpull, key, row, self.rank, self.num_workers)
+
+        digests = gather(service_key("tf.check", scope, "digest"), digest)
         if (digests == digests[0]).all():
             return
-        lengths = self.allgather_rows(make_key("tf.check", scope, "length"), np.array([len(text)], np.int64))
+        lengths = gather(service_key("tf.check", scope, "length"), np.array([len(text)], np.int64))
         width = int(lengths.max())
         padded = np.zeros(width, np.uint8)
         padded[: len(text)] = np.frombuffer(text, np.uint8)
-        texts = self.allgather_rows(make_key("tf.check", scope, "text", width), padded)
+        texts = gather(service_key("tf.check", scope, "text", width), padded)
         manifests = [_parse(texts[r, : int(lengths[r, 0])].tobytes()) for r in range(self.num_workers)]
         raise _difference(manifests, what)
 

@@ -25,30 +25,61 @@ from typing import Self
 
 import tensorflow as tf
 
+from pslink.core import collectives
+from pslink.core.collectives import Average
 from pslink.errors import ConfigError
 from pslink.tf import context
-from pslink.tf.exchange import SiteKeys, describe, make_key, unique_names, variable_name
+from pslink.tf.exchange import SiteKeys, describe, service_key, unique_names, variable_name
 
 _unnamed_allreduce = SiteKeys("tf.allreduce")
 _unnamed_broadcast = SiteKeys("tf.broadcast")
+_unnamed_allgather = SiteKeys("tf.allgather")
 
 
 @tf.autograph.experimental.do_not_convert
-def allreduce(tensor, average: bool = True, name: str | None = None) -> tf.Tensor:
-    """The mean (``average=False``: the sum) of ``tensor`` over every worker.
+def allreduce(tensor, average: bool | None = None, name: str | None = None, op=None) -> tf.Tensor:
+    """The mean (``op=hvd.Sum`` or ``average=False``: the sum) of ``tensor`` over every worker.
 
     ``name`` keys it on the service; without one, calls are told apart by dtype, shape and their
     order within the traced function, so make unnamed calls in the same order on every worker."""
+    average = collectives.reduce_op(op, average) is Average
     tensor = tf.convert_to_tensor(tensor)
-    key = make_key("tf.allreduce", name) if name else _unnamed_allreduce.keys([tensor])[0]
+    key = service_key("tf.allreduce", name) if name else _unnamed_allreduce.keys([tensor])[0]
     return context.exchange().sum([key], [tensor], average=average, what=f"allreduce {name or ''}".strip())[0]
+
+
+@tf.autograph.experimental.do_not_convert
+def allgather(tensor, name: str | None = None) -> tf.Tensor:
+    """Every worker's ``tensor`` concatenated along the first dimension, in rank order; workers may
+    bring different numbers of rows (the other dimensions must agree)."""
+    tensor = tf.convert_to_tensor(tensor)
+    key = service_key("tf.allgather", name) if name else _unnamed_allgather.keys([tensor])[0]
+    return context.exchange().allgather(tensor, key, what=f"allgather {name or ''}".strip())
+
+
+def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None):
+    """``root_rank``'s ``obj`` (any picklable object) on every worker (eagerly)."""
+    name = name or "broadcast_object"
+    return context.exchange().broadcast_object(obj, root_rank, f"tf/{name}", what=f"broadcast_object {name!r}")
+
+
+def allgather_object(obj, name: str | None = None) -> list:
+    """Every worker's ``obj`` (any picklable object), as a list in rank order (eagerly)."""
+    name = name or "allgather_object"
+    return context.exchange().allgather_object(obj, f"tf/{name}", what=f"allgather_object {name!r}")
+
+
+def barrier() -> None:
+    """Block until every worker of the job has called ``barrier()``."""
+    agent = context.exchange().agent
+    agent.barrier("tf/barrier", timeout=agent.timeout)
 
 
 @tf.autograph.experimental.do_not_convert
 def broadcast(tensor, root_rank: int = 0, name: str | None = None) -> tf.Tensor:
     """``root_rank``'s value of ``tensor``, on every worker."""
     tensor = tf.convert_to_tensor(tensor)
-    key = make_key("tf.broadcast", name) if name else _unnamed_broadcast.keys([tensor])[0]
+    key = service_key("tf.broadcast", name) if name else _unnamed_broadcast.keys([tensor])[0]
     return context.exchange().broadcast([key], [tensor], root_rank, what=f"broadcast {name or ''}".strip())[0]
 
 
@@ -78,7 +109,7 @@ def allreduce_gradients(grads: Sequence, variables: Sequence, average: bool = Tr
     # first (once per list), so that every worker gets an error naming the variable, at once.
     exchange.check_once([describe(f"{prefix}{n}", v) for n, v in zip(names, variables)], "gradients", what)
     present = [i for i, g in enumerate(grads) if g is not None]
-    keys = [make_key("tf.grad", f"{prefix}{names[i]}") for i in present]
+    keys = [service_key("tf.grad", f"{prefix}{names[i]}") for i in present]
     reduced = exchange.sum(keys, [grads[i] for i in present], average=average, what=what)
     out = list(grads)
     for i, value in zip(present, reduced):

@@ -29,8 +29,9 @@ import torch.distributed as dist
 import pslink
 from pslink.config import ENV_NUM_WORKERS, ENV_RANK
 from pslink.core.agent import Agent
+from pslink.core.collectives import service_key
 from pslink.errors import ConfigError, PeerError, PslinkError, PslinkTimeoutError
-from pslink.torch.tensors import StagingPool, explain_mismatch, service_key
+from pslink.torch.tensors import StagingPool, explain_mismatch
 
 __all__ = ["HookState", "connect", "comm_hook"]
 

@@ -250,7 +250,7 @@ class _World:
         anyone missing?"""
         vector = np.zeros(self.session.capacity, np.int64)
         vector[self.agent.rank] = max(self.agent.epoch, self.epoch) + 1
-        seen = self.session._pushpull(COMMIT_KEY, vector, "elastic commit")
+        seen = self.session.round("elastic commit")(COMMIT_KEY, vector, vector)
         present = [int(r) for r in np.flatnonzero(seen)]
         return present != self.ranks or int(seen.max()) - 1 > self.epoch
 
@@ -337,7 +337,7 @@ class _World:
         session = self.session
         rows = np.zeros((session.capacity, 3), np.int64)
         rows[self.agent.rank] = [1, state.commits + 1 if state._synced else 0, session.generation]
-        rows = session._pushpull(WORLD_KEY, rows, "elastic reset")
+        rows = session.round("elastic reset")(WORLD_KEY, rows, rows)
         present = [int(r) for r in np.flatnonzero(rows[:, 0])]
         if present != ranks:
             log.info("pslink elastic: settled on %s but %s took part; settling again", ranks, present)

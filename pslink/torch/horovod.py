@@ -14,6 +14,18 @@ from typing import Any
 import torch
 
 import pslink
+from pslink.core import collectives
+from pslink.core.collectives import (  # noqa: F401  (Horovod's build reports, re-exported)
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from pslink.errors import ConfigError, PeerError
 from pslink.torch.optimizer import DistributedOptimizer as _wrap_optimizer
 from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, reduce_op
@@ -103,53 +115,16 @@ def local_size() -> int:
 
 def cross_rank() -> int:
     session = current_session()
-    return session.rank // session.local_size
+    return collectives.cross_rank(session.rank, session.local_size)
 
 
 def cross_size() -> int:
     session = current_session()
-    return session.size // session.local_size
-
-
-# What Horovod builds reports; pslink needs none of MPI, Gloo, NCCL, DDL, CCL.
-def mpi_threads_supported() -> bool:
-    return False
-
-
-def mpi_enabled() -> bool:
-    return False
-
-
-def mpi_built() -> bool:
-    return False
-
-
-def gloo_enabled() -> bool:
-    return False
-
-
-def gloo_built() -> bool:
-    return False
-
-
-def nccl_built() -> bool:
-    return False
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
+    return collectives.cross_size(session.size, session.local_size)
 
 
 def cuda_built() -> bool:
     return torch.cuda.is_available()
-
-
-def rocm_built() -> bool:
-    return False
 
 
 # -- allreduce and push_pull ---------------------------------------------------------------------

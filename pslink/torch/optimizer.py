@@ -8,9 +8,10 @@ import warnings
 
 import torch
 
+from pslink.core.collectives import service_key
 from pslink.errors import ConfigError, PslinkError
 from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, reduce_op
-from pslink.torch.tensors import StagingPool, explain_mismatch, service_key
+from pslink.torch.tensors import StagingPool, explain_mismatch
 
 _HINT = "do all ranks build the same model?"
 
@@ -154,14 +155,15 @@ def _parameter_names(optimizer: torch.optim.Optimizer, named_parameters) -> dict
     return {p: names[p] for p in params}
 
 
-class _DistributedMixin:
-    """Placed before the wrapped optimizer's class, so the result still is, say, an SGD."""
+def _distributed_class(base: type) -> type:
+    """``base`` (the wrapped optimizer's class) with its gradients averaged over the ranks before
+    each step: a subclass, so the result still is, say, an SGD (Horovod's promise)."""
 
-    def __init__(self, params, session: Session, named_parameters, compression, backward_passes_per_step,
-                 op, gradient_predivide_factor):
-        super().__init__(params)
-        self._pslink = _GradientSync(self, session, named_parameters, compression, backward_passes_per_step,
-                                     op, gradient_predivide_factor)
+    def __init__(self, params, session: Session, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor):
+        base.__init__(self, params)
+        self._pslink = _GradientSync(self, session, named_parameters, compression, backward_passes_per_step, op,
+                                     gradient_predivide_factor)
 
     def synchronize(self) -> None:
         """Wait until every gradient holds its average over the ranks."""
@@ -181,7 +183,7 @@ class _DistributedMixin:
         if not sync.skip and not (sync.synchronized and not sync.works):
             sync.synchronize()
         sync.synchronized = False
-        return super().step(closure)
+        return base.step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pslink.works:
@@ -189,7 +191,11 @@ class _DistributedMixin:
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(): the gradients are still being averaged"
             )
-        super().zero_grad(set_to_none)
+        base.zero_grad(self, set_to_none)
+
+    return type(base.__name__, (base,), {"__init__": __init__, "synchronize": synchronize,
+                                         "skip_synchronize": skip_synchronize, "step": step, "zero_grad": zero_grad,
+                                         "__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
@@ -209,6 +215,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
         session = current_session()
     op = reduce_op(op)
-    cls = type(optimizer.__class__.__name__, (_DistributedMixin, optimizer.__class__), {})
+    cls = _distributed_class(optimizer.__class__)
     return cls(optimizer.param_groups, session, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor)

@@ -1,41 +1,32 @@
 """Collective operations of one worker over the parameter service: the engine under the
 Horovod-compatible module (``import pslink.torch as hvd``).
 
-Every operation is one or two push-pulls of a named key in ``sum`` mode: an allreduce sums (and
-averages) what every rank pushed; a broadcast has every rank but the root push zeros, so the sum
-is the root's value; an allgather has each rank fill its own rows of a zeroed buffer. None of it
-needs ``torch.distributed``. Keys come from names, so ranks need not create tensors in the same
-order, only use each name in the same sequence of calls (as with Horovod).
+Every operation is one or two push-pulls of a named key in ``sum`` mode, as
+:mod:`pslink.core.collectives` (shared with the TensorFlow adapter) describes; this module turns
+tensors into host arrays and back. None of it needs ``torch.distributed``. Keys come from names,
+so ranks need not create tensors in the same order, only use each name in the same sequence of
+calls (as with Horovod).
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
-import pickle
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from pslink.core import collectives
 from pslink.core.agent import Agent
 from pslink.core.agent import connect as connect_agent
-from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
-from pslink.torch.tensors import HostView, StagingPool, explain_mismatch, service_key, wire_dtype
+from pslink.core.collectives import Adasum, Average, ReduceOp, Sum, Zeros, reduce_op
+from pslink.errors import ConfigError, PslinkError
+from pslink.torch.tensors import HostView, StagingPool, explain_mismatch, wire_dtype
 
 __all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Compression", "Session", "Work"]
 
 
-class ReduceOp(enum.Enum):
-    AVERAGE = "average"
-    SUM = "sum"
-    ADASUM = "adasum"
-
-
-Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
-
 JOIN_KEY = "join"
-_MAX_GATHER_DIMS = 8
 
 
 class _NoneCompressor:
@@ -69,19 +60,6 @@ class Compression:
 
     none = _NoneCompressor
     fp16 = _FP16Compressor
-
-
-def reduce_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:
-    """Horovod's rules: ``op`` wins, the deprecated ``average`` flag picks Average or Sum."""
-    if op is not None and average is not None:
-        raise ConfigError("pass op= or the deprecated average=, not both")
-    if op is None:
-        op = Sum if average is False else Average
-    if op is Adasum:
-        raise ConfigError("op=Adasum is not supported by pslink; use Average or Sum")
-    if not isinstance(op, ReduceOp):
-        raise ConfigError(f"op must be pslink.torch.Average or pslink.torch.Sum, got {op!r}")
-    return op
 
 
 class Work:
@@ -133,7 +111,7 @@ class Session:
         self._connect = connect
         self.timeout = agent.timeout
         self._staging = StagingPool()
-        self._zeros: dict[np.dtype, np.ndarray] = {}
+        self._zeros = Zeros()
         self.optimizers: list = []  # DistributedOptimizers, in creation order (see join)
         members = (agent.settings.get("membership") or {}).get("ranks") or list(range(agent.num_workers))
         self.set_world(sorted(set(members) | {agent.rank}), 0)
@@ -212,15 +190,6 @@ class Session:
             raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
         return name
 
-    def _zeros_like(self, array: np.ndarray) -> np.ndarray:
-        """A read-only zero array shaped like ``array``, cut from one buffer per dtype."""
-        buffer = self._zeros.get(array.dtype)
-        if buffer is None or buffer.size < array.size:
-            buffer = np.zeros(max(array.size, 1024), array.dtype)
-            buffer.flags.writeable = False
-            self._zeros[array.dtype] = buffer
-        return buffer[: array.size].reshape(array.shape)
-
     def _wait(self, work: Work) -> Any:
         return work.wait(self.timeout)
 
@@ -231,7 +200,7 @@ class Session:
         """Reduce ``tensor`` over all ranks in place (average or sum); returns a :class:`Work`."""
         name = self._name("allreduce", name)
         op = reduce_op(op)
-        key = service_key("allreduce", name)
+        key = collectives.service_key("allreduce", name)
         what = f"allreduce {name!r} (key {key!r}, shape {tuple(tensor.shape)} {tensor.dtype})"
         result, tensor = tensor, tensor.detach()  # same memory, outside autograd
         if prescale_factor != 1.0:
@@ -268,13 +237,12 @@ class Session:
 
     # -- broadcast --------------------------------------------------------------------------------
 
-    def _check_root(self, root_rank: int) -> None:
-        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < self.size:
-            raise ConfigError(f"root_rank must be an int in [0, {self.size}), got {root_rank!r}")
+    def _check_root(self, root_rank: int, what: str) -> None:
+        collectives.check_root(root_rank, self.size, what)
 
     def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Work:
         """Overwrite ``tensor`` on every rank with root_rank's, in place; returns a :class:`Work`."""
-        self._check_root(root_rank)
+        self._check_root(root_rank, "broadcast")
         name = self._name("broadcast", name)
         return self._broadcast_many([(name, tensor)], root_rank, f"broadcast {name!r}")
 
@@ -287,11 +255,11 @@ class Session:
         for name, tensor in named:
             if tensor.numel() == 0:
                 continue
-            key = service_key("broadcast", name)
+            key = collectives.service_key("broadcast", name)
             view = self._staging.view(key, tensor, f"{what}: {name!r}")
             keys.append(key)
             views.append(view)
-            pushes.append(view.array if self.rank == root_rank else self._zeros_like(view.array))
+        pushes = collectives.broadcast_pushes([v.array for v in views], self.rank, root_rank, self._zeros)
         if not keys:
             return Work(_Done(), [], lambda: None, what, "")
         hint = "do all ranks hold the same model?"
@@ -302,26 +270,15 @@ class Session:
     def broadcast_parameters(self, params, root_rank: int) -> None:
         """Overwrite ``params`` (a ``state_dict()``, ``named_parameters()`` or (name, tensor)
         pairs) on every rank with root_rank's, in place; keyed by name."""
-        self._check_root(root_rank)
+        self._check_root(root_rank, "broadcast_parameters")
         named = named_tensors(params, "broadcast_parameters")
         self._wait(self._broadcast_many(named, root_rank, "broadcast_parameters"))
 
     def broadcast_object(self, obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
         """root_rank's ``obj`` on every rank (pickled on the root, unpickled on the others)."""
-        self._check_root(root_rank)
+        self._check_root(root_rank, "broadcast_object")
         name = name or "broadcast_object"
-        if self.rank == root_rank:
-            payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-            length = np.array([payload.size], np.int64)
-        else:
-            payload, length = None, np.zeros(1, np.int64)
-        length = self._pushpull(service_key("object", f"{name}/length"), length, f"broadcast_object {name!r}")
-        size = int(length[0])
-        data = payload if payload is not None else np.zeros(size, np.uint8)
-        # The length is part of the key: a key's shape is fixed once declared.
-        out = np.empty(size, np.uint8)
-        self._pushpull(service_key("object", f"{name}/{size}"), data, f"broadcast_object {name!r}", out=out)
-        return obj if self.rank == root_rank else pickle.loads(out.tobytes())
+        return collectives.broadcast_object(self.round(f"broadcast_object {name!r}"), name, obj, self.rank, root_rank)
 
     def broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer, root_rank: int) -> None:
         """Give every rank root_rank's optimizer state and hyperparameters (its state_dict)."""
@@ -330,10 +287,14 @@ class Session:
         if self.rank != root_rank:
             optimizer.load_state_dict(state)
 
-    def _pushpull(self, key: str, array: np.ndarray, what: str, out: np.ndarray | None = None) -> np.ndarray:
-        out = array if out is None else out
+    def round(self, what: str) -> collectives.PushPull:
+        """One synchronous push-pull round for the shared collectives, its errors naming ``what``."""
         hint = "do all ranks make the same calls?"
-        return self._wait(Work(self._submit([key], [array], [out], False, what, hint), [], lambda: out, what, hint))
+
+        def pushpull(key: str, array: np.ndarray, out: np.ndarray) -> np.ndarray:
+            return self._wait(Work(self._submit([key], [array], [out], False, what, hint), [], lambda: out, what, hint))
+
+        return pushpull
 
     def _submit(self, keys: list, arrays: list, outs: list, average: bool, what: str, hint: str):
         """Push-pull ``keys``; an error found before sending (a shape the service already knows
@@ -354,41 +315,15 @@ class Session:
         source = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
         wire = wire_dtype(source.dtype, f"allgather {name!r}")
         host = source.to(device="cpu", dtype=wire).contiguous().numpy()
-        gathered, _ = self._gather_rows(host, name)
+        gathered, _ = collectives.gather_rows(self.round(f"allgather {name!r}"), name, host, self.rank, self.size,
+                                              self.capacity)
         return torch.from_numpy(gathered).to(device=tensor.device, dtype=tensor.dtype)
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list:
         """Every rank's ``obj``, as a list in rank order."""
         name = self._name("allgather", name)
-        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        gathered, rows = self._gather_rows(payload, f"{name}/object")
-        bounds = np.concatenate([[0], np.cumsum(rows)])
-        return [pickle.loads(gathered[bounds[r] : bounds[r + 1]].tobytes()) for r in range(self.size)]
-
-    def _gather_rows(self, host: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """(all ranks' rows concatenated, rows per rank). Round one shares every rank's shape, so
-        a mismatch is an error on every rank (not two keys waiting for each other)."""
-        if host.ndim > _MAX_GATHER_DIMS:
-            raise ConfigError(f"allgather {name!r}: at most {_MAX_GATHER_DIMS} dimensions, got {host.ndim}")
-        # One row per possible rank (the job's capacity), so the key keeps its shape when the
-        # number of workers changes (elastic jobs); rows past the current size stay zero.
-        shapes = np.zeros((self.capacity, 1 + _MAX_GATHER_DIMS), np.int64)
-        shapes[self.rank, 0] = host.ndim
-        shapes[self.rank, 1 : 1 + host.ndim] = host.shape
-        shapes = self._pushpull(service_key("allgather", f"{name}/shapes"), shapes, f"allgather {name!r}")
-        described = [tuple(int(d) for d in row[1 : 1 + row[0]]) for row in shapes[: self.size]]
-        if any(s[1:] != described[self.rank][1:] for s in described):
-            listing = ", ".join(f"rank {r} has shape {s}" for r, s in enumerate(described))
-            raise ShapeMismatchError(f"allgather {name!r}: all dimensions but the first must agree: {listing}",
-                                     key=name, shapes=[list(s) for s in described])
-        rows = np.array([s[0] for s in described], np.int64)
-        start = int(rows[: self.rank].sum())
-        trailing = host.shape[1:]
-        buffer = np.zeros((int(rows.sum()),) + trailing, host.dtype)
-        buffer[start : start + host.shape[0]] = host
-        dims = "x".join(str(d) for d in (int(rows.sum()),) + trailing)
-        self._pushpull(service_key("allgather", f"{name}/{dims}"), buffer, f"allgather {name!r}")
-        return buffer, rows
+        return collectives.allgather_object(self.round(f"allgather {name!r}"), name, obj, self.rank, self.size,
+                                            self.capacity)
 
     # -- join and barrier -------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Between torch tensors and the Agent's numpy arrays: dtypes, host staging, keys, error messages.
+"""Between torch tensors and the Agent's numpy arrays: dtypes, host staging, error messages.
 
 A contiguous CPU tensor of a dtype the wire carries is handed to the Agent as a numpy view of its
 own memory (no copy: the Agent sends from it and receives into it). Anything else (CUDA tensors,
@@ -7,8 +7,6 @@ pinned for CUDA so the device copies run at full speed; the buffers are kept per
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import numpy as np
 import torch
@@ -29,8 +27,6 @@ _WIRE_DTYPES = {
     torch.bool: torch.uint8,
 }
 
-MAX_KEY_LENGTH = 256
-
 
 def wire_dtype(dtype: torch.dtype, what: str) -> torch.dtype:
     """The dtype a tensor of ``dtype`` travels as; ConfigError naming ``what`` if none."""
@@ -39,16 +35,6 @@ def wire_dtype(dtype: torch.dtype, what: str) -> torch.dtype:
         supported = ", ".join(str(d).replace("torch.", "") for d in _WIRE_DTYPES)
         raise ConfigError(f"{what}: dtype {dtype} cannot go through pslink; supported: {supported}")
     return wire
-
-
-def service_key(prefix: str, name: str) -> str:
-    """``prefix/name`` as a service key: identical on every rank, at most 256 characters
-    (a longer name keeps its start and gets a digest of the whole)."""
-    key = f"{prefix}/{name}"
-    if len(key) <= MAX_KEY_LENGTH:
-        return key
-    digest = hashlib.sha1(key.encode()).hexdigest()
-    return f"{key[: MAX_KEY_LENGTH - len(digest) - 1]}#{digest}"
 
 
 class HostView:

@@ -16,7 +16,6 @@ import pytest
 import pslink
 from pslink.core.wire.protocol import Op, encode
 from pslink.core.transport import Transports
-from pslink.core.transport.shm import rings_enabled
 from pslink.errors import (
     AuthError,
     ConfigError,
@@ -115,7 +114,7 @@ def test_large_averages_are_exact_wherever_the_division_happens(any_cluster):
 
     run_workers(workers, worker)
     assert len(tasks) == 2 and all(task.closed == rounds for task in tasks)
-    in_rings = transports.backend(service.address).schemes == ("tcp",) and rings_enabled()
+    in_rings = transports.backend(service.address).schemes == ("tcp",) and transports.options.uses_rings
     assert all((task.averaged is None) == in_rings for task in tasks)
 
 

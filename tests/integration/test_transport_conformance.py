@@ -22,6 +22,10 @@ from pslink.core.wire.protocol import Limits
 from pslink.core.transport import DISCARD, Transports
 from pslink.errors import PeerError, ProtocolError
 
+def _out(conn):
+    """The ring a connection sends through (None: none, or no rings on this connection)."""
+    return conn.rings.out if conn.rings is not None else None
+
 # "tcp" between peers of one host goes over the local (Unix) socket beside the port, large
 # payloads through shared-memory rings where the platform has them; "tcp-no-shm" keeps every
 # payload on that socket (PSLINK_SHM=0); "tcp-only" turns local sockets off
@@ -179,7 +183,7 @@ def test_the_path_follows_the_host_not_the_address(net, same_host):
     # A peer in the listener's own network namespace meets it on the local socket, also when it
     # dials the host's network address, and its large payloads cross a shared-memory ring; a
     # peer on another host takes TCP, and no ring, whatever the address looks like.
-    from pslink.core.transport.shm import rings_enabled
+    from pslink.core.transport.options import rings_supported
 
     server = Recorder(echo=True)
     listener = _listen(net, server)
@@ -192,10 +196,10 @@ def test_the_path_follows_the_host_not_the_address(net, same_host):
     accepted = server.accepted.get(timeout=WAIT)
     if same_host:
         assert conn.sock.family == socket.AF_UNIX and accepted.peer.startswith("local://")
-        assert (conn._ring_out is not None) == rings_enabled()
+        assert (_out(conn) is not None) == rings_supported()
     else:
         assert conn.sock.family in (socket.AF_INET, socket.AF_INET6) and accepted.peer.startswith("tcp://")
-        assert conn._ring_out is None and accepted._ring_out is None
+        assert _out(conn) is None and _out(accepted) is None
 
 
 def test_payloads_land_in_named_buffers(net):
@@ -332,9 +336,10 @@ def test_oversized_message_is_refused(net):
         assert "exceed" in str(server_exc)
 
 
-def test_same_host_tcp_peers_meet_on_the_local_socket_unless_turned_off(monkeypatch):
+def test_same_host_tcp_peers_meet_on_the_local_socket_unless_turned_off():
     import socket
 
+    from pslink.core.transport.options import TransportOptions
     from pslink.core.transport.tcp import TcpTransport, local_socket_names
 
     transport, reactor = TcpTransport(), Reactor("local")
@@ -346,9 +351,9 @@ def test_same_host_tcp_peers_meet_on_the_local_socket_unless_turned_off(monkeypa
         assert conn.sock.family == socket.AF_UNIX and conn.peer == listener.address
         accepted = server.accepted.get(timeout=WAIT)
         assert accepted.peer.startswith(f"local://{listener.address[len('tcp://'):]}#")
-        monkeypatch.setenv("PSLINK_LOCAL_SOCKETS", "0")
-        assert transport.connect(listener.address, reactor, Recorder(), timeout=5.0).sock.family == socket.AF_INET
-        monkeypatch.delenv("PSLINK_LOCAL_SOCKETS")
+        tcp_only = TcpTransport(TransportOptions(local_sockets=False))
+        assert tcp_only.connect(listener.address, reactor, Recorder(), timeout=5.0).sock.family == socket.AF_INET
+        assert local_socket_names("127.0.0.1", 7000, TransportOptions(local_sockets=False)) == []
         # Another host's address is never tried on a local socket; this host's are, the wildcard
         # listener's after the address's own; a loopback port without one falls back to TCP.
         assert local_socket_names("10.1.2.3", 7000) == []

@@ -589,7 +589,7 @@ def test_ps_resend_replays_an_answer_lost_with_its_connection_and_applies_the_pu
         kv = KVWorker(0, 0, node=node)
         ts = kv.push([5], [2.5])
         assert holding.wait(20)
-        node._conn_to(8).close()  # fault injection: the link to server 0 breaks under the request
+        node.links.conn_to(8).close()  # fault injection: the link to server 0 breaks under the request
         cut.set()
         kv.wait(ts)  # answered by the resend, over a new connection
         out = []

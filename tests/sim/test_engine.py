@@ -11,7 +11,7 @@ from pslink.sim.metrics import integral, sample, summarize
 from pslink.sim.trace import TraceJob
 from pslink.sim.workload import SimJob, WorkloadOptions
 
-EXACT = ServiceOptions(startup=0.0, migration_pause=0.0)  # Aggregators start at once, moves cost nothing
+EXACT = ServiceOptions(startup=0.0, timed_moves=False)  # Aggregators start at once, moves cost nothing
 
 
 def job(name, submit, servers, costs, duration, iteration=1.0, contention=1.0, workers=None):

@@ -21,7 +21,7 @@ from pslink.core.agent import Agent
 from pslink.core.agent.keys import Seat
 from pslink.errors import ShapeMismatchError
 from pslink.tf import _internals
-from pslink.tf.exchange import _difference, make_key, unique_names
+from pslink.tf.exchange import _difference, service_key, unique_names
 from pslink.tf.keras import DistributedOptimizer
 
 
@@ -243,7 +243,7 @@ def test_distributed_optimizer_keeps_the_class_and_averages_by_variable(agent):
     optimizer.apply([tf.constant([1.0, 2.0, 3.0])], [variable])
     np.testing.assert_allclose(variable.numpy(), [0.5, 0.0, -0.5])  # the mean of two equal grads
     assert agent.keys_sent("tf.check/gradients")
-    assert agent.keys_sent("tf.grad/") == [[make_key("tf.grad", variable.path)]]
+    assert agent.keys_sent("tf.grad/") == [[service_key("tf.grad", variable.path)]]
     # Without variables, a built optimizer steps those it was built with (a private Keras list).
     optimizer.apply([tf.constant([1.0, 1.0, 1.0])])
     assert len(agent.keys_sent("tf.grad/")) == 2
@@ -262,9 +262,9 @@ def test_gradient_tape_and_allreduce_work_eagerly(agent):
 
 
 def test_keys_and_names_stay_within_the_service_limits():
-    long = make_key("tf.var", "x" * 400)
+    long = service_key("tf.var", "x" * 400)
     assert len(long) <= 256 and long.startswith("tf.var/xxx")
-    assert make_key("tf.var", "x" * 400) == long and make_key("tf.var", "x" * 401) != long
+    assert service_key("tf.var", "x" * 400) == long and service_key("tf.var", "x" * 401) != long
     assert unique_names(["a", "b", "a", "a"]) == ["a", "b", "a#2", "a#3"]
 
 

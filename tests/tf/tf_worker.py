@@ -15,6 +15,8 @@ Scenarios (each writes OUTDIR/<name>_rank<r>.npz: the weights after every epoch,
   deeper     ParameterServiceStrategy, but rank 1 has an extra layer (must fail, naming it)
   wrapper    DistributedOptimizer without the broadcast callback, rank 1's hidden layer wider
              (must fail when the gradients meet, naming the variable)
+  collectives  Horovod's allgather (eager and in a tf.function, uneven rows), broadcast_object,
+             allgather_object, barrier, allreduce with op=Sum; writes collectives_rank<r>.json
 
 Every worker starts from its own random weights (seeded by rank), so equal weights afterwards
 show that rank 0's were broadcast. Worker r trains on rows r, r+2, r+4, ... of a slice of
@@ -24,6 +26,7 @@ one batch.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -219,6 +222,39 @@ def run_different_models(scenario, rank, x, y):
     return 0
 
 
+def run_collectives(rank, outdir):
+    """Each collective once; rank r brings r + 1 rows to the gathers."""
+    hvd.init()
+    rows = tf.fill([rank + 1, 2], float(rank))
+    eager = hvd.allgather(rows, name="rows")
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+    def traced(value):
+        return hvd.allgather(value)  # unnamed: keyed by signature and order, as in Horovod
+
+    report = {
+        "eager": eager.numpy().tolist(),
+        "traced": traced(rows).numpy().tolist(),
+        "bools": hvd.allgather(tf.constant([rank == 1])).numpy().tolist(),
+        "object": hvd.broadcast_object({"from": rank, "text": "x" * (10 * rank)} if rank == 1 else None,
+                                       root_rank=1),
+        "objects": hvd.allgather_object(("rank", rank, list(range(rank)))),
+        "sum": float(hvd.allreduce(tf.constant(rank + 1.0), op=hvd.Sum, name="total")),
+        "mean": float(hvd.allreduce(tf.constant(rank + 1.0), name="mean")),
+        "cross": [hvd.cross_rank(), hvd.cross_size()],
+    }
+    hvd.barrier()
+    try:
+        hvd.broadcast_object("x", root_rank=WORKERS)
+    except PslinkError as exc:
+        report["bad_root"] = str(exc)
+    with open(os.path.join(outdir, f"collectives_rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    hvd.shutdown()
+    print(f"rank {rank} done", flush=True)
+    return 0
+
+
 # -- single-process references -------------------------------------------------------------------
 
 def reference_fit(outdir, initial, x, y, name):
@@ -258,6 +294,8 @@ def reference_loop(outdir, initial, x, y, name):
 def main(argv):
     scenario, outdir = argv[1], argv[2]
     rank = int(os.environ["PSLINK_RANK"])
+    if scenario == "collectives":
+        return run_collectives(rank, outdir)
     x, y = data()
     if scenario in ("wider", "deeper", "wrapper"):
         return run_different_models(scenario, rank, x, y)

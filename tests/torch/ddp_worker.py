@@ -19,6 +19,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pslink.torch
 
+
+def _out(conn):
+    """The ring a connection sends through (None: none, or no rings on this connection)."""
+    return conn.rings.out if conn.rings is not None else None
+
+
 STEPS = 6
 
 
@@ -60,7 +66,7 @@ def compare(rank: int, scratch: str, width: int = 64, bucket_cap_mb: float = 0.0
         result[name + "_weights"] = [p.detach().clone() for p in ddp.parameters()]
     result["generations"] = dict(state._generations)
     # Whether the buckets crossed to the Aggregators through shared-memory rings (same host).
-    result["rings"] = any(link.conn is not None and link.conn._ring_out is not None
+    result["rings"] = any(link.conn is not None and _out(link.conn) is not None
                           for link in state.agent._requests.links.values())
     torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
     print(f"rank {rank} done: buckets {sorted(state._generations.items())}")

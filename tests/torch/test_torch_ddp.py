@@ -17,7 +17,7 @@ dist = pytest.importorskip("torch.distributed", reason="torch was built without 
 import pslink  # noqa: E402
 import pslink.torch  # noqa: E402
 from pslink.core.transport import Transports  # noqa: E402
-from pslink.core.transport.shm import rings_enabled  # noqa: E402
+from pslink.core.transport.options import rings_supported  # noqa: E402
 from pslink.errors import ConfigError, PeerError  # noqa: E402
 from pslink.torch.ddp import HookState  # noqa: E402
 from tests.helpers import start_cluster  # noqa: E402
@@ -54,7 +54,7 @@ def test_the_hook_gives_the_gradients_and_weights_of_gloo_all_reduce(tmp_path, c
             assert max(result["generations"].values()) >= 1
             assert not result["rings"]  # payloads under 64 KiB stay on the socket
         else:
-            assert result["rings"] == rings_enabled()  # 1 MB buckets cross through shared memory
+            assert result["rings"] == rings_supported()  # 1 MB buckets cross through shared memory
     for a, b in zip(results[0]["hooked_weights"], results[1]["hooked_weights"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pslink.core.master.control import Allocate, ControlPlane, Migrate, Release
+from pslink.core.master.actions import Allocate, Migrate, Release
+from pslink.core.master.control import ControlPlane
 from pslink.core.master.placement import TaskDemand
 
 

@@ -9,7 +9,7 @@ from pslink.core.wire.protocol import Op
 from pslink.core.aggregator.moves import MAX_COPY_IDLE_WAIT, copy_delay
 from pslink.core.aggregator.tasks import BufferPool, CopyOut
 
-from test_aggregation import Cluster, migrate
+from test_aggregator_core import Cluster, migrate
 
 
 class Clock:

@@ -10,7 +10,8 @@ import pytest
 from rich.console import Console
 
 from pslink.cli import render_status
-from pslink.core.master.control import Allocate, ControlPlane, Migrate, Release
+from pslink.core.master.actions import Allocate, Migrate, Release
+from pslink.core.master.control import ControlPlane
 from pslink.core.master.state import MasterState
 from pslink.core.master.recovery import Rereplicate
 from pslink.errors import ConfigError, ServiceError
@@ -165,7 +166,7 @@ def test_a_removal_waits_for_moves_off_it_that_wait_for_a_new_aggregator():
 def test_a_part_moving_onto_a_lost_aggregator_is_offered_back_to_its_source_first():
     """Its copy was not known to have landed: the source may still be serving the part, and a
     promoted replica would then be a second server. (If the source had handed the part over, it
-    refuses, and pMaster promotes the replica: see master_recovery.)"""
+    refuses, and pMaster promotes the replica: see core/master/failover.py.)"""
     from pslink.core.master.recovery import Promote
 
     state, record, part = one_replicated_part()

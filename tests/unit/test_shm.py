@@ -15,11 +15,18 @@ import pytest
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits
 from pslink.core.transport import DISCARD, Lent
-from pslink.core.transport.shm import INLINE, ReceiveRing, SendRing, ring_bytes, ring_wait, rings_enabled
-from pslink.core.transport.tcp import FRAMING_RING, FRAMING_RING_OPEN, MAGIC, PREFIX, TcpConnection
+from pslink.config import transport_options
+from pslink.core.transport.options import TransportOptions, rings_supported
+from pslink.core.transport.shm import INLINE, ReceiveRing, SendRing
+from pslink.core.transport.framing import FRAMING_RING, FRAMING_RING_OPEN, MAGIC, PREFIX
+from pslink.core.transport.stream import TcpConnection
 from pslink.errors import ConfigError, ProtocolError
 
-needs_rings = pytest.mark.skipif(not rings_enabled(), reason="shared-memory rings need Linux on x86-64 (memfd)")
+def _out(conn):
+    """The ring a connection sends through (None: none, or no rings on this connection)."""
+    return conn.rings.out if conn.rings is not None else None
+
+needs_rings = pytest.mark.skipif(not rings_supported(), reason="shared-memory rings need Linux on x86-64 (memfd)")
 
 
 def pair(capacity: int):
@@ -116,24 +123,32 @@ def test_a_lent_payload_is_read_where_it_lies_and_freed_when_its_reader_returns(
     receive.close()
 
 
-def test_the_ring_wait_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("PSLINK_SHM_WAIT_MS", "2.5")
-    assert ring_wait() == 0.0025
-    monkeypatch.setenv("PSLINK_SHM_WAIT_MS", "0")
-    assert ring_wait() == 0.0
+def test_the_ring_wait_setting_is_checked(caplog):
+    assert transport_options({"PSLINK_SHM_WAIT_MS": "2.5"}).ring_wait == 0.0025
+    assert transport_options({"PSLINK_SHM_WAIT_MS": "0"}).ring_wait == 0.0
+    assert transport_options({}).ring_wait == 0.02
     for bad in ["-1", "soon", "1e9"]:
-        monkeypatch.setenv("PSLINK_SHM_WAIT_MS", bad)
-        with pytest.raises(ConfigError, match="PSLINK_SHM_WAIT_MS"):
-            ring_wait()
+        caplog.clear()
+        assert transport_options({"PSLINK_SHM_WAIT_MS": bad}).ring_wait == 0.0  # said, and nothing waits
+        assert "PSLINK_SHM_WAIT_MS" in caplog.text
+    with pytest.raises(ConfigError, match="ring_wait must be from 0 to 60 seconds, got -1"):
+        TransportOptions(ring_wait=-1)
 
 
-def test_the_ring_size_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("PSLINK_SHM_RING_MIB", "8")
-    assert ring_bytes() == 8 << 20
+def test_the_ring_size_setting_is_checked(caplog):
+    assert transport_options({"PSLINK_SHM_RING_MIB": "8"}).ring_bytes == 8 << 20
     for bad in ["0", "eight", "4096"]:
-        monkeypatch.setenv("PSLINK_SHM_RING_MIB", bad)
-        with pytest.raises(ConfigError, match="PSLINK_SHM_RING_MIB"):
-            ring_bytes()
+        caplog.clear()
+        options = transport_options({"PSLINK_SHM_RING_MIB": bad})
+        assert not options.rings and "PSLINK_SHM_RING_MIB" in caplog.text  # said, and no rings
+    with pytest.raises(ConfigError, match="ring_bytes must be a whole number of bytes"):
+        TransportOptions(ring_bytes=1000)
+
+
+def test_the_environment_turns_rings_and_local_sockets_off():
+    assert transport_options({}) == TransportOptions()
+    assert transport_options({"PSLINK_SHM": "0", "PSLINK_LOCAL_SOCKETS": "0"}) == TransportOptions(
+        local_sockets=False, rings=False)
 
 
 class Sink:
@@ -153,12 +168,16 @@ class Sink:
 
 
 def connected(receiver=None):
+    """Two connections over a Unix socket pair, with the options this environment asks for."""
     reactor = Reactor("shm test")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     sender_sink, receiver_sink = Sink(), receiver or Sink()
+    options = transport_options()
     with reactor._drive_lock:
-        sender = TcpConnection(ours, reactor, sender_sink, Limits(), peer="sender", on_driver_thread=True)
-        receiver_conn = TcpConnection(theirs, reactor, receiver_sink, Limits(), peer="receiver", on_driver_thread=True)
+        sender = TcpConnection(ours, reactor, sender_sink, Limits(), peer="sender", on_driver_thread=True,
+                               options=options)
+        receiver_conn = TcpConnection(theirs, reactor, receiver_sink, Limits(), peer="receiver", on_driver_thread=True,
+                                      options=options)
     return reactor, sender, receiver_conn, receiver_sink
 
 
@@ -188,8 +207,8 @@ def test_large_payloads_go_through_the_ring_small_ones_on_the_socket():
     sender.send([b"two", b"tiny"])
     pump(reactor)
     assert sink.messages == [(b"one", [big.tobytes(), b"small", b""]), (b"two", [b"tiny"])]
-    assert sender._ring_out is not None and receiver._ring_in is not None
-    assert sender._ring_out.head == 300_000 and receiver._ring_in.taken == 300_000
+    assert _out(sender) is not None and receiver.rings.inp is not None
+    assert _out(sender).head == 300_000 and receiver.rings.inp.taken == 300_000
     reactor.close()
 
 
@@ -210,7 +229,7 @@ def test_ring_payloads_land_in_named_buffers_or_are_dropped():
     pump(reactor)
     assert [m[0] for m in sink.messages] == [b"drop", b"keep"]
     np.testing.assert_array_equal(targets[0], data)
-    assert receiver._ring_in.taken == 400_000  # the dropped one's space was freed too
+    assert receiver.rings.inp.taken == 400_000  # the dropped one's space was freed too
     reactor.close()
 
 
@@ -221,7 +240,7 @@ def test_with_rings_turned_off_everything_stays_on_the_socket(monkeypatch):
     sender.send([b"big", np.ones(500_000, np.uint8)])
     pump(reactor)
     assert sink.messages == [(b"big", [b"\x01" * 500_000])]
-    assert sender._ring_out is None and receiver._ring_in is None
+    assert _out(sender) is None and receiver.rings.inp is None
     reactor.close()
 
 
@@ -229,7 +248,7 @@ def test_with_rings_turned_off_everything_stays_on_the_socket(monkeypatch):
 def test_a_bad_ring_wait_is_said_and_nothing_waits(monkeypatch, caplog):
     monkeypatch.setenv("PSLINK_SHM_WAIT_MS", "soon")
     reactor, sender, receiver, sink = connected()
-    assert sender._ring_wait == 0.0
+    assert sender.rings.wait == 0.0
     assert "PSLINK_SHM_WAIT_MS='soon' must be a number of milliseconds" in caplog.text
     sender.send([b"big", np.ones(500_000, np.uint8)])
     pump(reactor)
@@ -243,7 +262,7 @@ def test_a_bad_ring_size_keeps_payloads_on_the_socket_and_says_why(monkeypatch, 
     reactor, sender, receiver, sink = connected()
     sender.send([b"big", np.ones(500_000, np.uint8)])
     pump(reactor)
-    assert sink.messages == [(b"big", [b"\x01" * 500_000])] and sender._ring_out is None
+    assert sink.messages == [(b"big", [b"\x01" * 500_000])] and _out(sender) is None
     assert "PSLINK_SHM_RING_MIB='lots' must be a whole number of MiB" in caplog.text
     reactor.close()
 
@@ -256,7 +275,7 @@ def test_rings_and_their_descriptors_go_with_the_connection():
         sender.send([b"big", np.ones(100_000, np.uint8)])
         receiver.send([b"back", np.ones(100_000, np.uint8)])
         pump(reactor)
-        assert len(sink.messages) == 1 and receiver._ring_out is not None
+        assert len(sink.messages) == 1 and _out(receiver) is not None
         sender.close()
         receiver.close()
         pump(reactor, 5)
@@ -312,7 +331,7 @@ class LendingSink(Sink):
 
     def on_message(self, conn, state, payloads):
         header, buffers = state
-        ring = conn._ring_in
+        ring = conn.rings.inp
         held = ring is not None and int(ring._consumed[0]) < ring.taken
         self.lent.append((list(buffers.lent), held))
         self.messages.append((header, [bytes(p) for p in payloads]))
@@ -327,7 +346,7 @@ def test_a_lending_receiver_reads_ring_payloads_in_place_and_frees_them_after(mo
         sent.append((b"m%d" % i, [np.full(300_000, i, np.uint8).tobytes(), b"small"]))
         sender.send([sent[-1][0], np.frombuffer(sent[-1][1][0], np.uint8), b"small"])
         pump_until(reactor, lambda: len(sink.messages) == len(sent))
-        assert int(receiver._ring_in._consumed[0]) == receiver._ring_in.taken
+        assert int(receiver.rings.inp._consumed[0]) == receiver.rings.inp.taken
     assert sink.messages == sent
     assert sink.lent == [([True, False], True)] * 8  # the large one in place, held while read
     reactor.close()
@@ -356,9 +375,9 @@ def test_the_reactor_holds_messages_back_for_ring_room_in_order(monkeypatch):
     expected = _send_from_the_reactor(reactor, sender, 6)
     pump_until(reactor, lambda: len(sink.messages) == len(expected))
     assert sink.messages == expected
-    assert not sender._held
+    assert not sender.rings.held
     # all six went through the ring (three at a time): none fell back to the socket
-    assert receiver._ring_in.taken >= 6 * 300_000
+    assert receiver.rings.inp.taken >= 6 * 300_000
     reactor.close()
 
 
@@ -370,11 +389,11 @@ def test_held_messages_take_the_socket_once_the_wait_is_over(monkeypatch):
     with reactor._drive_lock:
         reactor.remove_reader(receiver.fd)  # a receiver that takes nothing for now
     expected = _send_from_the_reactor(reactor, sender, 6)
-    pump_until(reactor, lambda: sender._held_until is not None)
-    pump_until(reactor, lambda: not sender._held)  # the wait ran out: the rest went on the socket
+    pump_until(reactor, lambda: sender.rings.held_until is not None)
+    pump_until(reactor, lambda: not sender.rings.held)  # the wait ran out: the rest went on the socket
     with reactor._drive_lock:
         reactor.add_reader(receiver.fd, receiver._read_burst)
     pump_until(reactor, lambda: len(sink.messages) == len(expected))
     assert sink.messages == expected
-    assert receiver._ring_in.taken < 6 * 300_000  # some came on the socket, still in order
+    assert receiver.rings.inp.taken < 6 * 300_000  # some came on the socket, still in order
     reactor.close()

@@ -10,7 +10,8 @@ import pytest
 
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits
-from pslink.core.transport.tcp import TcpConnection, frame_prefix
+from pslink.core.transport.framing import frame_prefix
+from pslink.core.transport.stream import TcpConnection
 from pslink.errors import PeerError, ProtocolError
 
 

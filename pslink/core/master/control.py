@@ -49,72 +49,16 @@ import itertools
 import statistics
 from typing import Any, Callable
 
+from pslink.core.master.actions import Allocate, Migrate
+from pslink.core.master import spread
 from pslink.core.master.placement import LOSS_LIMIT, NewAggregator, Placement, TaskDemand, runs_per_cycle
-from pslink.errors import ConfigError, ServiceError
+from pslink.core.master.job_control import JobControl
+from pslink.core.master.scaling import Scaling
 
 #: CPU seconds an Aggregator spends per byte pushed, before anything was measured (receiving the
 #: bytes and adding them up; calibrated on this project's 2-vCPU test machine, ~2 GB/s).
 DEFAULT_COST_PER_BYTE = 5e-10
 PROVISIONAL_ITERATION = 1.0  # placeholder duration for a profiling job's tasks (its Aggregators are its own)
-
-
-@dataclasses.dataclass(frozen=True)
-class Allocate:
-    """Start an Aggregator in ``cluster``; tell :meth:`ControlPlane.bind` its name once it is up."""
-
-    cluster: str
-    placeholder: str
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Release:
-    aggregator: str
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Migrate:
-    task: tuple  # (job, key, part)
-    source: str
-    target: str
-    reason: str
-
-
-@dataclasses.dataclass
-class JobControl:
-    job: str
-    workers: int
-    servers: int
-    cluster: str
-    phase: str = "profiling"  # profiling -> packed -> reverted
-    temporaries: list[str] = dataclasses.field(default_factory=list)
-    parts: dict[tuple, int] = dataclasses.field(default_factory=dict)  # task -> bytes
-    costs: dict[tuple, float] = dataclasses.field(default_factory=dict)  # e_t, as profiled
-    latest_costs: dict[tuple, float] = dataclasses.field(default_factory=dict)  # e_t since (reporting)
-    standalone: float | None = None  # D_j
-    profiled: list[float] = dataclasses.field(default_factory=list)
-    window: collections.deque = dataclasses.field(default_factory=collections.deque)
-    iterations: int = 0
-    reverts: int = 0
-    exclusive: bool = False
-    # The guard moved its tasks off congested Aggregators since it was last placed. Packing fills
-    # Aggregators to their cycle, so the ones that take those tasks are as full: moving again
-    # would only push the congestion around (the trace-driven simulator saw jobs moved thousands
-    # of times). A job still too slow after one move is reverted instead.
-    relieved: bool = False
-    adopted: bool = False  # placed before a pMaster restart: re-profile, do not move
-    # Keys declared after its profile: the job itself got heavier, so its standalone speed is
-    # stale. The next full window sets it again instead of being judged against the old one.
-    grown: bool = False
-    # Its tasks were moving when it last reported: its next report still holds iterations
-    # measured during the moves (an Agent reports what it measured since its last report).
-    settling: bool = False
-
-    def current_iteration(self) -> float | None:
-        # The median: the loss must *stay* above the limit over the window (the paper), so one
-        # slow iteration (a pause, a hiccup of the host) does not move a job.
-        return statistics.median(self.window) if self.window else None
 
 
 class ControlPlane:
@@ -160,9 +104,6 @@ class ControlPlane:
         self._held: dict[str, list] = collections.defaultdict(list)  # placeholder -> actions
         # Aggregators an operator is removing: out of the plan, released once their tasks moved.
         self.draining: set[str] = set()
-        # A removed Aggregator's Release waits until every new Aggregator its tasks go to is up
-        # (the moves to them are held until then, and it must not go before they start).
-        self._release_waits: dict[str, tuple[set, Release]] = {}
         self._pending_scale_down = False
         self._last_scale = self.clock()
         self._serial = itertools.count(1)
@@ -175,6 +116,7 @@ class ControlPlane:
         # new Aggregator): the guard does not judge them meanwhile. The simulator's moves take
         # no time: none.
         self.moving_jobs: Callable[[], set] = set
+        self.scaling = Scaling(self)
 
     # -- the pool ---------------------------------------------------------------------------------
 
@@ -222,12 +164,8 @@ class ControlPlane:
         for job in self.jobs.values():
             job.temporaries = [name if t == placeholder else t for t in job.temporaries]
         actions = [self._rebind(a, placeholder, name) for a in self._held.pop(placeholder, [])]
-        for leaving, (waits, release) in list(self._release_waits.items()):
-            waits.discard(placeholder)
-            if not waits:
-                del self._release_waits[leaving]
-                actions.append(release)  # after the moves above: pMaster lets it go once they finished
-        return actions
+        # After the moves above: pMaster lets a removed Aggregator go once they finished.
+        return actions + self.scaling.placeholder_bound(placeholder)
 
     @staticmethod
     def _rebind(action, placeholder: str, name: str):
@@ -247,8 +185,7 @@ class ControlPlane:
         self.reserved.pop(name, None)
         self.exclusive.pop(name, None)
         self.loads.pop(name, None)
-        self.draining.discard(name)
-        self._release_waits.pop(name, None)
+        self.scaling.forget(name)
         self.pinned.discard(name)
 
     def task_recovered(self, ident: tuple, aggregator: str) -> None:
@@ -292,7 +229,7 @@ class ControlPlane:
             control.phase = "packed"
             return []
         actions: list = []
-        for name in self._across_hosts(self._idle(cluster))[:servers]:
+        for name in spread.across_hosts(self._idle(cluster), self.host_of)[:servers]:
             control.temporaries.append(name)
             self.reserved[name] = job
         while self.elastic and len(control.temporaries) < servers and self.aggregator_count() < self.max_aggregators:
@@ -301,28 +238,6 @@ class ControlPlane:
             self.reserved[allocation.placeholder] = job
             actions.append(allocation)
         return actions
-
-    def _across_hosts(self, names: list[str]) -> list[str]:
-        """``names`` reordered to take one per host in turn (a job's profiling Aggregators then
-        span its hosts' NICs); kept as they are on one host."""
-        by_host: dict[str, list[str]] = {}
-        for name in names:
-            by_host.setdefault(self.host_of.get(name, ""), []).append(name)
-        if len(by_host) < 2:
-            return names
-        columns = list(by_host.values())
-        return [n for row in itertools.zip_longest(*columns) for n in row if n is not None]
-
-    def _job_bytes_by_host(self, control: JobControl) -> collections.Counter:
-        """Bytes of the job's parts placed so far on each host."""
-        count: collections.Counter = collections.Counter()
-        for ident, nbytes in control.parts.items():
-            for plan in self.clusters.values():
-                name = plan.where.get(ident)
-                if name is not None:
-                    count[self.host_of.get(name, "")] += nbytes
-                    break
-        return count
 
     def _idle(self, cluster: str) -> list[str]:
         plan = self.clusters[cluster]
@@ -339,12 +254,12 @@ class ControlPlane:
             # Alone on its own Aggregators while profiling (or, with none to spare, with the
             # others): spread by bytes, over hosts first.
             pool = control.temporaries or self._candidates(control)
-            on_host = self._job_bytes_by_host(control)
+            on_host = spread.bytes_by_host(control.parts, self.clusters.values(), self.host_of)
             target = min(pool, key=lambda n: (on_host[self.host_of.get(n, "")], self._bytes_on(n), n))
             self.clusters[self.cluster_of[target]].assign(self._demand(control, ident, provisional=True), target)
             return target, []
         target, actions = self._place_spread(control, self._demand(control, ident), self._candidates(control),
-                                             f"no room for a part of job {job}", self._job_bytes_by_host(control))
+                                             f"no room for a part of job {job}", spread.bytes_by_host(control.parts, self.clusters.values(), self.host_of))
         control.grown = True
         control.window.clear()  # iterations without the new key say nothing about the job now
         return target, actions
@@ -353,18 +268,8 @@ class ControlPlane:
                       on_host: collections.Counter) -> tuple[str, list]:
         """Pseudocode 1 for one task, trying the hosts that hold the fewest of the job's bytes
         first (``on_host``, updated); on one host simply :meth:`_place_one`."""
-        by_host: dict[str, list[str]] = {}
-        for name in candidates:
-            if not self.is_placeholder(name):
-                by_host.setdefault(self.host_of.get(name, ""), []).append(name)
-        target = None
-        if len(by_host) > 1:
-            plan = self.clusters[control.cluster]
-            for host in sorted(by_host, key=lambda h: (on_host[h], h)):
-                target = plan.choose(demand, by_host[host])
-                if target is not None:
-                    plan.assign(demand, target)
-                    break
+        live = [n for n in candidates if not self.is_placeholder(n)]
+        target = spread.choose(self.clusters[control.cluster], demand, live, self.host_of, on_host)
         actions: list = []
         if target is None:
             target, actions = self._place_one(control, demand, candidates, reason)
@@ -526,7 +431,7 @@ class ControlPlane:
         control.cluster = self._best_cluster(control, demands)
         actions = self._place_job(control, demands, current, "pack after profiling")
         control.temporaries = []
-        return actions + self._release_empty(f"job {control.job} packed")
+        return actions + self.scaling.release_empty(f"job {control.job} packed")
 
     def _where(self, ident: tuple) -> str:
         for plan in self.clusters.values():
@@ -613,7 +518,7 @@ class ControlPlane:
                 self.exclusive[target] = control.job
                 actions.append(Allocate(control.cluster, target, f"revert job {control.job}"))
             self._emit(actions, Migrate(ident, current[ident], target, f"revert job {control.job}"))
-        return actions + self._release_empty(f"job {control.job} reverted")
+        return actions + self.scaling.release_empty(f"job {control.job} reverted")
 
     def job_ended(self, job: str) -> list:
         control = self.jobs.pop(job, None)
@@ -627,7 +532,7 @@ class ControlPlane:
         if self.scale_period > 0:
             self._pending_scale_down = True
             return []
-        return self._scale_down(f"job {job} ended")
+        return self.scaling.scale_down(f"job {job} ended")
 
     def tick(self) -> list:
         """Time passed: the periodic half of hybrid scaling."""
@@ -638,171 +543,27 @@ class ControlPlane:
         if not self._pending_scale_down:
             return []
         self._pending_scale_down = False
-        return self._scale_down("periodic scaling")
+        return self.scaling.scale_down("periodic scaling")
 
-    # -- scaling down -----------------------------------------------------------------------------------
+    # -- scaling and operators (Scaling) ---------------------------------------------------------------
 
     def release_idle(self, reason: str = "idle", keep=()) -> list:
-        """Release Aggregators that hold nothing (after migrations that emptied them finished).
-        ``keep``: those that hold what the plan does not count (replicas)."""
-        return self._release_empty(reason, keep)
-
-    def _release_empty(self, reason: str, keep=()) -> list:
-        actions = []
-        if not self.elastic:
-            return actions
-        keep = set(keep) | self.replica_holders() | self.pinned
-        # Tasks still to move off an Aggregator (waiting for their new one to start) keep it.
-        leaving = {a.source for held in self._held.values() for a in held if isinstance(a, Migrate)}
-        for cluster, plan in self.clusters.items():
-            for name in sorted(plan.aggregators):
-                if self.aggregator_count() <= self.min_aggregators:
-                    return actions
-                if (plan.aggregators[name].tasks or name in self.reserved or self.is_placeholder(name)
-                        or name in leaving or name in keep):
-                    continue
-                plan.remove_aggregator(name)
-                self.cluster_of.pop(name, None)
-                self.exclusive.pop(name, None)
-                actions.append(Release(name, reason))
-        return actions
-
-    def _scale_down(self, reason: str) -> list:
-        actions = self._release_empty(reason)
-        for cluster, plan in self.clusters.items():
-            actions += self._drain(plan, reason)
-        return actions + self._release_empty(reason)
-
-    def _drain(self, plan: Placement, reason: str) -> list:
-        """Move everything off the least-loaded Aggregators while others have room (3.3.2)."""
-        actions: list = []
-        holders = self.replica_holders() if self.elastic else set()
-        while self.elastic and self.aggregator_count() > self.min_aggregators:
-            busy = [p for n, p in plan.aggregators.items() if p.tasks and n not in self.exclusive
-                    and n not in self.reserved and not self.is_placeholder(n)]
-            drainable = [p for p in busy if p.name not in holders and p.name not in self.pinned]
-            if len(busy) < 2 or not drainable:
-                return actions
-            lightest = min(drainable, key=lambda p: (p.work / p.cycle if p.cycle else 0.0, p.name))
-            targets = [p.name for p in busy if p is not lightest]
-            moves = plan.try_move_all(lightest.name, targets)
-            if moves is None:
-                return actions
-            actions += [Migrate(ident, lightest.name, target, f"drain {lightest.name}: {reason}")
-                        for ident, target in moves.items()]
-            plan.remove_aggregator(lightest.name)
-            self.cluster_of.pop(lightest.name, None)
-            actions.append(Release(lightest.name, f"drained: {reason}"))
-        return actions
-
-    # -- operators changing the pool -------------------------------------------------------------------
+        """Release Aggregators that hold nothing; ``keep``: those that hold what the plan does not
+        count (replicas)."""
+        return self.scaling.release_empty(reason, keep)
 
     def add_aggregators(self, count: int) -> list[Allocate]:
-        """An operator adds ``count`` Aggregators. Scaling down keeps them: ``min_aggregators``
-        rises to the pool's new size."""
-        if not isinstance(count, int) or count < 1:
-            raise ConfigError(f"the number of Aggregators to add must be >= 1, got {count!r}")
-        if self.aggregator_count() + count > self.max_aggregators:
-            raise ConfigError(f"adding {count} Aggregator(s) to the {self.aggregator_count()} there are would pass "
-                              f"max_aggregators={self.max_aggregators}")
-        actions = [self._allocate(self._cluster_for_new_aggregator(), "added by an operator") for _ in range(count)]
-        self.min_aggregators = max(self.min_aggregators, self.aggregator_count())
-        return actions
+        return self.scaling.add_aggregators(count)
 
     def remove_aggregator(self, name: str) -> tuple[list, dict[tuple, str]]:
-        """An operator removes ``name``: it takes no new task, every task on it moves (to the
-        others with room, else to a new Aggregator), then it is released. Returns the actions to
-        carry out now (Migrate, Allocate, Release; moves to a new Aggregator and a Release that
-        must follow them are held until it is up) and every move, task -> where it goes."""
-        if name in self.draining:
-            raise ServiceError(f"aggregator {name} is already being removed")
-        cluster = self.cluster_of.get(name)
-        if cluster is None or self.is_placeholder(name):
-            known = sorted(n for n in self.cluster_of if not self.is_placeholder(n))
-            raise ServiceError(f"aggregator {name!r} is not in the pool (it has: {', '.join(known) or 'none'})")
-        if self.aggregator_count() <= 1 and not self.elastic:
-            raise ServiceError(f"aggregator {name} is the last one in the pool and pMaster has no provider to start "
-                               "another: its jobs would have nowhere to go; add one first")
-        plan = self.clusters[cluster]
-        jobs = {ident[0] for ident in plan.aggregators[name].tasks}
-        # Another job's profiling or reverted Aggregators stay its own.
-        targets = [n for n in plan.aggregators if n != name
-                   and all(self.reserved.get(n, j) == j and self.exclusive.get(n, j) == j for j in jobs)]
-        if jobs and not targets and not self.elastic:
-            raise ServiceError(f"no other Aggregator of {cluster} may take the tasks of {name} and none can be "
-                               "started (pMaster has no provider); add one first")
-        self.draining.add(name)
-        self.reserved.pop(name, None)
-        self.exclusive.pop(name, None)
-        for control in self.jobs.values():
-            if name in control.temporaries:
-                control.temporaries.remove(name)
-        actions: list = []
-        reason = f"removing {name}"
-        replacement = None
-        if self.aggregator_count() <= 1:
-            # The last one of an elastic pool: a new one takes its place (and its tasks) first.
-            allocation = self._allocate(cluster, f"{reason}, the last Aggregator of the pool")
-            actions.append(allocation)
-            replacement = allocation.placeholder
-            targets = [replacement]
-        moves = plan.try_move_all(name, targets)
-        if moves is None:
-            moves = self._move_off(plan, cluster, name, targets, actions, reason)
-        for ident, target in moves.items():
-            self._emit(actions, Migrate(ident, name, target, reason))
-        plan.remove_aggregator(name)
-        self.cluster_of.pop(name, None)
-        self.loads.pop(name, None)
-        release = Release(name, "removed by an operator")
-        waits = {t for t in moves.values() if self.is_placeholder(t)} | ({replacement} if replacement else set())
-        # Moves off it decided before (a revert's, to an Aggregator still starting) must start first too.
-        waits |= {p for p, held in self._held.items() for a in held if isinstance(a, Migrate) and a.source == name}
-        if waits:
-            self._release_waits[name] = (waits, release)
-        else:
-            actions.append(release)
-        # The operator asked for a smaller pool: scaling must not start another in its place.
-        self.min_aggregators = max(1, min(self.min_aggregators, self.aggregator_count()))
-        return actions, moves
-
-    def _move_off(self, plan: Placement, cluster: str, name: str, targets: list[str], actions: list,
-                  reason: str) -> dict[tuple, str]:
-        """The others lack room for all of ``name``'s tasks: each goes to the best fit among them,
-        else to one new Aggregator, else (none can be started, or it fits nowhere) to the one
-        with the most room left: the operator asked for the removal."""
-        pool = list(targets)
-        new = None
-        moves: dict[tuple, str] = {}
-        for task in sorted(plan.aggregators[name].tasks.values(), key=lambda t: (-t.cost, str(t.key), t.part)):
-            plan.unassign(task.ident)
-            target = plan.choose(task, pool)
-            if target is None and new is None and self.elastic and self.aggregator_count() < self.max_aggregators:
-                allocation = self._allocate(cluster, f"{reason}: its tasks need room")
-                actions.append(allocation)
-                new = allocation.placeholder
-                pool.append(new)
-                target = new
-            if target is None:
-                _, left = plan.evaluate(task, pool)
-                target = max(pool, key=lambda n: (left[plan.aggregators[n].index], n))
-            plan.assign(task, target)
-            moves[task.ident] = target
-        return moves
+        return self.scaling.remove_aggregator(name)
 
     def undrain(self, name: str) -> None:
-        """A removal failed part way (a move did not start): ``name`` stays in the pool, with the
-        tasks it still has (pMaster moves the plan of the failed one back)."""
-        if name in self.draining:
-            self.draining.discard(name)
-            self._release_waits.pop(name, None)
-            self.aggregator_added(name)
+        self.scaling.undrain(name)
 
     def released(self, name: str) -> None:
         """pMaster let ``name`` go."""
-        self.draining.discard(name)
-        self.pinned.discard(name)
-        self.host_of.pop(name, None)
+        self.scaling.released(name)
 
     # -- cyclic execution ------------------------------------------------------------------------------------
 

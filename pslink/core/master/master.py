@@ -16,15 +16,16 @@ import time
 from typing import Any
 
 from pslink.core import hosts
-from pslink.core.master.control import Allocate, ControlPlane, Migrate, Release
+from pslink.core.master.actions import Allocate, Migrate, Release
+from pslink.core.master.control import ControlPlane
 from pslink.core.master.failover import Failover
-from pslink.core.master.jobs import AggregatorRecord
+from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec
 from pslink.core.master.joining import Joining
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.moving import Mover
 from pslink.core.master.pool import Pool
 from pslink.core.master.replicas import Replicas
-from pslink.core.master.state import JobRecord, KeySpec, MasterState
+from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport import Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from pslink.core.master.control import Migrate
+from pslink.core.master.actions import Migrate
 from pslink.core.wire.protocol import DTYPES
 
 DEFAULT_MAX_MIGRATION_BYTES = 16 << 20

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from pslink.core.master.control import Migrate
+from pslink.core.master.actions import Migrate
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrations, Move,
                                            Routed, Settle, bytes_of)

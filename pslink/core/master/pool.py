@@ -21,7 +21,7 @@ import logging
 import threading
 from typing import Callable
 
-from pslink.core.master.control import Allocate, Release
+from pslink.core.master.actions import Allocate, Release
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.migrations import Migrations
 from pslink.core.master.recovery import Rereplicate, holdings

@@ -20,10 +20,7 @@ from typing import Any, Callable
 
 from pslink.core.master.control import ControlPlane
 from pslink.core.master.recovery import Promote, Recreate, holdings, pick_replicas, plan_failover, plan_replica_moves
-from pslink.core.master.jobs import (  # noqa: F401 - re-exported for the shell and the store
-    JOB_SETTINGS,
-    MODES,
-    SYNCS,
+from pslink.core.master.jobs import (
     AggregatorRecord,
     JobRecord,
     KeySpec,

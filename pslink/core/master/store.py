@@ -14,7 +14,8 @@ import sqlite3
 import msgpack
 
 from pslink.core.checkpoints import DEFAULT_EVERY
-from pslink.core.master.state import AggregatorRecord, JobRecord, KeySpec, MasterState, PartSpec, WorkerInfo
+from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, PartSpec, WorkerInfo
+from pslink.core.master.state import MasterState
 from pslink.core.membership import Membership
 
 SCHEMA_VERSION = 3

@@ -16,6 +16,7 @@ from pslink.core.transport.base import (
     scheme_of,
     split_host_port,
 )
+from pslink.core.transport.options import TransportOptions
 from pslink.errors import ConfigError
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Lent",
     "Listener",
     "Transport",
+    "TransportOptions",
     "Transports",
     "scheme_of",
     "split_host_port",
@@ -35,10 +37,17 @@ class Transports(Transport):
     """Dispatches by scheme to one backend object each, created on first use.
 
     Components that must reach each other over ``inproc://`` have to share one ``Transports``
-    (the in-process name registry lives in it); over sockets any instance will do.
+    (the in-process name registry lives in it); over sockets any instance will do. ``options``
+    (local sockets, shared-memory rings) go to the TCP backend; without them they are read from
+    the environment, once (:func:`pslink.config.transport_options`).
     """
 
-    def __init__(self):
+    def __init__(self, options: TransportOptions | None = None):
+        if options is None:
+            from pslink.config import transport_options  # the edge that reads the environment
+
+            options = transport_options()
+        self.options = options
         self._backends: dict[str, Transport] = {}
         self._lock = threading.Lock()
 
@@ -47,7 +56,7 @@ class Transports(Transport):
         with self._lock:
             backend = self._backends.get(scheme)
             if backend is None:
-                backend = self._backends[scheme] = _create(scheme, self._backends)
+                backend = self._backends[scheme] = _create(scheme, self._backends, self.options)
             return backend
 
     def listen(self, address: str, reactor: Reactor, handler: Handler, limits: Limits = DEFAULT_LIMITS) -> Listener:
@@ -63,11 +72,11 @@ class Transports(Transport):
             backend.close()
 
 
-def _create(scheme: str, existing: dict[str, Transport]) -> Transport:
+def _create(scheme: str, existing: dict[str, Transport], options: TransportOptions) -> Transport:
     if scheme == "tcp":
         from pslink.core.transport.tcp import TcpTransport
 
-        return TcpTransport()
+        return TcpTransport(options)
     if scheme == "inproc":
         from pslink.core.transport.inproc import InprocTransport
 

@@ -16,74 +16,32 @@ Each direction of a connection has a ring of its own, made by its sender the fir
 payload is large enough (:data:`MIN_PAYLOAD`), as an anonymous ``memfd`` handed to the receiver
 over the socket (``SCM_RIGHTS``): nothing is named, nothing is left behind by a process that
 dies. A payload that does not fit (the receiver is behind) waits a little for room
-(:meth:`SendRing.wait_for_room`, ``PSLINK_SHM_WAIT_MS``), then goes on the socket as before. A
+(:meth:`SendRing.wait_for_room`, ``TransportOptions.ring_wait``), then goes on the socket as before. A
 receiver may also read a payload where it lies (:meth:`ReceiveRing.lend`) and free its space once
 it is done (:meth:`ReceiveRing.settle`): one copy fewer for what is read only once.
 
 The receiver's ``consumed`` counter is one aligned 8-byte word, written by the receiver after its
 copy and read by the sender before it reuses space. That ordering holds without fences on
 x86-64 (stores are not made visible ahead of earlier loads), so rings are made only there;
-elsewhere payloads stay on the socket. ``PSLINK_SHM=0`` turns rings off for what a process sends.
+elsewhere payloads stay on the socket. ``TransportOptions(rings=False)`` (``PSLINK_SHM=0``) turns
+rings off for what a process sends.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import platform
-import sys
 import time
 
 import numpy as np
 
-from pslink.errors import ConfigError, ProtocolError
+from pslink.core.transport.options import MAX_RING_BYTES
+from pslink.errors import ProtocolError
 
-SHM_ENV = "PSLINK_SHM"
-RING_MIB_ENV = "PSLINK_SHM_RING_MIB"
-WAIT_MS_ENV = "PSLINK_SHM_WAIT_MS"
 MIN_PAYLOAD = 64 << 10  # smaller payloads are cheaper on the socket than bookkept in a ring
-DEFAULT_RING_BYTES = 16 << 20  # four 4 MiB parts in flight per direction before falling back
-MAX_RING_BYTES = 1 << 30  # the largest ring a receiver maps
 HEADER_BYTES = 64  # the first cache line holds ``consumed``; the data follows
 INLINE = (1 << 64) - 1  # a payload's position when it travels on the socket
-DEFAULT_WAIT = 0.02  # how long a sender may wait for room before its payload takes the socket
 ROOM_POLL = 50e-6  # between looks at ``consumed`` while waiting (a sleep: the receiver needs the CPU)
-
-
-def rings_enabled() -> bool:
-    """Whether this process sends large payloads to same-host peers through rings."""
-    return (
-        sys.platform.startswith("linux")
-        and hasattr(os, "memfd_create")
-        and platform.machine().lower() in ("x86_64", "amd64")
-        and os.environ.get(SHM_ENV, "1").strip() != "0"
-    )
-
-
-def ring_bytes() -> int:
-    """Bytes of each ring this process makes (``PSLINK_SHM_RING_MIB``)."""
-    mib = _setting(RING_MIB_ENV, int, "a whole number of MiB", 1, MAX_RING_BYTES >> 20)
-    return DEFAULT_RING_BYTES if mib is None else mib << 20
-
-
-def ring_wait() -> float:
-    """Seconds a sending thread waits for room in a full ring (``PSLINK_SHM_WAIT_MS``)."""
-    ms = _setting(WAIT_MS_ENV, float, "a number of milliseconds", 0, 60_000)
-    return DEFAULT_WAIT if ms is None else ms / 1000
-
-
-def _setting(name: str, kind, what: str, low, high):
-    """An environment variable's number, checked (None if it is not set)."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} must be {what}") from None
-    if not low <= value <= high:
-        raise ConfigError(f"{name}={value:g} must be between {low} and {high}")
-    return value
 
 
 class _Ring:

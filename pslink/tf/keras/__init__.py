@@ -11,21 +11,66 @@
 Use these without ``ParameterServiceStrategy`` (which reduces gradients itself).
 """
 
-from pslink.tf.context import init, local_rank, local_size, rank, shutdown, size
+from pslink.core.collectives import (
+    Adasum,
+    Average,
+    Sum,
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
+from pslink.tf.context import (
+    cross_rank,
+    cross_size,
+    cuda_built,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
 from pslink.tf.keras import callbacks
 from pslink.tf.keras.optimizer import DistributedOptimizer
-from pslink.tf.ops import allreduce, broadcast, broadcast_variables
+from pslink.tf.ops import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object, broadcast_variables
 
 __all__ = [
+    "Adasum",
+    "Average",
     "DistributedOptimizer",
+    "Sum",
+    "allgather",
+    "allgather_object",
     "allreduce",
+    "barrier",
     "broadcast",
+    "broadcast_object",
     "broadcast_variables",
     "callbacks",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
     "init",
+    "is_initialized",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "rank",
+    "rocm_built",
     "shutdown",
     "size",
 ]

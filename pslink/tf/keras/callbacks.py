@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from pslink.tf import context
-from pslink.tf.exchange import make_key
+from pslink.tf.exchange import service_key
 from pslink.tf.ops import broadcast_variables
 
 
@@ -50,7 +50,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
             return
         exchange.check_once([(n, "()", "float64") for n in names], "metrics", "MetricAverageCallback")
         values = np.array([float(logs[n]) for n in names], np.float64)
-        key = make_key("tf.metrics", len(names))
+        key = service_key("tf.metrics", len(names))
         mean = exchange.sum([key], [tf.constant(values)], average=True, what="MetricAverageCallback")[0].numpy()
         for name, value in zip(names, mean):
             logs[name] = float(value)

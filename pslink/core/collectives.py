@@ -1,0 +1,260 @@
+"""Collectives over push-pull, shared by the framework adapters: numpy arrays in and out.
+
+Horovod's collectives reduce to push-pulls of named keys in ``sum`` mode:
+
+- an **allreduce** sums (or averages) what every rank pushed;
+- a **broadcast** has every rank but the root push zeros, so the sum is the root's value (the same
+  key can be broadcast any number of times, one round each);
+- an **allgather** has each rank fill its own rows of a zeroed buffer; a first round shares every
+  rank's shape, so ranks may bring different numbers of rows and a mismatch is an error on every
+  rank at once (not two keys each waiting for the other);
+- an **object** is pickled into bytes and travels as a ``uint8`` array, its length first (a key's
+  shape is fixed once declared, so the length is part of the data key).
+
+The torch and TensorFlow adapters turn their tensors into host arrays and call these; each passes
+a :data:`PushPull`, one synchronous round of one key that rewords errors for its own users. The
+public names every adapter offers are listed here once (:data:`HOROVOD_NAMES`), and a test holds
+the adapters to it.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pslink.errors import ConfigError, ShapeMismatchError
+
+MAX_KEY_LENGTH = 256  # the service's limit on string keys
+MAX_GATHER_DIMS = 8
+
+# One synchronous push-pull round: (key, array to push, array to receive into) -> the latter.
+PushPull = Callable[[str, np.ndarray, np.ndarray], np.ndarray]
+
+
+def service_key(*parts: Any) -> str:
+    """``parts`` joined by ``/`` as a service key: identical on every rank, at most 256 characters
+    (a longer one keeps its start and gets a digest of the whole)."""
+    key = "/".join(str(p) for p in parts)
+    if len(key) <= MAX_KEY_LENGTH:
+        return key
+    digest = hashlib.sha1(key.encode()).hexdigest()
+    return f"{key[: MAX_KEY_LENGTH - len(digest) - 1]}#{digest}"
+
+
+def check_root(root: Any, size: int, what: str) -> None:
+    """ConfigError naming ``what`` unless ``root`` is a rank of a job of ``size`` workers."""
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
+        raise ConfigError(f"{what}: root_rank must be an int in [0, {size}), got {root!r}")
+
+
+# -- reduction operators ----------------------------------------------------------------------------
+
+
+class ReduceOp(enum.Enum):
+    AVERAGE = "average"
+    SUM = "sum"
+    ADASUM = "adasum"
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+
+
+def reduce_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:
+    """Horovod's rules: ``op`` wins, the deprecated ``average`` flag picks Average or Sum."""
+    if op is not None and average is not None:
+        raise ConfigError("pass op= or the deprecated average=, not both")
+    if op is None:
+        op = Sum if average is False else Average
+    if op is Adasum:
+        raise ConfigError("op=Adasum is not supported by pslink; use Average or Sum")
+    if not isinstance(op, ReduceOp):
+        raise ConfigError(f"op must be pslink's Average or Sum, got {op!r}")
+    return op
+
+
+# -- broadcast ----------------------------------------------------------------------------------------
+
+
+class Zeros:
+    """Read-only zero arrays, cut from one buffer per dtype: what non-root ranks push."""
+
+    def __init__(self):
+        self._buffers: dict[np.dtype, np.ndarray] = {}
+
+    def like(self, array: np.ndarray) -> np.ndarray:
+        buffer = self._buffers.get(array.dtype)
+        if buffer is None or buffer.size < array.size:
+            buffer = np.zeros(max(array.size, 1024), array.dtype)
+            buffer.flags.writeable = False
+            self._buffers[array.dtype] = buffer
+        return buffer[: array.size].reshape(array.shape)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def broadcast_pushes(arrays: list[np.ndarray], rank: int, root: int, zeros: Zeros) -> list[np.ndarray]:
+    """What this rank pushes to broadcast ``arrays``: the arrays themselves on the root, zeros elsewhere."""
+    return list(arrays) if rank == root else [zeros.like(a) for a in arrays]
+
+
+# -- allgather ----------------------------------------------------------------------------------------
+
+
+def gather_same_rows(pushpull: PushPull, key: str, row: np.ndarray, rank: int, rows: int) -> np.ndarray:
+    """Every rank's ``row`` (all of one shape) stacked, in rank order: ``rows`` slots, this rank
+    filling slot ``rank``; slots no rank fills stay zero."""
+    stacked = np.zeros((rows,) + row.shape, row.dtype)
+    stacked[rank] = row
+    return pushpull(key, stacked, stacked)
+
+
+def gather_rows(pushpull: PushPull, name: str, host: np.ndarray, rank: int, size: int,
+                capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(all ranks' ``host`` concatenated along the first dimension, rows per rank).
+
+    Ranks may bring different numbers of rows; the other dimensions must agree. ``capacity`` (the
+    most ranks the job may have, default ``size``) sizes the shapes round, so its key keeps one
+    shape when an elastic job changes size; slots past ``size`` stay zero."""
+    if host.ndim == 0:
+        host = host.reshape(1)
+    if host.ndim > MAX_GATHER_DIMS:
+        raise ConfigError(f"allgather {name!r}: at most {MAX_GATHER_DIMS} dimensions, got {host.ndim}")
+    described_row = np.zeros(1 + MAX_GATHER_DIMS, np.int64)
+    described_row[0] = host.ndim
+    described_row[1 : 1 + host.ndim] = host.shape
+    shapes = gather_same_rows(pushpull, service_key("allgather", name, "shapes"), described_row, rank,
+                              capacity or size)
+    described = [tuple(int(d) for d in row[1 : 1 + row[0]]) for row in shapes[:size]]
+    if any(s[1:] != described[rank][1:] for s in described):
+        listing = ", ".join(f"rank {r} has shape {s}" for r, s in enumerate(described))
+        raise ShapeMismatchError(f"allgather {name!r}: all dimensions but the first must agree: {listing}",
+                                 key=name, shapes=[list(s) for s in described])
+    rows = np.array([s[0] for s in described], np.int64)
+    start = int(rows[:rank].sum())
+    trailing = host.shape[1:]
+    buffer = np.zeros((int(rows.sum()),) + trailing, host.dtype)
+    buffer[start : start + host.shape[0]] = host
+    dims = "x".join(str(d) for d in (int(rows.sum()),) + trailing)
+    pushpull(service_key("allgather", name, dims), buffer, buffer)
+    return buffer, rows
+
+
+# -- objects -------------------------------------------------------------------------------------------
+
+
+def object_bytes(obj: Any) -> np.ndarray:
+    """``obj`` pickled, as a ``uint8`` array."""
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+
+
+def broadcast_object(pushpull: PushPull, name: str, obj: Any, rank: int, root: int) -> Any:
+    """``root``'s ``obj`` on every rank (pickled on the root, unpickled on the others)."""
+    if rank == root:
+        payload = object_bytes(obj)
+        length = np.array([payload.size], np.int64)
+    else:
+        payload, length = None, np.zeros(1, np.int64)
+    pushpull(service_key("object", name, "length"), length, length)
+    size = int(length[0])
+    data = payload if payload is not None else np.zeros(size, np.uint8)
+    out = np.empty(size, np.uint8)
+    pushpull(service_key("object", name, size), data, out)
+    return obj if rank == root else pickle.loads(out.tobytes())
+
+
+def allgather_object(pushpull: PushPull, name: str, obj: Any, rank: int, size: int,
+                     capacity: int | None = None) -> list:
+    """Every rank's ``obj``, as a list in rank order."""
+    gathered, rows = gather_rows(pushpull, f"{name}/object", object_bytes(obj), rank, size, capacity)
+    bounds = np.concatenate([[0], np.cumsum(rows)])
+    return [pickle.loads(gathered[bounds[r] : bounds[r + 1]].tobytes()) for r in range(size)]
+
+
+# -- the Horovod API ---------------------------------------------------------------------------------
+
+# What Horovod's build reports: pslink needs none of MPI, Gloo, NCCL, DDL, CCL or ROCm (CUDA is
+# the framework's own question, answered by each adapter). The adapters export these as they are.
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+NOT_BUILT = ("mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+             "nccl_built", "ddl_built", "ccl_built", "rocm_built")
+
+
+def cross_rank(rank: int, local_size: int) -> int:
+    """The index of this rank's machine, as Horovod numbers them (``local_size`` ranks per machine)."""
+    return rank // max(local_size, 1)
+
+
+def cross_size(size: int, local_size: int) -> int:
+    """The number of machines, as Horovod counts them."""
+    return max(size // max(local_size, 1), 1)
+
+
+# The names of Horovod's API (horovod.torch, horovod.tensorflow and horovod.mxnet share them) that
+# every pslink adapter offering Horovod's API must export, with Horovod's meaning.
+HOROVOD_NAMES = frozenset({
+    "init", "shutdown", "is_initialized",
+    "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    *NOT_BUILT, "cuda_built",
+    "Average", "Sum", "Adasum",
+    "allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
+    "barrier", "join",
+    "Compression", "DistributedOptimizer",
+})
+
+# Names of HOROVOD_NAMES an adapter does not offer yet, and why (the test also checks that each
+# listed name is really missing, so that this stays true as names are added).
+HOROVOD_GAPS: dict[str, dict[str, str]] = {
+    "pslink.torch": {},
+    "pslink.tf": {
+        "Compression": "fp16 compression of TensorFlow tensors is not written yet",
+        "DistributedOptimizer": "Keras 3's optimizer is wrapped in pslink.tf.keras; TF1's is not offered",
+        "join": "uneven data for TensorFlow (join) is not written yet",
+    },
+    "pslink.tf.keras": {
+        "Compression": "fp16 compression of TensorFlow tensors is not written yet",
+        "join": "uneven data for TensorFlow (join) is not written yet",
+    },
+}

@@ -1,0 +1,66 @@
+"""How a process's connections reach peers on its own host: :class:`TransportOptions`.
+
+The options are given to :class:`~pslink.core.transport.Transports` (and from it to each
+listener and connection) by whoever makes it; :func:`pslink.config.transport_options` reads them
+from the environment (``PSLINK_LOCAL_SOCKETS``, ``PSLINK_SHM``, ``PSLINK_SHM_RING_MIB``,
+``PSLINK_SHM_WAIT_MS``) once, when a ``Transports`` is made without options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+
+from pslink.errors import ConfigError
+
+DEFAULT_RING_BYTES = 16 << 20  # four 4 MiB parts in flight per direction before falling back
+MAX_RING_BYTES = 1 << 30  # the largest ring a receiver maps
+DEFAULT_RING_WAIT = 0.02  # how long a sender may wait for room before its payload takes the socket
+MAX_RING_WAIT = 60.0
+
+
+def rings_supported() -> bool:
+    """Whether this platform can carry payloads through shared-memory rings: a ring's counter is
+    read without fences, which x86-64's memory order allows (see shm.py), and made with memfd."""
+    return (
+        sys.platform.startswith("linux")
+        and hasattr(os, "memfd_create")
+        and platform.machine().lower() in ("x86_64", "amd64")
+    )
+
+
+def local_sockets_supported() -> bool:
+    """Whether listeners can have an abstract Unix socket beside them (Linux only)."""
+    return sys.platform.startswith("linux")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportOptions:
+    """``local_sockets``: reach peers of this host (and network namespace) over a Unix socket
+    beside each TCP port; ``rings``: send large payloads to them through shared-memory rings;
+    ``ring_bytes``: the size of each ring; ``ring_wait``: seconds a payload waits for room in a
+    full ring before it takes the socket (0: never waits). Where the platform cannot, local
+    sockets and rings are off whatever the options say."""
+
+    local_sockets: bool = True
+    rings: bool = True
+    ring_bytes: int = DEFAULT_RING_BYTES
+    ring_wait: float = DEFAULT_RING_WAIT
+
+    def __post_init__(self):
+        if not isinstance(self.ring_bytes, int) or not 1 << 20 <= self.ring_bytes <= MAX_RING_BYTES:
+            raise ConfigError(f"ring_bytes must be a whole number of bytes from 1 MiB to {MAX_RING_BYTES >> 20} MiB, "
+                              f"got {self.ring_bytes!r}")
+        if not isinstance(self.ring_wait, (int, float)) or not 0 <= self.ring_wait <= MAX_RING_WAIT:
+            raise ConfigError(f"ring_wait must be from 0 to {MAX_RING_WAIT:g} seconds, got {self.ring_wait!r}")
+
+    @property
+    def uses_local_sockets(self) -> bool:
+        return self.local_sockets and local_sockets_supported()
+
+    @property
+    def uses_rings(self) -> bool:
+        """Whether this process makes rings (it takes a peer's ring in any case)."""
+        return self.rings and rings_supported()

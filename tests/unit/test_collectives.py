@@ -1,0 +1,124 @@
+"""The collectives shared by the framework adapters: keys, roots, operators, and one list of
+Horovod's names that every adapter is held to."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import numpy as np
+import pytest
+
+from pslink.core import collectives
+from pslink.core.collectives import HOROVOD_GAPS, HOROVOD_NAMES, MAX_KEY_LENGTH, Zeros, service_key
+from pslink.errors import ConfigError
+
+
+def test_keys_join_their_parts_and_stay_within_the_service_limit():
+    assert service_key("allreduce", "w") == "allreduce/w"
+    assert service_key("tf.var", "dense/kernel", "float32", (2, 3)) == "tf.var/dense/kernel/float32/(2, 3)"
+    long = service_key("grad", "x" * 400)
+    assert len(long) == MAX_KEY_LENGTH and long.startswith("grad/xxx")
+    assert service_key("grad", "x" * 400) == long  # the same on every rank
+    assert service_key("grad", "x" * 401) != long  # and distinct for distinct names
+
+
+@pytest.mark.parametrize("root", [-1, 3, True, 1.0, "0", None])
+def test_a_root_outside_the_job_is_refused_naming_the_call(root):
+    with pytest.raises(ConfigError, match=r"broadcast_object: root_rank must be an int in \[0, 3\)"):
+        collectives.check_root(root, 3, "broadcast_object")
+
+
+def test_reduce_op_follows_horovods_rules():
+    assert collectives.reduce_op(None) is collectives.Average
+    assert collectives.reduce_op(None, average=True) is collectives.Average
+    assert collectives.reduce_op(None, average=False) is collectives.Sum
+    assert collectives.reduce_op(collectives.Sum) is collectives.Sum
+    with pytest.raises(ConfigError, match="not both"):
+        collectives.reduce_op(collectives.Sum, average=True)
+    with pytest.raises(ConfigError, match="Adasum is not supported"):
+        collectives.reduce_op(collectives.Adasum)
+    with pytest.raises(ConfigError, match="Average or Sum, got 'max'"):
+        collectives.reduce_op("max")
+
+
+def test_non_roots_push_read_only_zeros_cut_from_one_buffer():
+    zeros = Zeros()
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float32)]
+    assert collectives.broadcast_pushes(arrays, rank=1, root=1, zeros=zeros) == arrays
+    pushed = collectives.broadcast_pushes(arrays, rank=0, root=1, zeros=zeros)
+    assert [p.shape for p in pushed] == [(2, 3), (4,)] and not any(p.any() for p in pushed)
+    assert not pushed[0].flags.writeable
+    assert np.shares_memory(pushed[0], pushed[1])  # one buffer per dtype, not one per tensor
+
+
+def _pushpull_of(contributions: dict):
+    """A PushPull in which the other ranks' contributions to each key are known in advance."""
+
+    def pushpull(key, array, out):
+        out[...] = array + sum(contributions.get(key, []))
+        return out
+
+    return pushpull
+
+
+def test_gather_rows_concatenates_uneven_rows_in_rank_order():
+    # Rank 1 of 3 brings 2 rows; ranks 0 and 2 bring 1 and 3 (their rows arrive through the sum).
+    shapes_key = service_key("allgather", "x", "shapes")
+    others_shapes = np.zeros((3, 1 + collectives.MAX_GATHER_DIMS), np.int64)
+    others_shapes[0, :3] = [2, 1, 2]
+    others_shapes[2, :3] = [2, 3, 2]
+    data_key = service_key("allgather", "x", "6x2")
+    others = np.zeros((6, 2), np.float32)
+    others[0] = [1, 1]
+    others[3:] = 3
+    pushpull = _pushpull_of({shapes_key: [others_shapes], data_key: [others]})
+    gathered, rows = collectives.gather_rows(pushpull, "x", np.full((2, 2), 2, np.float32), rank=1, size=3)
+    assert rows.tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(gathered[:, 0], [1, 2, 2, 3, 3, 3])
+
+
+def test_gather_rows_names_every_ranks_shape_when_trailing_dimensions_differ():
+    shapes_key = service_key("allgather", "x", "shapes")
+    others_shapes = np.zeros((2, 1 + collectives.MAX_GATHER_DIMS), np.int64)
+    others_shapes[1, :3] = [2, 4, 5]
+    pushpull = _pushpull_of({shapes_key: [others_shapes]})
+    with pytest.raises(Exception, match=r"rank 0 has shape \(2, 3\), rank 1 has shape \(4, 5\)"):
+        collectives.gather_rows(pushpull, "x", np.zeros((2, 3), np.float32), rank=0, size=2)
+
+
+# -- one list of Horovod's names, for every adapter -------------------------------------------------
+
+
+def _import_adapter(name: str):
+    framework = {"pslink.torch": "torch", "pslink.tf": "tensorflow", "pslink.tf.keras": "tensorflow"}[name]
+    if importlib.util.find_spec(framework) is None:
+        pytest.skip(f"{framework} is not installed (CI installs it)")
+    if framework == "tensorflow" and importlib.util.find_spec("mxnet") is not None:
+        importlib.import_module("mxnet")  # MXNet before TensorFlow in one process, or MXNet segfaults later
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("adapter", sorted(HOROVOD_GAPS))
+def test_each_adapter_exports_horovods_names_but_its_listed_gaps(adapter):
+    module = _import_adapter(adapter)
+    public = set(module.__all__)
+    gaps = set(HOROVOD_GAPS[adapter])
+    assert not HOROVOD_NAMES - public - gaps, f"{adapter} lacks Horovod names not listed as gaps"
+    assert not gaps & public, f"{adapter} now offers {gaps & public}: take them off HOROVOD_GAPS"
+    assert all(hasattr(module, name) for name in module.__all__)
+
+
+def test_gaps_are_horovod_names_and_each_adapter_is_listed():
+    for adapter, gaps in HOROVOD_GAPS.items():
+        assert set(gaps) <= HOROVOD_NAMES, adapter
+        assert all(reason for reason in gaps.values())
+    assert set(HOROVOD_GAPS) == {"pslink.torch", "pslink.tf", "pslink.tf.keras"}
+
+
+@pytest.mark.parametrize("adapter", ["pslink.torch", "pslink.tf"])
+def test_the_shared_names_are_the_shared_objects(adapter):
+    module = _import_adapter(adapter)
+    for name in ("Average", "Sum", "Adasum", *collectives.NOT_BUILT):
+        assert getattr(module, name) is getattr(collectives, name), name
+    assert not any(getattr(module, name)() for name in collectives.NOT_BUILT)
