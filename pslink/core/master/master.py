@@ -153,6 +153,7 @@ class Master:
                                joined=self._aggregator_joined, carry_out=self._carry_out)
         self._thread: ReactorThread | None = None
         self._registered = threading.Condition()
+        self._joined: set[RpcPeer] = set()  # Aggregators' links, once taken into the pool (aggregator_alive)
         self._handlers = {
             Op.REGISTER_JOB: self._register_job,
             Op.REGISTER_WORKER: self._register_worker,
@@ -237,7 +238,7 @@ class Master:
 
     def aggregator_alive(self, name: str) -> bool:
         record = self.state.aggregators.get(name)
-        return record is not None and record.alive and name in self.links.peers
+        return record is not None and record.alive and self.links.peers.get(name) in self._joined
 
     def wait_for_aggregators(self, names: list[str], timeout: float) -> bool:
         """Block (any thread) until every named Aggregator has registered; False on timeout."""
@@ -323,6 +324,7 @@ class Master:
             self.state.worker_disconnected(peer.info["job"], peer.info["rank"])
         elif role == "aggregator":
             name = peer.info["name"]
+            self._joined.discard(peer)
             if self.links.peers.get(name) is peer:
                 del self.links.peers[name]
                 self.state.aggregator_lost(name)
@@ -550,14 +552,16 @@ class Master:
         if placeholder is not None:
             for job_record, specs in self._deferred.pop(placeholder, []):
                 self._assign(job_record, specs)
-        with self._registered:
-            self._registered.notify_all()
-        self.pool.registered()
         # After a pMaster or Aggregator restart: make sure it holds what it was given.
         for job, specs in self.state.tasks_on(record.name):
             self.links.tell(record.name, Op.ASSIGN, f"re-assigning job {job.job} to {record.name}",
                             jobinfo=job.jobinfo(), tasks=specs)
         self.replicas.everywhere()
+        # Last: aggregator_alive (wait_for_aggregators, pool additions) holds only once all of the above is done.
+        with self._registered:
+            self._joined.add(peer)
+            self._registered.notify_all()
+        self.pool.registered()
 
     # -- liveness -------------------------------------------------------------------------------
 
