@@ -22,6 +22,7 @@ ENV_TOKEN = "PSLINK_TOKEN"
 ENV_TIMEOUT = "PSLINK_TIMEOUT"
 ENV_PARTITION_BYTES = "PSLINK_PARTITION_BYTES"
 ENV_LOCAL_SOCKETS = "PSLINK_LOCAL_SOCKETS"
+ENV_ALLOWED_UIDS = "PSLINK_ALLOWED_UIDS"
 ENV_SHM = "PSLINK_SHM"
 ENV_SHM_RING_MIB = "PSLINK_SHM_RING_MIB"
 ENV_SHM_WAIT_MS = "PSLINK_SHM_WAIT_MS"
@@ -139,8 +140,9 @@ def resolve_connect(job, rank, num_workers, master, options: dict, known, enviro
 def transport_options(environ=os.environ):
     """The :class:`~pslink.core.transport.TransportOptions` the environment asks for.
 
-    ``PSLINK_LOCAL_SOCKETS=0``: peers on this host talk TCP; ``PSLINK_SHM=0``: no shared-memory
-    rings; ``PSLINK_SHM_RING_MIB``: each ring's size; ``PSLINK_SHM_WAIT_MS``: how long a payload
+    ``PSLINK_LOCAL_SOCKETS=0``: peers on this host talk TCP; ``PSLINK_ALLOWED_UIDS``: other users
+    (ids, comma-separated) whose processes may use this host's local sockets and rings;
+    ``PSLINK_SHM=0``: no shared-memory rings; ``PSLINK_SHM_RING_MIB``: each ring's size; ``PSLINK_SHM_WAIT_MS``: how long a payload
     waits for ring room. A malformed ring size or wait is logged and turns off what it sets (no
     rings; no waiting), as a setting a running service meets must not stop it."""
     from pslink.core.transport.options import DEFAULT_RING_BYTES, DEFAULT_RING_WAIT, MAX_RING_BYTES, TransportOptions
@@ -161,9 +163,16 @@ def transport_options(environ=os.environ):
     except ConfigError as exc:
         log.warning("%s; large payloads do not wait for ring room", exc)
         ring_wait = 0.0
+    allowed = set()
+    for part in (_env(ENV_ALLOWED_UIDS, environ) or "").replace(",", " ").split():
+        if part.isdigit():
+            allowed.add(int(part))
+        else:
+            log.warning("%s: %r is not a user id; ignored (only the service's own user shares the host's "
+                        "sockets and rings)", ENV_ALLOWED_UIDS, part)
     return TransportOptions(
         local_sockets=(_env(ENV_LOCAL_SOCKETS, environ) or "1").strip() != "0",
-        rings=rings, ring_bytes=ring_bytes, ring_wait=ring_wait,
+        rings=rings, ring_bytes=ring_bytes, ring_wait=ring_wait, allowed_uids=frozenset(allowed),
     )
 
 

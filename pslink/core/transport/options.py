@@ -41,13 +41,16 @@ class TransportOptions:
     """``local_sockets``: reach peers of this host (and network namespace) over a Unix socket
     beside each TCP port; ``rings``: send large payloads to them through shared-memory rings;
     ``ring_bytes``: the size of each ring; ``ring_wait``: seconds a payload waits for room in a
-    full ring before it takes the socket (0: never waits). Where the platform cannot, local
-    sockets and rings are off whatever the options say."""
+    full ring before it takes the socket (0: never waits); ``allowed_uids``: users besides this
+    process's own (and root) whose processes may use the local socket (and so hand over rings);
+    everyone else's are refused there and reach the listener over TCP. Where the platform cannot,
+    local sockets and rings are off whatever the options say."""
 
     local_sockets: bool = True
     rings: bool = True
     ring_bytes: int = DEFAULT_RING_BYTES
     ring_wait: float = DEFAULT_RING_WAIT
+    allowed_uids: frozenset = frozenset()
 
     def __post_init__(self):
         if not isinstance(self.ring_bytes, int) or not 1 << 20 <= self.ring_bytes <= MAX_RING_BYTES:
@@ -55,6 +58,10 @@ class TransportOptions:
                               f"got {self.ring_bytes!r}")
         if not isinstance(self.ring_wait, (int, float)) or not 0 <= self.ring_wait <= MAX_RING_WAIT:
             raise ConfigError(f"ring_wait must be from 0 to {MAX_RING_WAIT:g} seconds, got {self.ring_wait!r}")
+
+    def may_share_host(self, uid: int) -> bool:
+        """Whether a same-host peer running as ``uid`` may use the local socket and rings."""
+        return uid in (0, os.geteuid()) or uid in self.allowed_uids
 
     @property
     def uses_local_sockets(self) -> bool:

@@ -29,6 +29,7 @@ rings off for what a process sends.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import time
@@ -41,6 +42,10 @@ from pslink.errors import ProtocolError
 MIN_PAYLOAD = 64 << 10  # smaller payloads are cheaper on the socket than bookkept in a ring
 HEADER_BYTES = 64  # the first cache line holds ``consumed``; the data follows
 INLINE = (1 << 64) - 1  # a payload's position when it travels on the socket
+# A ring that could shrink under its receiver would kill it: reading a mapped page past the end of
+# its file raises SIGBUS, which no handler in Python survives. So a receiver maps only a memfd
+# sealed against resizing, whose size covers what its sender declared.
+RING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 ROOM_POLL = 50e-6  # between looks at ``consumed`` while waiting (a sleep: the receiver needs the CPU)
 
 
@@ -66,9 +71,11 @@ class SendRing(_Ring):
     """The sender's side: places payloads and knows what the receiver has taken."""
 
     def __init__(self, capacity: int):
-        self.fd = os.memfd_create("pslink-ring", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("pslink-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, HEADER_BYTES + capacity)
+            # The receiver maps it only if it can never shrink (see ReceiveRing).
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, RING_SEALS | fcntl.F_SEAL_SEAL)
             super().__init__(self.fd, capacity)
         except BaseException:
             os.close(self.fd)
@@ -150,6 +157,13 @@ class ReceiveRing(_Ring):
     def __init__(self, fd: int, capacity: int, peer: str):
         if not 0 < capacity <= MAX_RING_BYTES:
             raise ProtocolError(f"bad frame from {peer}: a ring of {capacity} bytes (at most {MAX_RING_BYTES})")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # not a memfd (or one made without sealing)
+        if seals & RING_SEALS != RING_SEALS:
+            raise ProtocolError(f"bad frame from {peer}: its ring is not sealed against resizing (F_SEAL_SHRINK, "
+                                "F_SEAL_GROW); refused")
         if os.fstat(fd).st_size < HEADER_BYTES + capacity:
             raise ProtocolError(f"bad frame from {peer}: its ring is smaller than the {capacity} bytes announced")
         super().__init__(fd, capacity)

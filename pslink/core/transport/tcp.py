@@ -11,6 +11,7 @@ import errno
 import itertools
 import logging
 import socket
+import struct
 
 from pslink.core import hosts
 from pslink.core.transport.base import Handler, Listener, Transport, split_host_port
@@ -37,8 +38,21 @@ log = logging.getLogger(__name__)
 # share the machine but not the namespace, use TCP. TransportOptions(local_sockets=False)
 # (PSLINK_LOCAL_SOCKETS=0) turns it off (TCP only). Abstract names vanish with their process:
 # nothing is left on disk.
+#
+# Abstract names have no file permissions: any user of the host (and namespace) reaches them. So
+# both ends look at the other's credentials (SO_PEERCRED) and use the socket only with a process
+# of the same user, root, or a user the options allow; a listener closes a connection from anyone
+# else (who can still dial TCP), and a connecting process that finds a listener of another user
+# there dials TCP instead. Rings, which a peer's process maps, never cross between users.
 
 _WILDCARD_NAME = "*"  # a listener bound to every address of the host
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_refused_local = itertools.count(1)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket."""
+    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
 
 
 def _canonical(host: str) -> str:
@@ -128,6 +142,15 @@ class TcpListener(Listener):
             if listening is self.sock:
                 peer = f"tcp://{addr[0]}:{addr[1]}"
             else:  # a same-host peer: no address of its own, so a number tells them apart
+                uid = peer_uid(conn_sock)
+                if not self.options.may_share_host(uid):
+                    conn_sock.close()
+                    count = next(_refused_local)
+                    if count & (count - 1) == 0:  # 1, 2, 4, 8...: a flood writes a few lines, not one each
+                        log.warning("listener %s refused %d local connection(s) from users it does not share "
+                                    "its host with (the last: uid %d); they may connect over TCP", self.address,
+                                    count, uid)
+                    continue
                 peer = f"local://{self.address[len('tcp://'):]}#{next(self._accepted)}"
             conn = TcpConnection(conn_sock, self.reactor, self.handler, self.limits, peer=peer, on_driver_thread=True,
                                  options=self.options)
@@ -163,7 +186,10 @@ class TcpTransport(Transport):
             local.settimeout(timeout)
             try:
                 local.connect(name)
-                return TcpConnection(local, reactor, handler, limits, peer=address, options=self.options)
+                if self.options.may_share_host(peer_uid(local)):
+                    return TcpConnection(local, reactor, handler, limits, peer=address, options=self.options)
+                local.close()  # another user's listener: it would refuse us, and we it; TCP
+                break
             except OSError:
                 local.close()  # no local socket there (TCP only, or bound elsewhere): the next, or TCP
         try:
