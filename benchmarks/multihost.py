@@ -179,7 +179,7 @@ def run_rate(rate: str, args) -> dict:
         # pushpull: pMaster and its Aggregator on B, the worker on A
         master_b = f"tcp://{hosts.address('B')}:{MASTER_PORT}"
         service = _start(hosts, "B", [*PSLINK, "service", "up", "--host", hosts.address("B"), "--port",
-                                      str(MASTER_PORT), "--aggregators", "1"])
+                                      str(MASTER_PORT), "--aggregators", "1", "--allow-first-join"])
         _wait_ready(hosts, "B", master_b, 1, service)
         for index in range(args.repeats):
             figures["raw_MBps"].append(measure_raw(hosts, args.seconds))
@@ -194,7 +194,7 @@ def run_rate(rate: str, args) -> dict:
         # DDP: pMaster and one Aggregator on A, one Aggregator joined from B
         master_a = f"tcp://{hosts.address('A')}:{MASTER_PORT}"
         service = _start(hosts, "A", [*PSLINK, "service", "up", "--host", hosts.address("A"), "--port",
-                                      str(MASTER_PORT), "--aggregators", "1"])
+                                      str(MASTER_PORT), "--aggregators", "1", "--allow-first-join"])
         _wait_ready(hosts, "A", master_a, 1, service)
         joined = _start(hosts, "B", [*PSLINK, "aggregator", "--master", master_a])
         _wait_ready(hosts, "A", master_a, 2, service)

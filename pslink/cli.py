@@ -33,8 +33,32 @@ err_console = Console(stderr=True)
 MasterOption = typer.Option(None, "--master", "-m", help=f"pMaster address (default ${ENV_MASTER} or {DEFAULT_MASTER})")
 
 
+CredentialsOption = typer.Option(None, "--credentials", help="file with the service's operator credential (default "
+                                 "$PSLINK_CREDENTIALS, else the file `pslink service up` wrote on this host)")
+
+
 def _master(address: Optional[str]) -> str:
     return address or os.environ.get(ENV_MASTER) or DEFAULT_MASTER
+
+
+def _client(master: Optional[str], timeout: float, credentials: Optional[str]):
+    from pslink.core.service.client import ControlClient
+
+    return ControlClient(_master(master), timeout=timeout, credentials_file=credentials)
+
+
+def _state_dir(state: Optional[str]) -> Optional[str]:
+    """--state checked at once: a directory this process can make and write in."""
+    if state is None:
+        return None
+    try:
+        os.makedirs(state, mode=0o700, exist_ok=True)
+        probe = os.path.join(state, f".probe-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as exc:
+        _fail(PslinkError(f"--state {state}: cannot make or write that directory ({exc.strerror or exc})"))
+    return state
 
 
 def _fail(exc: Exception) -> None:
@@ -58,10 +82,20 @@ def service_up(
     provider: str = typer.Option("local", help="local (subprocesses) or ray (Ray actors, any node)"),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join with --provider ray (e.g. auto)"),
     log_level: str = typer.Option("WARNING", help="log level of pMaster and the Aggregators"),
+    secret_file: Optional[str] = typer.Option(None, help="the service secret (hex, mode 0600; default "
+                                              "$PSLINK_SECRET_FILE, else STATE/secret, made if missing, else a new "
+                                              "one in memory)"),
+    allow_first_join: bool = typer.Option(False, help="let workers create a job by joining, without a token, from "
+                                          "any host (always allowed from this host)"),
+    job_max_mib: Optional[int] = typer.Option(None, min=1, help="default quota: MiB a job may hold (replicas "
+                                              "counted); `job create --max-mib` sets one job's"),
+    job_max_keys: Optional[int] = typer.Option(None, min=1, help="default quota: keys a job may hold"),
 ):
     """Run pMaster and an elastic Aggregator pool in the foreground (it never shrinks below
-    --aggregators); Ctrl-C stops every process it started."""
+    --aggregators); Ctrl-C stops every process it started. Operators and Aggregators need the
+    credentials it writes (docs/security.md)."""
     from pslink.core.service import Service
+    from pslink.core.service.credential_files import client_file_for, load_or_create_secret, write_client_file
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     scheme = {"tcp": "tcp", "zmq": "zmq+tcp"}.get(transport)
@@ -70,17 +104,23 @@ def service_up(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    state = _state_dir(state)
     try:
+        secret = load_or_create_secret(state, secret_file)
         listen = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
+        quota = {"max_bytes": job_max_mib << 20 if job_max_mib else None, "max_keys": job_max_keys}
+        common = dict(state_dir=state, advertise=advertise, interface=interface, secret=secret,
+                      allow_first_join=allow_first_join, master_options={"quota": quota})
         if provider == "ray":
-            service = Service(listen, aggregators, state_dir=state, provider="ray",
-                              provider_options={"address": ray_address}, advertise=advertise,
-                              interface=interface).start()
+            service = Service(listen, aggregators, provider="ray", provider_options={"address": ray_address},
+                              **common).start()
         else:
-            service = Service(listen, aggregators, state_dir=state, aggregator_options={"log_level": log_level},
-                              advertise=advertise, interface=interface).start()
+            service = Service(listen, aggregators, aggregator_options={"log_level": log_level}, **common).start()
     except PslinkError as exc:
         _fail(exc)
+    except OSError as exc:
+        _fail(PslinkError(f"cannot start the service: {exc}"))
+    credentials = write_client_file(client_file_for(int(service.address.rsplit(":", 1)[1])), service.address, secret)
     try:
         pids = ", ".join(f"{n} (pid {service.provider.pid(n)})" for n in service.provider.names())
         pids += f"  [{provider} provider, grows with load]"
@@ -91,12 +131,18 @@ def service_up(
             f"workers:   export {ENV_MASTER}={service.address}\n"
             f"more Aggregators, from any host: pslink aggregator --master {service.address}\n"
             f"status:    pslink service status -m {service.address}\n"
+            f"credentials (operator, aggregator): {credentials}\n"
+            f"  this user on this host finds them; elsewhere: export PSLINK_CREDENTIALS=<a copy>\n"
             "Ctrl-C stops the service and every process it started.",
             title="pslink service up", border_style="green"))
         stop.wait()
     finally:
         console.print("stopping...")
         service.stop()
+        try:
+            os.remove(credentials)
+        except OSError:
+            pass
     console.print("stopped.")
 
 
@@ -104,12 +150,11 @@ def service_up(
 def service_status(
     master: Optional[str] = MasterOption,
     as_json: bool = typer.Option(False, "--json", help="print the raw status as JSON"),
+    credentials: Optional[str] = CredentialsOption,
 ):
     """Show Aggregators, jobs, tasks, bytes and rounds per second."""
-    from pslink.core.service.client import ControlClient
-
     try:
-        with ControlClient(_master(master), timeout=5.0) as client:
+        with _client(master, 5.0, credentials) as client:
             status = client.status()
     except PslinkError as exc:
         _fail(exc)
@@ -126,13 +171,12 @@ def service_add(
     count: int = typer.Option(1, "--count", "-n", min=1, help="Aggregators to add"),
     master: Optional[str] = MasterOption,
     timeout: float = typer.Option(60.0, help="seconds to wait for them to register"),
+    credentials: Optional[str] = CredentialsOption,
 ):
     """Add Aggregators to a running service (started through its provider); jobs keep running, and
     the pool no longer shrinks below its new size."""
-    from pslink.core.service.client import ControlClient
-
     try:
-        with ControlClient(_master(master), timeout=timeout) as client:
+        with _client(master, timeout, credentials) as client:
             body = client.add_aggregators(count)
             status = client.status()
     except PslinkError as exc:
@@ -148,13 +192,12 @@ def service_remove(
     name: str = typer.Argument(..., help="the Aggregator to remove (as `pslink service status` names it)"),
     master: Optional[str] = MasterOption,
     timeout: float = typer.Option(120.0, help="seconds to wait for it to drain and stop"),
+    credentials: Optional[str] = CredentialsOption,
 ):
     """Remove an Aggregator from a running service: it drains first (its tasks move to others by
     live migration, its replicas are re-made elsewhere), then it stops. Jobs keep running."""
-    from pslink.core.service.client import ControlClient
-
     try:
-        with ControlClient(_master(master), timeout=timeout) as client:
+        with _client(master, timeout, credentials) as client:
             body = client.remove_aggregator(name)
     except PslinkError as exc:
         _fail(exc)
@@ -195,19 +238,25 @@ def aggregator_command(
     timeout: float = typer.Option(10.0, help="seconds to wait for pMaster to accept it"),
     drain_timeout: float = typer.Option(300.0, help="seconds Ctrl-C waits for its tasks to move off"),
     log_level: str = typer.Option("WARNING", help="log level"),
+    credentials: Optional[str] = typer.Option(None, "--credentials", help="file with the service's aggregator "
+                                              "credential (and, to drain it on Ctrl-C, the operator's; default "
+                                              "$PSLINK_CREDENTIALS, else the file `pslink service up` wrote here)"),
 ):
     """Join a running service's pool from this host: one Aggregator that serves any job, kept by
     the pool's scaling. Ctrl-C drains it first (its tasks and replicas move to the others while jobs
     keep training, as `pslink service remove` does), then it stops; a second Ctrl-C stops it at once."""
     from pslink.core.aggregator import Aggregator
-    from pslink.core.service.client import ControlClient
     from pslink.core.transport import scheme_of
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     address = _master(master)
     bind = _listen_address(listen, scheme_of(address))
     try:
-        aggregator = Aggregator(address, bind, name=name, advertise=advertise, interface=interface, keep=True).start()
+        from pslink.core.credentials import AGGREGATOR
+        from pslink.core.service.credential_files import credential_for
+
+        aggregator = Aggregator(address, bind, name=name, advertise=advertise, interface=interface, keep=True,
+                                credential=credential_for(address, AGGREGATOR, credentials)).start()
     except PslinkError as exc:
         _fail(exc)
     try:
@@ -240,7 +289,7 @@ def aggregator_command(
                 raise typer.Exit(aggregator.exit_code)
         console.print(f"draining {aggregator.name}: its tasks move to the other Aggregators...")
         try:
-            with ControlClient(address, timeout=drain_timeout) as client:
+            with _client(address, drain_timeout, credentials) as client:
                 body = client.remove_aggregator(aggregator.name)
             console.print(f"[green]drained[/] {aggregator.name}: {len(body['moved'])} task(s) and "
                           f"{len(body['replicas'])} replica(s) moved")
@@ -324,9 +373,15 @@ def job_create(
     mode: str = typer.Option("sum", help="sum or optimizer"),
     optimizer: Optional[str] = typer.Option(None, help='e.g. \'{"type": "sgd", "lr": 0.1}\' (implies --mode optimizer)'),
     master: Optional[str] = MasterOption,
+    credentials: Optional[str] = CredentialsOption,
+    token: Optional[str] = typer.Option(None, "--token", help="re-create a job that exists (and has no live workers) "
+                                        "with its token instead of the operator credential"),
+    max_mib: Optional[int] = typer.Option(None, min=1, help="quota: MiB the job may hold (replicas counted)"),
+    max_keys: Optional[int] = typer.Option(None, min=1, help="quota: keys the job may hold"),
 ):
-    """Register a job ahead of its workers; prints the token they must present (PSLINK_TOKEN)."""
-    from pslink.core.service.client import ControlClient
+    """Register a job ahead of its workers; prints the token they must present (PSLINK_TOKEN).
+    A job that exists is re-created (its state dropped, a new token) only with the operator
+    credential or its token, and only while none of its workers is live."""
 
     config: dict = {"mode": mode}
     if optimizer:
@@ -336,8 +391,14 @@ def job_create(
             _fail(PslinkError(f"--optimizer is not valid JSON: {exc}"))
         config["mode"] = "optimizer"
     try:
-        with ControlClient(_master(master), timeout=5.0) as client:
-            settings = client.register_job(name, workers, config)
+        token_bytes = bytes.fromhex(token) if token else None
+    except ValueError:
+        _fail(PslinkError(f"--token must be the hex token `pslink job create` printed, got {token!r}"))
+    try:
+        with _client(master, 5.0, credentials) as client:
+            quota = {"max_bytes": max_mib << 20 if max_mib else None, "max_keys": max_keys}
+            settings = client.register_job(name, workers, config, token=token_bytes,
+                                           quota={k: v for k, v in quota.items() if v is not None})
     except PslinkError as exc:
         _fail(exc)
     console.print(f"export PSLINK_JOB={name} PSLINK_NUM_WORKERS={workers} PSLINK_TOKEN={settings['token'].hex()}")

@@ -107,6 +107,8 @@ def resolve_connect(job, rank, num_workers, master, options: dict, known, enviro
     edge where the environment is read: the Agent itself takes everything as arguments."""
     import difflib
 
+    from pslink.core.names import check_job_name
+
     unknown = sorted(set(options) - set(known))
     if unknown:
         name = unknown[0]
@@ -115,7 +117,7 @@ def resolve_connect(job, rank, num_workers, master, options: dict, known, enviro
         hint = f"; did you mean {meant!r}?" if meant else f"; known options: {', '.join(sorted(known))}"
         raise ConfigError(f"connect() got an unknown option {name!r}{hint}")
     options = dict(options)
-    job = resolve_str(job, "job", ENV_JOB, environ=environ)
+    job = check_job_name(resolve_str(job, "job", ENV_JOB, environ=environ))
     rank = resolve_int(rank, "rank", ENV_RANK, minimum=0, environ=environ)
     num_workers = resolve_int(num_workers, "num_workers", ENV_NUM_WORKERS, minimum=1, environ=environ)
     max_workers = options.get("max_workers")

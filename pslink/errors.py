@@ -43,6 +43,12 @@ class UnknownJobError(PslinkError):
     code = "unknown_job"
 
 
+class QuotaError(PslinkError):
+    """A job asked for more than its quota (bytes held, keys) on the service."""
+
+    code = "quota"
+
+
 class KeyStateError(PslinkError):
     """A request does not fit the key's state (round out of order, duplicate push, not here)."""
 
@@ -108,6 +114,7 @@ _BY_CODE = {
         UnknownJobError,
         KeyStateError,
         ShapeMismatchError,
+        QuotaError,
         AbortedError,
         MembershipError,
         ServiceError,

@@ -19,12 +19,13 @@ TRANSPORTS = {
 
 
 def start_cluster(kind: str, aggregators: int = 2, transports: Transports | None = None, control: dict | None = None,
-                  **master_options) -> Service:
-    """pMaster plus Aggregators on threads of this process, over one kind of transport."""
+                  secret: bytes | None = None, **master_options) -> Service:
+    """pMaster plus Aggregators on threads of this process, over one kind of transport (with
+    ``secret``, a service that checks credentials)."""
     master, aggregator = TRANSPORTS[kind]
     return Service(
         master, aggregators, provider="thread", transports=transports or Transports(),
-        aggregator_listen=aggregator, master_options=master_options or None, control=control,
+        aggregator_listen=aggregator, master_options=master_options or None, control=control, secret=secret,
     ).start()
 
 

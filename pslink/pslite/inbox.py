@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pslink.core.aggregator.tasks import BufferPool
+from pslink.core.ratelog import Throttled
 from pslink.errors import ConfigError, ProtocolError, PslinkError
 from pslink.pslite import wire
 from pslink.pslite.wire import Kind
@@ -38,6 +39,7 @@ class Inbox:
         self.describe = describe
         self.ready = False  # the node has its node table
         self.bad_messages = 0
+        self._bad_log = Throttled(log)  # one line per peer host per interval, not one per message
         self._early: list = []  # requests that came before the node table
         self._queued: dict[tuple[int, int], list] = {}  # requests for apps that do not exist yet
         self._pools: dict[tuple, BufferPool] = {}
@@ -104,7 +106,7 @@ class Inbox:
     def bad_message(self, conn, error: ProtocolError, raw: bytes) -> None:
         """A message that could not be read: counted, logged, and answered if it was a request."""
         self.bad_messages += 1
-        log.warning("%s: bad message from %s: %s", self.describe(), conn.peer, error)
+        self._bad_log.warning(conn.peer, "bad", "%s: bad message from %s: %s", self.describe(), conn.peer, error)
         try:
             fixed = wire.FIXED.unpack_from(raw)
         except Exception:

@@ -187,7 +187,9 @@ def train_processes(job, steps, kill_at=None, statuses=None):
             # A lost replica does not stop the job: its failover may finish after the last step.
             wait_until(lambda: service.master.failovers_done, 20, "pMaster's failover")
         if statuses is not None:
-            statuses.update({n: service.provider.diagnose(n).splitlines()[0] for n in service.provider.names()})
+            # The failed ones too: their processes were reaped, and new ones keep the pool's size.
+            names = set(service.provider.names()) | {f"agg-{i}" for i in range(3)}
+            statuses.update({n: service.provider.diagnose(n).splitlines()[0] for n in names})
         return [r[0] for r in results], [r[1] for r in results], service.master.failovers_done, killed_at
 
 
@@ -404,3 +406,28 @@ def test_a_broken_connection_to_a_live_aggregator_is_reconnected_at_once():
     ends = got[0][1]
     pause = max(b - a for a, b in zip(ends, ends[1:]))
     assert pause < 5.0, f"training stopped for {pause:.1f} s after its connections broke"
+
+
+def test_a_sigkilled_aggregator_is_replaced_and_the_pool_is_back_at_its_floor(tmp_path):
+    # Before, failover worked but the pool stayed one short for good.
+    service = Service(aggregators=3, log_dir=str(tmp_path / "logs")).start()
+    try:
+        with pslink.connect("floor", 0, 1, master=service.address, timeout=20) as agent:
+            agent.init_many([0, 1, 2], [np.zeros(1024, np.float32) for _ in range(3)]).wait()
+            victim = agent.key_info(0)["parts"][0][3]
+            pid = service.provider.pid(victim)
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+
+            def back_at_three():
+                alive = [a["name"] for a in status_of(service.address)["aggregators"] if a["alive"]]
+                return alive if len(alive) == 3 and victim not in alive else None
+
+            alive = wait_until(back_at_three, 15, "a new Aggregator in the killed one's place")
+            assert time.monotonic() - killed < 5.0, f"the pool took {time.monotonic() - killed:.1f} s to refill"
+            assert len(service.provider.names()) == 3 and victim not in service.provider.names()
+            outs = agent.pushpull_many([0, 1, 2], [np.ones(1024, np.float32)] * 3).wait()  # the job goes on
+            assert all(np.array_equal(o, np.ones(1024)) for o in outs)
+        assert len(alive) == 3
+    finally:
+        service.stop()

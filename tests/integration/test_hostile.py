@@ -5,6 +5,8 @@ frames, connection churn). Every process must live, and a job beside them must b
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 
 import numpy as np
 import psutil
@@ -78,3 +80,81 @@ def test_another_user_is_refused_on_the_local_socket_and_every_process_lives(ser
         assert outcome in ("refused", "closed"), (name, outcome)
     assert all(psutil.pid_exists(pid) for pid in pids)
     _trains(master, "after-nobody")
+
+
+def _rss(pids) -> dict[int, int]:
+    return {pid: psutil.Process(pid).memory_info().rss for pid in pids}
+
+
+def test_malformed_frames_and_connection_churn_hurt_no_one(service_up, tmp_path):
+    master, proc = service_up
+    pids = _pids(proc)
+    log_path = tmp_path / "service.log"
+    listeners = _listeners(master)
+    with pslink.connect("bystander", 0, 1, master=master, timeout=20) as agent:
+        agent.init("w", np.zeros(4096, np.float32)).wait()
+        before = _rss(pids)
+        lines_before = len(log_path.read_bytes().splitlines())
+        for seed, address in enumerate(listeners.values()):
+            hostile.send_frames(address, hostile.frames(seed, 3000), per_connection=5)
+            # The job is served between the floods, exactly.
+            step = np.full(4096, seed + 1, np.float32)
+            np.testing.assert_array_equal(agent.pushpull("w", step).wait(), step)
+        flooded = _rss(pids)
+        for address in listeners.values():
+            hostile.churn(address, 10_000)
+        churned = _rss(pids)
+        np.testing.assert_array_equal(agent.pushpull("w", np.ones(4096, np.float32)).wait(), np.ones(4096))
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    grown = {pid: (flooded[pid] - before[pid]) >> 20 for pid in pids}
+    assert all(mb < 50 for mb in grown.values()), f"MB grown by the floods, per process: {grown}"
+    # Before the read buffers were mapped pages, 10,000 connections left 770 MB behind.
+    grown = {pid: (churned[pid] - flooded[pid]) >> 20 for pid in pids}
+    assert all(mb < 20 for mb in grown.values()), f"MB grown by 10,000 connections per listener: {grown}"
+    status = status_of(master)
+    # Each bad message is counted, or the connection it came on (a broken stream is dropped).
+    assert status["master"]["bad_messages"] + status["master"]["refused"] >= 600
+    assert all(a["errors"] >= 600 for a in status["aggregators"])
+    # 9,000 bad frames and 30,000 connections: a few lines, not one per message.
+    lines = len(log_path.read_bytes().splitlines()) - lines_before
+    assert lines < 300, f"{lines} log lines for the flood"
+
+
+def test_bad_job_names_and_state_paths_get_a_clear_error_at_once(service_up, tmp_path):
+    # Before: `job create ''` and 300-character names waited out a 5 s timeout, connect() 10 s, and
+    # a bad --state printed a traceback.
+    master, _ = service_up
+    from pslink.core.service.client import ControlClient
+    from pslink.core.transport import Transports
+    from pslink.core.wire.protocol import Op, encode
+    from pslink.errors import ConfigError, ProtocolError
+    from tests.helpers import RawClient
+    from tests.integration.test_processes import CLI
+
+    for name, said in (("", "must not be empty"), ("x" * 300, "300 characters long"), ("a b", "may hold only")):
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match=said):
+            with ControlClient(master, timeout=5) as client:
+                client.register_job(name, 1)
+        with pytest.raises(ConfigError, match=said if name else "job must be a non-empty string"):
+            pslink.connect(name, 0, 1, master=master, timeout=10)
+        assert time.monotonic() - started < 1.0
+    # Past the client's check, straight to pMaster: answered at once, naming the field.
+    transports = Transports()
+    raw = RawClient(master, transports)
+    try:
+        started = time.monotonic()
+        raw.send(encode(Op.REGISTER_JOB, id=41, job="y" * 300, num_workers=1))
+        header, _ = raw.reply(timeout=1.0)
+        assert header["op"] == Op.ERROR and header["id"] == 41 and header["code"] == ProtocolError.code
+        assert "field 'job'" in header["msg"] and time.monotonic() - started < 1.0
+    finally:
+        raw.close()
+        transports.close()
+    made = subprocess.run(CLI + ["job", "create", "", "--workers", "1", "-m", master], capture_output=True, text=True,
+                          timeout=60)
+    assert made.returncode == 1 and "must not be empty" in made.stderr and "Traceback" not in made.stderr
+    up = subprocess.run(CLI + ["service", "up", "--port", "0", "--state", "/proc/nonexistent/x"], capture_output=True,
+                        text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert up.returncode == 1 and "--state /proc/nonexistent/x: cannot make or write" in up.stderr
+    assert "Traceback" not in up.stderr

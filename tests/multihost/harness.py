@@ -106,10 +106,13 @@ class Cluster:
         self.outputs.append(output)
         return output
 
-    def service(self, host: str = "M", aggregators: int = 2, *extra: str) -> Output:
-        """``pslink service up`` on ``host``; returns once pMaster answers with every Aggregator."""
+    def service(self, host: str = "M", aggregators: int = 2, *extra: str, first_join: bool = True) -> Output:
+        """``pslink service up`` on ``host``; returns once pMaster answers with every Aggregator.
+        ``first_join``: workers may join without a token from the other hosts (a network the test
+        trusts)."""
         output = self.start(host, [*PSLINK, "service", "up", "--host", self.address(host), "--port", str(PORT),
-                                   "--aggregators", str(aggregators), *extra])
+                                   "--aggregators", str(aggregators), *(["--allow-first-join"] if first_join else []),
+                                   *extra])
         self.wait_status(lambda s: len([a for a in s["aggregators"] if a["alive"]]) >= aggregators, 60,
                          f"{aggregators} Aggregator(s) of the service on {host}", output=output, via=host)
         return output

@@ -51,6 +51,19 @@ def test_a_service_on_one_host_serves_workers_on_two_others(cluster, tmp_path):
     assert results[0]["rounds"] == results[1]["rounds"] > 0
 
 
+def test_beyond_its_host_a_service_lets_workers_in_only_with_their_jobs_token(cluster):
+    cluster.service("M", 1, first_join=False)
+    refused = cluster.worker("A", "guarded", 0, 1, "--rounds", "3")
+    assert refused.finish(60) != 0 and "pslink job create" in refused.text(), refused.text()
+    # The operator's command on pMaster's host finds the credentials `service up` wrote there.
+    made = cluster.start("M", [*PSLINK, "job", "create", "guarded", "--workers", "1", "-m", cluster.master()])
+    assert made.finish(60) == 0, made.text()
+    token = re.search(r"PSLINK_TOKEN=([0-9a-f]+)", made.text()).group(1)
+    worker = cluster.start("A", [PYTHON, WORKER, "--job", "guarded", "--rank", "0", "--num-workers", "1",
+                                 "--master", cluster.master(), "--rounds", "3"], env={"PSLINK_TOKEN": token})
+    assert worker.finish(60) == 0, worker.text()
+
+
 def test_an_aggregator_joined_from_another_host_serves_a_job_and_drains_on_ctrl_c(cluster, tmp_path):
     cluster.service("M", 1)
     joined = cluster.start("B", [*PSLINK, "aggregator", "--master", cluster.master()])
@@ -96,7 +109,7 @@ def test_a_ray_cluster_over_two_hosts_gets_aggregators_on_both(cluster, tmp_path
     assert node.finish(120) == 0, node.text()
     service = cluster.start("M", [*PSLINK, "service", "up", "--host", cluster.address("M"), "--port", "7770",
                                   "--provider", "ray", "--ray-address", f"{cluster.address('M')}:6379",
-                                  "--aggregators", "2"], env=env)
+                                  "--aggregators", "2", "--allow-first-join"], env=env)
     status = cluster.wait_status(lambda s: len(_hosts_of(s)) == 2, 120, "two Aggregators on Ray", output=service)
     assert sorted(_hosts_of(status).values()) == sorted([cluster.address("M"), cluster.address("B")])
     workers = [cluster.worker("A", "on-ray", rank, 2, "--rounds", "30", out=str(tmp_path / f"w{rank}.npy"))

@@ -18,6 +18,7 @@ class FakePeer:
 
     def __init__(self, name):
         self.name = name
+        self.info = {"role": "aggregator", "name": name}  # what pMaster's registration records
         self.calls: list[tuple] = []
         self.notes: list[tuple] = []
 

@@ -18,7 +18,7 @@ from pslink.core.transport import Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits, Op
-from pslink.errors import ConfigError, PeerError, PslinkError
+from pslink.errors import AuthError, ConfigError, PeerError, PslinkError
 
 log = logging.getLogger("pslink.core.aggregator.process")
 
@@ -75,9 +75,9 @@ class MasterLink:
         peer.call(Op.REGISTER_AGGREGATOR, self._registered, timeout=10.0, **self.registration())
 
     def _registered(self, result: dict | None, error: PslinkError | None) -> None:
-        if isinstance(error, ConfigError):
-            # pMaster refused what this Aggregator is (an address nobody can dial): retrying
-            # would be refused again. Say why and stop.
+        if isinstance(error, (ConfigError, AuthError)):
+            # pMaster refused what this Aggregator is (an address nobody can dial, a name a live
+            # one has, no valid credential): retrying would be refused again. Say why and stop.
             log.error("aggregator %s: pMaster at %s refused it: %s", self.name() or "", self.address, error.message)
             self.refusal = error
             self.registered.set()

@@ -22,18 +22,18 @@ import threading
 import time
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from pslink.core import hosts
 from pslink.core.aggregator.core import AggregatorCore
+from pslink.core.ratelog import Throttled
 from pslink.core.aggregator.tasks import Checkpoint, CloseLater, CopyOut, Replicate, Reply, Request, Summer, Task, WorkerDone
 from pslink.core.checkpoints import CheckpointWriter, part_path
 from pslink.core.checkpoints import read as read_checkpoint
 from pslink.core.faults import Faults
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.memory import keep_freed_memory
-from pslink.core.wire.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode, encode_error
+from pslink.core.wire.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode, encode_error, peek_id
 from pslink.core.transport.rpc import RpcPeer
 from pslink.core.aggregator.copies import Arriving, Copies, Rejected
 from pslink.core.aggregator.master_link import MasterLink
@@ -42,18 +42,6 @@ from pslink.errors import (AbortedError, ConfigError, KeyStateError, PeerError, 
                            error_from_code)
 
 log = logging.getLogger(__name__)
-
-
-def _peek_id(raw: bytes) -> int:
-    """Best effort: the request id of a header that failed validation, so the error finds its
-    request. 0 when even that cannot be read."""
-    try:
-        header = msgpack.unpackb(raw, raw=False, max_str_len=1 << 16, max_bin_len=1 << 16,
-                                 max_array_len=1 << 10, max_map_len=64)
-        value = header.get("id") if isinstance(header, dict) else None
-        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-    except Exception:
-        return 0
 
 
 class Aggregator:
@@ -76,9 +64,12 @@ class Aggregator:
         advertise: str | None = None,
         interface: str | None = None,
         keep: bool = False,
+        credential: str | None = None,
         clock=time.monotonic,
     ):
         self.name = name
+        self.credential = credential  # the service's aggregator credential (pslink.core.credentials)
+        self._bad_log = Throttled(log)  # bad input: one line per peer host and kind per interval
         self.keep = keep  # an operator's own: pMaster's scaling never stops it
         self.faults = faults if faults is not None else Faults.from_env()
         if self.faults is not None:
@@ -144,7 +135,8 @@ class Aggregator:
     def _registration(self) -> dict:
         tasks = [[job, key, part] for (job, key, part) in self.core.tasks]
         return dict(address=self.address, pid=os.getpid(), host=hosts.host_name(), host_id=self.host_id, tasks=tasks,
-                    **({"agg": self.name} if self.name else {}), **({"keep": True} if self.keep else {}))
+                    **({"agg": self.name} if self.name else {}), **({"keep": True} if self.keep else {}),
+                    **({"cred": self.credential} if self.credential else {}))
 
     def _named(self, name: str) -> None:
         self.name = name
@@ -246,7 +238,7 @@ class Aggregator:
         self.core.fail_origin(conn)
         if isinstance(exc, ProtocolError):
             self.errors += 1
-            log.warning("aggregator %s dropped %s: %s", self.name, conn.peer, exc)
+            self._bad_log.warning(conn.peer, "dropped", "aggregator %s dropped %s: %s", self.name, conn.peer, exc)
 
     def on_header(self, conn: Connection, raw: bytes, sizes: tuple[int, ...]):
         self.requests += 1
@@ -255,8 +247,8 @@ class Aggregator:
             header = decode(raw, sizes, self.limits)
         except ProtocolError as exc:
             self.errors += 1
-            log.warning("aggregator %s: bad message from %s: %s", self.name, conn.peer, exc)
-            return Rejected(_peek_id(raw), exc), DISCARD
+            self._bad_log.warning(conn.peer, "bad", "aggregator %s: bad message from %s: %s", self.name, conn.peer, exc)
+            return Rejected(peek_id(raw), exc), DISCARD
         op = header["op"]
         if op in DATA_OPS:
             try:
@@ -441,12 +433,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="stable name (pMaster assigns one if omitted)")
     parser.add_argument("--orphan-timeout", type=float, default=60.0, help="exit after this long without pMaster")
     parser.add_argument("--log-level", default=os.environ.get("PSLINK_LOG_LEVEL", "WARNING"))
+    parser.add_argument("--credentials", default=None,
+                        help="file with the service's aggregator (or operator) credential (default $PSLINK_CREDENTIALS, "
+                        "$PSLINK_AGGREGATOR_CREDENTIAL, or the file `pslink service up` wrote on this host)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s aggregator {args.name or ''} %(levelname)s %(message)s")
     keep_freed_memory()  # this process is the Aggregator's own
     try:
+        from pslink.core.credentials import AGGREGATOR
+        from pslink.core.service.credential_files import credential_for
+
+        credential = credential_for(args.master, AGGREGATOR, args.credentials)
         aggregator = Aggregator(args.master, args.listen, name=args.name, orphan_timeout=args.orphan_timeout,
-                                advertise=args.advertise, interface=args.interface)
+                                advertise=args.advertise, interface=args.interface, credential=credential)
     except PslinkError as exc:
         log.error("aggregator %s cannot start: %s", args.name or "", exc.message)
         return 2

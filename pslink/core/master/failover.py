@@ -40,8 +40,9 @@ class Failover:
     def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks,
                  mover: Mover, *, grace: float, silent: float, migration_timeout: float,
                  abort_key: Callable[[JobRecord, object, PslinkError], None], spec_wire: Callable[[KeySpec], dict],
-                 carry_out: Callable[[], None]):
+                 carry_out: Callable[[], None], forget: Callable[[str], None] = lambda name: None):
         self.state, self.store, self.reactor, self.links, self.mover = state, store, reactor, links, mover
+        self.forget = forget  # a failed Aggregator's process is reaped (the pool refills itself)
         self.grace, self.silent, self.migration_timeout = grace, silent, migration_timeout
         self.abort_key, self.spec_wire, self.carry_out = abort_key, spec_wire, carry_out
         self._relocations: dict[str, list[tuple[RpcPeer, dict]]] = {}  # lost Aggregator -> who asked
@@ -71,6 +72,7 @@ class Failover:
         stays = self.mover.aggregator_lost(name)
         actions = self.state.fail_over(name, stays)
         self.store.delete_aggregator(name)
+        self.forget(name)
         for action in actions:
             if isinstance(action, Promote):
                 self._promote(name, action)

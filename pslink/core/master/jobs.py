@@ -12,13 +12,51 @@ from pslink.core.optim import make_optimizer
 from pslink.core.checkpoints import DEFAULT_EVERY, check_url
 from pslink.core.partition import DEFAULT_PARTITION_BYTES
 from pslink.core.wire.protocol import DTYPES
-from pslink.errors import ConfigError, error_to_wire
+from pslink.errors import ConfigError, QuotaError, error_to_wire
 
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
 JOB_SETTINGS = {"mode", "optimizer", "partition_bytes", "sync", "servers", "max_workers", "staleness",
                 "straggler_timeout", "replication", "checkpoint", "checkpoint_every"}
 MAX_REPLICATION = 2
+
+
+QUOTAS = ("max_bytes", "max_keys")  # what the operator may limit per job (bytes held, replicas counted; keys)
+
+
+def checked_quota(quota) -> dict:
+    """A quota as given (``{"max_bytes": n, "max_keys": n}``, any subset; None: no limit), checked."""
+    if quota is None:
+        return {}
+    if not isinstance(quota, dict):
+        raise ConfigError(f"a quota must be a mapping of {' and '.join(QUOTAS)}, got {quota!r}")
+    unknown = sorted(set(quota) - set(QUOTAS))
+    if unknown:
+        raise ConfigError(f"unknown quota {unknown[0]!r}; the quotas are {', '.join(QUOTAS)}")
+    for name, value in quota.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"quota {name} must be a whole number >= 1 (or none), got {value!r}")
+    return {name: value for name, value in quota.items() if value is not None}
+
+
+def quota_of(record: "JobRecord", default: dict) -> dict:
+    """A job's limits: its own (the operator's), else the service's ``default``."""
+    return {name: record.quota.get(name, default.get(name)) for name in QUOTAS}
+
+
+def check_quota(record: "JobRecord", default: dict, key: Any, what: str, nbytes: int) -> None:
+    """A new key (``nbytes`` held, replicas counted) must fit the job's quota of keys and bytes."""
+    quota = quota_of(record, default)
+    if quota["max_keys"] is not None and len(record.keys) + 1 > quota["max_keys"]:
+        raise QuotaError(f"job {record.job!r} holds {len(record.keys)} keys, its quota (max_keys "
+                         f"{quota['max_keys']}); key {key!r} is refused", job=record.job, key=str(key),
+                         limit=quota["max_keys"])
+    if quota["max_bytes"] is not None:
+        held = sum(s.held_bytes() for s in record.keys.values())
+        if held + nbytes > quota["max_bytes"]:
+            raise QuotaError(f"job {record.job!r} holds {held} bytes; key {key!r} ({what}, {nbytes} bytes with "
+                             f"its replicas) would pass its quota (max_bytes {quota['max_bytes']})",
+                             job=record.job, key=str(key), limit=quota["max_bytes"])
 
 
 @dataclasses.dataclass
@@ -63,6 +101,10 @@ class KeySpec:
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
+    def held_bytes(self) -> int:
+        """What the service holds for it: its bytes on the primary and on every replica."""
+        return self.nbytes() * (1 + max((len(p.replicas) for p in self.parts), default=0))
+
     def describe(self) -> str:
         return f"shape {self.shape} {self.dtype}"
 
@@ -106,6 +148,7 @@ class JobRecord:
     idle_since: float | None = None  # when the last connected worker went away (None: some is here)
     removed: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> why it left
     late: bool = False  # the worker that registered last joined rounds under way (told in settings)
+    quota: dict = dataclasses.field(default_factory=dict)  # max_bytes / max_keys the operator set (None: none)
 
     def __post_init__(self):
         if self.membership is None:
@@ -123,7 +166,7 @@ class JobRecord:
         return {"membership": self.membership.to_wire(), "max_workers": self.max_workers,
                 "staleness": self.staleness, "straggler_timeout": self.straggler_timeout,
                 "servers": self.servers, "replication": self.replication, "checkpoint": self.checkpoint,
-                "checkpoint_every": self.checkpoint_every}
+                "checkpoint_every": self.checkpoint_every, "quota": self.quota}
 
     def jobinfo(self) -> dict:
         """What Aggregators need to serve the job (sent with assignments)."""

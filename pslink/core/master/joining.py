@@ -22,7 +22,8 @@ from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
 from pslink.core.wire.loop import Reactor
-from pslink.errors import ConfigError
+from pslink.core.wire.protocol import Op
+from pslink.errors import ConfigError, PslinkError
 
 log = logging.getLogger("pslink.core.master")
 
@@ -41,6 +42,36 @@ class Joining:
         self.provider, self.joined, self.carry_out = provider, joined, carry_out
 
     def register(self, peer: RpcPeer, req: dict) -> None:
+        """Admit an Aggregator under a name no live one has (a second process with a live one's
+        name is refused: it would take over its tasks, and the two would replace each other), once
+        its advertised address is one peers can dial (see :meth:`_register_named`)."""
+        name = req.get("agg")
+        old = self.links.peers.get(name) if name else None
+        if old is None or old is peer or old.conn.closed:
+            self._register_named(peer, req)
+            return
+        # The old one may be dead with its connection not yet seen closed (a restart under its
+        # name): one round trip tells. It answers: the newcomer is refused; else it is replaced.
+        def answered(result, error):
+            if peer.conn.closed:
+                return
+            try:
+                if error is None and self.links.peers.get(name) is old and not old.conn.closed:
+                    peer.error(req, ConfigError(
+                        f"aggregator {name} is alive (pid {old.info.get('pid', '?')} at "
+                        f"{self.state.aggregators[name].address if name in self.state.aggregators else '?'}); a second "
+                        f"one under its name (from {peer.conn.peer}) is refused: give it another --name, or none",
+                        agg=name))
+                    return
+                self._register_named(peer, req)
+            except PslinkError as exc:
+                peer.error(req, exc)
+            finally:
+                self.carry_out()
+
+        old.call(Op.PING, answered, timeout=self.dial_back_timeout)
+
+    def _register_named(self, peer: RpcPeer, req: dict) -> None:
         """Admit an Aggregator once its advertised address is one peers can dial: not a wildcard,
         not loopback from another host, and answering pMaster (dialed from a thread; the
         registration goes on when the answer is in). Refused otherwise, naming the address and
@@ -90,7 +121,7 @@ class Joining:
         if old is not None and old is not peer:
             old.conn.close()
         self.links.peers[record.name] = peer
-        peer.info.update(role="aggregator", name=record.name)
+        peer.info.update(role="aggregator", name=record.name, pid=req.get("pid", 0))
         self.store.save_aggregator(record)
         peer.reply(req, body={"agg": record.name})
         log.info("aggregator %s registered at %s", record.name, record.address)

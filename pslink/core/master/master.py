@@ -18,8 +18,10 @@ from typing import Any
 from pslink.core import hosts
 from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.control import ControlPlane
+from pslink.core.credentials import ServiceCredentials
 from pslink.core.master.failover import Failover
-from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec
+from pslink.core.master.gate import Gate
+from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, checked_quota
 from pslink.core.master.joining import Joining
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.moving import Mover
@@ -32,6 +34,7 @@ from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op
 from pslink.errors import (
+    AuthError,
     ClosedError,
     MembershipError,
     ProtocolError,
@@ -109,15 +112,19 @@ class Master:
         advertise: str | None = None,
         interface: str | None = None,
         dial_back_timeout: float = 3.0,
+        credentials: ServiceCredentials | None = None,
+        quota: dict | None = None,
         clock=time.time,
     ):
         self.reactor = Reactor("pmaster")
+        self.gate = Gate(credentials)  # who may do what; None: an open service (see credentials.py)
         self.transports = transports or Transports()
         self._own_transports = transports is None
         # Without a provider nothing can be started or stopped: the pool stays as it is.
         self.provider = provider
         self.state = MasterState(clock, ControlPlane(clock=clock, elastic=provider is not None, **(control or {})))
         self.store = MasterStore(os.path.join(state_dir, STATE_FILE) if state_dir else None)
+        self.state.default_quota = checked_quota(quota)  # per job, unless the operator set its own
         self.store.load(self.state)
         self.limits = limits
         self.worker_timeout = worker_timeout
@@ -147,7 +154,8 @@ class Master:
                          moves=self.mover.core, alive=self.aggregator_alive, carry_out=self._carry_out)
         self.failover = Failover(self.state, self.store, self.reactor, self.links, self.mover, grace=aggregator_grace,
                                  silent=aggregator_timeout, migration_timeout=migration_timeout,
-                                 abort_key=self._abort_key, spec_wire=self.spec_wire, carry_out=self._carry_out)
+                                 abort_key=self._abort_key, spec_wire=self.spec_wire, carry_out=self._carry_out,
+                                 forget=lambda name: self.pool.forget(name))
         self.joining = Joining(self.state, self.store, self.reactor, self.links, host_id=self.host_id,
                                dial_back_timeout=dial_back_timeout, provider=lambda: self.provider,
                                joined=self._aggregator_joined, carry_out=self._carry_out)
@@ -265,6 +273,7 @@ class Master:
         handler = self._handlers.get(req["op"])
         if handler is None:
             raise ProtocolError(f"pMaster does not serve {req['op'].name}")
+        self.gate.check(peer, req)
         try:
             handler(peer, req)
         finally:
@@ -334,7 +343,12 @@ class Master:
     # -- jobs and workers ---------------------------------------------------------------------
 
     def _register_job(self, peer: RpcPeer, req: dict) -> None:
-        record = self.state.register_job(req["job"], req["num_workers"], req.get("config"))
+        try:
+            record = self.state.register_job(req["job"], req["num_workers"], req.get("config"), token=req.get("tok"),
+                                             operator=self.gate.is_operator(req), quota=req.get("quota"))
+        except AuthError as exc:
+            self.gate.count_refusal(peer, exc)
+            raise
         self.store.save_job(record)
         peer.reply(req, body=record.settings())
 
@@ -347,6 +361,7 @@ class Master:
             self._announce_membership()
         record = self.state.register_worker(
             req["job"], rank, req["num_workers"], req.get("tok"), req.get("config"), pid=pid, host=host, host_id=host_id,
+            first_join=self.gate.first_join(peer),
         )
         self.store.save_job(record)
         for other in list(self.endpoint.peers.values()):
@@ -436,7 +451,9 @@ class Master:
         now = self.state.clock()
         body["migrations"] = self.mover.core.status(now)  # running, then queued
         body["migrations_done"] = self.mover.core.done
-        body["master"] = {"address": self.address, "state": self.store.path, "pid": os.getpid()}
+        body["master"] = {"address": self.address, "state": self.store.path, "pid": os.getpid(),
+                          "refused": self.gate.refused, "bad_messages": self.endpoint.bad_messages,
+                          "credentials": not self.gate.open}
         peer.reply(req, body=body)
 
     # -- keys -----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Op
-from pslink.errors import ServiceError
+from pslink.errors import AuthError, ServiceError
 
 log = logging.getLogger("pslink.core.master")
 
@@ -41,6 +41,7 @@ class Mover:
         self.state, self.store, self.reactor, self.links = state, store, reactor, links
         kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
         self.core = Migrations(self._size_of, **kwargs)
+        self.refused = 0  # reports on moves from peers not entitled to them
         self.migration_timeout = migration_timeout
         self.settled, self.removal_failed, self.moved = settled, removal_failed, moved
         self.copy_from_replica = copy_from_replica
@@ -60,8 +61,20 @@ class Mover:
         self.carry(self.core.request(action, self.state.clock()))
 
     def progress(self, peer: RpcPeer, req: dict) -> None:
-        """TENSOR_COPY_DONE or WORKER_DONE from an Aggregator."""
+        """TENSOR_COPY_DONE or WORKER_DONE from an Aggregator: only from the move's source, over
+        the connection it registered on (a forged report would end a move whose copy never
+        landed, and the job would be sent to an Aggregator without its state)."""
         task = (req["job"], req["key"], req["part"])
+        move = self.core.running.get(task)
+        sender = peer.info.get("name") if peer.info.get("role") == "aggregator" else None
+        # The source reports its copy landed; the target, that every worker reached it.
+        entitled = None if move is None else (move.source if req["op"] == Op.TENSOR_COPY_DONE else move.target)
+        if sender is None or (move is not None and sender != entitled):
+            self.refused += 1
+            raise AuthError(f"{req['op'].name} for job {req['job']!r} key {req['key']!r} part {req['part']} from "
+                            f"{peer.conn.peer} refused: only the move's own Aggregator reports on it"
+                            + (f" ({entitled}, not {sender})" if sender else " (this is no registered Aggregator)"),
+                            job=req["job"])
         now = self.state.clock()
         if req["op"] == Op.TENSOR_COPY_DONE:
             self.carry(self.core.copy_done(task, now))

@@ -84,6 +84,12 @@ class Pool:
             threading.Thread(target=provider.stop, args=(name,), daemon=True).start()
         self._pool_released(name)
 
+    def forget(self, name: str) -> None:
+        """A failed Aggregator: reap its process, if the provider started it (off this loop)."""
+        provider = self.provider()
+        if provider is not None and name in provider.names():
+            threading.Thread(target=provider.stop, args=(name,), daemon=True).start()
+
     def settled(self, names) -> None:
         """Moves involving ``names`` ended: release those waiting for it; sources may be idle now."""
         for name in dict.fromkeys(names):

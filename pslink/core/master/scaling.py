@@ -83,6 +83,14 @@ class Scaling:
             actions.append(Release(lightest.name, f"drained: {reason}"))
         return actions
 
+    def refill(self, reason: str) -> list[Allocate]:
+        """Start Aggregators until the pool is back at ``min_aggregators`` (one died: the operator
+        asked for that many). Those already starting count."""
+        if not self.plane.elastic:
+            return []
+        missing = self.plane.min_aggregators - self.plane.aggregator_count()
+        return [self.plane._allocate(self.plane._cluster_for_new_aggregator(), reason) for _ in range(max(0, missing))]
+
     # -- operators changing the pool -------------------------------------------------------------------
 
     def add_aggregators(self, count: int) -> list[Allocate]:

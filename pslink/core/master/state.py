@@ -26,8 +26,12 @@ from pslink.core.master.jobs import (
     KeySpec,
     PartSpec,
     WorkerInfo,
+    check_quota,
+    checked_quota,
+    quota_of,
     validate_settings,
 )
+from pslink.core.names import check_job_name
 from pslink.core.optim import make_optimizer
 from pslink.core.partition import partition_spans
 from pslink.core.wire.protocol import DTYPES, MAX_NDIM
@@ -58,6 +62,7 @@ class MasterState:
         self.aggregators: dict[str, AggregatorRecord] = {}
         self._agg_serial = 0
         self.outbox: list = []
+        self.default_quota: dict = {}  # max_bytes / max_keys for jobs without their own (the operator's)
 
     def take_actions(self) -> list:
         actions, self.outbox = self.outbox, []
@@ -65,16 +70,33 @@ class MasterState:
 
     # -- jobs and workers ---------------------------------------------------------------------
 
-    def register_job(self, job: str, num_workers: int, config: dict | None = None) -> JobRecord:
-        """Explicit registration: a fresh token that every worker of the job must present."""
+    def register_job(self, job: str, num_workers: int, config: dict | None = None, token: bytes | None = None,
+                     operator: bool = True, quota: dict | None = None) -> JobRecord:
+        """Explicit registration: a fresh token that every worker of the job must present.
+
+        A job that exists is re-created (its state dropped, a new token made) only when no worker
+        of it is live, and only for the operator or whoever holds its token: else a stranger who
+        knew the name would own the job and the weights the service holds for it."""
+        check_job_name(job)
+        quota = checked_quota(quota)
+        if quota and not operator:
+            raise AuthError(f"setting job {job!r}'s quota needs the operator credential", job=job)
         existing = self.jobs.get(job)
         if existing is not None and existing.live_workers():
             raise MembershipError(
                 f"job {job!r} is already running with workers {existing.live_workers()}", job=job
             )
         if existing is not None:
+            if not operator and (token is None or not hmac.compare_digest(token, existing.token)):
+                raise AuthError(f"job {job!r} exists (the service holds its state); re-creating it needs its token "
+                                f"or the operator credential; {'no' if token is None else 'a wrong'} token was given",
+                                job=job)
             self.remove_job(job)
-        return self._new_job(job, num_workers, config, preregistered=True)
+        elif not operator:
+            raise AuthError(f"creating job {job!r} needs the operator credential", job=job)
+        record = self._new_job(job, num_workers, config, preregistered=True)
+        record.quota = quota
+        return record
 
     def remove_job(self, job: str) -> JobRecord | None:
         """Forget a job and release its placements."""
@@ -112,10 +134,18 @@ class MasterState:
         pid: int = 0,
         host: str = "",
         host_id: str = "",
+        first_join: bool = True,
     ) -> JobRecord:
-        """Add a worker to its job, creating the job on first use (see the module's notes)."""
+        """Add a worker to its job, creating the job on first use (see the module's notes).
+        ``first_join``: whether a rank may join without the token once (trust on first use); a
+        service exposed beyond its host allows it only to workers on its host, or if told to."""
+        check_job_name(job)
         record = self.jobs.get(job)
         if record is None:
+            if token is None and not first_join:
+                raise AuthError(f"job {job!r} is not registered, and this service lets a worker create a job by "
+                                "joining only from its own host: create it with `pslink job create` (which prints "
+                                "its token for PSLINK_TOKEN), or start the service with --allow-first-join", job=job)
             if token is not None:
                 raise UnknownJobError(
                     f"job {job!r} is not registered with this pMaster (a token was given, so it was "
@@ -124,7 +154,7 @@ class MasterState:
                 )
             record = self._new_job(job, num_workers, config, preregistered=False)
         else:
-            self._check_credential(record, token, rank)
+            self._check_credential(record, token, rank, first_join)
             if num_workers != record.num_workers and record.max_workers == record.num_workers:
                 raise MembershipError(
                     f"job {job!r} has {record.num_workers} workers; rank {rank} says {num_workers}", job=job
@@ -196,9 +226,9 @@ class MasterState:
         self._maybe_idle(record, since)
         return True
 
-    def _check_credential(self, record: JobRecord, token: bytes | None, rank: int) -> None:
+    def _check_credential(self, record: JobRecord, token: bytes | None, rank: int, first_join: bool = True) -> None:
         if token is None:
-            if record.preregistered or rank in record.joined:
+            if record.preregistered or rank in record.joined or not first_join:
                 raise AuthError(
                     f"job {record.job!r} needs its token to register rank {rank} (set PSLINK_TOKEN or "
                     "pass token=); if an earlier run of the job crashed, it ends once its workers have "
@@ -286,6 +316,8 @@ class MasterState:
                 )
             return spec, False
         itemsize = DTYPES[dtype].itemsize
+        check_quota(record, self.default_quota, key, f"shape {shape} {dtype}",
+                    math.prod(shape) * itemsize * (1 + record.replication))
         spans = partition_spans(math.prod(shape), itemsize, record.partition_bytes)
         if not self.control.cluster_of:
             raise ServiceError(
@@ -306,6 +338,10 @@ class MasterState:
         spec = KeySpec(key, shape, dtype, rank, needs_init, parts)
         record.keys[key] = spec
         return spec, True
+
+    def quota_of(self, record: JobRecord) -> dict:
+        """The job's limits: its own (set by the operator), else the service's defaults."""
+        return quota_of(record, self.default_quota)
 
     def forget_key(self, record: JobRecord, key: Any) -> None:
         spec = record.keys.pop(key, None)
@@ -428,6 +464,8 @@ class MasterState:
                 self.control.task_recovered(ident, action.part.aggregator)
         self.control.aggregator_lost(name)
         self.aggregators.pop(name, None)
+        # The pool's floor is the operator's: a new Aggregator replaces the lost one.
+        self.outbox += self.control.scaling.refill(f"replacing {name}, which failed")
         return actions
 
     def tick(self) -> None:
@@ -529,6 +567,8 @@ class MasterState:
                     "keys": len(record.keys),
                     "tasks": sum(len(s.parts) for s in record.keys.values()),
                     "bytes": sum(s.nbytes() for s in record.keys.values()),
+                    "held_bytes": sum(s.held_bytes() for s in record.keys.values()),
+                    "quota": self.quota_of(record),
                     "round": max(record.rounds.values(), default=0),
                     "rounds_per_s": round(rate, 2),
                     "aggregators": sorted(record.aggregators()),

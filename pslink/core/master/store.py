@@ -154,6 +154,7 @@ class MasterStore:
                 replication=extra.get("replication", 0),
                 checkpoint=extra.get("checkpoint"),
                 checkpoint_every=extra.get("checkpoint_every") or DEFAULT_EVERY,
+                quota=extra.get("quota") or {},
             )
             for rank in record.membership.ranks:  # each gets the heartbeat timeout to reconnect
                 record.workers[rank] = WorkerInfo(rank, last_seen=now, restored=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pslink.core.credentials import OPERATOR
+from pslink.core.names import check_job_name
+from pslink.core.service.credential_files import credential_for
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Op
 from pslink.core.transport.rpc import RpcEndpoint
@@ -10,10 +13,14 @@ from pslink.errors import PslinkTimeoutError, ProtocolError
 
 
 class ControlClient:
-    """Request/reply with pMaster on the calling thread; no background thread."""
+    """Request/reply with pMaster on the calling thread; no background thread. ``credential``:
+    the operator credential to present (default: the one :func:`credential_for` finds for
+    ``master``, if any; a service made without credentials needs none)."""
 
-    def __init__(self, master: str, timeout: float = 10.0, transports: Transports | None = None):
+    def __init__(self, master: str, timeout: float = 10.0, transports: Transports | None = None,
+                 credential: str | None = None, credentials_file: str | None = None):
         self.master = master
+        self.credential = credential or credential_for(master, OPERATOR, credentials_file)
         self.timeout = timeout
         self.transports = transports or Transports()
         self._own_transports = transports is None
@@ -34,6 +41,8 @@ class ControlClient:
         def answered(result, error):
             outcome["result"], outcome["error"] = result, error
 
+        if self.credential and op in (Op.STATUS, Op.REGISTER_JOB, Op.POOL):
+            fields["cred"] = self.credential
         self.peer.call(op, answered, timeout=self.timeout, **fields)
         deadline = self.reactor.clock() + self.timeout + 1.0
         with_lock = self.reactor.acquire()
@@ -53,8 +62,14 @@ class ControlClient:
     def status(self) -> dict:
         return self.call(Op.STATUS)
 
-    def register_job(self, job: str, num_workers: int, config: dict | None = None) -> dict:
-        return self.call(Op.REGISTER_JOB, job=job, num_workers=num_workers, config=config or {})
+    def register_job(self, job: str, num_workers: int, config: dict | None = None, token: bytes | None = None,
+                     quota: dict | None = None) -> dict:
+        """Create job ``job`` (the operator's), or re-create one that has no live workers (the
+        operator's, or whoever holds its ``token``): the reply carries the new token. ``quota``
+        (the operator's): ``{"max_bytes": n, "max_keys": n}``, any subset."""
+        check_job_name(job)
+        return self.call(Op.REGISTER_JOB, job=job, num_workers=num_workers, config=config or {},
+                         **({"tok": token} if token is not None else {}), **({"quota": quota} if quota else {}))
 
     def add_aggregators(self, count: int = 1) -> dict:
         """Start ``count`` Aggregators through pMaster's provider; answered once they registered:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from pslink.core import hosts
+from pslink.core.credentials import AGGREGATOR, ServiceCredentials, derive
 from pslink.core.master import Master
 from pslink.core.service.providers import LocalProvider, Provider, ThreadProvider
 from pslink.core.transport import Transports
@@ -44,15 +45,22 @@ class Service:
         provider_options: dict | None = None,
         advertise: str | None = None,
         interface: str | None = None,
+        secret: bytes | None = None,
+        allow_first_join: bool = False,
     ):
+        """``secret``: the service secret (:mod:`pslink.core.credentials`): pMaster then requires
+        the credentials it derives, and the Aggregators started here get theirs; None: an open
+        service (tests, one user's machine). ``allow_first_join``: workers may create a job by
+        joining from any host (else only from pMaster's)."""
         if aggregators < 1:
             raise ServiceError(f"a service needs at least one Aggregator, got {aggregators}")
         self.count = aggregators
         self.transports = transports or Transports()
         self._own_transports = transports is None
         advertise, interface = hosts.settings(advertise, interface)
+        credentials = ServiceCredentials(secret, allow_first_join) if secret is not None else None
         self.master = Master(listen, state_dir=state_dir, transports=self.transports, control=control,
-                             advertise=advertise, interface=interface, **(master_options or {}))
+                             advertise=advertise, interface=interface, credentials=credentials, **(master_options or {}))
         self.address = self.master.address
         if provider == "local":
             # Aggregators on pMaster's host bind where pMaster did (every address, or the one it
@@ -72,6 +80,7 @@ class Service:
                                            **(aggregator_options or {}))
         else:
             raise ServiceError(f"unknown provider {provider!r}; use 'local', 'ray' or 'thread'")
+        self.provider.credential = derive(secret, AGGREGATOR) if secret is not None else None
         # The pool grows and shrinks with load, never below what was asked for here.
         self.master.use_provider(self.provider, min_aggregators=(control or {}).get("min_aggregators", aggregators))
         self._started = False

@@ -12,7 +12,8 @@ import logging
 from typing import Any, Callable
 
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op, decode, encode, encode_error
+from pslink.core.ratelog import Throttled
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op, decode, encode, encode_error, peek_id
 from pslink.core.transport import DISCARD, Connection
 from pslink.errors import PeerError, ProtocolError, PslinkError, PslinkTimeoutError, error_from_code
 
@@ -119,6 +120,10 @@ class RpcEndpoint:
         self._on_close = on_close
         self.peers: dict[Connection, RpcPeer] = {}
         self.bad_messages = 0
+        self._bad_log = Throttled(log)
+
+    def _log_bad(self, peer: "RpcPeer", error: ProtocolError) -> None:
+        self._bad_log.warning(peer.conn.peer, "bad", "bad control message from %s: %s", peer.name, error)
 
     def peer(self, conn: Connection) -> RpcPeer:
         peer = self.peers.get(conn)
@@ -131,6 +136,7 @@ class RpcEndpoint:
         try:
             decoded = decode(header, sizes, self.limits)
         except ProtocolError as exc:
+            exc.request_id = peek_id(header)
             return exc, DISCARD
         return decoded, (DISCARD if sizes else None)
 
@@ -138,8 +144,8 @@ class RpcEndpoint:
         peer = self.peer(conn)
         if isinstance(state, ProtocolError):
             self.bad_messages += 1
-            log.warning("bad control message from %s: %s", peer.name, state)
-            peer.error({}, state)
+            self._log_bad(peer, state)
+            peer.error({"id": getattr(state, "request_id", 0)}, state)
             return
         peer.dispatch(state)
 
@@ -149,6 +155,9 @@ class RpcEndpoint:
             self._on_accept(peer)
 
     def on_close(self, conn, exc):
+        if isinstance(exc, ProtocolError):  # a stream it could not read: dropped, counted
+            self.bad_messages += 1
+            self._bad_log.warning(conn.peer, "dropped", "dropped %s: %s", conn.peer, exc)
         peer = self.peers.pop(conn, None)
         if peer is None:
             return

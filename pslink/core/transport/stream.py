@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import socket
 import struct
 import threading
@@ -46,6 +47,9 @@ from pslink.errors import PeerError, ProtocolError
 log = logging.getLogger("pslink.core.transport.tcp")
 
 READ_BUFFER = 256 * 1024  # small messages are parsed out of this buffer, many per recv
+# Messages queued for a peer that does not read them: past this many pieces it is dropped (a
+# peer that sends requests and never reads the replies would hold them all in our memory).
+MAX_QUEUED_PARTS = 1 << 16
 READ_BUDGET = 8 << 20  # bytes one readable callback may take before other sockets get a turn
 MAX_IOV = 64  # buffers per sendmsg call (well under IOV_MAX)
 # A Unix stream queues only its sender's buffer (about 200 KiB by default; TCP grows its own to
@@ -54,6 +58,13 @@ LOCAL_SEND_BUFFER = 4 << 20
 LOWAT_MAX = 256 * 1024  # the most a trickling TCP payload waits for before we read (see _wake_for)
 
 _PREFIX, _SIZES, _HEADER, _PAYLOAD = range(4)
+
+
+def _read_buffer() -> mmap.mmap:
+    """A connection's read buffer: anonymous pages, so a connection holds only the pages it
+    read into, and all of them go back to the kernel with it. (A bytearray came from malloc's
+    heap, zeroed in full: thousands of short connections left hundreds of MiB behind.)"""
+    return mmap.mmap(-1, READ_BUFFER)
 
 
 class TcpConnection(Connection):
@@ -90,7 +101,7 @@ class TcpConnection(Connection):
         self.peer = peer
         self._closed = False
         # read side (driving thread only)
-        self._rbuf = bytearray(READ_BUFFER)
+        self._rbuf = _read_buffer()
         self._rmv = memoryview(self._rbuf)
         self._rpos = 0
         self._rlen = 0
@@ -188,6 +199,11 @@ class TcpConnection(Connection):
     def write_now(self, parts: list) -> None:
         """(Write lock held.) Write what the socket takes, queue the rest."""
         if self._wq:
+            if len(self._wq) > MAX_QUEUED_PARTS:
+                error = PeerError(f"{self.peer} does not read what it is sent ({len(self._wq)} messages queued); "
+                                  "dropped", peer=self.peer)
+                self.reactor.post(self.fail, error)
+                raise error
             self._wq.extend(parts)
             return
         try:
@@ -309,7 +325,7 @@ class TcpConnection(Connection):
 
     def _scratch_view(self) -> memoryview:
         if self._scratch is None:
-            self._scratch = memoryview(bytearray(READ_BUFFER))
+            self._scratch = memoryview(_read_buffer())
         return self._scratch
 
     def _compact(self) -> None:

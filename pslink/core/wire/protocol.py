@@ -282,7 +282,8 @@ SCHEMAS: dict[Op, Schema] = {
         payloads=tuple(range(0, MAX_STATE_ARRAYS + 1)),
     ),
     Op.ERROR: Schema({"id": _uint, "code": _small_str, "msg": _text}, {"details": _map}),
-    Op.REGISTER_JOB: Schema({"id": _uint, "job": _small_str, "num_workers": _uint}, {"config": _map}),
+    Op.REGISTER_JOB: Schema({"id": _uint, "job": _small_str, "num_workers": _uint},
+                            {"config": _map, "cred": _small_str, "tok": _token, "quota": _map}),
     Op.REGISTER_WORKER: Schema(
         {"id": _uint, "job": _small_str, "rank": _uint, "num_workers": _uint},
         {"tok": _token, "config": _map, "pid": _uint, "host": _text, "host_id": _small_str, "rejoin": _bool},
@@ -296,12 +297,13 @@ SCHEMAS: dict[Op, Schema] = {
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "name": _small_str}
     ),
     Op.LEAVE: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}),
-    Op.STATUS: Schema({"id": _uint}),
+    Op.STATUS: Schema({"id": _uint}, {"cred": _small_str}),
     Op.JOB_KEYS: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}, {"keys": _bool}),
     Op.RELOCATE: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "parts": _list}),
     Op.REGISTER_AGGREGATOR: Schema(
         {"id": _uint, "address": _text},
-        {"agg": _small_str, "pid": _uint, "host": _text, "host_id": _small_str, "keep": _bool, "tasks": _list},
+        {"agg": _small_str, "pid": _uint, "host": _text, "host_id": _small_str, "keep": _bool, "tasks": _list,
+         "cred": _small_str},
     ),
     Op.ASSIGN: Schema({"id": _uint, "jobinfo": _map, "tasks": _list}),
     Op.JOB_INFO: Schema({"id": _uint, "jobinfo": _map}),
@@ -318,7 +320,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.PROMOTE: Schema({"id": _uint, "job": _small_str, "key": _key, "part": _uint, "replicas": _list}),
     Op.COPY_REPLICA: Schema({"id": _uint, "job": _small_str, "key": _key, "part": _uint, "target": _list}),
     # action "add" (with count) or "remove" (with agg); pMaster checks which needs what
-    Op.POOL: Schema({"id": _uint, "action": _small_str}, {"count": _uint, "agg": _small_str}),
+    Op.POOL: Schema({"id": _uint, "action": _small_str}, {"count": _uint, "agg": _small_str, "cred": _small_str}),
 }
 
 
@@ -473,6 +475,18 @@ def encode(op: Op, **fields) -> bytes:
     header = {"v": PROTOCOL_VERSION, "op": int(op)}
     header.update(fields)
     return msgpack.packb(header, use_bin_type=True)
+
+
+def peek_id(raw: bytes) -> int:
+    """Best effort: the request id of a header that failed validation, so the error finds its
+    request (and its caller does not wait out a timeout). 0 when even that cannot be read."""
+    try:
+        header = msgpack.unpackb(raw, raw=False, max_str_len=1 << 16, max_bin_len=1 << 16,
+                                 max_array_len=1 << 10, max_map_len=64)
+        value = header.get("id") if isinstance(header, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    except Exception:
+        return 0
 
 
 class HeaderTemplate:

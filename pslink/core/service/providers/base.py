@@ -23,6 +23,8 @@ class Provider(abc.ABC):
     def __init__(self):
         self._reserved: set[str] = set()
         self._serial = 0
+        # The service's Aggregator credential, given to each Aggregator started (None: an open service).
+        self.credential: str | None = None
 
     def reserve(self, names) -> None:
         """Names already taken by Aggregators this provider did not start (a restarted service's,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from pslink.core import hosts
+from pslink.core.service.credential_files import ENV_AGGREGATOR_CREDENTIAL
 from pslink.core.service.providers.base import Provider
 
 
@@ -31,6 +32,7 @@ class LocalProvider(Provider):
         self.orphan_timeout = orphan_timeout
         self.log_level = log_level or os.environ.get("PSLINK_LOG_LEVEL", "WARNING")
         self._procs: dict[str, subprocess.Popen] = {}
+        self._ended: dict[str, subprocess.Popen] = {}  # stopped (or reaped after a failure)
         self._logs: dict[str, str] = {}
 
     def start(self, count: int) -> list[str]:
@@ -53,8 +55,11 @@ class LocalProvider(Provider):
                 path = self._logs[name] = os.path.join(self.log_dir, f"{name}.log")
                 output = open(path, "ab")
             try:
+                # The credential goes in the environment, which only its user (and root) can read.
+                env = dict(os.environ, **({ENV_AGGREGATOR_CREDENTIAL: self.credential} if self.credential else {}))
                 self._procs[name] = subprocess.Popen(
                     command, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT if output else None,
+                    env=env,
                 )
             finally:
                 if output is not None:
@@ -66,6 +71,7 @@ class LocalProvider(Provider):
         proc = self._procs.pop(name, None)
         if proc is None:
             return
+        self._ended[name] = proc  # diagnose() still tells how it ended
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -90,7 +96,7 @@ class LocalProvider(Provider):
         return proc.pid if proc is not None else None
 
     def diagnose(self, name: str) -> str:
-        proc = self._procs.get(name)
+        proc = self._procs.get(name) or self._ended.get(name)
         status = "not started" if proc is None else (
             "running" if proc.poll() is None else f"exited with status {proc.returncode}"
         )

@@ -30,7 +30,8 @@ class _AggregatorActor:
     """Runs inside the actor's process: one Aggregator on a thread of it, listening on the
     node's address (the one Ray's nodes reach each other at) unless ``listen_host`` is given."""
 
-    def __init__(self, master: str, name: str, listen_host: str | None, orphan_timeout: float):
+    def __init__(self, master: str, name: str, listen_host: str | None, orphan_timeout: float,
+                 credential: str | None = None):
         from pslink.core.aggregator import Aggregator
         from pslink.core.memory import keep_freed_memory
 
@@ -39,7 +40,8 @@ class _AggregatorActor:
             import ray
 
             listen_host = ray.util.get_node_ip_address()
-        self.aggregator = Aggregator(master, f"tcp://{listen_host}:0", name=name, orphan_timeout=orphan_timeout)
+        self.aggregator = Aggregator(master, f"tcp://{listen_host}:0", name=name, orphan_timeout=orphan_timeout,
+                                     credential=credential)
         self.aggregator.start()
 
     def address(self) -> str:
@@ -85,7 +87,7 @@ class RayProvider(Provider):
             # CPUs allow): the pool spans the cluster's NICs, and a node lost takes few of them.
             self._actors[name] = self._actor_class.options(
                 num_cpus=self.cpus, name=f"pslink-{name}-{os.getpid()}", scheduling_strategy="SPREAD",
-            ).remote(self.master, name, self.listen_host, self.orphan_timeout)
+            ).remote(self.master, name, self.listen_host, self.orphan_timeout, self.credential)
             names.append(name)
         return names
 

@@ -30,7 +30,7 @@ class ThreadProvider(Provider):
             if listen.startswith("inproc://"):
                 listen = f"inproc://{name}"
             self.aggregators[name] = Aggregator(
-                self.master, listen, name=name, transports=self.transports, **self.options
+                self.master, listen, name=name, transports=self.transports, credential=self.credential, **self.options
             ).start()
             names.append(name)
         return names
