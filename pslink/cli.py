@@ -47,6 +47,20 @@ def _client(master: Optional[str], timeout: float, credentials: Optional[str]):
     return ControlClient(_master(master), timeout=timeout, credentials_file=credentials)
 
 
+TlsCertOption = typer.Option(None, "--tls-cert", help="PEM certificate for TLS on TCP (default $PSLINK_TLS_CERT)")
+TlsKeyOption = typer.Option(None, "--tls-key", help="its PEM key (default $PSLINK_TLS_KEY)")
+TlsCaOption = typer.Option(None, "--tls-ca", help="PEM CA that signs every peer's certificate (default $PSLINK_TLS_CA)")
+
+
+def _tls_env(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> None:
+    """TLS flags become the environment this process's transports read and its children inherit."""
+    from pslink.core.transport.tls import ENV_CA, ENV_CERT, ENV_KEY
+
+    for name, value in ((ENV_CERT, cert), (ENV_KEY, key), (ENV_CA, ca)):
+        if value:
+            os.environ[name] = os.path.abspath(value)
+
+
 def _state_dir(state: Optional[str]) -> Optional[str]:
     """--state checked at once: a directory this process can make and write in."""
     if state is None:
@@ -90,6 +104,9 @@ def service_up(
     job_max_mib: Optional[int] = typer.Option(None, min=1, help="default quota: MiB a job may hold (replicas "
                                               "counted); `job create --max-mib` sets one job's"),
     job_max_keys: Optional[int] = typer.Option(None, min=1, help="default quota: keys a job may hold"),
+    tls_cert: Optional[str] = TlsCertOption,
+    tls_key: Optional[str] = TlsKeyOption,
+    tls_ca: Optional[str] = TlsCaOption,
 ):
     """Run pMaster and an elastic Aggregator pool in the foreground (it never shrinks below
     --aggregators); Ctrl-C stops every process it started. Operators and Aggregators need the
@@ -105,6 +122,7 @@ def service_up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     state = _state_dir(state)
+    _tls_env(tls_cert, tls_key, tls_ca)
     try:
         secret = load_or_create_secret(state, secret_file)
         listen = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
@@ -241,6 +259,9 @@ def aggregator_command(
     credentials: Optional[str] = typer.Option(None, "--credentials", help="file with the service's aggregator "
                                               "credential (and, to drain it on Ctrl-C, the operator's; default "
                                               "$PSLINK_CREDENTIALS, else the file `pslink service up` wrote here)"),
+    tls_cert: Optional[str] = TlsCertOption,
+    tls_key: Optional[str] = TlsKeyOption,
+    tls_ca: Optional[str] = TlsCaOption,
 ):
     """Join a running service's pool from this host: one Aggregator that serves any job, kept by
     the pool's scaling. Ctrl-C drains it first (its tasks and replicas move to the others while jobs
@@ -249,6 +270,7 @@ def aggregator_command(
     from pslink.core.transport import scheme_of
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _tls_env(tls_cert, tls_key, tls_ca)
     address = _master(master)
     bind = _listen_address(listen, scheme_of(address))
     try:

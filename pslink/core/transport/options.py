@@ -13,7 +13,12 @@ import os
 import platform
 import sys
 
+from typing import TYPE_CHECKING
+
 from pslink.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pslink.core.transport.tls import TlsSettings
 
 DEFAULT_RING_BYTES = 16 << 20  # four 4 MiB parts in flight per direction before falling back
 MAX_RING_BYTES = 1 << 30  # the largest ring a receiver maps
@@ -41,7 +46,8 @@ class TransportOptions:
     """``local_sockets``: reach peers of this host (and network namespace) over a Unix socket
     beside each TCP port; ``rings``: send large payloads to them through shared-memory rings;
     ``ring_bytes``: the size of each ring; ``ring_wait``: seconds a payload waits for room in a
-    full ring before it takes the socket (0: never waits); ``allowed_uids``: users besides this
+    full ring before it takes the socket (0: never waits); ``tls``: TLS settings for TCP
+    (:class:`~pslink.core.transport.tls.TlsSettings`); ``allowed_uids``: users besides this
     process's own (and root) whose processes may use the local socket (and so hand over rings);
     everyone else's are refused there and reach the listener over TCP. Where the platform cannot,
     local sockets and rings are off whatever the options say."""
@@ -51,6 +57,7 @@ class TransportOptions:
     ring_bytes: int = DEFAULT_RING_BYTES
     ring_wait: float = DEFAULT_RING_WAIT
     allowed_uids: frozenset = frozenset()
+    tls: "TlsSettings | None" = None  # TCP (not same-host sockets) encrypted, both ends authenticated (tls.py)
 
     def __post_init__(self):
         if not isinstance(self.ring_bytes, int) or not 1 << 20 <= self.ring_bytes <= MAX_RING_BYTES:

@@ -42,6 +42,7 @@ from pslink.core.transport.framing import (
 from pslink.core.transport.rings import Rings
 from pslink.core.transport.options import TransportOptions
 from pslink.core.transport.shm import MIN_PAYLOAD
+from pslink.core.transport.tls import TlsSocket
 from pslink.errors import PeerError, ProtocolError
 
 log = logging.getLogger("pslink.core.transport.tcp")
@@ -92,7 +93,9 @@ class TcpConnection(Connection):
             except OSError:
                 pass  # the system's cap (net.core.wmem_max) applies
         self.sock = sock
-        self._tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
+        self._tls = isinstance(sock, TlsSocket)  # OpenSSL may hold decrypted bytes the poll cannot see
+        # SO_RCVLOWAT counts ciphertext under TLS, and OpenSSL reads whole records: plain TCP only.
+        self._tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and not self._tls
         self._lowat = 1  # SO_RCVLOWAT now (TCP: raised while a large payload trickles in)
         self.fd = sock.fileno()
         self.reactor = reactor
@@ -322,6 +325,8 @@ class TcpConnection(Connection):
         except Exception as exc:  # a handler bug: the stream position is unknown, so drop it
             log.exception("handler failed on a message from %s", self.peer)
             self.fail(PeerError(f"internal error on the connection to {self.peer}: {exc!r}"))
+        if self._tls and not self._closed and sock.pending():
+            self.reactor.post(self._read_burst)  # decrypted bytes wait in OpenSSL, not on the socket
 
     def _scratch_view(self) -> memoryview:
         if self._scratch is None:

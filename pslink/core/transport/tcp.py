@@ -16,10 +16,13 @@ import struct
 from pslink.core import hosts
 from pslink.core.transport.base import Handler, Listener, Transport, split_host_port
 from pslink.core.transport.options import TransportOptions
+from pslink.core.transport.framing import FRAMING_VERSION, MAGIC, PREFIX
 from pslink.core.transport.stream import TcpConnection
+from pslink.core.transport.tls import SETTINGS_HINT, Handshakes, TlsSocket, client_handshake
+from pslink.core.wire.protocol import encode_error, peek_id
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
-from pslink.errors import PeerError
+from pslink.errors import ConfigError, PeerError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 # there dials TCP instead. Rings, which a peer's process maps, never cross between users.
 
 _WILDCARD_NAME = "*"  # a listener bound to every address of the host
+ACCEPTS_PER_TURN = 16
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _refused_local = itertools.count(1)
 
@@ -107,6 +111,9 @@ class TcpListener(Listener):
         self.address = f"tcp://{bound_host}:{bound_port}"
         self.local_sock = self._listen_local(local_socket_name(bound_host, bound_port, options))
         self._closed = False
+        # With TLS, TCP peers are taken once their handshake (on a thread of its own) is done.
+        self.handshakes = None if options.tls is None else Handshakes(
+            options.tls.context(server=True), reactor, self._accepted_tls, self._refuse_plain)
         reactor.post(self._register)
 
     def _listen_local(self, name: str | None) -> socket.socket | None:
@@ -130,7 +137,9 @@ class TcpListener(Listener):
                 self.reactor.add_reader(self.local_sock.fileno(), lambda: self._on_accept(self.local_sock))
 
     def _on_accept(self, listening: socket.socket) -> None:
-        while True:
+        # A few per turn: a flood of connections must not keep the loop from the peers it serves
+        # (the listener stays readable, so the reactor comes back for the rest).
+        for _ in range(ACCEPTS_PER_TURN):
             try:
                 conn_sock, addr = listening.accept()
             except (BlockingIOError, InterruptedError):
@@ -141,6 +150,9 @@ class TcpListener(Listener):
                 return
             if listening is self.sock:
                 peer = f"tcp://{addr[0]}:{addr[1]}"
+                if self.handshakes is not None:
+                    self.handshakes.start(conn_sock, peer)
+                    continue
             else:  # a same-host peer: no address of its own, so a number tells them apart
                 uid = peer_uid(conn_sock)
                 if not self.options.may_share_host(uid):
@@ -155,6 +167,30 @@ class TcpListener(Listener):
             conn = TcpConnection(conn_sock, self.reactor, self.handler, self.limits, peer=peer, on_driver_thread=True,
                                  options=self.options)
             self.handler.on_accept(conn)
+
+    def _accepted_tls(self, sock: TlsSocket, peer: str) -> None:
+        if self._closed:
+            sock.close()
+            return
+        conn = TcpConnection(sock, self.reactor, self.handler, self.limits, peer=peer, on_driver_thread=True,
+                             options=self.options)
+        self.handler.on_accept(conn)
+
+    def _refuse_plain(self, sock: socket.socket, first: bytes) -> None:
+        """(A handshake thread.) A pslink peer without TLS: an error for its first request."""
+        request = 0
+        if len(first) >= PREFIX.size:
+            _, _, count, length = PREFIX.unpack_from(first)
+            start = PREFIX.size + 8 * count
+            request = peek_id(first[start:start + length])
+        error = ConfigError(f"{self.address} accepts only TLS connections; {SETTINGS_HINT}")
+        frame = encode_error(request, error)
+        try:
+            sock.sendall(PREFIX.pack(MAGIC, FRAMING_VERSION, 0, len(frame)) + frame)
+        except OSError:
+            pass
+        log.warning("listener %s refused a peer without TLS (%s)", self.address, sock.getpeername()[0]
+                    if sock.family != socket.AF_UNIX else "local")
 
     def close(self) -> None:
         if self._closed:
@@ -175,6 +211,7 @@ class TcpTransport(Transport):
 
     def __init__(self, options: TransportOptions = TransportOptions()):
         self.options = options
+        self._context = None  # the TLS client context, made once
 
     def listen(self, address, reactor, handler, limits=DEFAULT_LIMITS) -> TcpListener:
         return TcpListener(address, reactor, handler, limits, self.options)
@@ -194,8 +231,15 @@ class TcpTransport(Transport):
                 local.close()  # no local socket there (TCP only, or bound elsewhere): the next, or TCP
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
+            if self.options.tls is not None:
+                sock = client_handshake(sock, self._client_context(), address, timeout)
         except OSError as exc:
             raise PeerError(
                 f"cannot connect to {address}: {exc.strerror or exc}", peer=address
             ) from None
         return TcpConnection(sock, reactor, handler, limits, peer=address, options=self.options)
+
+    def _client_context(self):
+        if self._context is None:
+            self._context = self.options.tls.context(server=False)
+        return self._context
