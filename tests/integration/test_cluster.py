@@ -301,6 +301,48 @@ def test_a_shape_change_after_first_use_also_fails_the_other_worker(cluster):
     run_workers(2, worker)
 
 
+def test_a_refused_request_fails_its_round_and_leaves_nothing_in_the_key(cluster):
+    # Before, a dtype mismatch poisoned the key for good: a later correct pushpull failed too.
+    service, transports = cluster
+    agent = agent_for(service, transports, "refused-alone", 0, 1)
+    try:
+        agent.init("k", np.zeros(4, np.float32)).wait()
+        with pytest.raises(ShapeMismatchError, match=r"float64, but rank 0 declared it as shape \(4,\) float32"):
+            agent.pushpull("k", np.ones(4, np.float64))
+        with pytest.raises(ShapeMismatchError):
+            agent.pull("k", out=np.empty(4, np.float64))
+        np.testing.assert_array_equal(agent.pushpull("k", np.full(4, 3, np.float32)).wait(), np.full(4, 3))
+        np.testing.assert_array_equal(agent.pull("k").wait(), np.full(4, 3))
+    finally:
+        agent.close()
+    # Two workers: rank 1's bad push fails rank 0's round (it would wait for rank 1), then both go on.
+    rank0_waiting = threading.Event()
+    barrier = threading.Barrier(2, timeout=20)
+
+    def worker(rank):
+        agent = agent_for(service, transports, "refused-pair", rank, 2)
+        try:
+            agent.init("k", np.zeros(4, np.float32)).wait()
+            np.testing.assert_array_equal(agent.pushpull("k", np.full(4, rank + 1, np.float32)).wait(), np.full(4, 3))
+            if rank == 0:
+                handle = agent.pushpull("k", np.ones(4, np.float32))
+                rank0_waiting.set()
+                with pytest.raises(ShapeMismatchError, match="rank 1 uses shape"):
+                    handle.wait(timeout=5.0)
+            else:
+                assert rank0_waiting.wait(20)
+                with pytest.raises(ShapeMismatchError):
+                    agent.pushpull("k", np.ones(4, np.float64))
+            barrier.wait()
+            for step in range(3):
+                got = agent.pushpull("k", np.full(4, 10 * step + rank, np.float32)).wait(timeout=5.0)
+                np.testing.assert_array_equal(got, np.full(4, 20 * step + 1))
+        finally:
+            agent.close()
+
+    run_workers(2, worker)
+
+
 def test_a_known_key_takes_whatever_its_first_call_took(cluster):
     # Calls on one known key with plain arrays take a shorter path than the rest; both must agree.
     service, transports = cluster

@@ -224,6 +224,22 @@ def test_abort_fails_every_waiter_and_every_later_request():
     assert replies == []
 
 
+def test_failed_rounds_fail_their_requests_and_the_key_goes_on():
+    c = Cluster(workers=2, needs_init=False)
+    c.send(Op.PUSHPULL, 0, 1, np.ones(6))  # rank 0 waits for rank 1, whose round-1 push was refused
+    error = ShapeMismatchError("key 'w': rank 1 uses shape (7,)")
+    replies = c.core.fail_rounds(c.task, error, 1)
+    assert [r.origin for r in replies] == ["rank0"] and replies[0].error is error
+    assert c.task.closed == 1 and c.task.poisoned is None and not c.task.rounds
+    _, late = c.send(Op.PUSHPULL, 1, 1, np.ones(6))  # a late request of the failed round
+    assert late[0].error is error
+    c.send(Op.PUSHPULL, 0, 2, np.full(6, 2.0))
+    _, closed = c.send(Op.PUSHPULL, 1, 2, np.full(6, 3.0))
+    assert {r.origin for r in closed} == {"rank0", "rank1"} and all(r.error is None for r in closed)
+    np.testing.assert_array_equal(c.task.value, np.full(6, 5.0))
+    assert c.core.fail_rounds(c.task, error, 2) == []  # round 2 closed already: nothing waits on it
+
+
 def test_a_key_aborted_before_its_assignment_never_completes_a_round_even_alone():
     """The flake of test_mxnet_errors' shape conflict: rank 0 declares a key whose Aggregator is
     still starting (assignment deferred); rank 1 declares it with another shape (pMaster aborts the

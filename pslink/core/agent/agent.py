@@ -492,8 +492,14 @@ class Agent:
                     f"but rank {info.declared_by} declared it as {info.describe()}",
                     key=key, shapes=[list(shape), list(info.shape)], ranks=[self.rank, info.declared_by],
                 )
-                self._abort_key(info, error)
-                raise error
+                if op == Op.PUSH or op == Op.PUSHPULL:
+                    # Its round fails for every rank (they would wait for this one's push), and
+                    # this rank counts it as pushed: the key goes on from the next round for all.
+                    with self._lock:
+                        info.round += 1
+                        failed = info.round
+                    self._abort_key(info, error, failed)
+                raise error  # a pull or init joins no round: refused here, and nothing else changes
             infos.append(info)
             if info is None:
                 item = {"key": key, "intent": intent}
@@ -507,13 +513,15 @@ class Agent:
             infos = [self._keys[k] for k in keys]
         return infos  # type: ignore[return-value]
 
-    def _abort_key(self, info: KeyInfo, error: PslinkError) -> None:
-        """Tell the key's Aggregators, so the other workers waiting on it fail now, not later."""
+    def _abort_key(self, info: KeyInfo, error: PslinkError, failed_round: int | None = None) -> None:
+        """Tell the key's Aggregators, so the other workers waiting on it fail now, not later:
+        the rounds up to ``failed_round`` only (the key goes on), or the key for good."""
+        extra = {} if failed_round is None else {"rnd": failed_round}
         for part in info.parts:
             try:
                 link = self._requests.link(part.aggregator, part.address)
                 link.conn.send([encode(Op.ABORT, id=0, **self.seat.fields(), key=info.key, part=part.index,
-                                       msg=error.message, code=error.code)])
+                                       msg=error.message, code=error.code, **extra)])
             except PslinkError:
                 pass
 

@@ -60,6 +60,7 @@ from pslink.errors import (
 )
 
 MAX_MISSED = 8  # straggler-closed rounds remembered per task, to mark their late pushes as dropped
+MAX_FAILED_ROUNDS = 16  # rounds a refused request failed, remembered per task to fail their late requests
 WARM_BUFFERS = 2  # a task's pool in steady state: a round's sum and the push being added to it
 
 
@@ -234,6 +235,8 @@ class AggregatorCore:
     def handle(self, task: Task, req: Request) -> list:
         if task.poisoned is not None:
             return [Reply(req.origin, req.id, error=task.poisoned)]
+        if task.failed_rounds and req.round in task.failed_rounds and req.op != Op.INIT:
+            return [Reply(req.origin, req.id, error=task.failed_rounds[req.round])]
         if task.moved_to is not None:
             return [Reply(req.origin, req.id, error=moved_error(task.key, task.part, task.moved_to))]
         if task.incoming:
@@ -536,6 +539,29 @@ class AggregatorCore:
         if task.poisoned is None:
             task.poisoned = error
         return self._fail_all(task, task.poisoned)
+
+    def fail_rounds(self, task: Task, error: PslinkError, through: int) -> list:
+        """A rank's request for round ``through`` was refused (it used the key with another shape
+        or dtype): the rounds still open, up to that one, fail for every rank, and the key goes on
+        from the next. Nothing of the refused request stays in the key's state. Returns the
+        replies (and a replication of the skip, so replicas agree on the last closed round)."""
+        if task.job.sync == "asp" or task.incoming or task.moved_to is not None or task.poisoned is not None:
+            return []  # no round waits for the rank (asp), or the part is not served here now
+        first = task.closed + 1
+        last = max([through, *task.rounds, *task.pulls])
+        if last < first:
+            return []  # those rounds closed already (without the rank): nothing waits on it
+        for r in range(first, last + 1):
+            task.failed_rounds[r] = error
+        for old in sorted(task.failed_rounds)[:-MAX_FAILED_ROUNDS]:
+            del task.failed_rounds[old]
+        waiting = [req for r in range(first, last + 1) for req in task.acks.pop(r, [])]
+        replies = self._fail_all(task, error) + [Reply(req.origin, req.id, error=error) for req in waiting]
+        task.closed = last
+        task.missed = {r: m for r, m in task.missed.items() if r < first}
+        if task.replicas and task.replicating is None:
+            replies += self.moves.replicate(task)  # the replicas skip the failed rounds too
+        return replies
 
     def abort_key(self, job_id: str, key: Any, error: PslinkError) -> list[Reply]:
         replies = []

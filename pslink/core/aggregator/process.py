@@ -328,7 +328,11 @@ class Aggregator:
             return
         # Keep the original error's class (a shape mismatch stays one for every waiter).
         error = error_from_code(header.get("code", AbortedError.code), header["msg"], header.get("details"))
-        self._send_all(self.core.abort_key(header["job"], header["key"], error))
+        if "rnd" in header:  # a rank's refused request: its round fails, the key goes on
+            task = self.core.tasks.get((header["job"], header["key"], header.get("part", 0)))
+            self._send_all(self.core.fail_rounds(task, error, header["rnd"]) if task is not None else [])
+        else:
+            self._send_all(self.core.abort_key(header["job"], header["key"], error))
         if conn is not None and header["id"]:
             self._send(conn, [encode(Op.REPLY, id=header["id"])])
 

@@ -281,6 +281,9 @@ class Task:
         self.before_init: list[Request] = []
         # A key pMaster aborted before it assigned this part (see KeySpec.task_specs) starts failed.
         self.poisoned: PslinkError | None = error_from_code(*spec["aborted"]) if spec.get("aborted") else None
+        # Rounds a refused request failed (a rank's shape mismatch): their requests get the error,
+        # later rounds go on (AggregatorCore.fail_rounds). The most recent few are kept.
+        self.failed_rounds: dict[int, PslinkError] = {}
         self.opt_state: dict = {}
         self.rounds_closed = 0
         # elastic membership: who each round waits for, the epoch its last round closed in

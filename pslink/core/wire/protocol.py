@@ -257,7 +257,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.PONG: Schema({"id": _uint}),
     Op.ABORT: Schema(
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "key": _key, "msg": _text},
-        {"part": _uint, "code": _small_str, "details": _map},
+        {"part": _uint, "code": _small_str, "details": _map, "rnd": _uint},  # rnd: fail rounds up to it only
     ),
     Op.REPLY: Schema(
         {"id": _uint},
