@@ -50,13 +50,17 @@ def _client(master: Optional[str], timeout: float, credentials: Optional[str]):
 TlsCertOption = typer.Option(None, "--tls-cert", help="PEM certificate for TLS on TCP (default $PSLINK_TLS_CERT)")
 TlsKeyOption = typer.Option(None, "--tls-key", help="its PEM key (default $PSLINK_TLS_KEY)")
 TlsCaOption = typer.Option(None, "--tls-ca", help="PEM CA that signs every peer's certificate (default $PSLINK_TLS_CA)")
+CurveKeyOption = typer.Option(None, "--curve-key", help="the service's CURVE key file, for zmq+tcp:// (default "
+                              "$PSLINK_CURVE_KEY; `pslink service curve-key PATH` makes one)")
 
 
-def _tls_env(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> None:
-    """TLS flags become the environment this process's transports read and its children inherit."""
+def _tls_env(cert: Optional[str], key: Optional[str], ca: Optional[str], curve_key: Optional[str] = None) -> None:
+    """TLS and CURVE flags become the environment this process's transports read and its children
+    inherit."""
+    from pslink.core.transport.curve import ENV_CURVE_KEY
     from pslink.core.transport.tls import ENV_CA, ENV_CERT, ENV_KEY
 
-    for name, value in ((ENV_CERT, cert), (ENV_KEY, key), (ENV_CA, ca)):
+    for name, value in ((ENV_CERT, cert), (ENV_KEY, key), (ENV_CA, ca), (ENV_CURVE_KEY, curve_key)):
         if value:
             os.environ[name] = os.path.abspath(value)
 
@@ -107,6 +111,7 @@ def service_up(
     tls_cert: Optional[str] = TlsCertOption,
     tls_key: Optional[str] = TlsKeyOption,
     tls_ca: Optional[str] = TlsCaOption,
+    curve_key: Optional[str] = CurveKeyOption,
 ):
     """Run pMaster and an elastic Aggregator pool in the foreground (it never shrinks below
     --aggregators); Ctrl-C stops every process it started. Operators and Aggregators need the
@@ -122,7 +127,7 @@ def service_up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     state = _state_dir(state)
-    _tls_env(tls_cert, tls_key, tls_ca)
+    _tls_env(tls_cert, tls_key, tls_ca, curve_key)
     try:
         secret = load_or_create_secret(state, secret_file)
         listen = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
@@ -162,6 +167,18 @@ def service_up(
         except OSError:
             pass
     console.print("stopped.")
+
+
+@service_app.command("curve-key")
+def service_curve_key(path: str = typer.Argument(..., help="where to write the key (must not exist)")):
+    """Make a CURVE key file for a service on zmq+tcp:// (give it to every process: --curve-key or
+    PSLINK_CURVE_KEY)."""
+    from pslink.core.transport.curve import make_key_file
+
+    try:
+        console.print(f"CURVE key written to {make_key_file(path)} (mode 0600): export PSLINK_CURVE_KEY={path}")
+    except OSError as exc:
+        _fail(PslinkError(f"cannot write a CURVE key to {path}: {exc.strerror or exc}"))
 
 
 @service_app.command("status")
@@ -262,6 +279,7 @@ def aggregator_command(
     tls_cert: Optional[str] = TlsCertOption,
     tls_key: Optional[str] = TlsKeyOption,
     tls_ca: Optional[str] = TlsCaOption,
+    curve_key: Optional[str] = CurveKeyOption,
 ):
     """Join a running service's pool from this host: one Aggregator that serves any job, kept by
     the pool's scaling. Ctrl-C drains it first (its tasks and replicas move to the others while jobs
@@ -270,7 +288,7 @@ def aggregator_command(
     from pslink.core.transport import scheme_of
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _tls_env(tls_cert, tls_key, tls_ca)
+    _tls_env(tls_cert, tls_key, tls_ca, curve_key)
     address = _master(master)
     bind = _listen_address(listen, scheme_of(address))
     try:

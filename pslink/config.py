@@ -172,12 +172,12 @@ def transport_options(environ=os.environ):
         else:
             log.warning("%s: %r is not a user id; ignored (only the service's own user shares the host's "
                         "sockets and rings)", ENV_ALLOWED_UIDS, part)
-    from pslink.core.transport.tls import settings_from_env
+    from pslink.core.transport import curve, tls
 
     return TransportOptions(
         local_sockets=(_env(ENV_LOCAL_SOCKETS, environ) or "1").strip() != "0",
         rings=rings, ring_bytes=ring_bytes, ring_wait=ring_wait, allowed_uids=frozenset(allowed),
-        tls=settings_from_env(environ),
+        tls=tls.settings_from_env(environ), curve=curve.settings_from_env(environ),
     )
 
 

@@ -88,7 +88,7 @@ def _create(scheme: str, existing: dict[str, Transport], options: TransportOptio
                 return existing[other]
         from pslink.core.transport.zmq import ZmqTransport
 
-        return ZmqTransport()
+        return ZmqTransport(options)
     raise ConfigError(
         f"unknown transport scheme {scheme!r}; use tcp://host:port, zmq+tcp://host:port or inproc://name"
     )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from pslink.errors import ConfigError
 
 if TYPE_CHECKING:
+    from pslink.core.transport.curve import CurveSettings
     from pslink.core.transport.tls import TlsSettings
 
 DEFAULT_RING_BYTES = 16 << 20  # four 4 MiB parts in flight per direction before falling back
@@ -58,6 +59,7 @@ class TransportOptions:
     ring_wait: float = DEFAULT_RING_WAIT
     allowed_uids: frozenset = frozenset()
     tls: "TlsSettings | None" = None  # TCP (not same-host sockets) encrypted, both ends authenticated (tls.py)
+    curve: "CurveSettings | None" = None  # zmq+tcp:// encrypted and authenticated by CURVE (curve.py)
 
     def __post_init__(self):
         if not isinstance(self.ring_bytes, int) or not 1 << 20 <= self.ring_bytes <= MAX_RING_BYTES:

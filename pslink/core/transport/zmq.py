@@ -27,7 +27,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
+from pslink.core.transport import curve
 from pslink.core.transport.base import DISCARD, Connection, Handler, Listener, Transport
+from pslink.core.transport.options import TransportOptions
 from pslink.errors import PeerError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ _HANDSHAKE_FAILED = (
     getattr(zmq, "EVENT_HANDSHAKE_FAILED_PROTOCOL", 0)
     | getattr(zmq, "EVENT_HANDSHAKE_FAILED_NO_DETAIL", 0)
 )
+_AUTH_FAILED = getattr(zmq, "EVENT_HANDSHAKE_FAILED_AUTH", 0)
+# A connection counts once its ZMTP handshake (and CURVE's, if on) is done, where libzmq says so.
+_READY = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)
 
 
 def _zmq_endpoint(address: str) -> str:
@@ -137,13 +142,16 @@ class ZmqClientConnection(_ZmqConnectionBase):
         super().__init__(transport, reactor, handler, limits, peer=address)
         self.sock: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
-        self.connected = threading.Event()
+        self.connected = threading.Event()  # set once connected, or once that failed (``failure``)
+        self.failure: PeerError | None = None
 
     def _open(self, endpoint: str) -> None:  # I/O thread
         sock = self.transport.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_message_bytes, self.limits.max_header_bytes))
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(_READY | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | _AUTH_FAILED)
+        if self.transport.options.curve is not None:
+            curve.dial(sock, self.transport.options.curve)
         sock.connect(endpoint)
         self.sock = sock
         self.transport._own(sock, self._on_readable)
@@ -163,8 +171,19 @@ class ZmqClientConnection(_ZmqConnectionBase):
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_CONNECTED:
+            if event["event"] == _READY:
                 self.connected.set()
+            elif event["event"] & (_HANDSHAKE_FAILED | _AUTH_FAILED):
+                # A listener with CURVE and a client without (or with another key), or the reverse:
+                # libzmq would retry forever; the caller learns why now.
+                uses = "with" if self.transport.options.curve is not None else "without"
+                error = PeerError(f"the ZeroMQ handshake with {self.peer} failed (this process connects {uses} "
+                                  f"CURVE): do both use the service's CURVE key? {curve.CURVE_HINT}", peer=self.peer)
+                self.failure = error
+                self.connected.set()
+                self._teardown()
+                self.reactor.post(self._fail, error)
+                return
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._teardown()
                 self.reactor.post(self._fail, PeerError(f"lost connection to {self.peer}", peer=self.peer))
@@ -213,6 +232,8 @@ class ZmqListener(Listener):
     def _open(self, endpoint: str) -> None:  # I/O thread
         sock = self.transport.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.transport.options.curve is not None:
+            curve.serve(sock, self.transport.options.curve)
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_message_bytes, self.limits.max_header_bytes))
         try:
             sock.bind(endpoint)
@@ -280,8 +301,11 @@ class ZmqTransport(Transport):
     schemes = ("zmq+tcp", "zmq+ipc")
     reports_peer_close = False
 
-    def __init__(self):
+    def __init__(self, options: TransportOptions = TransportOptions()):
+        self.options = options
         self.ctx = zmq.Context()
+        # CURVE: listeners of this process admit only clients holding the service's key (ZAP).
+        self._auth = curve.authenticator(self.ctx, options.curve) if options.curve is not None else None
         self._commands: collections.deque = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -368,6 +392,8 @@ class ZmqTransport(Transport):
         if not conn.connected.wait(timeout):
             self._submit(conn._teardown)
             raise PeerError(f"cannot connect to {address}: no answer within {timeout} s", peer=address)
+        if conn.failure is not None:
+            raise conn.failure
         return conn
 
     def close(self) -> None:
@@ -386,6 +412,8 @@ class ZmqTransport(Transport):
         self._closed = True
         self._wake()
         self._thread.join(5.0)
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
