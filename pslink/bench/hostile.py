@@ -16,7 +16,7 @@ import struct
 
 from pslink.core.transport.framing import _LOCATION, FRAMING_RING, FRAMING_RING_OPEN, FRAMING_VERSION, MAGIC, PREFIX
 from pslink.core.transport.tcp import local_socket_name
-from pslink.core.wire.protocol import PROTOCOL_VERSION, Op, encode
+from pslink.core.wire.protocol import Op, encode
 
 RING_BYTES = 1 << 20
 _RING_HEADER = 64  # shm.HEADER_BYTES: the counter's cache line before the data
@@ -157,10 +157,4 @@ def churn(address: str, count: int, timeout: float = 2.0) -> int:
     return count
 
 
-def forged(op: Op, **fields) -> bytes:
-    """One well-formed message (framing and header) with the fields given and no credential."""
-    header = encode(op, **fields)
-    return PREFIX.pack(MAGIC, FRAMING_VERSION, 0, len(header)) + header
-
-
-__all__ = ["PROTOCOL_VERSION", "churn", "forged", "frames", "send_frames", "shrunk_ring"]
+__all__ = ["churn", "frames", "send_frames", "shrunk_ring"]

@@ -34,6 +34,7 @@ import numpy as np
 from pslink.core.aggregator.cycle import CycleBudget
 from pslink.core.wire.protocol import Op
 from pslink.core.aggregator.moves import Moves
+from pslink.core.aggregator import failures
 from pslink.core.aggregator.tasks import (
     DEFAULT_MAX_AHEAD,
     MAX_BEFORE_INIT,
@@ -60,7 +61,6 @@ from pslink.errors import (
 )
 
 MAX_MISSED = 8  # straggler-closed rounds remembered per task, to mark their late pushes as dropped
-MAX_FAILED_ROUNDS = 16  # rounds a refused request failed, remembered per task to fail their late requests
 WARM_BUFFERS = 2  # a task's pool in steady state: a round's sum and the push being added to it
 
 
@@ -164,7 +164,7 @@ class AggregatorCore:
         replies = []
         for ident in [i for i in self.tasks if i[0] == job_id]:
             task = self.tasks.pop(ident)
-            replies += self._fail_all(task, ClosedError(f"job {job_id!r} ended; {task.name} was released"))
+            replies += failures.fail_waiters(task, ClosedError(f"job {job_id!r} ended; {task.name} was released"))
         return replies
 
     # -- admission: runs on the header, before any payload byte is read -------------------------
@@ -532,61 +532,32 @@ class AggregatorCore:
             task.averaged = (task.closed, array)
         return task.averaged[1]
 
-    # -- failures -----------------------------------------------------------------------------
+    # -- failures (pslink.core.aggregator.failures) ---------------------------------------------
 
     def abort(self, task: Task, error: PslinkError) -> list[Reply]:
         """Poison a task: every waiting request and every later one gets ``error``."""
-        if task.poisoned is None:
-            task.poisoned = error
-        return self._fail_all(task, task.poisoned)
+        return failures.poison(task, error)
 
     def fail_rounds(self, task: Task, error: PslinkError, through: int) -> list:
-        """A rank's request for round ``through`` was refused (it used the key with another shape
-        or dtype): the rounds still open, up to that one, fail for every rank, and the key goes on
-        from the next. Nothing of the refused request stays in the key's state. Returns the
-        replies (and a replication of the skip, so replicas agree on the last closed round)."""
-        if task.job.sync == "asp" or task.incoming or task.moved_to is not None or task.poisoned is not None:
-            return []  # no round waits for the rank (asp), or the part is not served here now
-        first = task.closed + 1
-        last = max([through, *task.rounds, *task.pulls])
-        if last < first:
-            return []  # those rounds closed already (without the rank): nothing waits on it
-        for r in range(first, last + 1):
-            task.failed_rounds[r] = error
-        for old in sorted(task.failed_rounds)[:-MAX_FAILED_ROUNDS]:
-            del task.failed_rounds[old]
-        waiting = [req for r in range(first, last + 1) for req in task.acks.pop(r, [])]
-        replies = self._fail_all(task, error) + [Reply(req.origin, req.id, error=error) for req in waiting]
-        task.closed = last
-        task.missed = {r: m for r, m in task.missed.items() if r < first}
+        """A rank's refused request fails the rounds open up to ``through``; the key goes on
+        (:func:`~pslink.core.aggregator.failures.fail_rounds`), and the replicas skip them too."""
+        replies = failures.fail_rounds(task, error, through)
+        if replies is None:
+            return []
         if task.replicas and task.replicating is None:
-            replies += self.moves.replicate(task)  # the replicas skip the failed rounds too
+            replies += self.moves.replicate(task)
         return replies
 
     def abort_key(self, job_id: str, key: Any, error: PslinkError) -> list[Reply]:
         replies = []
         for (j, k, _), task in list(self.tasks.items()):
             if j == job_id and k == key:
-                replies += self.abort(task, error)
+                replies += failures.poison(task, error)
         return replies
-
-    def _fail_all(self, task: Task, error: PslinkError) -> list[Reply]:
-        # A task still waiting for its copy holds requests too (a copy that will never come).
-        waiting = task.before_init + task.waiting_copy + [req for reqs in task.pulls.values() for req in reqs]
-        task.before_init, task.waiting_copy, task.pulls = [], [], {}
-        task.rounds.clear()
-        return [Reply(req.origin, req.id, error=error) for req in waiting]
 
     def fail_origin(self, origin: Any) -> None:
         """Forget requests from a peer that went away (nobody is left to answer)."""
-        for task in self.tasks.values():
-            task.before_init = [r for r in task.before_init if r.origin is not origin]
-            for r in list(task.pulls):
-                kept = [q for q in task.pulls[r] if q.origin is not origin]
-                if kept:
-                    task.pulls[r] = kept
-                else:
-                    del task.pulls[r]
+        failures.forget_origin(self.tasks.values(), origin)
 
     # -- reporting ----------------------------------------------------------------------------
 

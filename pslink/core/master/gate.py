@@ -21,12 +21,11 @@ import time
 
 from pslink.core.credentials import AGGREGATOR, OPERATOR, ServiceCredentials
 from pslink.core.hosts import is_loopback
+from pslink.core.ratelog import Throttled
 from pslink.core.transport.rpc import RpcPeer
 from pslink.core.wire.protocol import Op
 
 log = logging.getLogger("pslink.core.master")
-
-LOG_INTERVAL = 10.0  # seconds between two log lines about refused requests
 
 
 def from_this_host(peer: RpcPeer) -> bool:
@@ -44,10 +43,8 @@ def from_this_host(peer: RpcPeer) -> bool:
 class Gate:
     def __init__(self, credentials: ServiceCredentials | None, clock=time.monotonic):
         self.credentials = credentials
-        self.clock = clock
         self.refused = 0
-        self._logged_at: float | None = None
-        self._unlogged = 0
+        self._log = Throttled(log, clock=clock)
 
     @property
     def open(self) -> bool:
@@ -80,10 +77,4 @@ class Gate:
 
     def count_refusal(self, peer: RpcPeer, exc: BaseException) -> None:
         self.refused += 1
-        now = self.clock()
-        if self._logged_at is not None and now - self._logged_at < LOG_INTERVAL:
-            self._unlogged += 1
-            return
-        more = f" (and {self._unlogged} more refusals since the last line)" if self._unlogged else ""
-        log.warning("pMaster refused a request from %s: %s%s", peer.conn.peer, exc, more)
-        self._logged_at, self._unlogged = now, 0
+        self._log.warning(peer.conn.peer, "refused", "pMaster refused a request from %s: %s", peer.conn.peer, exc)

@@ -452,7 +452,7 @@ class Master:
         body["migrations"] = self.mover.core.status(now)  # running, then queued
         body["migrations_done"] = self.mover.core.done
         body["master"] = {"address": self.address, "state": self.store.path, "pid": os.getpid(),
-                          "refused": self.gate.refused, "bad_messages": self.endpoint.bad_messages,
+                          "refused": self.gate.refused + self.mover.refused, "bad_messages": self.endpoint.bad_messages,
                           "credentials": not self.gate.open}
         peer.reply(req, body=body)
 

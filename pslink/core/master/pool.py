@@ -78,16 +78,19 @@ class Pool:
             peer.notify(Op.SHUTDOWN)
         self.state.remove_aggregator(name)
         self.store.delete_aggregator(name)
-        provider = self.provider()
-        if provider is not None:
-            # Reaping may take seconds: not on the loop that serves everyone else.
-            threading.Thread(target=provider.stop, args=(name,), daemon=True).start()
+        self._reap(name)
         self._pool_released(name)
 
     def forget(self, name: str) -> None:
-        """A failed Aggregator: reap its process, if the provider started it (off this loop)."""
+        """A failed Aggregator: reap its process, if the provider started it."""
         provider = self.provider()
         if provider is not None and name in provider.names():
+            self._reap(name)
+
+    def _reap(self, name: str) -> None:
+        provider = self.provider()
+        if provider is not None:
+            # Reaping may take seconds: not on the loop that serves everyone else.
             threading.Thread(target=provider.stop, args=(name,), daemon=True).start()
 
     def settled(self, names) -> None:

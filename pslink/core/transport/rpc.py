@@ -120,10 +120,7 @@ class RpcEndpoint:
         self._on_close = on_close
         self.peers: dict[Connection, RpcPeer] = {}
         self.bad_messages = 0
-        self._bad_log = Throttled(log)
-
-    def _log_bad(self, peer: "RpcPeer", error: ProtocolError) -> None:
-        self._bad_log.warning(peer.conn.peer, "bad", "bad control message from %s: %s", peer.name, error)
+        self._bad_log = Throttled(log)  # bad input: one line per peer host and kind per interval
 
     def peer(self, conn: Connection) -> RpcPeer:
         peer = self.peers.get(conn)
@@ -144,7 +141,7 @@ class RpcEndpoint:
         peer = self.peer(conn)
         if isinstance(state, ProtocolError):
             self.bad_messages += 1
-            self._log_bad(peer, state)
+            self._bad_log.warning(peer.conn.peer, "bad", "bad control message from %s: %s", peer.name, state)
             peer.error({"id": getattr(state, "request_id", 0)}, state)
             return
         peer.dispatch(state)

@@ -14,6 +14,7 @@ import socket
 import struct
 
 from pslink.core import hosts
+from pslink.core.ratelog import Throttled
 from pslink.core.transport.base import Handler, Listener, Transport, split_host_port
 from pslink.core.transport.options import TransportOptions
 from pslink.core.transport.framing import FRAMING_VERSION, MAGIC, PREFIX
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 _WILDCARD_NAME = "*"  # a listener bound to every address of the host
 ACCEPTS_PER_TURN = 16
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-_refused_local = itertools.count(1)
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -111,6 +111,8 @@ class TcpListener(Listener):
         self.address = f"tcp://{bound_host}:{bound_port}"
         self.local_sock = self._listen_local(local_socket_name(bound_host, bound_port, options))
         self._closed = False
+        self.refused_local = 0  # local connections from users it does not share its host with
+        self._refusals = Throttled(log)
         # With TLS, TCP peers are taken once their handshake (on a thread of its own) is done.
         self.handshakes = None if options.tls is None else Handshakes(
             options.tls.context(server=True), reactor, self._accepted_tls, self._refuse_plain)
@@ -157,11 +159,10 @@ class TcpListener(Listener):
                 uid = peer_uid(conn_sock)
                 if not self.options.may_share_host(uid):
                     conn_sock.close()
-                    count = next(_refused_local)
-                    if count & (count - 1) == 0:  # 1, 2, 4, 8...: a flood writes a few lines, not one each
-                        log.warning("listener %s refused %d local connection(s) from users it does not share "
-                                    "its host with (the last: uid %d); they may connect over TCP", self.address,
-                                    count, uid)
+                    self.refused_local += 1
+                    self._refusals.warning(f"uid {uid}", "local", "listener %s refused a local connection from "
+                                           "uid %d, a user it does not share its host with; it may connect over "
+                                           "TCP", self.address, uid)
                     continue
                 peer = f"local://{self.address[len('tcp://'):]}#{next(self._accepted)}"
             conn = TcpConnection(conn_sock, self.reactor, self.handler, self.limits, peer=peer, on_driver_thread=True,

@@ -1,0 +1,64 @@
+"""What an Aggregator's task does when requests cannot be served: poisoned for good (its key was
+aborted: a part lost without a replica, a job ended), a few rounds failed (a rank's refused
+request), or a peer gone (its requests forgotten). Pure functions over a :class:`Task`; the core
+(:class:`~pslink.core.aggregator.core.AggregatorCore`) calls them and sends what they return."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from pslink.core.aggregator.tasks import Reply, Task
+from pslink.errors import PslinkError
+
+MAX_FAILED_ROUNDS = 16  # rounds a refused request failed, remembered per task to fail their late requests
+
+
+def fail_waiters(task: Task, error: PslinkError) -> list[Reply]:
+    """Fail every request the task holds and drop its open rounds."""
+    # A task still waiting for its copy holds requests too (a copy that will never come).
+    waiting = task.before_init + task.waiting_copy + [req for reqs in task.pulls.values() for req in reqs]
+    task.before_init, task.waiting_copy, task.pulls = [], [], {}
+    task.rounds.clear()
+    return [Reply(req.origin, req.id, error=error) for req in waiting]
+
+
+def poison(task: Task, error: PslinkError) -> list[Reply]:
+    """Every waiting request and every later one gets ``error`` (the first one given stays)."""
+    if task.poisoned is None:
+        task.poisoned = error
+    return fail_waiters(task, task.poisoned)
+
+
+def fail_rounds(task: Task, error: PslinkError, through: int) -> list[Reply] | None:
+    """A rank's request for round ``through`` was refused (it used the key with another shape or
+    dtype): the rounds still open, up to that one, fail for every rank, and the key goes on from
+    the next. Nothing of the refused request stays in the key's state. Returns the replies, or
+    None when no round waited for the rank (asp, the part not served here, or those rounds closed
+    already without it)."""
+    if task.job.sync == "asp" or task.incoming or task.moved_to is not None or task.poisoned is not None:
+        return None
+    first = task.closed + 1
+    last = max([through, *task.rounds, *task.pulls])
+    if last < first:
+        return None
+    for r in range(first, last + 1):
+        task.failed_rounds[r] = error
+    for old in sorted(task.failed_rounds)[:-MAX_FAILED_ROUNDS]:
+        del task.failed_rounds[old]
+    acked = [req for r in range(first, last + 1) for req in task.acks.pop(r, [])]
+    replies = fail_waiters(task, error) + [Reply(req.origin, req.id, error=error) for req in acked]
+    task.closed = last
+    task.missed = {r: m for r, m in task.missed.items() if r < first}
+    return replies
+
+
+def forget_origin(tasks: Iterable[Task], origin: Any) -> None:
+    """Forget requests from a peer that went away (nobody is left to answer)."""
+    for task in tasks:
+        task.before_init = [r for r in task.before_init if r.origin is not origin]
+        for r in list(task.pulls):
+            kept = [q for q in task.pulls[r] if q.origin is not origin]
+            if kept:
+                task.pulls[r] = kept
+            else:
+                del task.pulls[r]
