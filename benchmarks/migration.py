@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-migration-mib", type=int, default=None,
                         help="pMaster's max_migration_bytes, in MiB (default: pMaster's, 16 MiB)")
     parser.add_argument("--quick", action="store_true", help="16 MiB, 10 iterations (a smoke run)")
+    parser.add_argument("--png", help="also draw both runs' speed per iteration, the migration shaded, here")
     args = parser.parse_args(argv)
     if args.quick:
         args.mbytes, args.iterations, args.at = 16, 10, 5
@@ -118,6 +119,23 @@ def main(argv=None) -> int:
     print(f"noise floor: the same window of the run without migration: {noise * 1e3:.1f} ms over its median "
           f"{baseline_before * 1e3:.1f} ms")
     print(f"final weights bit-identical to the run without migration: {'yes' if identical else 'NO'}")
+    if args.png:
+        from pslink.bench.pictures import timeline_png
+
+        def speed(durations):
+            clock, points = 0.0, []
+            for duration in durations:
+                clock += duration
+                points.append((clock, 1.0 / duration))
+            return points
+
+        moved_points = speed(d)
+        picture = timeline_png(
+            args.png, f"live migration of {keys * 4} MiB: iteration speed, migrated vs not (stall "
+            f"{stall * 1e3:.1f} ms)", {"migrated": moved_points, "not migrated": speed(still["durations"])},
+            [(0.0, 4), (moved_points[-1][0], 4)],
+            [(moved_points[args.at - 1][0] if args.at else 0.0, moved_points[end - 1][0], "migration")])
+        print(f"timeline: {picture}")
     print(json.dumps({
         "benchmark": "migration", "host": platform.node(), "tensors": keys, "mbytes": keys * 4,
         "compute_s": args.compute, "before_ms": round(before * 1e3, 2),

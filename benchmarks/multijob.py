@@ -78,6 +78,18 @@ def _measure(jobs: dict[str, str], seconds: float, warmup_until, log_dir: str) -
     report = context.Queue()
     stop_rounds = {job: context.Value("q", 1 << 62) for job in jobs}
     latest = dict.fromkeys(jobs, 0)
+    # For --png: when each job's iterations ended and how fast, and the pool's size, from the start.
+    speeds: dict[str, list] = {job: [] for job in jobs}
+    pool: list = []
+    begun = time.time()
+
+    def note(items):
+        for job, when, duration, round_ in items:
+            latest[job] = round_
+            speeds[job].append((when - begun, 1.0 / duration))
+        pool.append((time.time() - begun, service.master.state.control.aggregator_count()))
+        return items
+
     with Service(aggregators=1, log_dir=log_dir) as service:
         procs = [context.Process(target=_worker, args=(service.address, job, rank, model, stop_rounds[job], report))
                  for job, model in jobs.items() for rank in range(2)]
@@ -86,16 +98,14 @@ def _measure(jobs: dict[str, str], seconds: float, warmup_until, log_dir: str) -
         deadline = time.time() + 600
         while not warmup_until(service):
             assert time.time() < deadline, "the jobs never settled"
-            for job, _, _, round_ in _drain(report):
-                latest[job] = round_
+            note(_drain(report))
             time.sleep(0.2)
         settled = time.time()
         peak = service.master.state.control.aggregator_count()
         durations: dict[str, list[float]] = {job: [] for job in jobs}
         counts = []
         while time.time() < settled + seconds:
-            for job, when, duration, round_ in _drain(report, timeout=0.2):
-                latest[job] = round_
+            for job, when, duration, round_ in note(_drain(report, timeout=0.2)):
                 if when >= settled:
                     durations[job].append(duration)
             counts.append(service.master.state.control.aggregator_count())
@@ -107,7 +117,8 @@ def _measure(jobs: dict[str, str], seconds: float, warmup_until, log_dir: str) -
                 p.kill()
                 p.join()
         describe = service.master.state.control.describe()
-    return {"durations": durations, "aggregators": max(counts), "peak_before": peak, "control": describe}
+    return {"durations": durations, "aggregators": max(counts), "peak_before": peak, "control": describe,
+            "speeds": speeds, "pool": pool, "settled": settled - begun, "seconds": seconds}
 
 
 def _drain(queue, timeout: float = 0.0) -> list:
@@ -133,6 +144,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=25.0, help="measurement window after packing")
     parser.add_argument("--quick", action="store_true", help="short windows (a smoke run)")
+    parser.add_argument("--png", help="also draw the shared run's timeline (Aggregators, each job's speed) here")
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds = 6.0
@@ -160,6 +172,13 @@ def main(argv=None) -> int:
     worst = max(r["loss"] for r in rows)
     print(f"Aggregators used: {used} (during profiling: {shared['peak_before']}); CPU reduction ratio "
           f"{reduction:.1%} (target >= 50%); worst loss {worst:+.1%} (target <= 5%)")
+    if args.png:
+        from pslink.bench.pictures import timeline_png
+
+        picture = timeline_png(args.png, f"{len(jobs)} jobs sharing the pool: speed and Aggregators "
+                               f"(reduction {reduction:.0%}, worst loss {worst:+.1%})", shared["speeds"], shared["pool"],
+                               [(shared["settled"], shared["settled"] + shared["seconds"], "measured")])
+        print(f"timeline: {picture}")
     print(json.dumps({"benchmark": "multijob", "host": platform.node(), "jobs": rows, "requested": requested,
                       "aggregators": used, "reduction": round(reduction, 4), "worst_loss": round(worst, 4),
                       "targets": {"reduction": 0.5, "loss": 0.05},

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from pslink.config import DEFAULT_MASTER, ENV_MASTER
 from pslink.errors import PslinkError
+from pslink.status_view import render_status
 from pslink.sim.cli import simulate_app
 
 app = typer.Typer(help="pslink: a shared, elastic parameter service for training jobs.", no_args_is_help=True,
@@ -108,6 +109,14 @@ def service_up(
     job_max_mib: Optional[int] = typer.Option(None, min=1, help="default quota: MiB a job may hold (replicas "
                                               "counted); `job create --max-mib` sets one job's"),
     job_max_keys: Optional[int] = typer.Option(None, min=1, help="default quota: keys a job may hold"),
+    metrics_port: int = typer.Option(0, min=0, help="port of the metrics endpoint and status page (0: any free "
+                                     "port, printed)"),
+    metrics_host: str = typer.Option("127.0.0.1", help="address the metrics endpoint and page listen on (read-only, "
+                                     "no credentials: 0.0.0.0 shows the pool's status to the whole network)"),
+    no_metrics: bool = typer.Option(False, "--no-metrics", help="serve no metrics endpoint or page"),
+    stall_seconds: Optional[float] = typer.Option(None, min=0, help="a round waiting longer than this for some "
+                                                  "rank is logged and listed as stalled (default "
+                                                  "$PSLINK_STALL_SECONDS, else 10; 0: never)"),
     tls_cert: Optional[str] = TlsCertOption,
     tls_key: Optional[str] = TlsKeyOption,
     tls_ca: Optional[str] = TlsCaOption,
@@ -132,8 +141,14 @@ def service_up(
         secret = load_or_create_secret(state, secret_file)
         listen = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
         quota = {"max_bytes": job_max_mib << 20 if job_max_mib else None, "max_keys": job_max_keys}
+        if stall_seconds is not None:
+            from pslink.core.aggregator.stalls import ENV_STALL_SECONDS
+
+            os.environ[ENV_STALL_SECONDS] = str(stall_seconds)  # the Aggregators it starts inherit it
+        master_options = {"quota": quota, "on_stop": stop.set,
+                          **({} if no_metrics else {"metrics_port": metrics_port, "metrics_host": metrics_host})}
         common = dict(state_dir=state, advertise=advertise, interface=interface, secret=secret,
-                      allow_first_join=allow_first_join, master_options={"quota": quota})
+                      allow_first_join=allow_first_join, master_options=master_options)
         if provider == "ray":
             service = Service(listen, aggregators, provider="ray", provider_options={"address": ray_address},
                               **common).start()
@@ -154,6 +169,9 @@ def service_up(
             f"workers:   export {ENV_MASTER}={service.address}\n"
             f"more Aggregators, from any host: pslink aggregator --master {service.address}\n"
             f"status:    pslink service status -m {service.address}\n"
+            + (f"page:      {service.master.observing.http_address}/   metrics: "
+               f"{service.master.observing.http_address}/metrics\n" if not no_metrics else "")
+            + f"stop:      pslink service stop -m {service.address}\n"
             f"credentials (operator, aggregator): {credentials}\n"
             f"  this user on this host finds them; elsewhere: export PSLINK_CREDENTIALS=<a copy>\n"
             "Ctrl-C stops the service and every process it started.",
@@ -167,6 +185,21 @@ def service_up(
         except OSError:
             pass
     console.print("stopped.")
+
+
+@service_app.command("stop")
+def service_stop(
+    master: Optional[str] = MasterOption,
+    credentials: Optional[str] = CredentialsOption,
+):
+    """Stop a running service cleanly: pMaster, and every Aggregator it started (as Ctrl-C in
+    its terminal does). Needs the operator credential."""
+    try:
+        with _client(master, 10.0, credentials) as client:
+            body = client.stop_service()
+    except PslinkError as exc:
+        _fail(exc)
+    console.print(f"[green]stopping[/] the service at {body.get('stopping', _master(master))}")
 
 
 @service_app.command("curve-key")
@@ -341,71 +374,6 @@ def aggregator_command(
         aggregator.stop()
 
 
-def host_labels(aggregators: list[dict]) -> dict[str, str]:
-    """Aggregator -> its host as a reader tells hosts apart: the host name, and where hosts of
-    one name differ (containers, network namespaces of one machine) the address too."""
-    ids_by_name: dict[str, set] = {}
-    for a in aggregators:
-        ids_by_name.setdefault(a.get("host") or "?", set()).add(a.get("host_id") or a.get("host"))
-    labels = {}
-    for a in aggregators:
-        name = a.get("host") or "?"
-        address = a["address"].split("://", 1)[-1].rpartition(":")[0]
-        labels[a["name"]] = name if len(ids_by_name[name]) < 2 else f"{name} ({address})"
-    return labels
-
-
-def render_status(status: dict, out: Console) -> None:
-    master = status.get("master", {})
-    out.print(f"[bold]pMaster[/] {master.get('address', '?')} (pid {master.get('pid', '?')}, "
-              f"state {master.get('state') or 'in memory'})")
-    aggs = Table(title="Aggregators")
-    for column in ("name", "host", "address", "pid", "alive", "tasks by job", "MB", "cycle ms", "free ms", "load",
-                   "task rounds/s", "bad msgs"):
-        left = column in ("name", "host", "address", "tasks by job")
-        aggs.add_column(column, justify="left" if left else "right", no_wrap=column in ("name", "address"))
-    labels = host_labels(status["aggregators"])
-    for a in status["aggregators"]:
-        jobs = ", ".join(f"{j}:{n}" for j, n in sorted(a["jobs"].items())) or "-"
-        if a.get("reserved_for"):
-            jobs += f" (kept for {a['reserved_for']})"
-        alive = ("[yellow]draining[/]" if a.get("draining") else "yes") if a["alive"] else "[red]no[/]"
-        aggs.add_row(a["name"], labels[a["name"]], a["address"], str(a["pid"]), alive, jobs,
-                     f"{a['bytes'] / 1e6:.2f}", f"{a.get('cycle', 0) * 1e3:.1f}", f"{a.get('free', 0) * 1e3:.1f}",
-                     f"{a.get('load', 0):.0%}", f"{a['task_rounds_per_s']:.1f}", str(a["errors"]))
-    out.print(aggs)
-    jobs = Table(title="Jobs")
-    for column in ("job", "mode", "workers (hosts)", "keys", "tasks", "MB", "phase", "iteration ms (alone)", "loss",
-                   "rounds/s", "aggregators"):
-        jobs.add_column(column, justify="left" if column in ("job", "mode", "phase", "aggregators") else "right",
-                        no_wrap=column == "job")
-    for j in status["jobs"]:
-        mode = j["mode"] + (f" ({j['optimizer']})" if j.get("optimizer") else "") + (" asp" if j.get("sync") == "asp" else "")
-        control = j.get("control") or {}
-        current, alone, loss = control.get("current"), control.get("standalone"), control.get("loss")
-        timing = (f"{current * 1e3:.1f}" if current else "-") + (f" ({alone * 1e3:.1f})" if alone else "")
-        hosts = f" ({j['worker_hosts']})" if j.get("worker_hosts", 1) > 1 else ""
-        jobs.add_row(j["job"], mode, f"{j['workers']}/{j['num_workers']}{hosts}", str(j["keys"]), str(j["tasks"]),
-                     f"{j['bytes'] / 1e6:.2f}", control.get("phase", "-"), timing,
-                     f"{loss:.0%}" if loss is not None else "-", f"{j['rounds_per_s']:.1f}",
-                     ", ".join(j["aggregators"]) or "-")
-    if status["jobs"]:
-        out.print(jobs)
-    else:
-        out.print("no jobs")
-    migrations = status.get("migrations") or []
-    if migrations:
-        moving = Table(title="Migrations in flight")
-        for column in ("job", "key", "part", "from", "to", "seconds", "copied", "why"):
-            moving.add_column(column)
-        for m in migrations:
-            moving.add_row(m["job"], str(m["key"]), str(m["part"]), m["source"], m["target"],
-                           "queued" if m.get("queued") else f"{m['seconds']:.2f}",
-                           "yes" if m["copied"] else "no", m["reason"])
-        out.print(moving)
-    out.print(f"migrations done: {status.get('migrations_done', 0)}")
-
-
 @job_app.command("create")
 def job_create(
     name: str = typer.Argument(..., help="job name"),
@@ -498,6 +466,8 @@ def launch_command(
     master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
                                               help="torch.distributed's rendezvous port (MASTER_PORT; default: "
                                               "a free one, 29500 on several nodes)"),
+    timeline: Optional[str] = typer.Option(None, "--timeline", help="write every rank's Chrome trace, merged, to "
+                                           "this file (window: $PSLINK_TIMELINE_STEPS=a:b)"),
 ):
     """Run N workers of a training script (as horovodrun or torchrun), with a service if none is given;
     with --min-np/--max-np, an elastic job whose workers come and go (see docs/elastic.md); with
@@ -509,6 +479,9 @@ def launch_command(
             raise PslinkError("--nnodes runs a fixed job on several hosts; a ps-lite program runs each role on its "
                               "host with DMLC_* (see docs/pslite.md), and elastic jobs (--min-np/--max-np) run "
                               "from one host")
+        if timeline and (pslite or min_np is not None or max_np is not None):
+            raise PslinkError("--timeline merges the traces of a fixed job's ranks; for an elastic or ps-lite job set "
+                              "PSLINK_TIMELINE=DIR/trace-{rank}.json in the workers' environment instead")
         if min_np is not None or max_np is not None:
             from pslink.launch_elastic import launch_elastic
 
@@ -534,7 +507,7 @@ def launch_command(
                 raise PslinkError("-s and --server-mode describe a ps-lite deployment: add --pslite")
             code = launch(command, num_workers, service=service, aggregators=aggregators, job=job,
                           prefix=not no_prefix, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                          master_port=master_port)
+                          master_port=master_port, timeline=timeline)
     except PslinkError as exc:
         _fail(exc)
     raise typer.Exit(code)

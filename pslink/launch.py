@@ -15,8 +15,10 @@ parameter service (embedded, or the one given).
 
 from __future__ import annotations
 
+import glob
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +29,8 @@ import time
 from typing import IO, Callable, Sequence
 
 from pslink.core import hosts
+from pslink.core.observe import timeline
+from pslink.core.observe.timeline import ENV_TIMELINE
 from pslink.errors import ConfigError
 
 GRACE_SECONDS = 5.0
@@ -85,6 +89,7 @@ class Launch:
         node_rank: int = 0,
         master_addr: str | None = None,
         master_port: int | None = None,
+        timeline: str | None = None,
     ):
         if not command:
             raise ConfigError("pslink launch needs a command to run, e.g. pslink launch -n 2 python train.py")
@@ -114,6 +119,9 @@ class Launch:
         self.others = "workers"  # how a failure message names the rest
         self._service = None
         self._scratch: tempfile.TemporaryDirectory | None = None
+        # --timeline: each rank writes its own trace here; close() merges them into self.timeline.
+        self.timeline = os.path.abspath(timeline) if timeline else None
+        self._timelines = tempfile.mkdtemp(prefix="pslink-timeline-") if timeline else None
 
     def _say(self, message: str) -> None:
         with self.output.lock:
@@ -159,9 +167,26 @@ class Launch:
             interface = hosts.interface_toward(self.master_addr)
             if interface is not None:
                 env["GLOO_SOCKET_IFNAME"] = interface
+        if self._timelines is not None:
+            env[ENV_TIMELINE] = os.path.join(self._timelines, f"rank{rank}.json")
         if self.worker_env is not None:
             env.update(self.worker_env(rank))
         return env
+
+    def _merge_timelines(self) -> None:
+        paths = sorted(glob.glob(os.path.join(self._timelines, "rank*.json")))
+        try:
+            if paths:
+                events = timeline.merge(paths, self.timeline)
+                self._say(f"timeline of {len(paths)} rank(s), {events} events: {self.timeline} (open it in "
+                          "https://ui.perfetto.dev or chrome://tracing)")
+            else:
+                self._say("no timeline was written (no worker used the service?)")
+        except (OSError, ValueError) as exc:
+            self._say(f"could not merge the timelines in {self._timelines}: {exc}")
+            return
+        shutil.rmtree(self._timelines, ignore_errors=True)
+        self._timelines = None
 
     def _rendezvous_port(self) -> int:
         """One free port per launch for torch.distributed's env:// rendezvous (MASTER_PORT); on
@@ -240,6 +265,8 @@ class Launch:
     def close(self) -> None:
         self.stop_workers()
         self.output.drain()
+        if self._timelines is not None:
+            self._merge_timelines()
         if self._service is not None:
             self._service.stop()
             self._service = None

@@ -112,7 +112,8 @@ def _worker(master: str, rank: int, workers: int, plan: list, seconds: float, pa
             agent.close()
 
 
-def run_pslink(plan: list, workers: int, seconds: float, partition: int, transport: str) -> dict:
+def run_pslink(plan: list, workers: int, seconds: float, partition: int, transport: str, progress=None) -> dict:
+    """Run every case of ``plan`` with ``workers`` processes; ``progress(case)`` after each."""
     from pslink.core.service import Service
 
     listen = "tcp://127.0.0.1:0" if transport == "tcp" else "zmq+tcp://127.0.0.1:0"
@@ -132,11 +133,30 @@ def run_pslink(plan: list, workers: int, seconds: float, partition: int, transpo
         for _ in range(len(plan) * workers):
             case_id, rank, count, elapsed = results.get(timeout=900)
             measured.setdefault(case_id, []).append((count, elapsed))
+            if progress is not None and len(measured[case_id]) == workers:
+                progress(plan[case_id])
         for p in procs:
             p.join(60)
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"benchmark workers failed: exit codes {[p.exitcode for p in procs]}")
     return measured
+
+
+def rows_of(plan: list, measured: dict, workers: int, raw_stream: float) -> list[dict]:
+    rows = []
+    for case_id, (op, size, inflight) in enumerate(plan):
+        per_worker = measured[case_id]
+        mbps = float(np.mean([count * size / elapsed / 1e6 for count, elapsed in per_worker]))
+        latency = float(np.mean([elapsed / count * 1e6 for count, elapsed in per_worker]))
+        row = {"op": op, "size": size, "workers": workers, "inflight": inflight,
+               "MBps": round(mbps, 1), "latency_us": round(latency, 1),
+               "vs_raw_tcp": round(mbps / raw_stream, 3)}
+        if op == "pushpull" and workers == 1 and inflight == 4 and size in ANCHOR_MBPS:
+            row["vs_pslite"] = round(mbps / ANCHOR_MBPS[size], 2)
+        if op == "pushpull" and workers == 1 and inflight == 1 and size == 4096:
+            row["vs_pslite_latency"] = round(ANCHOR_LATENCY_US / latency, 2)
+        rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,20 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"raw loopback TCP stream: {raw_stream:.0f} MB/s; raw 4 KiB ping-pong: {raw_latency:.1f} us")
 
     rows = []
-    for workers in worker_counts:
-        measured = run_pslink(plan, workers, args.seconds, parse_size(args.partition), args.transport)
-        for case_id, (op, size, inflight) in enumerate(plan):
-            per_worker = measured[case_id]
-            mbps = float(np.mean([count * size / elapsed / 1e6 for count, elapsed in per_worker]))
-            latency = float(np.mean([elapsed / count * 1e6 for count, elapsed in per_worker]))
-            row = {"op": op, "size": size, "workers": workers, "inflight": inflight,
-                   "MBps": round(mbps, 1), "latency_us": round(latency, 1),
-                   "vs_raw_tcp": round(mbps / raw_stream, 3)}
-            if op == "pushpull" and workers == 1 and inflight == 4 and size in ANCHOR_MBPS:
-                row["vs_pslite"] = round(mbps / ANCHOR_MBPS[size], 2)
-            if op == "pushpull" and workers == 1 and inflight == 1 and size == 4096:
-                row["vs_pslite_latency"] = round(ANCHOR_LATENCY_US / latency, 2)
-            rows.append(row)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description:40s}"), BarColumn(), TextColumn("{task.completed}/{task.total} cases"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=len(plan) * len(worker_counts))
+        for workers in worker_counts:
+            def advance(case, workers=workers):
+                op, size, inflight = case
+                bar.update(task, advance=1, description=f"{workers} worker(s): {op} {size_label(size)} x{inflight}")
+
+            measured = run_pslink(plan, workers, args.seconds, parse_size(args.partition), args.transport, advance)
+            rows += rows_of(plan, measured, workers, raw_stream)
 
     table = Table(title="pslink push/pull (value MB/s per worker; latency = time per op)")
     for column in ("op", "size", "workers", "in flight", "MB/s", "latency us", "x raw TCP", "x ps-lite"):

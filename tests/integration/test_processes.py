@@ -115,6 +115,29 @@ def test_service_up_and_two_example_workers_train_together(service_up, tmp_path)
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_service_up_serves_metrics_and_service_stop_stops_it_cleanly(service_up, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+    import urllib.request
+
+    master, proc = service_up
+    aggregator_pids = [a["pid"] for a in status_of(master)["aggregators"]]
+    http = status_of(master)["master"]["http"]  # metrics are on by default in `service up`
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", http)
+    wait_until(lambda: http in (tmp_path / "service.log").read_text(), 10, "the page's address to be printed")
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as answer:
+        families = {f.name for f in text_string_to_metric_families(answer.read().decode())}
+    assert {"pslink_aggregators", "pslink_aggregator_tasks", "pslink_migrations"} <= families
+
+    stopped = subprocess.run(CLI + ["service", "stop", "-m", master], capture_output=True, text=True, timeout=30)
+    assert stopped.returncode == 0 and "stopping" in stopped.stdout, stopped.stdout + stopped.stderr
+    assert proc.wait(30) == 0
+    for pid in aggregator_pids:  # every process it started is gone
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    again = subprocess.run(CLI + ["service", "stop", "-m", master], capture_output=True, text=True, timeout=30)
+    assert again.returncode == 1 and "error" in again.stderr  # nothing runs there now: said, not a traceback
+    assert "Traceback" not in again.stderr
+
+
 def test_garbage_to_an_aggregator_process_is_counted_and_others_are_served(service_up):
     master, _ = service_up
     with pslink.connect("g", 0, 1, master=master, timeout=20) as agent:

@@ -14,7 +14,7 @@ from pslink.core.credentials import AGGREGATOR, OPERATOR, derive, new_secret
 from pslink.core.service.client import ControlClient
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op, encode
-from pslink.errors import AuthError, ConfigError
+from pslink.errors import AuthError, ConfigError, ServiceError
 from tests.helpers import RawClient, start_cluster
 from tests.integration.test_pool_changes import KEYS, assert_same, clean_run, serving, train
 
@@ -79,11 +79,16 @@ def test_operator_commands_need_the_operator_credential(secure):
             anyone.remove_aggregator("agg-0")
         with pytest.raises(AuthError, match="operator credential"):
             anyone.register_job("made", 1)
+        with pytest.raises(AuthError, match="operator credential"):
+            anyone.stop_service()
     # The Aggregator credential is not the operator's.
     with ControlClient(service.address, transports=transports, credential=derive(secret, AGGREGATOR)) as aggregator:
         with pytest.raises(AuthError, match="operator credential"):
             aggregator.add_aggregators(1)
     with ControlClient(service.address, transports=transports, credential=operator) as admin:
+        # A service embedded in a program (not `pslink service up`) is stopped by that program.
+        with pytest.raises(ServiceError, match="not started by `pslink service up`"):
+            admin.stop_service()
         (added,) = admin.add_aggregators(1)["added"]
         assert admin.remove_aggregator(added)["removed"] == added
         settings = admin.register_job("made", 1)

@@ -192,3 +192,32 @@ def test_bucket_keys_follow_the_layout_not_the_iteration(cluster):
     assert first == ["net/b0.0"]
     assert rebuilt == again == ["net/b0.1", "net/b1.0"]
     assert half == "net/b1.1"
+
+
+@pytest.mark.integration
+def test_a_timeline_of_a_two_worker_ddp_run_is_a_chrome_trace_with_every_key_of_its_window(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    environment = dict(os.environ, PSLINK_TIMEOUT="60", PSLINK_TIMELINE_STEPS="2:5")
+    done = subprocess.run(CLI + ["-n", "2", "--timeline", str(trace), sys.executable, WORKER, "compare",
+                                 str(tmp_path)], capture_output=True, text=True, timeout=100, env=environment)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "timeline of 2 rank(s)" in done.stdout and str(trace) in done.stdout
+    loaded = json.loads(trace.read_text())  # valid JSON, in Chrome's object form
+    events = loaded["traceEvents"]
+    assert all({"name", "ph", "pid", "tid"} <= set(e) for e in events)
+    assert all(("ts" in e and "dur" in e) for e in events if e["ph"] == "X")
+    for rank in (0, 1):
+        lanes = {e["tid"]: e["args"]["name"] for e in events
+                 if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == rank}
+        spans = [e for e in events if e["ph"] == "X" and e["pid"] == rank and e["cat"] == "request"]
+        assert spans and all(2 <= e["args"]["step"] < 5 for e in spans)
+        per_key: dict = {}
+        for span in spans:
+            per_key.setdefault(lanes[span["tid"]], []).append(span)
+        # Every bucket's key (as DDP last built them) has a span in each of the window's 3 steps.
+        generations = torch.load(tmp_path / f"rank{rank}.pt")["generations"]
+        expected = {f"b{index}.{generation}'" for index, generation in generations.items()}
+        assert {name.rsplit("/", 1)[1] for name in per_key} == expected
+        assert all(len(found) == 3 for found in per_key.values()), {k: len(v) for k, v in per_key.items()}

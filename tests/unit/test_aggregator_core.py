@@ -387,7 +387,8 @@ def test_stats_per_job():
     c = Cluster(workers=1, needs_init=False)
     for r in (1, 2, 3):
         c.send(Op.PUSH, 0, r, np.ones(6))
-    assert c.core.stats() == {"j": {"tasks": 1, "bytes": 24, "task_rounds": 3, "round": 3}}
+    assert c.core.stats() == {"j": {"tasks": 1, "bytes": 24, "task_rounds": 3, "round": 3, "pushed_bytes": 3 * 24,
+                                    "pulled_bytes": 0}}
 
 
 def test_asp_applies_each_push_at_once_and_pulls_never_wait():

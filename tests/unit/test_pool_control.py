@@ -9,7 +9,7 @@ import re
 import pytest
 from rich.console import Console
 
-from pslink.cli import render_status
+from pslink.status_view import render_status
 from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.control import ControlPlane
 from pslink.core.master.state import MasterState

@@ -38,15 +38,17 @@ from pslink.core import hosts
 from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
 from pslink.core.agent.handle import Handle, Handles
+from pslink.core.agent.iterations import Iterations
 from pslink.core.agent.keys import MAX_MOVES, WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, Seat, as_array, check_key
 from pslink.core.agent.master_link import MasterLink
 from pslink.core.agent.requests import Requests
 from pslink.core.agent.settings import job_config
 from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.faults import Faults
+from pslink.core.observe.timeline import Timeline
 from pslink.core.transport import DISCARD, Lent, Transports
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, HeaderTemplate, Limits, Op, decode, encode
+from pslink.core.wire.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, HeaderTemplate, Limits, Op, decode
 from pslink.errors import (
     ClosedError,
     ConfigError,
@@ -98,6 +100,7 @@ class Agent:
         idle_poll: float = 0.002,
         transports: Transports | None = None,
         limits: Limits = DEFAULT_LIMITS,
+        timeline: Timeline | None = None,
         clock=time.monotonic,
     ):
         self.master_address = master
@@ -113,11 +116,13 @@ class Agent:
         self.seat = Seat(job, rank, num_workers, resolve_token(token) or b"", hosts.host_id())
         self._reactor = Reactor(f"agent {job}/{rank}", clock)
         self._keys: dict[Any, KeyInfo] = {}
-        self._lock = threading.Lock()  # rounds and iteration times
+        self._lock = threading.Lock()  # rounds
         self._closed = False
         self._driver = Driver(self._reactor, f"agent-{rank}", spin=spin, idle_poll=idle_poll,
                               in_flight=lambda: bool(self._requests.pending), clock=clock)
-        self._handles = Handles(self._driver, timeout, job, rank)
+        # PSLINK_TIMELINE: a Chrome trace of this worker's requests (pslink.core.observe.timeline)
+        self._timeline = timeline if timeline is not None else Timeline.from_env(job, rank, num_workers)
+        self._handles = Handles(self._driver, timeout, job, rank, self._timeline)
         # A request unanswered this long is sent again (same id; Aggregators apply it once).
         # Messages over TCP are not lost, so it is off unless faults are injected.
         resend_timeout = resend_timeout if resend_timeout is not None else (1.0 if self.faults else None)
@@ -125,14 +130,10 @@ class Agent:
                                   connect_timeout=connect_timeout, peer_timeout=peer_timeout,
                                   probe_interval=probe_interval, resend_timeout=resend_timeout, faults=self.faults,
                                   clock=clock)
-        # Iteration timing for pMaster's profiler: the first key this worker pushes is pushed once
-        # per iteration, so the time between its pushes is the iteration duration.
-        self._reference_key: Any = None
-        self._reference_time: float | None = None
-        self._iterations: list[float] = []
+        self._iterations = Iterations(clock, self._timeline, self._lock)  # durations for pMaster; the timeline's steps
         self._master = MasterLink(self.seat, master, self.transports, self._reactor, limits, self._handles,
                                   connect_timeout=connect_timeout, timeout=timeout,
-                                  heartbeat_interval=heartbeat_interval, take_iterations=self._take_iterations,
+                                  heartbeat_interval=heartbeat_interval, take_iterations=self._iterations.take,
                                   on_back=self._registered_again, closed=lambda: self._closed)
         config = job_config(mode=mode, optimizer=optimizer, partition_bytes=partition_bytes, sync=sync,
                             servers=servers, max_workers=max_workers, staleness=staleness,
@@ -157,6 +158,7 @@ class Agent:
         # Elastic membership: a worker registered while its job ran joins each key before use.
         self._tasks = TaskRequests(self.seat, self._keys, self._resolve, self._requests, self._handles,
                                    self._master, late=bool(self.settings.get("late")))
+        self._handles.explain = self._tasks.explain_wait  # a timeout names the ranks its round waits for
         self._master.start_heartbeats()
         self._driver.start()
 
@@ -199,11 +201,6 @@ class Agent:
             self._tasks.late, self._tasks.joined = True, set()
         else:
             log.info("agent %s: reconnected to pMaster", self.seat)
-
-    def _take_iterations(self) -> list:
-        with self._lock:
-            iterations, self._iterations = self._iterations, []
-        return iterations
 
     def __repr__(self) -> str:
         return f"<Agent job={self.job!r} rank={self.rank}/{self.num_workers} master={self.master_address}>"
@@ -300,6 +297,8 @@ class Agent:
         self._requests.fail(list(self._requests.pending), ClosedError(f"agent of job {self.job!r} rank {self.rank} "
                                                                         "closed"))
         self._release_io()
+        if self._timeline is not None:
+            self._timeline.close()
 
     def _release_io(self) -> None:
         self._requests.close_links()
@@ -390,7 +389,7 @@ class Agent:
             if op == Op.PUSH or op == Op.PUSHPULL:
                 for info in infos:
                     info.round += 1
-                self._time_iteration(keys)
+                self._iterations.pushed(keys)
             rounds = [info.round for info in infos]
         single = len(keys) == 1
         total_parts = len(infos[0].parts) if single else sum(len(info.parts) for info in infos)
@@ -409,18 +408,6 @@ class Agent:
             for part in info.parts:
                 self._send_part(handle, op, info, part, rounds[i], payload, flat_out, average)
         return handle
-
-    def _time_iteration(self, keys: list) -> None:
-        """Called under the lock for every push: note an iteration each time the reference key comes
-        round again."""
-        if self._reference_key is None:
-            self._reference_key = keys[0]
-        if self._reference_key in keys:
-            now = self.clock()
-            if self._reference_time is not None:
-                self._iterations.append(now - self._reference_time)
-                del self._iterations[:-1000]  # pMaster missed a heartbeat or two: keep the latest
-            self._reference_time = now
 
     def _send_part(self, handle, op, info: KeyInfo, part: PartInfo, round_: int, payload, flat_out, average,
                    moves: int = 0) -> None:
@@ -498,7 +485,7 @@ class Agent:
                     with self._lock:
                         info.round += 1
                         failed = info.round
-                    self._abort_key(info, error, failed)
+                    self._tasks.abort_key(info, error, failed)
                 raise error  # a pull or init joins no round: refused here, and nothing else changes
             infos.append(info)
             if info is None:
@@ -512,18 +499,6 @@ class Agent:
                 self._keys.setdefault(spec["key"], KeyInfo(spec))
             infos = [self._keys[k] for k in keys]
         return infos  # type: ignore[return-value]
-
-    def _abort_key(self, info: KeyInfo, error: PslinkError, failed_round: int | None = None) -> None:
-        """Tell the key's Aggregators, so the other workers waiting on it fail now, not later:
-        the rounds up to ``failed_round`` only (the key goes on), or the key for good."""
-        extra = {} if failed_round is None else {"rnd": failed_round}
-        for part in info.parts:
-            try:
-                link = self._requests.link(part.aggregator, part.address)
-                link.conn.send([encode(Op.ABORT, id=0, **self.seat.fields(), key=info.key, part=part.index,
-                                       msg=error.message, code=error.code, **extra)])
-            except PslinkError:
-                pass
 
     # -- receiving (on the driving thread) --------------------------------------------------------
 
@@ -573,7 +548,7 @@ class Agent:
             error = error_from_code(header["code"], header["msg"], header.get("details"))
         if isinstance(error, MovedError) and request.moves < MAX_MOVES:
             # The task migrated before this request got there: follow it, same round, same data.
-            self._moved(request.part, error.details)
+            self._moved(request.info.key, request.part, error.details)
             if request.op in STATE_OPS:
                 self._tasks.send_state(request.handle, request.op, request.info, request.part, request.array,
                                        request.moves + 1)
@@ -596,7 +571,7 @@ class Agent:
                 self._failover.rounds_lost_at(request.info.key, header["lost"])
             moved = get("moved")
             if moved:
-                self._moved(request.part, {"agg": moved[0], "address": moved[1]})
+                self._moved(request.info.key, request.part, {"agg": moved[0], "address": moved[1]})
             if request.average and not get("avg"):
                 # An Aggregator averages a synchronous sum itself, once for every worker, unless
                 # the sum comes through shared memory: then it is divided on its way in.
@@ -607,11 +582,13 @@ class Agent:
                     np.divide(request.array, n, out=request.array)
         self._handles.complete(request.handle, error)
 
-    @staticmethod
-    def _moved(part: PartInfo, where: dict) -> None:
-        """A part's task lives elsewhere now (the pull that closed its last round here said so)."""
+    def _moved(self, key, part: PartInfo, where: dict) -> None:
+        """A part's task lives elsewhere now (a migration: the pull that closed its last round here
+        said so, or a request that came after it)."""
         agg, address = where.get("agg"), where.get("address")
         if isinstance(agg, str) and isinstance(address, str):
+            if self._timeline is not None and self._timeline.active and part.aggregator != agg:
+                self._timeline.instant("migrated", key, {"part": part.index, "from": part.aggregator, "to": agg})
             part.move(agg, address)
 
     def on_close(self, conn, exc) -> None:

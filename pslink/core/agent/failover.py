@@ -79,7 +79,10 @@ class Failover:
             info = self.keys.get(spec["key"])
             if info is None:
                 continue
+            timeline = self.requests.handles.timeline
             for index, _start, _stop, aggregator, address in spec["parts"]:
+                if timeline is not None and timeline.active and info.parts[index].aggregator != aggregator:
+                    timeline.instant("relocated", info.key, {"part": index, "from": lost, "to": aggregator})
                 info.parts[index].move(aggregator, address)  # in place: pending requests share it
         lost_keys = {key: message for key, message in body.get("lost", [])}
         self.reactor.post(self._resend, lost, rids, error, lost_keys, attempt)

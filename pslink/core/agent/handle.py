@@ -8,6 +8,7 @@ import threading
 from typing import Any, Callable
 
 from pslink.core.agent.driver import Driver
+from pslink.core.observe.timeline import Timeline
 from pslink.errors import PslinkError, PslinkTimeoutError
 
 log = logging.getLogger("pslink.core.agent")
@@ -23,7 +24,7 @@ class Handle:
 
     __slots__ = (
         "_book", "op", "keys", "round", "epoch", "_left", "_error", "_result", "_event", "_callbacks",
-        "_waiting_on", "__weakref__",
+        "_waiting_on", "_started", "__weakref__",
     )
 
     def __init__(self, book: "Handles", op: str, keys: list, result: Any, parts: int, round_: int = 0):
@@ -38,6 +39,7 @@ class Handle:
         self._event: threading.Event | None = None  # made only if a thread has to park
         self._callbacks: list[Callable[["Handle"], None]] | None = None
         self._waiting_on: dict[str, str] = {}  # aggregator name -> address, for error messages
+        self._started: float | None = None  # when it was issued, if the timeline records it
 
     def done(self) -> bool:
         return self._left == 0
@@ -110,27 +112,53 @@ class Handles:
     through the :class:`~pslink.core.agent.driver.Driver` (so a waiting thread drives the I/O).
     ``timeout``: the default wait; ``job`` and ``rank`` name the Agent in errors."""
 
-    def __init__(self, driver: Driver, timeout: float, job: str, rank: int):
+    def __init__(self, driver: Driver, timeout: float, job: str, rank: int, timeline: Timeline | None = None):
         self.driver = driver
         self.timeout = timeout
         self.job, self.rank = job, rank
+        self.timeline = timeline
+        # explain(handle) -> text: who a timed-out handle still waits for (the Agent asks its Aggregators)
+        self.explain: Callable[[Handle], str] | None = None
         self._lock = threading.Lock()
 
     def new(self, op: str, keys: list, result: Any, parts: int, round_: int = 0) -> Handle:
-        return Handle(self, op, keys, result, parts, round_)
+        handle = Handle(self, op, keys, result, parts, round_)
+        timeline = self.timeline
+        if timeline is not None and timeline.active:
+            handle._started = timeline.now()
+        return handle
 
     def wait(self, handle: Handle, timeout: float | None) -> None:
-        self.driver.wait(
-            lambda: not handle._left, self.timeout if timeout is None else timeout, handle._describe_wait,
-            on_timeout=lambda t: PslinkTimeoutError(f"{handle._describe_wait()} not done after {t:g} s (job "
-                                                    f"{self.job!r}, rank {self.rank})", job=self.job),
-            parking=handle._parking_event)
+        timeline = self.timeline
+        started = timeline.now() if timeline is not None and timeline.active else None
+        try:
+            self.driver.wait(lambda: not handle._left, self.timeout if timeout is None else timeout,
+                             handle._describe_wait, on_timeout=lambda t: self._timed_out(handle, t),
+                             parking=handle._parking_event)
+        finally:
+            if started is not None:
+                timeline.span(f"wait {handle.op}", None, started, timeline.now(), {"keys": handle.keys[:8]})
+
+    def _timed_out(self, handle: Handle, seconds: float) -> PslinkTimeoutError:
+        why = ""
+        if self.explain is not None:
+            try:
+                why = self.explain(handle)
+            except Exception:  # naming the missing ranks is a courtesy: the timeout is the error
+                log.debug("agent %s/%d: could not ask who %r waits for", self.job, self.rank, handle, exc_info=True)
+        return PslinkTimeoutError(f"{handle._describe_wait()} not done after {seconds:g} s (job {self.job!r}, rank "
+                                  f"{self.rank}){why}", job=self.job)
 
     def complete(self, handle: Handle, error: PslinkError | None) -> None:
         """One part of ``handle`` finished (``error``: how it failed); its callbacks run once
         the whole handle is done."""
         with self._lock:
             callbacks = handle._part_done(error)
+            started = handle._started if not handle._left else None
+            if started is not None:
+                handle._started = None
+        if started is not None:
+            self._trace(handle, started, error)
         if callbacks:
             self.driver.callbacks_pending(-1)
         for callback in callbacks:
@@ -138,6 +166,15 @@ class Handles:
                 callback(handle)
             except Exception:
                 log.exception("callback of %r failed", handle)
+
+    def _trace(self, handle: Handle, started: float, error: PslinkError | None) -> None:
+        timeline = self.timeline
+        end = timeline.now()
+        args = {"round": handle.round} if handle.round else {}
+        if error is not None:
+            args["error"] = type(error).__name__
+        for key in handle.keys[:256]:
+            timeline.span(handle.op, key, started, end, args)
 
     def add_callback(self, handle: Handle, fn) -> bool:
         """Attach ``fn``; False when the handle is already done (the caller runs it)."""

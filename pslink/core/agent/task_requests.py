@@ -109,7 +109,7 @@ class TaskRequests:
     def state_arrived(request: PartRequest, header: dict, payloads: list) -> None:
         """A part's STATE_GET answer (its slice of each array, and its numbers) or JOIN answer."""
         body, info, part, into = header.get("body") or {}, request.info, request.part, request.array
-        if request.op == Op.JOIN:
+        if request.op == Op.JOIN or request.op == Op.WAITING:
             into[part.index] = body
             return
         for name, data in zip(body.get("names", []), payloads):
@@ -119,6 +119,49 @@ class TaskRequests:
             full.reshape(-1)[part.start : part.stop] = np.frombuffer(data, info.dtype)
         for name, value in (body.get("scalars") or {}).items():
             into[name] = max(value, into.get(name, value))
+
+    def abort_key(self, info: KeyInfo, error: PslinkError, failed_round: int | None = None) -> None:
+        """Tell the key's Aggregators, so the other workers waiting on it fail now, not later:
+        the rounds up to ``failed_round`` only (the key goes on), or the key for good."""
+        extra = {} if failed_round is None else {"rnd": failed_round}
+        for part in info.parts:
+            try:
+                link = self.requests.link(part.aggregator, part.address)
+                link.conn.send([encode(Op.ABORT, id=0, **self.seat.fields(), key=info.key, part=part.index,
+                                       msg=error.message, code=error.code, **extra)])
+            except PslinkError:
+                pass
+
+    def explain_wait(self, handle: Handle, timeout: float = 2.0) -> str:
+        """For a timed-out ``handle``: ask the Aggregators of its first keys whom the rounds it
+        waits for still wait for, in words ("" if they cannot say within ``timeout``)."""
+        infos = [self.keys[k] for k in handle.keys[:4] if k in self.keys]
+        if handle.op == "waiting" or not infos:
+            return ""
+        answers: dict = {info.key: {} for info in infos}
+        asking = self.handles.new("waiting", [info.key for info in infos], None, sum(len(i.parts) for i in infos))
+        for info in infos:
+            for part in info.parts:
+                self.send_state(asking, Op.WAITING, info, part, answers[info.key], round_=handle.round or info.round)
+        try:
+            asking.wait(timeout)
+        except PslinkError:
+            pass  # whatever came back still says something
+        said = []
+        for key, parts in answers.items():
+            if not parts:
+                continue
+            round_ = max(body.get("round", 0) for body in parts.values())
+            waiting = sorted({r for body in parts.values() for r in body.get("waiting", ())})
+            pushed = sorted(set.intersection(*(set(body.get("pushed", ())) for body in parts.values())))
+            if waiting:
+                said.append(f"round {round_} of key {key!r} waits for rank(s) {waiting} (pushed: {pushed})")
+            elif all(body.get("closed", 0) >= round_ for body in parts.values()):
+                said.append(f"round {round_} of key {key!r} has closed (its answer is on the way or was lost)")
+            else:
+                said.append(f"round {round_} of key {key!r} has every push (it waits for its slot in the "
+                            "Aggregator's cycle, its replicas or a migration)")
+        return ("; " + "; ".join(said)) if said else ""
 
     # -- joining a running job -------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from pslink.core.aggregator.cycle import CycleBudget
+from pslink.core.aggregator.stalls import waiting_for
 from pslink.core.wire.protocol import Op
 from pslink.core.aggregator.moves import Moves
 from pslink.core.aggregator import failures
@@ -233,6 +234,8 @@ class AggregatorCore:
     # -- requests -----------------------------------------------------------------------------
 
     def handle(self, task: Task, req: Request) -> list:
+        if req.op == Op.WAITING:  # a question about the task, answered whatever state it is in
+            return [Reply(req.origin, req.id, body=waiting_for(task, req.round))]
         if task.poisoned is not None:
             return [Reply(req.origin, req.id, error=task.poisoned)]
         if task.failed_rounds and req.round in task.failed_rounds and req.op != Op.INIT:
@@ -356,6 +359,7 @@ class AggregatorCore:
         else:
             self.summer.add(round_.acc, req.payload)
         round_.contributors.add(rank)
+        task.job.pushed_bytes += task.nbytes
         return outputs + self._close_ready(task)
 
     def _push_async(self, task: Task, req: Request) -> list[Reply]:
@@ -367,6 +371,7 @@ class AggregatorCore:
         round_ = _Round()
         round_.contributors.add(req.rank)
         round_.acc = req.payload
+        task.job.pushed_bytes += task.nbytes
         if task.job.mode == "sum":
             value = task.value
             if task.pool.in_use(value, known=2):  # a queued reply still reads it: add into a copy
@@ -513,6 +518,8 @@ class AggregatorCore:
         # the answer still comes from here but carries the new place.
         reply = Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value,
                       moved=task.moved_to, epoch=task.closed_epoch)
+        if task.value is not None:
+            task.job.pulled_bytes += task.nbytes
         if req.average and task.last_n > 1 and task.job.mode == "sum" and task.job.sync != "asp" \
                 and task.value is not None and task.value.dtype.kind == "f":
             reply.payload, reply.averaged = self._average(task), True
@@ -576,7 +583,8 @@ class AggregatorCore:
         return out
 
     def stats(self) -> dict:
-        """Per job: tasks held, bytes, rounds closed over all tasks, and the furthest round."""
+        """Per job: tasks held, bytes, rounds closed over all tasks, the furthest round, and the bytes
+        pushed here and pulled from here (since this Aggregator knew the job)."""
         per_job: dict[str, dict] = {}
         for (job_id, _, _), task in self.tasks.items():
             entry = per_job.setdefault(job_id, {"tasks": 0, "bytes": 0, "task_rounds": 0, "round": 0})
@@ -584,5 +592,9 @@ class AggregatorCore:
             entry["bytes"] += task.nbytes
             entry["task_rounds"] += task.rounds_closed
             entry["round"] = max(entry["round"], task.closed)
+        for job_id, entry in per_job.items():
+            job = self.jobs.get(job_id)
+            if job is not None:
+                entry["pushed_bytes"], entry["pulled_bytes"] = job.pushed_bytes, job.pulled_bytes
         return per_job
 

@@ -37,11 +37,13 @@ from pslink.core.wire.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limit
 from pslink.core.transport.rpc import RpcPeer
 from pslink.core.aggregator.copies import Arriving, Copies, Rejected
 from pslink.core.aggregator.master_link import MasterLink
+from pslink.core.aggregator.stalls import StallInspector, stall_threshold
 from pslink.core.transport import DISCARD, Connection, Lent, Transports
 from pslink.errors import (AbortedError, ConfigError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
                            error_from_code)
 
 log = logging.getLogger(__name__)
+MAX_STALL_LINES = 8  # per scan: a whole job stalling is one story, not a line per key
 
 
 class Aggregator:
@@ -65,6 +67,7 @@ class Aggregator:
         interface: str | None = None,
         keep: bool = False,
         credential: str | None = None,
+        stall_seconds: float | None = None,
         clock=time.monotonic,
     ):
         self.name = name
@@ -112,6 +115,10 @@ class Aggregator:
                                  stop=self._stop, stopping=lambda: self.exit_code is not None, name=lambda: self.name,
                                  clock=clock, heartbeat_interval=heartbeat_interval,
                                  reconnect_interval=reconnect_interval, orphan_timeout=orphan_timeout)
+        # The stall inspector: rounds waiting longer than this for some rank are logged and reported.
+        self.stalls = StallInspector(stall_threshold(stall_seconds))
+        if self.stalls.threshold > 0:
+            self.reactor.call_later(min(1.0, self.stalls.threshold / 2), self._inspect)
         if master is not None:
             self.master.start()
 
@@ -149,8 +156,26 @@ class Aggregator:
         now = self.clock()
         load = (self.busy - busy) / (now - since) if now > since else 0.0
         self._busy_reported = (self.busy, now)
-        return {"jobs": self.core.stats(), "errors": self.errors, "requests": self.requests, "costs": self.core.costs(),
-                "load": round(min(1.0, load), 4), "cycle": self.core.budget.describe() if self.core.budget else None}
+        jobs = self.core.stats()
+        for job, count in self.stalls.counts.items():
+            if job in jobs:
+                jobs[job]["stalls"] = count
+        return {"jobs": jobs, "errors": self.errors, "requests": self.requests, "costs": self.core.costs(),
+                "load": round(min(1.0, load), 4), "cycle": self.core.budget.describe() if self.core.budget else None,
+                "stalled": self.stalls.report(now)}
+
+    def _inspect(self) -> None:
+        """Log each round that newly waits longer than the threshold, naming the missing ranks."""
+        try:
+            now = self.clock()
+            new = self.stalls.scan(self.core.tasks.values(), now)
+            for stall in new[:MAX_STALL_LINES]:
+                log.warning("aggregator %s: stalled: %s", self.name, stall.describe(now))
+            if len(new) > MAX_STALL_LINES:
+                log.warning("aggregator %s: %d more rounds stalled (pslink service status lists them)", self.name,
+                            len(new) - MAX_STALL_LINES)
+        finally:
+            self.reactor.call_later(min(1.0, self.stalls.threshold / 2), self._inspect)
 
     def _stop(self, status: int) -> None:
         self.exit_code = status

@@ -112,6 +112,8 @@ class JobState:
     straggler_timeout: float | None = None  # a round open this long closes with who came
     checkpoint: str | None = None  # parts are written there at init and every checkpoint_every rounds
     checkpoint_every: int = 0
+    pushed_bytes: int = 0  # counted here, for pMaster's metrics
+    pulled_bytes: int = 0
 
     @classmethod
     def from_wire(cls, info: dict) -> "JobState":

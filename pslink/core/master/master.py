@@ -17,6 +17,7 @@ from typing import Any
 
 from pslink.core import hosts
 from pslink.core.master.actions import Allocate, Migrate, Release
+from pslink.core.master.barriers import Barriers
 from pslink.core.master.control import ControlPlane
 from pslink.core.credentials import ServiceCredentials
 from pslink.core.master.failover import Failover
@@ -25,6 +26,7 @@ from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, checke
 from pslink.core.master.joining import Joining
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.moving import Mover
+from pslink.core.master.observing import Observing
 from pslink.core.master.pool import Pool
 from pslink.core.master.replicas import Replicas
 from pslink.core.master.state import MasterState
@@ -33,15 +35,7 @@ from pslink.core.transport import Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op
-from pslink.errors import (
-    AuthError,
-    ClosedError,
-    MembershipError,
-    ProtocolError,
-    PslinkError,
-    ServiceError,
-    ShapeMismatchError,
-)
+from pslink.errors import AuthError, ProtocolError, PslinkError, ServiceError, ShapeMismatchError
 
 log = logging.getLogger("pslink.core.master")
 
@@ -114,6 +108,9 @@ class Master:
         dial_back_timeout: float = 3.0,
         credentials: ServiceCredentials | None = None,
         quota: dict | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        on_stop=None,
         clock=time.time,
     ):
         self.reactor = Reactor("pmaster")
@@ -141,7 +138,7 @@ class Master:
         self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface)
         self.host_id = hosts.host_id()
         self._waits: dict[tuple[str, Any], list[_LookupWait]] = {}
-        self._barriers: dict[tuple[str, str], dict[int, tuple[RpcPeer, dict]]] = {}
+        self.barriers = Barriers(self.state)
         # The collaborators. A cycle among them (a move that fails asks the pool; the pool asks
         # which Aggregators move) goes through the small callables named here.
         self.links = AggregatorLinks(self.state, assign_timeout)
@@ -168,7 +165,7 @@ class Master:
             Op.LOOKUP: self._lookup,
             Op.SET_OPTIMIZER: self._set_optimizer,
             Op.HEARTBEAT: self._heartbeat,
-            Op.BARRIER: self._barrier,
+            Op.BARRIER: self.barriers.enter,
             Op.LEAVE: self._leave,
             Op.JOB_KEYS: self._job_keys,
             Op.STATUS: self._status,
@@ -177,8 +174,10 @@ class Master:
             Op.REGISTER_AGGREGATOR: self.joining.register,
             Op.TENSOR_COPY_DONE: self.mover.progress,
             Op.WORKER_DONE: self.mover.progress,
-            Op.POOL: self.pool.request,
+            Op.POOL: self._pool_request,
         }
+        # Status, /metrics and the page (metrics_port: None serves no HTTP), `pslink service stop`.
+        self.observing = Observing(self, metrics_port=metrics_port, metrics_host=metrics_host, on_stop=on_stop)
         self.reactor.call_later(sweep_interval, self._sweep)
         if self.state.jobs:
             log.info("pMaster resumed %d job(s) from %s", len(self.state.jobs), self.store.path)
@@ -194,6 +193,7 @@ class Master:
 
     def stop(self, shutdown_aggregators: bool = False) -> None:
         """Stop serving; with ``shutdown_aggregators`` also ask every Aggregator to exit."""
+        self.observing.close()
         if shutdown_aggregators:
             self.call_soon(self._shutdown_aggregators)
         self.call_soon(self.listener.close)
@@ -303,8 +303,7 @@ class Master:
                 if peer is not None:
                     peer.call(Op.JOB_INFO, self.links.log_failure(f"telling {name} of job {record.job}'s members"),
                               timeout=self.links.timeout, jobinfo=record.jobinfo())
-            for ident in [b for b in self._barriers if b[0] == record.job]:
-                self._settle_barrier(record, ident)
+            self.barriers.members_changed(record)
 
     def _send_schedules(self) -> None:
         """Cyclic execution: each Aggregator whose plan changed learns its cycle and budgets."""
@@ -317,6 +316,7 @@ class Master:
 
     def _carry_out_actions(self) -> None:
         for action in self.state.take_actions():
+            self.observing.watch.action(action)
             try:
                 if isinstance(action, Allocate):
                     self.pool.allocate(action)
@@ -377,6 +377,7 @@ class Master:
     def _heartbeat(self, peer: RpcPeer, req: dict) -> None:
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
         self.state.heartbeat(record, req["rank"], req.get("iters"))
+        self.observing.heartbeat(record, req["rank"], req.get("iters"))
         if not peer.info.get("role"):  # an Agent that reconnected after a pMaster restart
             peer.info.update(role="worker", job=record.job, rank=req["rank"])
 
@@ -392,12 +393,11 @@ class Master:
         peer.reply(req)
 
     def _end_job(self, record: JobRecord) -> None:
+        self.observing.watch.job_ended(record.job)
         self._drop_job_tasks(record)
         self.mover.job_ended(record.job)
         self.store.delete_job(record.job)
-        for ident in [b for b in self._barriers if b[0] == record.job]:
-            for peer, req in self._barriers.pop(ident).values():
-                peer.error(req, ClosedError(f"job {record.job!r} ended during barrier {ident[1]!r}"))
+        self.barriers.job_ended(record)
 
     def _drop_job_tasks(self, record: JobRecord) -> None:
         holders = {r for spec in record.keys.values() for part in spec.parts for r in part.replicas}
@@ -415,27 +415,6 @@ class Master:
             peer.error(req, error) if error else peer.reply(req, body=record.settings())
         ))
 
-    def _barrier(self, peer: RpcPeer, req: dict) -> None:
-        record = self.state.authorize(req["job"], req["tok"], req["rank"])
-        ident = (record.job, req["name"])
-        arrived = self._barriers.setdefault(ident, {})
-        if req["rank"] in arrived:
-            raise MembershipError(f"rank {req['rank']} entered barrier {req['name']!r} of job {record.job!r} twice")
-        arrived[req["rank"]] = (peer, req)
-        self._settle_barrier(record, ident)
-
-    def _settle_barrier(self, record: JobRecord, ident: tuple) -> None:
-        """Release a barrier once every current member arrived; a rank that left gets an error."""
-        arrived = self._barriers[ident]
-        for rank in [r for r in arrived if r not in record.membership]:
-            gone_peer, gone_req = arrived.pop(rank)
-            gone_peer.error(gone_req, MembershipError(f"rank {rank} left job {record.job!r} during barrier "
-                                                      f"{ident[1]!r}", job=record.job))
-        if set(arrived) >= record.membership.ranks:
-            body = {"epoch": record.membership.epoch, "ranks": sorted(record.membership.ranks)}
-            for waiting_peer, waiting_req in self._barriers.pop(ident).values():
-                waiting_peer.reply(waiting_req, body=body)
-
     def spec_wire(self, spec: KeySpec) -> dict:
         return spec_to_wire(spec, self.state.aggregators)
 
@@ -447,14 +426,13 @@ class Master:
         peer.reply(req, body={"keys": keys, "membership": record.membership.to_wire()})
 
     def _status(self, peer: RpcPeer, req: dict) -> None:
-        body = self.state.status()
-        now = self.state.clock()
-        body["migrations"] = self.mover.core.status(now)  # running, then queued
-        body["migrations_done"] = self.mover.core.done
-        body["master"] = {"address": self.address, "state": self.store.path, "pid": os.getpid(),
-                          "refused": self.gate.refused + self.mover.refused, "bad_messages": self.endpoint.bad_messages,
-                          "credentials": not self.gate.open}
-        peer.reply(req, body=body)
+        peer.reply(req, body=self.observing.status())
+
+    def _pool_request(self, peer: RpcPeer, req: dict) -> None:
+        if req["action"] == "stop":
+            self.observing.stop_requested(peer, req)
+        else:
+            self.pool.request(peer, req)
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -597,5 +575,6 @@ class Master:
                 if name not in self.failover.failing:
                     self.failover.fail_over(name)
             self._carry_out()
+            self.observing.tick()
         finally:
             self.reactor.call_later(self.sweep_interval, self._sweep)

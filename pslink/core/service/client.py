@@ -82,6 +82,11 @@ class ControlClient:
         "replicas": [[job, key, part, [new holders]]], "min_aggregators"}``."""
         return self.call(Op.POOL, action="remove", agg=name)
 
+    def stop_service(self) -> dict:
+        """Stop the service (pMaster and every process it started), as Ctrl-C in ``pslink service
+        up``'s terminal would: ``{"stopping": address}``."""
+        return self.call(Op.POOL, action="stop")
+
     def close(self) -> None:
         self.peer.conn.close()
         self.reactor.drain()

@@ -39,6 +39,7 @@ class Op(enum.IntEnum):
     STATE_SET = 9  # replace a part's optimizer state (resuming from a checkpoint)
     JOIN = 13  # a worker added to a running job: where it comes in (rnd 0 asks; rnd R joins)
     REPLICATE = 14  # Aggregator -> Aggregator: a closed round's state for a replica
+    WAITING = 15  # who a part's open round has and still waits for (a timed-out worker asks, to name them)
     # replies (to any request)
     REPLY = 10
     ERROR = 11
@@ -74,7 +75,7 @@ class Op(enum.IntEnum):
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
-STATE_OPS = frozenset({Op.STATE_GET, Op.STATE_SET, Op.JOIN})  # about a task, not its rounds
+STATE_OPS = frozenset({Op.STATE_GET, Op.STATE_SET, Op.JOIN, Op.WAITING})  # about a task, not its rounds
 MAX_STATE_ARRAYS = 8  # per part; a frame each, every one of the part's size (momentum, moments)
 
 # The dtypes a tensor may have on the wire. Always little-endian.
@@ -276,6 +277,7 @@ SCHEMAS: dict[Op, Schema] = {
     ),
     Op.STATE_GET: Schema(_DATA_REQUIRED),
     Op.JOIN: Schema(_DATA_REQUIRED),
+    Op.WAITING: Schema(_DATA_REQUIRED),
     Op.STATE_SET: Schema(
         {**_DATA_REQUIRED, "names": _list},
         {"scalars": _map},

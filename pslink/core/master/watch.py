@@ -1,0 +1,123 @@
+"""What pMaster counts for operators (no I/O): allocations, releases, iteration times per job;
+and the figures ``status`` shows beyond the state itself (counters, bytes pushed and pulled, stalled
+rounds). ``/metrics`` (:mod:`pslink.core.observe.metrics`) is made from that same status, so the
+two never disagree."""
+
+from __future__ import annotations
+
+import bisect
+
+from pslink.core.master.actions import Allocate, Release
+
+# Iteration seconds: from a small model's few milliseconds to a large one's minute.
+ITERATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    """Cumulative-bucket histogram in Prometheus' sense (``le`` upper bounds, +Inf last)."""
+
+    __slots__ = ("counts", "sum", "count")
+
+    def __init__(self):
+        self.counts = [0] * (len(ITERATION_BUCKETS) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(ITERATION_BUCKETS, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def to_wire(self) -> dict:
+        cumulative, total = [], 0
+        for bound, count in zip(ITERATION_BUCKETS + (float("inf"),), self.counts):
+            total += count
+            cumulative.append(["+Inf" if bound == float("inf") else bound, total])
+        return {"buckets": cumulative, "sum": round(self.sum, 6), "count": self.count}
+
+
+class Watch:
+    """Counters pMaster keeps for its operators, fed from its loop."""
+
+    def __init__(self):
+        self.allocations = 0
+        self.releases = 0
+        self.iterations: dict[str, Histogram] = {}
+
+    def action(self, action) -> None:
+        if isinstance(action, Allocate):
+            self.allocations += 1
+        elif isinstance(action, Release):
+            self.releases += 1
+
+    def iterations_reported(self, job: str, durations) -> None:
+        """One rank's iteration durations (the job's lowest rank: workers of a job step together)."""
+        histogram = self.iterations.get(job)
+        if histogram is None:
+            histogram = self.iterations[job] = Histogram()
+        for duration in durations or ():
+            if duration > 0:
+                histogram.observe(float(duration))
+
+    def job_ended(self, job: str) -> None:
+        self.iterations.pop(job, None)
+
+    def add_to(self, status: dict, aggregators: dict, *, migrations: int, failovers: int) -> dict:
+        """``status`` (MasterState.status()) with the counters, each job's bytes pushed and pulled,
+        stall counts and iteration histogram, and every stalled round (oldest first)."""
+        per_job: dict[str, dict] = {}
+        stalled = []
+        for record in aggregators.values():
+            for job, entry in (record.stats.get("_jobs") or {}).items():
+                totals = per_job.setdefault(job, {"pushed_bytes": 0, "pulled_bytes": 0, "stalls": 0})
+                for name in totals:
+                    totals[name] += int(entry.get(name, 0))
+            if record.alive:
+                stalled += [dict(s, aggregator=record.name) for s in record.stats.get("stalled") or []]
+        stalled.sort(key=lambda s: -s.get("seconds", 0))
+        by_job: dict[str, list] = {}
+        for stall in stalled:
+            by_job.setdefault(stall["job"], []).append(stall)
+        for job in status["jobs"]:
+            job.update(per_job.get(job["job"], {"pushed_bytes": 0, "pulled_bytes": 0, "stalls": 0}))
+            job["stalled_rounds"] = len(by_job.get(job["job"], ()))
+            histogram = self.iterations.get(job["job"])
+            job["iteration_seconds"] = (histogram or Histogram()).to_wire()
+        status["stalled"] = stalled
+        status["counters"] = {
+            "migrations": migrations,
+            "failovers": failovers,
+            "reverts": sum(j.get("control", {}).get("reverts", 0) for j in status["jobs"]),
+            "allocations": self.allocations,
+            "releases": self.releases,
+        }
+        return status
+
+
+HISTORY_EVERY = 5.0  # seconds between samples of the pool's load
+HISTORY_KEEP = 120  # samples: the last ten minutes
+
+
+class History:
+    """The pool's recent load, for the live page: every ``HISTORY_EVERY`` s, each Aggregator's
+    load and each job's rounds per second."""
+
+    def __init__(self):
+        self.samples: list[dict] = []
+        self._last = float("-inf")
+
+    def sample(self, now: float, wall: float, aggregators: dict, jobs) -> None:
+        if now - self._last < HISTORY_EVERY:
+            return
+        self._last = now
+        rounds = {}
+        for job in jobs:
+            rounds[job] = round(max((a.rates.get("_job_rounds", {}).get(job, 0.0) for a in aggregators.values()),
+                                    default=0.0), 2)
+        self.samples.append({"t": round(wall, 1),
+                             "load": {a.name: a.stats.get("load", 0.0) for a in aggregators.values() if a.alive},
+                             "rounds_per_s": rounds})
+        del self.samples[:-HISTORY_KEEP]
+
+    def to_wire(self) -> dict:
+        return {"every": HISTORY_EVERY, "samples": list(self.samples)}
