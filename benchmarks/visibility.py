@@ -6,7 +6,8 @@
 Two services run side by side for the whole run, so the host carries both alike: "off" (no HTTP
 endpoint, PSLINK_STALL_SECONDS=0 for its Aggregators) and "on" (metrics on, scraped every second
 by a thread here: 15 times Prometheus' default rate; the stall inspector at its default 10 s).
-Measured, alternating off / on / timeline, each a fresh set of worker processes:
+Measured, alternating off / on / timeline (each round starting with the next), each a fresh set of
+worker processes:
 
 - pushpull latency of 4 KiB, one worker, one request in flight (the per-message cost);
 - the DDP step of benchmarks/torch_ddp.py (2 workers, the pslink hook) against each service, and
@@ -100,12 +101,14 @@ def main(argv=None) -> int:
     timeline_bytes = []
     try:
         for index in range(args.rounds):
-            for name, service in (("off", off), ("on", on)):
+            # Each round starts with another variant: a fixed order would charge one with the drift.
+            for name, service in (("off", off), ("on", on))[::1 if index % 2 == 0 else -1]:
                 lat[name].append(latency(service.address, f"lat-{name}-{index}", args.seconds))
             if torch_ddp is None:
                 continue
             with tempfile.TemporaryDirectory(prefix="pslink-vis-") as scratch:
-                for name in ("off", "on", "timeline"):
+                order = ("off", "on", "timeline")
+                for name in order[index % 3:] + order[:index % 3]:
                     service = on if name == "on" else off
                     if name == "timeline":
                         os.environ["PSLINK_TIMELINE"] = os.path.join(scratch, "trace.json")
