@@ -157,4 +157,35 @@ def churn(address: str, count: int, timeout: float = 2.0) -> int:
     return count
 
 
-__all__ = ["churn", "frames", "send_frames", "shrunk_ring"]
+def http_garbage(host: str, port: int, seed: int, count: int, timeout: float = 2.0) -> dict:
+    """``count`` connections to an HTTP port, each sending one hostile request (random bytes, a
+    request line or header past any limit, a truncated request, a method not served); returns how
+    many were answered with a status line, closed without one, or timed out."""
+    rng = random.Random(seed)
+    outcomes = {"answered": 0, "closed": 0, "timeout": 0}
+    for i in range(count):
+        kind = i % 5
+        if kind == 0:
+            data = rng.randbytes(rng.randint(1, 4096))
+        elif kind == 1:
+            data = b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n"
+        elif kind == 2:
+            data = b"GET /metrics HTTP/1.1\r\n" + b"X-Junk: " + b"b" * 70_000 + b"\r\n\r\n"
+        elif kind == 3:
+            data = b"GET /metr"
+        else:
+            data = b"POST /metrics HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n" + rng.randbytes(512)
+        try:
+            with socket.create_connection((host, port), timeout=timeout) as sock:
+                sock.sendall(data)
+                sock.shutdown(socket.SHUT_WR)  # all it sends: the server must not wait for more
+                answer = sock.recv(64)
+            outcomes["answered" if answer.startswith(b"HTTP/") else "closed"] += 1
+        except socket.timeout:
+            outcomes["timeout"] += 1
+        except OSError:
+            outcomes["closed"] += 1
+    return outcomes
+
+
+__all__ = ["churn", "frames", "http_garbage", "send_frames", "shrunk_ring"]

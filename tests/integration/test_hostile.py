@@ -158,3 +158,36 @@ def test_bad_job_names_and_state_paths_get_a_clear_error_at_once(service_up, tmp
                         text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert up.returncode == 1 and "--state /proc/nonexistent/x: cannot make or write" in up.stderr
     assert "Traceback" not in up.stderr
+
+
+def test_the_metrics_port_survives_garbage_floods_and_idle_connections(service_up):
+    """The HTTP endpoint (metrics and page) is a listener too: hostile requests are answered with
+    an error or closed, idle connections take at most 16 threads and are dropped after 5 s, and
+    pMaster goes on serving jobs and scrapes."""
+    import socket
+    import urllib.request
+
+    from pslink.core.observe.http import MAX_CONNECTIONS, REQUEST_TIMEOUT
+
+    master, proc = service_up
+    http = status_of(master)["master"]["http"]
+    host, port = http.split("://")[1].rsplit(":", 1)
+    before = psutil.Process(proc.pid).memory_info().rss
+    outcomes = hostile.http_garbage(host, int(port), seed=1, count=1000)
+    assert outcomes["timeout"] == 0 and outcomes["answered"] >= 600, outcomes  # 400/414/431/501, said at once
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(MAX_CONNECTIONS + 24)]
+    try:
+        started = time.monotonic()
+        # Past the cap, a connection is closed at once; within it, after the request timeout.
+        closed = [s for s in idle if s.recv(1) == b""]
+        assert len(closed) == len(idle) and time.monotonic() - started < REQUEST_TIMEOUT + 3
+    finally:
+        for s in idle:
+            s.close()
+    hostile.churn(f"tcp://{host}:{port}", 500)
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as answer:
+        assert b"pslink_aggregators" in answer.read()
+    _trains(master, "after-http")
+    assert proc.poll() is None
+    grown = (psutil.Process(proc.pid).memory_info().rss - before) >> 20
+    assert grown < 30, f"pMaster grew by {grown} MB"

@@ -15,6 +15,7 @@ from pslink.core.transport.rpc import RpcPeer
 from pslink.errors import PslinkTimeoutError, ServiceError
 
 log = logging.getLogger("pslink.core.master")
+SNAPSHOT_AGE = 0.25  # seconds a status served over HTTP may be old
 
 
 class Observing:
@@ -26,6 +27,8 @@ class Observing:
         self.watch = Watch()
         self.history = History()
         self.on_stop = on_stop
+        self._snapshot_lock = threading.Lock()
+        self._last_snapshot: tuple[float, dict | None] = (0.0, None)
         self.http = None
         if metrics_port is not None:
             from pslink.core.observe.http import StatusServer  # prometheus-client: only with metrics on
@@ -49,7 +52,17 @@ class Observing:
         return self.watch.add_to(body, m.state.aggregators, migrations=m.mover.core.done, failovers=m.failover.done)
 
     def snapshot(self, timeout: float = 5.0) -> dict:
-        """From any thread: the status, taken on pMaster's loop."""
+        """From any thread: the status, taken on pMaster's loop, at most once per SNAPSHOT_AGE
+        (however often the page and scrapers ask, pMaster's loop computes it a few times a second)."""
+        with self._snapshot_lock:
+            taken, status = self._last_snapshot
+            if status is not None and time.monotonic() - taken < SNAPSHOT_AGE:
+                return status
+            status = self._take_snapshot(timeout)
+            self._last_snapshot = (time.monotonic(), status)
+            return status
+
+    def _take_snapshot(self, timeout: float) -> dict:
         box: list = []
         done = threading.Event()
 

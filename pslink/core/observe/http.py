@@ -22,7 +22,40 @@ from pslink.errors import PslinkError
 
 log = logging.getLogger(__name__)
 
-ENV_METRICS_PORT = "PSLINK_METRICS_PORT"
+MAX_CONNECTIONS = 16  # served at once; more are closed at once (a flood costs threads of nobody's)
+REQUEST_TIMEOUT = 5.0  # seconds a connection may stay silent while its request is read
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them; ``refused`` counts the rest."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: 5 (socketserver's) makes a burst of connects wait for SYN retries
+
+    def __init__(self, address, handler):
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        log.debug("http: a request from %s failed", client_address, exc_info=True)
 
 
 def _page() -> bytes:
@@ -40,6 +73,7 @@ class StatusServer:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             server_version = "pslink"
+            timeout = REQUEST_TIMEOUT  # a silent client is dropped, not waited for
 
             def do_GET(self):  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
@@ -69,12 +103,16 @@ class StatusServer:
                 log.debug("http %s: " + fmt, self.client_address[0], *args)
 
         try:
-            self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+            self._server = _Server((host, port), Handler)
         except OSError as exc:
             raise PslinkError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
-        self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="pslink-http", daemon=True)
+
+    @property
+    def refused(self) -> int:
+        """Connections closed unserved: MAX_CONNECTIONS were being served."""
+        return self._server.refused
 
     @property
     def address(self) -> str:
