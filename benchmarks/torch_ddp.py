@@ -1,9 +1,10 @@
-"""DDP training step time on CPU, 2 workers: the pslink comm hook against DDP's own gloo all-reduce.
+"""DDP training step time on CPU, 2 workers: the pslink comm hook and the pslink torch.distributed
+backend (``init_process_group("pslink")``, DDP with no hook) against DDP's own gloo all-reduce.
 
     python benchmarks/torch_ddp.py            # the measured run (about 25 M parameters)
     python benchmarks/torch_ddp.py --quick    # a smoke run: small model, few steps
 
-Every variant runs in this one invocation, alternating (alone, gloo, pslink, alone, ...; five runs
+Every variant runs in this one invocation, alternating (alone, gloo, pslink, backend, alone, ...; five runs
 of each by default), each as 2 worker processes started by ``pslink launch`` against one
 embedded service (2 Aggregator processes). "alone" is the limit: the same training with no
 communication at all, each worker by itself, side by side so that the CPUs are shared alike. A
@@ -50,7 +51,9 @@ def worker(args) -> None:
     rank, size = int(os.environ["PSLINK_RANK"]), int(os.environ["PSLINK_NUM_WORKERS"])
     torch.set_num_threads(1)  # 2 workers on 2 cores, beside the Aggregators
     alone = args.worker == "alone"  # the limit: the same training with no communication at all
-    if not alone:
+    if args.worker == "backend":  # torch.distributed's own API on the service: no hook
+        dist.init_process_group("pslink", init_method=f"file://{args.out}/store", rank=rank, world_size=size)
+    elif not alone:
         dist.init_process_group("gloo", init_method=f"file://{args.out}/store", rank=rank, world_size=size)
     process = psutil.Process()
     model = build_model(args.hidden)
@@ -87,7 +90,7 @@ def worker(args) -> None:
 
 # "alone": the limit, every worker training by itself with no communication at all, run side by
 # side in the same alternation so that the CPUs are shared alike.
-VARIANTS = ("alone", "gloo", "pslink")
+VARIANTS = ("alone", "gloo", "pslink", "backend")
 
 
 def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
@@ -116,7 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (DDP rebuilds its buckets)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each variant, alternating")
-    parser.add_argument("--worker", choices=["gloo", "pslink", "alone"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -158,13 +161,19 @@ def main(argv=None) -> int:
     print("ratio of each run to the gloo run before it: " + ", ".join(f"{r:.3f}" for r in pairs)
           + f" ({sum(r <= 1.0 for r in pairs)} of {len(pairs)} at or below 1.0)")
     print(f"ratio pslink / gloo: {ratio:.3f} (target <= 1.0: {'met' if ratio <= 1.0 else 'not met'})")
+    backend_pairs = [b / g for b, g in zip(figures["backend"]["medians"], figures["gloo"]["medians"], strict=True)]
+    print(f"ratio backend (init_process_group('pslink'), no hook) / gloo: {step_ms['backend'] / step_ms['gloo']:.3f}, "
+          f"/ hook: {step_ms['backend'] / step_ms['pslink']:.3f} (each run / the gloo run before it: "
+          + ", ".join(f"{r:.3f}" for r in backend_pairs) + ")")
     print(f"above the limit (each worker alone, no communication): pslink {step_ms['pslink'] / step_ms['alone']:.3f}x, "
           f"gloo {step_ms['gloo'] / step_ms['alone']:.3f}x")
     print(json.dumps({
         "benchmark": "torch_ddp", "quick": args.quick, "params": params, "batch_size": args.batch_size,
         "workers": 2, "steps": args.steps, "repeats": args.repeats,
         "gloo_step_ms": round(step_ms["gloo"], 2), "pslink_step_ms": round(step_ms["pslink"], 2),
-        "alone_step_ms": round(step_ms["alone"], 2), "pslink_over_limit": round(step_ms["pslink"] / step_ms["alone"], 4),
+        "alone_step_ms": round(step_ms["alone"], 2), "backend_step_ms": round(step_ms["backend"], 2),
+        "backend_over_gloo": round(step_ms["backend"] / step_ms["gloo"], 4),
+        "backend_over_hook": round(step_ms["backend"] / step_ms["pslink"], 4), "pslink_over_limit": round(step_ms["pslink"] / step_ms["alone"], 4),
         "ratio": round(ratio, 4), "pair_ratios": [round(r, 4) for r in pairs], "gloo_extra_mb": [round(m, 1) for m in extra["gloo"]],
         "pslink_extra_mb": [round(m, 1) for m in extra["pslink"]],
         "pslink_minus_gloo_mb": [round(m, 1) for m in overhead],

@@ -66,6 +66,9 @@ from pslink.torch.horovod import (  # noqa: E402
 )
 from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work  # noqa: E402
 from pslink.torch import elastic  # noqa: E402  (hvd.elastic.run, hvd.elastic.TorchState)
+from pslink.torch import backend as _backend  # noqa: E402
+
+_backend.register()  # torch.distributed.init_process_group("pslink")
 
 __all__ = [
     # DDP

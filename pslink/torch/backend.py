@@ -1,0 +1,438 @@
+"""``torch.distributed`` on the service: ``dist.init_process_group("pslink")``.
+
+Registered on ``import pslink.torch``. Every group (the default one and each ``new_group``) is a
+pslink job of its own ranks; its name comes from ``PSLINK_JOB`` (``pslink launch`` sets it) or,
+under torchrun, from the group's rank 0 through the rendezvous store PyTorch passes in. The
+service is ``PSLINK_MASTER`` (default ``tcp://127.0.0.1:7770``).
+
+How each collective travels (numpy views of the tensors, staged through host memory for CUDA,
+bfloat16 and bool as :mod:`pslink.torch.tensors` does):
+
+- ``allreduce`` SUM and AVG: a push-pull of the group's key for that signature (operation, dtype,
+  size); the n-th call of a signature on every rank is round n of its key, so keys do not grow
+  with the number of calls. MIN, MAX, PRODUCT and the bitwise ops: every rank's tensor gathered,
+  then reduced here in rank order (exact, the same on every rank).
+- ``broadcast``, ``allgather``, ``alltoall``: rows of a buffer that only one rank fills, summed
+  as integers of the tensor's width: a sum of one value and zeros is that value bit for bit
+  (a float sum would turn -0.0 into 0.0).
+- ``reduce_scatter``: an allreduce of the whole input, of which each rank keeps its part.
+- ``barrier``: pMaster's barrier of the job.
+
+Before the data, each collective's signature (sequence number, operation, size, dtype) goes through
+a small key of the group, so ranks that call different collectives, or one with other shapes,
+fail at once on every rank with a :class:`PslinkBackendError` (a ``RuntimeError``) naming each
+rank's call, instead of waiting on keys the others never push.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import threading
+import time
+import uuid
+import zlib
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pslink.config import ENV_JOB
+from pslink.core.agent import Agent
+from pslink.core.agent import connect as connect_agent
+from pslink.errors import PslinkError
+from pslink.torch.ddp import _Deadlines, _Pending
+from pslink.torch.tensors import HostView
+
+NAME = "pslink"
+_OPS = {
+    dist.ReduceOp.SUM: 1, dist.ReduceOp.AVG: 2, dist.ReduceOp.PRODUCT: 3, dist.ReduceOp.MIN: 4,
+    dist.ReduceOp.MAX: 5, dist.ReduceOp.BAND: 6, dist.ReduceOp.BOR: 7, dist.ReduceOp.BXOR: 8,
+}
+_KINDS = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"]
+_INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+class PslinkBackendError(RuntimeError):
+    """A collective of the pslink backend failed (PyTorch code catches RuntimeError)."""
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode()) & 0xFFFF  # the same in every process (hash() is not)
+
+
+class _Collective(_Pending):
+    """A collective's future, completed once: by its answers, or as failed at its deadline (with
+    a RuntimeError, as torch code expects)."""
+
+    __slots__ = ()
+
+    def expire(self) -> None:
+        self.fail(PslinkBackendError(self.timeout_message))
+
+
+class _Work(dist._Work):
+    """A collective in flight. ``wait()`` raises the collective's error (a Work made by
+    ``_create_work_from_future`` returns True whatever its future holds); it never blocks past
+    the group's timeout, after which the work fails."""
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        self._future.wait()  # raises what the future was failed with
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+    """The same memory as integers of the element's width (flat)."""
+    flat = array.reshape(-1)
+    return flat.view(_INT_OF_WIDTH[flat.dtype.itemsize])
+
+
+def _host(tensor: torch.Tensor, what: str) -> HostView:
+    return HostView(tensor, what)
+
+
+class ProcessGroupPslink(dist.ProcessGroup):
+    """One torch.distributed group as one pslink job (its ranks the job's workers)."""
+
+    def __init__(self, agent: Agent, rank: int, size: int, timeout: float):
+        super().__init__(rank, size)
+        self.agent = agent
+        self.timeout = timeout
+        self._seq = itertools.count()
+        self._lock = threading.Lock()  # collectives are issued in one order on every rank
+        self._deadlines = _Deadlines()
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return NAME
+
+    def name(self) -> str:
+        return NAME
+
+    # -- the machinery -----------------------------------------------------------------------------
+
+    def _issue(self, kind: str, signature: tuple, run: Callable[[], list], finish: Callable[[], object],
+               what: str):
+        """Check ``signature`` with the other ranks and run the push-pulls ``run()`` returns (their
+        handles); the work completes with ``finish()`` once all are done."""
+        future = torch.futures.Future()
+        pending = _Collective(future, f"{what} not done within {self.timeout:g} s (job {self.agent.job!r}, rank "
+                                   f"{self.rank()}): has another rank died, stalled or called something else?")
+        try:
+            with self._lock:
+                seq = next(self._seq)
+                handles = [self._check_order(seq, kind, signature, what, pending)] + run()
+        except PslinkError as exc:
+            future.set_exception(PslinkBackendError(f"{what}: {exc.message}"))
+            return _Work(future)
+        left = [len(handles)]
+        guard = threading.Lock()
+
+        def done(handle) -> None:
+            error = handle.exception()
+            if error is not None:
+                pending.fail(PslinkBackendError(f"{what}: {error.message}"))
+                return
+            with guard:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                try:
+                    pending.succeed(finish())
+                except Exception as exc:  # the copy back failed: the work must still complete
+                    pending.fail(exc if isinstance(exc, RuntimeError) else PslinkBackendError(f"{what}: {exc!r}"))
+
+        self._deadlines.add(time.monotonic() + self.timeout, pending)
+        for handle in handles:
+            handle.add_done_callback(done)
+        return _Work(future)
+
+    def _check_order(self, seq: int, kind: str, signature: tuple, what: str, pending: _Pending):
+        """Every rank's (sequence, collective, signature) side by side: a rank that called
+        something else fails every rank's work at once."""
+        size, rank = self.size(), self.rank()
+        mine = np.array([seq, _KINDS.index(kind) + 1, *signature], np.int64)
+        table = np.zeros((size, len(mine)), np.int64)
+        table[rank] = mine
+        handle = self.agent.pushpull(f"order/{len(mine)}", table, out=table)
+
+        def compare(handle) -> None:
+            if handle.exception() is not None:
+                return  # the collective's own callback reports it
+            differ = [r for r in range(size) if not np.array_equal(table[r], mine)]
+            if differ:
+                calls = "; ".join(f"rank {r}: call {int(row[0])} {_KINDS[int(row[1]) - 1]} {list(map(int, row[2:]))}"
+                                  for r, row in enumerate(table))
+                pending.fail(PslinkBackendError(
+                    f"{what}: ranks made different collective calls ({calls}; the numbers are op, elements, "
+                    "dtype and root): every rank must call the same collectives, in the same order, with "
+                    "tensors of the same shape and dtype"))
+
+        handle.add_done_callback(compare)
+        return handle
+
+    def _pushpull(self, key: str, array: np.ndarray, average: bool = False):
+        return self.agent.pushpull(key, array, out=array, average=average)
+
+    def _gather(self, key: str, rows: np.ndarray) -> tuple[np.ndarray, Callable]:
+        """(a (size, n) integer buffer whose row ``rank`` holds ``rows``' bits, its push-pull)."""
+        bits = _bits(np.ascontiguousarray(rows))
+        table = np.zeros((self.size(), bits.size), bits.dtype)
+        table[self.rank()] = bits
+        return table, lambda: [self._pushpull(f"{key}/{table.dtype}/{bits.size}", table)]
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        code = _OPS.get(getattr(op, "op", op))
+        tensor = _single(tensors, "allreduce")
+        what = f"allreduce ({_name_of(op)}) of {tuple(tensor.shape)} {tensor.dtype}"
+        if code is None:
+            raise PslinkBackendError(f"{what}: reduce op {op} is not supported by the pslink backend")
+        signature = (code, tensor.numel(), _dtype_code(tensor.dtype), 0)
+        if code in (1, 2):
+            view = _host(tensor, what)
+            average = code == 2 and view.array.dtype.kind == "f"
+            key = f"allreduce/{view.array.dtype}/{tensor.numel()}" + ("/avg" if average else "")
+
+            def finish():
+                if code == 2 and not average:  # integers: summed by the service, divided here
+                    view.array[...] = view.array // self.size()
+                view.finish()
+                return tensors
+
+            return self._issue("allreduce", signature, lambda: [self._pushpull(key, view.array, average)], finish,
+                               what)
+        host = tensor.detach().to("cpu").contiguous()
+        table, run = self._gather("allreduce-gather", _numpy_of(host))
+
+        def finish_gathered():
+            rows = _tensor_of(table, host, (self.size(),) + tuple(host.shape))
+            result = rows[0].clone()
+            for row in rows[1:]:
+                result = _REDUCERS[code](result, row)
+            tensor.copy_(result)
+            return tensors
+
+        return self._issue("allreduce", signature, run, finish_gathered, what)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None):
+        works = [self.allreduce([t], _allreduce_options(opts.reduceOp if opts is not None else dist.ReduceOp.SUM))
+                 for t in tensors]
+        return _all_of(works, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts=None):
+        root = opts.rootRank if opts is not None else 0
+        tensor = _single(tensors, "broadcast")
+        what = f"broadcast from rank {root} of {tuple(tensor.shape)} {tensor.dtype}"
+        if not 0 <= root < self.size():
+            raise PslinkBackendError(f"{what}: root rank {root} is not in [0, {self.size()})")
+        host = tensor.detach().to("cpu").contiguous()
+        bits = _bits(_numpy_of(host))
+        bits = bits.copy() if self.rank() == root else np.zeros(bits.shape, bits.dtype)
+        key = f"broadcast/{bits.dtype}/{bits.size}"
+
+        def finish():
+            if self.rank() != root:
+                tensor.copy_(_tensor_of(bits, host))
+            return tensors
+
+        return self._issue("broadcast", (tensor.numel(), _dtype_code(tensor.dtype), root, 0),
+                           lambda: [self._pushpull(key, bits)], finish, what)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None):
+        tensor = _single(inputs, "allgather")
+        outputs = _single(output_lists, "allgather")
+        what = f"allgather of {tuple(tensor.shape)} {tensor.dtype}"
+        if len(outputs) != self.size():
+            raise PslinkBackendError(f"{what}: {len(outputs)} output tensors for {self.size()} ranks")
+        host = tensor.detach().to("cpu").contiguous()
+        table, run = self._gather("allgather", _numpy_of(host))
+
+        def finish():
+            for out, row in zip(outputs, table):
+                out.copy_(_tensor_of(row, host))
+            return outputs
+
+        return self._issue("allgather", (tensor.numel(), _dtype_code(tensor.dtype), 0, 0), run, finish, what)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts=None):  # noqa: A002
+        what = f"all_gather_into_tensor of {tuple(input.shape)} {input.dtype}"
+        if output.numel() != input.numel() * self.size():
+            raise PslinkBackendError(f"{what}: the output has {output.numel()} elements, "
+                                     f"{input.numel() * self.size()} expected")
+        host = input.detach().to("cpu").contiguous()
+        table, run = self._gather("allgather", _numpy_of(host))
+
+        def finish():
+            output.view(-1).copy_(_tensor_of(table, host, (-1,)))
+            return [output]
+
+        return self._issue("allgather", (input.numel(), _dtype_code(input.dtype), 0, 0), run, finish, what)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
+        output = _single(outputs, "reduce_scatter")
+        inputs = _single(input_lists, "reduce_scatter")
+        whole = torch.cat([t.reshape(-1) for t in inputs])
+        return self._reduce_scatter(output, whole, opts, "reduce_scatter")
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts=None):  # noqa: A002
+        return self._reduce_scatter(output, input.reshape(-1), opts, "reduce_scatter_tensor")
+
+    def _reduce_scatter(self, output: torch.Tensor, whole: torch.Tensor, opts, name: str):
+        what = f"{name} of {tuple(whole.shape)} {whole.dtype}"
+        if whole.numel() != output.numel() * self.size():
+            raise PslinkBackendError(f"{what}: the input has {whole.numel()} elements, "
+                                     f"{output.numel() * self.size()} expected")
+        reduced = whole.detach().clone()
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        inner = self.allreduce([reduced], _allreduce_options(op))
+        start = self.rank() * output.numel()
+
+        def finish(_):
+            output.view(-1).copy_(reduced[start : start + output.numel()])
+            return [output]
+
+        return _then(inner, finish)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
+                      input_split_sizes: list[int], opts=None):
+        what = f"all_to_all_single of {tuple(input.shape)} {input.dtype}"
+        size, rank = self.size(), self.rank()
+        if input_split_sizes or output_split_sizes:
+            raise PslinkBackendError(f"{what}: uneven splits are not supported by the pslink backend yet")
+        if input.numel() % size or output.numel() != input.numel():
+            raise PslinkBackendError(f"{what}: input and output must hold the same number of elements, a multiple "
+                                     f"of {size}")
+        host = input.detach().to("cpu").contiguous()
+        table, run = self._gather("alltoall", _numpy_of(host))
+        chunk = table.shape[1] // size
+
+        def finish():
+            mine = np.concatenate([table[source, rank * chunk : (rank + 1) * chunk] for source in range(size)])
+            output.view(-1).copy_(_tensor_of(mine, host, (-1,)))
+            return [output]
+
+        return self._issue("alltoall", (input.numel(), _dtype_code(input.dtype), 0, 0), run, finish, what)
+
+    # PyTorch 2.13 calls these names; older releases the ones above.
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts=None):
+        future = torch.futures.Future()
+
+        def wait():
+            try:
+                self.agent.barrier(f"torch-barrier-{next(self._seq)}", timeout=self.timeout)
+                future.set_result([torch.zeros(0)])
+            except PslinkError as exc:
+                future.set_exception(PslinkBackendError(f"barrier: {exc.message}"))
+
+        with self._lock:
+            threading.Thread(target=wait, name="pslink-barrier", daemon=True).start()
+        return _Work(future)
+
+    def shutdown(self) -> None:
+        self._deadlines.close()
+        self.agent.close()
+
+
+_REDUCERS = {
+    3: torch.mul, 4: torch.minimum, 5: torch.maximum, 6: torch.bitwise_and, 7: torch.bitwise_or, 8: torch.bitwise_xor,
+}
+
+
+def _numpy_of(host: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as numpy (bfloat16 and bool as integers of their width)."""
+    if host.dtype == torch.bfloat16:
+        return host.view(torch.int16).numpy()
+    if host.dtype == torch.bool:
+        return host.view(torch.uint8).numpy()
+    return host.numpy()
+
+
+def _tensor_of(bits: np.ndarray, like: torch.Tensor, shape=None) -> torch.Tensor:
+    """``bits`` (integers of ``like``'s element width) as a tensor of ``like``'s dtype and
+    ``shape`` (default ``like``'s)."""
+    raw = torch.from_numpy(np.ascontiguousarray(bits))
+    return raw.view(like.dtype).reshape(like.shape if shape is None else shape)
+
+
+def _single(items: list, what: str):
+    if len(items) != 1:
+        raise PslinkBackendError(f"{what}: the pslink backend takes one tensor per rank (one device), got {len(items)}")
+    return items[0]
+
+
+def _name_of(op) -> str:
+    return str(getattr(op, "op", op)).rsplit(".", 1)[-1]
+
+
+def _allreduce_options(op):
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    return options
+
+
+def _then(work, finish):
+    future = work.get_future().then(lambda f: finish(f.value()))
+    return _Work(future)
+
+
+def _all_of(works: list, result):
+    futures = torch.futures.collect_all([w.get_future() for w in works])
+    return _Work(futures.then(lambda f: [v.value() for v in f.value()] and result))
+
+
+# -- creating groups ----------------------------------------------------------------------------------------
+
+
+def _job_name(store, rank: int) -> str:
+    """The group's job: rank 0 names it (after PSLINK_JOB when set) and tells the others through
+    the group's store, which PyTorch prefixes per group."""
+    key = "pslink/job"
+    if rank == 0:
+        base = os.environ.get(ENV_JOB) or "torch"
+        store.set(key, f"{base}.pg-{uuid.uuid4().hex[:12]}")
+    return store.get(key).decode()
+
+
+def create(store, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroupPslink:
+    """torch.distributed's creator for ``backend="pslink"``."""
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    job = _job_name(store, rank)
+    try:
+        agent = connect_agent(job, rank, size, mode="sum", timeout=seconds)
+    except PslinkError as exc:
+        raise PslinkBackendError(f"init_process_group(backend='pslink'), rank {rank} of {size}: {exc.message}") \
+            from None
+    return ProcessGroupPslink(agent, rank, size, seconds)
+
+
+def register() -> None:
+    if NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NAME, create, devices=["cpu", "cuda"])
+

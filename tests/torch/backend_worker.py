@@ -1,0 +1,142 @@
+"""A worker for tests/torch/test_torch_backend.py, run by ``pslink launch -n N``.
+
+    python backend_worker.py collectives SCRATCH  # every collective over pslink and over gloo
+    python backend_worker.py ddp SCRATCH          # DDP (no hook) over pslink and over gloo
+    python backend_worker.py mismatch SCRATCH     # ranks pass different shapes to one allreduce
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import pslink.torch  # noqa: F401 - registers the backend
+
+DTYPES = [torch.float32, torch.float64, torch.int64, torch.bfloat16]
+
+
+def data(rank: int, dtype: torch.dtype, shape=(3, 5), seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 10).to(dtype)
+    return torch.randint(-50, 50, shape, generator=g, dtype=dtype)
+
+
+def collectives(rank: int, size: int, groups: dict) -> dict:
+    results = {}
+    for name, group in groups.items():
+        out = results[name] = {}
+        for dtype in DTYPES:
+            d = str(dtype).replace("torch.", "")
+            ops = [dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT]
+            for op in ops:
+                t = data(rank, dtype, seed=1)
+                dist.all_reduce(t, op=op, group=group)
+                out[f"allreduce-{op}-{d}"] = t
+            t = data(rank, dtype, seed=2)
+            dist.broadcast(t, src=size - 1, group=group)
+            out[f"broadcast-{d}"] = t
+            gathered = [torch.empty((3, 5), dtype=dtype) for _ in range(size)]
+            dist.all_gather(gathered, data(rank, dtype, seed=3), group=group)
+            out[f"allgather-{d}"] = torch.stack(gathered)
+            into = torch.empty((3 * size, 5), dtype=dtype)
+            dist.all_gather_into_tensor(into, data(rank, dtype, seed=4), group=group)
+            out[f"allgather-into-{d}"] = into
+            scattered = torch.empty((2, 5), dtype=dtype)
+            dist.reduce_scatter_tensor(scattered, data(rank, dtype, (2 * size, 5), seed=5), group=group)
+            out[f"reduce-scatter-tensor-{d}"] = scattered
+            pieces = [data(rank, dtype, (2, 5), seed=6 + r) for r in range(size)]
+            one = torch.empty((2, 5), dtype=dtype)
+            dist.reduce_scatter(one, pieces, group=group)
+            out[f"reduce-scatter-{d}"] = one
+            swapped = torch.empty((2 * size, 5), dtype=dtype)
+            dist.all_to_all_single(swapped, data(rank, dtype, (2 * size, 5), seed=9), group=group)
+            out[f"alltoall-{d}"] = swapped
+            work = dist.all_reduce(data(rank, dtype, seed=10), group=group, async_op=True)
+            work.wait()
+        dist.barrier(group=group)
+    return results
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+def ddp(rank: int, size: int, groups: dict) -> dict:
+    results = {}
+    base = model()
+    for name, group in groups.items():
+        net = DDP(copy.deepcopy(base), process_group=group, bucket_cap_mb=0.01)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        grads = []
+        for step in range(6):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+            optimizer.step()
+        results[name] = {"grads": grads, "weights": [p.detach().clone() for p in net.parameters()]}
+    return results
+
+
+def mismatch(rank: int, size: int, groups: dict) -> dict:
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4 + rank), group=groups["pslink"])
+    except RuntimeError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+def stall(rank: int, size: int, groups: dict) -> dict:
+    """Rank 1 never calls: rank 0's all_reduce fails after the group's timeout."""
+    started = time.monotonic()
+    if rank == 1:
+        time.sleep(TIMEOUTS["stall"] + 3)
+        return {"error": None, "seconds": time.monotonic() - started}
+    try:
+        dist.all_reduce(torch.ones(4), group=groups["pslink"])
+    except RuntimeError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+TIMEOUTS = {"stall": 3}
+
+
+def main() -> None:
+    case, scratch = sys.argv[1], sys.argv[2]
+    dist.init_process_group("pslink", timeout=datetime.timedelta(seconds=TIMEOUTS.get(case, 60)))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    groups = {"pslink": dist.group.WORLD, "gloo": gloo}
+    result = {"collectives": collectives, "ddp": ddp, "mismatch": mismatch, "stall": stall}[case](rank, size, groups)
+    if case == "collectives":
+        # A subgroup of ranks 0 and 1 (every rank creates it, as torch requires): a job of its own.
+        sub, sub_gloo = dist.new_group([0, 1], backend="pslink"), dist.new_group([0, 1], backend="gloo")
+        if rank < 2:
+            ours, theirs = data(rank, torch.float32, seed=20), data(rank, torch.float32, seed=20)
+            dist.all_reduce(ours, group=sub)
+            dist.all_reduce(theirs, group=sub_gloo)
+            gathered = [torch.empty(3, 5) for _ in range(2)]
+            dist.all_gather(gathered, data(rank, torch.float32, seed=21), group=sub)
+            result["subgroup"] = {"pslink": ours, "gloo": theirs, "gathered": torch.stack(gathered),
+                                  "size": dist.get_world_size(sub), "rank": dist.get_rank(sub)}
+    result["backend"] = dist.get_backend()
+    torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
+    if case not in ("mismatch", "stall"):
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
