@@ -108,10 +108,6 @@ def _bits(array: np.ndarray) -> np.ndarray:
     return flat.view(_INT_OF_WIDTH[flat.dtype.itemsize])
 
 
-def _host(tensor: torch.Tensor, what: str) -> HostView:
-    return HostView(tensor, what)
-
-
 class ProcessGroupPslink(dist.ProcessGroup):
     """One torch.distributed group as one pslink job (its ranks the job's workers)."""
 
@@ -212,7 +208,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
             raise PslinkBackendError(f"{what}: reduce op {op} is not supported by the pslink backend")
         signature = (code, tensor.numel(), _dtype_code(tensor.dtype), 0)
         if code in (1, 2):
-            view = _host(tensor, what)
+            view = HostView(tensor, what)
             average = code == 2 and view.array.dtype.kind == "f"
             key = f"allreduce/{view.array.dtype}/{tensor.numel()}" + ("/avg" if average else "")
 

@@ -11,6 +11,7 @@ import pytest
 import pslink
 from pslink.core.aggregator import Aggregator
 from pslink.core.credentials import AGGREGATOR, OPERATOR, derive, new_secret
+from pslink.core.master.watch import status_of
 from pslink.core.service.client import ControlClient
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op, encode
@@ -190,7 +191,7 @@ def test_quotas_refuse_keys_and_bytes_beyond_them_naming_the_job_and_the_limit()
                                                         r"key 'c' is refused"):
                 agent.init("c", np.zeros(4, np.float32)).wait()
             np.testing.assert_array_equal(agent.pushpull("a", np.ones(4, np.float32)).wait(), np.ones(4))
-            (small,) = [j for j in service.master.state.status()["jobs"] if j["job"] == "small"]
+            (small,) = [j for j in status_of(service.master.state)["jobs"] if j["job"] == "small"]
             assert small["quota"] == {"max_bytes": 65536, "max_keys": 2} and small["keys"] == 2
         # A job created by its first worker gets the default.
         with pslink.connect("big", 0, 1, master=service.address, transports=transports, timeout=20) as agent:
@@ -198,7 +199,7 @@ def test_quotas_refuse_keys_and_bytes_beyond_them_naming_the_job_and_the_limit()
             with pytest.raises(pslink.QuotaError, match=r"job 'big' holds 32768 bytes; key 'more' .* "
                                                         r"would pass its quota \(max_bytes 65536\)"):
                 agent.init("more", np.zeros(16 << 10, np.float32)).wait()
-            (big,) = [j for j in service.master.state.status()["jobs"] if j["job"] == "big"]
+            (big,) = [j for j in status_of(service.master.state)["jobs"] if j["job"] == "big"]
             assert big["keys"] == 1 and big["held_bytes"] == 32768
     finally:
         service.stop()

@@ -6,6 +6,7 @@ import pytest
 
 from pslink.core.master.control import ControlPlane
 from pslink.core.master.state import MasterState
+from pslink.core.master.watch import status_of
 from pslink.core.partition import partition_spans
 from pslink.core.master.store import MasterStore
 from pslink.errors import (
@@ -215,7 +216,7 @@ def test_status_reports_jobs_and_aggregators(state):
     state.aggregator_heartbeat("agg-0", {"jobs": {"j": {"tasks": 1, "bytes": 1024, "task_rounds": 0, "round": 0}}})
     state.clock.now += 2
     state.aggregator_heartbeat("agg-0", {"jobs": {"j": {"tasks": 1, "bytes": 1024, "task_rounds": 20, "round": 20}}})
-    status = state.status()
+    status = status_of(state)
     (job_row,) = status["jobs"]
     assert job_row["workers"] == 1 and job_row["bytes"] == 1024 and job_row["round"] == 20
     assert job_row["rounds_per_s"] == 10.0

@@ -13,6 +13,7 @@ from pslink.status_view import render_status
 from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.control import ControlPlane
 from pslink.core.master.state import MasterState
+from pslink.core.master.watch import status_of
 from pslink.core.master.recovery import Rereplicate
 from pslink.errors import ConfigError, ServiceError
 
@@ -140,7 +141,7 @@ def test_replicas_on_a_removed_aggregator_are_made_elsewhere():
     assert isinstance(change, Rereplicate) and change.part is part
     assert part.replicas == change.added and len(part.replicas) == 1  # the replica count is kept
     assert part.replicas[0] not in (holder, part.aggregator)
-    status = state.status()
+    status = status_of(state)
     assert [a["draining"] for a in status["aggregators"] if a["name"] == holder] == [True]
     out = Console(file=io.StringIO(), width=200)
     render_status(status, out)  # what `pslink service status` prints

@@ -587,8 +587,8 @@ class Agent:
         said so, or a request that came after it)."""
         agg, address = where.get("agg"), where.get("address")
         if isinstance(agg, str) and isinstance(address, str):
-            if self._timeline is not None and self._timeline.active and part.aggregator != agg:
-                self._timeline.instant("migrated", key, {"part": part.index, "from": part.aggregator, "to": agg})
+            if self._timeline is not None:
+                self._timeline.part_moved("migrated", key, part.index, part.aggregator, agg)
             part.move(agg, address)
 
     def on_close(self, conn, exc) -> None:

@@ -81,8 +81,8 @@ class Failover:
                 continue
             timeline = self.requests.handles.timeline
             for index, _start, _stop, aggregator, address in spec["parts"]:
-                if timeline is not None and timeline.active and info.parts[index].aggregator != aggregator:
-                    timeline.instant("relocated", info.key, {"part": index, "from": lost, "to": aggregator})
+                if timeline is not None:
+                    timeline.part_moved("relocated", info.key, index, info.parts[index].aggregator, aggregator)
                 info.parts[index].move(aggregator, address)  # in place: pending requests share it
         lost_keys = {key: message for key, message in body.get("lost", [])}
         self.reactor.post(self._resend, lost, rids, error, lost_keys, attempt)

@@ -118,7 +118,7 @@ class Aggregator:
         # The stall inspector: rounds waiting longer than this for some rank are logged and reported.
         self.stalls = StallInspector(stall_threshold(stall_seconds))
         if self.stalls.threshold > 0:
-            self.reactor.call_later(min(1.0, self.stalls.threshold / 2), self._inspect)
+            self.reactor.call_later(self.stalls.period, self._inspect)
         if master is not None:
             self.master.start()
 
@@ -175,7 +175,7 @@ class Aggregator:
                 log.warning("aggregator %s: %d more rounds stalled (pslink service status lists them)", self.name,
                             len(new) - MAX_STALL_LINES)
         finally:
-            self.reactor.call_later(min(1.0, self.stalls.threshold / 2), self._inspect)
+            self.reactor.call_later(self.stalls.period, self._inspect)
 
     def _stop(self, status: int) -> None:
         self.exit_code = status

@@ -81,6 +81,11 @@ class StallInspector:
         self.counts: dict[str, int] = {}  # job -> stalled rounds seen (each once)
         self._seen: set[tuple] = set()
 
+    @property
+    def period(self) -> float:
+        """Seconds between scans: a stall is seen within threshold + period."""
+        return min(1.0, self.threshold / 2)
+
     def scan(self, tasks: Iterable[Task], now: float) -> list[Stall]:
         """The rounds stalled now; returns those stalled for the first time."""
         current, new, seen = [], [], set()

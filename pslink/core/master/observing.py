@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable
 
-from pslink.core.master.watch import History, Watch
+from pslink.core.master.watch import History, Watch, status_of
 from pslink.core.transport.rpc import RpcPeer
 from pslink.errors import PslinkTimeoutError, ServiceError
 
@@ -43,7 +43,7 @@ class Observing:
     def status(self) -> dict:
         """On pMaster's loop: the whole status."""
         m = self.master
-        body = m.state.status()
+        body = status_of(m.state)
         body["migrations"] = m.mover.core.status(m.state.clock())  # running, then queued
         body["migrations_done"] = m.mover.core.done
         body["master"] = {"address": m.address, "state": m.store.path, "pid": os.getpid(),

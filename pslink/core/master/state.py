@@ -515,69 +515,6 @@ class MasterState:
 
     # -- reporting ----------------------------------------------------------------------------
 
-    def status(self) -> dict:
-        now = self.clock()
-        plans = {}
-        for plan in self.control.clusters.values():
-            for name, agg in plan.aggregators.items():
-                plans[name] = agg
-        aggregators = []
-        for agg in sorted(self.aggregators.values(), key=lambda a: a.name):
-            jobs = agg.stats.get("_jobs", {})
-            plan = plans.get(agg.name)
-            aggregators.append(
-                {
-                    "name": agg.name,
-                    "address": agg.address,
-                    "pid": agg.pid,
-                    "host": agg.host,
-                    "host_id": agg.host_id,
-                    "alive": agg.alive,
-                    "draining": agg.name in self.control.draining,
-                    "cluster": self.control.cluster_of.get(agg.name),
-                    "last_seen": round(now - agg.last_seen, 1),
-                    "tasks": sum(e.get("tasks", 0) for e in jobs.values()) if jobs else (len(plan.tasks) if plan else 0),
-                    "bytes": sum(e.get("bytes", 0) for e in jobs.values()),
-                    "jobs": {j: e.get("tasks", 0) for j, e in jobs.items()},
-                    "cycle": plan.cycle if plan else 0.0,
-                    "free": plan.free if plan else 0.0,
-                    "load": agg.stats.get("load", 0.0),
-                    "reserved_for": self.control.reserved.get(agg.name) or self.control.exclusive.get(agg.name),
-                    "task_rounds_per_s": round(sum(v for k, v in agg.rates.items() if k != "_job_rounds"), 1),
-                    "errors": agg.stats.get("errors", 0),
-                    "requests": agg.stats.get("requests", 0),
-                }
-            )
-        control_jobs = self.control.describe()["jobs"]
-        jobs = []
-        for record in sorted(self.jobs.values(), key=lambda r: r.job):
-            rate = max(
-                (a.rates.get("_job_rounds", {}).get(record.job, 0.0) for a in self.aggregators.values()),
-                default=0.0,
-            )
-            jobs.append(
-                {
-                    "job": record.job,
-                    "mode": record.mode,
-                    "sync": record.sync,
-                    "optimizer": (record.optimizer or {}).get("type"),
-                    "workers": len(record.live_workers()),
-                    "worker_hosts": len({w.host_id for w in record.workers.values()
-                                         if w.rank in record.live_workers()}),
-                    "num_workers": record.num_workers,
-                    "keys": len(record.keys),
-                    "tasks": sum(len(s.parts) for s in record.keys.values()),
-                    "bytes": sum(s.nbytes() for s in record.keys.values()),
-                    "held_bytes": sum(s.held_bytes() for s in record.keys.values()),
-                    "quota": self.quota_of(record),
-                    "round": max(record.rounds.values(), default=0),
-                    "rounds_per_s": round(rate, 2),
-                    "aggregators": sorted(record.aggregators()),
-                    "control": control_jobs.get(record.job, {}),
-                }
-            )
-        return {"aggregators": aggregators, "jobs": jobs, "time": now}
-
 
 def _parse_item(record: JobRecord, item: dict) -> tuple[Any, tuple[int, ...], str, str]:
     """Validate one LOOKUP entry ``{key, shape, dtype, intent}``; a pull may omit shape and dtype."""

@@ -1,6 +1,6 @@
-"""What pMaster counts for operators (no I/O): allocations, releases, iteration times per job;
-and the figures ``status`` shows beyond the state itself (counters, bytes pushed and pulled, stalled
-rounds). ``/metrics`` (:mod:`pslink.core.observe.metrics`) is made from that same status, so the
+"""What pMaster shows its operators (no I/O): the status made from its state (:func:`status_of`),
+what it counts besides (allocations, releases, iteration times per job) and the figures the status
+carries beyond the state itself (counters, bytes pushed and pulled, stalled rounds). ``/metrics`` (:mod:`pslink.core.observe.metrics`) is made from that same status, so the
 two never disagree."""
 
 from __future__ import annotations
@@ -11,6 +11,75 @@ from pslink.core.master.actions import Allocate, Release
 
 # Iteration seconds: from a small model's few milliseconds to a large one's minute.
 ITERATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def job_rounds_per_s(aggregators: dict, job: str) -> float:
+    """How fast a job's rounds close: the fastest of its Aggregators' (each reports the furthest
+    round of its own parts)."""
+    return max((a.rates.get("_job_rounds", {}).get(job, 0.0) for a in aggregators.values()), default=0.0)
+
+
+def status_of(state) -> dict:
+    """pMaster's status from its state (:class:`~pslink.core.master.state.MasterState`): every
+    Aggregator and job as ``pslink service status`` shows them; :meth:`Watch.add_to` adds the rest."""
+    now = state.clock()
+    plans = {}
+    for plan in state.control.clusters.values():
+        for name, agg in plan.aggregators.items():
+            plans[name] = agg
+    aggregators = []
+    for agg in sorted(state.aggregators.values(), key=lambda a: a.name):
+        jobs = agg.stats.get("_jobs", {})
+        plan = plans.get(agg.name)
+        aggregators.append(
+            {
+                "name": agg.name,
+                "address": agg.address,
+                "pid": agg.pid,
+                "host": agg.host,
+                "host_id": agg.host_id,
+                "alive": agg.alive,
+                "draining": agg.name in state.control.draining,
+                "cluster": state.control.cluster_of.get(agg.name),
+                "last_seen": round(now - agg.last_seen, 1),
+                "tasks": sum(e.get("tasks", 0) for e in jobs.values()) if jobs else (len(plan.tasks) if plan else 0),
+                "bytes": sum(e.get("bytes", 0) for e in jobs.values()),
+                "jobs": {j: e.get("tasks", 0) for j, e in jobs.items()},
+                "cycle": plan.cycle if plan else 0.0,
+                "free": plan.free if plan else 0.0,
+                "load": agg.stats.get("load", 0.0),
+                "reserved_for": state.control.reserved.get(agg.name) or state.control.exclusive.get(agg.name),
+                "task_rounds_per_s": round(sum(v for k, v in agg.rates.items() if k != "_job_rounds"), 1),
+                "errors": agg.stats.get("errors", 0),
+                "requests": agg.stats.get("requests", 0),
+            }
+        )
+    control_jobs = state.control.describe()["jobs"]
+    jobs = []
+    for record in sorted(state.jobs.values(), key=lambda r: r.job):
+        rate = job_rounds_per_s(state.aggregators, record.job)
+        jobs.append(
+            {
+                "job": record.job,
+                "mode": record.mode,
+                "sync": record.sync,
+                "optimizer": (record.optimizer or {}).get("type"),
+                "workers": len(record.live_workers()),
+                "worker_hosts": len({w.host_id for w in record.workers.values()
+                                     if w.rank in record.live_workers()}),
+                "num_workers": record.num_workers,
+                "keys": len(record.keys),
+                "tasks": sum(len(s.parts) for s in record.keys.values()),
+                "bytes": sum(s.nbytes() for s in record.keys.values()),
+                "held_bytes": sum(s.held_bytes() for s in record.keys.values()),
+                "quota": state.quota_of(record),
+                "round": max(record.rounds.values(), default=0),
+                "rounds_per_s": round(rate, 2),
+                "aggregators": sorted(record.aggregators()),
+                "control": control_jobs.get(record.job, {}),
+            }
+        )
+    return {"aggregators": aggregators, "jobs": jobs, "time": now}
 
 
 class Histogram:
@@ -63,7 +132,7 @@ class Watch:
         self.iterations.pop(job, None)
 
     def add_to(self, status: dict, aggregators: dict, *, migrations: int, failovers: int) -> dict:
-        """``status`` (MasterState.status()) with the counters, each job's bytes pushed and pulled,
+        """``status`` (:func:`status_of`) with the counters, each job's bytes pushed and pulled,
         stall counts and iteration histogram, and every stalled round (oldest first)."""
         per_job: dict[str, dict] = {}
         stalled = []
@@ -110,10 +179,7 @@ class History:
         if now - self._last < HISTORY_EVERY:
             return
         self._last = now
-        rounds = {}
-        for job in jobs:
-            rounds[job] = round(max((a.rates.get("_job_rounds", {}).get(job, 0.0) for a in aggregators.values()),
-                                    default=0.0), 2)
+        rounds = {job: round(job_rounds_per_s(aggregators, job), 2) for job in jobs}
         self.samples.append({"t": round(wall, 1),
                              "load": {a.name: a.stats.get("load", 0.0) for a in aggregators.values() if a.alive},
                              "rounds_per_s": rounds})

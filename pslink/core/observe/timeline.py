@@ -120,6 +120,12 @@ class Timeline:
         self._write({"name": name, "cat": "event", "ph": "i", "s": "t", "pid": self.rank, "tid": tid,
                      "ts": round(self._origin + self.now() * 1e6, 1), "args": {"step": self.step, **(args or {})}})
 
+    def part_moved(self, what: str, key, part: int, source: str, target: str) -> None:
+        """An instant where a part of ``key`` went from one Aggregator to another (``what``:
+        ``migrated`` or ``relocated``), inside the window only."""
+        if source != target and self.active:
+            self.instant(what, key, {"part": part, "from": source, "to": target})
+
     def _lane(self, key) -> int:
         lane = self._lanes.get(key)
         if lane is None:
