@@ -57,8 +57,18 @@ def test_a_wait_that_ends_with_callbacks_pending_hands_over_at_once(driver):
     notifies = _count_notifies(driver)
     driver.callbacks_pending(+1)
     del notifies[:]
-    done = _answered_later(driver)
-    driver.wait(done.is_set, 5.0, lambda: "a reply")
+    # The reply is posted only once the wait began: posted before, the background thread can run
+    # it first on a loaded machine, and a wait that finds its reply already there hands nothing over.
+    done, asked = threading.Event(), []
+
+    def answered() -> bool:
+        if not asked:
+            asked.append(True)
+            driver.reactor.post(done.set)
+            return False
+        return done.is_set()
+
+    driver.wait(answered, 5.0, lambda: "a reply")
     assert notifies == [1]
     driver.callbacks_pending(-1)
 
