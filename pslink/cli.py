@@ -117,6 +117,10 @@ def service_up(
     stall_seconds: Optional[float] = typer.Option(None, min=0, help="a round waiting longer than this for some "
                                                   "rank is logged and listed as stalled (default "
                                                   "$PSLINK_STALL_SECONDS, else 10; 0: never)"),
+    loss_limit: float = typer.Option(0.1, min=0.001, max=0.999, help="the slowdown a job accepts from sharing "
+                                     "Aggregators unless it states its own (slo=)"),
+    nic_gbit: Optional[float] = typer.Option(None, min=0.001, help="each Aggregator host's NIC, Gbit/s each way: "
+                                             "placement keeps every NIC within it (default: not limited)"),
     tls_cert: Optional[str] = TlsCertOption,
     tls_key: Optional[str] = TlsKeyOption,
     tls_ca: Optional[str] = TlsCaOption,
@@ -147,8 +151,9 @@ def service_up(
             os.environ[ENV_STALL_SECONDS] = str(stall_seconds)  # the Aggregators it starts inherit it
         master_options = {"quota": quota, "on_stop": stop.set,
                           **({} if no_metrics else {"metrics_port": metrics_port, "metrics_host": metrics_host})}
+        control = {"loss_limit": loss_limit, **({"nic_bandwidth": nic_gbit * 1e9 / 8} if nic_gbit else {})}
         common = dict(state_dir=state, advertise=advertise, interface=interface, secret=secret,
-                      allow_first_join=allow_first_join, master_options=master_options)
+                      allow_first_join=allow_first_join, master_options=master_options, control=control)
         if provider == "ray":
             service = Service(listen, aggregators, provider="ray", provider_options={"address": ray_address},
                               **common).start()

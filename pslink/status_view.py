@@ -41,8 +41,8 @@ def render_status(status: dict, out: Console) -> None:
                      f"{a.get('load', 0):.0%}", f"{a['task_rounds_per_s']:.1f}", str(a["errors"]))
     out.print(aggs)
     jobs = Table(title="Jobs")
-    for column in ("job", "mode", "workers (hosts)", "keys", "tasks", "MB", "phase", "iteration ms (alone)", "loss",
-                   "rounds/s", "aggregators"):
+    for column in ("job", "mode", "workers (hosts)", "keys", "tasks", "MB", "phase", "iteration ms (alone)",
+                   "slowdown (SLO)", "rounds/s", "aggregators"):
         jobs.add_column(column, justify="left" if column in ("job", "mode", "phase", "aggregators") else "right",
                         no_wrap=column == "job")
     for j in status["jobs"]:
@@ -53,7 +53,8 @@ def render_status(status: dict, out: Console) -> None:
         hosts = f" ({j['worker_hosts']})" if j.get("worker_hosts", 1) > 1 else ""
         jobs.add_row(j["job"], mode, f"{j['workers']}/{j['num_workers']}{hosts}", str(j["keys"]), str(j["tasks"]),
                      f"{j['bytes'] / 1e6:.2f}", control.get("phase", "-"), timing,
-                     f"{loss:.0%}" if loss is not None else "-", f"{j['rounds_per_s']:.1f}",
+                     (f"{loss:.0%}" if loss is not None else "-") + (f" ({control['slo']:.0%})" if control.get("slo") else "")
+                     + (" high" if control.get("priority") == "high" else ""), f"{j['rounds_per_s']:.1f}",
                      ", ".join(j["aggregators"]) or "-")
     if status["jobs"]:
         out.print(jobs)

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from pslink.core.master.control import DEFAULT_HEADROOM, DEFAULT_PLACEMENT_SHARE
 from pslink.errors import ConfigError, PslinkError
 
 simulate_app = typer.Typer(
@@ -53,7 +54,20 @@ def simulate(
                                            help="sigma of the lognormal per-job factor on iteration times"),
     contention: float = typer.Option(0.1, "--contention", min=0.0, help="sigma of the per-job factor "
                                      "exp(|N(0, sigma)|) >= 1 on task costs while sharing Aggregators"),
-    loss_limit: float = typer.Option(0.1, "--loss-limit", min=0.001, max=0.999, help="LossLimit of the placement"),
+    loss_limit: float = typer.Option(0.1, "--loss-limit", min=0.001, max=0.999, help="the slowdown a job "
+                                     "accepts from sharing (its SLO) unless --slo-classes gives it one"),
+    slo_classes: Optional[str] = typer.Option(None, "--slo-classes", help="jobs in service-level classes: "
+                                              "limit:share pairs, e.g. 0.05:1,0.2:1 (half the jobs accept 5%, "
+                                              "half 20%)"),
+    headroom: float = typer.Option(DEFAULT_HEADROOM, "--headroom", min=0.0, max=0.9, help="share of a shared "
+                                   "Aggregator's cycle packing leaves free"),
+    placement_share: float = typer.Option(DEFAULT_PLACEMENT_SHARE, "--placement-share", min=0.01, max=1.0,
+                                          help="share of a job's SLO its placement may use (the rest: moves)"),
+    host_cpus: int = typer.Option(16, "--host-cpus", min=0, help="Aggregators run on hosts of this many CPUs, "
+                                  "each with one NIC (0: no hosts, no network)"),
+    nic_gbit: float = typer.Option(25.0, "--nic-gbit", min=0.001, help="each host's NIC, Gbit/s each way"),
+    arrivals: float = typer.Option(1.0, "--arrivals", min=0.01, help="scale the arrival rate: 10 submits every "
+                                   "job 10 times sooner (submit times divided by 10; durations kept)"),
     scale_period: float = typer.Option(0.0, "--scale-period", min=0.0, help="hybrid scaling period, "
                                        "seconds (0: release on job exit)"),
     startup: float = typer.Option(2.0, "--startup", min=0.0, help="seconds an Aggregator takes to start"),
@@ -68,7 +82,7 @@ def simulate(
     from pslink.sim.costmodel import load_cost_model
     from pslink.sim.engine import ServiceOptions
     from pslink.sim.models import parse_mix
-    from pslink.sim.trace import ATTRIBUTION, load_trace, parse_when, select
+    from pslink.sim.trace import ATTRIBUTION, load_trace, parse_when, scale_arrivals, select
     from pslink.sim.workload import WorkloadOptions
 
     started = time.perf_counter()
@@ -77,12 +91,15 @@ def simulate(
         loaded = load_trace(trace)
         window = (parse_when(start, loaded, "--start") if start else None,
                   parse_when(end, loaded, "--end") if end else None)
-        rows = select(loaded, *window)
+        rows = scale_arrivals(select(loaded, *window), arrivals)
         try:
             workload = WorkloadOptions(mix=parse_mix(mix), seed=seed, iteration_spread=iteration_spread,
                                        contention=contention, single_gpu=single_gpu,
-                                       servers_per_worker=servers_per_worker, aggregation=aggregation)
-            service = ServiceOptions(loss_limit=loss_limit, scale_period=scale_period, startup=startup)
+                                       servers_per_worker=servers_per_worker, aggregation=aggregation,
+                                       slo_classes=parse_slo_classes(slo_classes) if slo_classes else None)
+            service = ServiceOptions(loss_limit=loss_limit, scale_period=scale_period, startup=startup,
+                                     headroom=headroom, placement_share=placement_share, host_cpus=host_cpus,
+                                     nic_gbit=nic_gbit)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if single_gpu == "skip" and not any(r.gpus > 1 for r in rows):
@@ -118,13 +135,14 @@ def simulate(
         "attribution": ATTRIBUTION,
         "trace": {"source": loaded.source, "first_submit": loaded.when(first), "last_submit": loaded.when(last),
                   "rows_in_window": len(rows), "single_gpu": single_gpu},
-        "workload": {**dataclasses.asdict(workload), "jobs_limit": jobs},
+        "workload": {**dataclasses.asdict(workload), "jobs_limit": jobs, "arrivals_scaled": arrivals},
         "service": dataclasses.asdict(service),
         "cost_model": {"per_message": model.per_message, "per_byte_worker": model.per_byte_worker,
                        "per_byte_round": model.per_byte_round, "machine": model.machine,
                        "file": str(cost_model) if cost_model else "packaged"},
         "results": summary,
         "wall_seconds": wall,
+        "peak_memory_mb": _peak_memory_mb(),
     }
     try:
         (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -135,6 +153,27 @@ def simulate(
     except OSError as exc:
         _fail(f"cannot write to {str(out)!r}: {exc.strerror}")
     _print_summary(summary, wall, out, written)
+
+
+def _peak_memory_mb() -> float:
+    """This process's peak resident memory (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def parse_slo_classes(text: str) -> dict[float, float]:
+    """``0.05:1,0.2:1`` -> {0.05: 1.0, 0.2: 1.0} (limit: share)."""
+    classes: dict[float, float] = {}
+    for item in text.split(","):
+        try:
+            limit, share = (float(x) for x in item.split(":"))
+        except ValueError:
+            raise ConfigError(f"--slo-classes {text!r}: each class is limit:share, e.g. 0.05:1, got {item!r}") from None
+        if not 0 < limit < 1 or share <= 0:
+            raise ConfigError(f"--slo-classes {text!r}: a limit is in (0, 1) and a share > 0, got {item!r}")
+        classes[limit] = classes.get(limit, 0.0) + share
+    return classes
 
 
 def _plots(outcome, summary: dict, out: Path, title: str) -> list[Path]:
@@ -150,11 +189,12 @@ def _write_jobs(path: Path, outcomes) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["job", "model", "workers", "servers", "submit_s", "duration_s", "end_s", "iteration_s",
-                         "busy_cpus", "slowdown", "migrations", "reverts"])
+                         "busy_cpus", "slo", "slowdown", "migrations", "relocations", "reverts"])
         for o in outcomes:
             writer.writerow([o.name, o.model, o.workers, o.servers, f"{o.submit:.1f}", f"{o.duration:.1f}",
                              f"{o.end:.1f}" if o.end is not None else "", f"{o.iteration:.4f}", f"{o.busy:.4f}",
-                             f"{o.slowdown:.5f}", o.migrations, o.reverts])
+                             f"{o.slo:g}" if o.slo is not None else "", f"{o.slowdown:.5f}", o.migrations,
+                             o.relocations, o.reverts])
 
 
 def _print_summary(summary: dict, wall: float, out: Path, written: list[Path]) -> None:
@@ -174,8 +214,17 @@ def _print_summary(summary: dict, wall: float, out: Path, written: list[Path]) -
                                                    f"{ratio.get('max', 0):.2f}"),
         ("job slowdown median / p90 / p99", f"{slow.get('p50', 0):.1%} / {slow.get('p90', 0):.1%} / "
                                             f"{slow.get('p99', 0):.1%}"),
-        ("migrations / reverts", f"{summary['migrations']['total']:,} / {summary['counters'].get('reverts', 0):,.0f}"),
-        ("wall time", f"{wall:.0f} s"),
+        ("jobs above their SLO", f"{summary['over_slo']:.2%}"),
+        *[(f"  SLO {slo}: jobs, above, p99 slowdown", f"{c['jobs']:,} / {c['over_slo']:.2%} / {c.get('p99', 0):.1%}")
+          for slo, c in summary["slo_classes"].items() if len(summary["slo_classes"]) > 1],
+        ("migrations (parts moved) / reverts", f"{summary['migrations']['total']:,} / "
+                                               f"{summary['counters'].get('reverts', 0):,.0f}"),
+        ("per job: parts moved, relocations (median)", f"{summary['migrations']['per_job_median']:.0f} / "
+                                                      f"{summary['relocations']['per_job_median']:.0f}"),
+        ("wall time, peak memory", f"{wall:.0f} s, {_peak_memory_mb():,.0f} MB"),
+        ("hosts at peak, NIC peak load, jobs a NIC slowed",
+         f"{summary['counters'].get('hosts at peak', 0):,.0f}, {summary['counters'].get('NIC peak load', 0):.0%}, "
+         f"{summary['network_slowed']:.2%}" if "hosts at peak" in summary["counters"] else "no hosts (--host-cpus 0)"),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -220,5 +269,13 @@ def calibrate_command(
         table.add_row(name, f"{model.per_byte_worker[name]:.3e} s", f"{model.per_byte_round[name]:.3e} s",
                       f"{model.task_cost(4 << 20, 8, name) * 1e3:.2f} ms")
     console.print(table)
+    held = model.measured.get("held_out", {})
+    if held.get("all", {}).get("points"):
+        errors = Table(title="held-out check: each measured round predicted by a fit of all the others")
+        for column in ("point", "rounds", "median |error|", "max |error|"):
+            errors.add_column(column, justify="right")
+        for name, row in [*held["by_point"].items(), ("all", held["all"])]:
+            errors.add_row(name, str(row["points"]), f"{row['median']:.1%}", f"{row['max']:.1%}")
+        console.print(errors)
     console.print(f"per message {model.per_message * 1e6:.2f} us; machine: {model.machine.get('cpu')}, "
                   f"{model.machine.get('cores')} cores; wrote {out}")

@@ -36,100 +36,19 @@ import heapq
 import itertools
 from typing import Callable, Iterable
 
-import numpy as np
-
 from pslink.core.master.actions import Allocate, Migrate, Release
-from pslink.core.master.control import ControlPlane
+from pslink.core.master.control import DEFAULT_HEADROOM, DEFAULT_PLACEMENT_SHARE, ControlPlane
 from pslink.core.master.migrations import (DEFAULT_MAX_MIGRATION_BYTES, Begin, Finished, HandOver, Migrations,
                                            Settle)
 from pslink.core.master.placement import LOSS_LIMIT, runs_per_cycle
+from pslink.sim.hosts import HostPool
+from pslink.sim.results import JobOutcome, SimResult, Timeline, outcome_of, relocation_kind, simulate_static
 from pslink.sim.workload import SimJob
 
+__all__ = ["JobOutcome", "PslinkSimulation", "ServiceOptions", "SimResult", "Timeline", "simulate_pslink",
+           "simulate_static"]
+
 ARRIVE, BIND, PROFILED, GUARD, END, TICK, COPIED, CAUGHT_UP = range(8)
-
-
-@dataclasses.dataclass
-class JobOutcome:
-    name: str
-    model: str
-    workers: int
-    servers: int
-    submit: float
-    duration: float
-    iteration: float
-    busy: float  # CPUs its aggregation keeps busy at standalone speed
-    end: float | None = None
-    packed_at: float | None = None
-    migrations: int = 0
-    reverts: int = 0
-
-    @property
-    def slowdown(self) -> float:
-        """How much longer it ran than alone on its own servers (0.05: 5% longer)."""
-        if self.end is None or self.duration <= 0:
-            return 0.0
-        return max(0.0, (self.end - self.submit) / self.duration - 1.0)
-
-
-class Timeline:
-    """Step functions of time: CPUs allocated, CPUs requested, CPUs busy aggregating."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.allocated: list[float] = []
-        self.requested: list[float] = []
-        self.busy: list[float] = []
-
-    def record(self, t: float, allocated: float, requested: float, busy: float) -> None:
-        if self.times and self.times[-1] == t:  # several events at one instant: the last state holds
-            self.allocated[-1], self.requested[-1], self.busy[-1] = allocated, requested, busy
-            return
-        if self.times and self.allocated[-1] == allocated and self.requested[-1] == requested \
-                and self.busy[-1] == busy:
-            return
-        self.times.append(t)
-        self.allocated.append(allocated)
-        self.requested.append(requested)
-        self.busy.append(busy)
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {"times": np.array(self.times), "allocated": np.array(self.allocated),
-                "requested": np.array(self.requested), "busy": np.array(self.busy)}
-
-
-@dataclasses.dataclass
-class SimResult:
-    policy: str
-    timeline: Timeline
-    jobs: list[JobOutcome]
-    counters: dict[str, float]
-
-
-def _outcome(job: SimJob) -> JobOutcome:
-    return JobOutcome(job.name, job.model, job.workers, job.servers, job.submit, job.duration, job.iteration,
-                      job.busy)
-
-
-def simulate_static(jobs: Iterable[SimJob]) -> SimResult:
-    """The ps-lite baseline: every job holds its servers for its whole life."""
-    jobs = list(jobs)
-    deltas: dict[float, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-    outcomes = []
-    for job in jobs:
-        end = job.submit + job.duration
-        for t, sign in ((job.submit, 1), (end, -1)):
-            deltas[t][0] += sign * job.servers
-            deltas[t][1] += sign * job.busy
-        outcome = _outcome(job)
-        outcome.end = end
-        outcomes.append(outcome)
-    timeline = Timeline()
-    servers = busy = 0.0
-    for t in sorted(deltas):
-        servers += deltas[t][0]
-        busy += deltas[t][1]
-        timeline.record(t, servers, servers, max(0.0, busy))
-    return SimResult("static", timeline, outcomes, {"jobs": len(jobs)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +66,18 @@ class ServiceOptions:
     scale_period: float = 0.0
     max_cluster_size: int = 64
     max_reverts: int = 2
+    headroom: float = DEFAULT_HEADROOM  # of a shared Aggregator's cycle, packing leaves free
+    placement_share: float = DEFAULT_PLACEMENT_SHARE  # of a job's limit, its placement may use
+    host_cpus: int = 16  # Aggregators run on hosts of this many CPUs (0: no hosts, no network)
+    nic_gbit: float = 25.0  # each host's NIC, Gbit/s each way
 
     def __post_init__(self):
         if min(self.startup, self.copy_bandwidth, self.copy_latency, self.scale_period) < 0:
             raise ValueError("startup, copy_bandwidth, copy_latency and scale_period must be >= 0")
         if self.profile_iterations < 1 or self.guard_window < 1:
             raise ValueError("profile_iterations and guard_window must be >= 1")
+        if self.host_cpus < 0 or not self.nic_gbit > 0:
+            raise ValueError("host_cpus must be >= 0 and nic_gbit > 0")
 
     def control_plane(self, clock: Callable[[], float], cost_per_byte: float) -> ControlPlane:
         # The pool may shrink to nothing and grow without bound: a cluster-wide service has no
@@ -161,7 +86,16 @@ class ServiceOptions:
                             profile_iterations=self.profile_iterations, min_aggregators=0,
                             max_aggregators=1 << 30, max_cluster_size=self.max_cluster_size,
                             scale_period=self.scale_period, max_reverts=self.max_reverts,
-                            cost_per_byte=cost_per_byte, elastic=True, clock=clock)
+                            cost_per_byte=cost_per_byte, elastic=True, clock=clock, headroom=self.headroom,
+                            placement_share=self.placement_share,
+                            # what the control plane expects a move to stall, as the simulator charges it
+                            copy_bandwidth=self.copy_bandwidth if self.timed_moves else 0.0,
+                            copy_latency=self.copy_latency if self.timed_moves else 0.0,
+                            nic_bandwidth=self.nic_bandwidth if self.host_cpus else None)
+
+    @property
+    def nic_bandwidth(self) -> float:
+        return self.nic_gbit * 1e9 / 8
 
 
 class _Run:
@@ -172,7 +106,7 @@ class _Run:
 
     def __init__(self, job: SimJob, now: float):
         self.job = job
-        self.outcome = _outcome(job)
+        self.outcome = outcome_of(job)
         self.phase = "profiling"
         self.remaining = job.duration  # standalone seconds of training left
         self.rate = 1.0  # standalone seconds done per second
@@ -194,6 +128,7 @@ class PslinkSimulation:
         self.options = options
         self.now = 0.0
         self.control = options.control_plane(lambda: self.now, cost_per_byte)
+        self.cost_per_byte = cost_per_byte
         self.on_progress = on_progress
         self.check = check  # after every event, compare the pool with the control plane's (tests)
         self.timeline = Timeline()
@@ -216,6 +151,7 @@ class PslinkSimulation:
         self.migrations = Migrations(self._move_size, options.max_migration_bytes)
         self.control.moving_jobs = lambda: self.migrations.moving_jobs() | self.control.jobs_waiting_to_move()
         self._held: dict[str, Release] = {}  # releases waiting for the moves that involve them
+        self.hosts = HostPool(options.host_cpus, options.nic_bandwidth) if options.host_cpus else None
         self._recheck: set[str] = set()  # jobs the guard acted on: still too slow after it?
         self._arrivals_left = 0
         self._handlers = {ARRIVE: self._arrive, BIND: self._bind, PROFILED: self._profiled, GUARD: self._guard,
@@ -245,6 +181,9 @@ class PslinkSimulation:
                     f"t={self.now}: the simulator counts {self.aggregators} Aggregators, the control plane "
                     f"{self.control.aggregator_count()} and {len(self._held)} waiting for their moves")
         self.outcomes.sort(key=lambda o: (o.submit, o.name))
+        if self.hosts is not None:
+            self.counters["hosts at peak"] = self.hosts.peak_hosts
+            self.counters["NIC peak load"] = self.hosts.peak_load
         return SimResult("pslink", self.timeline, self.outcomes, dict(self.counters))
 
     # -- events ------------------------------------------------------------------------------------
@@ -252,8 +191,9 @@ class PslinkSimulation:
     def _arrive(self, job: SimJob) -> bool:
         self._arrivals_left -= 1
         run = self.runs[job.name] = _Run(job, self.now)
+        run.outcome.slo = job.slo if job.slo is not None else self.options.loss_limit
         self.requested += job.servers
-        actions = self.control.job_arrived(job.name, job.workers, job.servers)
+        actions = self.control.job_arrived(job.name, job.workers, job.servers, slo=job.slo)
         for key, part, nbytes in job.parts:
             actions += self.control.place_part(job.name, key, part, nbytes)[1]
         self._apply(actions)
@@ -268,6 +208,11 @@ class PslinkSimulation:
         job = run.job
         self.control.costs_measured(name, {(name, key, part): cost for (key, part, _), cost in zip(job.parts, job.costs)})
         actions = self.control.iterations_reported(name, [job.iteration] * self.options.profile_iterations)
+        if self.control.jobs[name].phase == "profiling":
+            # Not packed yet: its moves would cost more than it has run so far. Its Agents keep
+            # reporting; the report after the pack is due packs it.
+            self._push(max(self.now, self.control.pack_due(name)), PROFILED, name)
+            return True
         run.phase = "packed"
         run.outcome.packed_at = self.now
         self._dirty.add(name)
@@ -329,6 +274,11 @@ class PslinkSimulation:
             places = self._places[job]
             places.discard(placeholder)
             places.add(name)
+        if self.hosts is not None:
+            plan = self._plan(name)
+            host = self.hosts.place(name, plan.rate, self.control.nics.load_of)
+            self.control.aggregator_host(name, host, spread=False)  # no workers on these hosts to spread for
+            self._network_changed(self.hosts.measured(name, self._real_rate(plan)))
         self._apply(follow)
         # Tasks that waited for it have moved: the places they left may be empty now.
         self._apply(self.control.release_idle("emptied by migrations"))
@@ -356,8 +306,22 @@ class PslinkSimulation:
                     self._release(action)
             elif isinstance(action, Migrate):
                 self._carry(self.migrations.request(action, self.now))
+        self._count_relocations(actions)
+
+    def _count_relocations(self, actions: list) -> None:
+        """One decision that moves parts of a job (a pack, the guard's moves, a revert, a drain)
+        is one relocation of that job, whatever number of parts it moves; parts moved are
+        counted as migrations when they arrive."""
+        decisions = {(a.task[0], a.reason) for a in actions if isinstance(a, Migrate)}
+        for job, reason in decisions:
+            self.counters[f"relocations: {relocation_kind(reason)}"] += 1
+            run = self.runs.get(job)
+            if run is not None:
+                run.outcome.relocations += 1
 
     def _release(self, action: Release) -> None:
+        if self.hosts is not None:
+            self._network_changed(self.hosts.release(action.aggregator))
         self.aggregators -= 1
         self.counters["releases"] += 1
 
@@ -385,6 +349,8 @@ class PslinkSimulation:
             elif isinstance(action, HandOver):  # the source hands it over as its round closes
                 move = action.move
                 self._carry(self.migrations.handed_over(move.task, move.source, True, self.now))
+                # CPU the copy takes: the source sends its bytes, the target receives them.
+                self.counters["migration CPU seconds"] += 2 * move.bytes * self.cost_per_byte
                 self._push(self.now + self._round(move.task[0]) + self._copy_seconds(move.bytes), COPIED,
                            (move.task, move.bytes))
             elif isinstance(action, Finished) and action.why == "done":
@@ -420,6 +386,8 @@ class PslinkSimulation:
         return True
 
     def _forget(self, name: str) -> None:
+        if self.hosts is not None:
+            self._network_changed(self.hosts.measured(name, 0.0))  # it serves nothing from now on
         self._seen.pop(name, None)
         self.busy -= self._loads.pop(name, 0.0)
         for job in self._speeds.pop(name, {}):
@@ -435,16 +403,24 @@ class PslinkSimulation:
         """Look at every Aggregator whose plan changed; re-time the jobs on it."""
         dirty, self._dirty = self._dirty, set()
         for plan in self.control.clusters.values():
-            for name, agg in plan.aggregators.items():
+            for name in sorted(plan.take_changed()):  # sorted: the same order in every process
+                agg = plan.aggregators[name]
                 if self._seen.get(name) != agg.version:
                     self._seen[name] = agg.version
                     dirty |= self._evaluate(name, agg)
+        dirty |= self._dirty  # the network's verdicts on the way
+        self._dirty = set()
+        if self.hosts is not None:
+            self.hosts.settle()
         for job in sorted(dirty):  # sets of names iterate in a per-process hash order: sort for repeatability
             run = self.runs.get(job)
-            if run is None or run.phase == "profiling":
+            if run is None:
                 continue
             places = self._places.get(job, ())
-            effective = max([run.job.iteration] + [self._speeds[p][job] for p in places])
+            network = max((self._network(p) for p in places), default=1.0)
+            if network > 1.0:
+                run.outcome.network_slowed = True
+            effective = max([run.job.iteration] + [self._speeds[p][job] * self._network(p) for p in places])
             if abs(effective - run.effective) > 1e-12 * effective:
                 self._set_speed(run, effective)
         recheck, self._recheck = self._recheck, set()
@@ -471,6 +447,7 @@ class PslinkSimulation:
                     # Alone on its own Aggregators (its plan entries are provisional): its real
                     # costs over its real iteration.
                     load += sum(run.cost_of[i[1:]] for i in agg.tasks if i[0] == job) / run.job.iteration
+                    speeds[job] = run.job.iteration  # at its own speed, unless the network holds it up
                     continue
                 work += runs_per_cycle(cycle, share.iteration) * share.work * (run.job.contention if shared else 1.0)
             stretch = max(1.0, work / cycle)
@@ -487,7 +464,28 @@ class PslinkSimulation:
         self.busy += load - self._loads.get(name, 0.0)
         self._loads[name] = load
         self.control.load_measured(name, load)  # Aggregators report their load (here: at once)
+        if self.hosts is not None and not self.control.is_placeholder(name):
+            self._network_changed(self.hosts.measured(name, self._real_rate(agg)))
         return before.keys() | speeds.keys()
+
+    # -- the network (hosts.py) ------------------------------------------------------------------------
+
+    def _real_rate(self, agg) -> float:
+        """Bytes/s the Aggregator's tasks really receive: each worker pushes each task once an
+        iteration of its job (at its standalone speed: an upper bound)."""
+        rate = 0.0
+        for ident, task in agg.tasks.items():
+            run = self.runs.get(ident[0])
+            if run is not None:
+                rate += task.nbytes * run.job.workers / run.job.iteration
+        return rate
+
+    def _network(self, name: str) -> float:
+        return self.hosts.factor(name) if self.hosts is not None else 1.0
+
+    def _network_changed(self, names: set[str]) -> None:
+        for name in names:
+            self._dirty.update(self._speeds.get(name, ()))
 
     def _advance(self, run: _Run) -> None:
         run.remaining = max(0.0, run.remaining - (self.now - run.since) * run.rate)
@@ -516,7 +514,7 @@ class PslinkSimulation:
         events for answers known in advance."""
         control = self.control.jobs.get(run.job.name)
         standalone = control.standalone if control is not None else None
-        slow = standalone is not None and (run.effective - standalone) / run.effective > self.options.loss_limit
+        slow = standalone is not None and run.effective / standalone - 1.0 > control.slo
         if slow and not run.guard_pending:
             run.guard_token += 1
             run.guard_pending = True

@@ -67,6 +67,12 @@ def summarize(pslink: SimResult, static: SimResult, interval: float = 60.0) -> d
     for o in pslink.jobs:
         by_model[o.model].append(o.slowdown)
     migrated = [o.migrations for o in pslink.jobs]
+    relocated = [o.relocations for o in pslink.jobs]
+    by_slo: dict[float, list[float]] = collections.defaultdict(list)
+    for o in pslink.jobs:
+        if o.slo is not None:
+            by_slo[o.slo].append(o.slowdown)
+    over = [s > slo for slo, values in by_slo.items() for s in values]
     return {
         "jobs": len(pslink.jobs),
         "jobs_by_model": {m: len(v) for m, v in sorted(by_model.items())},
@@ -85,7 +91,19 @@ def summarize(pslink: SimResult, static: SimResult, interval: float = 60.0) -> d
                      "over_5pct": float(np.mean(slowdowns > 0.05)) if len(slowdowns) else 0.0,
                      "over_10pct": float(np.mean(slowdowns > 0.10)) if len(slowdowns) else 0.0},
         "slowdown_median_by_model": {m: float(np.median(v)) for m, v in sorted(by_model.items())},
-        "migrations": {"total": int(sum(migrated)), "per_job_median": float(np.median(migrated)) if migrated else 0.0},
+        # A job above the slowdown it accepted (its SLO: its own limit or the service's).
+        "over_slo": float(np.mean(over)) if over else 0.0,
+        # Jobs a NIC carrying more than its bandwidth slowed at some point (hosts on).
+        "network_slowed": float(np.mean([o.network_slowed for o in pslink.jobs])) if pslink.jobs else 0.0,
+        "slo_classes": {f"{slo:g}": {"jobs": len(v), "over_slo": float(np.mean(np.array(v) > slo)),
+                                     **_percentiles(np.array(v))} for slo, v in sorted(by_slo.items())},
+        "migrations": {"total": int(sum(migrated)), "per_job_median": float(np.median(migrated)) if migrated else 0.0,
+                       "per_job_p90": float(np.percentile(migrated, 90)) if migrated else 0.0},
+        # Decisions that moved a job's parts (its pack, the guard's moves, reverts, drains).
+        "relocations": {"total": int(sum(relocated)),
+                        "per_job_median": float(np.median(relocated)) if relocated else 0.0,
+                        "per_job_p90": float(np.percentile(relocated, 90)) if relocated else 0.0,
+                        "per_job_max": int(max(relocated)) if relocated else 0},
         "counters": {k: float(v) for k, v in sorted(pslink.counters.items())},
     }
 

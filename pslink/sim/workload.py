@@ -49,6 +49,7 @@ class SimJob:
     parts: tuple[tuple[int, int, int], ...]  # (key, part, bytes)
     costs: tuple[float, ...]  # e_t of each part, CPU seconds per iteration, as profiled
     contention: float = 1.0  # packed with other jobs, its tasks cost this many times e_t
+    slo: float | None = None  # the slowdown it accepts from sharing (None: the service's loss limit)
 
     def __post_init__(self):
         if len(self.parts) != len(self.costs):
@@ -78,8 +79,13 @@ class WorkloadOptions:
     servers_per_worker: float = 1.0
     aggregation: str = "optimizer"  # the servers run the optimizer (ps-lite, MXNet) or only sum
     partition_bytes: int = DEFAULT_PARTITION_BYTES
+    # Service-level classes: slowdown limit -> share of jobs (None: every job the service's limit).
+    slo_classes: dict[float, float] | None = None
 
     def __post_init__(self):
+        if self.slo_classes is not None and (not self.slo_classes or any(
+                not 0 < slo < 1 or share <= 0 for slo, share in self.slo_classes.items())):
+            raise ValueError(f"slo classes must map limits in (0, 1) to shares > 0, got {self.slo_classes}")
         if self.single_gpu not in SINGLE_GPU:
             raise ValueError(f"single_gpu must be one of {', '.join(SINGLE_GPU)}, got {self.single_gpu!r}")
         if self.aggregation not in AGGREGATIONS:
@@ -110,6 +116,8 @@ def build_jobs(trace: Iterable[TraceJob], cost_model: CostModel, options: Worklo
     weights = np.array([options.mix[n] for n in names], float)
     weights /= weights.sum()
     cost_cache: dict[tuple[str, int], tuple[float, ...]] = {}
+    classes = sorted(options.slo_classes.items()) if options.slo_classes else []
+    class_weights = np.array([share for _, share in classes], float)
     jobs = []
     for row in trace:
         if row.gpus <= 1 and options.single_gpu == "skip":
@@ -127,6 +135,8 @@ def build_jobs(trace: Iterable[TraceJob], cost_model: CostModel, options: Worklo
             costs = cost_cache[(model.name, workers)] = tuple(
                 cost_model.task_cost(size, workers, optimizer) for _, _, size in parts)
         iteration = standalone_iteration(model.iteration * spread, costs, [p[2] for p in parts], servers)
+        # Drawn last: the draws above stay what they were without classes.
+        slo = classes[int(rng.choice(len(classes), p=class_weights / class_weights.sum()))][0] if classes else None
         jobs.append(SimJob(row.job, row.submit, row.duration, workers, servers, model.name, iteration, parts, costs,
-                           contention))
+                           contention, slo))
     return jobs

@@ -198,3 +198,23 @@ def test_a_key_aborted_while_its_aggregator_starts_fails_its_first_declarer(tran
             agent1.close()
         first.join(30)
         svc.stop()
+
+
+def test_a_job_states_its_service_level_when_it_connects(transports):
+    from pslink.core.master.watch import status_of
+    from pslink.errors import ConfigError
+
+    svc = service(1, transports)
+    strict = Trainer(svc.address, transports, "strict", slo=0.05, priority="high")
+    strict.start()
+    try:
+        control = svc.master.state.control
+        wait_until(lambda: control.jobs["strict"].phase == "packed", 30, "profiling to end")
+        (row,) = [j for j in status_of(svc.master.state)["jobs"] if j["job"] == "strict"]
+        assert (row["control"]["slo"], row["control"]["priority"]) == (0.05, "high")
+        with pytest.raises(ConfigError, match=r"slo \(the slowdown a job accepts.*got 1.5"):
+            pslink.connect("loose", 0, 1, master=svc.address, transports=transports, timeout=10, slo=1.5)
+        assert "loose" not in control.jobs
+    finally:
+        strict.finish()
+        svc.stop()

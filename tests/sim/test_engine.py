@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pslink.sim import experiment
@@ -11,7 +13,9 @@ from pslink.sim.metrics import integral, sample, summarize
 from pslink.sim.trace import TraceJob
 from pslink.sim.workload import SimJob, WorkloadOptions
 
-EXACT = ServiceOptions(startup=0.0, timed_moves=False)  # Aggregators start at once, moves cost nothing
+# Aggregators start at once, moves cost nothing, cycles are packed full and a job's whole limit is
+# its placement's: the paper's model, worked by hand below.
+EXACT = ServiceOptions(startup=0.0, timed_moves=False, headroom=0.0, placement_share=1.0)
 
 
 def job(name, submit, servers, costs, duration, iteration=1.0, contention=1.0, workers=None):
@@ -130,3 +134,16 @@ def test_a_job_the_guard_moved_without_making_it_faster_is_checked_again_and_rev
     ends = {o.name: o.end for o in result.jobs}
     assert ends == {"A": pytest.approx(2040), "Z": pytest.approx(2041), "X": pytest.approx(1130)}
     assert {o.name: (o.reverts, o.migrations) for o in result.jobs} == {"A": (0, 0), "Z": (0, 0), "X": (1, 6)}
+
+
+@pytest.mark.parametrize("slo, packed", [(0.05, False), (0.2, True)])
+def test_a_job_is_packed_next_to_a_slower_one_only_within_its_own_slo(slo, packed):
+    # A iterates in 5 s, B in 11 s: sharing an Aggregator, the cycle is 11 s and A runs twice in
+    # it, 5.5 s an iteration: 10% slower. Within a 20% SLO, past a 5% one.
+    a = dataclasses.replace(job("A", 0, 1, [0.5], 5000, iteration=5.0), slo=slo)
+    b = dataclasses.replace(job("B", 10, 1, [0.5], 5000, iteration=11.0), slo=0.2)
+    result = PslinkSimulation([a, b], EXACT, check=True).run()
+    outcome = {o.name: o for o in result.jobs}
+    assert outcome["A"].slowdown <= slo and outcome["B"].slowdown == 0
+    assert (outcome["B"].relocations == 1) is packed  # B's pack onto A's Aggregator
+    assert outcome["A"].slowdown > 0.05 if packed else outcome["A"].slowdown == 0

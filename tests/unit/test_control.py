@@ -18,9 +18,13 @@ class Clock:
 
 
 def plane(**options) -> ControlPlane:
+    """The paper's model: cycles packed full, a job's whole limit for placement, free moves (a
+    job is packed as soon as it was profiled). Tests of the margins set them."""
     options.setdefault("profile_iterations", 3)
     options.setdefault("guard_window", 4)
     options.setdefault("clock", Clock())
+    for name, value in (("headroom", 0.0), ("placement_share", 1.0), ("copy_latency", 0.0), ("copy_bandwidth", 0.0)):
+        options.setdefault(name, value)
     return ControlPlane(**options)
 
 

@@ -14,6 +14,7 @@ from pslink.core.master.placement import (
     effective_iteration,
     performance_loss,
     runs_per_cycle,
+    slowdown,
 )
 
 
@@ -47,8 +48,9 @@ def test_the_17_percent_loss_example_disqualifies_the_aggregator():
     assert isinstance(decision, NewAggregator)  # line 7 drops "a", lines 11-14 allocate
     assert plan.where[("J2", "t", 0)] == decision.placeholder
     assert plan.aggregators["a"].cycle == 5  # untouched
-    # with a looser limit the same Aggregator would do
-    loose = Placement(loss_limit=0.2)
+    # with a looser limit the same Aggregator would do: limits are on the slowdown, d / D - 1
+    assert slowdown(12, 5) == pytest.approx(0.2)
+    loose = Placement(loss_limit=0.25)
     loose.add_aggregator("a")
     loose.place(task("J0", "t", 5, 1))
     assert loose.place(task("J2", "t", 12, 3)) == "a"
@@ -172,3 +174,56 @@ def test_placing_10000_tasks_on_500_aggregators_is_fast_enough():
     # The target (<= 1 s on this machine) is recorded by benchmarks/placement.py; here only a
     # generous bound that catches an accidental quadratic loop.
     assert elapsed < 10, elapsed
+
+
+def _random_plan(rng, aggregators: int) -> Placement:
+    plan = Placement()
+    for n in range(aggregators):
+        plan.add_aggregator(f"agg-{n}")
+    for j in range(aggregators // 2):  # some already busy, with cycles shorter and longer than the newcomers'
+        iteration = float(rng.choice([0.05, 0.1, 0.2, 0.4, 0.8]))
+        plan.place(TaskDemand(f"old-{j}", 0, 0, iteration, float(rng.uniform(0.001, 0.03))))
+    return plan
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_placing_a_job_at_once_decides_exactly_as_placing_its_tasks_one_by_one(seed):
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for j in range(40):
+        iteration = float(rng.choice([0.05, 0.1, 0.2, 0.4, 0.8]))
+        costs = sorted(rng.uniform(0.0005, 0.02, size=int(rng.integers(1, 30))), reverse=True)
+        jobs.append([TaskDemand(f"job-{j}", t, 0, iteration, float(c)) for t, c in enumerate(costs)])
+    one_by_one, at_once = _random_plan(np.random.default_rng(seed), 30), _random_plan(np.random.default_rng(seed), 30)
+    candidates = None if seed % 2 else [f"agg-{n}" for n in range(0, 30, 2)]  # a pool restricted to some
+    opened = 0
+    for tasks in jobs:
+        pool = None if candidates is None else set(candidates)
+        expected = []
+        for t in tasks:
+            decision = one_by_one.place(t, pool)
+            if isinstance(decision, NewAggregator) and pool is not None:
+                pool.add(decision.placeholder)
+            expected.append(decision)
+        assert at_once.place_many(tasks, candidates) == expected
+        opened += sum(isinstance(d, NewAggregator) for d in expected)
+    assert at_once.where == one_by_one.where
+    assert {n: (p.cycle, round(p.work, 12)) for n, p in at_once.aggregators.items()} == \
+        {n: (p.cycle, round(p.work, 12)) for n, p in one_by_one.aggregators.items()}
+    assert opened > 0  # the miss path was taken too
+
+
+def test_a_full_pool_sends_each_task_that_fits_nowhere_to_the_callers_choice():
+    plan = Placement()
+    plan.add_aggregator("a")
+    plan.place(task("busy", "t", 10, 9))
+    seen = []
+
+    def most_room(demand, pool):
+        seen.append(demand.ident)
+        plan.assign(demand, "a")
+        return "a"
+
+    decisions = plan.place_many([task("j", k, 10, 4) for k in range(2)], ["a"], on_miss=most_room)
+    assert decisions == ["a", "a"] and seen == [("j", 0, 0), ("j", 1, 0)]
+    assert plan.aggregators["a"].work == pytest.approx(17)

@@ -87,6 +87,8 @@ class Agent:
         replication: int | None = None,
         checkpoint: str | None = None,
         checkpoint_every: int | None = None,
+        slo: float | None = None,
+        priority: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         resend_timeout: float | None = None,
         failover: bool = True,
@@ -138,7 +140,7 @@ class Agent:
         config = job_config(mode=mode, optimizer=optimizer, partition_bytes=partition_bytes, sync=sync,
                             servers=servers, max_workers=max_workers, staleness=staleness,
                             straggler_timeout=straggler_timeout, replication=replication, checkpoint=checkpoint,
-                            checkpoint_every=checkpoint_every)
+                            checkpoint_every=checkpoint_every, slo=slo, priority=priority)
         try:
             self.settings = self._master.register(config, token=self.seat.token or None, rejoin=rejoin)
         except BaseException:

@@ -29,6 +29,9 @@ def connect(
     every part on other Aggregators: the job survives losing that many without losing an update;
     bsp/ssp only), ``servers`` (how many parameter servers the job would ask for: it is profiled
     alone on that many Aggregators before pMaster packs it with others; default one per worker),
+    ``slo`` (the slowdown the job accepts from sharing Aggregators, 0.05 = 5%; default the
+    service's loss limit, 10%) and ``priority`` (``"high"``: scaling never moves its tasks to
+    free an Aggregator),
     ``rejoin`` (register a rank again as a newcomer: pMaster takes it out of the job and back in,
     in one step; an Agent of this process that held the rank is then closed with
     ``close(leave=False)``), ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other

@@ -6,7 +6,8 @@ from __future__ import annotations
 def job_config(*, mode: str | None = None, optimizer: dict | None = None, partition_bytes: int | None = None,
                sync: str | None = None, servers: int | None = None, max_workers: int | None = None,
                staleness: int | None = None, straggler_timeout: float | None = None, replication: int | None = None,
-               checkpoint: str | None = None, checkpoint_every: int | None = None) -> dict:
+               checkpoint: str | None = None, checkpoint_every: int | None = None, slo: float | None = None,
+               priority: str | None = None) -> dict:
     """The settings given, as REGISTER_WORKER carries them (pMaster validates them and fills in
     the defaults; the job's first worker fixes them)."""
     config: dict = {}
@@ -23,7 +24,8 @@ def job_config(*, mode: str | None = None, optimizer: dict | None = None, partit
         config["sync"] = "ssp"
     for name, value in (("max_workers", max_workers), ("staleness", staleness),
                         ("straggler_timeout", straggler_timeout), ("replication", replication),
-                        ("checkpoint", checkpoint), ("checkpoint_every", checkpoint_every)):
+                        ("checkpoint", checkpoint), ("checkpoint_every", checkpoint_every), ("slo", slo),
+                        ("priority", priority)):
         if value is not None:
             config[name] = value
     if servers is not None:

@@ -12,18 +12,13 @@ A job's life (paper 3.3.1-3.3.2):
    by bytes. Agents report iteration durations, Aggregators report each task's CPU time per
    iteration.
 2. **Packing.** After ``profile_iterations`` iterations its standalone iteration duration ``D`` is
-   the median measured, and every task is placed by Pseudocode 1 (:mod:`pslink.core.master.placement`) in
-   the best-fit cluster; tasks whose place changes are migrated; Aggregators left empty are
-   released.
-3. **Guard.** While it runs packed, its iteration durations are compared with ``D``. When the
-   median over the last ``guard_window`` iterations loses more than ``loss_limit``, tasks on a congested
-   Aggregator move to others with room (Appendix D), once; failing that, or when the job is still
-   too slow after that move, the job is reverted: a new Aggregator is added and the job placed
-   again, alone (the paper's Figure 10). A reverted job's Aggregators are then kept for it. A
-   job that declares keys after its profile is judged against its first full window with them
-   instead (it got heavier by itself; nothing to revert). While its tasks move (a pack, the
-   guard's own moves, an operator's removal, a drain), and in the report right after, it is not
-   judged: each window is measured on one placement, the one it is judged for.
+   the median measured; once its moves pay (:meth:`JobControl.pack_due`) every task is placed by
+   Pseudocode 1 (:mod:`pslink.core.master.placement`, each job within ``placement_share`` of its own
+   slowdown limit, its ``slo``, shared Aggregators keeping ``headroom`` free, NICs within
+   ``nic_bandwidth``) in the best-fit cluster; moved parts migrate; empty Aggregators go.
+3. **Guard** (:mod:`pslink.core.master.guard`): a packed job slower than ``D`` by more than its
+   limit over a window is relieved (tasks off congested Aggregators, once), else reverted onto
+   a new Aggregator of its own (the paper's Appendix D and Figure 10).
 4. **Exit.** Its tasks go; empty Aggregators are released (down to ``min_aggregators``), then the
    least-loaded ones are drained into the others while that needs no new Aggregator. With a
    ``scale_period``, releases and drains happen once per period while allocation stays on demand
@@ -52,13 +47,25 @@ from typing import Any, Callable
 from pslink.core.master.actions import Allocate, Migrate
 from pslink.core.master import spread
 from pslink.core.master.placement import LOSS_LIMIT, NewAggregator, Placement, TaskDemand, runs_per_cycle
-from pslink.core.master.job_control import JobControl
+from pslink.core.master.job_control import JobControl, check_service_level
+from pslink.core.master.nics import Nics
+from pslink.core.master.guard import Guard
 from pslink.core.master.scaling import Scaling
 
 #: CPU seconds an Aggregator spends per byte pushed, before anything was measured (receiving the
 #: bytes and adding them up; calibrated on this project's 2-vCPU test machine, ~2 GB/s).
 DEFAULT_COST_PER_BYTE = 5e-10
 PROVISIONAL_ITERATION = 1.0  # placeholder duration for a profiling job's tasks (its Aggregators are its own)
+PROFILING_ITERATION = 0.1  # what a job being profiled is assumed to iterate in, for its NIC traffic
+PROFILING_NIC_SHARE = 0.5  # an idle Aggregator profiles a job only if its host's NIC is this free
+#: Share of a shared Aggregator's cycle packing leaves free: a job's costs are profiled alone, and
+#: next to other jobs they grow (the trace-driven simulator's jobs: 7% at the median, 25% at p99).
+DEFAULT_HEADROOM = 0.1
+#: Share of a job's slowdown limit its placement may use; the rest is for what placement does
+#: not see: the stalls of its moves, the guard's reaction time, noise.
+DEFAULT_PLACEMENT_SHARE = 0.8
+DEFAULT_COPY_BANDWIDTH = 1e9  # bytes per second a migration's copy is expected to cross at
+DEFAULT_COPY_LATENCY = 0.002  # seconds a migration's copy costs besides its bytes
 
 
 class ControlPlane:
@@ -78,10 +85,22 @@ class ControlPlane:
         cost_per_byte: float = DEFAULT_COST_PER_BYTE,
         congested_load: float = 0.95,
         cost_inflation: float = 3.0,
+        headroom: float = DEFAULT_HEADROOM,
+        placement_share: float = DEFAULT_PLACEMENT_SHARE,
+        copy_bandwidth: float = DEFAULT_COPY_BANDWIDTH,
+        copy_latency: float = DEFAULT_COPY_LATENCY,
+        nic_bandwidth: float | None = None,
         elastic: bool = True,
         clock: Callable[[], float] | None = None,
     ):
+        if not 0 < placement_share <= 1:
+            raise ValueError(f"placement_share must be in (0, 1], got {placement_share}")
         self.loss_limit = loss_limit
+        self.headroom = headroom
+        self.placement_share = placement_share
+        self.copy_bandwidth = copy_bandwidth
+        self.copy_latency = copy_latency
+        self.nics = Nics(nic_bandwidth)  # every host's NIC, shared by the clusters' plans
         self.guard_window = guard_window
         self.profile_iterations = profile_iterations
         self.min_aggregators = min_aggregators
@@ -117,6 +136,7 @@ class ControlPlane:
         # no time: none.
         self.moving_jobs: Callable[[], set] = set
         self.scaling = Scaling(self)
+        self.guard = Guard(self)
 
     # -- the pool ---------------------------------------------------------------------------------
 
@@ -124,7 +144,8 @@ class ControlPlane:
         name = f"cluster-{len(self.clusters)}"
         # Its own placeholder names: _allocate's "<new-N>" may still be starting when a plan opens
         # an Aggregator, and so may another cluster's (the simulator hit both).
-        self.clusters[name] = Placement(self.loss_limit, placeholder_prefix=f"<new-{name}-")
+        self.clusters[name] = Placement(self.loss_limit, placeholder_prefix=f"<new-{name}-", headroom=self.headroom,
+                                        nics=self.nics)
         return name
 
     def _cluster_for_new_aggregator(self, preferred: str | None = None) -> str:
@@ -142,6 +163,19 @@ class ControlPlane:
         cluster = self._cluster_for_new_aggregator()
         self.clusters[cluster].add_aggregator(name)
         self.cluster_of[name] = cluster
+        if name in self.host_of:
+            self.clusters[cluster].set_host(name, self.host_of[name])
+
+    def aggregator_host(self, name: str, host: str, spread: bool = True) -> None:
+        """``name`` runs on ``host``: its tasks load that host's NIC (placement keeps every NIC
+        within ``nic_bandwidth``) and, with ``spread``, jobs are spread over the pool's hosts.
+        The simulator's Aggregator hosts are a pool of their own, with no workers on them to
+        balance: it passes ``spread=False``."""
+        if spread:
+            self.host_of[name] = host
+        cluster = self.cluster_of.get(name)
+        if cluster is not None:
+            self.clusters[cluster].set_host(name, host)
 
     def aggregator_count(self) -> int:
         return len(self.cluster_of)
@@ -158,6 +192,8 @@ class ControlPlane:
         cluster = self.cluster_of.pop(placeholder)
         self.clusters[cluster].rename(placeholder, name)
         self.cluster_of[name] = cluster
+        if name in self.host_of:
+            self.clusters[cluster].set_host(name, self.host_of[name])
         for table in (self.reserved, self.exclusive):
             if placeholder in table:
                 table[name] = table.pop(placeholder)
@@ -218,13 +254,18 @@ class ControlPlane:
 
     # -- jobs ---------------------------------------------------------------------------------------
 
-    def job_arrived(self, job: str, workers: int, servers: int | None = None) -> list:
-        """A new job: reserve its profiling Aggregators (idle ones first)."""
+    def job_arrived(self, job: str, workers: int, servers: int | None = None, slo: float | None = None,
+                    priority: str = "normal") -> list:
+        """A new job: reserve its profiling Aggregators (idle ones first). ``slo``: the slowdown
+        it accepts from sharing (default ``loss_limit``); ``priority`` "high": scaling never
+        moves its tasks to free an Aggregator."""
         if job in self.jobs:
             return []
+        check_service_level(slo, priority)
         servers = max(1, servers if servers is not None else workers)
         cluster = max(self.clusters, key=lambda c: len(self._idle(c)), default=None) or self._new_cluster()
-        control = self.jobs[job] = JobControl(job, workers, servers, cluster)
+        control = self.jobs[job] = JobControl(job, workers, servers, cluster, slo=self.loss_limit if slo is None else slo,
+                                              priority=priority, arrived=self.clock())
         if self.profile_iterations <= 0:
             control.phase = "packed"
             return []
@@ -241,9 +282,16 @@ class ControlPlane:
 
     def _idle(self, cluster: str) -> list[str]:
         plan = self.clusters[cluster]
-        return sorted(n for n, a in plan.aggregators.items()
+        idle = sorted(n for n, a in plan.aggregators.items()
                       if not a.tasks and n not in self.reserved and n not in self.exclusive
                       and not self.is_placeholder(n))
+        if self.nics.limited:
+            # A job being profiled sends more than placement knows (its iteration is not known
+            # yet): only Aggregators on hosts with half their NIC free take it, quietest first;
+            # otherwise new ones are started.
+            idle = sorted((n for n in idle if plan.host_load(n) <= PROFILING_NIC_SHARE * self.nics.bandwidth),
+                          key=plan.host_load)
+        return idle
 
     def place_part(self, job: str, key: Any, part: int, nbytes: int) -> tuple[str, list]:
         """Where a newly declared part goes (an Aggregator or a placeholder), plus actions."""
@@ -301,12 +349,15 @@ class ControlPlane:
                 control.parts.pop(ident, None)
                 control.costs.pop(ident, None)
 
-    def adopt_job(self, job: str, workers: int, servers: int | None, cluster: str | None = None) -> JobControl:
+    def adopt_job(self, job: str, workers: int, servers: int | None, slo: float | None = None,
+                  priority: str = "normal", cluster: str | None = None) -> JobControl:
         """A job that ran before a pMaster restart: it keeps its places and is profiled again."""
         control = self.jobs.get(job)
         if control is None:
             cluster = cluster or next(iter(self.clusters), None) or self._new_cluster()
-            control = self.jobs[job] = JobControl(job, workers, max(1, servers or workers), cluster, adopted=True)
+            control = self.jobs[job] = JobControl(job, workers, max(1, servers or workers), cluster,
+                                                  slo=self.loss_limit if slo is None else slo, priority=priority,
+                                                  arrived=self.clock(), adopted=True)
         return control
 
     def adopt_part(self, job: str, workers: int, servers: int | None, key: Any, part: int, nbytes: int,
@@ -314,7 +365,7 @@ class ControlPlane:
         """A part placed before a pMaster restart: keep it where it is, learn the job again."""
         if aggregator not in self.cluster_of:
             self.aggregator_added(aggregator)
-        control = self.adopt_job(job, workers, servers, self.cluster_of[aggregator])
+        control = self.adopt_job(job, workers, servers, cluster=self.cluster_of[aggregator])
         ident = (job, key, part)
         control.parts[ident] = nbytes
         self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident, provisional=True), aggregator)
@@ -323,11 +374,21 @@ class ControlPlane:
         return self.clusters[self.cluster_of[name]].aggregators[name].nbytes
 
     def _demand(self, control: JobControl, ident: tuple, provisional: bool = False) -> TaskDemand:
-        iteration = PROVISIONAL_ITERATION if provisional or control.standalone is None else control.standalone
+        known = not provisional and control.standalone is not None
+        iteration = control.standalone if known else PROVISIONAL_ITERATION
         cost = control.costs.get(ident)
         if cost is None:
             cost = self.estimate_cost(control, control.parts[ident])
-        return TaskDemand(control.job, ident[1], ident[2], iteration, cost, control.parts[ident])
+        nbytes = control.parts[ident]
+        # Bytes/s through its Aggregator's NIC, each way: every worker pushes it (and pulls it) an
+        # iteration. While the job is profiled its iteration is not known: a fast one is assumed,
+        # so that the hosts of its Aggregators are not filled by others meanwhile.
+        # The guard may re-learn a slower standalone iteration (a job slowed by its host); its
+        # traffic is counted at the fastest it was measured, not lowered by that.
+        fastest = min(iteration, control.profiled_iteration or iteration) if known else PROFILING_ITERATION
+        rate = nbytes * control.workers / fastest
+        return TaskDemand(control.job, ident[1], ident[2], iteration, cost, nbytes, control.slo * self.placement_share,
+                          rate)
 
     def estimate_cost(self, control: JobControl, nbytes: int) -> float:
         """e_t before it was measured: bytes pushed per iteration times the cost of a byte (the
@@ -379,43 +440,18 @@ class ControlPlane:
         control.iterations += len(durations)
         if control.phase == "profiling":
             control.profiled.extend(durations)
-            if len(control.profiled) >= self.profile_iterations:
+            if len(control.profiled) >= self.profile_iterations and self.pack_due(job) <= self.clock():
                 return self._pack(control)
             return []
-        if job in self.moving_jobs():
-            # Its tasks are moving (an operator's removal, a drain, the guard's own moves, a pack):
-            # these iterations measure neither the placement it had nor the one it gets, and
-            # they include the moves' copies. The guard judges the new placement on its own
-            # iterations (as after its own moves), not on a window filled before or during them.
-            control.window.clear()
-            control.settling = True
-            return []
-        if control.settling:
-            control.settling = False  # the first report since: measured partly during the moves
-            return []
-        control.window.extend(durations)
-        while len(control.window) > self.guard_window:
-            control.window.popleft()
-        if len(control.window) < self.guard_window or control.standalone is None:
-            return []
-        current = control.current_iteration()
-        if control.grown:
-            # Its iterations now include keys it declared after its profile: however much slower
-            # they are, the job did that, not its neighbours (the guard would otherwise revert
-            # or spread a job for its own growth). Judged from here on against this window.
-            control.grown = False
-            control.standalone = current
-            control.window.clear()
-            return []
-        loss = (current - control.standalone) / current
-        if loss <= self.loss_limit:
-            return []
-        control.window.clear()  # judge the next placement on its own iterations
-        return self._guard(control, loss, current)
+        return self.guard.judge(control, durations)
+
+    def pack_due(self, job: str) -> float:
+        """When packing the job pays for its moves (:meth:`JobControl.pack_due`)."""
+        return self.jobs[job].pack_due(self.copy_latency, self.copy_bandwidth, self.placement_share)
 
     def _pack(self, control: JobControl) -> list:
         """Profiling is over: place every task of the job by Pseudocode 1, best-fit cluster."""
-        control.standalone = statistics.median(control.profiled)
+        control.standalone = control.profiled_iteration = statistics.median(control.profiled)
         control.phase = "packed"
         current = {i: self._where(i) for i in control.parts}
         if control.adopted or not self.elastic and not control.temporaries:
@@ -449,8 +485,25 @@ class ControlPlane:
                    candidates: list[str] | None = None) -> list:
         pool = candidates if candidates is not None else self._candidates(control)
         actions: list = []
+        ordered = sorted(demands, key=lambda d: (-d.cost, str(d.key), d.part))
+        if len({self.host_of.get(n, "") for n in pool if not self.is_placeholder(n)}) < 2:
+            # One host (or none known): the whole job in one pass of Pseudocode 1, as task by task
+            # (and its actions in the same order: an Allocate just before the first move to it).
+            opened: dict[tuple, list] = {}
+
+            def fits_nowhere(demand: TaskDemand, names: set) -> str:
+                target, opened[demand.ident] = self._place_one(control, demand, sorted(names),
+                                                               f"{reason}: job {control.job} needs room")
+                return target
+
+            targets = self.clusters[control.cluster].place_many(ordered, pool, on_miss=fits_nowhere)
+            for demand, target in zip(ordered, targets):
+                actions += opened.get(demand.ident, [])
+                if current.get(demand.ident) != target:
+                    self._emit(actions, Migrate(demand.ident, current[demand.ident], target, reason))
+            return actions
         on_host: collections.Counter = collections.Counter()
-        for demand in sorted(demands, key=lambda d: (-d.cost, str(d.key), d.part)):
+        for demand in ordered:
             target, more = self._place_spread(control, demand, pool, f"{reason}: job {control.job} needs room",
                                               on_host)
             actions += more
@@ -459,66 +512,6 @@ class ControlPlane:
             if current.get(demand.ident) != target:
                 self._emit(actions, Migrate(demand.ident, current[demand.ident], target, reason))
         return actions
-
-    def _congested(self, control: JobControl, plan: Placement) -> list[str]:
-        """The job's Aggregators that are the likely cause: busy (their measured load) or slow
-        for it (its tasks there cost several times what they cost when profiled)."""
-        out = []
-        for name in sorted({plan.where[i] for i in control.parts if i in plan.where}):
-            tasks = [i for i in control.parts if plan.where.get(i) == name]
-            before = sum(control.costs.get(i, 0.0) for i in tasks)
-            now = sum(control.latest_costs.get(i, 0.0) for i in tasks)
-            if self.loads.get(name, 0.0) >= self.congested_load or (before > 0 and now >= self.cost_inflation * before):
-                out.append(name)
-        return out
-
-    def _guard(self, control: JobControl, loss: float, current: float) -> list:
-        """The job runs too slowly on its packed placement: relieve it (Appendix D, Figure 10)."""
-        plan = self.clusters[control.cluster]
-        congested = self._congested(control, plan)
-        actions: list = []
-        if congested and not control.relieved:
-            others = [n for n in self._candidates(control) if n not in congested]
-            for name in congested:
-                for ident in [i for i in control.parts if plan.where.get(i) == name]:
-                    demand = plan.unassign(ident)
-                    target = plan.choose(demand, others)
-                    if target is None:
-                        plan.assign(demand, name)
-                        break
-                    plan.assign(demand, target)
-                    actions.append(Migrate(ident, name, target, f"aggregator {name} congested"))
-            if actions:
-                control.relieved = True
-                return actions
-        if control.reverts >= self.max_reverts or not self.elastic:
-            return []
-        if control.exclusive and not congested:
-            # Alone on Aggregators of its own and not held up by them: this is how fast it runs
-            # alone now (the host changed), so that is its standalone speed from here on.
-            control.standalone = current
-            return []
-        control.reverts += 1
-        control.relieved = False
-        control.phase = "reverted"
-        control.exclusive = True
-        current = {i: plan.where[i] for i in control.parts if i in plan.where}
-        demands = [plan.unassign(i) for i in current]
-        # The job's own new Aggregator joins its cluster even past the size limit: a job is
-        # served from one cluster.
-        allocation = self._allocate(control.cluster, f"revert job {control.job}: {loss:.0%} slower than alone")
-        self.exclusive[allocation.placeholder] = control.job
-        actions = [allocation]
-        new = [allocation.placeholder]
-        decisions = plan.place_all(demands, new)
-        for ident, decision in decisions.items():
-            target = decision.placeholder if isinstance(decision, NewAggregator) else decision
-            if isinstance(decision, NewAggregator):
-                self.cluster_of[target] = control.cluster
-                self.exclusive[target] = control.job
-                actions.append(Allocate(control.cluster, target, f"revert job {control.job}"))
-            self._emit(actions, Migrate(ident, current[ident], target, f"revert job {control.job}"))
-        return actions + self.scaling.release_empty(f"job {control.job} reverted")
 
     def job_ended(self, job: str) -> list:
         control = self.jobs.pop(job, None)
@@ -592,7 +585,7 @@ class ControlPlane:
             current = c.current_iteration()
             jobs[name] = {
                 "phase": c.phase, "cluster": c.cluster, "standalone": c.standalone, "current": current,
-                "loss": (current - c.standalone) / current if current and c.standalone else None,
+                "loss": c.slowdown(), "slo": c.slo, "priority": c.priority,
                 "iterations": c.iterations, "reverts": c.reverts,
             }
         return {

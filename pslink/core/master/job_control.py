@@ -7,6 +7,19 @@ import collections
 import dataclasses
 import statistics
 
+from pslink.errors import ConfigError
+
+PRIORITIES = ("normal", "high")
+
+
+def check_service_level(slo, priority) -> None:
+    """A job's stated service level, refused with what was wrong."""
+    if slo is not None and (isinstance(slo, bool) or not isinstance(slo, (int, float)) or not 0 < slo < 1):
+        raise ConfigError(f"slo (the slowdown a job accepts from sharing, 0.1 = 10%) must be a number in (0, 1), "
+                          f"got {slo!r}")
+    if priority not in PRIORITIES:
+        raise ConfigError(f"priority must be one of {PRIORITIES}, got {priority!r}")
+
 
 @dataclasses.dataclass
 class JobControl:
@@ -14,12 +27,16 @@ class JobControl:
     workers: int
     servers: int
     cluster: str
+    slo: float = 0.1  # the slowdown it accepts from sharing (its own LossLimit)
+    priority: str = "normal"  # "high": scaling never moves it to free an Aggregator
+    arrived: float = 0.0
     phase: str = "profiling"  # profiling -> packed -> reverted
     temporaries: list[str] = dataclasses.field(default_factory=list)
     parts: dict[tuple, int] = dataclasses.field(default_factory=dict)  # task -> bytes
     costs: dict[tuple, float] = dataclasses.field(default_factory=dict)  # e_t, as profiled
     latest_costs: dict[tuple, float] = dataclasses.field(default_factory=dict)  # e_t since (reporting)
     standalone: float | None = None  # D_j
+    profiled_iteration: float | None = None  # D_j as profiled (the guard may re-learn standalone)
     profiled: list[float] = dataclasses.field(default_factory=list)
     window: collections.deque = dataclasses.field(default_factory=collections.deque)
     iterations: int = 0
@@ -37,6 +54,22 @@ class JobControl:
     # Its tasks were moving when it last reported: its next report still holds iterations
     # measured during the moves (an Agent reports what it measured since its last report).
     settling: bool = False
+
+    def pack_due(self, copy_latency: float, copy_bandwidth: float, placement_share: float) -> float:
+        """When packing the job pays for its moves: a pack moves up to all of its parts, and each
+        copy stalls the job's round (a latency plus its bytes). Those stalls may take the share of
+        its limit placement leaves over, of the time it has run so far: how long a job ran is the
+        best guess of how long it still runs (job lengths are heavy-tailed: Philly's median
+        multi-GPU job runs 76 minutes, its shortest tenth under 17 s). A job that ends sooner is
+        never moved: its own Aggregators cost little over a short life."""
+        stalls = sum(copy_latency + (b / copy_bandwidth if copy_bandwidth else 0.0) for b in self.parts.values())
+        budget = self.slo * (1.0 - placement_share)
+        return self.arrived + (stalls / budget if budget > 0 else 0.0)
+
+    def slowdown(self) -> float | None:
+        """Its recent iterations against its standalone one (None before both are known)."""
+        current = self.current_iteration()
+        return current / self.standalone - 1.0 if current and self.standalone else None
 
     def current_iteration(self) -> float | None:
         # The median: the loss must *stay* above the limit over the window (the paper), so one

@@ -12,12 +12,13 @@ from pslink.core.optim import make_optimizer
 from pslink.core.checkpoints import DEFAULT_EVERY, check_url
 from pslink.core.partition import DEFAULT_PARTITION_BYTES
 from pslink.core.wire.protocol import DTYPES
+from pslink.core.master.job_control import check_service_level
 from pslink.errors import ConfigError, QuotaError, error_to_wire
 
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
 JOB_SETTINGS = {"mode", "optimizer", "partition_bytes", "sync", "servers", "max_workers", "staleness",
-                "straggler_timeout", "replication", "checkpoint", "checkpoint_every"}
+                "straggler_timeout", "replication", "checkpoint", "checkpoint_every", "slo", "priority"}
 MAX_REPLICATION = 2
 
 
@@ -132,6 +133,8 @@ class JobRecord:
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     sync: str = "bsp"
     servers: int | None = None  # what it would ask ps-lite for (default: one per worker)
+    slo: float | None = None  # the slowdown it accepts from sharing (None: the service's loss limit)
+    priority: str = "normal"  # "high": scaling never moves its tasks to free an Aggregator
     max_workers: int | None = None  # ranks 0 .. max_workers - 1 may join (default: num_workers)
     staleness: int = 0  # ssp
     straggler_timeout: float | None = None
@@ -165,7 +168,8 @@ class JobRecord:
         """Settings and membership beyond the stored columns (persisted as JSON)."""
         return {"membership": self.membership.to_wire(), "max_workers": self.max_workers,
                 "staleness": self.staleness, "straggler_timeout": self.straggler_timeout,
-                "servers": self.servers, "replication": self.replication, "checkpoint": self.checkpoint,
+                "servers": self.servers, "slo": self.slo, "priority": self.priority,
+                "replication": self.replication, "checkpoint": self.checkpoint,
                 "checkpoint_every": self.checkpoint_every, "quota": self.quota}
 
     def jobinfo(self) -> dict:
@@ -243,6 +247,8 @@ def validate_settings(config: dict | None) -> dict:
     if sync not in SYNCS:
         raise ConfigError(f"sync must be one of {SYNCS}, got {sync!r}")
     servers = _optional_int(config, "servers", 1)
+    slo, priority = config.get("slo"), config.get("priority", "normal")
+    check_service_level(slo, priority)
     max_workers = _optional_int(config, "max_workers", 1)
     staleness = _optional_int(config, "staleness", 0) or 0
     if sync == "ssp" and staleness < 1:
@@ -273,6 +279,7 @@ def validate_settings(config: dict | None) -> dict:
     elif every is not None:
         raise ConfigError("checkpoint_every needs checkpoint (a directory or an fsspec URL)")
     return {"mode": mode, "optimizer": optimizer, "partition_bytes": partition, "sync": sync, "servers": servers,
+            "slo": None if slo is None else float(slo), "priority": priority,
             "max_workers": max_workers, "staleness": staleness, "straggler_timeout": straggler,
             "replication": replication, "checkpoint": checkpoint, "checkpoint_every": every or DEFAULT_EVERY}
 

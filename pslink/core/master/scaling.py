@@ -68,7 +68,10 @@ class Scaling:
         while self.plane.elastic and self.plane.aggregator_count() > self.plane.min_aggregators:
             busy = [p for n, p in plan.aggregators.items() if p.tasks and n not in self.plane.exclusive
                     and n not in self.plane.reserved and not self.plane.is_placeholder(n)]
-            drainable = [p for p in busy if p.name not in holders and p.name not in self.plane.pinned]
+            # A high-priority job's tasks are not moved to free a CPU (each move stalls it).
+            high = {j for j, c in self.plane.jobs.items() if c.priority == "high"}
+            drainable = [p for p in busy if p.name not in holders and p.name not in self.plane.pinned
+                         and not high.intersection(p.jobs)]
             if len(busy) < 2 or not drainable:
                 return actions
             lightest = min(drainable, key=lambda p: (p.work / p.cycle if p.cycle else 0.0, p.name))

@@ -121,7 +121,7 @@ class MasterState:
             **settings,
         )
         self.jobs[job] = record
-        self.outbox += self.control.job_arrived(job, num_workers, record.servers)
+        self.outbox += self.control.job_arrived(job, num_workers, record.servers, record.slo, record.priority)
         return record
 
     def register_worker(
@@ -366,7 +366,7 @@ class MasterState:
             name = f"agg-{self._agg_serial}"
         record = AggregatorRecord(name, address, pid=pid, host=host, host_id=host_id or host, alive=True,
                                   last_seen=self.clock())
-        self.control.host_of[name] = record.host_id
+        self.control.aggregator_host(name, record.host_id)
         previous = self.aggregators.get(name)
         if previous is not None:
             record.stats = previous.stats

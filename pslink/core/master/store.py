@@ -129,7 +129,7 @@ class MasterStore:
                 "SELECT name, address, pid, host, host_id FROM aggregators"):
             state.aggregators[name] = AggregatorRecord(name, address, pid=pid, host=host, host_id=host_id, alive=False,
                                                        last_seen=now)
-            state.control.host_of[name] = host_id
+            state.control.aggregator_host(name, host_id)
         for job, token, num_workers, mode, optimizer, partition, prereg, created, joined, sync, extra in self.db.execute(
             "SELECT * FROM jobs"
         ):
@@ -151,6 +151,8 @@ class MasterStore:
                 staleness=extra.get("staleness", 0),
                 straggler_timeout=extra.get("straggler_timeout"),
                 servers=extra.get("servers"),
+                slo=extra.get("slo"),
+                priority=extra.get("priority", "normal"),
                 replication=extra.get("replication", 0),
                 checkpoint=extra.get("checkpoint"),
                 checkpoint_every=extra.get("checkpoint_every") or DEFAULT_EVERY,
@@ -158,7 +160,7 @@ class MasterStore:
             )
             for rank in record.membership.ranks:  # each gets the heartbeat timeout to reconnect
                 record.workers[rank] = WorkerInfo(rank, last_seen=now, restored=True)
-            state.control.adopt_job(job, num_workers, record.servers)
+            state.control.adopt_job(job, num_workers, record.servers, record.slo, record.priority)
         for job, key, shape, dtype, declared_by, needs_init, parts in self.db.execute("SELECT * FROM keys"):
             record = state.jobs.get(job)
             if record is None:

@@ -57,7 +57,10 @@ def metric_families(status: dict) -> Iterator[Metric]:
     for kind, name, doc, get in per_job:
         yield _family(kind, name, doc, ["job"], [([j["job"]], get(j)) for j in jobs])
     loss = [([j["job"]], j["control"]["loss"]) for j in jobs if (j.get("control") or {}).get("loss") is not None]
-    yield _family(G, "pslink_job_loss_ratio", "iteration time lost to packing, as the guard measures it", ["job"], loss)
+    yield _family(G, "pslink_job_loss_ratio", "slowdown from sharing Aggregators, as the guard measures it (iteration "
+                  "over the standalone one, minus 1)", ["job"], loss)
+    slo = [([j["job"]], j["control"]["slo"]) for j in jobs if (j.get("control") or {}).get("slo") is not None]
+    yield _family(G, "pslink_job_slo_ratio", "the slowdown the job accepts from sharing (its SLO)", ["job"], slo)
     histogram = HistogramMetricFamily("pslink_job_iteration_seconds", "iteration durations (the job's lowest rank)",
                                       labels=["job"])
     for job in jobs:
