@@ -51,7 +51,8 @@ _OPS = {
     dist.ReduceOp.SUM: 1, dist.ReduceOp.AVG: 2, dist.ReduceOp.PRODUCT: 3, dist.ReduceOp.MIN: 4,
     dist.ReduceOp.MAX: 5, dist.ReduceOp.BAND: 6, dist.ReduceOp.BOR: 7, dist.ReduceOp.BXOR: 8,
 }
-_KINDS = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"]
+_KINDS = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "reduce", "gather", "scatter",
+          "alltoallv"]
 _INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
@@ -201,12 +202,16 @@ class ProcessGroupPslink(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        code = _OPS.get(getattr(op, "op", op))
         tensor = _single(tensors, "allreduce")
-        what = f"allreduce ({_name_of(op)}) of {tuple(tensor.shape)} {tensor.dtype}"
+        return self._allreduce(tensors, op, "allreduce", 0,
+                               f"allreduce ({_name_of(op)}) of {tuple(tensor.shape)} {tensor.dtype}")
+
+    def _allreduce(self, tensors: list[torch.Tensor], op, kind: str, root: int, what: str):
+        code = _OPS.get(getattr(op, "op", op))
+        tensor = tensors[0]
         if code is None:
             raise PslinkBackendError(f"{what}: reduce op {op} is not supported by the pslink backend")
-        signature = (code, tensor.numel(), _dtype_code(tensor.dtype), 0)
+        signature = (code, tensor.numel(), _dtype_code(tensor.dtype), root)
         if code in (1, 2):
             view = HostView(tensor, what)
             average = code == 2 and view.array.dtype.kind == "f"
@@ -218,8 +223,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
                 view.finish()
                 return tensors
 
-            return self._issue("allreduce", signature, lambda: [self._pushpull(key, view.array, average)], finish,
-                               what)
+            return self._issue(kind, signature, lambda: [self._pushpull(key, view.array, average)], finish, what)
         host = tensor.detach().to("cpu").contiguous()
         table, run = self._gather("allreduce-gather", _numpy_of(host))
 
@@ -231,19 +235,87 @@ class ProcessGroupPslink(dist.ProcessGroup):
             tensor.copy_(result)
             return tensors
 
-        return self._issue("allreduce", signature, run, finish_gathered, what)
+        return self._issue(kind, signature, run, finish_gathered, what)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None):
         works = [self.allreduce([t], _allreduce_options(opts.reduceOp if opts is not None else dist.ReduceOp.SUM))
                  for t in tensors]
         return _all_of(works, tensors)
 
+    def _check_root(self, root: int, what: str) -> None:
+        if not 0 <= root < self.size():
+            raise PslinkBackendError(f"{what}: root rank {root} is not in [0, {self.size()})")
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None):
+        """An allreduce into a copy; the root keeps the result (the others' tensors are left as
+        they were). Every rank receives it on the way: a parameter service answers every push."""
+        root = opts.rootRank if opts is not None else 0
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        tensor = _single(tensors, "reduce")
+        what = f"reduce ({_name_of(op)}) to rank {root} of {tuple(tensor.shape)} {tensor.dtype}"
+        self._check_root(root, what)
+        reduced = tensor.detach().clone()
+
+        def finish(_):
+            if self.rank() == root:
+                tensor.copy_(reduced)
+            return tensors
+
+        return _then(self._allreduce([reduced], op, "reduce", root, what), finish)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None):
+        """Every rank's tensor to the root's list (through an all-gather: the others drop it)."""
+        root = opts.rootRank if opts is not None else 0
+        tensor = _single(inputs, "gather")
+        what = f"gather to rank {root} of {tuple(tensor.shape)} {tensor.dtype}"
+        self._check_root(root, what)
+        outputs = output_lists[0] if output_lists else []
+        if self.rank() == root and len(outputs) != self.size():
+            raise PslinkBackendError(f"{what}: {len(outputs)} output tensors on the root for {self.size()} ranks")
+        host = tensor.detach().to("cpu").contiguous()
+        table, run = self._gather("gather", _numpy_of(host))
+
+        def finish():
+            if self.rank() == root:
+                for out, row in zip(outputs, table):
+                    out.copy_(_tensor_of(row, host, out.shape))
+            return output_lists
+
+        return self._issue("gather", (tensor.numel(), _dtype_code(tensor.dtype), root, 0), run, finish, what)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
+        """The root's list, one tensor to each rank: the root pushes the integer bits of them all
+        (the others zeros), the sum is the root's bits, each rank keeps its slice."""
+        root = opts.rootRank if opts is not None else 0
+        output = _single(outputs, "scatter")
+        what = f"scatter from rank {root} of {tuple(output.shape)} {output.dtype}"
+        self._check_root(root, what)
+        pieces = input_lists[0] if input_lists else []
+        size, n = self.size(), output.numel()
+        if self.rank() == root and (len(pieces) != size or any(p.numel() != n or p.dtype != output.dtype
+                                                                for p in pieces)):
+            raise PslinkBackendError(f"{what}: the root needs {size} tensors of {n} {output.dtype} elements, got "
+                                     f"{[(p.numel(), p.dtype) for p in pieces]}")
+        host = output.detach().to("cpu").contiguous()
+        width = _bits(_numpy_of(host)).dtype
+        bits = np.zeros(size * n, width)
+        if self.rank() == root:
+            bits[...] = np.concatenate([_bits(_numpy_of(p.detach().to("cpu").contiguous())) for p in pieces])
+        key = f"scatter/{bits.dtype}/{bits.size}"
+
+        def finish():
+            rank = self.rank()
+            output.copy_(_tensor_of(bits[rank * n : (rank + 1) * n], host))
+            return outputs
+
+        return self._issue("scatter", (n, _dtype_code(output.dtype), root, 0), lambda: [self._pushpull(key, bits)],
+                           finish, what)
+
     def broadcast(self, tensors: list[torch.Tensor], opts=None):
         root = opts.rootRank if opts is not None else 0
         tensor = _single(tensors, "broadcast")
         what = f"broadcast from rank {root} of {tuple(tensor.shape)} {tensor.dtype}"
-        if not 0 <= root < self.size():
-            raise PslinkBackendError(f"{what}: root rank {root} is not in [0, {self.size()})")
+        self._check_root(root, what)
         host = tensor.detach().to("cpu").contiguous()
         bits = _bits(_numpy_of(host))
         bits = bits.copy() if self.rank() == root else np.zeros(bits.shape, bits.dtype)
@@ -317,7 +389,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
         what = f"all_to_all_single of {tuple(input.shape)} {input.dtype}"
         size, rank = self.size(), self.rank()
         if input_split_sizes or output_split_sizes:
-            raise PslinkBackendError(f"{what}: uneven splits are not supported by the pslink backend yet")
+            return self._alltoallv(output, input, list(output_split_sizes), list(input_split_sizes), what)
         if input.numel() % size or output.numel() != input.numel():
             raise PslinkBackendError(f"{what}: input and output must hold the same number of elements, a multiple "
                                      f"of {size}")
@@ -331,6 +403,67 @@ class ProcessGroupPslink(dist.ProcessGroup):
             return [output]
 
         return self._issue("alltoall", (input.numel(), _dtype_code(input.dtype), 0, 0), run, finish, what)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None):
+        """``all_to_all`` of tensor lists: the uneven all-to-all of their flattened concatenation."""
+        what = f"all_to_all of {len(inputs)} tensors"
+        dtypes = {t.dtype for t in list(inputs) + list(outputs)}
+        if len(dtypes) > 1:
+            raise PslinkBackendError(f"{what}: every tensor must have one dtype, got {sorted(map(str, dtypes))}")
+        flat_in = torch.cat([t.detach().reshape(-1).to("cpu") for t in inputs])
+        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=flat_in.dtype)
+        work = self._alltoallv(flat_out, flat_in, [t.numel() for t in outputs], [t.numel() for t in inputs], what)
+
+        def finish(_):
+            for out, piece in zip(outputs, torch.split(flat_out, [t.numel() for t in outputs])):
+                out.copy_(piece.reshape(out.shape))
+            return outputs
+
+        return _then(work, finish)
+
+    def _alltoallv(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int],  # noqa: A002
+                   in_splits: list[int], what: str):
+        """All-to-all with uneven splits along dim 0. Every rank's splits (what it sends to and
+        expects from each) are exchanged first, before this returns: every rank then checks the
+        same table, and the data go through one all-gather padded to the longest input."""
+        size, rank = self.size(), self.rank()
+        row = int(np.prod(input.shape[1:], dtype=np.int64)) if input.dim() > 1 else 1
+        if input.dim() == 0 or output.dim() == 0 or tuple(input.shape[1:]) != tuple(output.shape[1:]):
+            raise PslinkBackendError(f"{what}: input {tuple(input.shape)} and output {tuple(output.shape)} must split "
+                                     "along dim 0 into rows of one shape")
+        in_splits = in_splits or [input.shape[0] // size] * size
+        out_splits = out_splits or [output.shape[0] // size] * size
+        for name, splits, rows in (("input", in_splits, input.shape[0]), ("output", out_splits, output.shape[0])):
+            if len(splits) != size or sum(splits) != rows or min(splits) < 0:
+                raise PslinkBackendError(f"{what}: {name} splits {splits} must be {size} sizes >= 0 adding up to its "
+                                         f"{rows} rows")
+        with self._lock:  # the splits' exchange in the order of every rank's collectives
+            table = np.zeros((size, 2 * size), np.int64)
+            table[rank] = in_splits + out_splits
+            try:
+                self.agent.pushpull(f"alltoallv-splits/{size}", table, out=table).wait()
+            except PslinkError as exc:
+                raise PslinkBackendError(f"{what}: exchanging the splits: {exc.message}") from None
+        sends, expects = table[:, :size], table[:, size:]
+        if not np.array_equal(sends, expects.T):
+            bad = [(s, d) for s in range(size) for d in range(size) if sends[s, d] != expects[d, s]]
+            raise PslinkBackendError(f"{what}: the splits do not match: " + "; ".join(
+                f"rank {s} sends {sends[s, d]} rows to rank {d}, which expects {expects[d, s]}" for s, d in bad))
+        longest = int(sends.sum(axis=1).max()) * row
+        host = input.detach().to("cpu").contiguous()
+        bits = _bits(_numpy_of(host))
+        data = np.zeros((size, longest), bits.dtype)
+        data[rank, : bits.size] = bits
+        key = f"alltoallv/{data.dtype}/{longest}"
+
+        def finish():
+            starts = np.concatenate([np.zeros((size, 1), np.int64), np.cumsum(sends, axis=1)], axis=1) * row
+            mine = np.concatenate([data[s, starts[s, rank] : starts[s, rank + 1]] for s in range(size)])
+            output.view(-1).copy_(_tensor_of(mine, host, (-1,)))
+            return [output]
+
+        return self._issue("alltoallv", (row, _dtype_code(input.dtype), 0, 0), lambda: [self._pushpull(key, data)],
+                           finish, what)
 
     # PyTorch 2.13 calls these names; older releases the ones above.
     all_gather_single = _allgather_base

@@ -3,6 +3,7 @@
     python backend_worker.py collectives SCRATCH  # every collective over pslink and over gloo
     python backend_worker.py ddp SCRATCH          # DDP (no hook) over pslink and over gloo
     python backend_worker.py mismatch SCRATCH     # ranks pass different shapes to one allreduce
+    python backend_worker.py badsplits SCRATCH    # an uneven all_to_all whose splits do not match
 """
 
 from __future__ import annotations
@@ -61,6 +62,26 @@ def collectives(rank: int, size: int, groups: dict) -> dict:
             out[f"alltoall-{d}"] = swapped
             work = dist.all_reduce(data(rank, dtype, seed=10), group=group, async_op=True)
             work.wait()
+            root = 1 % size
+            t = data(rank, dtype, seed=11)
+            dist.reduce(t, dst=root, group=group)  # the root's result; the others' left as they were
+            out[f"reduce-{d}"] = t if rank == root else torch.zeros_like(t)
+            gathered = [torch.empty((3, 5), dtype=dtype) for _ in range(size)] if rank == root else None
+            dist.gather(data(rank, dtype, seed=12), gathered, dst=root, group=group)
+            out[f"gather-{d}"] = torch.stack(gathered) if rank == root else torch.zeros(1, dtype=dtype)
+            pieces = [data(r, dtype, (2, 5), seed=13) for r in range(size)] if rank == root else None
+            one = torch.empty((2, 5), dtype=dtype)
+            dist.scatter(one, pieces, src=root, group=group)
+            out[f"scatter-{d}"] = one
+            # uneven: rank r sends r + d + 1 rows to rank d (rows of 5)
+            sends = [rank + dst + 1 for dst in range(size)]
+            receives = [src + rank + 1 for src in range(size)]
+            swapped = torch.empty((sum(receives), 5), dtype=dtype)
+            dist.all_to_all_single(swapped, data(rank, dtype, (sum(sends), 5), seed=14), receives, sends, group=group)
+            out[f"alltoall-uneven-{d}"] = swapped
+            received = [torch.empty((2, 2), dtype=dtype) for _ in range(size)]  # gloo takes equal sizes only
+            dist.all_to_all(received, [data(rank, dtype, (2, 2), seed=15 + dst) for dst in range(size)], group=group)
+            out[f"alltoall-list-{d}"] = torch.cat(received)
         dist.barrier(group=group)
     return results
 
@@ -111,6 +132,25 @@ def stall(rank: int, size: int, groups: dict) -> dict:
     return {"error": None, "seconds": time.monotonic() - started}
 
 
+def badsplits(rank: int, size: int, groups: dict) -> dict:
+    """Rank 0 expects one row too many from rank 1: every rank refuses the same all_to_all, and
+    the group still works afterwards."""
+    sends = [1] * size
+    receives = [1] * size
+    if rank == 0:
+        receives[1] = 2
+    started = time.monotonic()
+    try:
+        out = torch.empty((sum(receives), 3))
+        dist.all_to_all_single(out, torch.ones((sum(sends), 3)), receives, sends, group=groups["pslink"])
+    except RuntimeError as exc:
+        after = torch.ones(2)
+        dist.all_reduce(after, group=groups["pslink"])
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - started,
+                "after": after}
+    return {"error": None}
+
+
 TIMEOUTS = {"stall": 3}
 
 
@@ -120,7 +160,8 @@ def main() -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
     groups = {"pslink": dist.group.WORLD, "gloo": gloo}
-    result = {"collectives": collectives, "ddp": ddp, "mismatch": mismatch, "stall": stall}[case](rank, size, groups)
+    cases = {"collectives": collectives, "ddp": ddp, "mismatch": mismatch, "stall": stall, "badsplits": badsplits}
+    result = cases[case](rank, size, groups)
     if case == "collectives":
         # A subgroup of ranks 0 and 1 (every rank creates it, as torch requires): a job of its own.
         sub, sub_gloo = dist.new_group([0, 1], backend="pslink"), dist.new_group([0, 1], backend="gloo")
