@@ -119,6 +119,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
         self._seq = itertools.count()
         self._lock = threading.Lock()  # collectives are issued in one order on every rank
         self._deadlines = _Deadlines()
+        self._pairs: dict[int, Agent] = {}  # peer rank -> the Agent of our pair's job (send/recv)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
@@ -465,6 +466,69 @@ class ProcessGroupPslink(dist.ProcessGroup):
         return self._issue("alltoallv", (row, _dtype_code(input.dtype), 0, 0), lambda: [self._pushpull(key, data)],
                            finish, what)
 
+    # -- point to point -------------------------------------------------------------------------------
+
+    def _pair(self, peer: int, what: str) -> Agent:
+        """The Agent of this rank's pair job with ``peer``: a 2-worker job of its own (the lower
+        rank is its rank 0), made on first use by either side, so that a send and its receive
+        are one round of two pushes and involve no other rank."""
+        if not 0 <= peer < self.size() or peer == self.rank():
+            raise PslinkBackendError(f"{what}: peer rank {peer} is not another rank of [0, {self.size()})")
+        with self._lock:
+            agent = self._pairs.get(peer)
+            if agent is None:
+                low, high = sorted((self.rank(), peer))
+                try:
+                    agent = connect_agent(f"{self.agent.job}.p2p-{low}-{high}", 0 if self.rank() == low else 1, 2,
+                                          mode="sum", timeout=self.timeout)
+                except PslinkError as exc:
+                    raise PslinkBackendError(f"{what}: joining the pair's job: {exc.message}") from None
+                self._pairs[peer] = agent
+        return agent
+
+    def _p2p(self, tensor: torch.Tensor, peer: int, tag: int, sending: bool, what: str):
+        """A send or a receive: the sender pushes the tensor's integer bits, the receiver zeros;
+        both get the sum, the sender's bits. The n-th send of (direction, tag, dtype, size) meets
+        the n-th receive of it."""
+        agent = self._pair(peer, what)
+        source, target = (self.rank(), peer) if sending else (peer, self.rank())
+        host = tensor.detach().to("cpu").contiguous()
+        bits = _bits(_numpy_of(host))
+        bits = bits.copy() if sending else np.zeros(bits.shape, bits.dtype)
+        future = torch.futures.Future()
+        pending = _Collective(future, f"{what} not matched within {self.timeout:g} s (job {self.agent.job!r}): "
+                                      f"did rank {peer} {'receive' if sending else 'send'} the same tag, dtype and size?")
+        handle = agent.pushpull(f"p2p/{source}>{target}/{tag}/{bits.dtype}/{bits.size}", bits, out=bits)
+
+        def done(handle) -> None:
+            error = handle.exception()
+            if error is not None:
+                pending.fail(PslinkBackendError(f"{what}: {error.message}"))
+                return
+            try:
+                if not sending:
+                    tensor.copy_(_tensor_of(bits, host))
+                pending.succeed([tensor])
+            except Exception as exc:
+                pending.fail(exc if isinstance(exc, RuntimeError) else PslinkBackendError(f"{what}: {exc!r}"))
+
+        self._deadlines.add(time.monotonic() + self.timeout, pending)
+        handle.add_done_callback(done)
+        return _Work(future)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0):
+        tensor = _single(tensors, "send")
+        return self._p2p(tensor, dst, tag, True, f"send to rank {dst} (tag {tag}) of {tuple(tensor.shape)} "
+                                                 f"{tensor.dtype}")
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0):
+        tensor = _single(tensors, "recv")
+        return self._p2p(tensor, src, tag, False, f"recv from rank {src} (tag {tag}) of {tuple(tensor.shape)} "
+                                                  f"{tensor.dtype}")
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0):
+        raise PslinkBackendError("recv from any source is not supported by the pslink backend: name the source rank")
+
     # PyTorch 2.13 calls these names; older releases the ones above.
     all_gather_single = _allgather_base
     reduce_scatter_single = _reduce_scatter_base
@@ -486,6 +550,8 @@ class ProcessGroupPslink(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._deadlines.close()
+        for agent in self._pairs.values():
+            agent.close()
         self.agent.close()
 
 

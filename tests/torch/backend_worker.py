@@ -82,6 +82,14 @@ def collectives(rank: int, size: int, groups: dict) -> dict:
             received = [torch.empty((2, 2), dtype=dtype) for _ in range(size)]  # gloo takes equal sizes only
             dist.all_to_all(received, [data(rank, dtype, (2, 2), seed=15 + dst) for dst in range(size)], group=group)
             out[f"alltoall-list-{d}"] = torch.cat(received)
+            # a ring of point-to-point messages, each rank to the next
+            right, left = (rank + 1) % size, (rank - 1) % size
+            got = torch.empty((3, 5), dtype=dtype)
+            requests = [dist.isend(data(rank, dtype, seed=16), right, group=group, tag=7),
+                        dist.irecv(got, left, group=group, tag=7)]
+            for request in requests:
+                request.wait()
+            out[f"p2p-{d}"] = got
         dist.barrier(group=group)
     return results
 
