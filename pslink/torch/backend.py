@@ -15,7 +15,13 @@ bfloat16 and bool as :mod:`pslink.torch.tensors` does):
 - ``broadcast``, ``allgather``, ``alltoall``: rows of a buffer that only one rank fills, summed
   as integers of the tensor's width: a sum of one value and zeros is that value bit for bit
   (a float sum would turn -0.0 into 0.0).
-- ``reduce_scatter``: an allreduce of the whole input, of which each rank keeps its part.
+- ``reduce_scatter``: an allreduce of the whole input, of which each rank keeps its part;
+  ``reduce``: an allreduce into a copy the root keeps; ``gather``: an allgather the root keeps;
+  ``scatter``: the root's list as integer bits, each rank keeps its slice.
+- ``alltoall`` with uneven splits (and of tensor lists): the splits first, then one allgather
+  padded to the longest input.
+- ``send`` / ``recv``: each pair of ranks a 2-worker job of its own
+  (:class:`pslink.torch.backend_parts.Pairs`).
 - ``barrier``: pMaster's barrier of the job.
 
 Before the data, each collective's signature (sequence number, operation, size, dtype) goes through
@@ -32,7 +38,6 @@ import os
 import threading
 import time
 import uuid
-import zlib
 from typing import Callable
 
 import numpy as np
@@ -43,6 +48,8 @@ from pslink.config import ENV_JOB
 from pslink.core.agent import Agent
 from pslink.core.agent import connect as connect_agent
 from pslink.errors import PslinkError
+from pslink.torch.backend_parts import (Collective, Pairs, PslinkBackendError, Work, all_of, bits_of, dtype_code,
+                                        numpy_of, single, tensor_of, then_finish)
 from pslink.torch.ddp import _Deadlines, _Pending
 from pslink.torch.tensors import HostView
 
@@ -53,60 +60,6 @@ _OPS = {
 }
 _KINDS = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "reduce", "gather", "scatter",
           "alltoallv"]
-_INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-class PslinkBackendError(RuntimeError):
-    """A collective of the pslink backend failed (PyTorch code catches RuntimeError)."""
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return zlib.crc32(str(dtype).encode()) & 0xFFFF  # the same in every process (hash() is not)
-
-
-class _Collective(_Pending):
-    """A collective's future, completed once: by its answers, or as failed at its deadline (with
-    a RuntimeError, as torch code expects)."""
-
-    __slots__ = ()
-
-    def expire(self) -> None:
-        self.fail(PslinkBackendError(self.timeout_message))
-
-
-class _Work(dist._Work):
-    """A collective in flight. ``wait()`` raises the collective's error (a Work made by
-    ``_create_work_from_future`` returns True whatever its future holds); it never blocks past
-    the group's timeout, after which the work fails."""
-
-    def __init__(self, future: torch.futures.Future):
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout=None) -> bool:
-        self._future.wait()  # raises what the future was failed with
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
-
-
-def _bits(array: np.ndarray) -> np.ndarray:
-    """The same memory as integers of the element's width (flat)."""
-    flat = array.reshape(-1)
-    return flat.view(_INT_OF_WIDTH[flat.dtype.itemsize])
 
 
 class ProcessGroupPslink(dist.ProcessGroup):
@@ -119,7 +72,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
         self._seq = itertools.count()
         self._lock = threading.Lock()  # collectives are issued in one order on every rank
         self._deadlines = _Deadlines()
-        self._pairs: dict[int, Agent] = {}  # peer rank -> the Agent of our pair's job (send/recv)
+        self._pairs = Pairs(self)  # send and recv
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
@@ -134,7 +87,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
         """Check ``signature`` with the other ranks and run the push-pulls ``run()`` returns (their
         handles); the work completes with ``finish()`` once all are done."""
         future = torch.futures.Future()
-        pending = _Collective(future, f"{what} not done within {self.timeout:g} s (job {self.agent.job!r}, rank "
+        pending = Collective(future, f"{what} not done within {self.timeout:g} s (job {self.agent.job!r}, rank "
                                    f"{self.rank()}): has another rank died, stalled or called something else?")
         try:
             with self._lock:
@@ -142,7 +95,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
                 handles = [self._check_order(seq, kind, signature, what, pending)] + run()
         except PslinkError as exc:
             future.set_exception(PslinkBackendError(f"{what}: {exc.message}"))
-            return _Work(future)
+            return Work(future)
         left = [len(handles)]
         guard = threading.Lock()
 
@@ -163,7 +116,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
         self._deadlines.add(time.monotonic() + self.timeout, pending)
         for handle in handles:
             handle.add_done_callback(done)
-        return _Work(future)
+        return Work(future)
 
     def _check_order(self, seq: int, kind: str, signature: tuple, what: str, pending: _Pending):
         """Every rank's (sequence, collective, signature) side by side: a rank that called
@@ -194,7 +147,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
 
     def _gather(self, key: str, rows: np.ndarray) -> tuple[np.ndarray, Callable]:
         """(a (size, n) integer buffer whose row ``rank`` holds ``rows``' bits, its push-pull)."""
-        bits = _bits(np.ascontiguousarray(rows))
+        bits = bits_of(np.ascontiguousarray(rows))
         table = np.zeros((self.size(), bits.size), bits.dtype)
         table[self.rank()] = bits
         return table, lambda: [self._pushpull(f"{key}/{table.dtype}/{bits.size}", table)]
@@ -203,7 +156,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        tensor = _single(tensors, "allreduce")
+        tensor = single(tensors, "allreduce")
         return self._allreduce(tensors, op, "allreduce", 0,
                                f"allreduce ({_name_of(op)}) of {tuple(tensor.shape)} {tensor.dtype}")
 
@@ -212,7 +165,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
         tensor = tensors[0]
         if code is None:
             raise PslinkBackendError(f"{what}: reduce op {op} is not supported by the pslink backend")
-        signature = (code, tensor.numel(), _dtype_code(tensor.dtype), root)
+        signature = (code, tensor.numel(), dtype_code(tensor.dtype), root)
         if code in (1, 2):
             view = HostView(tensor, what)
             average = code == 2 and view.array.dtype.kind == "f"
@@ -226,10 +179,10 @@ class ProcessGroupPslink(dist.ProcessGroup):
 
             return self._issue(kind, signature, lambda: [self._pushpull(key, view.array, average)], finish, what)
         host = tensor.detach().to("cpu").contiguous()
-        table, run = self._gather("allreduce-gather", _numpy_of(host))
+        table, run = self._gather("allreduce-gather", numpy_of(host))
 
         def finish_gathered():
-            rows = _tensor_of(table, host, (self.size(),) + tuple(host.shape))
+            rows = tensor_of(table, host, (self.size(),) + tuple(host.shape))
             result = rows[0].clone()
             for row in rows[1:]:
                 result = _REDUCERS[code](result, row)
@@ -241,7 +194,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None):
         works = [self.allreduce([t], _allreduce_options(opts.reduceOp if opts is not None else dist.ReduceOp.SUM))
                  for t in tensors]
-        return _all_of(works, tensors)
+        return all_of(works, tensors)
 
     def _check_root(self, root: int, what: str) -> None:
         if not 0 <= root < self.size():
@@ -252,7 +205,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
         they were). Every rank receives it on the way: a parameter service answers every push."""
         root = opts.rootRank if opts is not None else 0
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        tensor = _single(tensors, "reduce")
+        tensor = single(tensors, "reduce")
         what = f"reduce ({_name_of(op)}) to rank {root} of {tuple(tensor.shape)} {tensor.dtype}"
         self._check_root(root, what)
         reduced = tensor.detach().clone()
@@ -262,33 +215,33 @@ class ProcessGroupPslink(dist.ProcessGroup):
                 tensor.copy_(reduced)
             return tensors
 
-        return _then(self._allreduce([reduced], op, "reduce", root, what), finish)
+        return then_finish(self._allreduce([reduced], op, "reduce", root, what), finish)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None):
         """Every rank's tensor to the root's list (through an all-gather: the others drop it)."""
         root = opts.rootRank if opts is not None else 0
-        tensor = _single(inputs, "gather")
+        tensor = single(inputs, "gather")
         what = f"gather to rank {root} of {tuple(tensor.shape)} {tensor.dtype}"
         self._check_root(root, what)
         outputs = output_lists[0] if output_lists else []
         if self.rank() == root and len(outputs) != self.size():
             raise PslinkBackendError(f"{what}: {len(outputs)} output tensors on the root for {self.size()} ranks")
         host = tensor.detach().to("cpu").contiguous()
-        table, run = self._gather("gather", _numpy_of(host))
+        table, run = self._gather("gather", numpy_of(host))
 
         def finish():
             if self.rank() == root:
                 for out, row in zip(outputs, table):
-                    out.copy_(_tensor_of(row, host, out.shape))
+                    out.copy_(tensor_of(row, host, out.shape))
             return output_lists
 
-        return self._issue("gather", (tensor.numel(), _dtype_code(tensor.dtype), root, 0), run, finish, what)
+        return self._issue("gather", (tensor.numel(), dtype_code(tensor.dtype), root, 0), run, finish, what)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
         """The root's list, one tensor to each rank: the root pushes the integer bits of them all
         (the others zeros), the sum is the root's bits, each rank keeps its slice."""
         root = opts.rootRank if opts is not None else 0
-        output = _single(outputs, "scatter")
+        output = single(outputs, "scatter")
         what = f"scatter from rank {root} of {tuple(output.shape)} {output.dtype}"
         self._check_root(root, what)
         pieces = input_lists[0] if input_lists else []
@@ -298,53 +251,53 @@ class ProcessGroupPslink(dist.ProcessGroup):
             raise PslinkBackendError(f"{what}: the root needs {size} tensors of {n} {output.dtype} elements, got "
                                      f"{[(p.numel(), p.dtype) for p in pieces]}")
         host = output.detach().to("cpu").contiguous()
-        width = _bits(_numpy_of(host)).dtype
+        width = bits_of(numpy_of(host)).dtype
         bits = np.zeros(size * n, width)
         if self.rank() == root:
-            bits[...] = np.concatenate([_bits(_numpy_of(p.detach().to("cpu").contiguous())) for p in pieces])
+            bits[...] = np.concatenate([bits_of(numpy_of(p.detach().to("cpu").contiguous())) for p in pieces])
         key = f"scatter/{bits.dtype}/{bits.size}"
 
         def finish():
             rank = self.rank()
-            output.copy_(_tensor_of(bits[rank * n : (rank + 1) * n], host))
+            output.copy_(tensor_of(bits[rank * n : (rank + 1) * n], host))
             return outputs
 
-        return self._issue("scatter", (n, _dtype_code(output.dtype), root, 0), lambda: [self._pushpull(key, bits)],
+        return self._issue("scatter", (n, dtype_code(output.dtype), root, 0), lambda: [self._pushpull(key, bits)],
                            finish, what)
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None):
         root = opts.rootRank if opts is not None else 0
-        tensor = _single(tensors, "broadcast")
+        tensor = single(tensors, "broadcast")
         what = f"broadcast from rank {root} of {tuple(tensor.shape)} {tensor.dtype}"
         self._check_root(root, what)
         host = tensor.detach().to("cpu").contiguous()
-        bits = _bits(_numpy_of(host))
+        bits = bits_of(numpy_of(host))
         bits = bits.copy() if self.rank() == root else np.zeros(bits.shape, bits.dtype)
         key = f"broadcast/{bits.dtype}/{bits.size}"
 
         def finish():
             if self.rank() != root:
-                tensor.copy_(_tensor_of(bits, host))
+                tensor.copy_(tensor_of(bits, host))
             return tensors
 
-        return self._issue("broadcast", (tensor.numel(), _dtype_code(tensor.dtype), root, 0),
+        return self._issue("broadcast", (tensor.numel(), dtype_code(tensor.dtype), root, 0),
                            lambda: [self._pushpull(key, bits)], finish, what)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None):
-        tensor = _single(inputs, "allgather")
-        outputs = _single(output_lists, "allgather")
+        tensor = single(inputs, "allgather")
+        outputs = single(output_lists, "allgather")
         what = f"allgather of {tuple(tensor.shape)} {tensor.dtype}"
         if len(outputs) != self.size():
             raise PslinkBackendError(f"{what}: {len(outputs)} output tensors for {self.size()} ranks")
         host = tensor.detach().to("cpu").contiguous()
-        table, run = self._gather("allgather", _numpy_of(host))
+        table, run = self._gather("allgather", numpy_of(host))
 
         def finish():
             for out, row in zip(outputs, table):
-                out.copy_(_tensor_of(row, host))
+                out.copy_(tensor_of(row, host))
             return outputs
 
-        return self._issue("allgather", (tensor.numel(), _dtype_code(tensor.dtype), 0, 0), run, finish, what)
+        return self._issue("allgather", (tensor.numel(), dtype_code(tensor.dtype), 0, 0), run, finish, what)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts=None):  # noqa: A002
         what = f"all_gather_into_tensor of {tuple(input.shape)} {input.dtype}"
@@ -352,17 +305,17 @@ class ProcessGroupPslink(dist.ProcessGroup):
             raise PslinkBackendError(f"{what}: the output has {output.numel()} elements, "
                                      f"{input.numel() * self.size()} expected")
         host = input.detach().to("cpu").contiguous()
-        table, run = self._gather("allgather", _numpy_of(host))
+        table, run = self._gather("allgather", numpy_of(host))
 
         def finish():
-            output.view(-1).copy_(_tensor_of(table, host, (-1,)))
+            output.view(-1).copy_(tensor_of(table, host, (-1,)))
             return [output]
 
-        return self._issue("allgather", (input.numel(), _dtype_code(input.dtype), 0, 0), run, finish, what)
+        return self._issue("allgather", (input.numel(), dtype_code(input.dtype), 0, 0), run, finish, what)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
-        output = _single(outputs, "reduce_scatter")
-        inputs = _single(input_lists, "reduce_scatter")
+        output = single(outputs, "reduce_scatter")
+        inputs = single(input_lists, "reduce_scatter")
         whole = torch.cat([t.reshape(-1) for t in inputs])
         return self._reduce_scatter(output, whole, opts, "reduce_scatter")
 
@@ -383,7 +336,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
             output.view(-1).copy_(reduced[start : start + output.numel()])
             return [output]
 
-        return _then(inner, finish)
+        return then_finish(inner, finish)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                       input_split_sizes: list[int], opts=None):
@@ -395,15 +348,15 @@ class ProcessGroupPslink(dist.ProcessGroup):
             raise PslinkBackendError(f"{what}: input and output must hold the same number of elements, a multiple "
                                      f"of {size}")
         host = input.detach().to("cpu").contiguous()
-        table, run = self._gather("alltoall", _numpy_of(host))
+        table, run = self._gather("alltoall", numpy_of(host))
         chunk = table.shape[1] // size
 
         def finish():
             mine = np.concatenate([table[source, rank * chunk : (rank + 1) * chunk] for source in range(size)])
-            output.view(-1).copy_(_tensor_of(mine, host, (-1,)))
+            output.view(-1).copy_(tensor_of(mine, host, (-1,)))
             return [output]
 
-        return self._issue("alltoall", (input.numel(), _dtype_code(input.dtype), 0, 0), run, finish, what)
+        return self._issue("alltoall", (input.numel(), dtype_code(input.dtype), 0, 0), run, finish, what)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None):
         """``all_to_all`` of tensor lists: the uneven all-to-all of their flattened concatenation."""
@@ -420,7 +373,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
                 out.copy_(piece.reshape(out.shape))
             return outputs
 
-        return _then(work, finish)
+        return then_finish(work, finish)
 
     def _alltoallv(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int],  # noqa: A002
                    in_splits: list[int], what: str):
@@ -452,7 +405,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
                 f"rank {s} sends {sends[s, d]} rows to rank {d}, which expects {expects[d, s]}" for s, d in bad))
         longest = int(sends.sum(axis=1).max()) * row
         host = input.detach().to("cpu").contiguous()
-        bits = _bits(_numpy_of(host))
+        bits = bits_of(numpy_of(host))
         data = np.zeros((size, longest), bits.dtype)
         data[rank, : bits.size] = bits
         key = f"alltoallv/{data.dtype}/{longest}"
@@ -460,74 +413,20 @@ class ProcessGroupPslink(dist.ProcessGroup):
         def finish():
             starts = np.concatenate([np.zeros((size, 1), np.int64), np.cumsum(sends, axis=1)], axis=1) * row
             mine = np.concatenate([data[s, starts[s, rank] : starts[s, rank + 1]] for s in range(size)])
-            output.view(-1).copy_(_tensor_of(mine, host, (-1,)))
+            output.view(-1).copy_(tensor_of(mine, host, (-1,)))
             return [output]
 
-        return self._issue("alltoallv", (row, _dtype_code(input.dtype), 0, 0), lambda: [self._pushpull(key, data)],
+        return self._issue("alltoallv", (row, dtype_code(input.dtype), 0, 0), lambda: [self._pushpull(key, data)],
                            finish, what)
 
-    # -- point to point -------------------------------------------------------------------------------
-
-    def _pair(self, peer: int, what: str) -> Agent:
-        """The Agent of this rank's pair job with ``peer``: a 2-worker job of its own (the lower
-        rank is its rank 0), made on first use by either side, so that a send and its receive
-        are one round of two pushes and involve no other rank."""
-        if not 0 <= peer < self.size() or peer == self.rank():
-            raise PslinkBackendError(f"{what}: peer rank {peer} is not another rank of [0, {self.size()})")
-        with self._lock:
-            agent = self._pairs.get(peer)
-            if agent is None:
-                low, high = sorted((self.rank(), peer))
-                try:
-                    agent = connect_agent(f"{self.agent.job}.p2p-{low}-{high}", 0 if self.rank() == low else 1, 2,
-                                          mode="sum", timeout=self.timeout)
-                except PslinkError as exc:
-                    raise PslinkBackendError(f"{what}: joining the pair's job: {exc.message}") from None
-                self._pairs[peer] = agent
-        return agent
-
-    def _p2p(self, tensor: torch.Tensor, peer: int, tag: int, sending: bool, what: str):
-        """A send or a receive: the sender pushes the tensor's integer bits, the receiver zeros;
-        both get the sum, the sender's bits. The n-th send of (direction, tag, dtype, size) meets
-        the n-th receive of it."""
-        agent = self._pair(peer, what)
-        source, target = (self.rank(), peer) if sending else (peer, self.rank())
-        host = tensor.detach().to("cpu").contiguous()
-        bits = _bits(_numpy_of(host))
-        bits = bits.copy() if sending else np.zeros(bits.shape, bits.dtype)
-        future = torch.futures.Future()
-        pending = _Collective(future, f"{what} not matched within {self.timeout:g} s (job {self.agent.job!r}): "
-                                      f"did rank {peer} {'receive' if sending else 'send'} the same tag, dtype and size?")
-        handle = agent.pushpull(f"p2p/{source}>{target}/{tag}/{bits.dtype}/{bits.size}", bits, out=bits)
-
-        def done(handle) -> None:
-            error = handle.exception()
-            if error is not None:
-                pending.fail(PslinkBackendError(f"{what}: {error.message}"))
-                return
-            try:
-                if not sending:
-                    tensor.copy_(_tensor_of(bits, host))
-                pending.succeed([tensor])
-            except Exception as exc:
-                pending.fail(exc if isinstance(exc, RuntimeError) else PslinkBackendError(f"{what}: {exc!r}"))
-
-        self._deadlines.add(time.monotonic() + self.timeout, pending)
-        handle.add_done_callback(done)
-        return _Work(future)
-
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0):
-        tensor = _single(tensors, "send")
-        return self._p2p(tensor, dst, tag, True, f"send to rank {dst} (tag {tag}) of {tuple(tensor.shape)} "
-                                                 f"{tensor.dtype}")
+        return self._pairs.send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0):
-        tensor = _single(tensors, "recv")
-        return self._p2p(tensor, src, tag, False, f"recv from rank {src} (tag {tag}) of {tuple(tensor.shape)} "
-                                                  f"{tensor.dtype}")
+        return self._pairs.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0):
-        raise PslinkBackendError("recv from any source is not supported by the pslink backend: name the source rank")
+        return self._pairs.recv_anysource(tensors, tag)
 
     # PyTorch 2.13 calls these names; older releases the ones above.
     all_gather_single = _allgather_base
@@ -546,40 +445,17 @@ class ProcessGroupPslink(dist.ProcessGroup):
 
         with self._lock:
             threading.Thread(target=wait, name="pslink-barrier", daemon=True).start()
-        return _Work(future)
+        return Work(future)
 
     def shutdown(self) -> None:
         self._deadlines.close()
-        for agent in self._pairs.values():
-            agent.close()
+        self._pairs.close()
         self.agent.close()
 
 
 _REDUCERS = {
     3: torch.mul, 4: torch.minimum, 5: torch.maximum, 6: torch.bitwise_and, 7: torch.bitwise_or, 8: torch.bitwise_xor,
 }
-
-
-def _numpy_of(host: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's memory as numpy (bfloat16 and bool as integers of their width)."""
-    if host.dtype == torch.bfloat16:
-        return host.view(torch.int16).numpy()
-    if host.dtype == torch.bool:
-        return host.view(torch.uint8).numpy()
-    return host.numpy()
-
-
-def _tensor_of(bits: np.ndarray, like: torch.Tensor, shape=None) -> torch.Tensor:
-    """``bits`` (integers of ``like``'s element width) as a tensor of ``like``'s dtype and
-    ``shape`` (default ``like``'s)."""
-    raw = torch.from_numpy(np.ascontiguousarray(bits))
-    return raw.view(like.dtype).reshape(like.shape if shape is None else shape)
-
-
-def _single(items: list, what: str):
-    if len(items) != 1:
-        raise PslinkBackendError(f"{what}: the pslink backend takes one tensor per rank (one device), got {len(items)}")
-    return items[0]
 
 
 def _name_of(op) -> str:
@@ -590,16 +466,6 @@ def _allreduce_options(op):
     options = dist.AllreduceOptions()
     options.reduceOp = op
     return options
-
-
-def _then(work, finish):
-    future = work.get_future().then(lambda f: finish(f.value()))
-    return _Work(future)
-
-
-def _all_of(works: list, result):
-    futures = torch.futures.collect_all([w.get_future() for w in works])
-    return _Work(futures.then(lambda f: [v.value() for v in f.value()] and result))
 
 
 # -- creating groups ----------------------------------------------------------------------------------------

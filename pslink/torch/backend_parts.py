@@ -1,0 +1,181 @@
+"""The pieces of the ``pslink`` torch.distributed backend (:mod:`pslink.torch.backend`): its error,
+works and futures, the integer views collectives move tensors as, and point-to-point messages
+between two ranks (each pair a 2-worker job of its own)."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pslink.core.agent import Agent
+from pslink.core.agent import connect as connect_agent
+from pslink.errors import PslinkError
+from pslink.torch.ddp import _Pending
+
+if TYPE_CHECKING:
+    from pslink.torch.backend import ProcessGroupPslink
+
+_INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+class PslinkBackendError(RuntimeError):
+    """A collective of the pslink backend failed (PyTorch code catches RuntimeError)."""
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode()) & 0xFFFF  # the same in every process (hash() is not)
+
+
+class Collective(_Pending):
+    """A collective's future, completed once: by its answers, or as failed at its deadline (with
+    a RuntimeError, as torch code expects)."""
+
+    __slots__ = ()
+
+    def expire(self) -> None:
+        self.fail(PslinkBackendError(self.timeout_message))
+
+
+class Work(dist._Work):
+    """A collective in flight. ``wait()`` raises the collective's error (a Work made by
+    ``_create_work_from_future`` returns True whatever its future holds); it never blocks past
+    the group's timeout, after which the work fails."""
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        self._future.wait()  # raises what the future was failed with
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+
+def bits_of(array: np.ndarray) -> np.ndarray:
+    """The same memory as integers of the element's width (flat)."""
+    flat = array.reshape(-1)
+    return flat.view(_INT_OF_WIDTH[flat.dtype.itemsize])
+
+
+def numpy_of(host: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as numpy (bfloat16 and bool as integers of their width)."""
+    if host.dtype == torch.bfloat16:
+        return host.view(torch.int16).numpy()
+    if host.dtype == torch.bool:
+        return host.view(torch.uint8).numpy()
+    return host.numpy()
+
+
+def tensor_of(bits: np.ndarray, like: torch.Tensor, shape=None) -> torch.Tensor:
+    """``bits`` (integers of ``like``'s element width) as a tensor of ``like``'s dtype and
+    ``shape`` (default ``like``'s)."""
+    raw = torch.from_numpy(np.ascontiguousarray(bits))
+    return raw.view(like.dtype).reshape(like.shape if shape is None else shape)
+
+
+def single(items: list, what: str):
+    if len(items) != 1:
+        raise PslinkBackendError(f"{what}: the pslink backend takes one tensor per rank (one device), got {len(items)}")
+    return items[0]
+
+
+def then_finish(work, finish):
+    future = work.get_future().then(lambda f: finish(f.value()))
+    return Work(future)
+
+
+def all_of(works: list, result):
+    futures = torch.futures.collect_all([w.get_future() for w in works])
+    return Work(futures.then(lambda f: [v.value() for v in f.value()] and result))
+
+
+class Pairs:
+    """Point to point for one group: send, recv, each pair of ranks its own 2-worker job."""
+
+    def __init__(self, group: "ProcessGroupPslink"):
+        self.group = group
+        self.agents: dict[int, Agent] = {}  # peer rank -> the Agent of our pair's job
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            agent.close()
+
+    def _pair(self, peer: int, what: str) -> Agent:
+        """The Agent of this rank's pair job with ``peer``: a 2-worker job of its own (the lower
+        rank is its rank 0), made on first use by either side, so that a send and its receive
+        are one round of two pushes and involve no other rank."""
+        if not 0 <= peer < self.group.size() or peer == self.group.rank():
+            raise PslinkBackendError(f"{what}: peer rank {peer} is not another rank of [0, {self.group.size()})")
+        with self.group._lock:
+            agent = self.agents.get(peer)
+            if agent is None:
+                low, high = sorted((self.group.rank(), peer))
+                try:
+                    agent = connect_agent(f"{self.group.agent.job}.p2p-{low}-{high}", 0 if self.group.rank() == low else 1, 2,
+                                          mode="sum", timeout=self.group.timeout)
+                except PslinkError as exc:
+                    raise PslinkBackendError(f"{what}: joining the pair's job: {exc.message}") from None
+                self.agents[peer] = agent
+        return agent
+
+    def _p2p(self, tensor: torch.Tensor, peer: int, tag: int, sending: bool, what: str):
+        """A send or a receive: the sender pushes the tensor's integer bits, the receiver zeros;
+        both get the sum, the sender's bits. The n-th send of (direction, tag, dtype, size) meets
+        the n-th receive of it."""
+        agent = self._pair(peer, what)
+        source, target = (self.group.rank(), peer) if sending else (peer, self.group.rank())
+        host = tensor.detach().to("cpu").contiguous()
+        bits = bits_of(numpy_of(host))
+        bits = bits.copy() if sending else np.zeros(bits.shape, bits.dtype)
+        future = torch.futures.Future()
+        pending = Collective(future, f"{what} not matched within {self.group.timeout:g} s (job {self.group.agent.job!r}): "
+                                      f"did rank {peer} {'receive' if sending else 'send'} the same tag, dtype and size?")
+        handle = agent.pushpull(f"p2p/{source}>{target}/{tag}/{bits.dtype}/{bits.size}", bits, out=bits)
+
+        def done(handle) -> None:
+            error = handle.exception()
+            if error is not None:
+                pending.fail(PslinkBackendError(f"{what}: {error.message}"))
+                return
+            try:
+                if not sending:
+                    tensor.copy_(tensor_of(bits, host))
+                pending.succeed([tensor])
+            except Exception as exc:
+                pending.fail(exc if isinstance(exc, RuntimeError) else PslinkBackendError(f"{what}: {exc!r}"))
+
+        self.group._deadlines.add(time.monotonic() + self.group.timeout, pending)
+        handle.add_done_callback(done)
+        return Work(future)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0):
+        tensor = single(tensors, "send")
+        return self._p2p(tensor, dst, tag, True, f"send to rank {dst} (tag {tag}) of {tuple(tensor.shape)} "
+                                                 f"{tensor.dtype}")
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0):
+        tensor = single(tensors, "recv")
+        return self._p2p(tensor, src, tag, False, f"recv from rank {src} (tag {tag}) of {tuple(tensor.shape)} "
+                                                  f"{tensor.dtype}")
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0):
+        raise PslinkBackendError("recv from any source is not supported by the pslink backend: name the source rank")
