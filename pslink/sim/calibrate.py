@@ -31,7 +31,7 @@ from pslink.core.aggregator.core import AggregatorCore
 from pslink.core.aggregator.tasks import Request, Summer
 from pslink.core.partition import DEFAULT_PARTITION_BYTES
 from pslink.core.wire.protocol import Op
-from pslink.sim.costmodel import OPTIMIZERS, CostModel
+from pslink.sim.costmodel import OPTIMIZERS, CostModel, round_seconds
 
 WORKERS = (1, 2, 4, 8)
 SMALL_BYTES = 4 << 10
@@ -166,7 +166,7 @@ def held_out_errors(samples: list[dict]) -> list[dict]:
         except ValueError:
             continue
         mode, workers, nbytes = sample["optimizer"], sample["workers"], sample["bytes"]
-        predicted = workers * per_message + nbytes * (workers * per_worker[mode] + per_round[mode])
+        predicted = round_seconds(per_message, per_worker[mode], per_round[mode], nbytes, workers)
         out.append({"optimizer": mode, "workers": workers, "bytes": nbytes,
                     "measured": sample["seconds"], "predicted": predicted,
                     "error": predicted / sample["seconds"] - 1.0})

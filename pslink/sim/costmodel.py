@@ -61,8 +61,8 @@ class CostModel:
         """e_t: CPU seconds one round of a task costs."""
         if optimizer not in self.per_byte_round:
             raise ConfigError(f"cost model has no optimizer {optimizer!r}; it has {', '.join(self.per_byte_round)}")
-        per_byte = workers * self.per_byte_worker[optimizer] + self.per_byte_round[optimizer]
-        return workers * self.per_message + nbytes * per_byte
+        return round_seconds(self.per_message, self.per_byte_worker[optimizer], self.per_byte_round[optimizer],
+                             nbytes, workers)
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "per_message": self.per_message, "per_byte_worker": dict(self.per_byte_worker),
@@ -86,6 +86,12 @@ class CostModel:
             raise ConfigError(f"{source}: missing field {exc.args[0]!r}") from None
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc.message.removeprefix('cost model: ')}") from None
+
+
+def round_seconds(per_message: float, per_byte_worker: float, per_byte_round: float, nbytes: int,
+                  workers: int) -> float:
+    """The model's formula: ``W * per_message + bytes * (W * per_byte_worker + per_byte_round)``."""
+    return workers * per_message + nbytes * (workers * per_byte_worker + per_byte_round)
 
 
 def _number(value: Any) -> bool:

@@ -417,10 +417,10 @@ class PslinkSimulation:
             if run is None:
                 continue
             places = self._places.get(job, ())
-            network = max((self._network(p) for p in places), default=1.0)
-            if network > 1.0:
+            networks = {p: self._network(p) for p in places}
+            if any(n > 1.0 for n in networks.values()):
                 run.outcome.network_slowed = True
-            effective = max([run.job.iteration] + [self._speeds[p][job] * self._network(p) for p in places])
+            effective = max([run.job.iteration] + [self._speeds[p][job] * n for p, n in networks.items()])
             if abs(effective - run.effective) > 1e-12 * effective:
                 self._set_speed(run, effective)
         recheck, self._recheck = self._recheck, set()

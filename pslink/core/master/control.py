@@ -486,7 +486,7 @@ class ControlPlane:
         pool = candidates if candidates is not None else self._candidates(control)
         actions: list = []
         ordered = sorted(demands, key=lambda d: (-d.cost, str(d.key), d.part))
-        if len({self.host_of.get(n, "") for n in pool if not self.is_placeholder(n)}) < 2:
+        if spread.one_host([n for n in pool if not self.is_placeholder(n)], self.host_of):
             # One host (or none known): the whole job in one pass of Pseudocode 1, as task by task
             # (and its actions in the same order: an Allocate just before the first move to it).
             opened: dict[tuple, list] = {}

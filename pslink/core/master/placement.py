@@ -70,6 +70,15 @@ def slowdown(cycle: float, iteration: float) -> float:
     return effective_iteration(cycle, iteration) / iteration - 1.0 if iteration > 0 else 0.0
 
 
+def _nic_room(hosts: np.ndarray, host_free: np.ndarray, own_room: np.ndarray) -> np.ndarray:
+    """Room on the NIC of each slot's host (bytes/s). An Aggregator whose host is not known yet
+    will get a host of its own if need be: a whole NIC, less what it holds already."""
+    room = own_room.copy()
+    known = hosts >= 0
+    room[known] = host_free[hosts[known]]
+    return room
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskDemand:
     """A task to place: its job's profiled iteration D (s), its CPU cost e (s per iteration) and
@@ -124,9 +133,6 @@ class AggregatorPlan:
 
     def work_at(self, cycle: float) -> float:
         return sum(runs_per_cycle(cycle, s.iteration) * s.work for s in self.jobs.values())
-
-    def max_loss_at(self, cycle: float) -> float:
-        return max((performance_loss(cycle, s.iteration) for s in self.jobs.values()), default=0.0)
 
     def fits_at(self, cycle: float) -> bool:
         """Every job here within its own limit if the cycle were ``cycle``."""
@@ -279,17 +285,8 @@ class Placement:
         left = free - runs * task.cost
         qualified = base & (left >= -_EPS)
         if self.nics.limited and task.rate:
-            qualified &= self._nic_room() >= task.rate * (1 - _EPS)
+            qualified &= _nic_room(*self._nic_state(slice(None))) >= task.rate * (1 - _EPS)
         return qualified, left
-
-    def _nic_room(self, slots: np.ndarray | None = None) -> np.ndarray:
-        """Room on the NIC of each slot's host (bytes/s). An Aggregator whose host is not known
-        yet will get a host of its own if need be: a whole NIC, less what it holds already."""
-        hosts = self._host if slots is None else self._host[slots]
-        room = self.nics.bandwidth - (self._rate if slots is None else self._rate[slots])
-        known = hosts >= 0
-        room[known] = self.nics.free()[hosts[known]]
-        return room
 
     def _limit(self, task: TaskDemand) -> float:
         return self.loss_limit if task.limit is None else task.limit
@@ -351,6 +348,11 @@ class Placement:
         if task.ident in self.where:
             self.unassign(task.ident)
         plan = self.aggregators[name]
+        self._record(task, plan)
+        self._refresh(plan)
+
+    def _record(self, task: TaskDemand, plan: AggregatorPlan) -> None:
+        """``task`` is on ``plan``'s Aggregator (the caller refreshes the plan)."""
         share = plan.jobs.get(task.job)
         if share is None:
             share = plan.jobs[task.job] = _JobShare(task.iteration, self._limit(task))
@@ -363,8 +365,7 @@ class Placement:
         self._rate[plan.index] = plan.rate
         self.nics.add(int(self._host[plan.index]), task.rate)
         plan.tasks[task.ident] = task
-        self.where[task.ident] = name
-        self._refresh(plan)
+        self.where[task.ident] = plan.name
 
     def unassign(self, ident: tuple) -> TaskDemand | None:
         name = self.where.pop(ident, None)
@@ -470,6 +471,11 @@ class Placement:
         if name is not None:
             self.assign(task, name)
             return name
+        return self._missed(task, pool, miss)
+
+    @staticmethod
+    def _missed(task: TaskDemand, pool: set | None, miss) -> str | NewAggregator | None:
+        """``miss``'s decision for a task that fits nowhere; where it went joins the candidates."""
         decision = miss(task, pool)
         if decision is not None and pool is not None:
             pool.add(decision.placeholder if isinstance(decision, NewAggregator) else decision)
@@ -492,10 +498,7 @@ class Placement:
             np.subtract(free, left, out=left)
             left[left < -_EPS] = np.inf
             if limited and task.rate:  # and its host's NIC must have room for it
-                room = own_room.copy()
-                known = hosts >= 0
-                room[known] = host_free[hosts[known]]
-                left[room < task.rate * (1 - _EPS)] = np.inf
+                left[_nic_room(hosts, host_free, own_room) < task.rate * (1 - _EPS)] = np.inf
             best = int(left.argmin()) if len(left) else -1
             if best >= 0 and left[best] != np.inf:
                 free[best] -= runs[best] * task.cost
@@ -508,18 +511,15 @@ class Placement:
                 continue
             self._assign_many(pending)  # what was decided so far, then the miss as place() would
             pending = {}
-            decisions.append(miss(task, pool))
-            if decisions[-1] is not None and pool is not None:
-                last = decisions[-1]
-                pool.add(last.placeholder if isinstance(last, NewAggregator) else last)
+            decisions.append(self._missed(task, pool, miss))
             where, free, runs = self._room_for_job(run[0], pool)
             hosts, host_free, own_room = self._nic_state(where)
             left = np.empty_like(free)
         self._assign_many(pending)
 
-    def _nic_state(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For :meth:`_place_run`: the slots' hosts, every host's NIC room, and the room of those
-        whose host is not known yet (a NIC of their own less what they hold)."""
+    def _nic_state(self, slots) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The slots' hosts, every host's NIC room, and the room of those whose host is not known
+        yet (:func:`_nic_room`)."""
         bandwidth = self.nics.bandwidth if self.nics.limited else np.inf
         return self._host[slots], self.nics.free(), bandwidth - self._rate[slots]
 
@@ -528,19 +528,7 @@ class Placement:
         for index, tasks in pending.items():
             plan = self._slots[index]
             for task in tasks:
-                share = plan.jobs.get(task.job)
-                if share is None:
-                    share = plan.jobs[task.job] = _JobShare(task.iteration, self._limit(task))
-                    self._slots_of.setdefault(task.job, set()).add(index)
-                share.iteration, share.limit = task.iteration, self._limit(task)
-                share.work += task.cost
-                share.tasks += 1
-                plan.nbytes += task.nbytes
-                plan.rate += task.rate
-                self._rate[index] = plan.rate
-                self.nics.add(int(self._host[index]), task.rate)
-                plan.tasks[task.ident] = task
-                self.where[task.ident] = plan.name
+                self._record(task, plan)
             self._refresh(plan)
 
     def try_move_all(self, name: str, targets: Iterable[str] | None = None) -> dict[tuple, str] | None:

@@ -38,17 +38,22 @@ def bytes_by_host(parts: Mapping[tuple, int], plans: Iterable[Placement], host_o
     return count
 
 
+def one_host(names, host_of: Mapping[str, str]) -> bool:
+    """The Aggregators ``names`` all run on one host (or none is known): nothing to spread over."""
+    return len({host_of.get(n, "") for n in names}) < 2
+
+
 def choose(plan: Placement, demand: TaskDemand, candidates: list[str], host_of: Mapping[str, str],
            on_host: collections.Counter) -> str | None:
     """Where Pseudocode 1 puts ``demand`` when hosts are tried in order of the job's bytes on
     them (``on_host``): the best fit on the first host that has a qualified Aggregator (it is
     assigned there), or None on one host or when no host qualifies (the caller places it as
     without hosts)."""
+    if one_host(candidates, host_of):
+        return None
     by_host: dict[str, list[str]] = {}
     for name in candidates:
         by_host.setdefault(host_of.get(name, ""), []).append(name)
-    if len(by_host) < 2:
-        return None
     for host in sorted(by_host, key=lambda h: (on_host[h], h)):
         target = plan.choose(demand, by_host[host])
         if target is not None:
