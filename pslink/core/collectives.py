@@ -5,7 +5,8 @@ Horovod's collectives reduce to push-pulls of named keys in ``sum`` mode:
 - an **allreduce** sums (or averages) what every rank pushed;
 - a **broadcast** has every rank but the root push zeros, so the sum is the root's value (the same
   key can be broadcast any number of times, one round each);
-- an **allgather** has each rank fill its own rows of a zeroed buffer; a first round shares every
+- an **allgather** has each rank fill its own rows of a zeroed buffer (broadcasts and gathers push
+  the elements' bits as integers, :func:`bits_of`, so the result is exact, -0.0 included); a first round shares every
   rank's shape, so ranks may bring different numbers of rows and a mismatch is an error on every
   rank at once (not two keys each waiting for the other);
 - an **object** is pickled into bytes and travels as a ``uint8`` array, its length first (a key's
@@ -100,8 +101,22 @@ class Zeros:
         self._buffers.clear()
 
 
+_INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def bits_of(array: np.ndarray) -> np.ndarray:
+    """``array``'s memory as integers of its element's width, flat: a view, so what is received
+    into it lands in ``array``. Broadcasts and gathers push these: a sum of one rank's value and
+    zeros is then that value bit for bit, where a float sum turns -0.0 into 0.0."""
+    if not array.flags.c_contiguous:
+        raise ValueError("bits_of needs a contiguous array (a reshaped copy would not receive the result)")
+    flat = array.reshape(-1)
+    return flat.view(_INT_OF_WIDTH[flat.dtype.itemsize])
+
+
 def broadcast_pushes(arrays: list[np.ndarray], rank: int, root: int, zeros: Zeros) -> list[np.ndarray]:
-    """What this rank pushes to broadcast ``arrays``: the arrays themselves on the root, zeros elsewhere."""
+    """What this rank pushes to broadcast ``arrays`` (each as :func:`bits_of`, and received into
+    the same): the arrays themselves on the root, zeros elsewhere."""
     return list(arrays) if rank == root else [zeros.like(a) for a in arrays]
 
 
@@ -113,7 +128,8 @@ def gather_same_rows(pushpull: PushPull, key: str, row: np.ndarray, rank: int, r
     filling slot ``rank``; slots no rank fills stay zero."""
     stacked = np.zeros((rows,) + row.shape, row.dtype)
     stacked[rank] = row
-    return pushpull(key, stacked, stacked)
+    pushpull(key, bits_of(stacked), bits_of(stacked))
+    return stacked
 
 
 def gather_rows(pushpull: PushPull, name: str, host: np.ndarray, rank: int, size: int,
@@ -143,7 +159,7 @@ def gather_rows(pushpull: PushPull, name: str, host: np.ndarray, rank: int, size
     buffer = np.zeros((int(rows.sum()),) + trailing, host.dtype)
     buffer[start : start + host.shape[0]] = host
     dims = "x".join(str(d) for d in (int(rows.sum()),) + trailing)
-    pushpull(service_key("allgather", name, dims), buffer, buffer)
+    pushpull(service_key("allgather", name, dims), bits_of(buffer), bits_of(buffer))
     return buffer, rows
 
 

@@ -30,6 +30,7 @@ _NATIVE = {
     tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,
 }
 _CARRIED_AS = {tf.bfloat16: tf.float32, tf.bool: tf.uint8}
+_INT_OF_WIDTH = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
 
 def shape_text(shape) -> str:
@@ -126,9 +127,13 @@ class Exchange:
         self._check_root(root, what)
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         carried = [self._carry(t, key, summing=False) for t, key in zip(tensors, keys)]
+        # Summed as integers of the element's width: the root's value and zeros give its bits
+        # exactly (a float sum turns -0.0 into 0.0), as pslink.core.collectives does.
+        bits = [t if t.dtype.is_integer else tf.bitcast(t, _INT_OF_WIDTH[t.dtype.size]) for t in carried]
         if self.rank != root:
-            carried = [tf.zeros_like(t) for t in carried]
-        results = self.sum(keys, carried, what=what)
+            bits = [tf.zeros_like(t) for t in bits]
+        results = self.sum(keys, bits, what=what)
+        results = [r if r.dtype == c.dtype else tf.bitcast(r, c.dtype) for r, c in zip(results, carried)]
         return [self._restore(r, t) for r, t in zip(results, tensors)]
 
     def _call(self, run: Callable, tensors: list[tf.Tensor], what: str,

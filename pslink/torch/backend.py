@@ -47,8 +47,9 @@ import torch.distributed as dist
 from pslink.config import ENV_JOB
 from pslink.core.agent import Agent
 from pslink.core.agent import connect as connect_agent
-from pslink.errors import PslinkError
-from pslink.torch.backend_parts import (Collective, Pairs, PslinkBackendError, Work, all_of, bits_of, dtype_code,
+from pslink.core.collectives import bits_of
+from pslink.errors import PslinkError, PslinkTimeoutError
+from pslink.torch.backend_parts import (Collective, Pairs, PslinkBackendError, Work, all_of, dtype_code,
                                         numpy_of, single, tensor_of, then_finish)
 from pslink.torch.ddp import _Deadlines, _Pending
 from pslink.torch.tensors import HostView
@@ -73,12 +74,22 @@ class ProcessGroupPslink(dist.ProcessGroup):
         self._lock = threading.Lock()  # collectives are issued in one order on every rank
         self._deadlines = _Deadlines()
         self._pairs = Pairs(self)  # send and recv
+        self._group_name = ""
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
 
     def name(self) -> str:
         return NAME
+
+    # torch keeps a group's name in its C++ backends, which a group written in Python has none of:
+    # without these, ``group.group_name`` (DeviceMesh, FSDP2, functional collectives) raises.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
 
     # -- the machinery -----------------------------------------------------------------------------
 
@@ -157,6 +168,8 @@ class ProcessGroupPslink(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         tensor = single(tensors, "allreduce")
+        if tensor.is_sparse:
+            return self._sparse_allreduce(tensor, op)
         return self._allreduce(tensors, op, "allreduce", 0,
                                f"allreduce ({_name_of(op)}) of {tuple(tensor.shape)} {tensor.dtype}")
 
@@ -190,6 +203,34 @@ class ProcessGroupPslink(dist.ProcessGroup):
             return tensors
 
         return self._issue(kind, signature, run, finish_gathered, what)
+
+    def _sparse_allreduce(self, tensor: torch.Tensor, op):
+        """A sparse COO tensor summed (as gloo does): every rank's entries gathered (counts first,
+        then indices and values padded to the most entries), summed and coalesced here, the same
+        on every rank. Done before it returns, also when asked for asynchronously."""
+        what = f"allreduce of a sparse {tuple(tensor.shape)} {tensor.dtype}"
+        if getattr(op, "op", op) != dist.ReduceOp.SUM:
+            raise PslinkBackendError(f"{what}: only SUM is supported for sparse tensors, not {_name_of(op)}")
+        mine = tensor.coalesce()
+        indices, values = mine.indices(), mine.values()
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size())]
+        self.allgather([counts], [torch.tensor([values.shape[0]])]).wait()
+        most = int(max(c.item() for c in counts))
+        padded_indices = torch.zeros((indices.shape[0], most), dtype=indices.dtype)
+        padded_values = torch.zeros((most,) + tuple(values.shape[1:]), dtype=values.dtype)
+        padded_indices[:, : indices.shape[1]] = indices
+        padded_values[: values.shape[0]] = values
+        all_indices = [torch.empty_like(padded_indices) for _ in range(self.size())]
+        all_values = [torch.empty_like(padded_values) for _ in range(self.size())]
+        self.allgather([all_indices], [padded_indices]).wait()
+        self.allgather([all_values], [padded_values]).wait()
+        entries = [int(c.item()) for c in counts]
+        summed = torch.sparse_coo_tensor(torch.cat([i[:, :n] for i, n in zip(all_indices, entries)], dim=1),
+                                         torch.cat([v[:n] for v, n in zip(all_values, entries)]), tensor.shape)
+        tensor.copy_(summed.coalesce())
+        future = torch.futures.Future()
+        future.set_result([tensor])
+        return Work(future)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None):
         works = [self.allreduce([t], _allreduce_options(opts.reduceOp if opts is not None else dist.ReduceOp.SUM))
@@ -313,6 +354,22 @@ class ProcessGroupPslink(dist.ProcessGroup):
 
         return self._issue("allgather", (input.numel(), dtype_code(input.dtype), 0, 0), run, finish, what)
 
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None):
+        """``output_lists[r][i]``: rank r's ``inputs[i]``."""
+        if any(len(outputs) != len(inputs) for outputs in output_lists) or len(output_lists) != self.size():
+            raise PslinkBackendError(f"all_gather_coalesced of {len(inputs)} tensors: the outputs are "
+                                     f"{[len(o) for o in output_lists]} lists, {self.size()} of {len(inputs)} expected")
+        works = [self.allgather([[outputs[i] for outputs in output_lists]], [tensor]) for i, tensor in enumerate(inputs)]
+        return all_of(works, output_lists)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None):
+        works = [self._allgather_base(output, tensor) for output, tensor in zip(outputs, inputs, strict=True)]
+        return all_of(works, outputs)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None):
+        works = [self._reduce_scatter_base(output, tensor, opts) for output, tensor in zip(outputs, inputs, strict=True)]
+        return all_of(works, outputs)
+
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
         output = single(outputs, "reduce_scatter")
         inputs = single(input_lists, "reduce_scatter")
@@ -435,16 +492,20 @@ class ProcessGroupPslink(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         future = torch.futures.Future()
+        what = f"barrier of job {self.agent.job!r} (rank {self.rank()})"
 
-        def wait():
+        def wait(name: str):
             try:
-                self.agent.barrier(f"torch-barrier-{next(self._seq)}", timeout=self.timeout)
+                self.agent.barrier(name, timeout=self.timeout)
                 future.set_result([torch.zeros(0)])
+            except PslinkTimeoutError as exc:
+                future.set_exception(PslinkBackendError(f"{what} hit its timeout of {self.timeout:g} s: {exc.message}"))
             except PslinkError as exc:
-                future.set_exception(PslinkBackendError(f"barrier: {exc.message}"))
+                future.set_exception(PslinkBackendError(f"{what}: {exc.message}"))
 
-        with self._lock:
-            threading.Thread(target=wait, name="pslink-barrier", daemon=True).start()
+        with self._lock:  # the barrier's number taken in the order collectives are issued, as theirs
+            threading.Thread(target=wait, args=(f"torch-barrier-{next(self._seq)}",), name="pslink-barrier",
+                             daemon=True).start()
         return Work(future)
 
     def shutdown(self) -> None:
@@ -473,8 +534,10 @@ def _allreduce_options(op):
 
 def _job_name(store, rank: int) -> str:
     """The group's job: rank 0 names it (after PSLINK_JOB when set) and tells the others through
-    the group's store, which PyTorch prefixes per group."""
-    key = "pslink/job"
+    the group's store, which PyTorch prefixes per group. torchrun's elastic agent may hand a
+    restarted group the store of the attempt before, whose name would be stale: the key carries
+    the attempt (``TORCHELASTIC_RESTART_COUNT``)."""
+    key = f"pslink/job/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
         base = os.environ.get(ENV_JOB) or "torch"
         store.set(key, f"{base}.pg-{uuid.uuid4().hex[:12]}")

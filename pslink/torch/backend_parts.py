@@ -4,6 +4,7 @@ between two ranks (each pair a 2-worker job of its own)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 import zlib
 from typing import TYPE_CHECKING
@@ -14,14 +15,12 @@ import torch.distributed as dist
 
 from pslink.core.agent import Agent
 from pslink.core.agent import connect as connect_agent
+from pslink.core.collectives import bits_of
 from pslink.errors import PslinkError
 from pslink.torch.ddp import _Pending
 
 if TYPE_CHECKING:
     from pslink.torch.backend import ProcessGroupPslink
-
-_INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
 
 class PslinkBackendError(RuntimeError):
     """A collective of the pslink backend failed (PyTorch code catches RuntimeError)."""
@@ -29,6 +28,15 @@ class PslinkBackendError(RuntimeError):
 
 def dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode()) & 0xFFFF  # the same in every process (hash() is not)
+
+
+_DTYPE_NAMES = {dtype_code(value): str(value).replace("torch.", "") for value in vars(torch).values()
+                if isinstance(value, torch.dtype)}
+
+
+def dtype_name(code: int) -> str:
+    """The dtype a :func:`dtype_code` stands for."""
+    return _DTYPE_NAMES.get(code, f"dtype #{code}")
 
 
 class Collective(_Pending):
@@ -70,12 +78,6 @@ class Work(dist._Work):
         return True
 
 
-def bits_of(array: np.ndarray) -> np.ndarray:
-    """The same memory as integers of the element's width (flat)."""
-    flat = array.reshape(-1)
-    return flat.view(_INT_OF_WIDTH[flat.dtype.itemsize])
-
-
 def numpy_of(host: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as numpy (bfloat16 and bool as integers of their width)."""
     if host.dtype == torch.bfloat16:
@@ -114,8 +116,10 @@ class Pairs:
     def __init__(self, group: "ProcessGroupPslink"):
         self.group = group
         self.agents: dict[int, Agent] = {}  # peer rank -> the Agent of our pair's job
+        self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pslink-p2p")  # in order
 
     def close(self) -> None:
+        self.sender.shutdown(wait=False, cancel_futures=True)
         for agent in self.agents.values():
             agent.close()
 
@@ -138,9 +142,13 @@ class Pairs:
         return agent
 
     def _p2p(self, tensor: torch.Tensor, peer: int, tag: int, sending: bool, what: str):
-        """A send or a receive: the sender pushes the tensor's integer bits, the receiver zeros;
-        both get the sum, the sender's bits. The n-th send of (direction, tag, dtype, size) meets
-        the n-th receive of it."""
+        """A send or a receive, in two exchanges of the pair's job. First the signature: the n-th
+        send of (direction, tag) meets the n-th receive of it, each putting its (elements, dtype)
+        in a row of its own; if they differ, both fail at once naming both. Then the data: the
+        sender pushes the tensor's integer bits, the receiver zeros, both get the sender's. The
+        data goes only after the signatures matched (a lone push would pair with a later
+        exchange's), from a thread of the group's, since the signature's answer arrives on the
+        Agent's I/O thread, which must not block."""
         agent = self._pair(peer, what)
         source, target = (self.group.rank(), peer) if sending else (peer, self.group.rank())
         host = tensor.detach().to("cpu").contiguous()
@@ -148,13 +156,20 @@ class Pairs:
         bits = bits.copy() if sending else np.zeros(bits.shape, bits.dtype)
         future = torch.futures.Future()
         pending = Collective(future, f"{what} not matched within {self.group.timeout:g} s (job {self.group.agent.job!r}): "
-                                      f"did rank {peer} {'receive' if sending else 'send'} the same tag, dtype and size?")
-        handle = agent.pushpull(f"p2p/{source}>{target}/{tag}/{bits.dtype}/{bits.size}", bits, out=bits)
+                                      f"did rank {peer} {'receive' if sending else 'send'} with tag {tag}?")
+        mine = np.array([tensor.numel(), dtype_code(tensor.dtype)], np.int64)
+        table = np.zeros((2, 2), np.int64)
+        table[0 if sending else 1] = mine
+        direction = f"p2p/{source}>{target}/{tag}"
 
-        def done(handle) -> None:
+        def failed(handle) -> bool:
             error = handle.exception()
             if error is not None:
                 pending.fail(PslinkBackendError(f"{what}: {error.message}"))
+            return error is not None
+
+        def received(handle) -> None:
+            if failed(handle):
                 return
             try:
                 if not sending:
@@ -163,8 +178,26 @@ class Pairs:
             except Exception as exc:
                 pending.fail(exc if isinstance(exc, RuntimeError) else PslinkBackendError(f"{what}: {exc!r}"))
 
+        def exchange() -> None:
+            try:
+                agent.pushpull(f"{direction}/{bits.dtype}/{bits.size}", bits, out=bits).add_done_callback(received)
+            except PslinkError as exc:
+                pending.fail(PslinkBackendError(f"{what}: {exc.message}"))
+
+        def matched(handle) -> None:
+            if failed(handle):
+                return
+            if not np.array_equal(table[0], table[1]):
+                (sent, sent_dtype), (room, room_dtype) = table.tolist()
+                pending.fail(PslinkBackendError(
+                    f"{what}: rank {source} sends {sent} elements of {dtype_name(sent_dtype)} with tag {tag}, rank "
+                    f"{target} receives {room} elements of {dtype_name(room_dtype)}: a send and its receive must "
+                    "have the same size and dtype"))
+                return
+            self.sender.submit(exchange)
+
         self.group._deadlines.add(time.monotonic() + self.group.timeout, pending)
-        handle.add_done_callback(done)
+        agent.pushpull(f"{direction}/signature", table, out=table).add_done_callback(matched)
         return Work(future)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0):

@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 import pslink
-from pslink.config import ENV_NUM_WORKERS, ENV_RANK
+from pslink.config import ENV_NUM_WORKERS, ENV_RANK, resolve_connect
 from pslink.core.agent import Agent
+from pslink.core.agent.connect import AGENT_OPTIONS
 from pslink.core.collectives import service_key
 from pslink.errors import ConfigError, PeerError, PslinkError, PslinkTimeoutError
 from pslink.torch.tensors import StagingPool, explain_mismatch
@@ -54,6 +55,7 @@ class HookState:
         self._generations: dict[int, int] = {}
         self._staging = StagingPool()
         self._deadlines = _Deadlines()
+        _SHARED.named(self)
 
     def __repr__(self) -> str:
         agent = self.agent
@@ -88,7 +90,8 @@ class HookState:
         self._deadlines.close()
         self._staging.clear()
         if self._own_agent:
-            self.agent.close()
+            self._own_agent = False
+            _SHARED.release(self.agent)
 
     def __enter__(self) -> "HookState":
         return self
@@ -120,6 +123,8 @@ def connect(
     Raises PeerError here, not at the first backward, when no service is reachable.
     """
     _check_name(name)
+    if agent is None and job is None and master is None and not options:
+        agent = _backend_agent()  # the process group's own, when torch.distributed runs on pslink
     if agent is None:
         rank = _fallback(rank, ENV_RANK, "RANK", dist.get_rank)
         num_workers = _fallback(num_workers, ENV_NUM_WORKERS, "WORLD_SIZE", dist.get_world_size)
@@ -127,7 +132,7 @@ def connect(
             raise ConfigError("the DDP hook averages gradients (mode 'sum'); DDP's optimizer steps locally")
         options["mode"] = "sum"
         try:
-            agent = pslink.connect(job, rank, num_workers, master, **options)
+            agent = _SHARED.join(job, rank, num_workers, master, options)
         except PeerError as exc:
             raise PeerError(
                 f"pslink.torch.connect: no parameter service reachable: {exc.message}. Start one with "
@@ -144,15 +149,88 @@ def connect(
         own = False
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() != agent.num_workers:
         if own:
-            agent.close()
+            _SHARED.release(agent)
         raise ConfigError(
             f"torch.distributed has {dist.get_world_size()} ranks but pslink job {agent.job!r} has "
             f"{agent.num_workers} workers: every DDP rank must be one pslink worker"
         )
-    state = HookState(agent, name=name, timeout=timeout, own_agent=own)
+    try:
+        state = HookState(agent, name=_SHARED.name_for(agent, name), timeout=timeout, own_agent=own)
+    except ConfigError:
+        if own:
+            _SHARED.release(agent)
+        raise
     if own:
         _close_at_exit(state)
     return state
+
+
+class _SharedAgents:
+    """The Agents :func:`connect` joined, one per (service, job, rank) in this process: a second
+    DDP model of the job (a GAN's generator and discriminator) shares the first one's Agent, since
+    a rank can register only once, and gets keys of its own (``name`` numbered: ``ddp``,
+    ``ddp2``, ..., the same on every rank as every rank connects its models in one order). The
+    Agent leaves the job when the last state using it is closed. The first connect's options hold."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._agents: dict[tuple, Agent] = {}
+        self._users: dict[int, int] = {}  # id(agent) -> states that use it
+        self._names: dict[int, weakref.WeakValueDictionary] = {}  # id(agent) -> name -> its live state
+
+    def join(self, job, rank, num_workers, master, options: dict) -> Agent:
+        job, rank, num_workers, master, _ = resolve_connect(job, rank, num_workers, master, dict(options),
+                                                            AGENT_OPTIONS)
+        with self._lock:
+            agent = self._agents.get((master, job, rank))
+            if agent is None:
+                agent = self._agents[(master, job, rank)] = pslink.connect(job, rank, num_workers, master, **options)
+                self._users[id(agent)] = 0
+            elif agent.num_workers != num_workers:
+                raise ConfigError(f"pslink.torch.connect: job {job!r} rank {rank} is connected in this process with "
+                                  f"{agent.num_workers} workers, not {num_workers}")
+            self._users[id(agent)] += 1
+            return agent
+
+    def name_for(self, agent: Agent, name: str) -> str:
+        """``name``, numbered if a live state of ``agent`` has it (the default ``ddp`` only: a name
+        given twice is an error, since two models would share keys)."""
+        with self._lock:
+            live = self._names.setdefault(id(agent), weakref.WeakValueDictionary())
+            if name in live and name != "ddp":
+                raise ConfigError(f"pslink.torch.connect: name {name!r} is already used by another DDP model of job "
+                                  f"{agent.job!r} in this process; give each model its own")
+            chosen = next(f"{name}{n}" if n > 1 else name for n in itertools.count(1)
+                          if (f"{name}{n}" if n > 1 else name) not in live)
+            return chosen
+
+    def named(self, state: "HookState") -> None:
+        with self._lock:
+            self._names.setdefault(id(state.agent), weakref.WeakValueDictionary())[state.name] = state
+
+    def release(self, agent: Agent) -> None:
+        with self._lock:
+            left = self._users.get(id(agent), 1) - 1
+            if left > 0:
+                self._users[id(agent)] = left
+                return
+            self._users.pop(id(agent), None)
+            self._names.pop(id(agent), None)
+            for key, known in list(self._agents.items()):
+                if known is agent:
+                    del self._agents[key]
+        agent.close()
+
+
+_SHARED = _SharedAgents()
+
+
+def _backend_agent() -> Agent | None:
+    """The default process group's Agent when it is a ``pslink`` group (``init_process_group
+    ("pslink")``): the hook then shares it instead of joining a job of its own."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "pslink":
+        return None
+    return getattr(dist.group.WORLD, "agent", None)
 
 
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

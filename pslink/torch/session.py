@@ -259,11 +259,12 @@ class Session:
             view = self._staging.view(key, tensor, f"{what}: {name!r}")
             keys.append(key)
             views.append(view)
-        pushes = collectives.broadcast_pushes([v.array for v in views], self.rank, root_rank, self._zeros)
+        bits = [collectives.bits_of(v.array) for v in views]
+        pushes = collectives.broadcast_pushes(bits, self.rank, root_rank, self._zeros)
         if not keys:
             return Work(_Done(), [], lambda: None, what, "")
         hint = "do all ranks hold the same model?"
-        handle = self._submit(keys, pushes, [v.array for v in views], False, what, hint)
+        handle = self._submit(keys, pushes, bits, False, what, hint)
         result = named[0][1] if len(named) == 1 else None
         return Work(handle, views, lambda: result, what, hint)
 

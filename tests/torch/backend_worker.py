@@ -2,8 +2,11 @@
 
     python backend_worker.py collectives SCRATCH  # every collective over pslink and over gloo
     python backend_worker.py ddp SCRATCH          # DDP (no hook) over pslink and over gloo
+    python backend_worker.py gan SCRATCH          # two DDP models with the hook in one process
+    python backend_worker.py fsdp SCRATCH         # FSDP2 (fully_shard) over pslink and over gloo
     python backend_worker.py mismatch SCRATCH     # ranks pass different shapes to one allreduce
     python backend_worker.py badsplits SCRATCH    # an uneven all_to_all whose splits do not match
+    python backend_worker.py badrecv SCRATCH      # a recv of another size than its send
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ def collectives(rank: int, size: int, groups: dict) -> dict:
             for request in requests:
                 request.wait()
             out[f"p2p-{d}"] = got
+        # sparse: rank r holds entries at r, r + 2 and 5 (ranks bring different numbers of them)
+        sparse = torch.sparse_coo_tensor([[rank, rank + 2, 5][: 2 + rank % 2]], [1.5, -2.0, 3.25][: 2 + rank % 2],
+                                         (8,))
+        dist.all_reduce(sparse, group=group)
+        out["allreduce-sparse"] = sparse.to_dense()
         dist.barrier(group=group)
     return results
 
@@ -115,6 +123,79 @@ def ddp(rank: int, size: int, groups: dict) -> dict:
             grads.append([p.grad.clone() for p in net.parameters()])
             optimizer.step()
         results[name] = {"grads": grads, "weights": [p.detach().clone() for p in net.parameters()]}
+    return results
+
+
+def transformer() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    return torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.TransformerEncoder(layer, 2),
+                               torch.nn.Linear(32, 50))
+
+
+def fsdp(rank: int, size: int, groups: dict) -> dict:
+    """FSDP2: each encoder layer and the whole model sharded over the group (its all-gathers and
+    reduce-scatters), trained with SGD; the full weights gathered at the end (a functional
+    all-gather, as DTensor does it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for name, group in groups.items():
+        net = transformer()
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in net[1].layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for step in range(4):
+            x = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1000 * step + rank))
+            loss = torch.nn.functional.cross_entropy(net(x).reshape(-1, 50), x.reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        results[name] = {"losses": losses, "weights": [p.full_tensor().detach().clone() for p in net.parameters()]}
+    return results
+
+
+def gan(rank: int, size: int, groups: dict) -> dict:
+    """Two DDP models in one process (a GAN's generator and discriminator), each with the hook:
+    joined by ``connect(job=...)`` (one Agent, two key scopes) and by ``connect()`` on the pslink
+    default group (its Agent); and the same over gloo with no hook."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    results = {}
+    for variant in ("job", "group", "gloo"):
+        g = DDP(copy.deepcopy(generator), process_group=groups["gloo"])
+        d = DDP(copy.deepcopy(discriminator), process_group=groups["gloo"])
+        states = []
+        if variant != "gloo":
+            for net in (g, d):
+                state = pslink.torch.connect(job=os.environ["PSLINK_JOB"]) if variant == "job" \
+                    else pslink.torch.connect()
+                net.register_comm_hook(state, pslink.torch.comm_hook)
+                states.append(state)
+        g_opt, d_opt = torch.optim.SGD(g.parameters(), lr=0.05), torch.optim.SGD(d.parameters(), lr=0.05)
+        for step in range(4):
+            noise = torch.Generator().manual_seed(100 * step + rank)
+            real, z = torch.randn(8, 4, generator=noise) + 2, torch.randn(8, 8, generator=noise)
+            fake = g(z)
+            labels = torch.cat([torch.ones(8, 1), torch.zeros(8, 1)])
+            d_opt.zero_grad()
+            torch.nn.functional.binary_cross_entropy_with_logits(d(torch.cat([real, fake.detach()])), labels).backward()
+            d_opt.step()
+            g_opt.zero_grad()
+            torch.nn.functional.binary_cross_entropy_with_logits(d(fake), torch.ones(8, 1)).backward()
+            g_opt.step()
+        results[variant] = {"weights": [p.detach().clone() for p in list(g.parameters()) + list(d.parameters())],
+                            "names": [s.name for s in states],
+                            "one_agent": len({id(s.agent) for s in states}) == 1,
+                            "backend_agent": bool(states) and states[0].agent is dist.group.WORLD.agent}
+        for state in states:
+            state.close()
     return results
 
 
@@ -159,6 +240,24 @@ def badsplits(rank: int, size: int, groups: dict) -> dict:
     return {"error": None}
 
 
+def badrecv(rank: int, size: int, groups: dict) -> dict:
+    """Rank 1 receives 4 floats where rank 0 sends 3: both fail at once; the pair still works
+    afterwards (the mismatched data was never pushed, so it cannot pair with a later send)."""
+    group = groups["pslink"]
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            dist.send(torch.ones(3), 1, group=group)
+        else:
+            dist.recv(torch.empty(4), 0, group=group)
+    except RuntimeError as exc:
+        after = torch.arange(3.0) if rank == 0 else torch.zeros(3)
+        (dist.send if rank == 0 else dist.recv)(after, 1 - rank, group=group)
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - started,
+                "after": after}
+    return {"error": None}
+
+
 TIMEOUTS = {"stall": 3}
 
 
@@ -168,7 +267,8 @@ def main() -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
     groups = {"pslink": dist.group.WORLD, "gloo": gloo}
-    cases = {"collectives": collectives, "ddp": ddp, "mismatch": mismatch, "stall": stall, "badsplits": badsplits}
+    cases = {"collectives": collectives, "ddp": ddp, "mismatch": mismatch, "stall": stall, "badsplits": badsplits,
+             "fsdp": fsdp, "gan": gan, "badrecv": badrecv}
     result = cases[case](rank, size, groups)
     if case == "collectives":
         # A subgroup of ranks 0 and 1 (every rank creates it, as torch requires): a job of its own.

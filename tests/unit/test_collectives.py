@@ -53,13 +53,32 @@ def test_non_roots_push_read_only_zeros_cut_from_one_buffer():
 
 
 def _pushpull_of(contributions: dict):
-    """A PushPull in which the other ranks' contributions to each key are known in advance."""
+    """A PushPull in which the other ranks' contributions to each key are known in advance (the
+    gathers push every element's bits as integers: so are the contributions summed here)."""
 
     def pushpull(key, array, out):
-        out[...] = array + sum(contributions.get(key, []))
+        out[...] = array + sum(collectives.bits_of(np.ascontiguousarray(c)) for c in contributions.get(key, []))
         return out
 
     return pushpull
+
+
+def test_gathers_and_broadcasts_push_bits_so_negative_zero_and_nan_payloads_survive():
+    row = np.array([-0.0, np.float32(np.nan), 1.5], np.float32)
+    row.view(np.int32)[1] |= 0x7  # a NaN with a payload
+    pushed = []
+
+    def pushpull(key, array, out):  # the sum of this rank's push and another rank's zeros
+        pushed.append(array.dtype)
+        out[...] = array + np.zeros_like(array)
+        return out
+
+    gathered, rows = collectives.gather_rows(pushpull, "x", row.reshape(1, 3), 0, 1)
+    assert gathered.tobytes() == row.tobytes() and list(rows) == [1]
+    assert all(dtype.kind in "iu" for dtype in pushed)
+    assert collectives.bits_of(row).dtype == np.int32 and np.shares_memory(collectives.bits_of(row), row)
+    with pytest.raises(ValueError, match="contiguous"):
+        collectives.bits_of(np.zeros((4, 4), np.float32)[:, 1])
 
 
 def test_gather_rows_concatenates_uneven_rows_in_rank_order():
