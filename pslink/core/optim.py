@@ -2,7 +2,7 @@
 
 The update rules follow PyTorch's documented algorithms (``torch.optim.SGD`` and
 ``torch.optim.Adam``), so a job that moves its optimizer onto the service trains as it did
-locally. A job sends its optimizer as plain data (type and hyperparameters), never as code::
+locally; MXNet's other optimizers are in :mod:`pslink.core.optim_mxnet`. A job sends its optimizer as plain data (type and hyperparameters), never as code::
 
     {"type": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "nesterov": False}
     {"type": "adam", "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
@@ -220,6 +220,15 @@ class Adam(Optimizer):
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam}
+
+
+def _register_mxnet_rules() -> None:
+    from pslink.core.optim_mxnet import MXNET_RULES  # it builds on the classes above
+
+    OPTIMIZERS.update(MXNET_RULES)
+
+
+_register_mxnet_rules()
 
 
 def make_optimizer(config: dict | None) -> Optimizer | None:

@@ -1,0 +1,181 @@
+"""More server-side optimizers, following MXNet 1.9's update rules (``mx.optimizer``): NAG,
+AdaGrad, AdaDelta, RMSProp (Tieleman & Hinton's), Signum, FTRL and MXNet's ``test`` optimizer.
+
+Each steps a part in place from the round's gradient already scaled (sum x ``rescale_grad``, the
+MXNet adapter sends ``average`` false), with ``clip_gradient`` and weight decay ``wd`` where MXNet
+applies them; the state each keeps is what MXNet's updater keeps (same names in
+:mod:`pslink.mxnet.optimizer`), so state files move between the two. Checked against MXNet's own
+updater on the same inputs (``tests/mxnet/test_mxnet_optimizers.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pslink.core.optim import Optimizer, _number
+
+
+class _MXNetRule(Optimizer):
+    """Reads ``lr`` and ``wd`` (MXNet's names) besides each rule's own settings."""
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.lr = _number(config, "lr", 0.01)
+        self.wd = _number(config, "wd", 0.0)
+
+
+class NAG(_MXNetRule):
+    """Nesterov momentum as MXNet's ``nag_mom_update``: the buffer holds ``-lr``-scaled momentum,
+    and is refreshed with the weight decay of the weights already updated (MXNet's kernel does so)."""
+
+    name = "nag"
+    allowed = frozenset({"lr", "wd", "momentum"})
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.momentum = _number(config, "momentum", 0.0, high=1.0, closed_high=False)
+
+    def state_layout(self):
+        return (("momentum",) if self.momentum else ()), ()
+
+    def step(self, weights, grad, state):
+        self._clip(grad)
+        if not self.momentum:
+            weights -= self.lr * (grad + self.wd * weights)
+            return
+        mom = state.setdefault("momentum", np.zeros_like(weights))
+        ahead = self.momentum * mom - self.lr * (grad + self.wd * weights)
+        weights += self.momentum * ahead - self.lr * (grad + self.wd * weights)
+        mom *= self.momentum
+        mom -= self.lr * (grad + self.wd * weights)
+
+
+class AdaGrad(_MXNetRule):
+    name = "adagrad"
+    allowed = frozenset({"lr", "wd", "eps"})
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.eps = _number(config, "eps", 1e-7)
+
+    def state_layout(self):
+        return ("history",), ()
+
+    def step(self, weights, grad, state):
+        self._clip(grad)
+        history = state.setdefault("history", np.zeros_like(weights))
+        history += grad * grad
+        weights += (grad / np.sqrt(history + self.eps) + weights * self.wd) * -self.lr
+
+
+class AdaDelta(_MXNetRule):
+    name = "adadelta"
+    allowed = frozenset({"lr", "wd", "rho", "eps"})  # lr is accepted and unused, as in MXNet
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.rho = _number(config, "rho", 0.9, high=1.0)
+        self.eps = _number(config, "eps", 1e-5)
+
+    def state_layout(self):
+        return ("acc_g", "acc_delta"), ()
+
+    def step(self, weights, grad, state):
+        self._clip(grad)
+        acc_g = state.setdefault("acc_g", np.zeros_like(weights))
+        acc_delta = state.setdefault("acc_delta", np.zeros_like(weights))
+        acc_g *= self.rho
+        acc_g += (1.0 - self.rho) * grad * grad
+        delta = np.sqrt(acc_delta + self.eps) / np.sqrt(acc_g + self.eps) * grad
+        acc_delta *= self.rho
+        acc_delta += (1.0 - self.rho) * delta * delta
+        weights -= delta + self.wd * weights
+
+
+class RMSProp(_MXNetRule):
+    """Tieleman & Hinton's RMSProp as MXNet's ``rmsprop_update`` (weight decay added before the
+    clip; ``centered`` is not offered)."""
+
+    name = "rmsprop"
+    allowed = frozenset({"lr", "wd", "gamma1", "eps", "clip_weights"})
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.gamma1 = _number(config, "gamma1", 0.9, high=1.0)
+        self.eps = _number(config, "eps", 1e-8)
+        clip = config.get("clip_weights")
+        self.clip_weights = None if clip is None else _number(config, "clip_weights", 0.0)
+
+    def state_layout(self):
+        return ("n",), ()
+
+    def step(self, weights, grad, state):
+        grad += self.wd * weights
+        self._clip(grad)
+        n = state.setdefault("n", np.zeros_like(weights))
+        n *= self.gamma1
+        n += (1.0 - self.gamma1) * grad * grad
+        weights -= self.lr * grad / np.sqrt(n + self.eps)
+        if self.clip_weights:
+            np.clip(weights, -self.clip_weights, self.clip_weights, out=weights)
+
+
+class Signum(_MXNetRule):
+    name = "signum"
+    allowed = frozenset({"lr", "wd", "momentum", "wd_lh"})
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.momentum = _number(config, "momentum", 0.9, high=1.0, closed_high=False)
+        self.wd_lh = _number(config, "wd_lh", 0.0)
+
+    def state_layout(self):
+        return (("momentum",) if self.momentum else ()), ()
+
+    def step(self, weights, grad, state):
+        self._clip(grad)
+        if self.momentum:  # signum_update: weight decay in the momentum, wd_lh decoupled
+            grad += self.wd * weights
+            mom = state.setdefault("momentum", np.zeros_like(weights))
+            mom *= self.momentum
+            mom -= (1.0 - self.momentum) * grad
+            weights *= 1.0 - self.lr * self.wd_lh
+            weights += self.lr * np.sign(mom)
+        else:  # signsgd_update: the sign of the gradient alone, weight decay decoupled
+            weights *= 1.0 - self.lr * (self.wd + self.wd_lh)
+            weights -= self.lr * np.sign(grad)
+
+
+class FTRL(_MXNetRule):
+    name = "ftrl"
+    allowed = frozenset({"lr", "wd", "lamda1", "beta"})
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.lamda1 = _number(config, "lamda1", 0.01)
+        self.beta = _number(config, "beta", 1.0)
+
+    def state_layout(self):
+        return ("z", "n"), ()
+
+    def step(self, weights, grad, state):
+        self._clip(grad)
+        z = state.setdefault("z", np.zeros_like(weights))
+        n = state.setdefault("n", np.zeros_like(weights))
+        z += grad - (np.sqrt(n + grad * grad) - np.sqrt(n)) * weights / self.lr
+        n += grad * grad
+        weights[...] = (np.sign(z) * self.lamda1 - z) / ((self.beta + np.sqrt(n)) / self.lr + self.wd) * (
+            np.abs(z) > self.lamda1)
+
+
+class Test(_MXNetRule):
+    """MXNet's ``test`` optimizer: ``weight += rescale_grad * grad``."""
+
+    name = "test"
+    allowed = frozenset({"lr", "wd"})
+
+    def step(self, weights, grad, state):
+        weights += grad
+
+
+MXNET_RULES: dict[str, type[Optimizer]] = {cls.name: cls for cls in (NAG, AdaGrad, AdaDelta, RMSProp, Signum, FTRL, Test)}
