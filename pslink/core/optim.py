@@ -33,7 +33,7 @@ import numpy as np
 
 from pslink.errors import ConfigError
 
-_COMMON = {"type", "average", "rescale_grad", "clip_gradient"}
+_COMMON = {"type", "average", "rescale_grad", "clip_gradient", "per_key"}
 
 
 def _number(config: dict, name: str, default: float, low: float = 0.0, high: float = math.inf, closed_high=True) -> float:
@@ -76,6 +76,40 @@ class Optimizer(abc.ABC):
         if self.clip_gradient == 0.0:
             raise ConfigError(f"optimizer {self.name!r}: clip_gradient must be > 0 (or absent: no clipping)")
         self.config = dict(config)
+        self._per_key = self._read_per_key(config.get("per_key", []))
+        self._for_keys: dict = {}
+
+    # Where a key's own learning rate and weight decay go (MXNet's lr_mult and wd_mult): the
+    # setting (and attribute) each optimizer keeps its weight decay in.
+    wd_setting = "weight_decay"
+
+    def _read_per_key(self, entries) -> dict:
+        """``per_key``: [[key, lr_mult, wd_mult], ...], the keys whose learning rate and weight
+        decay are the job's times their own factors."""
+        if not isinstance(entries, list):
+            raise ConfigError(f"optimizer {self.name!r}: per_key must be a list of [key, lr_mult, wd_mult]")
+        per_key = {}
+        for entry in entries:
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], (int, str))
+                    and not isinstance(entry[0], bool)):
+                raise ConfigError(f"optimizer {self.name!r}: per_key entry {entry!r} is not [key, lr_mult, wd_mult]")
+            factors = {"lr_mult": entry[1], "wd_mult": entry[2], "type": self.name}
+            per_key[entry[0]] = (_number(factors, "lr_mult", 1.0), _number(factors, "wd_mult", 1.0))
+        return per_key
+
+    def for_key(self, key) -> "Optimizer":
+        """The optimizer that steps ``key``: this one, or one with the key's own learning rate and
+        weight decay (made once per key)."""
+        factors = self._per_key.get(key)
+        if factors is None:
+            return self
+        own = self._for_keys.get(key)
+        if own is None:
+            config = {name: value for name, value in self.config.items() if name != "per_key"}
+            config["lr"] = self.lr * factors[0]
+            config[self.wd_setting] = getattr(self, self.wd_setting) * factors[1]
+            own = self._for_keys[key] = type(self)(config)
+        return own
 
     def _clip(self, grad: np.ndarray) -> None:
         if self.clip_gradient is not None:

@@ -18,6 +18,8 @@ from pslink.core.optim import Optimizer, _number
 class _MXNetRule(Optimizer):
     """Reads ``lr`` and ``wd`` (MXNet's names) besides each rule's own settings."""
 
+    wd_setting = "wd"
+
     def __init__(self, config: dict):
         super().__init__(config)
         self.lr = _number(config, "lr", 0.01)

@@ -160,9 +160,11 @@ class PSLinkKVStore(KVStoreBase):
         for k, v in zip(keys, values):
             if k in self._keys:
                 raise KVStoreError(f"pslink kvstore: duplicate init of key {k!r}", key=k)
-            if isinstance(v, (list, tuple)):
-                raise KVStoreError(f"pslink kvstore: init of key {k!r} takes one NDArray, got a list", key=k)
-            arrays.append(_arrays(v, k, "init")[0].asnumpy())
+            if isinstance(v, (list, tuple)) and len(v) > 1:
+                # MXNet reads [a, b] for one key as two inits of that key, and refuses the second.
+                raise KVStoreError(f"pslink kvstore: duplicate init of key {k!r} ({len(v)} values in one list)",
+                                   key=k)
+            arrays.append(_arrays(v, k, "init")[0].asnumpy())  # one NDArray, or a list holding one
         self._settle()
         self._call("init", keys, lambda: self._agent.init_many(keys, arrays).wait())
         self._after_init(keys)
@@ -258,7 +260,7 @@ class PSLinkKVStore(KVStoreBase):
     def set_optimizer(self, optimizer) -> None:
         """Have the service apply ``optimizer`` (its type and hyperparameters, sent as plain data)
         to every push: pulls then return weights. Call it before the first init."""
-        config = service_config(optimizer)
+        config = service_config(optimizer, list(self._keys))
         for key, info in self._keys.items():
             check_key(optimizer, key, info.dtype.name)
             info.checked = True
@@ -299,7 +301,7 @@ class PSLinkKVStore(KVStoreBase):
                                "has not initialized; init every key before load_optimizer_states")
         states = {k: to_service_state(self._optimizer, k, state) for k, state in loaded.items()}
         self._settle()
-        self._send_optimizer(service_config(self._optimizer))
+        self._send_optimizer(service_config(self._optimizer, list(self._keys)))
         if states:
             self._call("load_optimizer_states", list(states), lambda: self._agent.set_optimizer_state(states))
 
@@ -323,7 +325,7 @@ class PSLinkKVStore(KVStoreBase):
                 check_key(opt, key, info.dtype.name)
                 info.checked = True
         opt._update_count(keys)
-        config = service_config(opt)
+        config = service_config(opt, list(self._keys))
         if config != self._sent:
             self._settle()
             self._send_optimizer(config)

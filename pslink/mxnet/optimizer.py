@@ -50,10 +50,15 @@ def _plain(value):
     return None if value is None else float(value)
 
 
-def service_config(opt) -> dict:
-    """The plain-data description of ``opt`` at its current learning rate."""
+def service_config(opt, keys=()) -> dict:
+    """The plain-data description of ``opt`` at its current learning rate; ``keys`` whose learning
+    rate or weight decay is their own (``lr_mult``, ``wd_mult``, a Parameter's multipliers) get
+    their factors in ``per_key``."""
     kind = type(opt)
     common: dict = {"average": False, "rescale_grad": float(opt.rescale_grad)}
+    per_key = [[key, *factors] for key in keys if (factors := _factors(opt, key)) != (1.0, 1.0)]
+    if per_key:
+        common["per_key"] = per_key
     # MXNet clips only for a positive clip_gradient (None, 0 or negative: no clipping).
     if opt.clip_gradient is not None and opt.clip_gradient > 0:
         common["clip_gradient"] = float(opt.clip_gradient)
@@ -92,19 +97,15 @@ def service_config(opt) -> dict:
     )
 
 
-def check_key(opt, key, dtype) -> None:
-    """Refuse what one job-wide optimizer cannot express for ``key``: its own learning rate or
-    weight decay (lr_mult, wd_mult), or a float16 master copy (multi_precision)."""
+def _factors(opt, key) -> tuple[float, float]:
+    """``key``'s learning rate and weight decay over the optimizer's (MXNet's ``_get_lr`` and
+    ``_get_wd`` apply lr_mult and wd_mult; a zero base leaves the factor 1, it multiplies 0)."""
     lr, wd = opt.learning_rate, opt.wd
-    key_lr, key_wd = opt._get_lr(key), opt._get_wd(key)
-    if key_lr != lr or key_wd != wd:
-        raise KVStoreError(
-            f"pslink kvstore: key {key!r} has learning rate {key_lr:g} and weight decay {key_wd:g}, "
-            f"but the optimizer's are {lr:g} and {wd:g} (lr_mult or wd_mult set for it); the service "
-            "applies one learning rate and weight decay to every key of a job: set the multipliers "
-            "to 1 or use update_on_kvstore=False",
-            key=key,
-        )
+    return (float(opt._get_lr(key) / lr) if lr else 1.0, float(opt._get_wd(key) / wd) if wd else 1.0)
+
+
+def check_key(opt, key, dtype) -> None:
+    """Refuse what the service cannot do for ``key``: a float16 master copy (multi_precision)."""
     if opt.multi_precision and dtype == "float16":
         raise KVStoreError(
             f"pslink kvstore: key {key!r} is float16 and the optimizer asks for multi_precision; the "

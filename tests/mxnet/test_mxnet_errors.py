@@ -118,15 +118,6 @@ def test_optimizers_the_service_cannot_apply_are_refused_by_name(kv, new_store):
     # The job's mode is fixed by its first key: an optimizer must come before init.
     with pytest.raises(MXNetError, match="runs in sum mode and already has keys; set the optimizer before the first"):
         kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
-    # One learning rate and weight decay per job: per-key multipliers are refused at first use.
-    store = new_store()
-    opt = mx.optimizer.SGD(learning_rate=0.1, wd=0.01)
-    opt.set_wd_mult({0: 0.0})
-    store.set_optimizer(opt)
-    store.init(0, mx.nd.ones(SHAPE))
-    with pytest.raises(MXNetError, match=r"key 0 has learning rate 0.1 and weight decay 0, but the optimizer's "
-                                         r"are 0.1 and 0.01 \(lr_mult or wd_mult set for it\)"):
-        store.push(0, mx.nd.ones(SHAPE))
 
 
 def test_two_workers_initializing_a_key_with_different_shapes_both_fail(service, tmp_path):
@@ -138,3 +129,14 @@ def test_two_workers_initializing_a_key_with_different_shapes_both_fail(service,
         assert seen["error"] is not None, f"rank {rank} saw no error"
         assert seen["cls"] == "KVStoreError" and seen["key"] == 4, seen
         assert "key 4" in seen["error"] and "(2, 3)" in seen["error"] and "(3, 2)" in seen["error"], seen
+
+
+def test_init_takes_a_list_holding_one_value_and_refuses_two_as_mxnet_does(kv):
+    local = mx.kv.create("local")
+    for store in (local, kv):
+        store.init("200", [mx.nd.ones(SHAPE) * 3])  # one key, a list holding its value
+        out = mx.nd.zeros(SHAPE)
+        store.pull("200", out=out)
+        assert (out.asnumpy() == 3).all()
+        with pytest.raises(MXNetError, match="duplicate init of key"):
+            store.init("201", [mx.nd.ones(SHAPE), mx.nd.ones(SHAPE)])

@@ -201,3 +201,35 @@ def test_a_state_file_from_a_local_run_loads_its_optimizer_and_its_momentum(serv
             kv.load_optimizer_states(str(other))
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_keys_with_their_own_learning_rate_and_weight_decay_step_as_mxnet(service, kind):
+    """lr_mult and wd_mult (the Module API sets wd_mult 0 for biases) reach the service per key."""
+    def make():
+        opt = (mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.05) if kind == "sgd"
+               else mx.optimizer.AdaGrad(learning_rate=0.1, wd=0.05))
+        opt.set_lr_mult({"e": 2.5})
+        opt.set_wd_mult({"b": 0.0, "e": 3.0})
+        return opt
+
+    rng = np.random.default_rng(3)
+    keys = ["w", "b", "e"]
+    w0 = {k: rng.standard_normal(SHAPE).astype(np.float32) for k in keys}
+    updater = mx.optimizer.get_updater(make())
+    reference = {k: mx.nd.array(w0[k]) for k in keys}
+    kv = pslink.mxnet.PSLink(job=f"mults-{kind}", rank=0, num_workers=1, master=service.address, timeout=20)
+    try:
+        kv.set_optimizer(make())
+        kv.init(keys, [mx.nd.array(w0[k]) for k in keys])
+        outs = [mx.nd.zeros(SHAPE) for _ in keys]
+        for step in range(4):
+            grads = [mx.nd.array(rng.standard_normal(SHAPE).astype(np.float32)) for _ in keys]
+            for k, g in zip(keys, grads):
+                updater(k, g, reference[k])
+            kv.pushpull(keys, grads, out=outs)
+            for k, out in zip(keys, outs):
+                np.testing.assert_allclose(out.asnumpy(), reference[k].asnumpy(), rtol=1e-5, atol=1e-6,
+                                           err_msg=f"key {k} step {step}")
+    finally:
+        kv.close()

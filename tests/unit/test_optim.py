@@ -255,3 +255,16 @@ def test_sgd_with_momentum_steps_without_a_temporary_array():
     finally:
         tracemalloc.stop()
     assert peak < grad.nbytes // 4, f"the step allocated {peak} bytes (an array is {grad.nbytes})"
+
+
+def test_a_key_with_its_own_factors_steps_with_its_own_learning_rate_and_weight_decay():
+    sgd = make_optimizer({"type": "sgd", "lr": 0.1, "weight_decay": 0.01, "per_key": [["b", 1.0, 0.0], [7, 2.0, 3.0]]})
+    assert sgd.for_key("w") is sgd
+    assert (sgd.for_key("b").lr, sgd.for_key("b").weight_decay) == (0.1, 0.0)
+    assert (sgd.for_key(7).lr, sgd.for_key(7).weight_decay) == pytest.approx((0.2, 0.03))
+    assert sgd.for_key(7) is sgd.for_key(7)  # made once
+    nag = make_optimizer({"type": "nag", "lr": 0.1, "wd": 0.01, "per_key": [["b", 1.0, 0.0]]})
+    assert nag.for_key("b").wd == 0.0 and nag.for_key("b").lr == 0.1
+    for bad in ([["b", 1.0]], [[None, 1.0, 1.0]], [["b", -1.0, 1.0]], "b"):
+        with pytest.raises(ConfigError, match="per_key|lr_mult"):
+            make_optimizer({"type": "sgd", "lr": 0.1, "per_key": bad})

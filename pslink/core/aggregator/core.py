@@ -473,9 +473,9 @@ class AggregatorCore:
         if job.mode == "sum":
             task.value = round_.acc
             return
-        optimizer = job.optimizer
-        if optimizer is None:
+        if job.optimizer is None:
             raise KeyStateError(f"{task.name}: job {job.job!r} runs in optimizer mode but has no optimizer set")
+        optimizer = job.optimizer.for_key(task.key)  # the key's own learning rate and weight decay, if any
         weights = task.value
         if task.pool.in_use(weights, known=2):  # task.value and the local name
             # A reply with the old weights may still be on a socket: step a copy.
