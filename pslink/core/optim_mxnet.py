@@ -15,6 +15,15 @@ import numpy as np
 from pslink.core.optim import Optimizer, _number
 
 
+def _zeros(state: dict, name: str, weights: np.ndarray) -> np.ndarray:
+    """``state[name]``, made as zeros like ``weights`` on the first step (not a fresh array every
+    step, as ``setdefault`` would allocate)."""
+    array = state.get(name)
+    if array is None:
+        array = state[name] = np.zeros_like(weights)
+    return array
+
+
 class _MXNetRule(Optimizer):
     """Reads ``lr`` and ``wd`` (MXNet's names) besides each rule's own settings."""
 
@@ -45,7 +54,7 @@ class NAG(_MXNetRule):
         if not self.momentum:
             weights -= self.lr * (grad + self.wd * weights)
             return
-        mom = state.setdefault("momentum", np.zeros_like(weights))
+        mom = _zeros(state, "momentum", weights)
         ahead = self.momentum * mom - self.lr * (grad + self.wd * weights)
         weights += self.momentum * ahead - self.lr * (grad + self.wd * weights)
         mom *= self.momentum
@@ -65,7 +74,7 @@ class AdaGrad(_MXNetRule):
 
     def step(self, weights, grad, state):
         self._clip(grad)
-        history = state.setdefault("history", np.zeros_like(weights))
+        history = _zeros(state, "history", weights)
         history += grad * grad
         weights += (grad / np.sqrt(history + self.eps) + weights * self.wd) * -self.lr
 
@@ -84,8 +93,8 @@ class AdaDelta(_MXNetRule):
 
     def step(self, weights, grad, state):
         self._clip(grad)
-        acc_g = state.setdefault("acc_g", np.zeros_like(weights))
-        acc_delta = state.setdefault("acc_delta", np.zeros_like(weights))
+        acc_g = _zeros(state, "acc_g", weights)
+        acc_delta = _zeros(state, "acc_delta", weights)
         acc_g *= self.rho
         acc_g += (1.0 - self.rho) * grad * grad
         delta = np.sqrt(acc_delta + self.eps) / np.sqrt(acc_g + self.eps) * grad
@@ -114,7 +123,7 @@ class RMSProp(_MXNetRule):
     def step(self, weights, grad, state):
         grad += self.wd * weights
         self._clip(grad)
-        n = state.setdefault("n", np.zeros_like(weights))
+        n = _zeros(state, "n", weights)
         n *= self.gamma1
         n += (1.0 - self.gamma1) * grad * grad
         weights -= self.lr * grad / np.sqrt(n + self.eps)
@@ -138,7 +147,7 @@ class Signum(_MXNetRule):
         self._clip(grad)
         if self.momentum:  # signum_update: weight decay in the momentum, wd_lh decoupled
             grad += self.wd * weights
-            mom = state.setdefault("momentum", np.zeros_like(weights))
+            mom = _zeros(state, "momentum", weights)
             mom *= self.momentum
             mom -= (1.0 - self.momentum) * grad
             weights *= 1.0 - self.lr * self.wd_lh
@@ -162,8 +171,8 @@ class FTRL(_MXNetRule):
 
     def step(self, weights, grad, state):
         self._clip(grad)
-        z = state.setdefault("z", np.zeros_like(weights))
-        n = state.setdefault("n", np.zeros_like(weights))
+        z = _zeros(state, "z", weights)
+        n = _zeros(state, "n", weights)
         z += grad - (np.sqrt(n + grad * grad) - np.sqrt(n)) * weights / self.lr
         n += grad * grad
         weights[...] = (np.sign(z) * self.lamda1 - z) / ((self.beta + np.sqrt(n)) / self.lr + self.wd) * (
