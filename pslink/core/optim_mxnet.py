@@ -1,5 +1,5 @@
 """More server-side optimizers, following MXNet 1.9's update rules (``mx.optimizer``): NAG,
-AdaGrad, AdaDelta, RMSProp (Tieleman & Hinton's), Signum, FTRL and MXNet's ``test`` optimizer.
+AdaGrad, AdaDelta, RMSProp (plain and centered), Signum, FTRL, Adamax and MXNet's ``test`` optimizer.
 
 Each steps a part in place from the round's gradient already scaled (sum x ``rescale_grad``, the
 MXNet adapter sends ``average`` false), with ``clip_gradient`` and weight decay ``wd`` where MXNet
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pslink.core.optim import Optimizer, _number
+from pslink.core.optim import Optimizer, _flag, _number
 
 
 def _zeros(state: dict, name: str, weights: np.ndarray) -> np.ndarray:
@@ -104,21 +104,24 @@ class AdaDelta(_MXNetRule):
 
 
 class RMSProp(_MXNetRule):
-    """Tieleman & Hinton's RMSProp as MXNet's ``rmsprop_update`` (weight decay added before the
-    clip; ``centered`` is not offered)."""
+    """RMSProp as MXNet's ``rmsprop_update`` (Tieleman & Hinton's) or, with ``centered``, its
+    ``rmspropalex_update`` (Graves's, with momentum ``gamma2``); weight decay is added before the
+    clip in both."""
 
     name = "rmsprop"
-    allowed = frozenset({"lr", "wd", "gamma1", "eps", "clip_weights"})
+    allowed = frozenset({"lr", "wd", "gamma1", "gamma2", "eps", "centered", "clip_weights"})
 
     def __init__(self, config: dict):
         super().__init__(config)
         self.gamma1 = _number(config, "gamma1", 0.9, high=1.0)
+        self.gamma2 = _number(config, "gamma2", 0.9, high=1.0)
         self.eps = _number(config, "eps", 1e-8)
+        self.centered = _flag(config, "centered", False)
         clip = config.get("clip_weights")
         self.clip_weights = None if clip is None else _number(config, "clip_weights", 0.0)
 
     def state_layout(self):
-        return ("n",), ()
+        return (("n", "g", "delta") if self.centered else ("n",)), ()
 
     def step(self, weights, grad, state):
         grad += self.wd * weights
@@ -126,7 +129,16 @@ class RMSProp(_MXNetRule):
         n = _zeros(state, "n", weights)
         n *= self.gamma1
         n += (1.0 - self.gamma1) * grad * grad
-        weights -= self.lr * grad / np.sqrt(n + self.eps)
+        if self.centered:
+            mean = _zeros(state, "g", weights)
+            mean *= self.gamma1
+            mean += (1.0 - self.gamma1) * grad
+            delta = _zeros(state, "delta", weights)
+            delta *= self.gamma2
+            delta -= self.lr * grad / np.sqrt(n - mean * mean + self.eps)
+            weights += delta
+        else:
+            weights -= self.lr * grad / np.sqrt(n + self.eps)
         if self.clip_weights:
             np.clip(weights, -self.clip_weights, self.clip_weights, out=weights)
 
@@ -179,6 +191,32 @@ class FTRL(_MXNetRule):
             np.abs(z) > self.lamda1)
 
 
+class Adamax(_MXNetRule):
+    """Adam with the infinity norm (MXNet's ``Adamax``): weight decay added before the clip, the
+    learning rate bias-corrected by the step count of the key."""
+
+    name = "adamax"
+    allowed = frozenset({"lr", "wd", "beta1", "beta2"})
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.beta1 = _number(config, "beta1", 0.9, high=1.0, closed_high=False)
+        self.beta2 = _number(config, "beta2", 0.999, high=1.0)
+
+    def state_layout(self):
+        return ("mean", "norm"), ("step",)
+
+    def step(self, weights, grad, state):
+        grad += self.wd * weights
+        self._clip(grad)
+        state["step"] = t = state.get("step", 0) + 1
+        mean, norm = _zeros(state, "mean", weights), _zeros(state, "norm", weights)
+        mean *= self.beta1
+        mean += (1.0 - self.beta1) * grad
+        np.maximum(self.beta2 * norm, np.abs(grad), out=norm)
+        weights -= self.lr / (1.0 - self.beta1**t) * mean / norm
+
+
 class Test(_MXNetRule):
     """MXNet's ``test`` optimizer: ``weight += rescale_grad * grad``."""
 
@@ -189,4 +227,5 @@ class Test(_MXNetRule):
         weights += grad
 
 
-MXNET_RULES: dict[str, type[Optimizer]] = {cls.name: cls for cls in (NAG, AdaGrad, AdaDelta, RMSProp, Signum, FTRL, Test)}
+MXNET_RULES: dict[str, type[Optimizer]] = {cls.name: cls for cls in (NAG, AdaGrad, AdaDelta, RMSProp, Signum, FTRL,
+                                                                      Adamax, Test)}

@@ -2,7 +2,7 @@
 
 ``service_config(opt)`` maps an ``mx.optimizer.SGD`` (with or without momentum) or
 ``mx.optimizer.Adam`` onto the service's optimizers (``pslink.core.optim``; MXNet's NAG, AdaGrad,
-AdaDelta, RMSProp, Signum, Ftrl and Test onto ``pslink.core.optim_mxnet``), with the settings
+AdaDelta, RMSProp, Signum, Ftrl, Adamax and Test onto ``pslink.core.optim_mxnet``), with the settings
 that make the service follow MXNet's update rules rather than PyTorch's:
 
 - the service applies the round's **sum** of gradients times ``rescale_grad`` (``average``
@@ -24,8 +24,8 @@ import numpy as np
 
 from pslink.mxnet.errors import KVStoreError
 
-SUPPORTED = ("mx.optimizer.SGD (with or without momentum), Adam, NAG, AdaGrad, AdaDelta, RMSProp (centered=False), "
-             "Signum, Ftrl and Test")
+SUPPORTED = ("mx.optimizer.SGD (with or without momentum), Adam, NAG, AdaGrad, AdaDelta, RMSProp, "
+             "Signum, Ftrl, Adamax and Test")
 
 # MXNet's other optimizers on the service (pslink.core.optim_mxnet): the service's type, its
 # settings from the optimizer's attributes, and the state MXNet's updater keeps per key (the
@@ -34,20 +34,29 @@ _RULES = {
     mx.optimizer.NAG: ("nag", {"momentum": "momentum"}),
     mx.optimizer.AdaGrad: ("adagrad", {"eps": "float_stable_eps"}),
     mx.optimizer.AdaDelta: ("adadelta", {"rho": "rho", "eps": "epsilon"}),
-    mx.optimizer.RMSProp: ("rmsprop", {"gamma1": "gamma1", "eps": "epsilon", "clip_weights": "clip_weights"}),
+    mx.optimizer.RMSProp: ("rmsprop", {"gamma1": "gamma1", "gamma2": "gamma2", "eps": "epsilon", "centered": "centered",
+                                       "clip_weights": "clip_weights"}),
     mx.optimizer.Signum: ("signum", {"momentum": "momentum", "wd_lh": "wd_lh"}),
     mx.optimizer.Ftrl: ("ftrl", {"lamda1": "lamda1", "beta": "beta"}),
+    mx.optimizer.Adamax: ("adamax", {"beta1": "beta1", "beta2": "beta2"}),
     mx.optimizer.Test: ("test", {}),
 }
 _STATES = {
     mx.optimizer.NAG: (("momentum",), False), mx.optimizer.AdaGrad: (("history",), False),
-    mx.optimizer.AdaDelta: (("acc_g", "acc_delta"), True), mx.optimizer.RMSProp: (("n",), True),
+    mx.optimizer.AdaDelta: (("acc_g", "acc_delta"), True), mx.optimizer.RMSProp: (("n",), True),  # centered: below
     mx.optimizer.Signum: (("momentum",), False), mx.optimizer.Ftrl: (("z", "n"), True), mx.optimizer.Test: ((), False),
+    mx.optimizer.Adamax: (("mean", "norm"), True),  # and the key's update count, as Adam's
 }
 
 
+def _state_layout(opt):
+    if type(opt) is mx.optimizer.RMSProp and opt.centered:
+        return ("n", "g", "delta"), True
+    return _STATES.get(type(opt))
+
+
 def _plain(value):
-    return None if value is None else float(value)
+    return value if value is None or isinstance(value, bool) else float(value)
 
 
 def service_config(opt, keys=()) -> dict:
@@ -84,9 +93,6 @@ def service_config(opt, keys=()) -> dict:
         }
     settings = _RULES.get(kind)
     if settings is not None:
-        if kind is mx.optimizer.RMSProp and opt.centered:
-            raise KVStoreError("pslink kvstore: the service applies RMSProp with centered=False only (Tieleman & "
-                               "Hinton's); use it, or gluon.Trainer(..., update_on_kvstore=False)")
         common.update(lr=float(opt.learning_rate), wd=float(opt.wd))
         return {"type": settings[0], **{ours: _plain(getattr(opt, theirs)) for ours, theirs in settings[1].items()},
                 **common}
@@ -119,7 +125,7 @@ def to_mxnet_state(opt, state: dict):
     """The service's state of one key (``Agent.optimizer_state``) as MXNet's updater keeps it."""
     if not state:
         return None
-    layout = _STATES.get(type(opt))
+    layout = _state_layout(opt)
     if layout is not None:
         arrays = [mx.nd.array(state[name], dtype=state[name].dtype) for name in layout[0]]
         return tuple(arrays) if layout[1] else arrays[0]
@@ -133,14 +139,17 @@ def to_service_state(opt, key, mx_state) -> dict:
     """One key's state from MXNet's updater (a file from ``save_optimizer_states``) for the service."""
     if mx_state is None:
         return {}
-    layout = _STATES.get(type(opt))
+    layout = _state_layout(opt)
     if layout is not None:
         names, as_tuple = layout
         arrays = list(mx_state) if as_tuple else [mx_state]
         if len(arrays) != len(names) or not all(isinstance(a, mx.nd.NDArray) for a in arrays):
             raise KVStoreError(f"pslink kvstore: the state of key {key!r} is not {type(opt).__name__}'s "
                                f"({', '.join(names)})", key=key)
-        return {name: np.ascontiguousarray(a.asnumpy()) for name, a in zip(names, arrays)}
+        state = {name: np.ascontiguousarray(a.asnumpy()) for name, a in zip(names, arrays)}
+        if type(opt) is mx.optimizer.Adamax:
+            state["step"] = int(opt._index_update_count.get(key, 0))
+        return state
     if type(opt) is mx.optimizer.SGD:
         if isinstance(mx_state, (tuple, list)):
             raise KVStoreError(f"pslink kvstore: the state of key {key!r} holds a float32 master copy "

@@ -129,10 +129,13 @@ def mxnet_optimizers():
         "adadelta": lambda: mx.optimizer.AdaDelta(rho=0.8, epsilon=1e-4, wd=0.01, clip_gradient=2.0),
         "rmsprop": lambda: mx.optimizer.RMSProp(learning_rate=0.01, gamma1=0.8, wd=0.02, clip_gradient=2.0,
                                                 clip_weights=1.5),
+        "rmsprop-centered": lambda: mx.optimizer.RMSProp(learning_rate=0.01, gamma1=0.8, gamma2=0.7, centered=True,
+                                                         wd=0.02, clip_gradient=2.0),
         "signum": lambda: mx.optimizer.Signum(learning_rate=0.01, momentum=0.9, wd=0.01, wd_lh=0.02, clip_gradient=2.0),
         # (MXNet's own signsgd_update refuses wd_lh: without momentum it is left out)
         "signum-no-momentum": lambda: mx.optimizer.Signum(learning_rate=0.01, momentum=0.0, wd=0.01),
         "ftrl": lambda: mx.optimizer.Ftrl(learning_rate=0.1, lamda1=0.05, beta=0.5, wd=0.01, clip_gradient=2.0),
+        "adamax": lambda: mx.optimizer.Adamax(learning_rate=0.01, beta1=0.8, beta2=0.9, wd=0.02, clip_gradient=2.0),
         "test": lambda: mx.optimizer.Test(rescale_grad=0.5),
     }
 
