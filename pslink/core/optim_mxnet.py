@@ -1,5 +1,5 @@
 """More server-side optimizers, following MXNet 1.9's update rules (``mx.optimizer``): NAG,
-AdaGrad, AdaDelta, RMSProp (plain and centered), Signum, FTRL, Adamax and MXNet's ``test`` optimizer.
+AdaGrad, AdaDelta, RMSProp (plain and centered), Signum, FTRL, Adamax, FTML and MXNet's ``test`` optimizer.
 
 Each steps a part in place from the round's gradient already scaled (sum x ``rescale_grad``, the
 MXNet adapter sends ``average`` false), with ``clip_gradient`` and weight decay ``wd`` where MXNet
@@ -217,6 +217,35 @@ class Adamax(_MXNetRule):
         weights -= self.lr / (1.0 - self.beta1**t) * mean / norm
 
 
+class FTML(_MXNetRule):
+    """Follow the Moving Leader (MXNet's ``ftml_update``): weight decay added before the clip."""
+
+    name = "ftml"
+    allowed = frozenset({"lr", "wd", "beta1", "beta2", "eps"})
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.beta1 = _number(config, "beta1", 0.6, high=1.0, closed_high=False)
+        self.beta2 = _number(config, "beta2", 0.999, high=1.0, closed_high=False)
+        self.eps = _number(config, "eps", 1e-8)
+
+    def state_layout(self):
+        return ("d", "v", "z"), ("step",)
+
+    def step(self, weights, grad, state):
+        grad += self.wd * weights
+        self._clip(grad)
+        state["step"] = t = state.get("step", 0) + 1
+        d, v, z = (_zeros(state, name, weights) for name in ("d", "v", "z"))
+        v *= self.beta2
+        v += (1.0 - self.beta2) * grad * grad
+        d_t = (1.0 - self.beta1**t) / self.lr * (np.sqrt(v / (1.0 - self.beta2**t)) + self.eps)
+        z *= self.beta1
+        z += (1.0 - self.beta1) * grad - (d_t - self.beta1 * d) * weights
+        d[...] = d_t
+        np.divide(-z, d_t, out=weights)
+
+
 class Test(_MXNetRule):
     """MXNet's ``test`` optimizer: ``weight += rescale_grad * grad``."""
 
@@ -228,4 +257,4 @@ class Test(_MXNetRule):
 
 
 MXNET_RULES: dict[str, type[Optimizer]] = {cls.name: cls for cls in (NAG, AdaGrad, AdaDelta, RMSProp, Signum, FTRL,
-                                                                      Adamax, Test)}
+                                                                      Adamax, FTML, Test)}

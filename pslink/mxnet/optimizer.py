@@ -2,7 +2,7 @@
 
 ``service_config(opt)`` maps an ``mx.optimizer.SGD`` (with or without momentum) or
 ``mx.optimizer.Adam`` onto the service's optimizers (``pslink.core.optim``; MXNet's NAG, AdaGrad,
-AdaDelta, RMSProp, Signum, Ftrl, Adamax and Test onto ``pslink.core.optim_mxnet``), with the settings
+AdaDelta, RMSProp, Signum, Ftrl, Adamax, FTML and Test onto ``pslink.core.optim_mxnet``), with the settings
 that make the service follow MXNet's update rules rather than PyTorch's:
 
 - the service applies the round's **sum** of gradients times ``rescale_grad`` (``average``
@@ -25,7 +25,7 @@ import numpy as np
 from pslink.mxnet.errors import KVStoreError
 
 SUPPORTED = ("mx.optimizer.SGD (with or without momentum), Adam, NAG, AdaGrad, AdaDelta, RMSProp, "
-             "Signum, Ftrl, Adamax and Test")
+             "Signum, Ftrl, Adamax, FTML and Test")
 
 # MXNet's other optimizers on the service (pslink.core.optim_mxnet): the service's type, its
 # settings from the optimizer's attributes, and the state MXNet's updater keeps per key (the
@@ -39,13 +39,14 @@ _RULES = {
     mx.optimizer.Signum: ("signum", {"momentum": "momentum", "wd_lh": "wd_lh"}),
     mx.optimizer.Ftrl: ("ftrl", {"lamda1": "lamda1", "beta": "beta"}),
     mx.optimizer.Adamax: ("adamax", {"beta1": "beta1", "beta2": "beta2"}),
+    mx.optimizer.FTML: ("ftml", {"beta1": "beta1", "beta2": "beta2", "eps": "epsilon"}),
     mx.optimizer.Test: ("test", {}),
 }
 _STATES = {
     mx.optimizer.NAG: (("momentum",), False), mx.optimizer.AdaGrad: (("history",), False),
     mx.optimizer.AdaDelta: (("acc_g", "acc_delta"), True), mx.optimizer.RMSProp: (("n",), True),  # centered: below
     mx.optimizer.Signum: (("momentum",), False), mx.optimizer.Ftrl: (("z", "n"), True), mx.optimizer.Test: ((), False),
-    mx.optimizer.Adamax: (("mean", "norm"), True),  # and the key's update count, as Adam's
+    mx.optimizer.Adamax: (("mean", "norm"), True), mx.optimizer.FTML: (("d", "v", "z"), True),  # and step counts
 }
 
 
@@ -147,7 +148,7 @@ def to_service_state(opt, key, mx_state) -> dict:
             raise KVStoreError(f"pslink kvstore: the state of key {key!r} is not {type(opt).__name__}'s "
                                f"({', '.join(names)})", key=key)
         state = {name: np.ascontiguousarray(a.asnumpy()) for name, a in zip(names, arrays)}
-        if type(opt) is mx.optimizer.Adamax:
+        if type(opt) in (mx.optimizer.Adamax, mx.optimizer.FTML):
             state["step"] = int(opt._index_update_count.get(key, 0))
         return state
     if type(opt) is mx.optimizer.SGD:

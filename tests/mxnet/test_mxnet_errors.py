@@ -111,7 +111,7 @@ def test_other_misuse_is_named(kv):
 
 def test_optimizers_the_service_cannot_apply_are_refused_by_name(kv, new_store):
     with pytest.raises(MXNetError, match=r"cannot apply optimizer mxnet.optimizer.optimizer.Nadam; it applies "
-                                         r"mx.optimizer.SGD .*, Adam, NAG, .* Adamax and Test"):
+                                         r"mx.optimizer.SGD .*, Adam, NAG, .* FTML and Test"):
         new_store().set_optimizer(mx.optimizer.Nadam())
     # The job's mode is fixed by its first key: an optimizer must come before init.
     with pytest.raises(MXNetError, match="runs in sum mode and already has keys; set the optimizer before the first"):
