@@ -200,8 +200,10 @@ class _SharedAgents:
             if name in live and name != "ddp":
                 raise ConfigError(f"pslink.torch.connect: name {name!r} is already used by another DDP model of job "
                                   f"{agent.job!r} in this process; give each model its own")
-            chosen = next(f"{name}{n}" if n > 1 else name for n in itertools.count(1)
-                          if (f"{name}{n}" if n > 1 else name) not in live)
+            chosen, number = name, 1
+            while chosen in live:
+                number += 1
+                chosen = f"{name}{number}"
             return chosen
 
     def named(self, state: "HookState") -> None:
