@@ -28,8 +28,8 @@ SUPPORTED = ("mx.optimizer.SGD (with or without momentum), Adam, NAG, AdaGrad, A
              "Signum, Ftrl, Adamax, FTML and Test")
 
 # MXNet's other optimizers on the service (pslink.core.optim_mxnet): the service's type, its
-# settings from the optimizer's attributes, and the state MXNet's updater keeps per key (the
-# service's arrays, and whether MXNet holds them as a tuple).
+# settings from the optimizer's attributes; and the state MXNet's updater keeps per key for every
+# optimizer but SGD (the service's arrays, and whether MXNet holds them as a tuple).
 _RULES = {
     mx.optimizer.NAG: ("nag", {"momentum": "momentum"}),
     mx.optimizer.AdaGrad: ("adagrad", {"eps": "float_stable_eps"}),
@@ -46,8 +46,11 @@ _STATES = {
     mx.optimizer.NAG: (("momentum",), False), mx.optimizer.AdaGrad: (("history",), False),
     mx.optimizer.AdaDelta: (("acc_g", "acc_delta"), True), mx.optimizer.RMSProp: (("n",), True),  # centered: below
     mx.optimizer.Signum: (("momentum",), False), mx.optimizer.Ftrl: (("z", "n"), True), mx.optimizer.Test: ((), False),
-    mx.optimizer.Adamax: (("mean", "norm"), True), mx.optimizer.FTML: (("d", "v", "z"), True),  # and step counts
+    mx.optimizer.Adamax: (("mean", "norm"), True), mx.optimizer.FTML: (("d", "v", "z"), True),
+    mx.optimizer.Adam: (("exp_avg", "exp_avg_sq"), True),  # MXNet's (mean, var)
 }
+# ... and the key's update count, which MXNet keeps in the optimizer and the service per key.
+_STEPPED = (mx.optimizer.Adam, mx.optimizer.Adamax, mx.optimizer.FTML)
 
 
 def _state_layout(opt):
@@ -130,10 +133,7 @@ def to_mxnet_state(opt, state: dict):
     if layout is not None:
         arrays = [mx.nd.array(state[name], dtype=state[name].dtype) for name in layout[0]]
         return tuple(arrays) if layout[1] else arrays[0]
-    if type(opt) is mx.optimizer.SGD:
-        return mx.nd.array(-state["momentum_buffer"], dtype=state["momentum_buffer"].dtype)
-    mean, var = state["exp_avg"], state["exp_avg_sq"]
-    return (mx.nd.array(mean, dtype=mean.dtype), mx.nd.array(var, dtype=var.dtype))
+    return mx.nd.array(-state["momentum_buffer"], dtype=state["momentum_buffer"].dtype)  # SGD's, negated
 
 
 def to_service_state(opt, key, mx_state) -> dict:
@@ -148,15 +148,10 @@ def to_service_state(opt, key, mx_state) -> dict:
             raise KVStoreError(f"pslink kvstore: the state of key {key!r} is not {type(opt).__name__}'s "
                                f"({', '.join(names)})", key=key)
         state = {name: np.ascontiguousarray(a.asnumpy()) for name, a in zip(names, arrays)}
-        if type(opt) in (mx.optimizer.Adamax, mx.optimizer.FTML):
+        if type(opt) in _STEPPED:
             state["step"] = int(opt._index_update_count.get(key, 0))
         return state
-    if type(opt) is mx.optimizer.SGD:
-        if isinstance(mx_state, (tuple, list)):
-            raise KVStoreError(f"pslink kvstore: the state of key {key!r} holds a float32 master copy "
-                               "(multi_precision), which the service does not keep", key=key)
-        return {"momentum_buffer": -mx_state.asnumpy()}
-    if not (isinstance(mx_state, (tuple, list)) and len(mx_state) == 2):
-        raise KVStoreError(f"pslink kvstore: the state of key {key!r} is not Adam's (mean, var)", key=key)
-    mean, var = (np.ascontiguousarray(a.asnumpy()) for a in mx_state)
-    return {"exp_avg": mean, "exp_avg_sq": var, "step": int(opt._index_update_count.get(key, 0))}
+    if isinstance(mx_state, (tuple, list)):  # SGD's
+        raise KVStoreError(f"pslink kvstore: the state of key {key!r} holds a float32 master copy "
+                           "(multi_precision), which the service does not keep", key=key)
+    return {"momentum_buffer": -mx_state.asnumpy()}
