@@ -27,6 +27,9 @@ MODES = ("classic", "service")
 ENV_MODE = "PSLINK_PSLITE_MODE"
 ENV_RANK = "PSLINK_PSLITE_RANK"
 ENV_START_TIMEOUT = "PSLINK_PSLITE_START_TIMEOUT"
+ENV_TABLE_WIDTH = "PSLINK_PSLITE_TABLE_WIDTH"  # service mode: keys of at most this many values go to a table
+ENV_SHARDS = "PSLINK_PSLITE_SHARDS"  # service mode: the tables' shards (default: DMLC_NUM_SERVER, at least 1)
+DEFAULT_TABLE_WIDTH = 256
 DEFAULT_START_TIMEOUT = 120.0
 
 # Which variables each role cannot start without (ps-lite aborts on any of them missing).
@@ -62,6 +65,8 @@ class Config:
     token: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     start_timeout: float = DEFAULT_START_TIMEOUT
+    table_width: int = DEFAULT_TABLE_WIDTH
+    shards: int | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -158,6 +163,8 @@ class Config:
             token=_get(env, ENV_TOKEN),
             timeout=_float(env, ENV_TIMEOUT, DEFAULT_TIMEOUT, positive=True),
             start_timeout=_float(env, ENV_START_TIMEOUT, DEFAULT_START_TIMEOUT, positive=True),
+            table_width=_int(env, ENV_TABLE_WIDTH, DEFAULT_TABLE_WIDTH, minimum=0),
+            shards=_int(env, ENV_SHARDS, None, minimum=1, maximum=4096),
         )
         values.update(overrides)
         return cls(**values)

@@ -538,8 +538,11 @@ def test_service_mode_specifics(service):
         kv = KVWorker(0, 0, node=node)
         kv.set_slicer(lambda send, ranges: None)  # placement is pMaster's: never called
         kv.wait(kv.push([3, 4], [1.0, 2.0], cmd=5))
+        never = []
+        kv.wait(kv.pull([8], never))  # small values live in a table: a key never pushed reads zeros
+        assert never == [0.0]
         with pytest.raises(PslinkError, match="never initialized or pushed"):
-            kv.pull([8], [])
+            kv.pull([9], np.empty(300, np.float32))  # more values than a table row: a key of its own
         other = KVWorker(1, 1, node=node)  # another app id is another key space
         other.wait(other.push([3], [10.0]))
         out = []
@@ -554,6 +557,47 @@ def test_service_mode_specifics(service):
 
     results = run_nodes(1, worker, mode="service", service=service)
     assert results[("worker", 0)] == ([1.0, 2.0], [10.0])
+
+
+def test_service_mode_sends_a_push_of_many_keys_as_one_message_per_shard(service):
+    """test_kv_app's pattern: 10,000 keys of one value per push. Each push is one table request per
+    shard (``PSLINK_PSLITE_SHARDS``), not one message per key; the sums are the default handle's."""
+    aggregators = list(service.provider.aggregators.values())
+    num, repeat = 10_000, 5
+    keys = np.arange(num, dtype=np.uint64) * (K_MAX_KEY // num)
+    vals = np.random.default_rng(7).integers(0, 1000, num).astype(np.float32)
+    counted = {}
+
+    def worker(node, rank):
+        node.start()
+        kv = KVWorker(0, 0, node=node)
+        kv.wait(kv.push(keys, vals))  # the table is declared: count from here
+        node_barrier(node)
+        if rank == 0:
+            counted["before"] = sum(a.requests for a in aggregators)
+        node_barrier(node)
+        for _ in range(repeat - 1):
+            kv.wait(kv.push(keys, vals))
+        node_barrier(node)
+        if rank == 0:
+            counted["after"] = sum(a.requests for a in aggregators)
+        out = np.empty(num, np.float32)
+        kv.wait(kv.zpull(keys, out))
+        rets = []
+        kv.wait(kv.pull(keys[:3].tolist(), rets))  # into a list: no lengths given
+        node.finalize()
+        return out, rets
+
+    results = run_nodes(2, worker, mode="service", service=service, shards=3)
+    assert counted["after"] - counted["before"] == 2 * (repeat - 1) * 3  # 2 workers x pushes x 3 shards
+    for rank in range(2):
+        out, rets = results[("worker", rank)]
+        np.testing.assert_array_equal(out, vals * repeat * 2)
+        assert rets == (vals[:3] * repeat * 2).tolist()
+
+
+def node_barrier(node):
+    node.barrier(0, WORKER_GROUP)
 
 
 # -- PS_RESEND and heartbeats ------------------------------------------------------------------------

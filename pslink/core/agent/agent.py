@@ -39,16 +39,19 @@ from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
 from pslink.core.agent.handle import Handle, Handles
 from pslink.core.agent.iterations import Iterations
-from pslink.core.agent.keys import MAX_MOVES, WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, Seat, as_array, check_key
+from pslink.core.agent.keys import (MAX_MOVES, WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, Seat, as_array, check_key,
+                                   out_array)
 from pslink.core.agent.master_link import MasterLink
 from pslink.core.agent.requests import Requests
 from pslink.core.agent.settings import job_config
+from pslink.core.agent.tables import Table, table_frames
+from pslink.core.agent.tables import declare as declare_table
 from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.faults import Faults
 from pslink.core.observe.timeline import Timeline
 from pslink.core.transport import DISCARD, Lent, Transports
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, HeaderTemplate, Limits, Op, decode
+from pslink.core.wire.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, TABLE_OPS, HeaderTemplate, Limits, Op, decode
 from pslink.errors import (
     ClosedError,
     ConfigError,
@@ -234,6 +237,13 @@ class Agent:
         """Push ``array`` and pull that round's result into ``out`` (may be ``array`` itself)."""
         return self._submit(Op.PUSHPULL, [key], [array], [out], average)
 
+    def table(self, name: str, width: int, dtype: str = "float32", **options) -> Table:
+        """The sparse table ``name`` of rows of ``width`` (declared on first use; every worker calls
+        it alike): ``shards``, ``init`` ("zeros", ["uniform", low, high], ["normal", mean, std]),
+        ``seed``, ``optimizer`` ("sum", "sgd", "adagrad", "adam", or a map with its settings),
+        ``capacity`` (rows per shard) with ``evict`` ("lru", or "ttl" with ``ttl`` seconds)."""
+        return declare_table(self, name, width, dtype, options)
+
     def init_many(self, keys: Sequence, arrays: Sequence) -> Handle:
         return self._submit(Op.INIT, list(keys), list(arrays), None, False)
 
@@ -357,7 +367,7 @@ class Agent:
         if typed is not None:
             flats = [(a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1) for a, _ in typed]
         if outs is not None:
-            results = [self._out_array(info, out, average) for info, out in zip(infos, outs)]
+            results = [out_array(info, out, average) for info, out in zip(infos, outs)]
         return self._issue(op, keys, infos, flats, results, average)
 
     def _submit_known(self, op: Op, key, arrays: list | None, outs: list | None, average: bool) -> Handle | None:
@@ -413,7 +423,9 @@ class Agent:
 
     def _send_part(self, handle, op, info: KeyInfo, part: PartInfo, round_: int, payload, flat_out, average,
                    moves: int = 0) -> None:
-        nbytes = (part.stop - part.start) * info.dtype.itemsize
+        table = op in TABLE_OPS  # a table's shard (pslink.core.agent.tables): ids (and rows) in, rows out
+        ids = (payload if op is Op.TABLE_PULL else payload[0]) if table else None
+        nbytes = (part.stop - part.start if not table else ids.size * info.shape[1]) * info.dtype.itemsize
         aggregator, address = part.where  # once: another thread may move the part meanwhile
         handle._waiting_on[aggregator] = address
         try:
@@ -427,13 +439,16 @@ class Agent:
             # Gone (see Requests.transmit): named after the Aggregator tried, not where the part may be by now.
             link = Link(aggregator, address, None, self.clock(), exc.message)
         dest = array = None
-        whole = part.start == 0 and part.stop == info.numel
+        whole = table or part.start == 0 and part.stop == info.numel
         if flat_out is not None:
             array = flat_out if whole else flat_out[part.start : part.stop]
             dest = memoryview(array).cast("B")
         request = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out,
                               moves)
         rid = self._requests.add(request)
+        if table:
+            self._requests.transmit(rid, request, table_frames(self.seat, op, info, part, rid, round_, payload))
+            return
         template = part.headers.get((op, average))
         if template is None:
             template = part.headers[(op, average)] = HeaderTemplate(
@@ -446,21 +461,6 @@ class Agent:
             self._requests.transmit(rid, request, [header])
         else:
             self._requests.transmit(rid, request, [header, payload if whole else payload[part.start : part.stop]])
-
-    def _out_array(self, info: KeyInfo, out, average: bool) -> np.ndarray:
-        if average and info.dtype_name not in FLOAT_DTYPES:
-            raise ConfigError(f"key {info.key!r}: average needs a floating dtype, the key is {info.dtype_name}")
-        if out is None:
-            return np.empty(info.shape, info.dtype)
-        array, name = as_array(out, info.key)
-        if array.shape != info.shape or name != info.dtype_name:
-            raise ShapeMismatchError(
-                f"key {info.key!r}: out has shape {array.shape} {name}, but the key has {info.describe()}",
-                key=info.key,
-            )
-        if not array.flags.c_contiguous or not array.flags.writeable:
-            raise ConfigError(f"key {info.key!r}: out must be a writable C-contiguous array")
-        return array
 
     def _resolve(self, op: Op, keys: list, typed: list | None, outs: list | None) -> list[KeyInfo]:
         """Key infos for ``keys``, asking pMaster (one batched LOOKUP) for those not known yet."""

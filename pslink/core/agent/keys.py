@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from pslink.core.wire.protocol import DTYPES
+from pslink.core.wire.protocol import DTYPES, FLOAT_DTYPES
 from pslink.core.transport import Connection
-from pslink.errors import ConfigError
+from pslink.errors import ConfigError, ShapeMismatchError
 
 class Seat:
     """This worker's place in its job: who it is, the job's token (pMaster gives it at
@@ -147,3 +147,20 @@ def check_key(key: Any) -> Any:
     elif isinstance(key, np.integer):
         return check_key(int(key))
     raise ConfigError(f"key {key!r} must be an int in [0, 2**64) or a string of 1..256 characters")
+
+
+def out_array(info: KeyInfo, out, average: bool) -> np.ndarray:
+    """Where a pull of ``info``'s key lands: ``out`` checked, or a new array."""
+    if average and info.dtype_name not in FLOAT_DTYPES:
+        raise ConfigError(f"key {info.key!r}: average needs a floating dtype, the key is {info.dtype_name}")
+    if out is None:
+        return np.empty(info.shape, info.dtype)
+    array, name = as_array(out, info.key)
+    if array.shape != info.shape or name != info.dtype_name:
+        raise ShapeMismatchError(
+            f"key {info.key!r}: out has shape {array.shape} {name}, but the key has {info.describe()}",
+            key=info.key,
+        )
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ConfigError(f"key {info.key!r}: out must be a writable C-contiguous array")
+    return array

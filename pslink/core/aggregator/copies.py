@@ -15,6 +15,7 @@ import numpy as np
 from pslink.core.aggregator.core import AggregatorCore
 from pslink.core.aggregator.tasks import CopyOut, Replicate, Task
 from pslink.core.aggregator.moves import copy_delay
+from pslink.core.aggregator.table_task import check_layout
 from pslink.core.faults import Faults
 from pslink.core.transport import DISCARD, Connection, Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
@@ -78,8 +79,15 @@ class Copies:
             if len(sizes) != len(header["state"].get("arrays", [])):
                 raise ProtocolError(f"{header['op'].name} of key {header['key']!r} names "
                                     f"{header['state'].get('arrays')} but carries {len(sizes)} arrays")
+            layout = header["state"].get("layout")
+            why = check_layout(layout, sizes) if layout is not None else None
+            if why is not None:
+                raise ProtocolError(f"{header['op'].name} of table {header['key']!r}: {why}")
         except PslinkError as exc:
             return Rejected(header["id"], exc), DISCARD
+        if layout is not None:  # a table's shard: frames of their own dtypes and sizes
+            arrays = [np.empty(count, dtype_of(dtype)) for dtype, count in layout]
+            return Arriving(header, task, arrays), [memoryview(a).cast("B") for a in arrays]
         start, stop = header["span"]
         block = np.empty((len(sizes), stop - start), dtype_of(header["dtype"]))  # one allocation for all
         return Arriving(header, task, list(block)), [memoryview(row).cast("B") for row in block]

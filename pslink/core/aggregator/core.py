@@ -33,9 +33,10 @@ import numpy as np
 
 from pslink.core.aggregator.cycle import CycleBudget
 from pslink.core.aggregator.stalls import waiting_for
-from pslink.core.wire.protocol import Op
+from pslink.core.aggregator.table_task import new_task
+from pslink.core.wire.protocol import DATA_OPS, TABLE_OPS, Op
 from pslink.core.aggregator.moves import Moves
-from pslink.core.aggregator import failures
+from pslink.core.aggregator import failures, reports
 from pslink.core.aggregator.tasks import (
     DEFAULT_MAX_AHEAD,
     MAX_BEFORE_INIT,
@@ -140,7 +141,7 @@ class AggregatorCore:
                 continue
             task = self.tasks.get(ident)
             if task is None:
-                task = self.tasks[ident] = Task(job, spec, self.summer, self.max_ahead)
+                task = self.tasks[ident] = new_task(job, spec, self.summer, self.max_ahead, self.clock)
                 if task.incoming:
                     task.pool.warm(WARM_BUFFERS)
             elif "replicas" in spec:
@@ -196,6 +197,9 @@ class AggregatorCore:
                 job=job_id,
                 key=key,
             )
+        if header["op"] in (TABLE_OPS if task.table is None else DATA_OPS):
+            raise KeyStateError(f"{task.name} is {'a table' if task.table is not None else 'a tensor'}; "
+                                f"{header['op'].name} does not apply to it", job=job_id, key=key)
         if tuple(header["shape"]) != task.shape or header["dtype"] != task.dtype_name:
             raise ShapeMismatchError(
                 f"key {key!r} of job {job_id!r}: rank {header['rank']} sent shape "
@@ -224,7 +228,7 @@ class AggregatorCore:
         """Whether this push would only be added into its round's sum: a synchronous push into a
         round that has one already, from a rank not in it. Its payload may then be read where it
         arrived (a shared-memory ring, valid during :meth:`handle`) instead of from a copy."""
-        if (task.poisoned is not None or task.moved_to is not None or task.incoming or task.rebase
+        if (task.poisoned is not None or task.table is not None or task.moved_to is not None or task.incoming or task.rebase
                 or not task.initialized or task.job.sync == "asp" or (op != Op.PUSH and op != Op.PUSHPULL)
                 or round_no <= task.closed):
             return False
@@ -354,12 +358,14 @@ class AggregatorCore:
                 outputs.append(CloseLater(task, round_.opened + task.job.straggler_timeout, r))
         if rank in round_.contributors:
             return None  # the same push again (a resend or a duplicate): added once
-        if round_.acc is None:
+        if task.table is not None:
+            task.add_push(round_, req)
+        elif round_.acc is None:
             round_.acc = req.payload
         else:
             self.summer.add(round_.acc, req.payload)
         round_.contributors.add(rank)
-        task.job.pushed_bytes += task.nbytes
+        task.job.pushed_bytes += task.nbytes if task.table is None else 0
         return outputs + self._close_ready(task)
 
     def _push_async(self, task: Task, req: Request) -> list[Reply]:
@@ -371,8 +377,9 @@ class AggregatorCore:
         round_ = _Round()
         round_.contributors.add(req.rank)
         round_.acc = req.payload
-        task.job.pushed_bytes += task.nbytes
-        if task.job.mode == "sum":
+        if task.table is not None:
+            task.apply_push(req)
+        elif task.job.mode == "sum":
             value = task.value
             if task.pool.in_use(value, known=2):  # a queued reply still reads it: add into a copy
                 fresh = task.pool.acquire()
@@ -382,6 +389,7 @@ class AggregatorCore:
             task.value = value
         else:
             self._apply(task, round_)
+        task.job.pushed_bytes += task.nbytes if task.table is None else 0
         task.closed += 1
         task.last_n = 1
         task.rounds_closed += 1
@@ -470,6 +478,9 @@ class AggregatorCore:
 
     def _apply(self, task: Task, round_: _Round) -> None:
         job = task.job
+        if task.table is not None:
+            task.apply_round(round_)
+            return
         if job.mode == "sum":
             task.value = round_.acc
             return
@@ -502,6 +513,8 @@ class AggregatorCore:
                 )
             task.pulls.setdefault(r, []).append(req)
             return []
+        if task.table is not None:  # a table's rows are cumulative: any round at or after r answers
+            return [self._result(task, req)]
         if task.lost_upto and r <= task.lost_upto and task.job.mode == "sum":
             raise KeyStateError(f"{task.name}: the sum of round {r} was lost with the Aggregator that held it; "
                                 f"this part continues from round {task.lost_upto + 1}", key=task.key)
@@ -518,6 +531,9 @@ class AggregatorCore:
         # the answer still comes from here but carries the new place.
         reply = Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value,
                       moved=task.moved_to, epoch=task.closed_epoch)
+        if task.table is not None:
+            reply.payload = task.rows_for(req)
+            return reply
         if task.value is not None:
             task.job.pulled_bytes += task.nbytes
         if req.average and task.last_n > 1 and task.job.mode == "sum" and task.job.sync != "asp" \
@@ -566,35 +582,14 @@ class AggregatorCore:
         """Forget requests from a peer that went away (nobody is left to answer)."""
         failures.forget_origin(self.tasks.values(), origin)
 
-    # -- reporting ----------------------------------------------------------------------------
+    # -- reporting (pslink.core.aggregator.reports) ---------------------------------------------
 
     def costs(self, smoothing: float = 0.5) -> dict[str, list]:
         """e_t of every task that closed rounds since the last call: CPU seconds per round,
         smoothed, per job as [key, part, seconds]."""
-        out: dict[str, list] = {}
-        for (job_id, key, part), task in self.tasks.items():
-            cpu, rounds = task.reported
-            if task.rounds_closed > rounds:
-                sample = (task.cpu - cpu) / (task.rounds_closed - rounds)
-                task.cost = sample if task.cost is None else smoothing * sample + (1 - smoothing) * task.cost
-                task.reported = (task.cpu, task.rounds_closed)
-            if task.cost is not None:
-                out.setdefault(job_id, []).append([key, part, task.cost])
-        return out
+        return reports.task_costs(self.tasks, smoothing)
 
     def stats(self) -> dict:
         """Per job: tasks held, bytes, rounds closed over all tasks, the furthest round, and the bytes
         pushed here and pulled from here (since this Aggregator knew the job)."""
-        per_job: dict[str, dict] = {}
-        for (job_id, _, _), task in self.tasks.items():
-            entry = per_job.setdefault(job_id, {"tasks": 0, "bytes": 0, "task_rounds": 0, "round": 0})
-            entry["tasks"] += 1
-            entry["bytes"] += task.nbytes
-            entry["task_rounds"] += task.rounds_closed
-            entry["round"] = max(entry["round"], task.closed)
-        for job_id, entry in per_job.items():
-            job = self.jobs.get(job_id)
-            if job is not None:
-                entry["pushed_bytes"], entry["pulled_bytes"] = job.pushed_bytes, job.pulled_bytes
-        return per_job
-
+        return reports.job_stats(self.tasks, self.jobs)

@@ -12,7 +12,8 @@ import numpy as np
 
 from pslink.core.membership import TaskMembers
 from pslink.core.wire.protocol import Op
-from pslink.core.aggregator.tasks import (Checkpoint, CopyOut, JobState, Replicate, Reply, Request, Summer, Task, _Round,
+from pslink.core.aggregator.table_task import new_task
+from pslink.core.aggregator.tasks import (Checkpoint, CopyOut, JobState, Replicate, Reply, Request, Summer, Task,
                                           moved_error)
 from pslink.errors import KeyStateError, MembershipError, PslinkError, error_from_code, error_to_wire
 
@@ -57,6 +58,9 @@ class Moves:
         """STATE_GET / STATE_SET: a part's optimizer state, for checkpoints and their resumption.
         Between rounds it is exactly the state the next step will use."""
         optimizer = task.job.optimizer
+        if task.table is not None:
+            raise KeyStateError(f"{task.name}: a table's rows and row-optimizer state travel with its shard (migrations, "
+                                "replicas, the job's checkpoint option), not through optimizer_state()", key=task.key)
         if task.job.mode != "optimizer" or optimizer is None:
             why = f"it runs in {task.job.mode} mode" if task.job.mode != "optimizer" else "no optimizer is set"
             raise KeyStateError(f"{task.name}: job {task.job.job!r} keeps no optimizer state on the service ({why})",
@@ -127,27 +131,11 @@ class Moves:
     def _export(task: Task, open_rounds: bool = True) -> tuple[dict, list[np.ndarray]]:
         """A task's state as plain data plus its arrays (a frame each): for a migration (with the
         open rounds' partial sums) or a replica (closed rounds only)."""
-        names, arrays, scalars = [], [], {}
-        if task.value is not None:
-            names.append("value")
-            arrays.append(task.value)
-        for name, value in task.opt_state.items():
-            if isinstance(value, np.ndarray):
-                names.append(f"opt:{name}")
-                arrays.append(value)
-            else:
-                scalars[name] = value
-        rounds = []
-        for r in sorted(task.rounds) if open_rounds else ():
-            round_ = task.rounds[r]
-            rounds.append([r, sorted(round_.contributors)])
-            if round_.acc is not None:
-                names.append(f"round:{r}")
-                arrays.append(round_.acc)
+        names, arrays, scalars, rounds, extra = task.export_state(open_rounds)
         state = {
             "closed": task.closed, "last_n": task.last_n, "rounds_closed": task.rounds_closed,
             "arrays": names, "scalars": scalars, "open": rounds,
-            "members": task.members.to_wire(), "epoch": task.closed_epoch, "init_rank": task.init_rank,
+            "members": task.members.to_wire(), "epoch": task.closed_epoch, "init_rank": task.init_rank, **extra,
         }
         if task.poisoned is not None:  # an aborted key stays aborted where it moves
             state["poisoned"] = error_to_wire(task.poisoned)
@@ -155,17 +143,10 @@ class Moves:
 
     def _import(self, task: Task, state: dict, arrays: list[np.ndarray]) -> None:
         named = dict(zip(state["arrays"], arrays))
-        task.value = named.get("value")
         task.closed = state["closed"]
         task.last_n = state["last_n"]
         task.rounds_closed = state["rounds_closed"]
-        task.opt_state = dict(state.get("scalars", {}))
-        task.opt_state.update({n[4:]: a for n, a in named.items() if n.startswith("opt:")})
-        task.rounds = {}
-        for r, ranks in state["open"]:
-            round_ = task.rounds[r] = _Round(self.clock())
-            round_.contributors = set(ranks)
-            round_.acc = named.get(f"round:{r}")
+        task.import_state(named, state, self.clock())
         if "members" in state:
             task.members = TaskMembers.from_wire(state["members"])
             task.members.keep_only(task.job.membership.ranks)  # who left since the state was taken
@@ -216,7 +197,7 @@ class Moves:
             raise KeyStateError(f"aggregator {self.name} holds no replicated state of key {ident[1]!r} part "
                                 f"{ident[2]} of job {ident[0]!r}", job=ident[0], key=ident[1])
         # A stand-in that names the part in the copy; it is never served here (not in self.tasks).
-        part = Task(self.jobs[ident[0]], dict(held["spec"], incoming=True), self.summer, self.max_ahead)
+        part = new_task(self.jobs[ident[0]], dict(held["spec"], incoming=True), self.summer, self.max_ahead, self.clock)
         return CopyOut(part, tuple(target), held["state"], held["arrays"], from_replica=True)
 
     def install_replica(self, ident: tuple) -> list:
@@ -341,7 +322,8 @@ class Moves:
             raise KeyStateError(f"aggregator {self.name} holds no replica of key {ident[1]!r} part {ident[2]} "
                                 f"of job {ident[0]!r} to promote", job=ident[0], key=ident[1])
         job = self.jobs[ident[0]]
-        task = self.tasks[ident] = Task(job, dict(held["spec"], replicas=replicas), self.summer, self.max_ahead)
+        task = self.tasks[ident] = new_task(job, dict(held["spec"], replicas=replicas), self.summer, self.max_ahead,
+                                           self.clock)
         if "state" in held:
             self._import(task, held["state"], held["arrays"])
         return []

@@ -33,7 +33,9 @@ from pslink.core.checkpoints import read as read_checkpoint
 from pslink.core.faults import Faults
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.memory import keep_freed_memory
-from pslink.core.wire.protocol import DATA_OPS, DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode, encode_error, peek_id
+from pslink.core.tables import ID_DTYPE
+from pslink.core.wire.protocol import (DATA_OPS, DEFAULT_LIMITS, STATE_OPS, TABLE_OPS, Limits, Op, decode, encode,
+                                        encode_error, peek_id)
 from pslink.core.transport.rpc import RpcPeer
 from pslink.core.aggregator.copies import Arriving, Copies, Rejected
 from pslink.core.aggregator.master_link import MasterLink
@@ -43,6 +45,7 @@ from pslink.errors import (AbortedError, ConfigError, KeyStateError, PeerError, 
                            error_from_code)
 
 log = logging.getLogger(__name__)
+_TABLE_AS_DATA = {Op.TABLE_PUSH: Op.PUSH, Op.TABLE_PULL: Op.PULL, Op.TABLE_PUSHPULL: Op.PUSHPULL}  # rounds as for tensors
 MAX_STALL_LINES = 8  # per scan: a whole job stalling is one story, not a line per key
 
 
@@ -295,6 +298,15 @@ class Aggregator:
                     return (header, task, buffer, started, lend), lend
                 return (header, task, buffer, started, None), [dest]
             return (header, task, None, started, None), None
+        if op in TABLE_OPS:
+            try:
+                task = self.core.admit(header)
+            except PslinkError as exc:
+                return Rejected(header["id"], exc), DISCARD
+            # Fresh arrays: a round keeps its pushes until it closes, a pull's ids until it is answered.
+            n = header["n"]
+            arrays = [np.empty(n, ID_DTYPE)] + ([np.empty((n, task.width), task.dtype)] if len(sizes) == 2 else [])
+            return (header, task, arrays, time.thread_time(), None), [memoryview(a).cast("B") for a in arrays]
         if op in STATE_OPS:
             try:
                 task = self.core.admit(header)
@@ -324,6 +336,12 @@ class Aggregator:
             self.copies.install(conn, state)
             return
         header, task, buffer, started, lend = state
+        if header["op"] in TABLE_OPS:
+            request = Request(conn, header["id"], _TABLE_AS_DATA[header["op"]], header["rank"], header["rnd"],
+                              tuple(buffer) if len(buffer) == 2 else buffer[0])
+            self._send_all(self.core.handle(task, request))
+            self._account(task, started)
+            return
         payload = buffer
         if lend is not None and lend.lent[0]:  # the push lies in the sender's shared-memory ring
             payload = np.frombuffer(payloads[0], task.dtype)
@@ -339,6 +357,9 @@ class Aggregator:
         self._send_all(self.core.handle(task, request))
         if payload is not buffer:
             request.payload = None  # the ring's bytes are the sender's again once this returns
+        self._account(task, started)
+
+    def _account(self, task: Task, started: float) -> None:
         self._stall(task)
         spent = time.thread_time() - started
         task.cpu += spent

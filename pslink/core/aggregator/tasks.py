@@ -252,6 +252,8 @@ def moved_error(key, part: int, where: tuple[str, str]) -> MovedError:
 class Task:
     """One model aggregation task: a part of one key of one job."""
 
+    table = None  # a shard of a sparse table: pslink.core.aggregator.table_task.TableTask
+
     def __init__(self, job: JobState, spec: dict, summer: Summer, max_ahead: int = DEFAULT_MAX_AHEAD):
         self.job = job
         self.key = spec["key"]
@@ -333,3 +335,36 @@ class Task:
 
     def describe(self) -> str:
         return f"shape {self.shape} {self.dtype_name}"
+
+    def export_state(self, open_rounds: bool) -> tuple[list, list, dict, list, dict]:
+        """``(names, arrays, scalars, open rounds, extra)``: the arrays a copy, replica or
+        checkpoint carries (a frame each), the optimizer's scalars, the open rounds'
+        contributors and what else the state needs (:meth:`import_state` reads them back)."""
+        names, arrays, scalars = [], [], {}
+        if self.value is not None:
+            names.append("value")
+            arrays.append(self.value)
+        for name, value in self.opt_state.items():
+            if isinstance(value, np.ndarray):
+                names.append(f"opt:{name}")
+                arrays.append(value)
+            else:
+                scalars[name] = value
+        rounds = []
+        for r in sorted(self.rounds) if open_rounds else ():
+            round_ = self.rounds[r]
+            rounds.append([r, sorted(round_.contributors)])
+            if round_.acc is not None:
+                names.append(f"round:{r}")
+                arrays.append(round_.acc)
+        return names, arrays, scalars, rounds, {}
+
+    def import_state(self, named: dict, state: dict, now: float) -> None:
+        self.value = named.get("value")
+        self.opt_state = dict(state.get("scalars", {}))
+        self.opt_state.update({n[4:]: a for n, a in named.items() if n.startswith("opt:")})
+        self.rounds = {}
+        for r, ranks in state["open"]:
+            round_ = self.rounds[r] = _Round(now)
+            round_.contributors = set(ranks)
+            round_.acc = named.get(f"round:{r}")

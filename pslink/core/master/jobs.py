@@ -78,6 +78,7 @@ class KeySpec:
     parts: list[PartSpec]
     ready: bool = False  # every part's Aggregator acknowledged its assignment
     aborted: Any = None  # the PslinkError that poisoned the key (sent again to late Aggregators)
+    table: dict | None = None  # a sparse table's options (pslink.core.tables): its parts are its shards
 
     def task_specs(self, aggregator: str | None = None, address_of=None) -> list[dict]:
         """The ASSIGN entries for this key's parts (on one Aggregator, or all): the parts it
@@ -87,6 +88,8 @@ class KeySpec:
         for p in self.parts:
             entry = {"key": self.key, "part": p.part, "span": list(p.span), "shape": list(self.shape),
                      "dtype": self.dtype, "declared_by": self.declared_by, "needs_init": self.needs_init}
+            if self.table is not None:
+                entry["table"] = self.table
             if self.aborted is not None:
                 # Aborted before this ASSIGN: the task is created failed. An ABORT sent after it
                 # could reach the Aggregator after a worker's first requests (another connection).

@@ -65,6 +65,7 @@ def spec_to_wire(spec: KeySpec, aggregators: dict) -> dict:
         "parts": [
             [p.part, p.span[0], p.span[1], p.aggregator, _address(aggregators, p.aggregator)] for p in spec.parts
         ],
+        **({"table": spec.table} if spec.table is not None else {}),
     }
 
 

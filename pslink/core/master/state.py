@@ -34,6 +34,7 @@ from pslink.core.master.jobs import (
 from pslink.core.names import check_job_name
 from pslink.core.optim import make_optimizer
 from pslink.core.partition import partition_spans
+from pslink.core.tables import table_options
 from pslink.core.wire.protocol import DTYPES, MAX_NDIM
 from pslink.errors import (
     AuthError,
@@ -303,7 +304,12 @@ class MasterState:
     def declare(self, record: JobRecord, rank: int, item: dict) -> tuple[KeySpec, bool]:
         """The key's spec, creating and placing it on first use. Returns (spec, created)."""
         key, shape, dtype, intent = _parse_item(record, item)
+        table = table_of(key, item, shape)
         spec = record.keys.get(key)
+        if spec is not None and (table is not None or spec.table is not None) and table != spec.table \
+                and item.get("intent") != "pull":
+            raise ConfigError(f"table {key!r} of job {record.job!r}: rank {rank} declares it as {table}, but rank "
+                              f"{spec.declared_by} declared it as {spec.table}", job=record.job, key=key)
         if spec is not None:
             if spec.shape != shape or spec.dtype != dtype:
                 raise ShapeMismatchError(
@@ -318,7 +324,9 @@ class MasterState:
         itemsize = DTYPES[dtype].itemsize
         check_quota(record, self.default_quota, key, f"shape {shape} {dtype}",
                     math.prod(shape) * itemsize * (1 + record.replication))
-        spans = partition_spans(math.prod(shape), itemsize, record.partition_bytes)
+        # A table's parts are its shards, a row's width each (its rows come as they are touched).
+        spans = partition_spans(math.prod(shape), itemsize, record.partition_bytes) if table is None else [
+            (s * shape[1], (s + 1) * shape[1]) for s in range(shape[0])]
         if not self.control.cluster_of:
             raise ServiceError(
                 f"no Aggregator can take key {key!r} of job {record.job!r}: none is registered and alive"
@@ -335,7 +343,7 @@ class MasterState:
                                               exclude={part.aggregator}, hosts=self.control.host_of,
                                               away_from=[part.aggregator])
         needs_init = intent == "init" or record.mode == "optimizer"
-        spec = KeySpec(key, shape, dtype, rank, needs_init, parts)
+        spec = KeySpec(key, shape, dtype, rank, needs_init and table is None, parts, table=table)
         record.keys[key] = spec
         return spec, True
 
@@ -514,6 +522,18 @@ class MasterState:
         return ended, silent
 
     # -- reporting ----------------------------------------------------------------------------
+
+
+def table_of(key, item: dict, shape: tuple) -> dict | None:
+    """The table options a LOOKUP entry declares (checked; its shape is [shards, width]), or None."""
+    options = item.get("table")
+    if options is None:
+        return None
+    table = table_options(options, f"table {key!r}")
+    if list(shape) != [table["shards"], table["width"]]:
+        raise ProtocolError(f"table {key!r}: shape {list(shape)} must be [shards, width] = "
+                            f"{[table['shards'], table['width']]}")
+    return table
 
 
 def _parse_item(record: JobRecord, item: dict) -> tuple[Any, tuple[int, ...], str, str]:

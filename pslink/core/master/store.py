@@ -107,7 +107,7 @@ class MasterStore:
                 spec.dtype,
                 spec.declared_by,
                 int(spec.needs_init),
-                json.dumps([[p.part, list(p.span), p.aggregator, p.replicas] for p in spec.parts]),
+                json.dumps(_parts_to_json(spec)),
             ),
         )
 
@@ -165,13 +165,17 @@ class MasterStore:
             record = state.jobs.get(job)
             if record is None:
                 continue
+            parts = json.loads(parts)
+            table = parts.get("table") if isinstance(parts, dict) else None
+            parts = parts["parts"] if isinstance(parts, dict) else parts
             spec = KeySpec(
+                table=table,
                 key=msgpack.unpackb(key, raw=False),
                 shape=tuple(json.loads(shape)),
                 dtype=dtype,
                 declared_by=declared_by,
                 needs_init=bool(needs_init),
-                parts=[PartSpec(part, tuple(span), agg, list(replicas)) for part, span, agg, replicas in json.loads(parts)],
+                parts=[PartSpec(part, tuple(span), agg, list(replicas)) for part, span, agg, replicas in parts],
                 ready=True,
             )
             state.adopt_key(record, spec)
@@ -180,3 +184,9 @@ class MasterStore:
         if self.db is not None:
             self.db.close()
             self.db = None
+
+
+def _parts_to_json(spec: KeySpec):
+    """A key's parts as stored: a list; a table's as ``{"parts": [...], "table": options}``."""
+    parts = [[p.part, list(p.span), p.aggregator, p.replicas] for p in spec.parts]
+    return parts if spec.table is None else {"parts": parts, "table": spec.table}

@@ -40,6 +40,10 @@ class Op(enum.IntEnum):
     JOIN = 13  # a worker added to a running job: where it comes in (rnd 0 asks; rnd R joins)
     REPLICATE = 14  # Aggregator -> Aggregator: a closed round's state for a replica
     WAITING = 15  # who a part's open round has and still waits for (a timed-out worker asks, to name them)
+    # a table's shard (pslink.core.tables): ``n`` ids in a frame, and for a push their rows in another
+    TABLE_PUSH = 16
+    TABLE_PULL = 17
+    TABLE_PUSHPULL = 18
     # replies (to any request)
     REPLY = 10
     ERROR = 11
@@ -75,6 +79,7 @@ class Op(enum.IntEnum):
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
+TABLE_OPS = frozenset({Op.TABLE_PUSH, Op.TABLE_PULL, Op.TABLE_PUSHPULL})
 STATE_OPS = frozenset({Op.STATE_GET, Op.STATE_SET, Op.JOIN, Op.WAITING})  # about a task, not its rounds
 MAX_STATE_ARRAYS = 8  # per part; a frame each, every one of the part's size (momentum, moments)
 
@@ -254,6 +259,9 @@ SCHEMAS: dict[Op, Schema] = {
     Op.PUSH: Schema(_DATA_REQUIRED, payloads=(1,)),
     Op.PULL: Schema(_DATA_REQUIRED, {"avg": _bool}),  # avg: answer the round's average
     Op.PUSHPULL: Schema(_DATA_REQUIRED, {"avg": _bool}, payloads=(1,)),
+    Op.TABLE_PUSH: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
+    Op.TABLE_PULL: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(1,)),
+    Op.TABLE_PUSHPULL: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
     Op.PING: Schema({"id": _uint}),
     Op.PONG: Schema({"id": _uint}),
     Op.ABORT: Schema(
@@ -427,8 +435,10 @@ def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMI
     if op is _REPLY and len(payload_sizes) <= 1 and _plain_reply(header):
         return header  # the answer to every push and pull: checked inline, as data headers are
     schema = SCHEMAS[op]
-    if op in DATA_OPS:
+    if op in DATA_OPS or op in TABLE_OPS:
         _check_data(header, op)
+        if op in TABLE_OPS:
+            _uint("n", header.get("n"))
     else:
         for name, check in schema.required.items():
             if name not in header:
@@ -443,6 +453,10 @@ def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMI
         )
     if op in DATA_OPS:
         _check_tensor(header, payload_sizes)
+    elif op in TABLE_OPS:
+        _check_table(header, payload_sizes)
+    elif (op == Op.TENSOR_COPY or op == Op.REPLICATE) and "layout" in header["state"]:
+        pass  # a table's state: frames of their own sizes, checked against the layout where it lands
     elif op == Op.TENSOR_COPY or op == Op.STATE_SET or op == Op.REPLICATE:
         _check_tensor(header, payload_sizes[:1])
         if any(size != payload_sizes[0] for size in payload_sizes):
@@ -470,6 +484,16 @@ def _check_tensor(header: dict, payload_sizes: Sequence[int]) -> None:
                 f"key {header['key']!r}: payload of {payload_sizes[0]} bytes, but span {header['span']} "
                 f"of {header['dtype']} needs {expected}"
             )
+
+
+def _check_table(header: dict, payload_sizes: Sequence[int]) -> None:
+    shape, n = header["shape"], header["n"]
+    if len(shape) != 2 or not shape[0] or not shape[1]:
+        raise ProtocolError(f"table {header['key']!r}: shape {shape} must be [shards, width]")
+    expected = [n * 8] + ([n * shape[1] * DTYPES[header["dtype"]].itemsize] if len(payload_sizes) == 2 else [])
+    if list(payload_sizes) != expected:
+        raise ProtocolError(f"table {header['key']!r}: {n} id(s) of width {shape[1]} {header['dtype']} take frames of "
+                            f"{expected} bytes, not {list(payload_sizes)}")
 
 
 def encode(op: Op, **fields) -> bytes:
