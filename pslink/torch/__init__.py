@@ -64,6 +64,7 @@ from pslink.torch.horovod import (  # noqa: E402
     size,
     synchronize,
 )
+from pslink.torch.embedding import Embedding, EmbeddingBag  # noqa: E402  (tables on the service)
 from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work  # noqa: E402
 from pslink.torch import elastic  # noqa: E402  (hvd.elastic.run, hvd.elastic.TorchState)
 from pslink.torch import backend as _backend  # noqa: E402
@@ -77,6 +78,9 @@ __all__ = [
     "connect",
     # elastic
     "elastic",
+    # sparse tables on the service
+    "Embedding",
+    "EmbeddingBag",
     # Horovod / BytePS
     "Adasum",
     "Average",

@@ -89,3 +89,14 @@ def test_a_horovod_script_runs_after_changing_only_its_import_line(tmp_path):
     assert len(results) == 2, done.stdout
     assert results[0][1] == results[1][1]
     assert "Test set: Average loss" in done.stdout
+
+
+def test_the_ctr_example_learns_with_its_table_on_the_service():
+    done = launch([os.path.join(EXAMPLES, "ctr.py"), "--embedding", "service", "--steps", "300", "--vocabulary",
+                   "2000"])
+    found = re.findall(r"\[rank(\d)\]: .*held-out AUC ([0-9.]+) \(the hidden model's: ([0-9.]+)\)", done.stdout)
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"], done.stdout
+    for _, got, best in found:
+        # Far above chance (0.5) and close to what the hidden model itself scores.
+        assert float(got) > 0.65 and float(got) > float(best) - 0.06, done.stdout
+    assert len({got for _, got, _ in found}) == 1  # both ranks evaluate the same model

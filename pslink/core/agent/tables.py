@@ -104,7 +104,7 @@ class Table:
             shard_op = op if a < b or op != Op.TABLE_PUSHPULL else Op.TABLE_PUSH  # nothing to pull there
             payload = ids[a:b] if op == Op.TABLE_PULL else (ids[a:b], rows[a:b])
             agent._send_part(handle, shard_op, self.info, self.info.parts[s], round_, payload,
-                             landing[a:b] if pulls and shard_op != Op.TABLE_PUSH else None, False)
+                             landing[a:b].reshape(-1) if pulls and shard_op != Op.TABLE_PUSH else None, False)
         if not pulls:
             return TableHandle(handle, None)
         if in_order:
@@ -150,4 +150,5 @@ def table_frames(seat, op: Op, info: KeyInfo, part, rid: int, round_: int, paylo
     header = encode(op, id=rid, job=seat.job, tok=seat.token, rank=seat.rank, key=info.key, part=part.index,
                     rnd=round_, dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
                     n=int(ids.size))
-    return [header, ids] if op == Op.TABLE_PULL else [header, ids, payload[1]]
+    # Flat: a buffer of shape (0, width) cannot be viewed as bytes.
+    return [header, ids] if op == Op.TABLE_PULL else [header, ids, payload[1].reshape(-1)]

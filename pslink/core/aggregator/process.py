@@ -305,7 +305,7 @@ class Aggregator:
                 return Rejected(header["id"], exc), DISCARD
             # Fresh arrays: a round keeps its pushes until it closes, a pull's ids until it is answered.
             n = header["n"]
-            arrays = [np.empty(n, ID_DTYPE)] + ([np.empty((n, task.width), task.dtype)] if len(sizes) == 2 else [])
+            arrays = [np.empty(n, ID_DTYPE)] + ([np.empty(n * task.width, task.dtype)] if len(sizes) == 2 else [])
             return (header, task, arrays, time.thread_time(), None), [memoryview(a).cast("B") for a in arrays]
         if op in STATE_OPS:
             try:
@@ -338,7 +338,7 @@ class Aggregator:
         header, task, buffer, started, lend = state
         if header["op"] in TABLE_OPS:
             request = Request(conn, header["id"], _TABLE_AS_DATA[header["op"]], header["rank"], header["rnd"],
-                              tuple(buffer) if len(buffer) == 2 else buffer[0])
+                              (buffer[0], buffer[1].reshape(-1, task.width)) if len(buffer) == 2 else buffer[0])
             self._send_all(self.core.handle(task, request))
             self._account(task, started)
             return

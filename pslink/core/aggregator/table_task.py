@@ -73,7 +73,7 @@ class TableTask(Task):
         ids = req.payload[0] if isinstance(req.payload, tuple) else req.payload
         rows = self.table.read(ids)
         self.job.pulled_bytes += rows.nbytes
-        return rows
+        return rows.reshape(-1)  # flat: a frame's buffer
 
     # -- state crossing Aggregators -------------------------------------------------------------------
 
