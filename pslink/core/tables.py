@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from pslink.core.wire.protocol import FLOAT_DTYPES
-from pslink.errors import ConfigError
+from pslink.errors import ConfigError, KeyStateError
 
 ID_DTYPE = np.dtype("<u8")
 INITS = ("zeros", "uniform", "normal")
@@ -32,7 +32,9 @@ OPTIMIZERS = {
     "sgd": {"lr": 0.01},
     "adagrad": {"lr": 0.01, "eps": 1e-10, "initial_accumulator_value": 0.0},
     "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
+    "job": {},  # the job's own optimizer (pslink.core.optim), applied to the touched rows only
 }
+_PER_ROW = {"adagrad": ("acc",), "adam": ("m", "v")}  # the row optimizers' state, a row of it per id
 EVICTIONS = ("lru", "ttl")
 EVICT_SLACK = 0.1  # a full shard evicts this fraction of its capacity more than it needs, so it evicts seldom
 MAX_WIDTH = 1 << 20
@@ -192,8 +194,9 @@ class TableShard:
         self.ids = np.empty(0, ID_DTYPE)  # the id in each slot (live slots: [0, size))
         self.rows = np.empty((0, self.width), self.dtype)
         self.touched = np.empty(0, np.float64)  # LRU: the request count at the last touch; TTL: the time
-        self.moments = np.empty((0, 2 * self.width if self.optimizer["name"] == "adam" else self.width), self.dtype) \
-            if self.optimizer["name"] in ("adam", "adagrad") else None
+        # the row optimizer's state by slot (the job's optimizer makes its own on its first step)
+        self.per_row = {name: np.empty((0, self.width), self.dtype) for name in _PER_ROW.get(self.optimizer["name"], ())}
+        self.scalars: dict = {}  # the job's optimizer's scalars (its step count)
         self.size = 0
         self.requests = 0
         self.steps = 0  # rounds applied (Adam's bias correction)
@@ -201,7 +204,7 @@ class TableShard:
 
     @property
     def nbytes(self) -> int:
-        per_row = self.width * self.dtype.itemsize * (1 + (self.moments.shape[1] // self.width if self.moments is not None else 0))
+        per_row = self.width * self.dtype.itemsize * (1 + len(self.per_row))
         return self.size * (per_row + 8 + 8 + 8)
 
     # -- finding and making rows -------------------------------------------------------------------
@@ -244,13 +247,13 @@ class TableShard:
             self.rows = _grown(self.rows, grow)
             self.ids = _grown(self.ids, grow)
             self.touched = _grown(self.touched, grow)
-            if self.moments is not None:
-                self.moments = _grown(self.moments, grow)
+            for name, array in self.per_row.items():
+                self.per_row[name] = _grown(array, grow)
         self.rows[start:stop] = initial_rows(new, self.width, self.dtype, self.init, self.seed)
         self.ids[start:stop] = new
         self.touched[start:stop] = stamp
-        if self.moments is not None:
-            self.moments[start:stop] = self.optimizer.get("initial_accumulator_value", 0.0)
+        for name, array in self.per_row.items():
+            array[start:stop] = self.optimizer.get("initial_accumulator_value", 0.0) if name == "acc" else 0
         made = np.arange(start, stop, dtype=np.int64)
         at = np.searchsorted(self.keys, new)
         self.keys = np.insert(self.keys, at, new)
@@ -278,8 +281,8 @@ class TableShard:
         self.rows[:n] = self.rows[: self.size][keep]
         self.ids[:n] = self.ids[: self.size][keep]
         self.touched[:n] = self.touched[: self.size][keep]
-        if self.moments is not None:
-            self.moments[:n] = self.moments[: self.size][keep]
+        for array in self.per_row.values():
+            array[:n] = array[: self.size][keep]
         self.size = n
         self.evicted += gone
         self._reindex()
@@ -296,16 +299,25 @@ class TableShard:
         slots = self.slots(ids)  # first: it may grow self.rows
         return self.rows[slots]
 
-    def apply(self, ids: np.ndarray, rows: np.ndarray, contributors: int = 1) -> None:
+    def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Set rows (an id that repeats takes its last row), outside any round."""
+        slots = self.slots(ids)  # first: it may grow self.rows
+        self.rows[slots] = rows
+
+    def apply(self, ids: np.ndarray, rows: np.ndarray, contributors: int = 1, job_optimizer=None) -> None:
         """One round's pushes (ids may repeat: summed in order), applied by the row optimizer;
-        the optimizers other than ``sum`` step with the mean over the round's ``contributors``."""
+        the optimizers other than ``sum`` step with the mean over the round's ``contributors``
+        (the job's optimizer scales as it says: ``job_optimizer.grad_scale``)."""
         self.steps += 1
-        if ids.size == 0:
+        opt = self.optimizer
+        name = opt["name"]
+        if ids.size == 0 and name != "job":  # the job's optimizer counts every round (its step count)
             return
         unique, grads = sum_duplicates(ids, rows)
         slots = self.slots(unique)
-        opt = self.optimizer
-        name = opt["name"]
+        if name == "job":
+            self._job_step(job_optimizer, slots, grads, contributors)
+            return
         if name == "sum":
             self.rows[slots] += grads
             return
@@ -315,18 +327,43 @@ class TableShard:
         if name == "sgd":
             self.rows[slots] -= lr * grads
         elif name == "adagrad":
-            acc = self.moments[slots] + grads * grads
-            self.moments[slots] = acc
+            acc = self.per_row["acc"][slots] + grads * grads
+            self.per_row["acc"][slots] = acc
             self.rows[slots] -= lr * grads / (np.sqrt(acc) + np.asarray(opt["eps"], self.dtype))
         else:
-            w = self.width
             b1, b2 = np.asarray(opt["beta1"], self.dtype), np.asarray(opt["beta2"], self.dtype)
-            m = b1 * self.moments[slots, :w] + (1 - b1) * grads
-            v = b2 * self.moments[slots, w:] + (1 - b2) * grads * grads
-            self.moments[slots, :w], self.moments[slots, w:] = m, v
+            m = b1 * self.per_row["m"][slots] + (1 - b1) * grads
+            v = b2 * self.per_row["v"][slots] + (1 - b2) * grads * grads
+            self.per_row["m"][slots], self.per_row["v"][slots] = m, v
             corr1, corr2 = 1 - opt["beta1"] ** self.steps, 1 - opt["beta2"] ** self.steps
             step = np.asarray(opt["lr"] * math.sqrt(corr2) / corr1, self.dtype)
             self.rows[slots] -= step * m / (np.sqrt(v) + np.asarray(opt["eps"] * math.sqrt(corr2), self.dtype))
+
+    def _job_step(self, optimizer, slots: np.ndarray, grads: np.ndarray, contributors: int) -> None:
+        """The job's optimizer (SGD, Adam, MXNet's, ...) on the touched rows alone: MXNet's lazy
+        update of a row-sparse weight. Their state is gathered, stepped and put back; a row's
+        state starts at zero, and the scalars (a step count) are the shard's, one per round."""
+        if optimizer is None:  # MXNet's servers without an updater copy the merged rows into the store
+            self.rows[slots] = grads
+            return
+        scale = optimizer.grad_scale(contributors)
+        if scale != 1.0:
+            grads *= np.asarray(scale, grads.dtype)
+        n = slots.size
+        weights = self.rows[slots].reshape(-1)
+        state = {**self.scalars, **{name: array[slots].reshape(-1) for name, array in self.per_row.items()}}
+        optimizer.step(weights, grads.reshape(-1), state)
+        self.rows[slots] = weights.reshape(n, self.width)
+        for name, value in state.items():
+            if not isinstance(value, np.ndarray):
+                self.scalars[name] = value
+                continue
+            if value.size != weights.size:
+                raise KeyStateError(f"the job's optimizer keeps {name!r} of {value.size} values for {weights.size} "
+                                    "weights; a table's rows can only keep state of their own size")
+            if name not in self.per_row:
+                self.per_row[name] = np.zeros((self.rows.shape[0], self.width), value.dtype)
+            self.per_row[name][slots] = value.reshape(n, self.width)
 
     # -- state crossing Aggregators ----------------------------------------------------------------------
 
@@ -334,9 +371,8 @@ class TableShard:
         """Live rows and their state, in slot order (copies: the shard goes on)."""
         n = self.size
         arrays = [("ids", self.ids[:n].copy()), ("rows", self.rows[:n].copy()), ("touched", self.touched[:n].copy())]
-        if self.moments is not None:
-            arrays.append(("moments", self.moments[:n].copy()))
-        return {"requests": self.requests, "steps": self.steps, "evicted": self.evicted}, arrays
+        arrays += [(f"row:{name}", array[:n].copy()) for name, array in sorted(self.per_row.items())]
+        return {"requests": self.requests, "steps": self.steps, "evicted": self.evicted, "scalars": self.scalars}, arrays
 
     def load(self, scalars: dict, named: dict[str, np.ndarray]) -> None:
         ids = named["ids"]
@@ -344,10 +380,11 @@ class TableShard:
         self.ids = ids.astype(ID_DTYPE)
         self.rows = np.ascontiguousarray(named["rows"], self.dtype).reshape(n, self.width)
         self.touched = named["touched"].astype(np.float64)
-        if self.moments is not None:
-            self.moments = np.ascontiguousarray(named["moments"], self.dtype).reshape(n, -1)
+        self.per_row = {name[4:]: np.ascontiguousarray(array).reshape(n, self.width)
+                        for name, array in named.items() if name.startswith("row:")}
         self.size = n
         self.requests, self.steps, self.evicted = scalars["requests"], scalars["steps"], scalars["evicted"]
+        self.scalars = dict(scalars.get("scalars") or {})
         self._reindex()
 
 

@@ -27,6 +27,7 @@ from mxnet.kvstore import KVStoreBase
 
 import pslink
 from pslink.errors import AuthError, MembershipError, PslinkError
+from pslink.mxnet import sparse
 from pslink.mxnet.errors import KVStoreError, translate
 from pslink.mxnet.optimizer import check_key, service_config, to_mxnet_state, to_service_state
 
@@ -65,7 +66,9 @@ def _batch(key, value, what: str) -> tuple[list, list]:
 
 
 def _arrays(value, key, what: str) -> list:
-    """The NDArrays of one key's value: one array, or one per device."""
+    """The NDArrays of one key's value: one array, or one per device. A dense key's row_sparse
+    gradient (an Embedding with ``sparse_grad``) is pushed dense: every row is stepped, the
+    absent ones with a zero gradient (MXNet's lazy update needs a row-sparse weight)."""
     arrays = list(value) if isinstance(value, (list, tuple)) else [value]
     if not arrays:
         raise KVStoreError(f"pslink kvstore: {what} of key {key!r} got an empty list of arrays", key=key)
@@ -74,6 +77,8 @@ def _arrays(value, key, what: str) -> list:
             raise KVStoreError(
                 f"pslink kvstore: {what} of key {key!r} needs NDArrays, got {type(array).__name__}", key=key
             )
+        if array.stype == "row_sparse" and what in ("push", "pushpull"):
+            continue
         if array.stype != "default":
             raise KVStoreError(
                 f"pslink kvstore: {what} of key {key!r}: {array.stype} arrays are not supported, only dense ones",
@@ -114,6 +119,7 @@ class PSLinkKVStore(KVStoreBase):
                 raise KVStoreError(f"pslink kvstore: the agent's job runs sync {agent.sync!r}, not {self.sync!r}")
         self._agent = agent
         self._keys: dict[Any, _Key] = {}
+        self._sparse: dict[Any, sparse.RowSparseKey] = {}  # row-sparse keys: tables on the service
         self._pushes: list = []  # handles of pushes not yet confirmed
         self._optimizer = None
         self._sent: dict | None = None  # the optimizer settings the service has
@@ -154,11 +160,15 @@ class PSLinkKVStore(KVStoreBase):
     # -- data path --------------------------------------------------------------------------------
 
     def init(self, key, value) -> None:
-        """Declare keys; rank 0's values become their initial values. Call on every worker."""
+        """Declare keys; rank 0's values become their initial values. Call on every worker. A
+        row_sparse value makes a row-sparse key (a table on the service: pslink.mxnet.sparse)."""
         keys, values = _batch(key, value, "init")
+        if any(sparse.is_row_sparse(v) for v in values):
+            self._init_row_sparse(keys, values)
+            return
         arrays = []
         for k, v in zip(keys, values):
-            if k in self._keys:
+            if k in self._keys or k in self._sparse:
                 raise KVStoreError(f"pslink kvstore: duplicate init of key {k!r}", key=k)
             if isinstance(v, (list, tuple)) and len(v) > 1:
                 # MXNet reads [a, b] for one key as two inits of that key, and refuses the second.
@@ -201,6 +211,9 @@ class PSLinkKVStore(KVStoreBase):
     def push(self, key, value, priority=0) -> None:
         """Add ``value`` (summed over its devices) to this worker's next round of each key."""
         keys, values = _batch(key, value, "push")
+        if any(k in self._sparse for k in keys):
+            self._push_row_sparse(keys, values)
+            return
         arrays = [self._read(k, v, "push") for k, v in zip(keys, values)]
         self._before_push(keys)
         try:
@@ -213,6 +226,13 @@ class PSLinkKVStore(KVStoreBase):
         if out is None:
             raise KVStoreError("pslink kvstore: pull needs out= (the NDArrays to write the value to)")
         keys, outs = _batch(key, out, "pull")
+        rows = [k for k in keys if k in self._sparse]
+        if rows and not ignore_sparse:
+            raise KVStoreError(f"pslink kvstore: pull of row-sparse key(s) {rows} with ignore_sparse=False: a "
+                               "row-sparse key is read with row_sparse_pull(key, out, row_ids=...)", key=rows[0])
+        if rows:  # MXNet skips them (ignore_sparse)
+            outs = [o for k, o in zip(keys, outs) if k not in self._sparse]
+            keys = [k for k in keys if k not in self._sparse]
         infos = [self._initialized(k, "pull") for k in keys]
         targets = [self._targets(k, info, o, "pull") for k, info, o in zip(keys, infos, outs)]
         buffers = [self._buffer(info) for info in infos]
@@ -235,7 +255,24 @@ class PSLinkKVStore(KVStoreBase):
             self._write(array, target)
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
-        raise KVStoreError("pslink kvstore: row_sparse_pull is not supported; the service holds dense arrays")
+        """Write the rows ``row_ids`` names of each row-sparse key into ``out`` (a row_sparse
+        array, or a list: one per device, with a ``row_ids`` each), as of this worker's last push."""
+        if out is None or row_ids is None:
+            raise KVStoreError("pslink kvstore: row_sparse_pull needs out= and row_ids=")
+        keys, outs = _batch(key, out, "row_sparse_pull")
+        _, ids = _batch(key, row_ids, "row_sparse_pull")
+        self._settle()
+        for k, o, r in zip(keys, outs, ids):
+            info = self._sparse.get(k)
+            if info is None:
+                raise KVStoreError(f"pslink kvstore: row_sparse_pull of key {k!r}, which is not a row-sparse key "
+                                   "(init it with a row_sparse array)", key=k)
+            targets = list(o) if isinstance(o, (list, tuple)) else [o]
+            rids = list(r) if isinstance(r, (list, tuple)) else [r] * len(targets)
+            if len(rids) != len(targets):
+                raise KVStoreError(f"pslink kvstore: row_sparse_pull of key {k!r}: {len(targets)} outputs but "
+                                   f"{len(rids)} row_ids", key=k)
+            self._call("row_sparse_pull", [k], lambda: sparse.pull_rows(info, k, targets, rids))
 
     def set_gradient_compression(self, compression_params):
         raise KVStoreError("pslink kvstore: gradient compression is not supported")
@@ -332,8 +369,32 @@ class PSLinkKVStore(KVStoreBase):
 
     # -- helpers ----------------------------------------------------------------------------------
 
+    def _init_row_sparse(self, keys: list, values: list) -> None:
+        for k, v in zip(keys, values):
+            if k in self._keys or k in self._sparse:
+                raise KVStoreError(f"pslink kvstore: duplicate init of key {k!r}", key=k)
+        self._settle()
+        for k, v in zip(keys, values):
+            array = _arrays(v, k, "init")[0] if not isinstance(v, mx.nd.NDArray) or v.stype == "default" else v
+            self._sparse[k] = self._call("init", [k], lambda: sparse.declare(self._agent, k, array))
+        self._after_init(keys)
+
+    def _push_row_sparse(self, keys: list, values: list) -> None:
+        dense = [k for k in keys if k not in self._sparse]
+        if dense:
+            raise KVStoreError(f"pslink kvstore: push keys {dense} apart from the row-sparse keys "
+                               f"{[k for k in keys if k in self._sparse]}")
+        if self._optimizer is not None:
+            self._optimizer._update_count(keys)
+        for k, v in zip(keys, values):
+            arrays = list(v) if isinstance(v, (list, tuple)) else [v]
+            self._pushes.append(self._call("push", [k], lambda: sparse.push(self._sparse[k], k, arrays)))
+
     def _initialized(self, key, what: str) -> _Key:
         info = self._keys.get(key)
+        if info is None and key in self._sparse:
+            raise KVStoreError(f"pslink kvstore: {what} of row-sparse key {key!r}: use push and row_sparse_pull",
+                               key=key)
         if info is None:
             raise KVStoreError(
                 f"pslink kvstore: key {key!r} has not been initialized; call init({key!r}, value) (or "
@@ -353,8 +414,9 @@ class PSLinkKVStore(KVStoreBase):
                     f"initialized with shape {info.shape}",
                     key=key, shapes=[list(array.shape), list(info.shape)],
                 )
-        total = arrays[0].asnumpy()
-        for array in arrays[1:]:
+        dense = [a.tostype("default") if a.stype != "default" else a for a in arrays]
+        total = dense[0].asnumpy()
+        for array in dense[1:]:
             total += array.asnumpy()
         if total.dtype != info.dtype:
             total = total.astype(info.dtype)  # as MXNet's copies between dtypes do

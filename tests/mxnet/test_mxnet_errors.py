@@ -99,10 +99,10 @@ def test_other_misuse_is_named(kv):
         kv.push([3, 4], [mx.nd.ones(SHAPE)])
     with pytest.raises(MXNetError, match="pull needs out="):
         kv.pull(3)
-    with pytest.raises(MXNetError, match="row_sparse_pull is not supported"):
+    with pytest.raises(MXNetError, match="row_sparse_pull of key 3, which is not a row-sparse key"):
         kv.row_sparse_pull(3, out=mx.nd.zeros(SHAPE), row_ids=mx.nd.array([0]))
-    with pytest.raises(MXNetError, match="row_sparse arrays are not supported"):
-        kv.push(3, mx.nd.ones(SHAPE).tostype("row_sparse"))
+    with pytest.raises(MXNetError, match="csr arrays are not supported"):
+        kv.push(3, mx.nd.ones(SHAPE).tostype("csr"))
     with pytest.raises(MXNetError, match="gradient compression is not supported"):
         kv.set_gradient_compression({"type": "2bit"})
     with pytest.raises(MXNetError, match="save_optimizer_states needs an optimizer"):

@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pslink.core.agent.keys import KeyInfo, as_array
+from pslink.core.agent.keys import KeyInfo, as_array, check_key
 from pslink.core.tables import as_ids, split_by_shard, table_options
 from pslink.core.wire.protocol import Op, encode
-from pslink.errors import ConfigError, ShapeMismatchError
+from pslink.errors import ShapeMismatchError
 
 
 class TableHandle:
@@ -38,6 +38,10 @@ class TableHandle:
 
     def done(self) -> bool:
         return self.handle.done()
+
+    @property
+    def keys(self) -> list:
+        return self.handle.keys
 
     def exception(self):
         return self.handle.exception()
@@ -71,6 +75,11 @@ class Table:
         """Push ``rows`` for ``ids``, then pull the same ids once that round is applied."""
         return self._request(Op.TABLE_PUSHPULL, ids, rows, out)
 
+    def assign(self, ids, rows) -> TableHandle:
+        """Set the rows of ``ids`` to ``rows`` (initial values, as one rank sets them), outside
+        any round: the workers' next pulls read them once it is done."""
+        return self._request(Op.TABLE_INIT, ids, rows, None)
+
     def _request(self, op: Op, ids, rows, out) -> TableHandle:
         what = f"table {self.name!r} of job {self.agent.job!r}"
         ids = as_ids(ids, what)
@@ -86,12 +95,12 @@ class Table:
         if not in_order:
             ids = ids[order]
             rows = rows[order] if rows is not None else None
-        pulls = op != Op.TABLE_PUSH
+        pulls = op == Op.TABLE_PULL or op == Op.TABLE_PUSHPULL
         if pulls:
             out = self._out(out, n)
             landing = out if in_order else np.empty((n, self.width), self.dtype)
         agent = self.agent
-        pushes = op != Op.TABLE_PULL
+        pushes = op == Op.TABLE_PUSH or op == Op.TABLE_PUSHPULL  # a round's (an init is none)
         with agent._lock:
             if pushes:
                 self.info.round += 1
@@ -129,8 +138,7 @@ class Table:
 
 def declare(agent, name: str, width: int, dtype: str, options: dict) -> Table:
     """Declare table ``name`` with pMaster (every worker declares it alike) and return it."""
-    if not isinstance(name, str) or not 0 < len(name) <= 256:
-        raise ConfigError(f"table name {name!r} must be a string of 1..256 characters")
+    name = check_key(name)  # an int or a string, as any key
     options = table_options({"width": width, **options}, f"table {name!r}")
     info = agent._keys.get(name)
     if info is None:

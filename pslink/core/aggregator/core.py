@@ -316,6 +316,9 @@ class AggregatorCore:
         return replies
 
     def _reinit(self, task: Task, req: Request) -> list[Reply]:
+        if task.table is not None:  # a table's rows set, whenever (MXNet's init of a row-sparse key)
+            task.table.assign(*req.payload)
+            return [Reply(req.origin, req.id, round=task.closed)]
         if req.payload is None or task.closed or task.rounds:
             # Another rank's init (the shape check in admit() was the point); the initializer's
             # own init arriving again (a resend); or a value from a rank that only sends one

@@ -45,7 +45,8 @@ from pslink.errors import (AbortedError, ConfigError, KeyStateError, PeerError, 
                            error_from_code)
 
 log = logging.getLogger(__name__)
-_TABLE_AS_DATA = {Op.TABLE_PUSH: Op.PUSH, Op.TABLE_PULL: Op.PULL, Op.TABLE_PUSHPULL: Op.PUSHPULL}  # rounds as for tensors
+_TABLE_AS_DATA = {Op.TABLE_PUSH: Op.PUSH, Op.TABLE_PULL: Op.PULL, Op.TABLE_PUSHPULL: Op.PUSHPULL,  # rounds as for tensors
+                  Op.TABLE_INIT: Op.INIT}
 MAX_STALL_LINES = 8  # per scan: a whole job stalling is one story, not a line per key
 
 

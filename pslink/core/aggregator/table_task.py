@@ -57,17 +57,21 @@ class TableTask(Task):
     def apply_round(self, round_: _Round) -> None:
         pushes = [round_.acc[rank] for rank in sorted(round_.acc)] if round_.acc else []
         if not pushes:
-            self.table.apply(np.empty(0, ID_DTYPE), np.empty((0, self.width), self.dtype))
+            ids, rows = np.empty(0, ID_DTYPE), np.empty((0, self.width), self.dtype)
         elif len(pushes) == 1:
-            self.table.apply(pushes[0][0], pushes[0][1], len(round_.contributors))
+            ids, rows = pushes[0]
         else:
-            self.table.apply(np.concatenate([p[0] for p in pushes]), np.concatenate([p[1] for p in pushes]),
-                             len(round_.contributors))
+            ids, rows = np.concatenate([p[0] for p in pushes]), np.concatenate([p[1] for p in pushes])
+        self.table.apply(ids, rows, len(round_.contributors), self._job_optimizer())
 
     def apply_push(self, req: Request) -> None:
         ids, rows = req.payload
         self.job.pushed_bytes += ids.nbytes + rows.nbytes
-        self.table.apply(ids, rows)
+        self.table.apply(ids, rows, 1, self._job_optimizer())
+
+    def _job_optimizer(self):
+        optimizer = self.job.optimizer
+        return optimizer.for_key(self.key) if optimizer is not None else None
 
     def rows_for(self, req: Request) -> np.ndarray:
         ids = req.payload[0] if isinstance(req.payload, tuple) else req.payload

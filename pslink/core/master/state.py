@@ -291,7 +291,7 @@ class MasterState:
     def set_optimizer(self, record: JobRecord, optimizer: dict) -> None:
         make_optimizer(optimizer)
         if record.mode != "optimizer":
-            if record.keys:
+            if any(spec.table is None for spec in record.keys.values()):  # a table's rows need no init
                 raise ConfigError(
                     f"job {record.job!r} runs in sum mode and already has keys; set the optimizer "
                     "before the first init"

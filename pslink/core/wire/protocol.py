@@ -44,6 +44,7 @@ class Op(enum.IntEnum):
     TABLE_PUSH = 16
     TABLE_PULL = 17
     TABLE_PUSHPULL = 18
+    TABLE_INIT = 19  # set rows to the values sent (rank 0's initial rows), outside any round
     # replies (to any request)
     REPLY = 10
     ERROR = 11
@@ -79,7 +80,7 @@ class Op(enum.IntEnum):
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
-TABLE_OPS = frozenset({Op.TABLE_PUSH, Op.TABLE_PULL, Op.TABLE_PUSHPULL})
+TABLE_OPS = frozenset({Op.TABLE_PUSH, Op.TABLE_PULL, Op.TABLE_PUSHPULL, Op.TABLE_INIT})
 STATE_OPS = frozenset({Op.STATE_GET, Op.STATE_SET, Op.JOIN, Op.WAITING})  # about a task, not its rounds
 MAX_STATE_ARRAYS = 8  # per part; a frame each, every one of the part's size (momentum, moments)
 
@@ -262,6 +263,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.TABLE_PUSH: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
     Op.TABLE_PULL: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(1,)),
     Op.TABLE_PUSHPULL: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
+    Op.TABLE_INIT: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
     Op.PING: Schema({"id": _uint}),
     Op.PONG: Schema({"id": _uint}),
     Op.ABORT: Schema(

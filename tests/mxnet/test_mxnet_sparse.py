@@ -1,0 +1,116 @@
+"""Row-sparse keys of the pslink kvstore against MXNet's own store: the same rows after the same
+pushes (MXNet's lazy updates: only pushed rows move), and gluon's sparse training accepted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mxnet", reason="MXNet 1.9.1 is not installed (CI installs it: pip install '.[mxnet]')")
+
+import pslink  # noqa: E402
+from pslink.mxnet import PSLinkKVStore  # noqa: E402
+from pslink.core.transport import Transports  # noqa: E402
+from tests.helpers import run_workers, start_cluster  # noqa: E402
+
+SHAPE = (12, 3)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    transports = Transports()
+    service = start_cluster("inproc", aggregators=2, transports=transports)
+    yield service, transports
+    service.stop()
+    transports.close()
+
+
+def gradient(rank: int, step: int) -> mx.nd.NDArray:
+    rng = np.random.default_rng(10 * rank + step)
+    rows = np.sort(rng.choice(SHAPE[0], 4, replace=False))
+    return mx.nd.sparse.row_sparse_array((rng.normal(size=(4, SHAPE[1])).astype(np.float32), rows), shape=SHAPE)
+
+
+def initial() -> mx.nd.NDArray:
+    return mx.nd.array(np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE) / 10).tostype("row_sparse")
+
+
+def make_optimizer(name: str):
+    return mx.optimizer.create(name, learning_rate=0.1, rescale_grad=0.5, **({"momentum": 0.9} if name == "sgd" else {}))
+
+
+def mxnet_reference(name: str, steps: int) -> np.ndarray:
+    """MXNet's own store: the two workers' gradients pushed as two devices' (summed), lazily applied."""
+    kv = mx.kv.create("local")
+    kv.init("emb", initial())
+    kv.set_optimizer(make_optimizer(name))
+    for step in range(steps):
+        kv.push("emb", [gradient(0, step), gradient(1, step)])
+    out = mx.nd.sparse.zeros("row_sparse", SHAPE)
+    kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.arange(SHAPE[0], dtype="int64"))
+    return out.asnumpy()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_row_sparse_keys_are_updated_as_mxnets_store_updates_them(cluster, name):
+    service, transports = cluster
+    steps = 4
+
+    def worker(rank):
+        agent = pslink.connect(f"rsp-{name}", rank, 2, master=service.address, transports=transports, timeout=20)
+        kv = PSLinkKVStore(agent=agent)
+        kv.init("emb", initial())
+        kv.set_optimizer(make_optimizer(name))
+        for step in range(steps):
+            kv.push("emb", gradient(rank, step))
+        out = mx.nd.sparse.zeros("row_sparse", SHAPE)
+        kv.row_sparse_pull("emb", out=out, row_ids=mx.nd.array([11, 0, 3, 3, 5], dtype="int64"))
+        some = (out.indices.asnumpy().tolist(), out.asnumpy())
+        every = mx.nd.sparse.zeros("row_sparse", SHAPE)
+        kv.row_sparse_pull("emb", out=every, row_ids=mx.nd.arange(SHAPE[0], dtype="int64"))
+        with pytest.raises(mx.base.MXNetError, match="ignore_sparse=False"):
+            kv.pull("emb", out=mx.nd.zeros(SHAPE), ignore_sparse=False)
+        kv.pull("emb", out=mx.nd.zeros(SHAPE))  # ignore_sparse=True: skipped, as MXNet's store does
+        agent.close()
+        return some, every.asnumpy()
+
+    expected = mxnet_reference(name, steps)
+    for (indices, some), every in run_workers(2, worker):
+        # Adam's square roots and divisions round differently in MXNet's kernel than in numpy.
+        np.testing.assert_allclose(every, expected, rtol=1e-6 if name == "sgd" else 1e-5, atol=1e-7)
+        assert indices == [0, 3, 5, 11]  # the rows asked for, each once, in order; the others read as zeros
+        np.testing.assert_array_equal(some[[0, 3, 5, 11]], every[[0, 3, 5, 11]])
+        assert not some[[1, 2, 4]].any()
+
+
+def test_gluon_trains_a_row_sparse_weight_and_a_sparse_gradient_on_the_store(cluster):
+    service, transports = cluster
+
+    def worker(rank):
+        agent = pslink.connect("rsp-gluon", rank, 2, master=service.address, transports=transports, timeout=20)
+        kv = PSLinkKVStore(agent=agent)
+        mx.random.seed(0)
+        sparse_weight = mx.gluon.contrib.nn.SparseEmbedding(20, 4)
+        sparse_grad = mx.gluon.nn.Embedding(20, 4, sparse_grad=True)
+        for block in (sparse_weight, sparse_grad):
+            block.initialize(mx.init.Constant(1.0))
+        params = sparse_weight.collect_params()
+        params.update(sparse_grad.collect_params())
+        trainer = mx.gluon.Trainer(params, "sgd", {"learning_rate": 0.5}, kvstore=kv)
+        ids = mx.nd.array([[1, 2], [2, 5]]) if rank == 0 else mx.nd.array([[5, 7], [7, 7]])
+        for _ in range(2):
+            weight = sparse_weight.weight.row_sparse_data(ids)
+            with mx.autograd.record():
+                loss = mx.nd.Embedding(ids, weight, 20, 4, sparse_grad=True).sum() + sparse_grad(ids).sum()
+            loss.backward()
+            trainer.step(1)
+        rows = sparse_weight.weight.row_sparse_data(mx.nd.arange(20)).asnumpy()
+        dense = sparse_grad.weight.data().asnumpy()
+        agent.close()
+        return rows, dense
+
+    for rows, dense in run_workers(2, worker):
+        # Each step: a row's gradient is how often the batch holds it, summed over both workers.
+        counts = np.bincount([1, 2, 2, 5, 5, 7, 7, 7], minlength=20)
+        np.testing.assert_allclose(rows[:, 0], 1.0 - 2 * 0.5 * counts, rtol=1e-6)
+        np.testing.assert_allclose(dense[:, 0], 1.0 - 2 * 0.5 * counts, rtol=1e-6)
