@@ -177,8 +177,34 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
     def global_replicas(self) -> int:
         return self.num_replicas_in_sync
 
-    def cross_worker_reduce(self, reduce_op, components: list[list]) -> list[tf.Tensor]:
-        """Sum each value's local replicas, then over the workers through the service."""
+    def cross_worker_reduce(self, reduce_op, components: list[list]) -> list:
+        """Sum each value's local replicas, then over the workers through the service. Sparse
+        gradients (``tf.IndexedSlices``: an embedding's) stay sparse: every worker's rows and
+        indices are gathered, as MultiWorkerMirroredStrategy does, never a dense table's worth."""
+        sparse = [i for i, c in enumerate(components) if any(isinstance(t, tf.IndexedSlices) for t in c)]
+        if not sparse:
+            return self._reduce_dense(reduce_op, components)
+        dense = self._reduce_dense(reduce_op, [c for i, c in enumerate(components) if i not in sparse])
+        gathered = [self._reduce_sparse(reduce_op, components[i]) for i in sparse]
+        results = iter(dense)
+        slices = dict(zip(sparse, gathered))
+        return [slices[i] if i in slices else next(results) for i in range(len(components))]
+
+    def _reduce_sparse(self, reduce_op, replicas: list) -> tf.IndexedSlices:
+        parts = [t if isinstance(t, tf.IndexedSlices) else _as_slices(tf.convert_to_tensor(t)) for t in replicas]
+        values = tf.concat([p.values for p in parts], 0) if len(parts) > 1 else parts[0].values
+        indices = tf.concat([tf.cast(p.indices, tf.int64) for p in parts], 0) if len(parts) > 1 else parts[0].indices
+        if self.num_workers > 1:
+            keys = self._keys.keys([values, indices])
+            values = self._exchange.allgather(values, keys[0], f"{WHAT} sparse reduction")
+            indices = self._exchange.allgather(indices, keys[1], f"{WHAT} sparse reduction")
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            values = _divide(values, self.num_replicas_in_sync)
+        return tf.IndexedSlices(values, indices, parts[0].dense_shape)
+
+    def _reduce_dense(self, reduce_op, components: list[list]) -> list[tf.Tensor]:
+        if not components:
+            return []
         local = [c[0] if len(c) == 1 else tf.add_n([tf.convert_to_tensor(t) for t in c]) for c in components]
         local = [tf.convert_to_tensor(t) for t in local]
         if self.num_workers == 1:
@@ -195,6 +221,12 @@ def _initialized(variable) -> bool:
         return bool(variable.is_initialized())
     except (tf.errors.OpError, ValueError, TypeError):
         return False
+
+
+def _as_slices(tensor: tf.Tensor) -> tf.IndexedSlices:
+    """A dense replica's value beside sparse ones: every row of it, as slices."""
+    rows = tf.shape(tensor, out_type=tf.int64)[0]
+    return tf.IndexedSlices(tensor, tf.range(rows), tf.shape(tensor, out_type=tf.int64))
 
 
 def _divide(tensor: tf.Tensor, n: int) -> tf.Tensor:

@@ -9,6 +9,8 @@ equal the reference within float32 rounding, and the loss fell (the model learne
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -83,3 +85,14 @@ def test_reported_losses_are_the_mean_over_workers(results):
         rank0, rank1, reference = load(results, way)
         np.testing.assert_array_equal(rank0["losses"], rank1["losses"])
         np.testing.assert_allclose(rank0["losses"], reference["losses"], rtol=1e-4)
+
+
+def test_an_embeddings_sparse_gradient_is_reduced_as_slices_and_trains_as_one_process(tmp_path):
+    outcome = tf_harness.launch([sys.executable, str(tf_harness.HERE / "tf_sparse_worker.py"), str(tmp_path)])
+    assert outcome.code == 0 and not outcome.timed_out, outcome.describe()
+    reference = np.load(tmp_path / "sparse_reference.npz")
+    for rank in (0, 1):
+        got = np.load(tmp_path / f"sparse_rank{rank}.npz")
+        assert int(got["sparse"]) > 0  # the embedding's gradient went the sparse way
+        for name in ("arr_0", "arr_1", "arr_2"):  # embedding, kernel, bias
+            np.testing.assert_allclose(got[name], reference[name], rtol=1e-5, atol=1e-6)
