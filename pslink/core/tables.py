@@ -72,17 +72,23 @@ def as_ids(ids, what: str) -> np.ndarray:
 
 
 def shard_of(ids: np.ndarray, shards: int) -> np.ndarray:
-    """The shard of each id (an int64 array)."""
+    """The shard of each id (uint16): Fibonacci hashing (the id times 2^64 / golden ratio, its
+    top bits, which depend on every bit of the id), spreading consecutive ids and ps-lite's
+    evenly strided keys alike."""
     if shards == 1:
-        return np.zeros(ids.size, np.int64)
-    return (mix64(ids) % np.uint64(shards)).astype(np.int64)
+        return np.zeros(ids.size, np.uint16)
+    with np.errstate(over="ignore"):
+        high = (ids * _GOLDEN) >> np.uint64(32)  # the product's top 32 bits...
+        return ((high * np.uint64(shards)) >> np.uint64(32)).astype(np.uint16)  # ...scaled to [0, shards)
 
 
 def split_by_shard(ids: np.ndarray, shards: int) -> tuple[np.ndarray, np.ndarray]:
     """``(order, bounds)``: ``ids[order]`` grouped by shard (stable: each shard's ids keep their
     order), shard ``s`` being ``[bounds[s], bounds[s + 1])`` of it."""
+    if shards == 1:
+        return np.arange(ids.size), np.array([0, ids.size], np.int64)
     shard = shard_of(ids, shards)
-    order = np.argsort(shard, kind="stable")
+    order = np.argsort(shard, kind="stable")  # a radix sort, for 16-bit keys
     bounds = np.zeros(shards + 1, np.int64)
     np.cumsum(np.bincount(shard, minlength=shards), out=bounds[1:])
     return order, bounds
@@ -111,6 +117,8 @@ def sum_duplicates(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nd
     """Unique ids (sorted) and their rows summed, each id's rows added left to right in the order
     they came (float addition is not associative: the order is part of the result, so a sum is
     the same bit for bit wherever it is made)."""
+    if ids.size < 2 or (ids[1:] > ids[:-1]).all():
+        return ids, rows  # sorted and unique already: ps-lite's keys are
     unique, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
     order = np.argsort(inverse, kind="stable")  # grouped by id, each group in arrival order
     if unique.size == ids.size:
@@ -198,6 +206,7 @@ class TableShard:
         self.per_row = {name: np.empty((0, self.width), self.dtype) for name in _PER_ROW.get(self.optimizer["name"], ())}
         self.scalars: dict = {}  # the job's optimizer's scalars (its step count)
         self.size = 0
+        self._last: tuple | None = None  # (ids, slots) of the last request found whole: reused if they come again
         self.requests = 0
         self.steps = 0  # rounds applied (Adam's bias correction)
         self.evicted = 0
@@ -233,11 +242,15 @@ class TableShard:
         return slots
 
     def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        pos = np.searchsorted(self.keys, ids)
-        found = pos < self.keys.size
-        found[found] = self.keys[pos[found]] == ids[found]
-        slots = np.empty(ids.size, np.int64)
-        slots[found] = self.where[pos[found]]
+        if not self.keys.size:
+            return np.zeros(ids.size, bool), np.zeros(ids.size, np.int64)
+        if self._last is not None and self._last[0].size == ids.size and np.array_equal(self._last[0], ids):
+            return np.ones(ids.size, bool), self._last[1].copy()  # the same ids as last time (ps-lite's are)
+        pos = np.minimum(np.searchsorted(self.keys, ids), self.keys.size - 1)
+        found = self.keys[pos] == ids
+        slots = self.where[pos]
+        if found.all():
+            self._last = (ids.copy(), slots.copy())
         return found, slots
 
     def _make(self, new: np.ndarray, stamp: float) -> np.ndarray:
@@ -255,6 +268,7 @@ class TableShard:
         for name, array in self.per_row.items():
             array[start:stop] = self.optimizer.get("initial_accumulator_value", 0.0) if name == "acc" else 0
         made = np.arange(start, stop, dtype=np.int64)
+        self._last = None
         at = np.searchsorted(self.keys, new)
         self.keys = np.insert(self.keys, at, new)
         self.where = np.insert(self.where, at, made)
@@ -288,6 +302,7 @@ class TableShard:
         self._reindex()
 
     def _reindex(self) -> None:
+        self._last = None
         order = np.argsort(self.ids[: self.size], kind="stable")
         self.keys = self.ids[: self.size][order]
         self.where = order.astype(np.int64)

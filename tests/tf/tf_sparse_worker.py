@@ -17,7 +17,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import pslink.tf  # noqa: E402
 from pslink.tf import strategy as strategy_module  # noqa: E402
