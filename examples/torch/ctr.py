@@ -12,7 +12,8 @@ Every worker draws its own examples. The MLP is averaged with the Horovod API
 (``hvd.DistributedOptimizer``); the embedding table is either ``pslink.torch.Embedding`` (rows on
 the service, only the batch's rows travel, Adagrad on the service) or ``torch.nn.Embedding`` in
 every worker (its whole gradient averaged every step, as a job without a parameter server does).
-Prints the held-out AUC and the time per step.
+Prints the held-out AUC and the time per step; ``--alone`` trains each worker by itself, with no
+communication at all (the speed limit, run side by side so that the workers share the CPUs alike).
 """
 
 from __future__ import annotations
@@ -71,26 +72,32 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--embedding", choices=["service", "local"], default="service")
+    parser.add_argument("--alone", action="store_true",
+                        help="no communication at all (local embedding, local optimizer): the speed limit")
     parser.add_argument("--fields", type=int, default=8)
     parser.add_argument("--vocabulary", type=int, default=20_000, help="ids per field")
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's threads per worker (1: workers side by side do not fight over the cores)")
     args = parser.parse_args()
 
+    torch.set_num_threads(args.threads)
     hvd.init()
     rows = args.fields * args.vocabulary
     torch.manual_seed(0)
-    if args.embedding == "service":
+    if args.embedding == "service" and not args.alone:
         embedding = hvd.Embedding(rows, args.dim, init=("normal", 0.0, 0.01), optimizer={"name": "adagrad", "lr": args.lr})
-    else:
-        embedding = torch.nn.Embedding(rows, args.dim)
+    else:  # alone: sparse gradients, which torch's Adagrad applies to the touched rows only
+        embedding = torch.nn.Embedding(rows, args.dim, sparse=args.alone)
         torch.nn.init.normal_(embedding.weight, 0.0, 0.01)
     model = CTRModel(embedding, args.fields, args.dim)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = hvd.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=args.lr),
-                                         named_parameters=model.named_parameters())
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=args.lr)
+    if not args.alone:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     data = ClickData(args.fields, args.vocabulary, seed=hvd.rank())
     loss_fn = torch.nn.BCEWithLogitsLoss()
     started = None
@@ -110,7 +117,7 @@ def main() -> int:
         scores = model(ids).numpy()
     result = auc(clicks.numpy(), scores)
     best = auc(clicks.numpy(), held_out.logit(ids.numpy()))  # the hidden model's own: the ceiling
-    print(f"rank {hvd.rank()}: embedding {args.embedding}, {args.steps} steps, {step_ms:.2f} ms/step, "
+    print(f"rank {hvd.rank()}: embedding {'alone' if args.alone else args.embedding}, {args.steps} steps, {step_ms:.2f} ms/step, "
           f"last loss {loss.item():.4f}, held-out AUC {result:.4f} (the hidden model's: {best:.4f})")
     hvd.shutdown()
     return 0

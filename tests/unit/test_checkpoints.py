@@ -52,8 +52,10 @@ def test_checkpoint_settings_are_checked():
     settings = validate_settings({"optimizer": {"type": "sgd", "lr": 0.1}, "checkpoint": "/tmp/x",
                                   "checkpoint_every": 5})
     assert settings["checkpoint"] == "/tmp/x" and settings["checkpoint_every"] == 5
-    with pytest.raises(ConfigError, match="checkpoint applies to mode 'optimizer'"):
-        validate_settings({"checkpoint": "/tmp/x"})
+    # A sum-mode job's checkpoints hold its tables (its tensors' parts keep nothing between rounds).
+    assert validate_settings({"checkpoint": "/tmp/x"})["checkpoint"] == "/tmp/x"
+    with pytest.raises(ConfigError, match="checkpoint needs sync 'bsp' or 'ssp'"):
+        validate_settings({"checkpoint": "/tmp/x", "sync": "asp"})
     with pytest.raises(ConfigError, match="checkpoint_every needs checkpoint"):
         validate_settings({"optimizer": {"type": "sgd", "lr": 0.1}, "checkpoint_every": 5})
     with pytest.raises(ConfigError, match="fsspec cannot write nosuchscheme:// URLs"):

@@ -90,8 +90,11 @@ class Table:
                 raise ShapeMismatchError(f"{what}: {n} id(s) take rows of shape ({n}, {self.width}) "
                                          f"{self.info.dtype_name}, got {rows.shape} {dtype}", key=self.name)
             rows = np.ascontiguousarray(rows.reshape(n, self.width))
-        order, bounds = split_by_shard(ids, self.shards)
-        in_order = bool(n == 0 or (order[1:] > order[:-1]).all())
+        if self.shards == 1:  # nothing to split or reorder
+            order, bounds, in_order = None, (0, n), True
+        else:
+            order, bounds = split_by_shard(ids, self.shards)
+            in_order = bool(n == 0 or (order[1:] > order[:-1]).all())
         if not in_order:
             ids = ids[order]
             rows = rows[order] if rows is not None else None

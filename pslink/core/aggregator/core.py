@@ -308,7 +308,7 @@ class AggregatorCore:
         task.value = req.payload
         task.init_rank = req.rank
         replies = [Reply(req.origin, req.id, round=0)]
-        if task.job.checkpoint:
+        if task.job.checkpoint and task.job.mode == "optimizer":
             replies += self.moves.checkpoint(task)  # round 0: a part lost before its first checkpoint restarts here
         queued, task.before_init = task.before_init, []
         for waiting in queued:
@@ -456,7 +456,8 @@ class AggregatorCore:
             task.last_n = len(round_.contributors)
             task.rounds_closed += 1
             task.closed_epoch = task.job.membership.epoch
-            if task.job.checkpoint and nxt % task.job.checkpoint_every == 0:
+            if task.job.checkpoint and nxt % task.job.checkpoint_every == 0 and (
+                    task.job.mode == "optimizer" or task.table is not None):  # the tasks that keep state
                 replies += self.moves.checkpoint(task)
             if task.replicas:
                 # Nothing of this round is answered before its replicas have it (replicated()).
@@ -536,11 +537,10 @@ class AggregatorCore:
                       moved=task.moved_to, epoch=task.closed_epoch)
         if task.table is not None:
             reply.payload = task.rows_for(req)
-            return reply
-        if task.value is not None:
+        elif task.value is not None:
             task.job.pulled_bytes += task.nbytes
-        if req.average and task.last_n > 1 and task.job.mode == "sum" and task.job.sync != "asp" \
-                and task.value is not None and task.value.dtype.kind == "f":
+        if req.average and task.table is None and task.last_n > 1 and task.job.mode == "sum" \
+                and task.job.sync != "asp" and task.value is not None and task.value.dtype.kind == "f":
             reply.payload, reply.averaged = self._average(task), True
         if task.restored is not None and task.restored < task.lost_upto and req.round == task.lost_upto + 1:
             # The first answer after a restart from a checkpoint: what was lost (the Agent says it loudly).

@@ -29,7 +29,7 @@ class TableTask(Task):
     """One shard of a table of job ``job`` (``spec["table"]``: the table's options)."""
 
     def __init__(self, job: JobState, spec: dict, summer: Summer, max_ahead: int, clock=lambda: 0.0):
-        super().__init__(job, dict(spec, needs_init=False, rebase=False, restore=False), summer, max_ahead)
+        super().__init__(job, dict(spec, needs_init=False), summer, max_ahead)
         self.table = TableShard(table_options(spec["table"], f"table {spec['key']!r}"), self.dtype, clock)
         self.width = self.table.width
         self.value = _NO_VALUE

@@ -208,8 +208,9 @@ class Failover:
             return
         self.failing[lost] += 1
         # It starts afresh and takes up the round the workers are at (their resent pushes say).
-        # In optimizer mode it starts from the part's last checkpoint (recovery lets none other here).
-        restore = record.mode == "optimizer"
+        # In optimizer mode, or a table's shard, it starts from the part's last checkpoint
+        # (recovery lets none other here).
+        restore = record.mode == "optimizer" or spec.table is not None
         entries = [dict(e, rebase=True, restore=restore) for e in spec.task_specs(part.aggregator, self.links.address_of)
                    if e["part"] == part.part]
 

@@ -274,9 +274,7 @@ def validate_settings(config: dict | None) -> dict:
     every = _optional_int(config, "checkpoint_every", 1)
     if checkpoint is not None:
         check_url(checkpoint)
-        if mode != "optimizer":
-            raise ConfigError("checkpoint applies to mode 'optimizer' (a sum-mode part keeps no state between "
-                              "rounds: it restarts empty elsewhere)")
+        # In sum mode only tables are written (a tensor's sum-mode part keeps no state between rounds).
         if sync == "asp":
             raise ConfigError("checkpoint needs sync 'bsp' or 'ssp' (it is taken at round boundaries)")
     elif every is not None:

@@ -14,7 +14,8 @@ Failover, for each part of the lost Aggregator:
   has; the workers resend what they had in flight, the same rounds, and a round seen twice is
   applied once), and the replicas are topped up to k again;
 - without one, in ``sum`` mode: the part starts afresh elsewhere (a sum-mode part keeps no state
-  between rounds; the rounds in flight are resent by the workers);
+  between rounds; the rounds in flight are resent by the workers); not a table's shard, whose
+  rows are state in any mode (it takes the optimizer-mode way);
 - without one, in ``optimizer`` mode with a checkpoint: the part restarts elsewhere from its last
   checkpoint; the rounds since are lost, and the workers are told how many;
 - without one, in ``optimizer`` mode and no checkpoint: its weights are gone: the key fails
@@ -131,7 +132,7 @@ def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str
                     if survivors:
                         part.aggregator, part.replicas = survivors[0], survivors[1:]
                         actions.append(Promote(record, spec, part, lost))
-                    elif record.mode == "sum" or record.checkpoint:
+                    elif (record.mode == "sum" and spec.table is None) or record.checkpoint:
                         target = pick_replicas(candidates, load, 1, exclude=())
                         if not target:
                             dead_key = True
@@ -149,7 +150,9 @@ def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str
                     added = _top_up(record, part, candidates, load, lost, hosts)
                     actions.append(Rereplicate(record, spec, part, added))
             if dead_key:
-                if record.mode == "optimizer" and not record.checkpoint:
+                if spec.table is not None and not record.checkpoint:
+                    why = "a table's rows are its state, and it has no replica and no checkpoint"
+                elif record.mode == "optimizer" and not record.checkpoint:
                     why = ("no replica (replication 0) and no checkpoint in optimizer mode" if not record.replication
                            else "its replicas were lost with it, and there is no checkpoint in optimizer mode")
                 else:
