@@ -23,7 +23,7 @@ from typing import Any
 
 import mxnet as mx
 import numpy as np
-from mxnet.kvstore import KVStoreBase
+from mxnet.kvstore import KVStore, KVStoreBase
 
 import pslink
 from pslink.errors import AuthError, MembershipError, PslinkError
@@ -87,13 +87,17 @@ def _arrays(value, key, what: str) -> list:
     return arrays
 
 
-class PSLinkKVStore(KVStoreBase):
+class PSLinkKVStore(KVStore):
     """A kvstore whose values live on the pslink parameter service.
 
     Create it with ``mx.kv.create('pslink')`` (or ``'pslink_async'``), which reads the job, rank,
     number of workers and service address from the environment, or directly with the arguments
     of :func:`pslink.connect` (``job``, ``rank``, ``num_workers``, ``master`` and its options), or
     around an existing ``agent``. Use one per worker process, for every Trainer of the job.
+
+    It subclasses MXNet's own ``KVStore`` (every method of it overridden; there is no C store
+    underneath), because that is what gluon's Trainer and ``mxnet.model`` check for where a store
+    serves row-sparse weights or sparse gradients.
     """
 
     #: "asp" for the asynchronous store; None joins the job with whatever it runs (BSP by default)
@@ -118,6 +122,7 @@ class PSLinkKVStore(KVStoreBase):
             if self.sync is not None and agent.sync != self.sync:
                 raise KVStoreError(f"pslink kvstore: the agent's job runs sync {agent.sync!r}, not {self.sync!r}")
         self._agent = agent
+        self.handle = None  # MXNet's C store: none (KVStore's attribute, read by nothing here)
         self._keys: dict[Any, _Key] = {}
         self._sparse: dict[Any, sparse.RowSparseKey] = {}  # row-sparse keys: tables on the service
         self._pushes: list = []  # handles of pushes not yet confirmed
@@ -129,6 +134,18 @@ class PSLinkKVStore(KVStoreBase):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.type} job={self._agent.job!r} rank={self.rank}/{self.num_workers}>"
+
+    def __del__(self):
+        pass  # KVStore's frees its C store; the Agent is closed by the finalizer
+
+    def _set_updater(self, updater):
+        raise KVStoreError("pslink kvstore: a local updater (update_on_kvstore=False with Module) is not run by the "
+                           "store; the service applies set_optimizer's optimizer, or the Trainer updates on the "
+                           "workers after pushpull")
+
+    def _send_command_to_servers(self, head, body):
+        raise KVStoreError("pslink kvstore: there are no servers to send commands to; the service's Aggregators "
+                           "are configured through set_optimizer and the job's settings")
 
     # -- identity -------------------------------------------------------------------------------
 

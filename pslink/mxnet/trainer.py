@@ -5,9 +5,8 @@ for one device unless the name contains "dist": ``Trainer(..., kvstore='pslink')
 train alone, silently. For pslink's names we create the store first and hand MXNet the
 instance, which it always uses; every other name goes through unchanged.
 
-Sparse training: gluon's Trainer takes only MXNet's own ``KVStore`` class for row_sparse
-weights (``_create_sparse_kvstore``) and for sparse gradients (an ``isinstance`` check); both
-are widened to take a pslink store too, which serves them (pslink.mxnet.sparse).
+Sparse training needs nothing here: gluon's Trainer takes only MXNet's own ``KVStore`` class for
+row_sparse weights and sparse gradients, and the pslink store is a subclass of it.
 """
 
 from __future__ import annotations
@@ -38,24 +37,4 @@ def install_kvstore_names(names) -> None:
         current = getattr(module, "_create_kvstore", None)
         if current is original or getattr(current, "__wrapped__", None) is original:
             module._create_kvstore = create_kvstore
-    _accept_pslink_for_sparse(model, ours)
 
-
-def _accept_pslink_for_sparse(model, ours: set) -> None:
-    from mxnet.gluon import trainer as gluon_trainer
-    from mxnet.kvstore import KVStore
-
-    from pslink.mxnet.kvstore import PSLinkKVStore
-
-    original = getattr(model._create_sparse_kvstore, "__wrapped__", model._create_sparse_kvstore)
-
-    @functools.wraps(original)
-    def create_sparse_kvstore(kvstore):
-        if isinstance(kvstore, PSLinkKVStore):
-            return kvstore, True  # row_sparse weights: always updated on the store, as MXNet's
-        return original(mx.kv.create(kvstore) if isinstance(kvstore, str) and kvstore.lower() in ours else kvstore)
-
-    model._create_sparse_kvstore = create_sparse_kvstore
-    gluon_trainer._create_sparse_kvstore = create_sparse_kvstore
-    # The Trainer refuses "a custom kvstore" for sparse gradients by isinstance(kvstore, KVStore).
-    gluon_trainer.KVStore = (KVStore, PSLinkKVStore)

@@ -20,7 +20,8 @@ class _GradientSync:
     """The per-optimizer machinery, kept apart from the optimizer's own attributes."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, session: Session, named_parameters, compression,
-                 backward_passes_per_step: int, op: ReduceOp, gradient_predivide_factor: float):
+                 backward_passes_per_step: int, op: ReduceOp, gradient_predivide_factor: float,
+                 sparse_as_dense: bool = False):
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
                 or backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
@@ -37,6 +38,8 @@ class _GradientSync:
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.delay = {p: self.passes for p in self.params}
         self.works: dict[torch.Tensor, tuple[Work, torch.Tensor]] = {}
+        self.sparse_as_dense = sparse_as_dense
+        self.sparse: set[torch.Tensor] = set()  # params whose sparse gradient is gathered at synchronize()
         self.staging = StagingPool()
         self.skip = False
         self.synchronized = False
@@ -57,7 +60,10 @@ class _GradientSync:
             )
         self.delay[param] = left
         if left == 0:
-            self.works[param] = self.push(param, param.grad)
+            if param.grad.is_sparse and not self.sparse_as_dense:
+                self.sparse.add(param)  # gathered in synchronize(), in parameter order on every rank
+            else:
+                self.works[param] = self.push(param, param.grad)
 
     def push(self, param: torch.Tensor, grad: torch.Tensor) -> tuple[Work, torch.Tensor]:
         """Start averaging ``grad`` (param's gradient, or zeros while joined) over the ranks."""
@@ -92,7 +98,7 @@ class _GradientSync:
         """Push what backward did not (unused parameters, fewer passes than configured), then
         wait for every average; ``param.grad`` holds it afterwards."""
         for param in self.params:
-            if param not in self.works:
+            if param not in self.works and param not in self.sparse:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 self.works[param] = self.push(param, param.grad)
@@ -101,10 +107,30 @@ class _GradientSync:
             for work, _ in self.works.values():
                 work.wait(self.session.timeout)
             join.wait(self.session.timeout)
+            for param in [p for p in self.params if p in self.sparse]:
+                param.grad = self._gather_sparse(param, param.grad)
         finally:
             self.works.clear()
+            self.sparse.clear()
             self.delay = {p: self.passes for p in self.params}
         self.synchronized = True
+
+    def _gather_sparse(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """A sparse gradient (an ``nn.Embedding(sparse=True)``'s) over the ranks, as Horovod's
+        sparse all-reduce: every rank's indices and values gathered (never densified), the
+        values averaged (``op=Average``); the wrapped optimizer (SparseAdam, Adagrad, SGD)
+        takes it as it is."""
+        name = self.names[param]
+        mine = grad.coalesce()
+        what = f"sparse gradient of {name!r}"
+        try:
+            indices = self.session.allgather(mine.indices().t().contiguous(), f"sparse.{name}.indices")
+            values = self.session.allgather(mine.values(), f"sparse.{name}.values")
+        except PslinkError as exc:
+            raise explain_mismatch(exc, what, _HINT) from None
+        if self.average:
+            values = values / self.session.size
+        return torch.sparse_coo_tensor(indices.t(), values, grad.shape)
 
     def contribute_zeros(self) -> None:
         """While this rank is joined: one step's worth of zero gradients, as the others step."""
@@ -116,6 +142,7 @@ class _GradientSync:
         """Forget the gradients in flight (elastic recovery: the round they were in was given
         up, and the state goes back to its last commit); the next backward starts afresh."""
         self.works.clear()
+        self.sparse.clear()
         self.delay = {p: self.passes for p in self.params}
         self.synchronized = False
 
@@ -160,10 +187,10 @@ def _distributed_class(base: type) -> type:
     each step: a subclass, so the result still is, say, an SGD (Horovod's promise)."""
 
     def __init__(self, params, session: Session, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor):
+                 gradient_predivide_factor, sparse_as_dense):
         base.__init__(self, params)
         self._pslink = _GradientSync(self, session, named_parameters, compression, backward_passes_per_step, op,
-                                     gradient_predivide_factor)
+                                     gradient_predivide_factor, sparse_as_dense)
 
     def synchronize(self) -> None:
         """Wait until every gradient holds its average over the ranks."""
@@ -206,9 +233,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
     Each gradient is push-pulled under its parameter's name as soon as backward produced it;
     ``step()`` waits for them, then steps. ``backward_passes_per_step`` accumulates that many
-    backward passes locally first. ``num_groups``, ``groups`` and ``sparse_as_dense`` are
-    accepted for Horovod compatibility: every gradient is its own key and sparse gradients are
-    sent dense. The result is an instance of a subclass of the optimizer's class.
+    backward passes locally first. A sparse gradient (``nn.Embedding(sparse=True)``) is gathered
+    from every rank at ``step()`` as Horovod's sparse all-reduce does (``sparse_as_dense``: sent
+    dense instead). ``num_groups`` and ``groups`` are accepted for Horovod compatibility: every
+    gradient is its own key. The result is an instance of a subclass of the optimizer's class.
     """
     if session is None:
         from pslink.torch.horovod import current_session
@@ -217,4 +245,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     op = reduce_op(op)
     cls = _distributed_class(optimizer.__class__)
     return cls(optimizer.param_groups, session, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor)
+               gradient_predivide_factor, sparse_as_dense)

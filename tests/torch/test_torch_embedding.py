@@ -95,3 +95,45 @@ def test_padding_rows_read_as_zeros_and_bad_indices_are_named(cluster):
             before = module.table.pull([1, 2]).wait()
             module(ids)
         assert np.array_equal(module.table.pull([1, 2]).wait(), before)
+
+
+def test_horovods_optimizer_gathers_sparse_gradients_and_sparse_adam_steps_as_one_process(cluster):
+    """nn.Embedding(sparse=True) under pslink.torch.DistributedOptimizer: each rank's sparse
+    gradient is gathered (never densified, so SparseAdam takes it) and averaged."""
+    from pslink.torch.optimizer import DistributedOptimizer
+    from pslink.torch.session import Session
+
+    service, transports = cluster
+
+    def build():
+        torch.manual_seed(5)
+        return torch.nn.Embedding(VOCAB, DIM, sparse=True)
+
+    def worker(rank):
+        with pslink.connect("sparse-hvd", rank, WORKERS, master=service.address, transports=transports) as agent:
+            module = build()
+            optimizer = DistributedOptimizer(torch.optim.SparseAdam(module.parameters(), lr=0.1),
+                                             named_parameters=module.named_parameters(), session=Session(agent))
+            for step in range(STEPS):
+                optimizer.zero_grad()
+                ids, target = batch(rank, step)
+                loss_of(module(ids), target).backward()
+                optimizer.step()
+                assert module.weight.grad.is_sparse
+            return module.weight.detach().clone()
+
+    reference = build()
+    optimizer = torch.optim.SparseAdam(reference.parameters(), lr=0.1)
+    for step in range(STEPS):
+        grads = []
+        for rank in range(WORKERS):
+            reference.zero_grad()
+            ids, target = batch(rank, step)
+            loss_of(reference(ids), target).backward()
+            grads.append(reference.weight.grad.coalesce())
+        reference.weight.grad = torch.sparse_coo_tensor(
+            torch.cat([g.indices() for g in grads], 1), torch.cat([g.values() for g in grads]) / WORKERS,
+            reference.weight.shape)
+        optimizer.step()
+    for weights in run_workers(WORKERS, worker):
+        torch.testing.assert_close(weights, reference.weight.detach(), rtol=1e-5, atol=1e-6)
