@@ -208,7 +208,7 @@ def test_a_killed_aggregator_without_replicas_restarts_its_shard_from_the_checkp
                     # or applied whole (a push acknowledged by the dead Aggregator before a separate
                     # pull would close its round without that push, as for a straggler).
                     table.pushpull(ids, grads).wait()
-                return table.pull(np.arange(500)).wait(), dict(agent.rounds_lost)
+                return table.pull(np.arange(500)).wait(), dict(agent.rounds_lost_by_part)
 
         thread = threading.Thread(target=killer, daemon=True)
         thread.start()
@@ -216,12 +216,13 @@ def test_a_killed_aggregator_without_replicas_restarts_its_shard_from_the_checkp
         thread.join(10)
         assert service.master.failovers_done == 1
     (rows0, lost0), (rows1, lost1) = results
-    assert lost0 == lost1 and "emb" in lost0, "the workers were not told that rounds were lost"
-    lost, restored = lost0["emb"]
-    assert restored % every == 0 and restored + lost <= steps
+    assert lost0 == lost1 and {shard for _, shard in lost0} == set(lost_shards), \
+        f"the workers were told of lost rounds on shards {sorted(lost0)}, not on {lost_shards}"
+    for lost, restored in lost0.values():
+        assert restored % every == 0 and restored + lost <= steps
     np.testing.assert_array_equal(rows0, rows1)
-    # The replay, shard by shard: round r is step r - 1; the lost shards never applied steps
-    # restored .. restored + lost - 1 (they were checkpointed at the same rounds).
+    # The replay, shard by shard: round r is step r - 1; a lost shard never applied steps
+    # restored .. restored + lost - 1 (each shard from its own checkpoint's round).
     shards = [TableShard(table_options({"width": WIDTH, **OPTIONS}, "replay"), np.float32) for _ in range(3)]
     for step in range(steps):
         pushes = [batch(rank, step) for rank in range(2)]
@@ -229,7 +230,8 @@ def test_a_killed_aggregator_without_replicas_restarts_its_shard_from_the_checkp
         grads = np.concatenate([p[1] for p in pushes])
         where = shard_of(ids, 3)
         for s, shard in enumerate(shards):
-            if s in lost_shards and restored <= step < restored + lost:
+            lost, restored = lost0.get(("emb", s), (0, 0))
+            if restored <= step < restored + lost:
                 continue
             shard.apply(ids[where == s], grads[where == s], contributors=2)
     every_id = np.arange(500, dtype=np.uint64)

@@ -39,32 +39,22 @@ from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
 from pslink.core.agent.handle import Handle, Handles
 from pslink.core.agent.iterations import Iterations
-from pslink.core.agent.keys import (MAX_MOVES, WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, Seat, as_array, check_key,
-                                   out_array)
+from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartInfo, Seat
 from pslink.core.agent.master_link import MasterLink
 from pslink.core.agent.requests import Requests
 from pslink.core.agent.settings import job_config
-from pslink.core.agent.tables import Table, table_frames
+from pslink.core.agent.tables import Table
 from pslink.core.agent.tables import declare as declare_table
+from pslink.core.agent.sending import Sender
 from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.faults import Faults
 from pslink.core.observe.timeline import Timeline
 from pslink.core.transport import DISCARD, Lent, Transports
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import DEFAULT_LIMITS, FLOAT_DTYPES, STATE_OPS, TABLE_OPS, HeaderTemplate, Limits, Op, decode
-from pslink.errors import (
-    ClosedError,
-    ConfigError,
-    MovedError,
-    ProtocolError,
-    PslinkError,
-    ShapeMismatchError,
-    error_from_code,
-)
+from pslink.core.wire.protocol import DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode
+from pslink.errors import ClosedError, MovedError, ProtocolError, PslinkError, error_from_code
 
 log = logging.getLogger("pslink.core.agent")
-_AVERAGE = {"avg": True}  # a pull's header field: the Aggregator may answer the average
-_OP_NAMES = {op: op.name.lower() for op in Op}  # an enum's name is a property: slow on every request
 _REPLY, _ERROR, _PONG, _STATE_GET = Op.REPLY, Op.ERROR, Op.PONG, Op.STATE_GET  # (and so is a member's lookup)
 
 
@@ -160,9 +150,12 @@ class Agent:
         self._failover = Failover(self.seat, self._keys, self._requests, self._master, self._reactor,
                                   enabled=failover, closed=lambda: self._closed)
         self._requests.on_lost = self._failover.link_lost
+        self._sender = Sender(self.seat, self._keys, self._lock, self._iterations, self._handles, self._requests,
+                              self._master, clock, lambda: self._failover.enabled)
         # Elastic membership: a worker registered while its job ran joins each key before use.
-        self._tasks = TaskRequests(self.seat, self._keys, self._resolve, self._requests, self._handles,
-                                   self._master, late=bool(self.settings.get("late")))
+        self._tasks = self._sender.tasks = TaskRequests(self.seat, self._keys, self._sender.resolve, self._requests,
+                                                        self._handles, self._master,
+                                                        late=bool(self.settings.get("late")))
         self._handles.explain = self._tasks.explain_wait  # a timeout names the ranks its round waits for
         self._master.start_heartbeats()
         self._driver.start()
@@ -194,6 +187,12 @@ class Agent:
     def rounds_lost(self) -> dict:
         """key -> (rounds of updates lost, checkpoint round) when it restarted from a checkpoint."""
         return self._failover.rounds_lost
+
+    @property
+    def rounds_lost_by_part(self) -> dict:
+        """(key, part) -> (rounds of updates lost, checkpoint round): the parts of a key (a table's
+        shards) may have restarted from checkpoints of different rounds."""
+        return self._failover.rounds_lost_by_part
 
     def _registered_again(self, body: dict) -> None:
         """pMaster answered this worker's registration after it had lost pMaster."""
@@ -347,160 +346,7 @@ class Agent:
         if self._closed:
             raise ClosedError(f"agent of job {self.job!r} rank {self.rank} is closed")
         self._driver.touch()
-        late = self._tasks.late
-        if len(keys) == 1 and not late:
-            handle = self._submit_known(op, keys[0], arrays, outs, average)
-            if handle is not None:
-                return handle
-        keys = [check_key(k) for k in keys]
-        if len(keys) > 1 and len(set(keys)) != len(keys):
-            raise ConfigError(f"keys of one call must be distinct, got {keys}")
-        if arrays is not None and len(arrays) != len(keys):
-            raise ConfigError(f"{len(keys)} keys but {len(arrays)} arrays")
-        if outs is not None and len(outs) != len(keys):
-            raise ConfigError(f"{len(keys)} keys but {len(outs)} outs")
-        typed = [as_array(a, k) for k, a in zip(keys, arrays)] if arrays is not None else None
-        infos = self._resolve(op, keys, typed, outs)
-        if late:
-            self._tasks.join(infos)
-        flats = results = None
-        if typed is not None:
-            flats = [(a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1) for a, _ in typed]
-        if outs is not None:
-            results = [out_array(info, out, average) for info, out in zip(infos, outs)]
-        return self._issue(op, keys, infos, flats, results, average)
-
-    def _submit_known(self, op: Op, key, arrays: list | None, outs: list | None, average: bool) -> Handle | None:
-        """One key this Agent already knows, given numpy arrays of its shape and dtype: the common
-        case of a training step (and of every ps-lite request), without the lists, lookups and
-        conversions of the batched path. None for anything else: the batched path takes it, and
-        names what is wrong."""
-        info = self._keys.get(key) if type(key) is int or type(key) is str else None
-        if info is None:
-            return None
-        flats = results = None
-        if arrays is not None:
-            array = arrays[0]
-            if (type(array) is not np.ndarray or array.shape != info.shape or not array.flags.c_contiguous
-                    or WIRE_NAMES.get(array.dtype) != info.dtype_name):
-                return None
-            flats = [array if array.ndim == 1 else array.reshape(-1)]
-        if outs is not None:
-            out = outs[0]
-            if (type(out) is not np.ndarray or out.shape != info.shape or not out.flags.c_contiguous
-                    or not out.flags.writeable or WIRE_NAMES.get(out.dtype) != info.dtype_name
-                    or (average and info.dtype_name not in FLOAT_DTYPES)):
-                return None
-            results = [out]
-        return self._issue(op, [key], [info], flats, results, average)
-
-    def _issue(self, op: Op, keys: list, infos: list[KeyInfo], flats: list | None, results: list | None,
-               average: bool) -> Handle:
-        """Count the round, make the handle and send every part: where both submit paths end."""
-        with self._lock:
-            if op == Op.PUSH or op == Op.PUSHPULL:
-                for info in infos:
-                    info.round += 1
-                self._iterations.pushed(keys)
-            rounds = [info.round for info in infos]
-        single = len(keys) == 1
-        total_parts = len(infos[0].parts) if single else sum(len(info.parts) for info in infos)
-        result = None if results is None else (results[0] if single else results)
-        handle = self._handles.new(_OP_NAMES[op], keys, result, total_parts, rounds[0] if single else 0)
-        # An init's value comes from the job's first rank (rank 0, or the lowest left if it has gone).
-        send_payload = flats is not None and (op != Op.INIT or self.rank == 0 or (
-            not self._tasks.late and self.rank == min(self.seat.members.get("ranks") or [0])))
-        for i, info in enumerate(infos):
-            flat_out = None
-            if results is not None:
-                flat_out = results[i]
-                if flat_out.ndim != 1:
-                    flat_out = flat_out.reshape(-1)
-            payload = flats[i] if send_payload else None
-            for part in info.parts:
-                self._send_part(handle, op, info, part, rounds[i], payload, flat_out, average)
-        return handle
-
-    def _send_part(self, handle, op, info: KeyInfo, part: PartInfo, round_: int, payload, flat_out, average,
-                   moves: int = 0) -> None:
-        table = op in TABLE_OPS  # a table's shard (pslink.core.agent.tables): ids (and rows) in, rows out
-        ids = (payload if op is Op.TABLE_PULL else payload[0]) if table else None
-        nbytes = (part.stop - part.start if not table else ids.size * info.shape[1]) * info.dtype.itemsize
-        aggregator, address = part.where  # once: another thread may move the part meanwhile
-        handle._waiting_on[aggregator] = address
-        try:
-            link = self._requests.link(aggregator, address)
-        except PslinkError as exc:
-            if not self._failover.enabled:
-                self._handles.complete(handle, exc)
-                return
-            log.warning("agent %s: cannot connect to aggregator %s at %s: %s", self.seat, aggregator, address,
-                        exc.message)
-            # Gone (see Requests.transmit): named after the Aggregator tried, not where the part may be by now.
-            link = Link(aggregator, address, None, self.clock(), exc.message)
-        dest = array = None
-        whole = table or part.start == 0 and part.stop == info.numel
-        if flat_out is not None:
-            array = flat_out if whole else flat_out[part.start : part.stop]
-            dest = memoryview(array).cast("B")
-        request = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out,
-                              moves)
-        rid = self._requests.add(request)
-        if table:
-            self._requests.transmit(rid, request, table_frames(self.seat, op, info, part, rid, round_, payload))
-            return
-        template = part.headers.get((op, average))
-        if template is None:
-            template = part.headers[(op, average)] = HeaderTemplate(
-                op, **self.seat.fields(), key=info.key, part=part.index,
-                dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
-                **_AVERAGE if average else {},
-            )
-        header = template.make(rid, round_)
-        if payload is None:
-            self._requests.transmit(rid, request, [header])
-        else:
-            self._requests.transmit(rid, request, [header, payload if whole else payload[part.start : part.stop]])
-
-    def _resolve(self, op: Op, keys: list, typed: list | None, outs: list | None) -> list[KeyInfo]:
-        """Key infos for ``keys``, asking pMaster (one batched LOOKUP) for those not known yet."""
-        infos: list[KeyInfo | None] = []
-        missing = []
-        intent = {Op.INIT: "init", Op.PULL: "pull"}.get(op, "push")
-        for i, key in enumerate(keys):
-            shape = dtype = None
-            if typed is not None:
-                shape, dtype = typed[i][0].shape, typed[i][1]
-            elif outs is not None and outs[i] is not None:
-                out, dtype = as_array(outs[i], key)
-                shape = out.shape
-            info = self._keys.get(key)
-            if info is not None and shape is not None and (tuple(shape) != info.shape or dtype != info.dtype_name):
-                error = ShapeMismatchError(
-                    f"key {key!r} of job {self.job!r}: rank {self.rank} uses shape {tuple(shape)} {dtype}, "
-                    f"but rank {info.declared_by} declared it as {info.describe()}",
-                    key=key, shapes=[list(shape), list(info.shape)], ranks=[self.rank, info.declared_by],
-                )
-                if op == Op.PUSH or op == Op.PUSHPULL:
-                    # Its round fails for every rank (they would wait for this one's push), and
-                    # this rank counts it as pushed: the key goes on from the next round for all.
-                    with self._lock:
-                        info.round += 1
-                        failed = info.round
-                    self._tasks.abort_key(info, error, failed)
-                raise error  # a pull or init joins no round: refused here, and nothing else changes
-            infos.append(info)
-            if info is None:
-                item = {"key": key, "intent": intent}
-                if shape is not None:
-                    item.update(shape=[int(d) for d in shape], dtype=dtype)
-                missing.append(item)
-        if missing:
-            body = self._master.call(Op.LOOKUP, items=missing)
-            for spec in body["keys"]:
-                self._keys.setdefault(spec["key"], KeyInfo(spec))
-            infos = [self._keys[k] for k in keys]
-        return infos  # type: ignore[return-value]
+        return self._sender.submit(op, keys, arrays, outs, average)
 
     # -- receiving (on the driving thread) --------------------------------------------------------
 
@@ -555,7 +401,7 @@ class Agent:
                 self._tasks.send_state(request.handle, request.op, request.info, request.part, request.array,
                                        request.moves + 1)
                 return
-            self._send_part(request.handle, request.op, request.info, request.part, request.round,
+            self._sender.send_part(request.handle, request.op, request.info, request.part, request.round,
                             request.payload, request.flat_out, request.average, request.moves + 1)
             return
         if error is None:
@@ -570,7 +416,7 @@ class Agent:
             if get("dropped"):
                 self.dropped_pushes += 1
             if get("lost"):
-                self._failover.rounds_lost_at(request.info.key, header["lost"])
+                self._failover.rounds_lost_at(request.info.key, request.part.index, header["lost"])
             moved = get("moved")
             if moved:
                 self._moved(request.info.key, request.part, {"agg": moved[0], "address": moved[1]})

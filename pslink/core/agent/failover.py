@@ -44,6 +44,7 @@ class Failover:
         self.enabled = enabled
         self.closed = closed
         self.rounds_lost: dict = {}  # key -> (rounds of updates lost, checkpoint round) after a restart
+        self.rounds_lost_by_part: dict = {}  # (key, part) -> the same: parts may restart from different rounds
 
     def link_lost(self, link: Link, exc, rids: list[int] | None = None) -> None:
         """``rids`` (default: every request waiting on ``link``) lost their Aggregator."""
@@ -124,10 +125,12 @@ class Failover:
             self.reactor.call_later(RELOCATE_BACKOFF * attempt, self._ask_where, lost, again, error, attempt + 1)
         log.info("agent %s: resent %d request(s) after losing aggregator %s", self.seat, len(rids) - len(again), lost)
 
-    def rounds_lost_at(self, key, lost: list) -> None:
-        """A part of ``key`` restarted from its checkpoint: ``lost`` = [rounds lost, checkpoint round].
-        Said once per key and restart, as an error: training goes on, but not from where it was."""
+    def rounds_lost_at(self, key, part: int, lost: list) -> None:
+        """Part ``part`` of ``key`` restarted from its checkpoint: ``lost`` = [rounds lost,
+        checkpoint round]. Said once per key and restart, as an error: training goes on, but not
+        from where it was."""
         rounds, restored = int(lost[0]), int(lost[1])
+        self.rounds_lost_by_part[(key, part)] = (rounds, restored)
         if self.rounds_lost.get(key, (0, -1)) == (rounds, restored):
             return  # the other parts of the key, or the pull after a push, say the same
         self.rounds_lost[key] = (rounds, restored)

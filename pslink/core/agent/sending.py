@@ -1,0 +1,198 @@
+"""How an Agent sends: a request's keys checked and looked up (one batched LOOKUP for the new
+ones), its round counted, its handle made, and each part sent to the Aggregator it lives on (a
+tensor's span, or a table's shard: pslink.core.agent.tables). Also what a request that met a
+moved task, or a lost Aggregator, is sent again through (``send_part``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from pslink.core.agent.handle import Handle, Handles
+from pslink.core.agent.iterations import Iterations
+from pslink.core.agent.keys import (WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, Seat, as_array, check_key,
+                                   out_array)
+from pslink.core.agent.master_link import MasterLink
+from pslink.core.agent.requests import Requests
+from pslink.core.agent.tables import table_frames
+from pslink.core.wire.protocol import FLOAT_DTYPES, TABLE_OPS, HeaderTemplate, Op
+from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
+
+log = logging.getLogger("pslink.core.agent")
+_AVERAGE = {"avg": True}  # a pull's header field: the Aggregator may answer the average
+_OP_NAMES = {op: op.name.lower() for op in Op}  # an enum's name is a property: slow on every request
+
+
+class Sender:
+    """An Agent's outgoing requests. ``keys`` is the Agent's table of keys, ``lock`` guards their
+    rounds; ``failover_enabled()`` says whether a part whose Aggregator cannot be reached waits
+    for its relocation (else it fails). ``tasks`` (the Agent's TaskRequests, which itself looks
+    keys up through ``resolve``) is set once both exist."""
+
+    def __init__(self, seat: Seat, keys: dict[Any, KeyInfo], lock: threading.Lock, iterations: Iterations,
+                 handles: Handles, requests: Requests, master: MasterLink, clock: Callable[[], float],
+                 failover_enabled: Callable[[], bool]):
+        self.seat, self.keys, self.lock, self.iterations = seat, keys, lock, iterations
+        self.handles, self.requests, self.master, self.clock = handles, requests, master, clock
+        self.failover_enabled = failover_enabled
+        self.tasks = None
+
+    def submit(self, op: Op, keys: list, arrays: list | None, outs: list | None, average: bool) -> Handle:
+        """A request of ``keys`` (checked, looked up with pMaster where new), sent part by part."""
+        late = self.tasks.late
+        if len(keys) == 1 and not late:
+            handle = self.submit_known(op, keys[0], arrays, outs, average)
+            if handle is not None:
+                return handle
+        keys = [check_key(k) for k in keys]
+        if len(keys) > 1 and len(set(keys)) != len(keys):
+            raise ConfigError(f"keys of one call must be distinct, got {keys}")
+        if arrays is not None and len(arrays) != len(keys):
+            raise ConfigError(f"{len(keys)} keys but {len(arrays)} arrays")
+        if outs is not None and len(outs) != len(keys):
+            raise ConfigError(f"{len(keys)} keys but {len(outs)} outs")
+        typed = [as_array(a, k) for k, a in zip(keys, arrays)] if arrays is not None else None
+        infos = self.resolve(op, keys, typed, outs)
+        if late:
+            self.tasks.join(infos)
+        flats = results = None
+        if typed is not None:
+            flats = [(a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1) for a, _ in typed]
+        if outs is not None:
+            results = [out_array(info, out, average) for info, out in zip(infos, outs)]
+        return self.issue(op, keys, infos, flats, results, average)
+
+    def submit_known(self, op: Op, key, arrays: list | None, outs: list | None, average: bool) -> Handle | None:
+        """One key this Agent already knows, given numpy arrays of its shape and dtype: the common
+        case of a training step (and of every ps-lite request), without the lists, lookups and
+        conversions of the batched path. None for anything else: the batched path takes it, and
+        names what is wrong."""
+        info = self.keys.get(key) if type(key) is int or type(key) is str else None
+        if info is None:
+            return None
+        flats = results = None
+        if arrays is not None:
+            array = arrays[0]
+            if (type(array) is not np.ndarray or array.shape != info.shape or not array.flags.c_contiguous
+                    or WIRE_NAMES.get(array.dtype) != info.dtype_name):
+                return None
+            flats = [array if array.ndim == 1 else array.reshape(-1)]
+        if outs is not None:
+            out = outs[0]
+            if (type(out) is not np.ndarray or out.shape != info.shape or not out.flags.c_contiguous
+                    or not out.flags.writeable or WIRE_NAMES.get(out.dtype) != info.dtype_name
+                    or (average and info.dtype_name not in FLOAT_DTYPES)):
+                return None
+            results = [out]
+        return self.issue(op, [key], [info], flats, results, average)
+
+    def issue(self, op: Op, keys: list, infos: list[KeyInfo], flats: list | None, results: list | None,
+               average: bool) -> Handle:
+        """Count the round, make the handle and send every part: where both submit paths end."""
+        with self.lock:
+            if op == Op.PUSH or op == Op.PUSHPULL:
+                for info in infos:
+                    info.round += 1
+                self.iterations.pushed(keys)
+            rounds = [info.round for info in infos]
+        single = len(keys) == 1
+        total_parts = len(infos[0].parts) if single else sum(len(info.parts) for info in infos)
+        result = None if results is None else (results[0] if single else results)
+        handle = self.handles.new(_OP_NAMES[op], keys, result, total_parts, rounds[0] if single else 0)
+        # An init's value comes from the job's first rank (rank 0, or the lowest left if it has gone).
+        send_payload = flats is not None and (op != Op.INIT or self.seat.rank == 0 or (
+            not self.tasks.late and self.seat.rank == min(self.seat.members.get("ranks") or [0])))
+        for i, info in enumerate(infos):
+            flat_out = None
+            if results is not None:
+                flat_out = results[i]
+                if flat_out.ndim != 1:
+                    flat_out = flat_out.reshape(-1)
+            payload = flats[i] if send_payload else None
+            for part in info.parts:
+                self.send_part(handle, op, info, part, rounds[i], payload, flat_out, average)
+        return handle
+
+    def send_part(self, handle, op, info: KeyInfo, part: PartInfo, round_: int, payload, flat_out, average,
+                   moves: int = 0) -> None:
+        table = op in TABLE_OPS  # a table's shard (pslink.core.agent.tables): ids (and rows) in, rows out
+        ids = (payload if op is Op.TABLE_PULL else payload[0]) if table else None
+        nbytes = (part.stop - part.start if not table else ids.size * info.shape[1]) * info.dtype.itemsize
+        aggregator, address = part.where  # once: another thread may move the part meanwhile
+        handle._waiting_on[aggregator] = address
+        try:
+            link = self.requests.link(aggregator, address)
+        except PslinkError as exc:
+            if not self.failover_enabled():
+                self.handles.complete(handle, exc)
+                return
+            log.warning("agent %s: cannot connect to aggregator %s at %s: %s", self.seat, aggregator, address,
+                        exc.message)
+            # Gone (see Requests.transmit): named after the Aggregator tried, not where the part may be by now.
+            link = Link(aggregator, address, None, self.clock(), exc.message)
+        dest = array = None
+        whole = table or part.start == 0 and part.stop == info.numel
+        if flat_out is not None:
+            array = flat_out if whole else flat_out[part.start : part.stop]
+            dest = memoryview(array).cast("B")
+        request = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out,
+                              moves)
+        rid = self.requests.add(request)
+        if table:
+            self.requests.transmit(rid, request, table_frames(self.seat, op, info, part, rid, round_, payload))
+            return
+        template = part.headers.get((op, average))
+        if template is None:
+            template = part.headers[(op, average)] = HeaderTemplate(
+                op, **self.seat.fields(), key=info.key, part=part.index,
+                dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
+                **_AVERAGE if average else {},
+            )
+        header = template.make(rid, round_)
+        if payload is None:
+            self.requests.transmit(rid, request, [header])
+        else:
+            self.requests.transmit(rid, request, [header, payload if whole else payload[part.start : part.stop]])
+
+    def resolve(self, op: Op, keys: list, typed: list | None, outs: list | None) -> list[KeyInfo]:
+        """Key infos for ``keys``, asking pMaster (one batched LOOKUP) for those not known yet."""
+        infos: list[KeyInfo | None] = []
+        missing = []
+        intent = {Op.INIT: "init", Op.PULL: "pull"}.get(op, "push")
+        for i, key in enumerate(keys):
+            shape = dtype = None
+            if typed is not None:
+                shape, dtype = typed[i][0].shape, typed[i][1]
+            elif outs is not None and outs[i] is not None:
+                out, dtype = as_array(outs[i], key)
+                shape = out.shape
+            info = self.keys.get(key)
+            if info is not None and shape is not None and (tuple(shape) != info.shape or dtype != info.dtype_name):
+                error = ShapeMismatchError(
+                    f"key {key!r} of job {self.seat.job!r}: rank {self.seat.rank} uses shape {tuple(shape)} {dtype}, "
+                    f"but rank {info.declared_by} declared it as {info.describe()}",
+                    key=key, shapes=[list(shape), list(info.shape)], ranks=[self.seat.rank, info.declared_by],
+                )
+                if op == Op.PUSH or op == Op.PUSHPULL:
+                    # Its round fails for every rank (they would wait for this one's push), and
+                    # this rank counts it as pushed: the key goes on from the next round for all.
+                    with self.lock:
+                        info.round += 1
+                        failed = info.round
+                    self.tasks.abort_key(info, error, failed)
+                raise error  # a pull or init joins no round: refused here, and nothing else changes
+            infos.append(info)
+            if info is None:
+                item = {"key": key, "intent": intent}
+                if shape is not None:
+                    item.update(shape=[int(d) for d in shape], dtype=dtype)
+                missing.append(item)
+        if missing:
+            body = self.master.call(Op.LOOKUP, items=missing)
+            for spec in body["keys"]:
+                self.keys.setdefault(spec["key"], KeyInfo(spec))
+            infos = [self.keys[k] for k in keys]
+        return infos  # type: ignore[return-value]
