@@ -62,8 +62,10 @@ def make_trainer(net, args):
     # MXNet's 'local' name creates no store for one device: pass the instance to use it.
     kvstore = mx.kv.create(args.kvstore) if args.instance or args.kvstore == "local" else args.kvstore
     update_on_kvstore = {"auto": None, "true": True, "false": False}[args.update_on_kvstore]
+    # MXNet's 2-bit compression: the Trainer hands it to the store (set_gradient_compression).
+    compression = {"type": "2bit", "threshold": args.compression} if args.compression else None
     return gluon.Trainer(net.collect_params(), args.optimizer, optimizer_params, kvstore=kvstore,
-                         update_on_kvstore=update_on_kvstore)
+                         update_on_kvstore=update_on_kvstore, compression_params=compression)
 
 
 def accuracy(net, x, y) -> float:
@@ -149,6 +151,9 @@ def train(args) -> dict:
         "steps": args.epochs * steps,
         "seconds": time.perf_counter() - started,
     }
+    agent = getattr(kv, "agent", None)  # a pslink store: what its pushes put on the wire
+    if agent is not None:
+        result["push_bytes_per_step"] = agent.payload_bytes / result["steps"]
     if args.save:
         weights = {f"p{i}": p.data().asnumpy() for i, p in enumerate(net.collect_params().values())}
         np.savez(args.save.format(rank=rank), **weights)
@@ -168,6 +173,8 @@ def parse(argv=None):
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compression", type=float, default=0.0,
+                        help="MXNet's 2-bit gradient compression with this threshold (0: off)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     parser.add_argument("--save", default=None, help="write the final weights to this .npz file ({rank} is replaced)")
     parser.add_argument("--save-states", default=None,

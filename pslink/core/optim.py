@@ -33,7 +33,7 @@ import numpy as np
 
 from pslink.errors import ConfigError
 
-_COMMON = {"type", "average", "rescale_grad", "clip_gradient", "per_key"}
+_COMMON = {"type", "average", "rescale_grad", "clip_gradient", "per_key", "multi_precision"}
 
 
 def _number(config: dict, name: str, default: float, low: float = 0.0, high: float = math.inf, closed_high=True) -> float:
@@ -75,6 +75,8 @@ class Optimizer(abc.ABC):
         self.clip_gradient = None if clip is None else _number(config, "clip_gradient", 0.0)
         if self.clip_gradient == 0.0:
             raise ConfigError(f"optimizer {self.name!r}: clip_gradient must be > 0 (or absent: no clipping)")
+        # MXNet's multi_precision: float16 weights are stepped through a float32 master copy
+        self.multi_precision = _flag(config, "multi_precision", False)
         self.config = dict(config)
         self._per_key = self._read_per_key(config.get("per_key", []))
         self._for_keys: dict = {}
@@ -276,3 +278,22 @@ def make_optimizer(config: dict | None) -> Optimizer | None:
     if cls is None:
         raise ConfigError(f"unknown optimizer type {kind!r}; available: {', '.join(OPTIMIZERS)}")
     return cls(config)
+
+
+def step_through_float32(optimizer: Optimizer, weights: np.ndarray, grad: np.ndarray, scale: float,
+                         state: dict) -> None:
+    """MXNet's ``multi_precision`` step of float16 ``weights``: the gradient in float32 (scaled
+    there), the optimizer stepping a float32 master copy kept in ``state["weight32"]`` (made from
+    the weights at the first step) with float32 state, and the weights the master copy rounded."""
+    master = state.pop("weight32", None)
+    if master is None:
+        master = weights.astype(np.float32)
+    grad32 = grad.astype(np.float32)
+    if scale != 1.0:
+        grad32 *= np.float32(scale)
+    try:
+        optimizer.step(master, grad32, state)
+    finally:
+        state["weight32"] = master
+    np.copyto(weights, master, casting="unsafe")
+

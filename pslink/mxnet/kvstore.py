@@ -292,7 +292,18 @@ class PSLinkKVStore(KVStore):
             self._call("row_sparse_pull", [k], lambda: sparse.pull_rows(info, k, targets, rids))
 
     def set_gradient_compression(self, compression_params):
-        raise KVStoreError("pslink kvstore: gradient compression is not supported")
+        """MXNet's 2-bit compression (``{'type': '2bit', 'threshold': 0.5}``): each worker's pushes
+        of dense keys are quantized to +-threshold or 0 (2 bits a value on the wire), the rest kept
+        in a residual per key on the worker for its next push; the service sums the dequantized
+        values. Row-sparse keys are sent as they are, as MXNet does."""
+        if not isinstance(compression_params, dict) or "type" not in compression_params:
+            raise KVStoreError("pslink kvstore: set_gradient_compression takes a dict with 'type' ('2bit') and "
+                               f"optionally 'threshold', got {compression_params!r}")
+        self._settle()
+        try:
+            self._agent.set_gradient_compression(compression_params)
+        except PslinkError as exc:
+            raise translate(exc, "set_gradient_compression") from exc
 
     def barrier(self) -> None:
         """Wait until every worker of the job got here (pushes before it are applied)."""

@@ -69,6 +69,8 @@ def service_config(opt, keys=()) -> dict:
     their factors in ``per_key``."""
     kind = type(opt)
     common: dict = {"average": False, "rescale_grad": float(opt.rescale_grad)}
+    if opt.multi_precision:
+        common["multi_precision"] = True  # float16 keys: a float32 master copy on the service
     per_key = [[key, *factors] for key in keys if (factors := _factors(opt, key)) != (1.0, 1.0)]
     if per_key:
         common["per_key"] = per_key
@@ -115,14 +117,8 @@ def _factors(opt, key) -> tuple[float, float]:
 
 
 def check_key(opt, key, dtype) -> None:
-    """Refuse what the service cannot do for ``key``: a float16 master copy (multi_precision)."""
-    if opt.multi_precision and dtype == "float16":
-        raise KVStoreError(
-            f"pslink kvstore: key {key!r} is float16 and the optimizer asks for multi_precision; the "
-            "service steps weights in their own dtype. Keep the weights in float32 or use "
-            "update_on_kvstore=False",
-            key=key,
-        )
+    """Refuse what the service cannot do for ``key`` (nothing so far: a float16 key with
+    multi_precision is stepped through a float32 master copy, as MXNet's updater does)."""
 
 
 def to_mxnet_state(opt, state: dict):

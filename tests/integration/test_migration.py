@@ -157,3 +157,34 @@ def test_throttled_migrations_copy_a_bounded_amount_at_a_time_and_all_complete(t
     assert 0 < peak <= limit and queued
     for rank in range(workers):
         assert moved[rank][0].tobytes() == still[rank][0].tobytes()
+
+
+def test_a_float16_part_with_its_float32_master_copy_migrates_whole(transports):
+    """multi_precision keeps a float32 master copy (and float32 momentum) beside a float16 part:
+    a copy of frames of two dtypes and sizes, which must land whole (the run equals one that
+    never moved)."""
+    optimizer = {"type": "sgd", "lr": 0.05, "momentum": 0.9, "multi_precision": True}
+
+    def train(job, move_at):
+        service = start_cluster("tcp", aggregators=2, transports=transports)
+        master = service.master
+        try:
+            with pslink.connect(job, 0, 1, master=service.address, transports=transports, optimizer=optimizer,
+                                servers=1) as agent:
+                agent.init("w", np.linspace(-1, 1, 1000).astype(np.float16)).wait()
+                out = np.empty(1000, np.float16)
+                for step in range(12):
+                    if step == move_at:
+                        (source,) = {p[3] for p in agent.key_info("w")["parts"]}
+                        master.migrate(master.tasks_of(job), "agg-1" if source == "agg-0" else "agg-0", "test")
+                    grad = np.random.default_rng(step).normal(size=1000).astype(np.float16)
+                    agent.pushpull("w", grad, out=out).wait()
+                moved = {p[3] for p in agent.key_info("w")["parts"]} != {source} if move_at is not None else None
+            return out.copy(), moved
+        finally:
+            service.stop()
+
+    expected, _ = train("still", None)
+    got, moved = train("moved", 5)
+    assert moved
+    np.testing.assert_array_equal(got, expected)

@@ -82,6 +82,7 @@ class Agent:
         checkpoint_every: int | None = None,
         slo: float | None = None,
         priority: str | None = None,
+        gradient_compression: dict | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         resend_timeout: float | None = None,
         failover: bool = True,
@@ -152,6 +153,7 @@ class Agent:
         self._requests.on_lost = self._failover.link_lost
         self._sender = Sender(self.seat, self._keys, self._lock, self._iterations, self._handles, self._requests,
                               self._master, clock, lambda: self._failover.enabled)
+        self._sender.set_compression(gradient_compression)
         # Elastic membership: a worker registered while its job ran joins each key before use.
         self._tasks = self._sender.tasks = TaskRequests(self.seat, self._keys, self._sender.resolve, self._requests,
                                                         self._handles, self._master,
@@ -256,6 +258,17 @@ class Agent:
     def pushpull_many(self, keys: Sequence, arrays: Sequence, outs: Sequence | None = None, average: bool = False) -> Handle:
         keys = list(keys)
         return self._submit(Op.PUSHPULL, keys, list(arrays), list(outs) if outs is not None else [None] * len(keys), average)
+
+    def set_gradient_compression(self, params: dict | None) -> None:
+        """Quantize this worker's pushes of floating keys to 2 bits a value from now on, with a
+        residual per key part kept here (``{"type": "2bit", "threshold": 0.5}``, MXNet's
+        semantics: pslink.core.compression); ``{"type": "none"}`` or None sends them whole again."""
+        self._sender.set_compression(params)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Payload bytes this worker's pushes sent so far (what compression saves shows here)."""
+        return self._sender.payload_bytes
 
     def set_optimizer(self, optimizer: dict) -> None:
         """Have the Aggregators apply ``optimizer`` (plain data, see pslink.core.optim)."""

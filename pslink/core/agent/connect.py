@@ -32,6 +32,8 @@ def connect(
     ``slo`` (the slowdown the job accepts from sharing Aggregators, 0.05 = 5%; default the
     service's loss limit, 10%) and ``priority`` (``"high"``: scaling never moves its tasks to
     free an Aggregator),
+    ``gradient_compression`` (``{"type": "2bit", "threshold": 0.5}``: pushes quantized to 2 bits
+    a value, MXNet's 2-bit compression; see ``Agent.set_gradient_compression``),
     ``rejoin`` (register a rank again as a newcomer: pMaster takes it out of the job and back in,
     in one step; an Agent of this process that held the rank is then closed with
     ``close(leave=False)``), ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other

@@ -18,6 +18,8 @@ from pslink.core.agent.keys import (WIRE_NAMES, KeyInfo, Link, PartInfo, PartReq
 from pslink.core.agent.master_link import MasterLink
 from pslink.core.agent.requests import Requests
 from pslink.core.agent.tables import table_frames
+from pslink.core.compression import Quantized, Residuals
+from pslink.core.compression import check as check_compression
 from pslink.core.wire.protocol import FLOAT_DTYPES, TABLE_OPS, HeaderTemplate, Op
 from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
 
@@ -39,6 +41,12 @@ class Sender:
         self.handles, self.requests, self.master, self.clock = handles, requests, master, clock
         self.failover_enabled = failover_enabled
         self.tasks = None
+        self.residuals: Residuals | None = None  # 2-bit gradient compression, when set (pslink.core.compression)
+        self.payload_bytes = 0  # payload bytes sent (pushes), for measuring compression
+
+    def set_compression(self, params) -> None:
+        threshold = check_compression(params)
+        self.residuals = Residuals(threshold) if threshold is not None else None
 
     def submit(self, op: Op, keys: list, arrays: list | None, outs: list | None, average: bool) -> Handle:
         """A request of ``keys`` (checked, looked up with pMaster where new), sent part by part."""
@@ -112,7 +120,14 @@ class Sender:
                 if flat_out.ndim != 1:
                     flat_out = flat_out.reshape(-1)
             payload = flats[i] if send_payload else None
+            residuals = self.residuals if payload is not None and (op == Op.PUSH or op == Op.PUSHPULL) \
+                and info.dtype_name in FLOAT_DTYPES else None
             for part in info.parts:
+                if residuals is not None:  # quantized once: a resend sends the same bytes
+                    self.send_part(handle, op, info, part, rounds[i],
+                                   residuals.quantize(info.key, part.index, payload[part.start:part.stop]), flat_out,
+                                   average)
+                    continue
                 self.send_part(handle, op, info, part, rounds[i], payload, flat_out, average)
         return handle
 
@@ -144,14 +159,22 @@ class Sender:
         if table:
             self.requests.transmit(rid, request, table_frames(self.seat, op, info, part, rid, round_, payload))
             return
-        template = part.headers.get((op, average))
+        quantized = type(payload) is Quantized
+        threshold = payload.threshold if quantized else None
+        template = part.headers.get((op, average, threshold))
         if template is None:
-            template = part.headers[(op, average)] = HeaderTemplate(
+            template = part.headers[(op, average, threshold)] = HeaderTemplate(
                 op, **self.seat.fields(), key=info.key, part=part.index,
                 dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
-                **_AVERAGE if average else {},
+                **_AVERAGE if average else {}, **{"cmp": payload.threshold} if quantized else {},
             )
         header = template.make(rid, round_)
+        if quantized:
+            self.payload_bytes += payload.packed.nbytes
+            self.requests.transmit(rid, request, [header, payload.packed])
+            return
+        if payload is not None:
+            self.payload_bytes += (part.stop - part.start) * info.dtype.itemsize
         if payload is None:
             self.requests.transmit(rid, request, [header])
         else:

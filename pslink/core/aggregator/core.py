@@ -34,6 +34,7 @@ import numpy as np
 from pslink.core.aggregator.cycle import CycleBudget
 from pslink.core.aggregator.stalls import waiting_for
 from pslink.core.aggregator.table_task import new_task
+from pslink.core.optim import step_through_float32
 from pslink.core.wire.protocol import DATA_OPS, TABLE_OPS, Op
 from pslink.core.aggregator.moves import Moves
 from pslink.core.aggregator import failures, reports
@@ -499,9 +500,12 @@ class AggregatorCore:
             weights = fresh
         grad = round_.acc
         scale = optimizer.grad_scale(len(round_.contributors))
-        if scale != 1.0:
-            grad *= scale
-        optimizer.step(weights, grad, task.opt_state)
+        if optimizer.multi_precision and weights.dtype == np.float16:
+            step_through_float32(optimizer, weights, grad, scale, task.opt_state)
+        else:
+            if scale != 1.0:
+                grad *= scale
+            optimizer.step(weights, grad, task.opt_state)
         task.value = weights
 
     def _pull(self, task: Task, req: Request) -> list[Reply]:

@@ -65,6 +65,10 @@ class Moves:
             why = f"it runs in {task.job.mode} mode" if task.job.mode != "optimizer" else "no optimizer is set"
             raise KeyStateError(f"{task.name}: job {task.job.job!r} keeps no optimizer state on the service ({why})",
                                 key=task.key)
+        if "weight32" in task.opt_state:
+            raise KeyStateError(f"{task.name}: its float32 master copy (multi_precision) travels with migrations, "
+                                "replicas and checkpoints, but is not read or set through optimizer_state()",
+                                key=task.key)
         if req.op == Op.STATE_GET:
             names, arrays, scalars = [], [], {}
             for name, value in sorted(task.opt_state.items()):

@@ -33,6 +33,7 @@ from pslink.core.checkpoints import read as read_checkpoint
 from pslink.core.faults import Faults
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.memory import keep_freed_memory
+from pslink.core.compression import dequantize
 from pslink.core.tables import ID_DTYPE
 from pslink.core.wire.protocol import (DATA_OPS, DEFAULT_LIMITS, STATE_OPS, TABLE_OPS, Limits, Op, decode, encode,
                                         encode_error, peek_id)
@@ -291,6 +292,9 @@ class Aggregator:
             except PslinkError as exc:
                 return Rejected(header["id"], exc), DISCARD
             started = time.thread_time()  # the task's CPU time counts from its header
+            if sizes and header.get("cmp") is not None:  # 2-bit: received as is, dequantized in on_message
+                packed = np.empty(sizes[0], np.uint8)
+                return (header, task, packed, started, None), [memoryview(packed)]
             if sizes:
                 buffer = self.core.receive_buffer(task)
                 dest = memoryview(buffer).cast("B")
@@ -344,7 +348,9 @@ class Aggregator:
             self._account(task, started)
             return
         payload = buffer
-        if lend is not None and lend.lent[0]:  # the push lies in the sender's shared-memory ring
+        if header.get("cmp") is not None and buffer is not None:  # a 2-bit push: back to +-threshold and 0
+            payload = dequantize(buffer, header["cmp"], self.core.receive_buffer(task))
+        elif lend is not None and lend.lent[0]:  # the push lies in the sender's shared-memory ring
             payload = np.frombuffer(payloads[0], task.dtype)
             if not self.core.adds_in_place(task, header["op"], header["rank"], header["rnd"]):
                 np.copyto(buffer, payload)  # it may become the round's sum, or be kept: copy it

@@ -357,6 +357,8 @@ class Task:
             if round_.acc is not None:
                 names.append(f"round:{r}")
                 arrays.append(round_.acc)
+        if any(a.dtype != self.dtype or a.size != self.numel for a in arrays):  # a float32 master copy
+            return names, arrays, scalars, rounds, {"layout": [[a.dtype.name, int(a.size)] for a in arrays]}
         return names, arrays, scalars, rounds, {}
 
     def import_state(self, named: dict, state: dict, now: float) -> None:

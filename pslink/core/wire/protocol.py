@@ -481,6 +481,14 @@ def _check_tensor(header: dict, payload_sizes: Sequence[int]) -> None:
         )
     if payload_sizes:
         expected = (stop - start) * DTYPES[header["dtype"]].itemsize
+        threshold = header.get("cmp")
+        if threshold is not None:  # 2-bit compressed (pslink.core.compression): 4 values a byte
+            if header["op"] not in (Op.PUSH, Op.PUSHPULL) or header["dtype"] not in FLOAT_DTYPES or \
+                    type(threshold) not in (int, float) or not 0 < threshold < math.inf:
+                raise ProtocolError(f"key {header['key']!r}: compression threshold {threshold!r} must be a positive "
+                                    f"number, on a push of a floating dtype (got {header['op'].name} of "
+                                    f"{header['dtype']})")
+            expected = (stop - start + 3) // 4
         if payload_sizes[0] != expected:
             raise ProtocolError(
                 f"key {header['key']!r}: payload of {payload_sizes[0]} bytes, but span {header['span']} "
