@@ -58,6 +58,7 @@ class Optimizer(abc.ABC):
 
     name = "optimizer"
     allowed: frozenset[str] = frozenset()
+    whole_tensor = False  # True: its step needs the whole key at once (norms over it: LAMB)
 
     def __init__(self, config: dict):
         unknown = set(config) - _COMMON - self.allowed

@@ -1,5 +1,5 @@
 """More server-side optimizers, following MXNet 1.9's update rules (``mx.optimizer``): NAG,
-AdaGrad, AdaDelta, RMSProp (plain and centered), Signum, FTRL, Adamax, FTML and MXNet's ``test`` optimizer.
+AdaGrad, AdaDelta, RMSProp (plain and centered), Signum, FTRL, Adamax, FTML, LAMB and MXNet's ``test`` optimizer.
 
 Each steps a part in place from the round's gradient already scaled (sum x ``rescale_grad``, the
 MXNet adapter sends ``average`` false), with ``clip_gradient`` and weight decay ``wd`` where MXNet
@@ -246,6 +246,52 @@ class FTML(_MXNetRule):
         np.divide(-z, d_t, out=weights)
 
 
+class LAMB(_MXNetRule):
+    """Layer-wise adaptive moments (MXNet's ``lamb_update_phase1`` and ``phase2``): Adam's
+    direction plus weight decay, scaled by the trust ratio ``||w|| / ||g||`` of the **whole**
+    key (``||w||`` clipped to ``[lower_bound, upper_bound]`` where given; 1 when either norm is
+    0). A key split into several parts cannot be stepped part by part (``whole_tensor``: the
+    Aggregator refuses it, naming the partition size to raise)."""
+
+    name = "lamb"
+    allowed = frozenset({"lr", "wd", "beta1", "beta2", "eps", "lower_bound", "upper_bound", "bias_correction"})
+    whole_tensor = True
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.beta1 = _number(config, "beta1", 0.9, high=1.0, closed_high=False)
+        self.beta2 = _number(config, "beta2", 0.999, high=1.0, closed_high=False)
+        self.eps = _number(config, "eps", 1e-6)
+        bounds = [config.get(name) for name in ("lower_bound", "upper_bound")]
+        self.lower_bound, self.upper_bound = [None if b is None else _number(config, name, 0.0)
+                                              for b, name in zip(bounds, ("lower_bound", "upper_bound"))]
+        self.bias_correction = _flag(config, "bias_correction", True)
+
+    def state_layout(self):
+        return ("mean", "var"), ("step",)
+
+    def step(self, weights, grad, state):
+        self._clip(grad)
+        state["step"] = t = state.get("step", 0) + 1
+        mean, var = _zeros(state, "mean", weights), _zeros(state, "var", weights)
+        mean *= self.beta1
+        mean += (1.0 - self.beta1) * grad
+        var *= self.beta2
+        var += (1.0 - self.beta2) * grad * grad
+        if self.bias_correction:
+            g = (mean / (1.0 - self.beta1**t)) / (np.sqrt(var / (1.0 - self.beta2**t)) + self.eps)
+        else:
+            g = mean / (np.sqrt(var) + self.eps)
+        g += self.wd * weights
+        r1, r2 = float(np.linalg.norm(weights)), float(np.linalg.norm(g))
+        if self.lower_bound is not None and self.lower_bound > 0:
+            r1 = max(r1, self.lower_bound)
+        if self.upper_bound is not None and self.upper_bound > 0:
+            r1 = min(r1, self.upper_bound)
+        ratio = 1.0 if r1 == 0.0 or r2 == 0.0 else r1 / r2
+        weights -= np.asarray(self.lr * ratio, weights.dtype) * g
+
+
 class Test(_MXNetRule):
     """MXNet's ``test`` optimizer: ``weight += rescale_grad * grad``."""
 
@@ -257,4 +303,4 @@ class Test(_MXNetRule):
 
 
 MXNET_RULES: dict[str, type[Optimizer]] = {cls.name: cls for cls in (NAG, AdaGrad, AdaDelta, RMSProp, Signum, FTRL,
-                                                                      Adamax, FTML, Test)}
+                                                                      Adamax, FTML, LAMB, Test)}

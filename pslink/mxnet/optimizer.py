@@ -25,7 +25,7 @@ import numpy as np
 from pslink.mxnet.errors import KVStoreError
 
 SUPPORTED = ("mx.optimizer.SGD (with or without momentum), Adam, NAG, AdaGrad, AdaDelta, RMSProp, "
-             "Signum, Ftrl, Adamax, FTML and Test")
+             "Signum, Ftrl, Adamax, FTML, LAMB (keys of one part) and Test")
 
 # MXNet's other optimizers on the service (pslink.core.optim_mxnet): the service's type, its
 # settings from the optimizer's attributes; and the state MXNet's updater keeps per key for every
@@ -40,6 +40,8 @@ _RULES = {
     mx.optimizer.Ftrl: ("ftrl", {"lamda1": "lamda1", "beta": "beta"}),
     mx.optimizer.Adamax: ("adamax", {"beta1": "beta1", "beta2": "beta2"}),
     mx.optimizer.FTML: ("ftml", {"beta1": "beta1", "beta2": "beta2", "eps": "epsilon"}),
+    mx.optimizer.LAMB: ("lamb", {"beta1": "beta1", "beta2": "beta2", "eps": "epsilon", "lower_bound": "lower_bound",
+                                 "upper_bound": "upper_bound", "bias_correction": "bias_correction"}),
     mx.optimizer.Test: ("test", {}),
 }
 _STATES = {
@@ -48,9 +50,10 @@ _STATES = {
     mx.optimizer.Signum: (("momentum",), False), mx.optimizer.Ftrl: (("z", "n"), True), mx.optimizer.Test: ((), False),
     mx.optimizer.Adamax: (("mean", "norm"), True), mx.optimizer.FTML: (("d", "v", "z"), True),
     mx.optimizer.Adam: (("exp_avg", "exp_avg_sq"), True),  # MXNet's (mean, var)
+    mx.optimizer.LAMB: (("mean", "var"), True),
 }
 # ... and the key's update count, which MXNet keeps in the optimizer and the service per key.
-_STEPPED = (mx.optimizer.Adam, mx.optimizer.Adamax, mx.optimizer.FTML)
+_STEPPED = (mx.optimizer.Adam, mx.optimizer.Adamax, mx.optimizer.FTML, mx.optimizer.LAMB)
 
 
 def _state_layout(opt):

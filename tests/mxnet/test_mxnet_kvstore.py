@@ -137,6 +137,9 @@ def mxnet_optimizers():
         "ftrl": lambda: mx.optimizer.Ftrl(learning_rate=0.1, lamda1=0.05, beta=0.5, wd=0.01, clip_gradient=2.0),
         "adamax": lambda: mx.optimizer.Adamax(learning_rate=0.01, beta1=0.8, beta2=0.9, wd=0.02, clip_gradient=2.0),
         "ftml": lambda: mx.optimizer.FTML(learning_rate=0.01, beta1=0.6, beta2=0.99, wd=0.02, clip_gradient=2.0),
+        "lamb": lambda: mx.optimizer.LAMB(learning_rate=0.01, wd=0.02, clip_gradient=2.0, rescale_grad=0.5),
+        "lamb-bounded-no-correction": lambda: mx.optimizer.LAMB(learning_rate=0.01, lower_bound=0.5, upper_bound=2.0,
+                                                                bias_correction=False, wd=0.01),
         "test": lambda: mx.optimizer.Test(rescale_grad=0.5),
     }
 

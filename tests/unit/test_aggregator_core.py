@@ -720,3 +720,16 @@ def test_only_a_push_into_a_round_that_has_a_sum_may_be_read_where_it_arrived():
     asp = Cluster(workers=2, sync="asp", shape=(8,), needs_init=False)
     asp.send(Op.PUSH, 0, 1, np.ones(8))
     assert not asp.core.adds_in_place(asp.task, Op.PUSH, 1, 1)  # each push is applied alone
+
+
+def test_an_optimizer_that_needs_whole_keys_refuses_a_part_of_one_by_name():
+    lamb = {"type": "lamb", "lr": 0.01, "average": False}
+    whole = Cluster(mode="optimizer", optimizer=lamb, shape=(6,))
+    assert whole.task.poisoned is None
+    part = Cluster(mode="optimizer", optimizer=lamb, shape=(6,), span=(0, 3))
+    _, replies = part.send(Op.INIT, 0, value=np.ones(3, np.float32))
+    assert "needs the whole key at once" in replies[0].error.message and "partition_bytes" in replies[0].error.message
+    # A job that switches to it later poisons its split parts then.
+    later = Cluster(mode="optimizer", optimizer={"type": "sgd", "lr": 0.1}, shape=(6,), span=(3, 6))
+    later.core.set_job(jobinfo(mode="optimizer", optimizer=lamb))
+    assert "needs the whole key" in later.task.poisoned.message

@@ -50,6 +50,7 @@ from pslink.core.aggregator.tasks import (
     WorkerDone,
     _Round,
     moved_error,
+    whole_tensor_error,
 )
 from pslink.errors import (
     AuthError,
@@ -105,6 +106,7 @@ class AggregatorCore:
             for (job_id, _, _), task in self.tasks.items():
                 if job_id == job.job:
                     task.opt_state = {}
+                    task.poisoned = task.poisoned or whole_tensor_error(task)
         outputs: list = []
         if left:
             error = MembershipError(f"job {job.job!r}: rank(s) {sorted(left)} left the job "

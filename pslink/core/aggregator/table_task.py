@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pslink.core.aggregator.tasks import JobState, Request, Summer, Task, _Round
+from pslink.core.aggregator.tasks import JobState, Request, Summer, Task, _Round, whole_tensor_error
 from pslink.core.tables import ID_DTYPE, TableShard, table_options
 from pslink.core.wire.protocol import DTYPES
 
@@ -32,6 +32,7 @@ class TableTask(Task):
         super().__init__(job, dict(spec, needs_init=False), summer, max_ahead)
         self.table = TableShard(table_options(spec["table"], f"table {spec['key']!r}"), self.dtype, clock)
         self.width = self.table.width
+        self.poisoned = self.poisoned or whole_tensor_error(self)
         self.value = _NO_VALUE
         self.needs_init = False
 

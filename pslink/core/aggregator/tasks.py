@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import sys
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 from pslink.core.membership import Membership, TaskMembers
 from pslink.core.optim import Optimizer, make_optimizer
 from pslink.core.wire.protocol import Op, dtype_of
-from pslink.errors import MovedError, ProtocolError, PslinkError, error_from_code
+from pslink.errors import KeyStateError, MovedError, ProtocolError, PslinkError, error_from_code
 
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
@@ -249,6 +250,24 @@ def moved_error(key, part: int, where: tuple[str, str]) -> MovedError:
                       agg=where[0], address=where[1], key=key, part=part)
 
 
+def whole_tensor_error(task: "Task") -> PslinkError | None:
+    """Why ``task`` cannot be stepped by its job's optimizer, if that optimizer needs the whole
+    key (LAMB's norms) and the task is one part of several."""
+    optimizer = task.job.optimizer
+    if optimizer is None or not optimizer.whole_tensor:
+        return None
+    if task.table is not None:
+        if task.table.optimizer["name"] != "job":
+            return None  # the table's own row optimizer steps it
+        return KeyStateError(f"{task.name}: optimizer {optimizer.name!r} needs the whole key at once (norms over "
+                             "it), and a table's rows are stepped a few at a time", job=task.job.job, key=task.key)
+    if task.numel == math.prod(task.shape):
+        return None
+    return KeyStateError(f"{task.name}: optimizer {optimizer.name!r} needs the whole key at once (norms over it), "
+                         f"but the key is split into parts of {task.numel} of its {math.prod(task.shape)} elements; "
+                         "raise the job's partition_bytes above the key's size", job=task.job.job, key=task.key)
+
+
 class Task:
     """One model aggregation task: a part of one key of one job."""
 
@@ -285,6 +304,8 @@ class Task:
         self.before_init: list[Request] = []
         # A key pMaster aborted before it assigned this part (see KeySpec.task_specs) starts failed.
         self.poisoned: PslinkError | None = error_from_code(*spec["aborted"]) if spec.get("aborted") else None
+        if spec.get("table") is None:  # a table's shard is checked once its table exists (TableTask)
+            self.poisoned = self.poisoned or whole_tensor_error(self)
         # Rounds a refused request failed (a rank's shape mismatch): their requests get the error,
         # later rounds go on (AggregatorCore.fail_rounds). The most recent few are kept.
         self.failed_rounds: dict[int, PslinkError] = {}
