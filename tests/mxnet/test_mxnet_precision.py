@@ -1,5 +1,6 @@
-"""multi_precision on the service: float16 keys stepped through a float32 master copy, as MXNet's
-updater does, checked against MXNet's own store for several of its optimizers."""
+"""The service's optimizers against MXNet's own store, with 2 and 4 workers: float32 keys, and
+float16 keys with multi_precision (stepped through a float32 master copy, as MXNet's updater
+does)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,18 @@ from tests.helpers import run_workers, start_cluster  # noqa: E402
 SHAPE, STEPS = (6, 4), 6
 OPTIMIZERS = {
     "sgd": {"momentum": 0.9, "wd": 1e-3},
-    "adam": {},
+    "adam": {"wd": 1e-3},
     "nag": {"momentum": 0.9},
     "adagrad": {},
+    "adadelta": {},
     "rmsprop": {},
+    "rmsprop-centered": {"centered": True},
+    "signum": {"momentum": 0.9},
+    "ftrl": {},
+    "adamax": {},
+    "ftml": {},
+    "lamb": {"wd": 1e-3},
+    "test": {},
 }
 
 
@@ -32,43 +41,56 @@ def cluster():
     transports.close()
 
 
-def make(name: str):
-    return mx.optimizer.create(name, learning_rate=0.05, rescale_grad=0.5, multi_precision=True, **OPTIMIZERS[name])
+def make(name: str, multi_precision: bool):
+    kind = name.split("-")[0]
+    return mx.optimizer.create(kind, learning_rate=0.05, rescale_grad=0.5, multi_precision=multi_precision,
+                               **OPTIMIZERS[name])
 
 
-def gradient(rank: int, step: int) -> np.ndarray:
-    return np.random.default_rng(10 * rank + step).normal(size=SHAPE).astype(np.float16)
+def gradient(rank: int, step: int, dtype) -> np.ndarray:
+    return np.random.default_rng(10 * rank + step).normal(size=SHAPE).astype(dtype)
 
 
-def initial() -> np.ndarray:
-    return np.linspace(-1, 1, np.prod(SHAPE)).reshape(SHAPE).astype(np.float16)
+def initial(dtype) -> np.ndarray:
+    return np.linspace(-1, 1, np.prod(SHAPE)).reshape(SHAPE).astype(dtype)
 
 
+@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])  # float16: with multi_precision
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_float16_keys_step_through_a_float32_master_copy_as_mxnet_does(cluster, name):
+def test_the_service_steps_as_mxnets_store_does(cluster, name, dtype, workers):
     service, transports = cluster
+    mp = dtype == "float16"
     kv = mx.kv.create("local")
-    kv.init(0, mx.nd.array(initial(), dtype="float16"))
-    kv.set_optimizer(make(name))
-    for step in range(STEPS):  # the two workers' gradients as two devices' (summed), as dist_sync sums them
-        kv.push(0, [mx.nd.array(gradient(r, step), dtype="float16") for r in range(2)])
-    expected = mx.nd.zeros(SHAPE, dtype="float16")
+    kv.init(0, mx.nd.array(initial(dtype), dtype=dtype))
+    kv.set_optimizer(make(name, mp))
+    for step in range(STEPS):  # the workers' gradients as devices' (summed), as dist_sync sums them
+        kv.push(0, [mx.nd.array(gradient(r, step, dtype), dtype=dtype) for r in range(workers)])
+    expected = mx.nd.zeros(SHAPE, dtype=dtype)
     kv.pull(0, out=expected)
 
     def worker(rank):
-        agent = pslink.connect(f"mp-{name}", rank, 2, master=service.address, transports=transports, timeout=20)
+        agent = pslink.connect(f"opt-{name}-{dtype}-{workers}", rank, workers, master=service.address,
+                               transports=transports, timeout=20)
         store = PSLinkKVStore(agent=agent)
-        store.set_optimizer(make(name))
-        store.init(0, mx.nd.array(initial(), dtype="float16"))
-        out = mx.nd.zeros(SHAPE, dtype="float16")
+        store.set_optimizer(make(name, mp))
+        store.init(0, mx.nd.array(initial(dtype), dtype=dtype))
+        out = mx.nd.zeros(SHAPE, dtype=dtype)
         for step in range(STEPS):
-            store.push(0, mx.nd.array(gradient(rank, step), dtype="float16"))
+            store.push(0, mx.nd.array(gradient(rank, step, dtype), dtype=dtype))
             store.pull(0, out=out)
         agent.close()
         return out.asnumpy()
 
     want = expected.asnumpy()
-    for got in run_workers(2, worker):
-        # Bit for bit (stepped in float16 alone, 30-50% of the weights would differ in their last bit).
-        assert got.dtype == np.float16
-        np.testing.assert_array_equal(got, want)
+    for got in run_workers(workers, worker):
+        assert got.dtype == np.dtype(dtype)
+        if mp and workers == 2:
+            # Rounded to float16 the weights are MXNet's, bit for bit where MXNet's kernels and
+            # numpy agree (stepped in float16 alone, 30-50% of them would differ in their last bit).
+            assert np.mean(got == want) >= 0.95, f"{np.mean(got == want):.0%} of the weights equal MXNet's"
+        # float32: numpy and MXNet's kernels round a few operations differently. Four float16
+        # gradients are summed in float16 in the order they arrive (MXNet's dist_sync servers do
+        # the same; its local store in its own order): their sums differ in the last bit.
+        rtol = 1e-5 if not mp else 1e-3 if workers == 2 else 1e-2
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=rtol / 10)
