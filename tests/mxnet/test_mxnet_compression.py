@@ -10,9 +10,8 @@ import pytest
 mx = pytest.importorskip("mxnet", reason="MXNet 1.9.1 is not installed (CI installs it: pip install '.[mxnet]')")
 
 import pslink  # noqa: E402
-from pslink.core.transport import Transports  # noqa: E402
 from pslink.mxnet import PSLinkKVStore  # noqa: E402
-from tests.helpers import run_workers, start_cluster  # noqa: E402
+from tests.helpers import run_workers  # noqa: E402
 
 # MXNet's default threshold: +-0.5 and their sums are exact in float32, whatever order the workers'
 # pushes are added in (the service adds them as they come, MXNet's store device by device).
@@ -20,12 +19,8 @@ SHAPE, ROUNDS, COMPRESSION = (7, 5), 5, {"type": "2bit", "threshold": 0.5}
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    transports = Transports()
-    service = start_cluster("inproc", aggregators=2, transports=transports)
-    yield service, transports
-    service.stop()
-    transports.close()
+def cluster(inproc_cluster):
+    return inproc_cluster
 
 
 def gradient(rank: int, step: int) -> np.ndarray:

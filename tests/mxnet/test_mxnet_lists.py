@@ -9,20 +9,15 @@ import pytest
 mx = pytest.importorskip("mxnet", reason="MXNet 1.9.1 is not installed (CI installs it: pip install '.[mxnet]')")
 
 import pslink  # noqa: E402
-from pslink.core.transport import Transports  # noqa: E402
 from pslink.mxnet import PSLinkKVStore  # noqa: E402
-from tests.helpers import run_workers, start_cluster  # noqa: E402
+from tests.helpers import run_workers  # noqa: E402
 
 KEYS, SHAPES, DEVICES = ["weight", "bias"], [(4, 3), (5,)], 2
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    transports = Transports()
-    service = start_cluster("inproc", aggregators=2, transports=transports)
-    yield service, transports
-    service.stop()
-    transports.close()
+def cluster(inproc_cluster):
+    return inproc_cluster
 
 
 def values(rank: int, step: int) -> list[list]:

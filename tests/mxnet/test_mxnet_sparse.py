@@ -10,19 +10,14 @@ mx = pytest.importorskip("mxnet", reason="MXNet 1.9.1 is not installed (CI insta
 
 import pslink  # noqa: E402
 from pslink.mxnet import PSLinkKVStore  # noqa: E402
-from pslink.core.transport import Transports  # noqa: E402
-from tests.helpers import run_workers, start_cluster  # noqa: E402
+from tests.helpers import run_workers  # noqa: E402
 
 SHAPE = (12, 3)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    transports = Transports()
-    service = start_cluster("inproc", aggregators=2, transports=transports)
-    yield service, transports
-    service.stop()
-    transports.close()
+def cluster(inproc_cluster):
+    return inproc_cluster
 
 
 def gradient(rank: int, step: int) -> mx.nd.NDArray:

@@ -10,20 +10,15 @@ torch = pytest.importorskip("torch", reason="torch is not installed (CI installs
 
 import pslink  # noqa: E402
 import pslink.torch as pt  # noqa: E402
-from pslink.core.transport import Transports  # noqa: E402
 from pslink.errors import ConfigError  # noqa: E402
-from tests.helpers import run_workers, start_cluster  # noqa: E402
+from tests.helpers import run_workers  # noqa: E402
 
 VOCAB, DIM, LR, STEPS, WORKERS = 50, 6, 0.5, 6, 2
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    transports = Transports()
-    service = start_cluster("inproc", aggregators=2, transports=transports)
-    yield service, transports
-    service.stop()
-    transports.close()
+def cluster(inproc_cluster):
+    return inproc_cluster
 
 
 def batch(rank, step):
