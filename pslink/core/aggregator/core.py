@@ -547,22 +547,11 @@ class AggregatorCore:
             task.job.pulled_bytes += task.nbytes
         if req.average and task.table is None and task.last_n > 1 and task.job.mode == "sum" \
                 and task.job.sync != "asp" and task.value is not None and task.value.dtype.kind == "f":
-            reply.payload, reply.averaged = self._average(task), True
+            reply.payload, reply.averaged = task.average(), True
         if task.restored is not None and task.restored < task.lost_upto and req.round == task.lost_upto + 1:
             # The first answer after a restart from a checkpoint: what was lost (the Agent says it loudly).
             reply.lost = (task.lost_upto - task.restored, task.restored)
         return reply
-
-    @staticmethod
-    def _average(task: Task) -> np.ndarray:
-        """The last closed round's sum divided by its contributors, once per round: the same
-        division each worker's Agent made of its own copy, so the same numbers."""
-        if task.averaged is None or task.averaged[0] != task.closed:
-            task.averaged = None  # the last round's array may be free again (its replies went out)
-            array = task.pool.acquire()
-            np.divide(task.value, task.last_n, out=array)
-            task.averaged = (task.closed, array)
-        return task.averaged[1]
 
     # -- failures (pslink.core.aggregator.failures) ---------------------------------------------
 

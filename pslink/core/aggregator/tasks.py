@@ -357,6 +357,16 @@ class Task:
     def describe(self) -> str:
         return f"shape {self.shape} {self.dtype_name}"
 
+    def average(self) -> np.ndarray:
+        """The last closed round's sum divided by its contributors, once per round: the same
+        division each worker's Agent made of its own copy, so the same numbers."""
+        if self.averaged is None or self.averaged[0] != self.closed:
+            self.averaged = None  # the last round's array may be free again (its replies went out)
+            array = self.pool.acquire()
+            np.divide(self.value, self.last_n, out=array)
+            self.averaged = (self.closed, array)
+        return self.averaged[1]
+
     def export_state(self, open_rounds: bool) -> tuple[list, list, dict, list, dict]:
         """``(names, arrays, scalars, open rounds, extra)``: the arrays a copy, replica or
         checkpoint carries (a frame each), the optimizer's scalars, the open rounds'
