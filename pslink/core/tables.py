@@ -218,12 +218,17 @@ class TableShard:
 
     # -- finding and making rows -------------------------------------------------------------------
 
-    def slots(self, ids: np.ndarray) -> np.ndarray:
-        """The slot of each id, making the rows not held yet (evicting first if the shard is full)."""
+    def slots(self, ids: np.ndarray) -> np.ndarray | slice:
+        """The slot of each id (a slice when they are one run of slots), making the rows not held
+        yet (evicting first if the shard is full)."""
         self.requests += 1
         stamp = self.clock() if self.evict == "ttl" else float(self.requests)
         if self.evict == "ttl" and self.size:
             self._evict(self.touched[: self.size] < stamp - self.ttl)
+        last = self._last
+        if last is not None and last[0].size == ids.size and np.array_equal(last[0], ids):
+            self.touched[last[1]] = stamp  # the same ids as last time (ps-lite's are): their slots
+            return last[1]
         found, slots = self._find(ids)
         if found.all():
             self.touched[slots] = stamp
@@ -244,13 +249,12 @@ class TableShard:
     def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not self.keys.size:
             return np.zeros(ids.size, bool), np.zeros(ids.size, np.int64)
-        if self._last is not None and self._last[0].size == ids.size and np.array_equal(self._last[0], ids):
-            return np.ones(ids.size, bool), self._last[1].copy()  # the same ids as last time (ps-lite's are)
         pos = np.minimum(np.searchsorted(self.keys, ids), self.keys.size - 1)
         found = self.keys[pos] == ids
         slots = self.where[pos]
-        if found.all():
-            self._last = (ids.copy(), slots.copy())
+        if found.all():  # kept for the next request of the same ids; a run of slots as a slice
+            run = ids.size and slots[-1] - slots[0] == ids.size - 1 and bool((np.diff(slots) == 1).all())
+            self._last = (ids.copy(), slice(int(slots[0]), int(slots[-1]) + 1) if run else slots.copy())
         return found, slots
 
     def _make(self, new: np.ndarray, stamp: float) -> np.ndarray:
@@ -312,7 +316,8 @@ class TableShard:
     def read(self, ids: np.ndarray) -> np.ndarray:
         """The rows of ``ids`` in their order (a copy: the next update may not reach a reply)."""
         slots = self.slots(ids)  # first: it may grow self.rows
-        return self.rows[slots]
+        rows = self.rows[slots]
+        return rows.copy() if type(slots) is slice else rows
 
     def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Set rows (an id that repeats takes its last row), outside any round."""
@@ -364,7 +369,7 @@ class TableShard:
         scale = optimizer.grad_scale(contributors)
         if scale != 1.0:
             grads *= np.asarray(scale, grads.dtype)
-        n = slots.size
+        n = grads.shape[0]
         weights = self.rows[slots].reshape(-1)
         state = {**self.scalars, **{name: array[slots].reshape(-1) for name, array in self.per_row.items()}}
         optimizer.step(weights, grads.reshape(-1), state)

@@ -95,7 +95,7 @@ def test_gradient_scale_averages_and_rescales():
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"type": "lamb"}, "unknown optimizer type 'lamb'"),
+    ({"type": "lars"}, "unknown optimizer type 'lars'"),
     ({"lr": 0.1}, "unknown optimizer type None"),
     ({"type": "sgd"}, "lr is required"),
     ({"type": "sgd", "lr": -1}, "lr=-1 is outside"),
