@@ -280,3 +280,27 @@ def test_a_rank_registered_anew_is_out_of_the_job_and_back_in_in_one_step():
                 agent.close()
         service.stop()
         transports.close()
+
+
+def test_a_worker_added_to_a_running_job_comes_into_a_tables_shards_at_the_next_round(cluster):
+    """A table (rows summed as pushed): the newcomer joins each shard, reads the current rows,
+    and every round from then on sums three pushes."""
+    a, b = connect(cluster, "grow-table", 0, 2, max_workers=3), connect(cluster, "grow-table", 1, 2, max_workers=3)
+    c = None
+    try:
+        tables = [agent.table("emb", 2, shards=3) for agent in (a, b)]
+        ids = np.arange(6)
+        for _ in range(3):
+            for h in [t.pushpull(ids, np.ones((6, 2), np.float32)) for t in tables]:
+                h.wait()
+        c = connect(cluster, "grow-table", 2, 3, max_workers=3)
+        assert c.late
+        tables.append(c.table("emb", 2, shards=3))
+        np.testing.assert_array_equal(tables[2].pull(ids).wait(), np.full((6, 2), 6.0))
+        for expected in (9.0, 12.0):
+            for h in [t.pushpull(ids, np.ones((6, 2), np.float32)) for t in tables]:
+                np.testing.assert_array_equal(h.wait(), np.full((6, 2), expected))
+    finally:
+        for agent in (a, b, c):
+            if agent is not None:
+                agent.close()

@@ -103,6 +103,8 @@ class Table:
             out = self._out(out, n)
             landing = out if in_order else np.empty((n, self.width), self.dtype)
         agent = self.agent
+        if agent._tasks.late:  # a worker added to the running job comes into each shard's rounds first
+            agent._tasks.join([self.info])
         pushes = op == Op.TABLE_PUSH or op == Op.TABLE_PUSHPULL  # a round's (an init is none)
         with agent._lock:
             if pushes:
