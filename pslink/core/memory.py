@@ -36,3 +36,17 @@ def keep_freed_memory() -> bool:
         return False  # no mallopt: not glibc
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free memory back to the kernel now (glibc's ``malloc_trim``): after a job
+    or keys were dropped, which :func:`keep_freed_memory` would otherwise keep for reuse. Returns
+    whether anything was released (False where there is no glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))

@@ -265,6 +265,7 @@ class _World:
                 if agreed is None:
                     continue  # someone settled with us is not there any more
                 generation, root = agreed
+                before = getattr(self.session, "generation", 0)
                 self.session.set_world(ranks, generation)
                 self.ranks, self.epoch = ranks, epoch
                 state.sync(root)
@@ -277,6 +278,8 @@ class _World:
                 state.save()
                 log.info("pslink elastic: rank %d of %d (service ranks %s, generation %d, root %d)",
                          self.session.rank, self.session.size, ranks, generation, root)
+                if self.session.rank == 0:
+                    self._delete_generations_before(generation, before)
                 return
             except PslinkError as exc:
                 failures += 1
@@ -285,6 +288,22 @@ class _World:
                 self.recover(state, exc)
         raise MembershipError(f"the workers of job {self.agent.job!r} kept changing: no reset completed in "
                               f"{SETTLE_LIMIT} attempts")
+
+    def _delete_generations_before(self, generation: int, last: int) -> None:
+        """Delete the keys of the generations before ``generation`` (every member agreed on it, so
+        none uses them any more): each generation's state sync and unnamed collectives made a
+        model's worth of keys of their own, which would otherwise stay on the service for the
+        job's life. Cleanup: a failure is logged, training goes on."""
+        stale = [f"elastic.g{g}/" for g in range(min(last, generation - 1), generation)] + \
+                [f".noname.g{g}." for g in range(min(last, generation - 1), generation)]
+        try:
+            keys = [spec["key"] for spec in self.agent.job_keys()
+                    if isinstance(spec["key"], str) and any(s in spec["key"] for s in stale)]
+            if keys:
+                self.agent.delete(keys)
+                log.info("pslink elastic: deleted %d key(s) of generation(s) before %d", len(keys), generation)
+        except PslinkError as exc:
+            log.warning("pslink elastic: could not delete the keys of earlier generations: %s", exc.message)
 
     def recover(self, state: State, error: PslinkError) -> None:
         """After a failed collective: back to the last commit; if others remain, come back as a

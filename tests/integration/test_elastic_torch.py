@@ -187,6 +187,8 @@ def test_a_job_that_goes_from_2_to_3_to_2_workers_converges_with_consistent_stat
     assert min(first_losses) > 10 * LOSS_THRESHOLD  # it did have something to learn
     done = check_done(events, survivors=2)
     assert {d["service_rank"] for d in done} == {0, 1}
+    # Three generations made state-sync keys each; those of the first two were deleted.
+    assert all(d["stale_keys"] == [] for d in done), [d["stale_keys"] for d in done]
     output = run.output
     assert "started rank 2" in output and "removing rank 2" in output and "rank 2 (pid" in output
 

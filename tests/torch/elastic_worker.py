@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import time
 
@@ -98,4 +99,9 @@ def train(state) -> float:
 
 
 loss = train(state)
-describe("done", loss=loss, weights=[float(v) for v in model.weight.detach().reshape(-1)] + [float(model.bias.detach())])
+session = current_session()
+# Keys of earlier generations left on the service (rank 0 of each world deletes them at its reset)
+stale = [s["key"] for s in session.agent.job_keys() if isinstance(s["key"], str)
+         and re.search(r"elastic\.g\d+/|\.noname\.g\d+\.", s["key"])
+         and f"elastic.g{session.generation}/" not in s["key"] and f".noname.g{session.generation}." not in s["key"]]
+describe("done", stale_keys=stale, loss=loss, weights=[float(v) for v in model.weight.detach().reshape(-1)] + [float(model.bias.detach())])

@@ -39,7 +39,7 @@ from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
 from pslink.core.agent.handle import Handle, Handles
 from pslink.core.agent.iterations import Iterations
-from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartInfo, Seat
+from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartInfo, Seat, check_key
 from pslink.core.agent.master_link import MasterLink
 from pslink.core.agent.requests import Requests
 from pslink.core.agent.settings import job_config
@@ -258,6 +258,17 @@ class Agent:
     def pushpull_many(self, keys: Sequence, arrays: Sequence, outs: Sequence | None = None, average: bool = False) -> Handle:
         keys = list(keys)
         return self._submit(Op.PUSHPULL, keys, list(arrays), list(outs) if outs is not None else [None] * len(keys), average)
+
+    def delete(self, keys: Sequence) -> list:
+        """Delete keys (tensors or tables) of the job on the service: their parts and replicas are
+        dropped and their memory returns; a key not known is ignored, so every worker may call it.
+        Stop using the keys on every worker first; a key deleted may be declared again afresh.
+        Returns the keys deleted."""
+        keys = [check_key(k) for k in keys]
+        body = self._master.call(Op.DELETE_KEYS, keys=keys)
+        for key in keys:
+            self._keys.pop(key, None)
+        return list(body.get("deleted", []))
 
     def set_gradient_compression(self, params: dict | None) -> None:
         """Quantize this worker's pushes of floating keys to 2 bits a value from now on, with a

@@ -162,14 +162,24 @@ class AggregatorCore:
     def drop_job(self, job_id: str) -> list[Reply]:
         """Forget a job; anything still waiting is failed."""
         self.jobs.pop(job_id, None)
-        for ident in [i for i in self.moved if i[0] == job_id]:
-            del self.moved[ident]
-        for ident in [i for i in self.replicas if i[0] == job_id]:
-            del self.replicas[ident]
+        return self._drop(job_id, None, lambda task: f"job {job_id!r} ended; {task.name} was released")
+
+    def drop_keys(self, job_id: str, keys: list) -> list[Reply]:
+        """Forget keys of a job (deleted); anything waiting on them is failed."""
+        return self._drop(job_id, set(keys), lambda task: f"{task.name} was deleted")
+
+    def _drop(self, job_id: str, keys: set | None, why) -> list[Reply]:
+        """The tasks, replicas and forwarding addresses of a job (of ``keys`` only, if given) go."""
+        def chosen(ident):
+            return ident[0] == job_id and (keys is None or ident[1] in keys)
+
+        for table in (self.moved, self.replicas):
+            for ident in [i for i in table if chosen(i)]:
+                del table[ident]
         replies = []
-        for ident in [i for i in self.tasks if i[0] == job_id]:
+        for ident in [i for i in self.tasks if chosen(i)]:
             task = self.tasks.pop(ident)
-            replies += failures.fail_waiters(task, ClosedError(f"job {job_id!r} ended; {task.name} was released"))
+            replies += failures.fail_waiters(task, ClosedError(why(task)))
         return replies
 
     # -- admission: runs on the header, before any payload byte is read -------------------------
@@ -570,11 +580,8 @@ class AggregatorCore:
         return replies
 
     def abort_key(self, job_id: str, key: Any, error: PslinkError) -> list[Reply]:
-        replies = []
-        for (j, k, _), task in list(self.tasks.items()):
-            if j == job_id and k == key:
-                replies += failures.poison(task, error)
-        return replies
+        return [r for (j, k, _), task in list(self.tasks.items()) if j == job_id and k == key
+                for r in failures.poison(task, error)]
 
     def fail_origin(self, origin: Any) -> None:
         """Forget requests from a peer that went away (nobody is left to answer)."""

@@ -32,7 +32,7 @@ from pslink.core.checkpoints import CheckpointWriter, part_path
 from pslink.core.checkpoints import read as read_checkpoint
 from pslink.core.faults import Faults
 from pslink.core.wire.loop import Reactor, ReactorThread
-from pslink.core.memory import keep_freed_memory
+from pslink.core.memory import keep_freed_memory, release_freed_memory
 from pslink.core.compression import dequantize
 from pslink.core.tables import ID_DTYPE
 from pslink.core.wire.protocol import (DATA_OPS, DEFAULT_LIMITS, STATE_OPS, TABLE_OPS, Limits, Op, decode, encode,
@@ -447,8 +447,10 @@ class Aggregator:
             outputs = self.core.set_job(req["jobinfo"])
             peer.reply(req)
             self._send_all(outputs)
-        elif op == Op.DROP_JOB:
-            self._send_all(self.core.drop_job(req["job"]))
+        elif op == Op.DROP_JOB or op == Op.DROP_KEYS:
+            self._send_all(self.core.drop_job(req["job"]) if op == Op.DROP_JOB else
+                           self.core.drop_keys(req["job"], req["keys"]))
+            release_freed_memory()  # the kept heap (keep_freed_memory) goes back: the memory returns
             if req["id"]:
                 peer.reply(req)
         elif op == Op.ABORT:

@@ -169,6 +169,7 @@ class Master:
             Op.BARRIER: self.barriers.enter,
             Op.LEAVE: self._leave,
             Op.JOB_KEYS: self._job_keys,
+            Op.DELETE_KEYS: self._delete_keys,
             Op.STATUS: self._status,
             Op.AGG_HEARTBEAT: self._aggregator_heartbeat,
             Op.RELOCATE: self.failover.relocate,
@@ -392,6 +393,21 @@ class Master:
             log.info("job %s ended: every worker left", record.job)
             self._end_job(record)
         peer.reply(req)
+
+    def _delete_keys(self, peer: RpcPeer, req: dict) -> None:
+        """Forget keys of the job (keys it does not have are ignored: every worker may delete the
+        same ones); answered once every Aggregator that held a part or a replica dropped them."""
+        record = self.state.authorize(req["job"], req["tok"], req["rank"])
+        specs = [record.keys[k] for k in dict.fromkeys(req["keys"]) if k in record.keys]
+        holders = {name for spec in specs for part in spec.parts for name in [part.aggregator, *part.replicas]}
+        for spec in specs:
+            self.state.forget_key(record, spec.key)
+            self.store.delete_key(record.job, spec.key)
+        keys = [spec.key for spec in specs]
+        calls = [(self.links.peers[name], dict(job=record.job, keys=keys)) for name in sorted(holders)
+                 if name in self.links.peers]
+        self.links.broadcast_each(calls, Op.DROP_KEYS, lambda error: peer.error(req, error) if error is not None
+                                  else peer.reply(req, body={"deleted": keys}))
 
     def _end_job(self, record: JobRecord) -> None:
         self.observing.watch.job_ended(record.job)

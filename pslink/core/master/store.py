@@ -111,6 +111,9 @@ class MasterStore:
             ),
         )
 
+    def delete_key(self, job: str, key) -> None:
+        self._exec("DELETE FROM keys WHERE job=? AND key=?", (job, msgpack.packb(key)))
+
     def delete_aggregator(self, name: str) -> None:
         self._exec("DELETE FROM aggregators WHERE name=?", (name,))
 

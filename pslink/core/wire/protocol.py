@@ -77,6 +77,8 @@ class Op(enum.IntEnum):
     COPY_REPLICA = 42
     # control (CLI -> pMaster)
     POOL = 41  # CLI -> pMaster: add or remove Aggregators
+    DELETE_KEYS = 43  # Agent -> pMaster: forget these keys of the job (their tasks and replicas go)
+    DROP_KEYS = 44  # pMaster -> Aggregator: drop the tasks and replicas of these keys of a job
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
@@ -320,6 +322,8 @@ SCHEMAS: dict[Op, Schema] = {
     Op.ASSIGN: Schema({"id": _uint, "jobinfo": _map, "tasks": _list}),
     Op.JOB_INFO: Schema({"id": _uint, "jobinfo": _map}),
     Op.DROP_JOB: Schema({"id": _uint, "job": _small_str}),
+    Op.DELETE_KEYS: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "keys": _list}),
+    Op.DROP_KEYS: Schema({"id": _uint, "job": _small_str, "keys": _list}),
     Op.SHUTDOWN: Schema({"id": _uint}),
     Op.AGG_HEARTBEAT: Schema({"id": _uint, "agg": _small_str, "stats": _map}),
     Op.MIGRATE: Schema(
