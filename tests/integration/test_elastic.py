@@ -304,3 +304,54 @@ def test_a_worker_added_to_a_running_job_comes_into_a_tables_shards_at_the_next_
         for agent in (a, b, c):
             if agent is not None:
                 agent.close()
+
+
+def test_a_replacement_that_registers_before_the_dead_workers_connection_closed_gets_in(cluster, monkeypatch):
+    """A new process for rank 1 registers while pMaster still sees the old one connected: it is
+    told "already connected" and asks again until pMaster has seen the old connection close."""
+    from pslink.core.agent import master_link
+
+    a, b = connect(cluster, "replace", 0, 2), connect(cluster, "replace", 1, 2)
+    refused = threading.Event()
+    real_sleep = time.sleep
+
+    def pause(seconds):  # the replacement's backoff after a refusal: say so, then wait as it would
+        refused.set()
+        real_sleep(seconds)
+
+    results: dict = {}
+
+    def replacement():
+        try:
+            results["agent"] = connect(cluster, "replace", 1, 2, token=a.token)  # as launch passes it
+        except BaseException as exc:  # reported below
+            results["error"] = exc
+
+    monkeypatch.setattr(master_link.os, "getpid", lambda: 4242)  # another process than b's
+    monkeypatch.setattr(master_link.time, "sleep", pause)
+    thread = threading.Thread(target=replacement)
+    thread.start()
+    try:
+        assert refused.wait(10), f"the replacement was never refused: {results}"
+        b._master.peer.conn.close()  # the old worker's process dies: its connection closes
+        b._closed = True
+        thread.join(15)
+        assert "error" not in results, results.get("error")
+        c = results["agent"]
+        assert a.membership()["ranks"] == [0, 1]
+        c.close()
+    finally:
+        thread.join(15)
+        a.close()
+
+
+def test_a_rank_truly_in_use_is_still_refused_after_the_retries(cluster, monkeypatch):
+    from pslink.core.agent import master_link
+
+    a = connect(cluster, "taken", 0, 1, connect_timeout=0.5)
+    try:
+        monkeypatch.setattr(master_link.os, "getpid", lambda: 4343)
+        with pytest.raises(MembershipError, match="rank 0 of job 'taken' is already connected"):
+            connect(cluster, "taken", 0, 1, connect_timeout=0.5, token=a.token)
+    finally:
+        a.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Callable
 
 from pslink.core import hosts
@@ -20,7 +21,7 @@ from pslink.core.transport import Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits, Op
-from pslink.errors import PeerError, ProtocolError, PslinkError
+from pslink.errors import MembershipError, PeerError, ProtocolError, PslinkError
 
 log = logging.getLogger("pslink.core.agent")
 
@@ -88,12 +89,26 @@ class MasterLink:
                     host=hosts.host_name(), host_id=seat.host_id)
 
     def register(self, config: dict, token: bytes | None, rejoin: bool = False) -> dict:
+        """Register the worker. A rank pMaster still sees connected is asked for again, for up
+        to ``connect_timeout``: a replacement for a worker that just died may come before
+        pMaster noticed the old connection close (then the old one is gone within a heartbeat or
+        two); a rank truly in use is refused after that, with pMaster's reason."""
         fields = dict(self._identity(), config=config)
         if token:
             fields["tok"] = token
         if rejoin:
             fields["rejoin"] = True  # out of the job and back in as a newcomer, in one step
-        return self.call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
+        deadline = time.monotonic() + self.connect_timeout
+        pause = 0.05
+        while True:
+            try:
+                return self.call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
+            except MembershipError as exc:
+                if exc.details.get("reason") != "connected" or time.monotonic() + pause > deadline:
+                    raise
+                log.info("agent %s: %s; asking again in %.2f s", self.seat, exc.message, pause)
+                time.sleep(pause)  # a backoff between attempts, not what correctness rests on
+                pause = min(2 * pause, 1.0)
 
     @staticmethod
     def _refuse(peer: RpcPeer, req: dict) -> None:

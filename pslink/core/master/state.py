@@ -177,7 +177,7 @@ class MasterState:
         if current is not None and current.connected and not current.left and not reconnect:
             raise MembershipError(
                 f"rank {rank} of job {job!r} is already connected (pid {current.pid} on {current.host or '?'})",
-                job=job,
+                job=job, reason="connected",  # a replacement may retry: pMaster may not have seen the old go yet
             )
         record.workers[rank] = WorkerInfo(rank, pid=pid, host=host, host_id=host_id, last_seen=self.clock())
         record.joined.add(rank)
