@@ -118,7 +118,7 @@ class Table:
             shard_op = op if a < b or op != Op.TABLE_PUSHPULL else Op.TABLE_PUSH  # nothing to pull there
             payload = ids[a:b] if op == Op.TABLE_PULL else (ids[a:b], rows[a:b])
             agent._sender.send_part(handle, shard_op, self.info, self.info.parts[s], round_, payload,
-                             landing[a:b].reshape(-1) if pulls and shard_op != Op.TABLE_PUSH else None, False)
+                                    landing[a:b].reshape(-1) if pulls and shard_op != Op.TABLE_PUSH else None, False)
         if not pulls:
             return TableHandle(handle, None)
         if in_order:
