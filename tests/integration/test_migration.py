@@ -188,3 +188,30 @@ def test_a_float16_part_with_its_float32_master_copy_migrates_whole(transports):
     got, moved = train("moved", 5)
     assert moved
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("relocated", [False, True])
+def test_a_moved_reply_from_an_aggregator_the_part_has_left_is_stale(inproc_cluster, relocated):
+    """A reply saying "moved to X" redirects the part only while the part is still placed on the
+    Aggregator that answered: once it was relocated elsewhere (failover, a newer redirect), the
+    old Aggregator's redirect would send it back to a stale place."""
+    from pslink.core.agent.keys import Link, PartRequest
+    from pslink.core.wire.protocol import Op
+
+    service, transports = inproc_cluster
+    with pslink.connect(f"stale-{relocated}", 0, 1, master=service.address, transports=transports) as agent:
+        agent.init("w", np.zeros(4, np.float32)).wait()
+        info = agent._keys["w"]
+        part = info.parts[0]
+        answered_by = part.aggregator
+        handle = agent._handles.new("pull", ["w"], None, 1)
+        link = Link(answered_by, part.address, None, 0.0)
+        request = PartRequest(handle, link, 0, None, None, False, Op.PULL, info, part, 0, None, None, 0)
+        rid = agent._requests.add(request)
+        if relocated:  # relocated while the request was out: where pMaster says it is now
+            part.move("agg-elsewhere", "inproc://agg-elsewhere")
+        agent.on_message(None, ({"op": Op.REPLY, "id": rid, "rnd": 0, "n": 1,
+                                 "moved": ["agg-target", "inproc://agg-target"]}, None, None), [])
+        handle.wait(5)
+        expected = ("agg-elsewhere", "inproc://agg-elsewhere") if relocated else ("agg-target", "inproc://agg-target")
+        assert part.where == expected

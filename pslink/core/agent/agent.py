@@ -39,7 +39,7 @@ from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
 from pslink.core.agent.handle import Handle, Handles
 from pslink.core.agent.iterations import Iterations
-from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartInfo, Seat, check_key
+from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartRequest, Seat, check_key
 from pslink.core.agent.master_link import MasterLink
 from pslink.core.agent.requests import Requests
 from pslink.core.agent.settings import job_config
@@ -420,13 +420,13 @@ class Agent:
             error = error_from_code(header["code"], header["msg"], header.get("details"))
         if isinstance(error, MovedError) and request.moves < MAX_MOVES:
             # The task migrated before this request got there: follow it, same round, same data.
-            self._moved(request.info.key, request.part, error.details)
+            self._moved(request, error.details)
             if request.op in STATE_OPS:
                 self._tasks.send_state(request.handle, request.op, request.info, request.part, request.array,
                                        request.moves + 1)
                 return
             self._sender.send_part(request.handle, request.op, request.info, request.part, request.round,
-                            request.payload, request.flat_out, request.average, request.moves + 1)
+                                   request.payload, request.flat_out, request.average, request.moves + 1)
             return
         if error is None:
             if request.op in STATE_OPS:
@@ -443,7 +443,7 @@ class Agent:
                 self._failover.rounds_lost_at(request.info.key, request.part.index, header["lost"])
             moved = get("moved")
             if moved:
-                self._moved(request.info.key, request.part, {"agg": moved[0], "address": moved[1]})
+                self._moved(request, {"agg": moved[0], "address": moved[1]})
             if request.average and not get("avg"):
                 # An Aggregator averages a synchronous sum itself, once for every worker, unless
                 # the sum comes through shared memory: then it is divided on its way in.
@@ -454,13 +454,16 @@ class Agent:
                     np.divide(request.array, n, out=request.array)
         self._handles.complete(request.handle, error)
 
-    def _moved(self, key, part: PartInfo, where: dict) -> None:
-        """A part's task lives elsewhere now (a migration: the pull that closed its last round here
-        said so, or a request that came after it)."""
+    def _moved(self, request: PartRequest, where: dict) -> None:
+        """The Aggregator ``request`` went to says its part lives elsewhere now (a migration: the
+        pull that closed its last round there said so, or a request that came after it). Taken
+        only while the part is still placed there: a redirect from an Aggregator the part has
+        been relocated away from since (failover, a newer redirect) is stale."""
         agg, address = where.get("agg"), where.get("address")
-        if isinstance(agg, str) and isinstance(address, str):
+        part = request.part
+        if isinstance(agg, str) and isinstance(address, str) and part.aggregator == request.link.name:
             if self._timeline is not None:
-                self._timeline.part_moved("migrated", key, part.index, part.aggregator, agg)
+                self._timeline.part_moved("migrated", request.info.key, part.index, part.aggregator, agg)
             part.move(agg, address)
 
     def on_close(self, conn, exc) -> None:
