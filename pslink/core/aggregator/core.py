@@ -241,9 +241,9 @@ class AggregatorCore:
         """Whether this push would only be added into its round's sum: a synchronous push into a
         round that has one already, from a rank not in it. Its payload may then be read where it
         arrived (a shared-memory ring, valid during :meth:`handle`) instead of from a copy."""
-        if (task.poisoned is not None or task.table is not None or task.moved_to is not None or task.incoming or task.rebase
-                or not task.initialized or task.job.sync == "asp" or (op != Op.PUSH and op != Op.PUSHPULL)
-                or round_no <= task.closed):
+        if (task.poisoned is not None or task.table is not None or task.moved_to is not None or task.incoming
+                or task.rebase or not task.initialized or task.job.sync == "asp"
+                or (op != Op.PUSH and op != Op.PUSHPULL) or round_no <= task.closed):
             return False
         round_ = task.rounds.get(round_no)
         return round_ is not None and round_.acc is not None and rank not in round_.contributors
@@ -321,7 +321,7 @@ class AggregatorCore:
         task.value = req.payload
         task.init_rank = req.rank
         replies = [Reply(req.origin, req.id, round=0)]
-        if task.job.checkpoint and task.job.mode == "optimizer":
+        if task.job.checkpoint and task.keeps_state:
             replies += self.moves.checkpoint(task)  # round 0: a part lost before its first checkpoint restarts here
         queued, task.before_init = task.before_init, []
         for waiting in queued:
@@ -381,7 +381,7 @@ class AggregatorCore:
         else:
             self.summer.add(round_.acc, req.payload)
         round_.contributors.add(rank)
-        task.job.pushed_bytes += task.nbytes if task.table is None else 0
+        task.count_push(req)
         return outputs + self._close_ready(task)
 
     def _push_async(self, task: Task, req: Request) -> list[Reply]:
@@ -405,7 +405,7 @@ class AggregatorCore:
             task.value = value
         else:
             self._apply(task, round_)
-        task.job.pushed_bytes += task.nbytes if task.table is None else 0
+        task.count_push(req)
         task.closed += 1
         task.last_n = 1
         task.rounds_closed += 1
@@ -469,8 +469,7 @@ class AggregatorCore:
             task.last_n = len(round_.contributors)
             task.rounds_closed += 1
             task.closed_epoch = task.job.membership.epoch
-            if task.job.checkpoint and nxt % task.job.checkpoint_every == 0 and (
-                    task.job.mode == "optimizer" or task.table is not None):  # the tasks that keep state
+            if task.job.checkpoint and nxt % task.job.checkpoint_every == 0 and task.keeps_state:
                 replies += self.moves.checkpoint(task)
             if task.replicas:
                 # Nothing of this round is answered before its replicas have it (replicated()).

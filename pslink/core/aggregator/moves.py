@@ -59,8 +59,9 @@ class Moves:
         Between rounds it is exactly the state the next step will use."""
         optimizer = task.job.optimizer
         if task.table is not None:
-            raise KeyStateError(f"{task.name}: a table's rows and row-optimizer state travel with its shard (migrations, "
-                                "replicas, the job's checkpoint option), not through optimizer_state()", key=task.key)
+            raise KeyStateError(f"{task.name}: a table's rows and row-optimizer state travel with its shard "
+                                "(migrations, replicas, the job's checkpoint option), not through optimizer_state()",
+                                key=task.key)
         if task.job.mode != "optimizer" or optimizer is None:
             why = f"it runs in {task.job.mode} mode" if task.job.mode != "optimizer" else "no optimizer is set"
             raise KeyStateError(f"{task.name}: job {task.job.job!r} keeps no optimizer state on the service ({why})",

@@ -49,11 +49,15 @@ class TableTask(Task):
 
     # -- rounds (the core calls these where a tensor's part adds and applies arrays) -----------------
 
+    keeps_state = True  # its rows, in any mode
+
+    def count_push(self, req: Request) -> None:
+        self.job.pushed_bytes += req.payload[0].nbytes + req.payload[1].nbytes  # what came, not what is held
+
     def add_push(self, round_: _Round, req: Request) -> None:
         if round_.acc is None:
             round_.acc = {}
         round_.acc[req.rank] = req.payload
-        self.job.pushed_bytes += req.payload[0].nbytes + req.payload[1].nbytes
 
     def apply_round(self, round_: _Round) -> None:
         pushes = [round_.acc[rank] for rank in sorted(round_.acc)] if round_.acc else []
@@ -67,7 +71,6 @@ class TableTask(Task):
 
     def apply_push(self, req: Request) -> None:
         ids, rows = req.payload
-        self.job.pushed_bytes += ids.nbytes + rows.nbytes
         self.table.apply(ids, rows, 1, self._job_optimizer())
 
     def _job_optimizer(self):

@@ -357,6 +357,16 @@ class Task:
     def describe(self) -> str:
         return f"shape {self.shape} {self.dtype_name}"
 
+    @property
+    def keeps_state(self) -> bool:
+        """Whether the task holds state between rounds (optimizer mode; a table's rows): what a
+        checkpoint writes. A sum-mode part's value is only its last round's sum."""
+        return self.job.mode == "optimizer"
+
+    def count_push(self, req: Request) -> None:
+        """Count a push's bytes for the job's metrics."""
+        self.job.pushed_bytes += self.nbytes
+
     def average(self) -> np.ndarray:
         """The last closed round's sum divided by its contributors, once per round: the same
         division each worker's Agent made of its own copy, so the same numbers."""
