@@ -65,6 +65,12 @@ def _batch(key, value, what: str) -> tuple[list, list]:
     return [_check_key(key)], [value]
 
 
+def _split(keys: list, values: list, chosen) -> tuple[list, list]:
+    """The keys (and their values) of a call that ``chosen(key, value)`` picks."""
+    picked = [(k, v) for k, v in zip(keys, values) if chosen(k, v)]
+    return [k for k, _ in picked], [v for _, v in picked]
+
+
 def _arrays(value, key, what: str) -> list:
     """The NDArrays of one key's value: one array, or one per device. A dense key's row_sparse
     gradient (an Embedding with ``sparse_grad``) is pushed dense: every row is stepped, the
@@ -180,9 +186,11 @@ class PSLinkKVStore(KVStore):
         """Declare keys; rank 0's values become their initial values. Call on every worker. A
         row_sparse value makes a row-sparse key (a table on the service: pslink.mxnet.sparse)."""
         keys, values = _batch(key, value, "init")
-        if any(sparse.is_row_sparse(v) for v in values):
-            self._init_row_sparse(keys, values)
-            return
+        if any(sparse.is_row_sparse(v) for v in values):  # those keys are tables; the others as below
+            self._init_row_sparse(*_split(keys, values, lambda k, v: sparse.is_row_sparse(v)))
+            keys, values = _split(keys, values, lambda k, v: not sparse.is_row_sparse(v))
+            if not keys:
+                return
         arrays = []
         for k, v in zip(keys, values):
             if k in self._keys or k in self._sparse:
@@ -228,9 +236,11 @@ class PSLinkKVStore(KVStore):
     def push(self, key, value, priority=0) -> None:
         """Add ``value`` (summed over its devices) to this worker's next round of each key."""
         keys, values = _batch(key, value, "push")
-        if any(k in self._sparse for k in keys):
-            self._push_row_sparse(keys, values)
-            return
+        if any(k in self._sparse for k in keys):  # row-sparse keys go to their tables; the others as below
+            self._push_row_sparse(*_split(keys, values, lambda k, v: k in self._sparse))
+            keys, values = _split(keys, values, lambda k, v: k not in self._sparse)
+            if not keys:
+                return
         arrays = [self._read(k, v, "push") for k, v in zip(keys, values)]
         self._before_push(keys)
         try:
@@ -403,15 +413,14 @@ class PSLinkKVStore(KVStore):
                 raise KVStoreError(f"pslink kvstore: duplicate init of key {k!r}", key=k)
         self._settle()
         for k, v in zip(keys, values):
-            array = _arrays(v, k, "init")[0] if not isinstance(v, mx.nd.NDArray) or v.stype == "default" else v
+            array = v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v  # one array, or a list of one
+            if not isinstance(array, mx.nd.NDArray):
+                raise KVStoreError(f"pslink kvstore: init of key {k!r} needs one NDArray, got {type(array).__name__}",
+                                   key=k)
             self._sparse[k] = self._call("init", [k], lambda: sparse.declare(self._agent, k, array))
         self._after_init(keys)
 
     def _push_row_sparse(self, keys: list, values: list) -> None:
-        dense = [k for k in keys if k not in self._sparse]
-        if dense:
-            raise KVStoreError(f"pslink kvstore: push keys {dense} apart from the row-sparse keys "
-                               f"{[k for k in keys if k in self._sparse]}")
         if self._optimizer is not None:
             self._optimizer._update_count(keys)
         for k, v in zip(keys, values):

@@ -113,3 +113,29 @@ def test_gluon_trains_a_row_sparse_weight_and_a_sparse_gradient_on_the_store(clu
         counts = np.bincount([1, 2, 2, 5, 5, 7, 7, 7], minlength=20)
         np.testing.assert_allclose(rows[:, 0], 1.0 - 2 * 0.5 * counts, rtol=1e-6)
         np.testing.assert_allclose(dense[:, 0], 1.0 - 2 * 0.5 * counts, rtol=1e-6)
+
+
+def test_one_call_may_hold_dense_and_row_sparse_keys_as_with_mxnets_store(cluster):
+    """init and push of a list mixing a dense key and a row-sparse one (a list of one value for
+    the row-sparse key, as MXNet accepts): each key goes its own way, as in MXNet's local store."""
+    service, transports = cluster
+    dense, rows = mx.nd.ones((3, 2)), initial()
+
+    def run(kv):
+        kv.set_optimizer(mx.optimizer.create("sgd", learning_rate=0.1))  # before init (the service's rule)
+        kv.init(["d", "r"], [dense, [rows]])
+        for step in range(2):
+            kv.push(["d", "r"], [mx.nd.full((3, 2), step + 1.0), gradient(0, step)])
+        d, r = mx.nd.zeros((3, 2)), mx.nd.sparse.zeros("row_sparse", SHAPE)
+        kv.pull("d", out=d)
+        kv.row_sparse_pull("r", out=r, row_ids=mx.nd.arange(SHAPE[0], dtype="int64"))
+        return d.asnumpy(), r.asnumpy()
+
+    expected = run(mx.kv.create("local"))
+    agent = pslink.connect("mixed", 0, 1, master=service.address, transports=transports, timeout=20)
+    try:
+        got = run(PSLinkKVStore(agent=agent))
+    finally:
+        agent.close()
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-6)
