@@ -104,9 +104,13 @@ def test_horovods_optimizer_gathers_sparse_gradients_and_sparse_adam_steps_as_on
         torch.manual_seed(5)
         return torch.nn.Embedding(VOCAB, DIM, sparse=True)
 
+    initial = build().weight.detach().clone()  # here: the worker threads would share torch's global generator
+
     def worker(rank):
         with pslink.connect("sparse-hvd", rank, WORKERS, master=service.address, transports=transports) as agent:
-            module = build()
+            module = torch.nn.Embedding(VOCAB, DIM, sparse=True)
+            with torch.no_grad():
+                module.weight.copy_(initial)
             optimizer = DistributedOptimizer(torch.optim.SparseAdam(module.parameters(), lr=0.1),
                                              named_parameters=module.named_parameters(), session=Session(agent))
             for step in range(STEPS):
