@@ -26,6 +26,10 @@ ENV_ALLOWED_UIDS = "PSLINK_ALLOWED_UIDS"
 ENV_SHM = "PSLINK_SHM"
 ENV_SHM_RING_MIB = "PSLINK_SHM_RING_MIB"
 ENV_SHM_WAIT_MS = "PSLINK_SHM_WAIT_MS"
+ENV_FUSION_BYTES = "PSLINK_FUSION_BYTES"
+ENV_FUSION_CYCLE_MS = "PSLINK_FUSION_CYCLE_MS"
+DEFAULT_FUSION_BYTES = 16 << 20
+DEFAULT_FUSION_CYCLE_MS = 1.0
 
 DEFAULT_MASTER = "tcp://127.0.0.1:7770"
 DEFAULT_TIMEOUT = 300.0
@@ -134,6 +138,26 @@ def resolve_connect(job, rank, num_workers, master, options: dict, known, enviro
     options["timeout"] = resolve_float(options.get("timeout"), "timeout", ENV_TIMEOUT, DEFAULT_TIMEOUT,
                                        environ=environ)
     return job, rank, num_workers, master, options
+
+
+def fusion_settings(fusion_bytes: int | None = None, cycle_ms: float | None = None,
+                    environ=os.environ) -> tuple[int, float]:
+    """An Agent's fusion (pslink.core.agent.requests): the most payload bytes one fused message
+    holds (``PSLINK_FUSION_BYTES``, default 16 MiB; 0 turns fusion off) and the longest a small
+    request waits for others to travel with (``PSLINK_FUSION_CYCLE_MS``, default 1 ms), as
+    Horovod's fusion threshold and cycle time. Returns (bytes, seconds)."""
+    if fusion_bytes is None:
+        raw = _env(ENV_FUSION_BYTES, environ)
+        fusion_bytes = DEFAULT_FUSION_BYTES if raw is None else resolve_int(None, "fusion_bytes", ENV_FUSION_BYTES, 0,
+                                                                            environ=environ)
+    elif isinstance(fusion_bytes, bool) or not isinstance(fusion_bytes, int) or fusion_bytes < 0:
+        raise ConfigError(f"fusion_bytes must be an integer >= 0 (0: no fusion), got {fusion_bytes!r}")
+    if cycle_ms is None:
+        cycle_ms = _number(ENV_FUSION_CYCLE_MS, float, "a number of milliseconds", 0, 10_000, environ)
+        cycle_ms = DEFAULT_FUSION_CYCLE_MS if cycle_ms is None else cycle_ms
+    elif isinstance(cycle_ms, bool) or not isinstance(cycle_ms, (int, float)) or not 0 <= cycle_ms <= 10_000:
+        raise ConfigError(f"fusion_cycle_ms must be a number of milliseconds in [0, 10000], got {cycle_ms!r}")
+    return fusion_bytes, cycle_ms / 1000
 
 
 # -- transports ------------------------------------------------------------------------------------

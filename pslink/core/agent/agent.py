@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pslink.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, resolve_token
+from pslink.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, fusion_settings, resolve_token
 from pslink.core import hosts
 from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
@@ -50,12 +50,13 @@ from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.faults import Faults
 from pslink.core.observe.timeline import Timeline
 from pslink.core.transport import DISCARD, Lent, Transports
+from pslink.core.wire.fusion import Unfused, fused_header, fused_message
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode
 from pslink.errors import ClosedError, MovedError, ProtocolError, PslinkError, error_from_code
 
 log = logging.getLogger("pslink.core.agent")
-_REPLY, _ERROR, _PONG, _STATE_GET = Op.REPLY, Op.ERROR, Op.PONG, Op.STATE_GET  # (and so is a member's lookup)
+_REPLY, _ERROR, _PONG, _STATE_GET, _FUSED = Op.REPLY, Op.ERROR, Op.PONG, Op.STATE_GET, Op.FUSED  # (and so is a member's lookup)
 
 
 class Agent:
@@ -85,6 +86,8 @@ class Agent:
         gradient_compression: dict | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         resend_timeout: float | None = None,
+        fusion_bytes: int | None = None,
+        fusion_cycle_ms: float | None = None,
         failover: bool = True,
         faults: Faults | None = None,
         peer_timeout: float = 10.0,
@@ -122,10 +125,12 @@ class Agent:
         # A request unanswered this long is sent again (same id; Aggregators apply it once).
         # Messages over TCP are not lost, so it is off unless faults are injected.
         resend_timeout = resend_timeout if resend_timeout is not None else (1.0 if self.faults else None)
+        fusion = fusion_settings(fusion_bytes, fusion_cycle_ms)  # small requests to one Aggregator travel together
         self._requests = Requests(self.seat, self.transports, self._reactor, self, limits, self._handles,
                                   connect_timeout=connect_timeout, peer_timeout=peer_timeout,
                                   probe_interval=probe_interval, resend_timeout=resend_timeout, faults=self.faults,
-                                  clock=clock)
+                                  clock=clock, fusion_bytes=fusion[0], fusion_cycle=fusion[1])
+        self._handles.before_wait = self._requests.flush
         self._iterations = Iterations(clock, self._timeline, self._lock)  # durations for pMaster; the timeline's steps
         self._master = MasterLink(self.seat, master, self.transports, self._reactor, limits, self._handles,
                                   connect_timeout=connect_timeout, timeout=timeout,
@@ -277,6 +282,12 @@ class Agent:
         self._sender.set_compression(params)
 
     @property
+    def fusion_bytes(self) -> int:
+        """The fusion threshold (0: off): the most payload one fused message holds; adapters that
+        fuse tensors themselves (DistributedOptimizer's buckets) use it too."""
+        return self._requests.fusion_bytes
+
+    @property
     def payload_bytes(self) -> int:
         """Payload bytes this worker's pushes sent so far (what compression saves shows here)."""
         return self._sender.payload_bytes
@@ -383,6 +394,26 @@ class Agent:
         except ProtocolError as exc:
             log.warning("agent %s: bad message from %s: %s", self.seat, conn.peer, exc)
             return (None, exc, None), DISCARD
+        if header["op"] is _FUSED:
+            try:
+                return fused_header(conn, header, sizes, self._reply_header)
+            except ProtocolError as exc:
+                log.warning("agent %s: bad message from %s: %s", self.seat, conn.peer, exc)
+                return (None, exc, None), DISCARD
+        return self._header(conn, header, sizes)
+
+    def _reply_header(self, conn, raw, sizes):
+        """One reply of a FUSED message (anything else in one is refused)."""
+        try:
+            header = decode(raw, sizes, self.limits)
+            if header["op"] is not _REPLY and header["op"] is not _ERROR:
+                raise ProtocolError(f"{header['op'].name} cannot travel in a FUSED reply")
+        except ProtocolError as exc:
+            log.warning("agent %s: bad message from %s: %s", self.seat, conn.peer, exc)
+            return (None, exc, None), DISCARD
+        return self._header(conn, header, sizes)
+
+    def _header(self, conn, header, sizes):
         if header["op"] is _REPLY and sizes:
             pending = self._requests.pending.get(header["id"])
             if pending is not None and pending.op is _STATE_GET:
@@ -406,11 +437,19 @@ class Agent:
         return (header, None, None), None
 
     def on_message(self, conn, state, payloads) -> None:
-        header, error, lend = state
+        if type(state) is Unfused:
+            fused_message(conn, state, payloads, self._message)
+        else:
+            self._message(conn, state, payloads)
         link = self._requests.by_conn.get(conn)
         if link is not None:
             link.last_heard = self.clock()
             link.ping_sent = None
+            if link.outbox:  # an answer came: what waited for one to fuse with goes now
+                self._requests.flush_link(link)
+
+    def _message(self, conn, state, payloads) -> None:
+        header, error, lend = state
         if header is None or header["op"] is _PONG:
             return
         request = self._requests.take(header["id"])

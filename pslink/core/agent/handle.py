@@ -119,6 +119,7 @@ class Handles:
         self.timeline = timeline
         # explain(handle) -> text: who a timed-out handle still waits for (the Agent asks its Aggregators)
         self.explain: Callable[[Handle], str] | None = None
+        self.before_wait: Callable[[], None] = lambda: None  # the Agent's: send what fusion holds
         self._lock = threading.Lock()
 
     def new(self, op: str, keys: list, result: Any, parts: int, round_: int = 0) -> Handle:
@@ -129,6 +130,7 @@ class Handles:
         return handle
 
     def wait(self, handle: Handle, timeout: float | None) -> None:
+        self.before_wait()  # requests held for fusion go now: this thread waits for their answers
         timeline = self.timeline
         started = timeline.now() if timeline is not None and timeline.active else None
         try:

@@ -82,7 +82,8 @@ class KeyInfo:
 class Link:
     """The connection to one Aggregator and the requests waiting on it."""
 
-    __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending", "error")
+    __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending", "error", "outbox", "outbox_bytes",
+                 "flush_due")
 
     def __init__(self, name: str, address: str, conn: Connection | None, now: float, error: str | None = None):
         self.name, self.address, self.conn = name, address, conn
@@ -90,6 +91,10 @@ class Link:
         self.last_heard = now
         self.ping_sent: float | None = None
         self.pending: set[int] = set()
+        # Small requests waiting to travel fused (pslink.core.agent.requests): (id, frames) each.
+        self.outbox: list[tuple[int, list]] = []
+        self.outbox_bytes = 0
+        self.flush_due = False  # a cycle timer will send the outbox
 
 
 class PartRequest:

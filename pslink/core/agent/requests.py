@@ -6,6 +6,14 @@ and has been quiet gets a PING; one that stays silent past ``peer_timeout`` fail
 with faults injected (``resend_timeout``), a request unanswered that long is sent again, with the
 same id (the Aggregator applies it once). A request that cannot be sent (its Aggregator is gone,
 maybe not noticed yet) is handed to ``on_lost``, the Agent's failover.
+
+Fusion (``fusion_bytes`` > 0): a small data request (below FUSE_BELOW) for an Aggregator that already
+owes this Agent an answer waits in the link's outbox, and the outbox travels as one FUSED
+message (pslink.core.wire.fusion) when it holds ``fusion_bytes`` or MAX_FUSED_ITEMS requests,
+when an answer comes on that link, when a thread waits for a handle, or ``fusion_cycle`` seconds
+after its first request, whichever comes first. A request to an Aggregator that owes nothing goes
+at once: fusion never delays a lone request, so the latency of one request in flight is as it was.
+Requests leave in the order they were made (a large one sends the outbox before it).
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from pslink.core.agent.keys import Link, PartRequest, Seat
 from pslink.core.faults import Faults
 from pslink.core.transport import Connection, Handler, Transports
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import Limits, Op, encode
+from pslink.core.wire.fusion import FUSE_BELOW, MAX_FUSED_ITEMS, fuse
+from pslink.core.wire.protocol import DATA_OPS, Limits, Op, encode
 from pslink.errors import PeerError, PslinkError
 
 log = logging.getLogger("pslink.core.agent")
@@ -35,7 +44,8 @@ class Requests:
 
     def __init__(self, seat: Seat, transports: Transports, reactor: Reactor, handler: Handler, limits: Limits,
                  handles: Handles, *, connect_timeout: float, peer_timeout: float, probe_interval: float,
-                 resend_timeout: float | None, faults: Faults | None, clock: Callable[[], float]):
+                 resend_timeout: float | None, faults: Faults | None, clock: Callable[[], float],
+                 fusion_bytes: int = 0, fusion_cycle: float = 0.001):
         self.seat = seat
         self.transports, self.reactor, self.handler, self.limits = transports, reactor, handler, limits
         self.handles = handles
@@ -50,6 +60,8 @@ class Requests:
         self.links: dict[str, Link] = {}
         self.by_conn: dict[Connection, Link] = {}
         self._link_lock = threading.Lock()
+        self.fusion_bytes, self.fusion_cycle = fusion_bytes, fusion_cycle
+        self._fuse_lock = threading.Lock()  # outboxes, and the order requests leave in
         self.on_lost: LostCallback = lambda link, error, rids: self.fail(rids, error)
         self.closed = False
         reactor.call_later(probe_interval, self._probe)
@@ -75,6 +87,7 @@ class Requests:
         """``conn`` closed: forget its link (returned, with the requests still waiting on it)."""
         link = self.by_conn.pop(conn, None)
         if link is not None:
+            self._drop_outbox(link)  # its requests are still pending: failover sends them elsewhere
             with self._link_lock:
                 if self.links.get(link.name) is link:
                     del self.links[link.name]
@@ -104,6 +117,25 @@ class Requests:
     def transmit(self, rid: int, request: PartRequest, frames: list) -> None:
         request.frames, request.sent = frames, self.clock()
         link = request.link
+        if self.fusion_bytes and link.conn is not None:
+            if request.nbytes < FUSE_BELOW and request.op in DATA_OPS and len(frames) <= 2:
+                self._fuse(link, rid, frames, request.nbytes)
+                return
+            with self._fuse_lock:  # what waits in the outbox leaves first
+                rids = [r for r, _ in link.outbox]
+                lost = self._send_outbox(link)
+                if lost is None:
+                    rids, lost = [rid], self._write(link, frames)
+                else:
+                    rids.append(rid)  # the link is gone: this one with them
+            if lost is not None:
+                self.on_lost(*lost, rids)
+            return
+        error = self._write(link, frames)
+        if error is not None:
+            self.on_lost(*error, [rid])
+
+    def _write(self, link: Link, frames: list) -> tuple[Link, PslinkError] | None:
         try:
             if link.conn is None:
                 raise PeerError(link.error or "not connected")
@@ -113,8 +145,61 @@ class Requests:
                 link.conn.send(frames)
         except PslinkError as exc:
             # The Aggregator is gone (maybe not noticed yet): ask where the part went.
-            self.on_lost(link, PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}"),
-                         [rid])
+            return link, PeerError(f"cannot reach aggregator {link.name} at {link.address}: {exc.message}")
+        return None
+
+    # -- fusion -----------------------------------------------------------------------------------
+
+    def _fuse(self, link: Link, rid: int, frames: list, nbytes: int) -> None:
+        with self._fuse_lock:
+            if not link.outbox and len(link.pending) <= 1:
+                # Nothing else of ours is in flight there, so no answer would send the outbox soon:
+                # a lone request goes at once.
+                lost = self._write(link, frames)
+                rids = [rid]
+            else:
+                link.outbox.append((rid, frames))
+                link.outbox_bytes += nbytes
+                if link.outbox_bytes < self.fusion_bytes and len(link.outbox) < MAX_FUSED_ITEMS:
+                    if not link.flush_due:
+                        link.flush_due = True
+                        self.reactor.call_later(self.fusion_cycle, self._cycle_ends, link)
+                    return
+                rids = [r for r, _ in link.outbox]
+                lost = self._send_outbox(link)
+        if lost is not None:
+            self.on_lost(*lost, rids)
+
+    def _send_outbox(self, link: Link) -> tuple[Link, PslinkError] | None:
+        """(Fuse lock held.) Send the link's outbox: one request as it is, more as one FUSED message."""
+        batch = link.outbox
+        if not batch:
+            return None
+        link.outbox, link.outbox_bytes = [], 0
+        return self._write(link, batch[0][1] if len(batch) == 1 else fuse([frames for _, frames in batch]))
+
+    def flush_link(self, link: Link) -> None:
+        """Send what waits in ``link``'s outbox now."""
+        with self._fuse_lock:
+            rids = [rid for rid, _ in link.outbox]
+            lost = self._send_outbox(link)
+        if lost is not None:
+            self.on_lost(*lost, rids)
+
+    def flush(self) -> None:
+        """Send every outbox now (a thread is about to wait for an answer)."""
+        for link in list(self.links.values()):
+            if link.outbox:
+                self.flush_link(link)
+
+    def _cycle_ends(self, link: Link) -> None:
+        link.flush_due = False
+        if link.outbox:
+            self.flush_link(link)
+
+    def _drop_outbox(self, link: Link) -> None:
+        with self._fuse_lock:
+            link.outbox, link.outbox_bytes = [], 0
 
     def fail(self, rids: list[int], error: PslinkError) -> None:
         for rid in rids:
@@ -160,6 +245,7 @@ class Requests:
         )
         log.error("%s", error)
         self.by_conn.pop(link.conn, None)
+        self._drop_outbox(link)
         with self._link_lock:
             if self.links.get(link.name) is link:
                 del self.links[link.name]

@@ -38,6 +38,7 @@ from pslink.core.tables import ID_DTYPE
 from pslink.core.wire.protocol import (DATA_OPS, DEFAULT_LIMITS, STATE_OPS, TABLE_OPS, Limits, Op, decode, encode,
                                         encode_error, peek_id)
 from pslink.core.transport.rpc import RpcPeer
+from pslink.core.wire.fusion import MAX_FUSED_ITEMS, Cork, Unfused, fused_header, fused_message
 from pslink.core.aggregator.copies import Arriving, Copies, Rejected
 from pslink.core.aggregator.master_link import MasterLink
 from pslink.core.aggregator.stalls import StallInspector, stall_threshold
@@ -104,8 +105,10 @@ class Aggregator:
         self.host_id = hosts.host_id()
         self.errors = 0  # bad messages and broken peers, reported to pMaster
         self.requests = 0
+        self.fused = 0  # requests that came in FUSED messages (counted in ``requests`` too)
         self.busy = 0.0  # CPU seconds spent on tasks: the load pMaster sees (spinning is not work)
         self._slowdown: tuple[float, bool] = (0.0, False)
+        self._cork: Cork | None = None  # while a FUSED request is handled: the replies to send fused
         self._busy_reported = (0.0, clock())
         self.connections: set[Connection] = set()
         self._last_message = clock()  # when the last message arrived: a copy waits for a quiet spell
@@ -165,7 +168,8 @@ class Aggregator:
         for job, count in self.stalls.counts.items():
             if job in jobs:
                 jobs[job]["stalls"] = count
-        return {"jobs": jobs, "errors": self.errors, "requests": self.requests, "costs": self.core.costs(),
+        return {"jobs": jobs, "errors": self.errors, "requests": self.requests, "fused": self.fused,
+                "costs": self.core.costs(),
                 "load": round(min(1.0, load), 4), "cycle": self.core.budget.describe() if self.core.budget else None,
                 "stalled": self.stalls.report(now)}
 
@@ -279,6 +283,44 @@ class Aggregator:
             self.errors += 1
             self._bad_log.warning(conn.peer, "bad", "aggregator %s: bad message from %s: %s", self.name, conn.peer, exc)
             return Rejected(peek_id(raw), exc), DISCARD
+        if header["op"] is Op.FUSED:
+            return self._fused_header(conn, header, sizes)
+        return self._header(conn, header, sizes)
+
+    def _fused_header(self, conn: Connection, header: dict, sizes: tuple[int, ...]):
+        """A FUSED message's items, each admitted as a message of its own: only data requests, and
+        all of one job (an Agent fuses only its own requests; anything else is refused item by item)."""
+        jobs: list[str] = []
+
+        def item(conn: Connection, raw: bytes, item_sizes: tuple[int, ...]):
+            try:
+                header = decode(raw, item_sizes, self.limits)
+            except ProtocolError as exc:
+                self.errors += 1
+                return Rejected(peek_id(raw), exc), DISCARD
+            if header["op"] not in DATA_OPS:
+                return Rejected(header.get("id", 0), ProtocolError(
+                    f"{header['op'].name} cannot travel in a FUSED message (data requests only)")), DISCARD
+            if not jobs:
+                jobs.append(header["job"])
+            elif header["job"] != jobs[0]:
+                return Rejected(header["id"], ProtocolError(
+                    f"a FUSED message carries requests of jobs {jobs[0]!r} and {header['job']!r}; one job per "
+                    "message")), DISCARD
+            return self._header(conn, header, item_sizes)
+
+        try:
+            unfused = fused_header(conn, header, sizes, item)
+            self.fused += len(unfused[0].items)
+            self.requests += len(unfused[0].items) - 1
+            return unfused
+        except ProtocolError as exc:
+            self.errors += 1
+            self._bad_log.warning(conn.peer, "bad", "aggregator %s: bad message from %s: %s", self.name, conn.peer, exc)
+            raws = [raw for raw in header["items"] if type(raw) is bytes][:MAX_FUSED_ITEMS]
+            return Unfused([(Rejected(peek_id(raw), exc), 0) for raw in raws]), DISCARD
+
+    def _header(self, conn: Connection, header: dict, sizes: tuple[int, ...]):
         op = header["op"]
         if op in DATA_OPS:
             try:
@@ -328,6 +370,18 @@ class Aggregator:
         return Rejected(header["id"], error), DISCARD
 
     def on_message(self, conn: Connection, state: Any, payloads: list) -> None:
+        if type(state) is Unfused:
+            # Replies made while handling the items go back fused too (those small enough).
+            cork = self._cork = Cork()
+            try:
+                fused_message(conn, state, payloads, self._message)
+            finally:
+                self._cork = None
+                cork.release_all(self._send)
+            return
+        self._message(conn, state, payloads)
+
+    def _message(self, conn: Connection, state: Any, payloads: list) -> None:
         if isinstance(state, Rejected):
             self._send(conn, [encode_error(state.request_id, state.error)])
             return
@@ -424,6 +478,11 @@ class Aggregator:
         self._send_all(self.core.close_due(task, round_))
 
     def _send(self, conn: Connection, frames) -> None:
+        cork = self._cork
+        if cork is not None:
+            if cork.add(conn, frames):
+                return
+            cork.release(conn, self._send)  # what is held for conn goes first
         try:
             if self.faults is not None:
                 self.faults.send(conn, frames)

@@ -16,7 +16,7 @@ import threading
 from typing import Sequence
 
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, frame_limit
 from pslink.core.transport.base import DISCARD, Connection, Handler, Listener, Transport
 from pslink.errors import PeerError, ProtocolError
 
@@ -54,7 +54,7 @@ class InprocConnection(Connection):
         sizes = tuple(len(p) for p in payloads)
         limits = self.limits
         if (
-            len(sizes) > limits.max_frames
+            len(sizes) > frame_limit(limits)
             or len(header) > limits.max_header_bytes
             or sum(sizes) > limits.max_message_bytes
         ):

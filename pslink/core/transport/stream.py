@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from pslink.core.transport.base import DISCARD, Connection, Handler, Lent
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import Limits
+from pslink.core.wire.protocol import Limits, frame_limit
 from pslink.core.transport.framing import (
     _FD_SPACE,
     _LOCATION,
@@ -374,10 +374,10 @@ class TcpConnection(Connection):
                     raise ProtocolError(f"bad frame from {self.peer}: a ring frame with {nframes} payloads "
                                         f"and a header of {hlen} bytes")
                 self._framing = version
-                if nframes > self.limits.max_frames:
+                if nframes > frame_limit(self.limits):
                     raise ProtocolError(
                         f"bad frame from {self.peer}: {nframes} payloads exceed the limit of "
-                        f"{self.limits.max_frames}"
+                        f"{frame_limit(self.limits)}"
                     )
                 if hlen > self.limits.max_header_bytes:
                     raise ProtocolError(

@@ -26,7 +26,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, frame_limit
 from pslink.core.transport import curve
 from pslink.core.transport.base import DISCARD, Connection, Handler, Listener, Transport
 from pslink.core.transport.options import TransportOptions
@@ -75,7 +75,7 @@ class _ZmqConnectionBase(Connection):
         sizes = tuple(v.nbytes for v in views)
         limits = self.limits
         if (
-            len(sizes) > limits.max_frames
+            len(sizes) > frame_limit(limits)
             or len(header) > limits.max_header_bytes
             or sum(sizes) > limits.max_message_bytes
         ):

@@ -79,12 +79,17 @@ class Op(enum.IntEnum):
     POOL = 41  # CLI -> pMaster: add or remove Aggregators
     DELETE_KEYS = 43  # Agent -> pMaster: forget these keys of the job (their tasks and replicas go)
     DROP_KEYS = 44  # pMaster -> Aggregator: drop the tasks and replicas of these keys of a job
+    # data path, both ways: small requests bound for one Aggregator (or their replies) in one
+    # message; ``items`` are their headers as each would travel alone, ``np`` how many of the
+    # payload frames that follow belong to each (pslink.core.wire.fusion)
+    FUSED = 45
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
 TABLE_OPS = frozenset({Op.TABLE_PUSH, Op.TABLE_PULL, Op.TABLE_PUSHPULL, Op.TABLE_INIT})
 STATE_OPS = frozenset({Op.STATE_GET, Op.STATE_SET, Op.JOIN, Op.WAITING})  # about a task, not its rounds
 MAX_STATE_ARRAYS = 8  # per part; a frame each, every one of the part's size (momentum, moments)
+MAX_FUSED_FRAMES = 128  # payload frames of one FUSED message (its items' payloads, one each at most)
 
 # The dtypes a tensor may have on the wire. Always little-endian.
 DTYPES: dict[str, np.dtype] = {
@@ -126,6 +131,12 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def frame_limit(limits: Limits) -> int:
+    """The most payload frames a transport lets a message carry: a FUSED one may carry more than
+    ``max_frames`` (its items' payloads); :func:`decode` holds every other op to ``max_frames``."""
+    return max(limits.max_frames, MAX_FUSED_FRAMES)
 
 
 def dtype_of(name: str) -> np.dtype:
@@ -337,6 +348,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.COPY_REPLICA: Schema({"id": _uint, "job": _small_str, "key": _key, "part": _uint, "target": _list}),
     # action "add" (with count) or "remove" (with agg); pMaster checks which needs what
     Op.POOL: Schema({"id": _uint, "action": _small_str}, {"count": _uint, "agg": _small_str, "cred": _small_str}),
+    Op.FUSED: Schema({"items": _list, "np": _list}, payloads=tuple(range(0, MAX_FUSED_FRAMES + 1))),
 }
 
 
@@ -414,7 +426,7 @@ def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMI
         raise ProtocolError(
             f"header of {len(raw)} bytes exceeds the limit of {limits.max_header_bytes}"
         )
-    if len(payload_sizes) > limits.max_frames:
+    if len(payload_sizes) > frame_limit(limits):
         raise ProtocolError(
             f"message has {len(payload_sizes)} payload frames; the limit is {limits.max_frames}"
         )
@@ -438,6 +450,8 @@ def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMI
     if op is None:
         raise ProtocolError(f"unknown op {op_code!r}")
     header["op"] = op
+    if len(payload_sizes) > limits.max_frames and op is not Op.FUSED:
+        raise ProtocolError(f"{op.name} has {len(payload_sizes)} payload frames; the limit is {limits.max_frames}")
     if op is _REPLY and len(payload_sizes) <= 1 and _plain_reply(header):
         return header  # the answer to every push and pull: checked inline, as data headers are
     schema = SCHEMAS[op]
