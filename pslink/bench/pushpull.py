@@ -9,6 +9,9 @@ With 2 workers, pushpull runs as one 2-worker job (every round sums both workers
 run as two 1-worker jobs side by side (two clients loading one Aggregator), because a push-only
 loop in one BSP job would let the faster worker run rounds ahead without bound.
 
+``--many-keys``: 500 tensors of 1-64 KiB per step, a training step against DDP over gloo (see
+:mod:`pslink.bench.many_keys`).
+
 The anchor is the C++ ps-lite measured on this kind of machine (1 server, 1 worker, 4 in flight,
 ZPushPull value MB/s): 75 / 819 / 1030 / 467 for 4K / 256K / 4M / 64M, and 138 us at 4 KiB with
 1 in flight. The last line printed is JSON with every figure.
@@ -160,6 +163,11 @@ def rows_of(plan: list, measured: dict, workers: int, raw_stream: float) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--many-keys" in argv:  # 500 small tensors per step against DDP over gloo: pslink.bench.many_keys
+        from pslink.bench import many_keys
+
+        return many_keys.main([a for a in argv if a != "--many-keys"])
     parser = argparse.ArgumentParser(prog="pslink bench pushpull", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4K,256K,4M,64M", help="value sizes (comma separated)")
     parser.add_argument("--workers", default="1,2", help="worker counts to run")

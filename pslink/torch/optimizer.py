@@ -1,5 +1,6 @@
-"""``DistributedOptimizer``: push-pull each gradient by parameter name as soon as backward has
-produced it, and let ``step()`` wait for the averages before the wrapped optimizer steps."""
+"""``DistributedOptimizer``: push-pull each gradient by parameter name (small ones fused into
+buckets: pslink.torch.fusion) as soon as backward has produced it, and let ``step()`` wait for the
+averages before the wrapped optimizer steps."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from pslink.core.collectives import service_key
 from pslink.errors import ConfigError, PslinkError
+from pslink.torch.fusion import Bucket, plan
 from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, reduce_op
 from pslink.torch.tensors import StagingPool, explain_mismatch
 
@@ -21,7 +23,7 @@ class _GradientSync:
 
     def __init__(self, optimizer: torch.optim.Optimizer, session: Session, named_parameters, compression,
                  backward_passes_per_step: int, op: ReduceOp, gradient_predivide_factor: float,
-                 sparse_as_dense: bool = False):
+                 sparse_as_dense: bool = False, groups=None, num_groups: int = 0):
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
                 or backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
@@ -36,8 +38,14 @@ class _GradientSync:
         self.predivide = float(gradient_predivide_factor)
         self.names = _parameter_names(optimizer, named_parameters)
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        self.delay = {p: self.passes for p in self.params}
+        # Keyed by id(param): a tensor's __hash__ is a Python call, and the hooks run 2 per parameter a step.
+        self.delay = {id(p): self.passes for p in self.params}
         self.works: dict[torch.Tensor, tuple[Work, torch.Tensor]] = {}
+        self.buckets = plan(self.params, self.names, session.agent.fusion_bytes, groups, num_groups)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for bucket in self.buckets:
+            bucket.attach()
+        self.bucket_works: list[tuple[Work, Bucket]] = []
         self.sparse_as_dense = sparse_as_dense
         self.sparse: set[torch.Tensor] = set()  # params whose sparse gradient is gathered at synchronize()
         self.staging = StagingPool()
@@ -49,30 +57,44 @@ class _GradientSync:
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         """On the autograd thread, once ``param.grad`` holds this backward pass's gradient."""
-        if param not in self.delay:
+        ident = id(param)
+        left = self.delay.get(ident)
+        if left is None:
             return
-        left = self.delay[param] - 1
+        left -= 1
         if left < 0:
             raise RuntimeError(
                 f"the gradient of {self.names[param]!r} was computed more than backward_passes_per_step="
                 f"{self.passes} times before step(); raise backward_passes_per_step or call step() "
                 "(or synchronize()) after each backward"
             )
-        self.delay[param] = left
+        self.delay[ident] = left
         if left == 0:
             if param.grad.is_sparse and not self.sparse_as_dense:
                 self.sparse.add(param)  # gathered in synchronize(), in parameter order on every rank
+                self.fill(param, None)  # zeros in its bucket's place, on every rank alike
+            elif ident in self.bucket_of:
+                self.fill(param, param.grad.to_dense() if param.grad.is_sparse else param.grad)
             else:
                 self.works[param] = self.push(param, param.grad)
+
+    def fill(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Into its bucket (if it has one), which is push-pulled once it is full."""
+        bucket = self.bucket_of.get(id(param))
+        if bucket is not None and bucket.fill(param, grad):
+            self.bucket_works.append((self.start(bucket.key, bucket.describe(), bucket.flat)[0], bucket))
 
     def push(self, param: torch.Tensor, grad: torch.Tensor) -> tuple[Work, torch.Tensor]:
         """Start averaging ``grad`` (param's gradient, or zeros while joined) over the ranks."""
         name = self.names[param]
         key = service_key("grad", name)
-        what = f"the gradient of parameter {name!r} (key {key!r}, shape {tuple(grad.shape)})"
         if grad.is_sparse:
             grad = grad.to_dense()
             param.grad = grad
+        return self.start(key, f"the gradient of parameter {name!r} (key {key!r}, shape {tuple(grad.shape)})", grad)
+
+    def start(self, key: str, what: str, grad: torch.Tensor) -> tuple[Work, torch.Tensor]:
+        """Push-pull ``grad`` under ``key``; the Work leaves the average in ``grad``."""
         grad = grad.detach()
         if self.predivide != 1.0:
             grad.mul_(1.0 / self.predivide)
@@ -98,7 +120,11 @@ class _GradientSync:
         """Push what backward did not (unused parameters, fewer passes than configured), then
         wait for every average; ``param.grad`` holds it afterwards."""
         for param in self.params:
-            if param not in self.works and param not in self.sparse:
+            bucket = self.bucket_of.get(id(param))
+            if bucket is not None:
+                if id(param) in bucket.waiting:
+                    self.fill(param, param.grad)  # None (unused): zeros
+            elif param not in self.works and param not in self.sparse:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 self.works[param] = self.push(param, param.grad)
@@ -106,14 +132,28 @@ class _GradientSync:
         try:
             for work, _ in self.works.values():
                 work.wait(self.session.timeout)
+            for work, bucket in self.bucket_works:
+                work.wait(self.session.timeout)
+                bucket.scatter(self.sparse)
             join.wait(self.session.timeout)
             for param in [p for p in self.params if p in self.sparse]:
                 param.grad = self._gather_sparse(param, param.grad)
         finally:
-            self.works.clear()
-            self.sparse.clear()
-            self.delay = {p: self.passes for p in self.params}
+            self.forget()
         self.synchronized = True
+
+    def busy(self) -> bool:
+        """Gradients of this backward are being averaged (or wait in a bucket that is not full)."""
+        return bool(self.works or self.bucket_works) or any(len(b.waiting) < len(b.params) for b in self.buckets)
+
+    def forget(self) -> None:
+        """Nothing in flight: the next backward starts afresh."""
+        self.works.clear()
+        self.sparse.clear()
+        self.bucket_works.clear()
+        for bucket in self.buckets:
+            bucket.reset()
+        self.delay = {id(p): self.passes for p in self.params}
 
     def _gather_sparse(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """A sparse gradient (an ``nn.Embedding(sparse=True)``'s) over the ranks, as Horovod's
@@ -134,16 +174,18 @@ class _GradientSync:
 
     def contribute_zeros(self) -> None:
         """While this rank is joined: one step's worth of zero gradients, as the others step."""
-        pending = [self.push(param, torch.zeros_like(param))[0] for param in self.params]
+        pending = [self.push(param, torch.zeros_like(param))[0] for param in self.params
+                   if id(param) not in self.bucket_of]
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+            pending.append(self.start(bucket.key, bucket.describe(), bucket.flat)[0])
         for work in pending:
             work.wait(self.session.timeout)
 
     def abandon(self) -> None:
         """Forget the gradients in flight (elastic recovery: the round they were in was given
         up, and the state goes back to its last commit); the next backward starts afresh."""
-        self.works.clear()
-        self.sparse.clear()
-        self.delay = {p: self.passes for p in self.params}
+        self.forget()
         self.synchronized = False
 
     def remove_hooks(self) -> None:
@@ -187,10 +229,10 @@ def _distributed_class(base: type) -> type:
     each step: a subclass, so the result still is, say, an SGD (Horovod's promise)."""
 
     def __init__(self, params, session: Session, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, sparse_as_dense):
+                 gradient_predivide_factor, sparse_as_dense, groups=None, num_groups=0):
         base.__init__(self, params)
         self._pslink = _GradientSync(self, session, named_parameters, compression, backward_passes_per_step, op,
-                                     gradient_predivide_factor, sparse_as_dense)
+                                     gradient_predivide_factor, sparse_as_dense, groups, num_groups)
 
     def synchronize(self) -> None:
         """Wait until every gradient holds its average over the ranks."""
@@ -207,18 +249,33 @@ def _distributed_class(base: type) -> type:
 
     def step(self, closure=None):
         sync = self._pslink
-        if not sync.skip and not (sync.synchronized and not sync.works):
+        if not sync.skip and not (sync.synchronized and not sync.busy()):
             sync.synchronize()
         sync.synchronized = False
         return base.step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._pslink.works:
+        if self._pslink.busy():
             raise RuntimeError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(): the gradients are still being averaged"
             )
-        base.zero_grad(self, set_to_none)
+        buckets = self._pslink.buckets
+        if not buckets:
+            base.zero_grad(self, set_to_none)
+            return
+        # Gradients in buckets are zeroed in place (they are views of the buckets); the rest as asked.
+        bucketed = self._pslink.bucket_of
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and id(param) not in bucketed:
+                    if set_to_none:
+                        param.grad = None
+                    else:
+                        param.grad.detach_()
+                        param.grad.zero_()
+        for bucket in buckets:
+            bucket.zero()
 
     return type(base.__name__, (base,), {"__init__": __init__, "synchronize": synchronize,
                                          "skip_synchronize": skip_synchronize, "step": step, "zero_grad": zero_grad,
@@ -231,12 +288,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          sparse_as_dense: bool = False, *, session: Session | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged (``op=Average``) or summed over the ranks.
 
-    Each gradient is push-pulled under its parameter's name as soon as backward produced it;
-    ``step()`` waits for them, then steps. ``backward_passes_per_step`` accumulates that many
-    backward passes locally first. A sparse gradient (``nn.Embedding(sparse=True)``) is gathered
-    from every rank at ``step()`` as Horovod's sparse all-reduce does (``sparse_as_dense``: sent
-    dense instead). ``num_groups`` and ``groups`` are accepted for Horovod compatibility: every
-    gradient is its own key. The result is an instance of a subclass of the optimizer's class.
+    Each gradient is push-pulled under its parameter's name as soon as backward produced it, the
+    small ones fused into buckets (pslink.torch.fusion: by the fusion threshold,
+    ``PSLINK_FUSION_BYTES``; or as Horovod's ``groups`` / ``num_groups`` say); ``step()`` waits
+    for them, then steps. ``backward_passes_per_step`` accumulates that many backward passes
+    locally first. A sparse gradient (``nn.Embedding(sparse=True)``) is gathered from every rank
+    at ``step()`` as Horovod's sparse all-reduce does (``sparse_as_dense``: sent dense instead).
+    The result is an instance of a subclass of the optimizer's class.
     """
     if session is None:
         from pslink.torch.horovod import current_session
@@ -245,4 +303,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     op = reduce_op(op)
     cls = _distributed_class(optimizer.__class__)
     return cls(optimizer.param_groups, session, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense)
+               gradient_predivide_factor, sparse_as_dense, groups, num_groups)

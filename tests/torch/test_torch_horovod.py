@@ -226,6 +226,37 @@ def test_distributed_optimizer_equals_one_process_on_the_combined_batch(service)
             torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
 
 
+def test_fused_gradients_train_bit_for_bit_as_unfused_ones(service):
+    """Buckets (the default: the model's small gradients in one), Horovod's explicit groups and
+    num_groups, and no fusion at all (groups=[]) give the same weights, bit for bit (2 ranks: a
+    sum of two is the same in either order); a parameter backward never reaches (its gradient
+    None) counts as zeros in each."""
+    def body(s):
+        results = {}
+        for name, options in (("none", {"groups": []}), ("auto", {}), ("num_groups", {"num_groups": 2}),
+                              ("groups", {"groups": "weights"})):
+            model = make_model()
+            model.unused = torch.nn.Parameter(torch.ones(5))
+            if options.get("groups") == "weights":
+                options = {"groups": [[model[0].weight, model[2].weight]]}
+            optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                             named_parameters=model.named_parameters(), session=s, **options)
+            buckets = len(optimizer._pslink.buckets)
+            for step in range(4):
+                optimizer.zero_grad()
+                loss_of(model, *data(step, s.rank)).backward()
+                optimizer.step()
+            results[name] = (buckets, [p.detach().clone() for p in model.parameters()])
+        return results
+
+    for results in on_ranks(service, 2, body):
+        assert {name: buckets for name, (buckets, _) in results.items()} == \
+            {"none": 0, "auto": 1, "num_groups": 2, "groups": 1}
+        for name in ("auto", "num_groups", "groups"):
+            for a, b in zip(results[name][1], results["none"][1], strict=True):
+                assert torch.equal(a, b), name
+
+
 def test_backward_passes_per_step_sum_op_and_predivide(service):
     def body(s):
         model = make_model()
@@ -335,9 +366,19 @@ def test_without_named_parameters_gradients_are_keyed_by_position_with_a_warning
             optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), session=s)
         loss_of(model, *data(0, 0)).backward()
         optimizer.step()
-        return [s.agent.key_info(f"grad/noname.0.{i}")["shape"] for i in range(4)]
+        # Its four small gradients travel fused, in one bucket named by their positions ...
+        [bucket] = optimizer._pslink.buckets
+        fused = (bucket.names, s.agent.key_info(bucket.key)["shape"])
+        # ... and each under its own key when no fusion is asked for (explicit groups, none).
+        with pytest.warns(UserWarning, match="named_parameters"):
+            optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=[], session=s)
+        loss_of(model, *data(1, 0)).backward()
+        optimizer.step()
+        return fused, [s.agent.key_info(f"grad/noname.0.{i}")["shape"] for i in range(4)]
 
-    assert on_ranks(service, 1, body) == [[(16, 6), (16,), (3, 16), (3,)]]
+    [(fused, alone)] = on_ranks(service, 1, body)
+    assert fused == (["noname.0.3", "noname.0.2", "noname.0.1", "noname.0.0"], (3 + 48 + 16 + 96,))
+    assert alone == [(16, 6), (16,), (3, 16), (3,)]
 
 
 def test_join_mirrors_the_remaining_steps_with_zero_gradients(service):
