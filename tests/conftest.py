@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from pslink.core.transport import Transports
-from tests.helpers import start_cluster
+from tests.helpers import serving
 
 
 @pytest.fixture(scope="module")
 def inproc_cluster():
     """(service, transports): pMaster and two Aggregators on threads, over in-process transports,
     for every test of a module."""
-    transports = Transports()
-    service = start_cluster("inproc", aggregators=2, transports=transports)
-    yield service, transports
-    service.stop()
-    transports.close()
+    yield from serving("inproc")
+
+
+@pytest.fixture(scope="module")
+def tcp_cluster():
+    """(service, transports): pMaster and two Aggregators on threads, over TCP, for every test of
+    a module."""
+    yield from serving("tcp")

@@ -29,6 +29,15 @@ def start_cluster(kind: str, aggregators: int = 2, transports: Transports | None
     ).start()
 
 
+def serving(kind: str, aggregators: int = 2):
+    """A fixture's body: (service, transports) of a cluster of ``kind``, stopped afterwards."""
+    transports = Transports()
+    service = start_cluster(kind, aggregators=aggregators, transports=transports)
+    yield service, transports
+    service.stop()
+    transports.close()
+
+
 def run_workers(count: int, fn, timeout: float = 60.0) -> list:
     """Run ``fn(rank)`` on ``count`` threads; return the results or raise the first failure."""
     results: list = [None] * count

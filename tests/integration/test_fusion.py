@@ -17,12 +17,8 @@ from tests.helpers import RawClient, run_workers, start_cluster
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    transports = Transports()
-    service = start_cluster("tcp", aggregators=2, transports=transports)
-    yield service, transports
-    service.stop()
-    transports.close()
+def cluster(tcp_cluster):
+    return tcp_cluster
 
 
 def fused_count(service) -> int:

@@ -7,8 +7,7 @@ import pytest
 
 import pslink
 from pslink.errors import ConfigError, KeyStateError, ShapeMismatchError
-from tests.helpers import start_cluster
-from pslink.core.transport import Transports
+from tests.helpers import serving
 
 SETTINGS = {
     "sgd": {"type": "sgd", "lr": 0.05, "momentum": 0.9},
@@ -18,11 +17,7 @@ SETTINGS = {
 
 @pytest.fixture
 def cluster():
-    transports = Transports()
-    service = start_cluster("tcp", aggregators=2, transports=transports)
-    yield service, transports
-    service.stop()
-    transports.close()
+    yield from serving("tcp")
 
 
 def gradient(step: int) -> np.ndarray:
