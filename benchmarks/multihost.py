@@ -9,7 +9,8 @@ one run, alternating the variants ``--repeats`` times:
 - **raw TCP**: one Python socket stream A -> B for ``--seconds`` (no pslink code): what the link
   carries;
 - **pushpull**: one worker on A, pMaster and its one Aggregator on B; value MB/s seen by the
-  worker for 4 MiB and 64 MiB pushpulls, 4 in flight (as ps-lite's benchmark runs). A pushpull
+  worker for 4 MiB and 64 MiB pushpulls, 4 in flight (as ps-lite's benchmark runs; ``--inflight``,
+  and ``--unfused`` for the same with fusion off, alternating). A pushpull
   sends its value and receives the sum, so a full-duplex link could carry it at the raw rate:
   the target is >= 0.8 of raw TCP at 4 MiB;
 - **DDP**: 2 workers, rank 0 on A and rank 1 on B, training the MLP of ``benchmarks/torch_ddp.py``;
@@ -75,7 +76,7 @@ def role_pushpull(args) -> None:
     import pslink
     from pslink.bench.pushpull import run_ops
 
-    size, inflight = parse_size(args.size), 4
+    size, inflight = parse_size(args.size), args.inflight
     with pslink.connect(args.job, 0, 1, master=args.master, timeout=300.0) as agent:
         keys = [f"v{i}" for i in range(inflight)]
         arrays = [np.random.default_rng(i).standard_normal(size // 4).astype(np.float32) for i in range(inflight)]
@@ -142,9 +143,12 @@ def measure_raw(hosts, seconds: float) -> float:
     return _last_json(_finish(receiver, 60, "the raw receiver"))["MBps"]
 
 
-def measure_pushpull(hosts, master: str, size: str, seconds: float, index: int) -> float:
+def measure_pushpull(hosts, master: str, size: str, seconds: float, index: int, fused: bool = True,
+                     inflight: int = 4) -> float:
     worker = _start(hosts, "A", [PYTHON, __file__, "--role", "pushpull", "--master", master, "--size", size,
-                                 "--seconds", str(seconds), "--job", f"pushpull-{size}-{index}"])
+                                 "--seconds", str(seconds), "--job", f"pushpull-{size}-{index}-{int(fused)}",
+                                 "--inflight", str(inflight)],
+                    env=None if fused else {"PSLINK_FUSION_BYTES": "0"})
     return _last_json(_finish(worker, seconds * 20 + 120, f"the {size} pushpull worker"))["MBps"]
 
 
@@ -172,6 +176,7 @@ def measure_ddp(hosts, master: str, variant: str, args, index: int) -> float:
 
 def run_rate(rate: str, args) -> dict:
     figures: dict = {"rate": rate, "raw_MBps": [], "pushpull_MBps": {s: [] for s in args.sizes},
+                     "unfused_pushpull_MBps": {s: [] for s in args.sizes} if args.unfused else {},
                      "ddp_ms": {v: [] for v in ("alone", "gloo", "pslink")}}
     with netns.VirtualHosts(["A", "B"]) as hosts:
         for host in ("A", "B"):
@@ -184,9 +189,16 @@ def run_rate(rate: str, args) -> dict:
         for index in range(args.repeats):
             figures["raw_MBps"].append(measure_raw(hosts, args.seconds))
             for size in args.sizes:
-                figures["pushpull_MBps"][size].append(measure_pushpull(hosts, master_b, size, args.seconds, index))
+                figures["pushpull_MBps"][size].append(measure_pushpull(hosts, master_b, size, args.seconds, index,
+                                                                       inflight=args.inflight))
+                if args.unfused:  # the same with fusion off (PSLINK_FUSION_BYTES=0), alternating
+                    figures["unfused_pushpull_MBps"][size].append(
+                        measure_pushpull(hosts, master_b, size, args.seconds, index, fused=False,
+                                         inflight=args.inflight))
             print(f"  {rate} run {index + 1}: raw {figures['raw_MBps'][-1]:.0f} MB/s, pushpull "
-                  + ", ".join(f"{s} {figures['pushpull_MBps'][s][-1]:.0f} MB/s" for s in args.sizes), flush=True)
+                  + ", ".join(f"{s} {figures['pushpull_MBps'][s][-1]:.0f} MB/s" for s in args.sizes)
+                  + "".join(f", unfused {s} {figures['unfused_pushpull_MBps'][s][-1]:.0f} MB/s"
+                            for s in figures["unfused_pushpull_MBps"]), flush=True)
         service.terminate()
         _finish(service, 30, "the pushpull service")
         if args.no_ddp:
@@ -224,6 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating")
     parser.add_argument("--partition", default="1M", help="the DDP job's partition size (PSLINK_PARTITION_BYTES)")
     parser.add_argument("--no-ddp", action="store_true", help="raw TCP and pushpull only")
+    parser.add_argument("--unfused", action="store_true", help="also each pushpull size with fusion off")
+    parser.add_argument("--inflight", type=int, default=4, help="pushpulls in flight (one key each)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 s cases, H=512, 3 steps, 1 repeat")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--bind", help=argparse.SUPPRESS)
@@ -264,6 +278,9 @@ def main(argv=None) -> int:
             row[f"pushpull_{size}_MBps"] = round(mbps, 1)
             row[f"pushpull_{size}_vs_raw"] = round(mbps / raw_mbps, 3)
             line += f"{mbps:13.0f} {mbps / raw_mbps:6.2f} "
+        for size, runs in figures["unfused_pushpull_MBps"].items():
+            row[f"unfused_pushpull_{size}_MBps"] = round(statistics.median(runs), 1)
+            row[f"fused_over_unfused_{size}"] = round(row[f"pushpull_{size}_MBps"] / statistics.median(runs), 3)
         if not args.no_ddp:
             step = {v: statistics.median(figures["ddp_ms"][v]) for v in ("alone", "gloo", "pslink")}
             row.update({f"ddp_{v}_ms": round(ms, 2) for v, ms in step.items()})
@@ -274,6 +291,10 @@ def main(argv=None) -> int:
         print(line)
         summary.append(row)
     for row in summary:
+        for size in args.sizes:
+            if f"fused_over_unfused_{size}" in row:
+                print(f"{row['rate']}: pushpull {size} with fusion {row[f'pushpull_{size}_MBps']:.0f} MB/s, without "
+                      f"{row[f'unfused_pushpull_{size}_MBps']:.0f} MB/s ({row[f'fused_over_unfused_{size}']:.2f}x)")
         if "4M" in args.sizes:
             verdict = "met" if row["pushpull_4M_vs_raw"] >= 0.8 else "not met"
             print(f"target {row['rate']}: pushpull 4 MiB >= 0.8x raw TCP: {row['pushpull_4M_vs_raw']:.2f} ({verdict})")

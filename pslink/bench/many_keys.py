@@ -11,7 +11,8 @@ against one embedded service):
   push-pulled by name as backward produces it, and the Agent fuses what is bound for one
   Aggregator (``PSLINK_FUSION_BYTES`` / ``PSLINK_FUSION_CYCLE_MS``);
 - ``unfused``: the same with fusion off (``PSLINK_FUSION_BYTES=0``), for the change;
-- ``horovod``: Horovod's own DistributedOptimizer over gloo, where Horovod is installed.
+- ``horovod``: Horovod's own DistributedOptimizer over gloo (``horovodrun --gloo``), where Horovod
+  is installed (``--horovod-path``: a ``pip install --target`` directory).
 
 Reported: each variant's median step (per worker, then the mean of both), pslink / gloo (the
 target is <= 0.8), each pslink run's ratio to the gloo run before it, and how far each is above
@@ -70,12 +71,43 @@ def _horovod():
     return hvd
 
 
+def horovod_available(path: str | None) -> bool:
+    """Horovod imports (from ``path`` too, a ``pip install --target`` directory, if given)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
+    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], env=env, capture_output=True, timeout=120)
+    return probe.returncode == 0
+
+
+def run_horovod(args, index: int) -> list[dict]:
+    """Horovod's own DistributedOptimizer over gloo, 2 processes started by ``horovodrun --gloo``."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [args.horovod_path, os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory(prefix="pslink-many-horovod-") as out:
+        command = [sys.executable, "-m", "horovod.runner.launch", "-np", "2", "-H", "localhost:2", "--gloo",
+                   sys.executable, "-m", "pslink.bench.many_keys", "--worker", "horovod", "--out", out,
+                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise SystemExit(f"the horovod workers failed (status {done.returncode}):\n{done.stdout}\n{done.stderr}")
+        results = []
+        for rank in range(2):
+            with open(os.path.join(out, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
+
+
 def worker(args) -> None:
     import torch
 
-    rank, size = int(os.environ["PSLINK_RANK"]), int(os.environ["PSLINK_NUM_WORKERS"])
-    torch.set_num_threads(1)
     variant = args.worker
+    if variant == "horovod":  # started by horovodrun, not pslink launch
+        rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
+    else:
+        rank, size = int(os.environ["PSLINK_RANK"]), int(os.environ["PSLINK_NUM_WORKERS"])
+    torch.set_num_threads(1)
     if variant == "unfused":
         os.environ["PSLINK_FUSION_BYTES"] = "0"
     sizes = tensor_sizes()
@@ -140,6 +172,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each variant, alternating")
     parser.add_argument("--variants", default="alone,gloo,pslink,unfused,horovod")
+    parser.add_argument("--horovod-path", default=os.environ.get("PSLINK_BENCH_HOROVOD"),
+                        help="a directory Horovod was installed into (pip install --target), if not in this "
+                             "environment (default: $PSLINK_BENCH_HOROVOD)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -149,8 +184,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.steps, args.warmup, args.repeats = 5, 2, 1
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if "horovod" in variants and _horovod() is None:
-        print("horovod: not installed here (horovod.torch does not import); its variant is skipped", flush=True)
+    if "horovod" in variants and not horovod_available(args.horovod_path):
+        print("horovod: not installed here (horovod.torch does not import; see --horovod-path); its variant is "
+              "skipped", flush=True)
         variants.remove("horovod")
 
     from pslink.core.service import Service
@@ -160,7 +196,10 @@ def main(argv=None) -> int:
     with Service(aggregators=2) as service:
         for index in range(args.repeats):
             for variant in variants:
-                results = run_variant(variant, args, service.address, index)
+                if variant == "horovod":
+                    results = run_horovod(args, index)
+                else:
+                    results = run_variant(variant, args, service.address, index)
                 nbytes = results[0]["bytes"]
                 median = statistics.mean(statistics.median(r["times"]) for r in results)
                 medians[variant].append(median)

@@ -71,25 +71,27 @@ def test_one_keys_error_in_a_fused_message_fails_only_its_handle(cluster):
     service, transports = cluster
     agent = agent_for(service, transports, "one-bad", 0, 1)
     try:
-        keys = ["a", "b", "c", "d"]
-        agent.init_many(keys, [np.full(8, i, np.float32) for i in range(4)]).wait()
-        # Abort key "b" for good (as a refused request does): its Aggregator answers it with the error.
-        info = agent._keys["b"]
-        agent._tasks.abort_key(info, AbortedError("key 'b' was aborted by the test"))
+        keys = [f"k{i}" for i in range(40)]
+        agent.init_many(keys, [np.full(8, i, np.float32) for i in range(len(keys))]).wait()
+        # Abort key k39 for good (as a refused request does): its Aggregator answers it with the error.
+        info = agent._keys["k39"]
+        agent._tasks.abort_key(info, AbortedError("key 'k39' was aborted by the test"))
         for _ in range(100):  # the ABORT is a message of its own: answered once it has been handled
             try:
-                agent.pull("b").wait()
+                agent.pull("k39").wait()
             except AbortedError:
                 break
         else:
-            pytest.fail("the abort of key 'b' never arrived")
+            pytest.fail("the abort of key 'k39' never arrived")
         before = fused_count(service)
-        handles = [agent.pushpull(k, np.ones(8, np.float32)) for k in keys]  # "a" goes at once, the rest fused
+        # A burst: past the first few in flight on a link, requests travel fused (the last, k39, among them).
+        handles = [agent.pushpull(k, np.ones(8, np.float32)) for k in keys]
         with pytest.raises(AbortedError, match="aborted by the test"):
-            handles[1].wait()
-        for i in (0, 2, 3):
-            np.testing.assert_array_equal(handles[i].wait(), np.ones(8, np.float32))
-        assert fused_count(service) - before >= 2
+            handles[39].wait()
+        for i, handle in enumerate(handles):
+            if i != 39:
+                np.testing.assert_array_equal(handle.wait(), np.ones(8, np.float32))
+        assert fused_count(service) - before >= 10
     finally:
         agent.close()
 

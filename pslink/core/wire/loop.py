@@ -114,11 +114,14 @@ class Reactor:
         if self._sleeping:
             self.wake()
 
-    def call_later(self, delay: float, fn: Callable, *args) -> Timer:
+    def call_later(self, delay: float, fn: Callable, *args, wake: bool = True) -> Timer:
+        """Run ``fn(*args)`` on the driving thread after ``delay`` s. ``wake=False``: a deadline
+        that may pass a little late, for a thread that must not pay a wake-up (a system call)
+        for it: it is seen when the reactor next wakes for anything else."""
         timer = Timer(self.clock() + max(0.0, delay), next(self._seq), fn, args)
         with self._timer_lock:
             heapq.heappush(self._timers, timer)
-        if self._sleeping:
+        if wake and self._sleeping:
             self.wake()  # the new deadline may come before the current sleep ends
         return timer
 
