@@ -8,8 +8,10 @@ Messages name what was wrong: the job, the key, the shapes and the peer involved
 from __future__ import annotations
 
 
-class PslinkError(Exception):
-    """Base class of every error pslink raises."""
+class PslinkError(RuntimeError):
+    """Base class of every error pslink raises. A RuntimeError, as Horovod's and torch's errors
+    are: code written for them that catches RuntimeError (or Horovod's HorovodInternalError,
+    which pslink's Horovod APIs name this class) catches pslink's too."""
 
     code = "error"
 

@@ -60,15 +60,25 @@ class ReduceOp(enum.Enum):
     AVERAGE = "average"
     SUM = "sum"
     ADASUM = "adasum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
 
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+# Reduced from every rank's tensor, gathered in rank order (the service sums; it does not take
+# minima or products), so every rank computes the same result.
+ELEMENTWISE = frozenset({Min, Max, Product})
 
 
-def reduce_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:
-    """Horovod's rules: ``op`` wins, the deprecated ``average`` flag picks Average or Sum."""
+def reduce_op(op: ReduceOp | None, average: bool | None = None, elementwise: bool = False) -> ReduceOp:
+    """Horovod's rules: ``op`` wins, the deprecated ``average`` flag picks Average or Sum.
+    ``elementwise``: the adapter reduces Min, Max and Product too."""
     if op is not None and average is not None:
         raise ConfigError("pass op= or the deprecated average=, not both")
     if op is None:
@@ -76,7 +86,9 @@ def reduce_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:
     if op is Adasum:
         raise ConfigError("op=Adasum is not supported by pslink; use Average or Sum")
     if not isinstance(op, ReduceOp):
-        raise ConfigError(f"op must be pslink's Average or Sum, got {op!r}")
+        raise ConfigError(f"op must be pslink's Average, Sum, Min, Max or Product, got {op!r}")
+    if op in ELEMENTWISE and not elementwise:
+        raise ConfigError(f"op={op.name.title()} is not supported here; use Average or Sum")
     return op
 
 
@@ -254,9 +266,10 @@ HOROVOD_NAMES = frozenset({
     "init", "shutdown", "is_initialized",
     "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
     *NOT_BUILT, "cuda_built",
-    "Average", "Sum", "Adasum",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
     "allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
     "barrier", "join",
+    "allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
     "Compression", "DistributedOptimizer",
 })
 
@@ -266,11 +279,17 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
     "pslink.torch": {},
     "pslink.tf": {
         "Compression": "fp16 compression of TensorFlow tensors is not written yet",
+        **{op: "Min, Max and Product of TensorFlow tensors are not written yet" for op in ("Min", "Max", "Product")},
+        **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
+           for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather")},
         "DistributedOptimizer": "Keras 3's optimizer is wrapped in pslink.tf.keras; TF1's is not offered",
         "join": "uneven data for TensorFlow (join) is not written yet",
     },
     "pslink.tf.keras": {
         "Compression": "fp16 compression of TensorFlow tensors is not written yet",
+        **{op: "Min, Max and Product of TensorFlow tensors are not written yet" for op in ("Min", "Max", "Product")},
+        **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
+           for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather")},
         "join": "uneven data for TensorFlow (join) is not written yet",
     },
 }

@@ -61,11 +61,13 @@ from pslink.tf.ops import (
     broadcast_variables,
 )
 from pslink.tf.strategy import ParameterServiceStrategy
+from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
 
 __all__ = [
     "Adasum",
     "Average",
     "DistributedGradientTape",
+    "HorovodInternalError",
     "ParameterServiceStrategy",
     "Sum",
     "allgather",

@@ -24,6 +24,7 @@ from pslink.torch.ddp import HookState, comm_hook, connect  # noqa: E402
 from pslink.torch.horovod import (  # noqa: E402
     DistributedOptimizer,
     allgather,
+    allgather_async,
     allgather_object,
     allreduce,
     allreduce_,
@@ -44,6 +45,12 @@ from pslink.torch.horovod import (  # noqa: E402
     ddl_built,
     gloo_built,
     gloo_enabled,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
     init,
     is_initialized,
     join,
@@ -65,7 +72,9 @@ from pslink.torch.horovod import (  # noqa: E402
     synchronize,
 )
 from pslink.torch.embedding import Embedding, EmbeddingBag  # noqa: E402  (tables on the service)
-from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work  # noqa: E402
+from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work, WorkGroup  # noqa: E402
+from pslink.core.collectives import Max, Min, Product  # noqa: E402
+from pslink.errors import PslinkError as HorovodInternalError  # noqa: E402  (a RuntimeError, as Horovod's)
 from pslink.torch import elastic  # noqa: E402  (hvd.elastic.run, hvd.elastic.TorchState)
 from pslink.torch import backend as _backend  # noqa: E402
 
@@ -86,17 +95,29 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "Product",
     "ReduceOp",
     "Session",
     "Sum",
     "Work",
+    "WorkGroup",
     "allgather",
+    "allgather_async",
     "allgather_object",
     "allreduce",
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
     "barrier",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
     "broadcast",
     "broadcast_",
     "broadcast_async",

@@ -28,7 +28,7 @@ from pslink.core.collectives import (  # noqa: F401  (Horovod's build reports, r
 )
 from pslink.errors import ConfigError, PeerError
 from pslink.torch.optimizer import DistributedOptimizer as _wrap_optimizer
-from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, reduce_op
+from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, WorkGroup, tensor_list, reduce_op
 
 ENV_LOCAL_RANK = "PSLINK_LOCAL_RANK"
 ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
@@ -134,7 +134,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               compression=Compression.none, op: ReduceOp | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0) -> torch.Tensor:
     """A new tensor: ``tensor`` averaged (default) or summed over all ranks."""
-    return current_session().allreduce(tensor, name, reduce_op(op, average), compression, prescale_factor,
+    return current_session().allreduce(tensor, name, reduce_op(op, average, elementwise=True), compression, prescale_factor,
                                        postscale_factor)
 
 
@@ -147,13 +147,15 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Work:
     """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
-    return current_session().allreduce_async(tensor, name, reduce_op(op, average), prescale_factor, postscale_factor)
+    return current_session().allreduce_async(tensor, name, reduce_op(op, average, elementwise=True), prescale_factor,
+                                              postscale_factor)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Work:
     """Start :func:`allreduce_`; ``synchronize(handle)`` returns ``tensor``."""
-    return current_session().allreduce_async_(tensor, name, reduce_op(op, average), prescale_factor, postscale_factor)
+    return current_session().allreduce_async_(tensor, name, reduce_op(op, average, elementwise=True), prescale_factor,
+                                               postscale_factor)
 
 
 def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
@@ -177,9 +179,41 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
     return allreduce_async_(tensor, average=average, name=name)
 
 
-def synchronize(handle: Work) -> Any:
-    """Wait for an ``*_async`` operation; returns its output tensor."""
-    if not isinstance(handle, Work):
+def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None, compression=Compression.none,
+                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """New tensors: each of ``tensors`` reduced over all ranks, as one group."""
+    if compression is not Compression.none:
+        return [allreduce(t, average, None if name is None else f"{name}.{i}", compression, op, prescale_factor,
+                          postscale_factor) for i, t in enumerate(tensors)]
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_(tensors, average: bool | None = None, name: str | None = None, op: ReduceOp | None = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Each of ``tensors`` reduced over all ranks in place, as one group; returns them."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_async(tensors, average: bool | None = None, name: str | None = None,
+                            op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> WorkGroup:
+    """Start :func:`grouped_allreduce`; ``synchronize(handle)`` returns the new tensors."""
+    copies = [t.detach().clone() for t in tensor_list(tensors, "grouped_allreduce")]
+    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_async_(tensors, average: bool | None = None, name: str | None = None,
+                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> WorkGroup:
+    """Start :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``."""
+    return current_session().grouped_allreduce_async_(tensors, name, reduce_op(op, average, elementwise=True),
+                                                      prescale_factor, postscale_factor)
+
+
+def synchronize(handle: Work | WorkGroup) -> Any:
+    """Wait for an ``*_async`` operation; returns its output tensor (a list, for a group)."""
+    if not isinstance(handle, (Work, WorkGroup)):
         raise ConfigError(f"synchronize() takes what an *_async function returned, got {handle!r}")
     return handle.wait(current_session().timeout)
 
@@ -229,6 +263,20 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along the first dimension, in rank order."""
     return current_session().allgather(tensor, name)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Work:
+    """Start :func:`allgather`; ``synchronize(handle)`` returns the gathered tensor."""
+    return current_session().allgather_async(tensor, name)
+
+
+def grouped_allgather(tensors, name: str | None = None) -> list[torch.Tensor]:
+    """:func:`allgather` of each of ``tensors``, as one group."""
+    return synchronize(grouped_allgather_async(tensors, name))
+
+
+def grouped_allgather_async(tensors, name: str | None = None) -> WorkGroup:
+    return current_session().grouped_allgather_async(tensors, name)
 
 
 def allgather_object(obj: Any, name: str | None = None) -> list:

@@ -197,14 +197,23 @@ class Session:
 
     def allreduce_async_(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,
                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Work:
-        """Reduce ``tensor`` over all ranks in place (average or sum); returns a :class:`Work`."""
+        """Reduce ``tensor`` over all ranks in place (average, sum, min, max or product); returns a
+        :class:`Work`."""
         name = self._name("allreduce", name)
-        op = reduce_op(op)
+        op = reduce_op(op, elementwise=True)
         key = collectives.service_key("allreduce", name)
         what = f"allreduce {name!r} (key {key!r}, shape {tuple(tensor.shape)} {tensor.dtype})"
         result, tensor = tensor, tensor.detach()  # same memory, outside autograd
         if prescale_factor != 1.0:
-            tensor.mul_(prescale_factor)
+            _scale(tensor, prescale_factor)
+        if op in collectives.ELEMENTWISE:
+            # Every rank's tensor as a row, in rank order; each rank reduces them alike.
+            rows = self.allgather(tensor.reshape(1, -1), name)
+            reduce = {collectives.Min: torch.amin, collectives.Max: torch.amax, collectives.Product: torch.prod}[op]
+            tensor.copy_(reduce(rows, dim=0).view_as(tensor))
+            if postscale_factor != 1.0:
+                _scale(tensor, postscale_factor)
+            return Work(_Done(), [], lambda: result, what, "")
         view = self._staging.view(key, tensor, what)
         # The service averages floats; integers are summed here and divided below.
         average = op is Average and view.array.dtype.kind == "f"
@@ -215,7 +224,7 @@ class Session:
             if op is Average and not average:
                 tensor.copy_(torch.div(tensor, self.size, rounding_mode="trunc"))
             if postscale_factor != 1.0:
-                tensor.mul_(postscale_factor)
+                _scale(tensor, postscale_factor)
             return result
 
         return Work(handle, [view], finish, what, hint)
@@ -234,6 +243,17 @@ class Session:
             compressed = compressed.clone()
         reduced = self._wait(self.allreduce_async_(compressed, name, op, prescale_factor, postscale_factor))
         return compression.decompress(reduced, ctx)
+
+    def grouped_allreduce_async_(self, tensors, name: str | None = None, op: ReduceOp = Average,
+                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> "WorkGroup":
+        """Horovod's grouped allreduce: every tensor of ``tensors`` reduced in place, started
+        together (their small requests travel fused); ``name`` is the group's, each tensor's is
+        ``name.i``. Returns a :class:`WorkGroup`."""
+        tensors = tensor_list(tensors, "grouped_allreduce")
+        names = [None] * len(tensors) if name is None else [f"{self._name('allreduce', name)}.{i}"
+                                                            for i in range(len(tensors))]
+        return WorkGroup([self.allreduce_async_(t, n, op, prescale_factor, postscale_factor)
+                          for t, n in zip(tensors, names)])
 
     # -- broadcast --------------------------------------------------------------------------------
 
@@ -320,6 +340,18 @@ class Session:
                                               self.capacity)
         return torch.from_numpy(gathered).to(device=tensor.device, dtype=tensor.dtype)
 
+    def allgather_async(self, tensor: torch.Tensor, name: str | None = None) -> Work:
+        """:meth:`allgather`, as Horovod's ``allgather_async`` (the rows are gathered now: a
+        gather is rounds of the service's own; ``synchronize`` returns them)."""
+        gathered = self.allgather(tensor, name)
+        return Work(_Done(), [], lambda: gathered, f"allgather {name!r}", "")
+
+    def grouped_allgather_async(self, tensors, name: str | None = None) -> "WorkGroup":
+        tensors = tensor_list(tensors, "grouped_allgather")
+        names = [None] * len(tensors) if name is None else [f"{self._name('allgather', name)}.{i}"
+                                                            for i in range(len(tensors))]
+        return WorkGroup([self.allgather_async(t, n) for t, n in zip(tensors, names)])
+
     def allgather_object(self, obj: Any, name: str | None = None) -> list:
         """Every rank's ``obj``, as a list in rank order."""
         name = self._name("allgather", name)
@@ -373,6 +405,41 @@ class Session:
 
     def barrier(self, name: str = "barrier") -> None:
         self.agent.barrier(f"torch/{name}", timeout=self.timeout)
+
+
+class WorkGroup:
+    """Operations started together (Horovod's ``grouped_*``): ``wait()`` gives their results, a
+    list in the order of the tensors given."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list[Work]):
+        self.works = works
+
+    def done(self) -> bool:
+        return all(work.done() for work in self.works)
+
+    def wait(self, timeout: float | None = None) -> list:
+        return [work.wait(timeout) for work in self.works]
+
+    def __repr__(self) -> str:
+        return f"<pslink.torch.WorkGroup of {len(self.works)}>"
+
+
+def tensor_list(tensors, what: str) -> list[torch.Tensor]:
+    if not isinstance(tensors, (list, tuple)) or not tensors or \
+            not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ConfigError(f"{what} takes a non-empty list of tensors, got {type(tensors).__name__}")
+    return list(tensors)
+
+
+def _scale(tensor: torch.Tensor, factor: float) -> None:
+    """``tensor *= factor`` in place; an integer tensor keeps its dtype, the product truncated
+    toward zero (as Horovod scales integer buffers)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.mul_(factor)
+    else:
+        tensor.copy_((tensor.double() * factor).to(tensor.dtype))
 
 
 class _Done:

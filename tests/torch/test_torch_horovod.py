@@ -88,6 +88,59 @@ def test_allreduce_handles_dtypes_scalars_views_and_scale_factors(service):
         torch.testing.assert_close(fp16, torch.full((3,), 0.75))
 
 
+def test_min_max_product_and_integer_scale_factors(service):
+    """Horovod's other ReduceOps, equal on every rank (reduced from rows gathered in rank order),
+    and pre/postscale of integer tensors (truncated toward zero, the dtype kept)."""
+    def body(s):
+        r = s.rank + 1
+        x = torch.tensor([[1.5 * r, -r], [4.0 / r, 2.0]])
+        low = s.allreduce(x, name="min", op=hvd.Min)
+        high = s.allreduce(x, name="max", op=hvd.Max)
+        product = s.allreduce(torch.tensor([2, -3, 5]) + r, name="product", op=hvd.Product)
+        unnamed = s.allreduce(torch.tensor([float(r)]), op=hvd.Max)  # matched by position, as every unnamed call
+        ints = s.allreduce(torch.tensor([7, -7]) * r, name="scaled-ints", op=hvd.Sum, prescale_factor=0.5,
+                           postscale_factor=3.0)
+        return low, high, product, unnamed, ints
+
+    for low, high, product, unnamed, ints in on_ranks(service, 3, body):
+        torch.testing.assert_close(low, torch.tensor([[1.5, -3.0], [4.0 / 3, 2.0]]))
+        torch.testing.assert_close(high, torch.tensor([[4.5, -1.0], [4.0, 2.0]]))
+        assert product.tolist() == [3 * 4 * 5, -2 * -1 * 0, 6 * 7 * 8] and product.dtype == torch.int64
+        assert unnamed.tolist() == [3.0]
+        # 7*r*0.5 -> 3, 7, 10 (truncated); summed 20; *3 -> 60. -7*r*0.5 -> -3, -7, -10: -20 -> -60.
+        assert ints.tolist() == [60, -60] and ints.dtype == torch.int64
+
+
+def test_grouped_allreduce_and_allgather_and_allgather_async(service):
+    def body(s):
+        r = s.rank + 1
+        tensors = [torch.full((3,), float(r)), torch.arange(4) * r, torch.tensor(2.0 * r)]
+        averaged = s.grouped_allreduce_async_([t.clone() for t in tensors], name="group").wait()
+        summed = s.grouped_allreduce_async_([t.clone() for t in tensors], op=hvd.Sum).wait()  # unnamed: by position
+        gathered = s.grouped_allgather_async([torch.full((r, 2), float(r)), torch.tensor([r])], name="g").wait()
+        alone = s.allgather_async(torch.tensor([10 * r]), name="ga")
+        return averaged, summed, gathered, alone.wait()
+
+    for averaged, summed, gathered, alone in on_ranks(service, 2, body):
+        torch.testing.assert_close(averaged[0], torch.full((3,), 1.5))
+        assert averaged[1].tolist() == [0, 1, 3, 4]  # integers: the sum divided, truncated
+        assert averaged[2].shape == () and averaged[2].item() == 3.0
+        assert summed[1].tolist() == [0, 3, 6, 9] and summed[2].item() == 6.0
+        assert gathered[0].tolist() == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]] and gathered[1].tolist() == [1, 2]
+        assert alone.tolist() == [10, 20]
+
+
+def test_grouped_calls_refuse_what_is_not_a_list_of_tensors(service):
+    def body(s):
+        with pytest.raises(ConfigError, match="grouped_allreduce takes a non-empty list of tensors"):
+            s.grouped_allreduce_async_(torch.ones(2))
+        with pytest.raises(ConfigError, match="grouped_allgather takes a non-empty list of tensors"):
+            s.grouped_allgather_async([])
+        return True
+
+    assert on_ranks(service, 1, body) == [True]
+
+
 def test_async_allreduce_and_unnamed_calls_match_by_position(service):
     def body(s):
         works = [s.allreduce_async(torch.full((5,), float(s.rank + i))) for i in range(4)]

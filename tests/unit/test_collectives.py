@@ -38,8 +38,21 @@ def test_reduce_op_follows_horovods_rules():
         collectives.reduce_op(collectives.Sum, average=True)
     with pytest.raises(ConfigError, match="Adasum is not supported"):
         collectives.reduce_op(collectives.Adasum)
-    with pytest.raises(ConfigError, match="Average or Sum, got 'max'"):
+    with pytest.raises(ConfigError, match="Average, Sum, Min, Max or Product, got 'max'"):
         collectives.reduce_op("max")
+    # Min, Max and Product only where the adapter reduces them itself (torch's, from gathered rows).
+    with pytest.raises(ConfigError, match="op=Max is not supported here"):
+        collectives.reduce_op(collectives.Max)
+    assert collectives.reduce_op(collectives.Product, elementwise=True) is collectives.Product
+
+
+def test_pslink_errors_are_runtime_errors_as_horovods_are():
+    import pslink.torch as hvd
+    from pslink.errors import PeerError, PslinkTimeoutError, ShapeMismatchError
+
+    for error in (ShapeMismatchError("x"), PeerError("x"), PslinkTimeoutError("x"), ConfigError("x")):
+        assert isinstance(error, RuntimeError) and isinstance(error, hvd.HorovodInternalError)
+    assert isinstance(PeerError("x"), ConnectionError) and isinstance(ConfigError("x"), ValueError)
 
 
 def test_non_roots_push_read_only_zeros_cut_from_one_buffer():

@@ -39,12 +39,14 @@ from pslink.tf.context import (
 )
 from pslink.tf.keras import callbacks
 from pslink.tf.keras.optimizer import DistributedOptimizer
+from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
 from pslink.tf.ops import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object, broadcast_variables
 
 __all__ = [
     "Adasum",
     "Average",
     "DistributedOptimizer",
+    "HorovodInternalError",
     "Sum",
     "allgather",
     "allgather_object",
