@@ -113,6 +113,7 @@ class Session:
         self._staging = StagingPool()
         self._zeros = Zeros()
         self.optimizers: list = []  # DistributedOptimizers, in creation order (see join)
+        self._reducing: set[str] = set()  # names of allreduces in flight: one at a time per name (Horovod's rule)
         members = (agent.settings.get("membership") or {}).get("ranks") or list(range(agent.num_workers))
         self.set_world(sorted(set(members) | {agent.rank}), 0)
         # On one machine (pslink launch) local rank and size follow the world when it changes.
@@ -214,11 +215,16 @@ class Session:
             if postscale_factor != 1.0:
                 _scale(tensor, postscale_factor)
             return Work(_Done(), [], lambda: result, what, "")
+        if name in self._reducing:
+            raise ConfigError(f"allreduce {name!r} is already in flight on rank {self.rank}: synchronize it before "
+                              "reducing under its name again, or give each tensor a name of its own")
         view = self._staging.view(key, tensor, what)
         # The service averages floats; integers are summed here and divided below.
         average = op is Average and view.array.dtype.kind == "f"
         hint = "do all ranks pass tensors of the same shape under this name?"
         handle = self._submit([key], [view.array], [view.array], average, what, hint)
+        self._reducing.add(name)
+        handle.add_done_callback(lambda _: self._reducing.discard(name))
 
         def finish():
             if op is Average and not average:

@@ -100,8 +100,12 @@ def explain_mismatch(error: PslinkError, what: str, hint: str) -> PslinkError:
     if not isinstance(error, ShapeMismatchError):
         return error
     shapes, ranks = error.details.get("shapes"), error.details.get("ranks")
+    dtypes = error.details.get("dtypes")
     if isinstance(shapes, list) and isinstance(ranks, list) and len(shapes) == 2 and len(ranks) == 2:
         sides = f"rank {ranks[0]} has shape {tuple(shapes[0])}, rank {ranks[1]} has shape {tuple(shapes[1])}"
+        if isinstance(dtypes, list) and len(dtypes) == 2 and dtypes[0] != dtypes[1]:
+            sides = (f"rank {ranks[0]} has shape {tuple(shapes[0])} {dtypes[0]}, rank {ranks[1]} has shape "
+                     f"{tuple(shapes[1])} {dtypes[1]}")
     else:
         sides = error.message
     message = f"{what} differs between ranks: {sides}; {hint} (service: {error.message})"

@@ -130,6 +130,24 @@ def test_grouped_allreduce_and_allgather_and_allgather_async(service):
         assert alone.tolist() == [10, 20]
 
 
+def test_a_name_in_flight_is_refused_until_it_is_done(service):
+    def body(s):
+        first = s.allreduce_async_(torch.ones(2), name="busy", op=hvd.Sum)
+        refused = None
+        if not first.done():  # (done already when the other rank was quicker: nothing to refuse)
+            with pytest.raises(ConfigError, match="allreduce 'busy' is already in flight on rank"):
+                s.allreduce_async_(torch.ones(2), name="busy")
+            refused = True
+        first.wait()
+        again = s.allreduce(torch.ones(2), name="busy", op=hvd.Sum)  # done: the name is free
+        return refused, again
+
+    results = on_ranks(service, 2, body)
+    assert any(refused for refused, _ in results)  # rank 0 or 1 submitted before the other did
+    for _, again in results:
+        assert again.tolist() == [2.0, 2.0]
+
+
 def test_grouped_calls_refuse_what_is_not_a_list_of_tensors(service):
     def body(s):
         with pytest.raises(ConfigError, match="grouped_allreduce takes a non-empty list of tensors"):
@@ -160,6 +178,17 @@ def test_allreduce_shapes_that_differ_fail_on_both_ranks_naming_them(service):
     for message in on_ranks(service, 2, body):
         assert "allreduce 'loss'" in message
         assert "(3,)" in message and "(4,)" in message
+
+
+def test_allreduce_dtypes_that_differ_fail_naming_both_dtypes(service):
+    def body(s):
+        with pytest.raises(ShapeMismatchError) as info:
+            s.allreduce(torch.zeros(3, dtype=torch.float32 if s.rank == 0 else torch.int64), name="typed")
+        return info.value.message
+
+    for message in on_ranks(service, 2, body):
+        # Not "rank 0 has shape (3,), rank 1 has shape (3,)": the dtypes are what differ.
+        assert "(3,) float32" in message and "(3,) int64" in message, message
 
 
 # -- broadcast, allgather ---------------------------------------------------------------------------

@@ -197,7 +197,8 @@ class Sender:
                 error = ShapeMismatchError(
                     f"key {key!r} of job {self.seat.job!r}: rank {self.seat.rank} uses shape {tuple(shape)} {dtype}, "
                     f"but rank {info.declared_by} declared it as {info.describe()}",
-                    key=key, shapes=[list(shape), list(info.shape)], ranks=[self.seat.rank, info.declared_by],
+                    key=key, shapes=[list(shape), list(info.shape)], dtypes=[dtype, info.dtype_name],
+                    ranks=[self.seat.rank, info.declared_by],
                 )
                 if op == Op.PUSH or op == Op.PUSHPULL:
                     # Its round fails for every rank (they would wait for this one's push), and

@@ -221,6 +221,7 @@ class AggregatorCore:
                 job=job_id,
                 key=key,
                 shapes=[list(header["shape"]), list(task.shape)],
+                dtypes=[header["dtype"], task.dtype_name],
                 ranks=[header["rank"], task.declared_by],
             )
         if tuple(header["span"]) != task.span:

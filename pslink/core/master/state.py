@@ -318,6 +318,7 @@ class MasterState:
                     job=record.job,
                     key=key,
                     shapes=[list(shape), list(spec.shape)],
+                    dtypes=[dtype, spec.dtype],
                     ranks=[rank, spec.declared_by],
                 )
             return spec, False
