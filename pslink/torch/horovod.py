@@ -28,6 +28,7 @@ from pslink.core.collectives import (  # noqa: F401  (Horovod's build reports, r
 )
 from pslink.errors import ConfigError, PeerError
 from pslink.torch.optimizer import DistributedOptimizer as _wrap_optimizer
+from pslink.torch import autograd
 from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, WorkGroup, tensor_list, reduce_op
 
 ENV_LOCAL_RANK = "PSLINK_LOCAL_RANK"
@@ -133,9 +134,9 @@ def cuda_built() -> bool:
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression=Compression.none, op: ReduceOp | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0) -> torch.Tensor:
-    """A new tensor: ``tensor`` averaged (default) or summed over all ranks."""
-    return current_session().allreduce(tensor, name, reduce_op(op, average, elementwise=True), compression, prescale_factor,
-                                       postscale_factor)
+    """A new tensor: ``tensor`` averaged (default) or summed over all ranks (differentiable)."""
+    return autograd.allreduce(current_session(), tensor, name, reduce_op(op, average, elementwise=True), compression,
+                              prescale_factor, postscale_factor)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -227,8 +228,8 @@ def poll(handle: Work) -> bool:
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """A new tensor holding root_rank's ``tensor``."""
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    """A new tensor holding root_rank's ``tensor`` (differentiable)."""
+    return autograd.broadcast(current_session(), tensor, root_rank, name)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
@@ -261,8 +262,8 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along the first dimension, in rank order."""
-    return current_session().allgather(tensor, name)
+    """Every rank's ``tensor`` concatenated along the first dimension, in rank order (differentiable)."""
+    return autograd.allgather(current_session(), tensor, name)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Work:

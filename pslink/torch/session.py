@@ -275,6 +275,10 @@ class Session:
     def broadcast_async(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Work:
         return self.broadcast_async_(tensor.detach().clone(), root_rank, name)
 
+    def broadcast(self, tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+        """A new tensor holding root_rank's ``tensor``."""
+        return self._wait(self.broadcast_async(tensor, root_rank, name))
+
     def _broadcast_many(self, named: list[tuple[str, torch.Tensor]], root_rank: int, what: str) -> Work:
         """One batched push-pull: the root pushes its tensors, the others zeros; all get the sum."""
         keys, pushes, views = [], [], []

@@ -148,6 +148,34 @@ def test_a_name_in_flight_is_refused_until_it_is_done(service):
         assert again.tolist() == [2.0, 2.0]
 
 
+def test_collectives_are_differentiable_as_horovods(service):
+    """allreduce's gradient is the allreduce of the gradients; allgather's, this rank's rows of
+    their average; broadcast's, their average on the root and zeros elsewhere (Horovod's rules)."""
+    from pslink.torch import autograd
+
+    def body(s):
+        r = s.rank + 1
+        x = torch.full((2,), float(r), requires_grad=True)
+        summed = autograd.allreduce(s, x, "d-sum", hvd.Sum, hvd.Compression.none, 1.0, 1.0)
+        (summed * r).sum().backward()  # d/dx_r of sum_k k * (x_1 + x_2): the sum of the weights, 3
+        g = torch.ones(r, 2, requires_grad=True)
+        gathered = autograd.allgather(s, g, "d-gather")  # 3 rows: rank 0's one, rank 1's two
+        (gathered * torch.arange(3.0).reshape(3, 1) * r).sum().backward()
+        b = torch.full((3,), float(r), requires_grad=True)
+        (autograd.broadcast(s, b, 1, "d-bcast") * r).sum().backward()
+        plain = autograd.allreduce(s, torch.ones(1), "d-plain", hvd.Sum, hvd.Compression.none, 1.0, 1.0)
+        return summed.grad_fn is not None, x.grad, g.grad, b.grad, plain.grad_fn
+
+    results = on_ranks(service, 2, body)
+    for rank, (has_grad_fn, x_grad, g_grad, b_grad, plain_grad_fn) in enumerate(results):
+        assert has_grad_fn and plain_grad_fn is None
+        assert x_grad.tolist() == [3.0, 3.0]
+        # d/dg of sum_k k * rowweights: rows [0, 1, 2] weighted by k = 1, 2; averaged: 1.5 x row index
+        expected_rows = [[0.0, 0.0]] if rank == 0 else [[1.5, 1.5], [3.0, 3.0]]
+        assert g_grad.tolist() == expected_rows
+        assert b_grad.tolist() == ([1.5] * 3 if rank == 1 else [0.0] * 3)  # the root's: average of 1, 2
+
+
 def test_grouped_calls_refuse_what_is_not_a_list_of_tensors(service):
     def body(s):
         with pytest.raises(ConfigError, match="grouped_allreduce takes a non-empty list of tensors"):
