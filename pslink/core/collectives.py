@@ -270,6 +270,7 @@ HOROVOD_NAMES = frozenset({
     "allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
     "barrier", "join",
     "allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
+    "reducescatter", "alltoall",
     "Compression", "DistributedOptimizer",
 })
 
@@ -281,7 +282,8 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         "Compression": "fp16 compression of TensorFlow tensors is not written yet",
         **{op: "Min, Max and Product of TensorFlow tensors are not written yet" for op in ("Min", "Max", "Product")},
         **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
-           for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather")},
+           for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
+                        "reducescatter", "alltoall")},
         "DistributedOptimizer": "Keras 3's optimizer is wrapped in pslink.tf.keras; TF1's is not offered",
         "join": "uneven data for TensorFlow (join) is not written yet",
     },
@@ -289,7 +291,8 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         "Compression": "fp16 compression of TensorFlow tensors is not written yet",
         **{op: "Min, Max and Product of TensorFlow tensors are not written yet" for op in ("Min", "Max", "Product")},
         **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
-           for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather")},
+           for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
+                        "reducescatter", "alltoall")},
         "join": "uneven data for TensorFlow (join) is not written yet",
     },
 }

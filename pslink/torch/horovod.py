@@ -29,7 +29,8 @@ from pslink.core.collectives import (  # noqa: F401  (Horovod's build reports, r
 from pslink.errors import ConfigError, PeerError
 from pslink.torch.optimizer import DistributedOptimizer as _wrap_optimizer
 from pslink.torch import autograd
-from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, WorkGroup, tensor_list, reduce_op
+from pslink.torch.session import (Average, Compression, ReduceOp, Session, Work, WorkGroup, Done, reduce_op,
+                                  tensor_list)
 
 ENV_LOCAL_RANK = "PSLINK_LOCAL_RANK"
 ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
@@ -278,6 +279,27 @@ def grouped_allgather(tensors, name: str | None = None) -> list[torch.Tensor]:
 
 def grouped_allgather_async(tensors, name: str | None = None) -> WorkGroup:
     return current_session().grouped_allgather_async(tensors, name)
+
+
+def reducescatter(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None) -> torch.Tensor:
+    """``tensor`` reduced over all ranks (Average or Sum), this rank's share of its rows."""
+    return current_session().reducescatter(tensor, name, reduce_op(op))
+
+
+def reducescatter_async(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None) -> Work:
+    result = reducescatter(tensor, op, name)
+    return Work(Done(), [], lambda: result, f"reducescatter {name!r}", "")
+
+
+def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
+    """Rank i gets ``splits[i]`` rows of every rank's ``tensor`` (even shares by default), in
+    rank order; with ``splits``, also how many rows came from each rank (as Horovod returns)."""
+    return current_session().alltoall(tensor, splits, name)
+
+
+def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None) -> Work:
+    result = alltoall(tensor, splits, name)
+    return Work(Done(), [], lambda: result, f"alltoall {name!r}", "")
 
 
 def allgather_object(obj: Any, name: str | None = None) -> list:

@@ -214,7 +214,7 @@ class Session:
             tensor.copy_(reduce(rows, dim=0).view_as(tensor))
             if postscale_factor != 1.0:
                 _scale(tensor, postscale_factor)
-            return Work(_Done(), [], lambda: result, what, "")
+            return Work(Done(), [], lambda: result, what, "")
         if name in self._reducing:
             raise ConfigError(f"allreduce {name!r} is already in flight on rank {self.rank}: synchronize it before "
                               "reducing under its name again, or give each tensor a name of its own")
@@ -292,7 +292,7 @@ class Session:
         bits = [collectives.bits_of(v.array) for v in views]
         pushes = collectives.broadcast_pushes(bits, self.rank, root_rank, self._zeros)
         if not keys:
-            return Work(_Done(), [], lambda: None, what, "")
+            return Work(Done(), [], lambda: None, what, "")
         hint = "do all ranks hold the same model?"
         handle = self._submit(keys, pushes, bits, False, what, hint)
         result = named[0][1] if len(named) == 1 else None
@@ -354,13 +354,57 @@ class Session:
         """:meth:`allgather`, as Horovod's ``allgather_async`` (the rows are gathered now: a
         gather is rounds of the service's own; ``synchronize`` returns them)."""
         gathered = self.allgather(tensor, name)
-        return Work(_Done(), [], lambda: gathered, f"allgather {name!r}", "")
+        return Work(Done(), [], lambda: gathered, f"allgather {name!r}", "")
 
     def grouped_allgather_async(self, tensors, name: str | None = None) -> "WorkGroup":
         tensors = tensor_list(tensors, "grouped_allgather")
         names = [None] * len(tensors) if name is None else [f"{self._name('allgather', name)}.{i}"
                                                             for i in range(len(tensors))]
         return WorkGroup([self.allgather_async(t, n) for t, n in zip(tensors, names)])
+
+    def reducescatter(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average) -> torch.Tensor:
+        """Horovod's reducescatter: ``tensor`` (the same shape on every rank) reduced over the
+        ranks, this rank's share of its first dimension returned (the first ``rows % size``
+        ranks get one row more, as Horovod splits). The sum is made on the service; each rank
+        takes its rows of it."""
+        if op not in (Average, Sum):
+            raise ConfigError(f"reducescatter takes op=Average or Sum, got {op!r}")
+        if tensor.dim() == 0:
+            raise ConfigError("reducescatter needs a tensor of at least one dimension (its rows are scattered)")
+        name = self._name("reducescatter", name)
+        reduced = self.allreduce(tensor, f"reducescatter.{name}", op)
+        rows, size = tensor.shape[0], self.size
+        counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+        return reduced.narrow(0, sum(counts[: self.rank]), counts[self.rank]).clone()
+
+    def alltoall(self, tensor: torch.Tensor, splits=None, name: str | None = None):
+        """Horovod's alltoall: rank i gets ``splits[i]`` rows of every rank's ``tensor`` (equal
+        shares of the first dimension when ``splits`` is None), concatenated in rank order.
+        Returns the tensor, and with ``splits`` given also how many rows came from each rank."""
+        if tensor.dim() == 0:
+            raise ConfigError("alltoall needs a tensor of at least one dimension (its rows are sent)")
+        name = self._name("alltoall", name)
+        rows, size = tensor.shape[0], self.size
+        given = splits is not None
+        if splits is None:
+            if rows % size:
+                raise ConfigError(f"alltoall {name!r}: {rows} rows do not split evenly over {size} ranks; pass splits")
+            splits = [rows // size] * size
+        splits = [int(n) for n in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        if len(splits) != size or any(n < 0 for n in splits) or sum(splits) != rows:
+            raise ConfigError(f"alltoall {name!r}: splits {splits} must be {size} counts >= 0 adding up to the "
+                              f"tensor's {rows} rows")
+        everything = self.allgather(tensor, f"alltoall.{name}.rows")
+        table = self.allgather(torch.tensor([splits], dtype=torch.int64), f"alltoall.{name}.splits").tolist()
+        pieces, start = [], 0
+        for source in range(size):
+            sent = table[source]
+            pieces.append(everything.narrow(0, start + sum(sent[: self.rank]), sent[self.rank]))
+            start += sum(sent)
+        received = torch.cat(pieces) if pieces else tensor.new_empty((0, *tensor.shape[1:]))
+        if given:
+            return received, torch.tensor([table[source][self.rank] for source in range(size)], dtype=torch.int32)
+        return received
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list:
         """Every rank's ``obj``, as a list in rank order."""
@@ -452,7 +496,7 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
         tensor.copy_((tensor.double() * factor).to(tensor.dtype))
 
 
-class _Done:
+class Done:
     """A handle for an operation that had nothing to send."""
 
     @staticmethod

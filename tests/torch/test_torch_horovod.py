@@ -176,6 +176,36 @@ def test_collectives_are_differentiable_as_horovods(service):
         assert b_grad.tolist() == ([1.5] * 3 if rank == 1 else [0.0] * 3)  # the root's: average of 1, 2
 
 
+def test_reducescatter_and_alltoall_as_horovod_splits(service):
+    def body(s):
+        r = s.rank
+        x = torch.arange(10.0).reshape(5, 2) * (r + 1)  # 5 rows over 3 ranks: 2, 2, 1
+        mine = s.reducescatter(x, "rs", op=hvd.Sum)
+        mean = s.reducescatter(x, "rs-mean")
+        even = s.alltoall(torch.arange(6) + 10 * r, name="even")  # two elements to each rank
+        rows = torch.arange(4 * 2).reshape(4, 2) + 100 * r
+        splits = [[1, 2, 1], [0, 0, 4], [2, 1, 1]][r]
+        got, counts = s.alltoall(rows, splits=splits, name="uneven")
+        with pytest.raises(ConfigError, match="splits \\[1, 1\\] must be 3 counts"):
+            s.alltoall(rows, splits=[1, 1], name="bad")
+        return mine, mean, even, got, counts
+
+    full = torch.arange(10.0).reshape(5, 2) * 6  # (1 + 2 + 3) x
+    starts = {0: (0, 2), 1: (2, 2), 2: (4, 1)}
+    for r, (mine, mean, even, got, counts) in enumerate(on_ranks(service, 3, body)):
+        start, n = starts[r]
+        torch.testing.assert_close(mine, full[start : start + n])
+        torch.testing.assert_close(mean, full[start : start + n] / 3)
+        assert even.tolist() == [2 * r + 10 * k + d for k in range(3) for d in range(2)]
+        sent = [[1, 2, 1], [0, 0, 4], [2, 1, 1]]
+        assert counts.tolist() == [sent[k][r] for k in range(3)]
+        expected = []
+        for k in range(3):
+            first = sum(sent[k][:r])
+            expected += [[2 * i + 100 * k, 2 * i + 1 + 100 * k] for i in range(first, first + sent[k][r])]
+        assert got.tolist() == expected
+
+
 def test_grouped_calls_refuse_what_is_not_a_list_of_tensors(service):
     def body(s):
         with pytest.raises(ConfigError, match="grouped_allreduce takes a non-empty list of tensors"):
