@@ -73,6 +73,7 @@ from pslink.torch.horovod import (  # noqa: E402
     rocm_built,
     shutdown,
     size,
+    sparse_allreduce_async,
     synchronize,
 )
 from pslink.torch.embedding import Embedding, EmbeddingBag  # noqa: E402  (tables on the service)
@@ -158,5 +159,6 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "synchronize",
 ]

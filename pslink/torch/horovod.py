@@ -281,6 +281,12 @@ def grouped_allgather_async(tensors, name: str | None = None) -> WorkGroup:
     return current_session().grouped_allgather_async(tensors, name)
 
 
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None) -> Work:
+    """Start Horovod's sparse allreduce of a sparse ``tensor``; ``synchronize`` returns it."""
+    result = current_session().sparse_allreduce(tensor, name, reduce_op(op))
+    return Work(Done(), [], lambda: result, f"sparse_allreduce {name!r}", "")
+
+
 def reducescatter(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None) -> torch.Tensor:
     """``tensor`` reduced over all ranks (Average or Sum), this rank's share of its rows."""
     return current_session().reducescatter(tensor, name, reduce_op(op))

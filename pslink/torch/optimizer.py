@@ -12,7 +12,7 @@ import torch
 from pslink.core.collectives import service_key
 from pslink.errors import ConfigError, PslinkError
 from pslink.torch.fusion import Bucket, plan
-from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, reduce_op
+from pslink.torch.session import Average, Compression, ReduceOp, Session, Sum, Work, reduce_op
 from pslink.torch.tensors import StagingPool, explain_mismatch
 
 _HINT = "do all ranks build the same model?"
@@ -157,20 +157,13 @@ class _GradientSync:
 
     def _gather_sparse(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """A sparse gradient (an ``nn.Embedding(sparse=True)``'s) over the ranks, as Horovod's
-        sparse all-reduce: every rank's indices and values gathered (never densified), the
-        values averaged (``op=Average``); the wrapped optimizer (SparseAdam, Adagrad, SGD)
-        takes it as it is."""
+        sparse all-reduce (:meth:`Session.sparse_allreduce`): never densified; the wrapped
+        optimizer (SparseAdam, Adagrad, SGD) takes it as it is."""
         name = self.names[param]
-        mine = grad.coalesce()
-        what = f"sparse gradient of {name!r}"
         try:
-            indices = self.session.allgather(mine.indices().t().contiguous(), f"sparse.{name}.indices")
-            values = self.session.allgather(mine.values(), f"sparse.{name}.values")
+            return self.session.sparse_allreduce(grad, f"sparse.{name}", Average if self.average else Sum)
         except PslinkError as exc:
-            raise explain_mismatch(exc, what, _HINT) from None
-        if self.average:
-            values = values / self.session.size
-        return torch.sparse_coo_tensor(indices.t(), values, grad.shape)
+            raise explain_mismatch(exc, f"sparse gradient of {name!r}", _HINT) from None
 
     def contribute_zeros(self) -> None:
         """While this rank is joined: one step's worth of zero gradients, as the others step."""
@@ -233,6 +226,7 @@ def _distributed_class(base: type) -> type:
         base.__init__(self, params)
         self._pslink = _GradientSync(self, session, named_parameters, compression, backward_passes_per_step, op,
                                      gradient_predivide_factor, sparse_as_dense, groups, num_groups)
+        self._parameter_names = self._pslink.names  # Horovod's attribute: parameter -> name
 
     def synchronize(self) -> None:
         """Wait until every gradient holds its average over the ranks."""
@@ -249,6 +243,11 @@ def _distributed_class(base: type) -> type:
 
     def step(self, closure=None):
         sync = self._pslink
+        if sync.synchronized and not sync.skip and not sync.busy():
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+                          "code.", stacklevel=2)  # Horovod's words
         if not sync.skip and not (sync.synchronized and not sync.busy()):
             sync.synchronize()
         sync.synchronized = False

@@ -362,6 +362,22 @@ class Session:
                                                             for i in range(len(tensors))]
         return WorkGroup([self.allgather_async(t, n) for t, n in zip(tensors, names)])
 
+    def sparse_allreduce(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average) -> torch.Tensor:
+        """Horovod's sparse allreduce: every rank's indices and values of the sparse ``tensor``
+        gathered (never densified), the values averaged for ``op=Average``; a sparse tensor
+        whose duplicate indices sum on use (``coalesce()``)."""
+        if not tensor.is_sparse:
+            raise ConfigError(f"sparse_allreduce takes a sparse tensor, got a {tensor.layout} one")
+        if op not in (Average, Sum):
+            raise ConfigError(f"sparse_allreduce takes op=Average or Sum, got {op!r}")
+        name = self._name("sparse_allreduce", name)
+        mine = tensor.coalesce()
+        indices = self.allgather(mine.indices().t().contiguous(), f"{name}.indices")
+        values = self.allgather(mine.values(), f"{name}.values")
+        if op is Average:
+            values = values / self.size
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape)
+
     def reducescatter(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average) -> torch.Tensor:
         """Horovod's reducescatter: ``tensor`` (the same shape on every rank) reduced over the
         ranks, this rank's share of its first dimension returned (the first ``rows % size``

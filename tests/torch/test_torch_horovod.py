@@ -4,6 +4,7 @@ threads of this process sharing an in-process service (one Session per rank)."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 
@@ -204,6 +205,41 @@ def test_reducescatter_and_alltoall_as_horovod_splits(service):
             first = sum(sent[k][:r])
             expected += [[2 * i + 100 * k, 2 * i + 1 + 100 * k] for i in range(first, first + sent[k][r])]
         assert got.tolist() == expected
+
+
+def test_sparse_allreduce_gathers_indices_and_averages_values(service):
+    def body(s):
+        r = s.rank + 1
+        sparse = torch.sparse_coo_tensor(torch.tensor([[r, 3]]), torch.tensor([1.0 * r, 10.0]), (5,))
+        averaged = s.sparse_allreduce(sparse, "emb")
+        with pytest.raises(ConfigError, match="sparse_allreduce takes a sparse tensor"):
+            s.sparse_allreduce(torch.ones(2), "dense")
+        return averaged
+
+    for averaged in on_ranks(service, 2, body):
+        assert averaged.is_sparse
+        # index 1 from rank 0 (1.0), index 2 from rank 1 (2.0), index 3 from both (10 + 10): averaged over 2
+        assert averaged.to_dense().tolist() == [0.0, 0.5, 1.0, 10.0, 0.0]
+
+
+def test_parameter_names_and_the_warning_for_a_step_after_synchronize(service):
+    def body(s):  # one rank: warnings are captured process-wide, not per thread
+        model = make_model()
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         session=s)
+        loss_of(model, *data(0, 0)).backward()
+        optimizer.synchronize()
+        with pytest.warns(UserWarning, match="skip_synchronize"):
+            optimizer.step()
+        loss_of(model, *data(1, 0)).backward()
+        optimizer.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # none here
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        return sorted(optimizer._parameter_names.values())
+
+    assert on_ranks(service, 1, body) == [["0.bias", "0.weight", "2.bias", "2.weight"]]
 
 
 def test_grouped_calls_refuse_what_is_not_a_list_of_tensors(service):
