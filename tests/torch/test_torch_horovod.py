@@ -4,6 +4,7 @@ threads of this process sharing an in-process service (one Session per rank)."""
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
 
 import pytest
@@ -132,20 +133,22 @@ def test_grouped_allreduce_and_allgather_and_allgather_async(service):
 
 
 def test_a_name_in_flight_is_refused_until_it_is_done(service):
-    def body(s):
-        first = s.allreduce_async_(torch.ones(2), name="busy", op=hvd.Sum)
-        refused = None
-        if not first.done():  # (done already when the other rank was quicker: nothing to refuse)
-            with pytest.raises(ConfigError, match="allreduce 'busy' is already in flight on rank"):
-                s.allreduce_async_(torch.ones(2), name="busy")
-            refused = True
-        first.wait()
-        again = s.allreduce(torch.ones(2), name="busy", op=hvd.Sum)  # done: the name is free
-        return refused, again
+    tried = threading.Event()  # rank 1 pushes only once rank 0 tried again: rank 0's first cannot be done by then
 
-    results = on_ranks(service, 2, body)
-    assert any(refused for refused, _ in results)  # rank 0 or 1 submitted before the other did
-    for _, again in results:
+    def body(s):
+        if s.rank == 1:
+            assert tried.wait(30)
+        first = s.allreduce_async_(torch.ones(2), name="busy", op=hvd.Sum)
+        if s.rank == 0:
+            try:
+                with pytest.raises(ConfigError, match="allreduce 'busy' is already in flight on rank 0"):
+                    s.allreduce_async_(torch.ones(2), name="busy")
+            finally:
+                tried.set()
+        first.wait()
+        return s.allreduce(torch.ones(2), name="busy", op=hvd.Sum)  # done: the name is free again
+
+    for again in on_ranks(service, 2, body):
         assert again.tolist() == [2.0, 2.0]
 
 
