@@ -270,7 +270,7 @@ HOROVOD_NAMES = frozenset({
     "allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
     "barrier", "join",
     "allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
-    "reducescatter", "alltoall",
+    "reducescatter", "alltoall", "add_process_set", "remove_process_set", "ProcessSet", "global_process_set",
     "Compression", "DistributedOptimizer",
 })
 
@@ -284,6 +284,8 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
            for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
                         "reducescatter", "alltoall")},
+        **{name: "process sets of TensorFlow collectives are not written yet"
+           for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
         "DistributedOptimizer": "Keras 3's optimizer is wrapped in pslink.tf.keras; TF1's is not offered",
         "join": "uneven data for TensorFlow (join) is not written yet",
     },
@@ -293,6 +295,8 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
            for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
                         "reducescatter", "alltoall")},
+        **{name: "process sets of TensorFlow collectives are not written yet"
+           for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
         "join": "uneven data for TensorFlow (join) is not written yet",
     },
 }

@@ -23,6 +23,7 @@ except ImportError as exc:  # pragma: no cover - CI installs torch
 from pslink.torch.ddp import HookState, comm_hook, connect  # noqa: E402
 from pslink.torch.horovod import (  # noqa: E402
     DistributedOptimizer,
+    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -68,6 +69,7 @@ from pslink.torch.horovod import (  # noqa: E402
     push_pull_async_inplace,
     push_pull_inplace,
     rank,
+    remove_process_set,
     reducescatter,
     reducescatter_async,
     rocm_built,
@@ -79,6 +81,7 @@ from pslink.torch.horovod import (  # noqa: E402
 from pslink.torch.embedding import Embedding, EmbeddingBag  # noqa: E402  (tables on the service)
 from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work, WorkGroup  # noqa: E402
 from pslink.core.collectives import Max, Min, Product  # noqa: E402
+from pslink.torch.process_sets import ProcessSet, global_process_set  # noqa: E402
 from pslink.errors import PslinkError as HorovodInternalError  # noqa: E402  (a RuntimeError, as Horovod's)
 from pslink.torch import elastic  # noqa: E402  (hvd.elastic.run, hvd.elastic.TorchState)
 from pslink.torch import backend as _backend  # noqa: E402
@@ -103,12 +106,14 @@ __all__ = [
     "HorovodInternalError",
     "Max",
     "Min",
+    "ProcessSet",
     "Product",
     "ReduceOp",
     "Session",
     "Sum",
     "Work",
     "WorkGroup",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -153,7 +158,9 @@ __all__ = [
     "push_pull_async",
     "push_pull_async_inplace",
     "push_pull_inplace",
+    "global_process_set",
     "rank",
+    "remove_process_set",
     "reducescatter",
     "reducescatter_async",
     "rocm_built",

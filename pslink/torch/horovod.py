@@ -29,6 +29,7 @@ from pslink.core.collectives import (  # noqa: F401  (Horovod's build reports, r
 from pslink.errors import ConfigError, PeerError
 from pslink.torch.optimizer import DistributedOptimizer as _wrap_optimizer
 from pslink.torch import autograd
+from pslink.torch.process_sets import ProcessSet, global_process_set
 from pslink.torch.session import (Average, Compression, ReduceOp, Session, Work, WorkGroup, Done, reduce_op,
                                   tensor_list)
 
@@ -89,6 +90,24 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
+def _session_of(process_set) -> Session:
+    """The Session a collective of ``process_set`` runs on."""
+    world = current_session()
+    return world.process_sets.session_for(world, process_set)
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Make a process set of these ranks (a list, or a ProcessSet): every rank calls it, in the
+    same order for every set; the ranks in it then reduce among themselves."""
+    world = current_session()
+    return world.process_sets.add(world, process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Forget a process set (its ranks leave its job); False if it was not added."""
+    return current_session().process_sets.remove(process_set)
+
+
 def current_session() -> Session:
     if _session is None:
         raise ConfigError("pslink.torch has not been initialized; call pslink.torch.init() first")
@@ -134,30 +153,34 @@ def cuda_built() -> bool:
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression=Compression.none, op: ReduceOp | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0) -> torch.Tensor:
+              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A new tensor: ``tensor`` averaged (default) or summed over all ranks (differentiable)."""
-    return autograd.allreduce(current_session(), tensor, name, reduce_op(op, average, elementwise=True), compression,
-                              prescale_factor, postscale_factor)
+    return autograd.allreduce(_session_of(process_set), tensor, name, reduce_op(op, average, elementwise=True),
+                              compression, prescale_factor, postscale_factor)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-               op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+               op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Average (or sum) ``tensor`` over all ranks in place; returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                        process_set=process_set))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Work:
+                    op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Work:
     """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
-    return current_session().allreduce_async(tensor, name, reduce_op(op, average, elementwise=True), prescale_factor,
-                                              postscale_factor)
+    return _session_of(process_set).allreduce_async(tensor, name, reduce_op(op, average, elementwise=True),
+                                                    prescale_factor, postscale_factor)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Work:
+                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Work:
     """Start :func:`allreduce_`; ``synchronize(handle)`` returns ``tensor``."""
-    return current_session().allreduce_async_(tensor, name, reduce_op(op, average, elementwise=True), prescale_factor,
-                                               postscale_factor)
+    return _session_of(process_set).allreduce_async_(tensor, name, reduce_op(op, average, elementwise=True),
+                                                     prescale_factor, postscale_factor)
 
 
 def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
@@ -183,34 +206,40 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
 
 def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None, compression=Compression.none,
                       op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """New tensors: each of ``tensors`` reduced over all ranks, as one group."""
     if compression is not Compression.none:
         return [allreduce(t, average, None if name is None else f"{name}.{i}", compression, op, prescale_factor,
-                          postscale_factor) for i, t in enumerate(tensors)]
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor))
+                          postscale_factor, process_set=process_set) for i, t in enumerate(tensors)]
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                               process_set=process_set))
 
 
 def grouped_allreduce_(tensors, average: bool | None = None, name: str | None = None, op: ReduceOp | None = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Each of ``tensors`` reduced over all ranks in place, as one group; returns them."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set=process_set))
 
 
 def grouped_allreduce_async(tensors, average: bool | None = None, name: str | None = None,
                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> WorkGroup:
+                            postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> WorkGroup:
     """Start :func:`grouped_allreduce`; ``synchronize(handle)`` returns the new tensors."""
     copies = [t.detach().clone() for t in tensor_list(tensors, "grouped_allreduce")]
-    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor)
+    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor,
+                                    process_set=process_set)
 
 
 def grouped_allreduce_async_(tensors, average: bool | None = None, name: str | None = None,
                              op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> WorkGroup:
+                             postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> WorkGroup:
     """Start :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``."""
-    return current_session().grouped_allreduce_async_(tensors, name, reduce_op(op, average, elementwise=True),
-                                                      prescale_factor, postscale_factor)
+    return _session_of(process_set).grouped_allreduce_async_(tensors, name,
+                                                             reduce_op(op, average, elementwise=True),
+                                                             prescale_factor, postscale_factor)
 
 
 def synchronize(handle: Work | WorkGroup) -> Any:
@@ -228,22 +257,26 @@ def poll(handle: Work) -> bool:
 # -- broadcast, allgather ------------------------------------------------------------------------
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A new tensor holding root_rank's ``tensor`` (differentiable)."""
-    return autograd.broadcast(current_session(), tensor, root_rank, name)
+    return autograd.broadcast(_session_of(process_set), tensor, root_rank, name)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with root_rank's, in place; returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set=process_set))
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Work:
-    return current_session().broadcast_async(tensor, root_rank, name)
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Work:
+    return _session_of(process_set).broadcast_async(tensor, root_rank, name)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Work:
-    return current_session().broadcast_async_(tensor, root_rank, name)
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Work:
+    return _session_of(process_set).broadcast_async_(tensor, root_rank, name)
 
 
 def broadcast_parameters(params, root_rank: int) -> None:
@@ -257,60 +290,69 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     current_session().broadcast_optimizer_state(optimizer, root_rank)
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """root_rank's ``obj`` (any picklable object) on every rank."""
-    return current_session().broadcast_object(obj, root_rank, name)
+    return _session_of(process_set).broadcast_object(obj, root_rank, name)
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along the first dimension, in rank order (differentiable)."""
-    return autograd.allgather(current_session(), tensor, name)
+    return autograd.allgather(_session_of(process_set), tensor, name)
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Work:
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Work:
     """Start :func:`allgather`; ``synchronize(handle)`` returns the gathered tensor."""
-    return current_session().allgather_async(tensor, name)
+    return _session_of(process_set).allgather_async(tensor, name)
 
 
-def grouped_allgather(tensors, name: str | None = None) -> list[torch.Tensor]:
+def grouped_allgather(tensors, name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`allgather` of each of ``tensors``, as one group."""
-    return synchronize(grouped_allgather_async(tensors, name))
+    return synchronize(grouped_allgather_async(tensors, name, process_set=process_set))
 
 
-def grouped_allgather_async(tensors, name: str | None = None) -> WorkGroup:
-    return current_session().grouped_allgather_async(tensors, name)
+def grouped_allgather_async(tensors, name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> WorkGroup:
+    return _session_of(process_set).grouped_allgather_async(tensors, name)
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None) -> Work:
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
+                           process_set: ProcessSet = global_process_set) -> Work:
     """Start Horovod's sparse allreduce of a sparse ``tensor``; ``synchronize`` returns it."""
-    result = current_session().sparse_allreduce(tensor, name, reduce_op(op))
+    result = _session_of(process_set).sparse_allreduce(tensor, name, reduce_op(op))
     return Work(Done(), [], lambda: result, f"sparse_allreduce {name!r}", "")
 
 
-def reducescatter(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None) -> torch.Tensor:
+def reducescatter(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
+                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """``tensor`` reduced over all ranks (Average or Sum), this rank's share of its rows."""
-    return current_session().reducescatter(tensor, name, reduce_op(op))
+    return _session_of(process_set).reducescatter(tensor, name, reduce_op(op))
 
 
-def reducescatter_async(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None) -> Work:
-    result = reducescatter(tensor, op, name)
+def reducescatter_async(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
+                        process_set: ProcessSet = global_process_set) -> Work:
+    result = reducescatter(tensor, op, name, process_set=process_set)
     return Work(Done(), [], lambda: result, f"reducescatter {name!r}", "")
 
 
-def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
+def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process_set: ProcessSet = global_process_set):
     """Rank i gets ``splits[i]`` rows of every rank's ``tensor`` (even shares by default), in
     rank order; with ``splits``, also how many rows came from each rank (as Horovod returns)."""
-    return current_session().alltoall(tensor, splits, name)
+    return _session_of(process_set).alltoall(tensor, splits, name)
 
 
-def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None) -> Work:
-    result = alltoall(tensor, splits, name)
+def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Work:
+    result = alltoall(tensor, splits, name, process_set=process_set)
     return Work(Done(), [], lambda: result, f"alltoall {name!r}", "")
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list:
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     """Every rank's ``obj``, as a list in rank order."""
-    return current_session().allgather_object(obj, name)
+    return _session_of(process_set).allgather_object(obj, name)
 
 
 def join(device: int = -1) -> int:
@@ -319,15 +361,17 @@ def join(device: int = -1) -> int:
     return current_session().join()
 
 
-def barrier() -> None:
-    current_session().barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    _session_of(process_set).barrier()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step: int = 1, op: ReduceOp = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks (see
-    :func:`pslink.torch.optimizer.DistributedOptimizer`)."""
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks (of
+    ``process_set``; see :func:`pslink.torch.optimizer.DistributedOptimizer`)."""
     return _wrap_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
-                           gradient_predivide_factor, num_groups, groups, sparse_as_dense, session=current_session())
+                           gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+                           session=_session_of(process_set))

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pslink.core import collectives
+from pslink.torch.process_sets import ProcessSets
 from pslink.core.agent import Agent
 from pslink.core.agent import connect as connect_agent
 from pslink.core.collectives import Adasum, Average, ReduceOp, Sum, Zeros, reduce_op
@@ -96,6 +97,10 @@ class Work:
         return f"<pslink.torch.Work {self._what} {'done' if self.done() else 'in flight'}>"
 
 
+# Collectives that may be called without a name (the n-th such call on every rank is one operation).
+UNNAMED_KINDS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall", "sparse_allreduce")
+
+
 class Session:
     """One worker's collectives, over a connected :class:`~pslink.core.agent.Agent` in mode
     ``sum``. The module-level functions of :mod:`pslink.torch` use the session ``init()`` made;
@@ -114,6 +119,7 @@ class Session:
         self._zeros = Zeros()
         self.optimizers: list = []  # DistributedOptimizers, in creation order (see join)
         self._reducing: set[str] = set()  # names of allreduces in flight: one at a time per name (Horovod's rule)
+        self.process_sets = ProcessSets()  # Horovod's process sets added from this session
         members = (agent.settings.get("membership") or {}).get("ranks") or list(range(agent.num_workers))
         self.set_world(sorted(set(members) | {agent.rank}), 0)
         # On one machine (pslink launch) local rank and size follow the world when it changes.
@@ -138,7 +144,7 @@ class Session:
         self.rank = self.ranks.index(self.agent.rank)
         self.size = len(self.ranks)
         self.generation = generation
-        self._unnamed = {kind: itertools.count() for kind in ("allreduce", "broadcast", "allgather")}
+        self._unnamed = {kind: itertools.count() for kind in UNNAMED_KINDS}
         self._joined_seen = np.zeros(self.size, np.int64)  # who had joined at the last join round
         if getattr(self, "_local_follows", False):
             self.local_rank, self.local_size = self.rank, self.size
@@ -175,6 +181,7 @@ class Session:
         return self.agent
 
     def close(self) -> None:
+        self.process_sets.close()
         self._staging.clear()
         self._zeros.clear()
         self.agent.close()

@@ -185,8 +185,8 @@ def test_reducescatter_and_alltoall_as_horovod_splits(service):
         r = s.rank
         x = torch.arange(10.0).reshape(5, 2) * (r + 1)  # 5 rows over 3 ranks: 2, 2, 1
         mine = s.reducescatter(x, "rs", op=hvd.Sum)
-        mean = s.reducescatter(x, "rs-mean")
-        even = s.alltoall(torch.arange(6) + 10 * r, name="even")  # two elements to each rank
+        mean = s.reducescatter(x)  # unnamed: matched by position
+        even = s.alltoall(torch.arange(6) + 10 * r)  # two elements to each rank; unnamed
         rows = torch.arange(4 * 2).reshape(4, 2) + 100 * r
         splits = [[1, 2, 1], [0, 0, 4], [2, 1, 1]][r]
         got, counts = s.alltoall(rows, splits=splits, name="uneven")
@@ -243,6 +243,43 @@ def test_parameter_names_and_the_warning_for_a_step_after_synchronize(service):
         return sorted(optimizer._parameter_names.values())
 
     assert on_ranks(service, 1, body) == [["0.bias", "0.weight", "2.bias", "2.weight"]]
+
+
+def test_process_sets_reduce_among_their_ranks(service):
+    """Horovod's process sets: every rank adds every set in the same order; a set's collectives
+    count its ranks only; a rank outside a set may not use it; a removed set is gone."""
+    from pslink.torch.process_sets import ProcessSet, global_process_set
+
+    def body(s):
+        sets = s.process_sets
+        evens = sets.add(s, [2, 0])  # ranks 0 and 2, numbered 0 and 1 inside
+        pair = sets.add(s, ProcessSet([1, 2]))
+        with pytest.raises(ConfigError, match="exists already"):
+            sets.add(s, [0, 2])
+        with pytest.raises(ConfigError, match="beyond the job's 3"):
+            sets.add(s, [0, 5])
+        out = {"ids": (evens.process_set_id, pair.process_set_id), "sizes": (evens.size(), pair.size()),
+               "ranks": (evens.rank(), pair.rank()), "world": sets.session_for(s, global_process_set) is s}
+        x = torch.full((2,), float(s.rank + 1))
+        for label, ps in (("evens", evens), ("pair", pair)):
+            if ps.included():
+                out[label] = sets.session_for(s, ps).allreduce(x, "x", op=hvd.Sum).tolist()
+            else:
+                with pytest.raises(ConfigError, match=f"rank {s.rank} is not in ProcessSet"):
+                    sets.session_for(s, ps)
+        assert sets.remove(evens) and not sets.remove(evens)
+        with pytest.raises(ConfigError, match="is not added"):
+            sets.session_for(s, evens)
+        out["world_sum"] = s.allreduce(x, "after", op=hvd.Sum).tolist()  # the job itself is untouched
+        return out
+
+    results = on_ranks(service, 3, body)
+    for rank, out in enumerate(results):
+        assert out["ids"] == (1, 2) and out["sizes"] == (2, 2) and out["world"]
+        assert out["ranks"] == {0: (0, -1), 1: (-1, 0), 2: (1, 1)}[rank]
+        assert out.get("evens") == ([4.0, 4.0] if rank in (0, 2) else None)  # 1 + 3
+        assert out.get("pair") == ([5.0, 5.0] if rank in (1, 2) else None)  # 2 + 3
+        assert out["world_sum"] == [6.0, 6.0]
 
 
 def test_grouped_calls_refuse_what_is_not_a_list_of_tensors(service):
