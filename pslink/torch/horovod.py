@@ -30,8 +30,7 @@ from pslink.errors import ConfigError, PeerError
 from pslink.torch.optimizer import DistributedOptimizer as _wrap_optimizer
 from pslink.torch import autograd
 from pslink.torch.process_sets import ProcessSet, global_process_set
-from pslink.torch.session import (Average, Compression, ReduceOp, Session, Work, WorkGroup, Done, reduce_op,
-                                  tensor_list)
+from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, WorkGroup, reduce_op, tensor_list
 
 ENV_LOCAL_RANK = "PSLINK_LOCAL_RANK"
 ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
@@ -323,7 +322,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Re
                            process_set: ProcessSet = global_process_set) -> Work:
     """Start Horovod's sparse allreduce of a sparse ``tensor``; ``synchronize`` returns it."""
     result = _session_of(process_set).sparse_allreduce(tensor, name, reduce_op(op))
-    return Work(Done(), [], lambda: result, f"sparse_allreduce {name!r}", "")
+    return Work.finished(result, f"sparse_allreduce {name!r}")
 
 
 def reducescatter(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
@@ -335,7 +334,7 @@ def reducescatter(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | 
 def reducescatter_async(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
                         process_set: ProcessSet = global_process_set) -> Work:
     result = reducescatter(tensor, op, name, process_set=process_set)
-    return Work(Done(), [], lambda: result, f"reducescatter {name!r}", "")
+    return Work.finished(result, f"reducescatter {name!r}")
 
 
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process_set: ProcessSet = global_process_set):
@@ -347,7 +346,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Work:
     result = alltoall(tensor, splits, name, process_set=process_set)
-    return Work(Done(), [], lambda: result, f"alltoall {name!r}", "")
+    return Work.finished(result, f"alltoall {name!r}")
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:

@@ -93,6 +93,11 @@ class Work:
             self._finished = True
         return self._result
 
+    @classmethod
+    def finished(cls, result: Any, what: str) -> "Work":
+        """An operation already carried out (its result at hand): ``wait()`` returns it."""
+        return cls(_Done(), [], lambda: result, what, "")
+
     def __repr__(self) -> str:
         return f"<pslink.torch.Work {self._what} {'done' if self.done() else 'in flight'}>"
 
@@ -221,7 +226,7 @@ class Session:
             tensor.copy_(reduce(rows, dim=0).view_as(tensor))
             if postscale_factor != 1.0:
                 _scale(tensor, postscale_factor)
-            return Work(Done(), [], lambda: result, what, "")
+            return Work.finished(result, what)
         if name in self._reducing:
             raise ConfigError(f"allreduce {name!r} is already in flight on rank {self.rank}: synchronize it before "
                               "reducing under its name again, or give each tensor a name of its own")
@@ -299,7 +304,7 @@ class Session:
         bits = [collectives.bits_of(v.array) for v in views]
         pushes = collectives.broadcast_pushes(bits, self.rank, root_rank, self._zeros)
         if not keys:
-            return Work(Done(), [], lambda: None, what, "")
+            return Work.finished(None, what)
         hint = "do all ranks hold the same model?"
         handle = self._submit(keys, pushes, bits, False, what, hint)
         result = named[0][1] if len(named) == 1 else None
@@ -361,7 +366,7 @@ class Session:
         """:meth:`allgather`, as Horovod's ``allgather_async`` (the rows are gathered now: a
         gather is rounds of the service's own; ``synchronize`` returns them)."""
         gathered = self.allgather(tensor, name)
-        return Work(Done(), [], lambda: gathered, f"allgather {name!r}", "")
+        return Work.finished(gathered, f"allgather {name!r}")
 
     def grouped_allgather_async(self, tensors, name: str | None = None) -> "WorkGroup":
         tensors = tensor_list(tensors, "grouped_allgather")
@@ -519,7 +524,7 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
         tensor.copy_((tensor.double() * factor).to(tensor.dtype))
 
 
-class Done:
+class _Done:
     """A handle for an operation that had nothing to send."""
 
     @staticmethod
