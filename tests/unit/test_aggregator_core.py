@@ -539,6 +539,21 @@ def test_an_aborted_task_stays_aborted_where_it_moves():
     assert reply.error.details["ranks"] == [1]
 
 
+def test_a_replica_of_an_aborted_key_is_promoted_aborted():
+    """The key was aborted while this Aggregator held only a replica of a part (gap: aborts
+    reached the parts' Aggregators, not their replicas' holders): promoted after the primary
+    failed, the part refuses requests with the key's error instead of serving it afresh."""
+    from pslink.errors import ShapeMismatchError
+
+    core = AggregatorCore("agg-replica", summer=Summer(threads=1))
+    core.assign(jobinfo(workers=2), [dict(spec(needs_init=False), replica=True)])
+    assert core.abort_key("j", "w", ShapeMismatchError("key 'w': rank 1 uses shape (5,)", key="w")) == []
+    core.moves.promote(("j", "w", 0), [])
+    task = core.tasks[("j", "w", 0)]
+    (reply,) = core.handle(task, Request("rank0", 1, Op.PUSHPULL, 0, 1, np.ones(6, np.float32)))
+    assert isinstance(reply.error, ShapeMismatchError) and "(5,)" in reply.error.message
+
+
 def test_moving_twice_or_unknown_tasks():
     c = Cluster(workers=1, needs_init=False)
     target, outputs = migrate(c, force=True)

@@ -258,6 +258,26 @@ def test_store_round_trips_jobs_keys_and_aggregators(tmp_path, state):
     assert [r.job for r in reloaded.sweep(worker_timeout=10, aggregator_timeout=100)[0]] == ["j"]
 
 
+def test_store_keeps_an_aborted_key_aborted(tmp_path, state):
+    """A key poisoned before a pMaster restart is still poisoned after it, with its error (the
+    restarted pMaster tells Aggregators that take a part of it later)."""
+    from pslink.errors import ShapeMismatchError
+
+    store = MasterStore(str(tmp_path / "pmaster.sqlite"))
+    job = state.register_worker("j", 0, 2, token=None)
+    spec, _ = state.declare(job, 0, item("w", shape=(8,)))
+    spec.aborted = ShapeMismatchError("key 'w': rank 1 uses shape (5,)", key="w", ranks=[1, 0])
+    store.save_job(job)
+    store.save_key("j", spec)
+    store.close()
+    reloaded = MasterState(clock=Clock())
+    MasterStore(str(tmp_path / "pmaster.sqlite")).load(reloaded)
+    again = reloaded.jobs["j"].keys["w"]
+    assert isinstance(again.aborted, ShapeMismatchError) and again.aborted.message == spec.aborted.message
+    assert again.aborted.details["ranks"] == [1, 0]
+    assert all("aborted" in entry for entry in again.task_specs())
+
+
 def test_store_refuses_a_newer_schema(tmp_path):
     path = str(tmp_path / "s.sqlite")
     store = MasterStore(path)

@@ -52,17 +52,8 @@ from pslink.core.aggregator.tasks import (
     moved_error,
     whole_tensor_error,
 )
-from pslink.errors import (
-    AuthError,
-    ClosedError,
-    KeyStateError,
-    MembershipError,
-    ProtocolError,
-    PslinkError,
-    ShapeMismatchError,
-    UnknownJobError,
-    error_from_code,
-)
+from pslink.errors import (AuthError, ClosedError, KeyStateError, MembershipError, ProtocolError, PslinkError,
+                           ShapeMismatchError, UnknownJobError, error_from_code, error_to_wire)
 
 MAX_MISSED = 8  # straggler-closed rounds remembered per task, to mark their late pushes as dropped
 WARM_BUFFERS = 2  # a task's pool in steady state: a round's sum and the push being added to it
@@ -580,6 +571,9 @@ class AggregatorCore:
         return replies
 
     def abort_key(self, job_id: str, key: Any, error: PslinkError) -> list[Reply]:
+        for (j, k, _), held in self.replicas.items():
+            if j == job_id and k == key:  # promoted later, the part starts poisoned (Task)
+                held["spec"]["aborted"] = error_to_wire(error)
         return [r for (j, k, _), task in list(self.tasks.items()) if j == job_id and k == key
                 for r in failures.poison(task, error)]
 

@@ -538,8 +538,10 @@ class Master:
             return
         if spec.aborted is None:
             spec.aborted = error
+            self.store.save_key(record.job, spec)  # a restarted pMaster still knows it (and tells late Aggregators)
         error = spec.aborted
-        names = {p.aggregator for p in spec.parts}
+        # The replicas' holders too: one promoted after a failure must not serve the key unpoisoned.
+        names = {p.aggregator for p in spec.parts} | {r for p in spec.parts for r in p.replicas}
         names |= {m[side] for m in self.mover.core.status(0.0) if (m["job"], m["key"]) == (record.job, key)
                   for side in ("source", "target")}
         for name in names:

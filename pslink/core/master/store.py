@@ -17,6 +17,7 @@ from pslink.core.checkpoints import DEFAULT_EVERY
 from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, PartSpec, WorkerInfo
 from pslink.core.master.state import MasterState
 from pslink.core.membership import Membership
+from pslink.errors import error_from_code, error_to_wire
 
 SCHEMA_VERSION = 3
 
@@ -170,6 +171,7 @@ class MasterStore:
                 continue
             parts = json.loads(parts)
             table = parts.get("table") if isinstance(parts, dict) else None
+            aborted = parts.get("aborted") if isinstance(parts, dict) else None
             parts = parts["parts"] if isinstance(parts, dict) else parts
             spec = KeySpec(
                 table=table,
@@ -180,6 +182,7 @@ class MasterStore:
                 needs_init=bool(needs_init),
                 parts=[PartSpec(part, tuple(span), agg, list(replicas)) for part, span, agg, replicas in parts],
                 ready=True,
+                aborted=error_from_code(*aborted) if aborted else None,  # poisoned before the restart: still so
             )
             state.adopt_key(record, spec)
 
@@ -190,6 +193,14 @@ class MasterStore:
 
 
 def _parts_to_json(spec: KeySpec):
-    """A key's parts as stored: a list; a table's as ``{"parts": [...], "table": options}``."""
+    """A key's parts as stored: a list; with a table's options or the error that aborted the
+    key, ``{"parts": [...], "table": options, "aborted": [code, message, details]}``."""
     parts = [[p.part, list(p.span), p.aggregator, p.replicas] for p in spec.parts]
-    return parts if spec.table is None else {"parts": parts, "table": spec.table}
+    if spec.table is None and spec.aborted is None:
+        return parts
+    stored: dict = {"parts": parts}
+    if spec.table is not None:
+        stored["table"] = spec.table
+    if spec.aborted is not None:
+        stored["aborted"] = error_to_wire(spec.aborted)
+    return stored
