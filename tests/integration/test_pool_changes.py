@@ -253,3 +253,50 @@ def test_a_pmaster_without_a_provider_says_it_cannot_add():
     finally:
         master.stop()
         transports.close()
+
+
+def test_a_removal_pmaster_stopped_during_goes_on_after_its_restart(tmp_path):
+    """Gap (issue 23): a pMaster restart mid-drain forgot the drain: the Aggregator stayed in the
+    pool. Now the removal is stored; a pMaster started from the store drains it once it registers
+    again. The store here is as a pMaster that stopped mid-drain left it (the removal recorded,
+    the Aggregator still holding its parts), so the moment of the stop is not left to chance."""
+    from pslink.core.master import Master
+    from pslink.core.master.store import MasterStore
+    from pslink.core.service.providers import ThreadProvider
+
+    transports = Transports()
+    state_dir = str(tmp_path / "state")
+    master = Master("tcp://127.0.0.1:0", state_dir=state_dir, transports=transports).start()
+    address = master.address
+    provider = ThreadProvider(address, transports, reconnect_interval=0.05)
+    agent = None
+    try:
+        assert master.wait_for_aggregators(provider.start(2), 20)
+        agent = pslink.connect("drained", 0, 1, master=address, transports=transports, heartbeat_interval=0.1,
+                               timeout=30.0)
+        agent.init("w", np.zeros(64, np.float32)).wait()
+        for _ in range(3):
+            agent.pushpull("w", np.ones(64, np.float32)).wait()
+        victim = agent.key_info("w")["parts"][0][3]
+        master.stop()  # Aggregators and the Agent stay; the store is left as it was
+        store = MasterStore(str(tmp_path / "state" / "pmaster.sqlite"))
+        store.save_removing([victim])  # ... as the removal's first step stored it
+        store.close()
+        master = Master(address, state_dir=state_dir, transports=transports).start()
+        deadline, rounds = time.monotonic() + 60, 3
+        while victim in master.state.aggregators:  # drained and released once it registered again
+            assert time.monotonic() < deadline, f"{victim} was not drained after the restart"
+            # Training goes on meanwhile (a part moves between two rounds), every round's sum right.
+            np.testing.assert_array_equal(agent.pushpull("w", np.ones(64, np.float32)).wait(), np.ones(64))
+            rounds += 1
+        assert MasterStore(str(tmp_path / "state" / "pmaster.sqlite")).load_removing() == []
+        spec = master.state.jobs["drained"].keys["w"]
+        assert all(p.aggregator != victim for p in spec.parts)
+        np.testing.assert_array_equal(agent.pushpull("w", np.ones(64, np.float32)).wait(), np.ones(64))
+        assert agent.key_info("w")["round"] == rounds + 1
+    finally:
+        if agent is not None:
+            agent.close()
+        master.stop(shutdown_aggregators=True)
+        provider.stop_all()
+        transports.close()

@@ -53,6 +53,8 @@ class Pool:
         self._release_after: dict[str, Release] = {}  # released once no migration leaves it
         self._pool_adds: list[dict] = []  # {peer, req, names, timer}: answered once all registered
         self._pool_removals: dict[str, dict] = {}  # draining Aggregator -> {peer, req, moves, replicas}
+        # Removals stored by a pMaster that stopped before they ended: resumed once each registers.
+        self.resume: set[str] = set(store.load_removing())
 
     # -- starting and releasing ---------------------------------------------------------------------
 
@@ -185,9 +187,27 @@ class Pool:
                  len(replicas))
         self._pool_removals[name] = {"peer": peer, "req": req, "moves": list(moves), "replicas": replicas,
                                      "pending": len(replicas)}
+        self.store.save_removing(self._pool_removals)  # a pMaster restarted before it ends goes on with it
         for action in replicas:
             self._move_replica(name, action)
         # The moves and the Release are in the outbox: pMaster carries them out after this request.
+
+    def registered_again(self) -> None:
+        """An Aggregator registered with a pMaster that restarted while an operator was removing
+        some: each such removal goes on once its Aggregator is back and the pool has room for its
+        parts (until then it waits for the next registration; nobody waits for its answer now)."""
+        for name in sorted(self.resume):
+            if name not in self.links.peers:
+                continue
+            try:
+                self._pool_remove(None, None, name)
+            except PslinkError as exc:
+                log.info("pMaster: the removal of aggregator %s, begun before a restart, waits: %s", name,
+                         exc.message)
+                continue
+            self.resume.discard(name)
+            log.info("pMaster: the removal of aggregator %s, begun before a restart, goes on", name)
+            self.carry_out()
 
     def _move_replica(self, leaving: str, action: Rereplicate) -> None:
         """The new replicas learn what they hold first; then the part's Aggregator learns where its
@@ -244,6 +264,7 @@ class Pool:
         removal = self._pool_removals.pop(name, None)
         if removal is None:
             return
+        self.store.save_removing(self._pool_removals)
         moved = []
         for job, key, part in removal["moves"]:
             record = self.state.jobs.get(job)
@@ -251,6 +272,10 @@ class Pool:
             if spec is not None and part < len(spec.parts):
                 moved.append([job, key, part, spec.parts[part].aggregator])
         replicas = [[a.record.job, a.spec.key, a.part.part, list(a.added)] for a in removal["replicas"]]
+        if removal["peer"] is None:  # resumed after a pMaster restart: whoever asked is gone
+            log.info("pMaster: aggregator %s is removed (its removal resumed after a restart): %d part(s) moved",
+                     name, len(moved))
+            return
         removal["peer"].reply(removal["req"], body={"removed": name, "moved": moved, "replicas": replicas,
                                                     "min_aggregators": self.state.control.min_aggregators})
 
@@ -262,7 +287,8 @@ class Pool:
         self.state.control.undrain(source)
         self._release_after.pop(source, None)
         removal = self._pool_removals.pop(source, None)
-        if removal is not None:
+        self.store.save_removing(self._pool_removals)
+        if removal is not None and removal["peer"] is not None:
             removal["peer"].error(removal["req"], ServiceError(
                 f"removing aggregator {source}: moving {task} to {target} failed ({error}); {source} stays in the "
                 "pool with the tasks it still has"))

@@ -115,6 +115,16 @@ class MasterStore:
     def delete_key(self, job: str, key) -> None:
         self._exec("DELETE FROM keys WHERE job=? AND key=?", (job, msgpack.packb(key)))
 
+    def save_removing(self, names) -> None:
+        """The Aggregators an operator is removing (draining): a restarted pMaster goes on with it."""
+        self._exec("INSERT OR REPLACE INTO meta VALUES ('removing', ?)", (json.dumps(sorted(names)),))
+
+    def load_removing(self) -> list[str]:
+        if self.db is None:
+            return []
+        row = self.db.execute("SELECT value FROM meta WHERE name='removing'").fetchone()
+        return list(json.loads(row[0])) if row else []
+
     def delete_aggregator(self, name: str) -> None:
         self._exec("DELETE FROM aggregators WHERE name=?", (name,))
 
