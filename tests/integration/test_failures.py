@@ -149,7 +149,7 @@ def test_without_a_replica_sum_mode_goes_on_and_optimizer_mode_fails_loudly():
 # -- kill -9 of an Aggregator process mid-training ----------------------------------------------------
 
 
-def train_processes(job, steps, kill_at=None, statuses=None):
+def train_processes(job, steps, kill_at=None, statuses=None, partition_bytes=4096, check=None):
     """Two workers (threads, real sockets) on a service of 3 Aggregator processes, replication 1.
     With ``kill_at``, a third thread SIGKILLs the busiest Aggregator once rank 0 has finished that
     many steps, while both keep training (no pause is arranged for it). Returns the final weights,
@@ -166,8 +166,8 @@ def train_processes(job, steps, kill_at=None, statuses=None):
 
         def worker(rank):
             ends = []
-            with pslink.connect(job, rank, 2, master=service.address, optimizer=OPTIMIZER, partition_bytes=4096,
-                                replication=1, timeout=30) as agent:
+            with pslink.connect(job, rank, 2, master=service.address, optimizer=OPTIMIZER,
+                                partition_bytes=partition_bytes, replication=1, timeout=30) as agent:
                 keys = [0, 1, 2]
                 agent.init_many(keys, [np.linspace(-1, 1, 3000, dtype=np.float32) * (k + 1) for k in keys]).wait()
                 for step in range(steps):
@@ -186,6 +186,8 @@ def train_processes(job, steps, kill_at=None, statuses=None):
         if statuses is not None or kill_at is not None:
             # A lost replica does not stop the job: its failover may finish after the last step.
             wait_until(lambda: service.master.failovers_done, 20, "pMaster's failover")
+        if check is not None:
+            check(service)
         if statuses is not None:
             # The failed ones too: their processes were reaped, and new ones keep the pool's size.
             names = set(service.provider.names()) | {f"agg-{i}" for i in range(3)}
@@ -205,6 +207,22 @@ def test_kill_9_of_an_aggregator_process_with_a_replica_changes_nothing():
     pause = max(b - a for a, b in zip(ends[0], ends[0][1:]))
     assert pause < 10.0, f"training stopped for {pause:.1f} s after the Aggregator was killed"
     assert any(t > killed_at[0] for t in ends[0]), "no step finished after the kill"
+
+
+def test_kill_9_with_fused_requests_in_flight_changes_nothing():
+    """The same with parts of 512 bytes: 72 parts a step, so most requests travel in FUSED
+    messages (past 8 in flight on a link) and some wait in an outbox when the Aggregator dies;
+    they are relocated with the rest, and the weights equal a clean run's."""
+    def fused(service):  # requests did travel fused: the Aggregators' heartbeats count them
+        wait_until(lambda: sum(a.stats.get("fused", 0) for a in service.master.state.aggregators.values()) > 0,
+                   20, "a heartbeat counting fused requests")
+
+    expected, _, _, _ = train_processes("clean-fused", 30, partition_bytes=512, check=fused)
+    got, _, failovers, killed_at = train_processes("killed-fused", 30, kill_at=10, partition_bytes=512)
+    assert failovers == 1 and killed_at
+    for rank in (0, 1):
+        for key in range(3):
+            np.testing.assert_array_equal(got[rank][key], expected[rank][key])
 
 
 # -- pMaster killed and restarted mid-training --------------------------------------------------------

@@ -439,6 +439,7 @@ class MasterState:
             self.control.load_measured(name, float(stats["load"]))
         record.stats["errors"] = stats.get("errors", 0)
         record.stats["requests"] = stats.get("requests", 0)
+        record.stats["fused"] = stats.get("fused", 0)  # of those, requests that came in FUSED messages
         record.stats["stalled"] = stats.get("stalled") or []
         record.last_seen = now
         record.alive = True
