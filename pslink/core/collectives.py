@@ -280,10 +280,9 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
     "pslink.torch": {},
     "pslink.tf": {
         "Compression": "fp16 compression of TensorFlow tensors is not written yet",
-        **{op: "Min, Max and Product of TensorFlow tensors are not written yet" for op in ("Min", "Max", "Product")},
         **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
-           for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
-                        "reducescatter", "alltoall")},
+           for name in ("allgather_async", "grouped_allreduce_async", "grouped_allgather", "reducescatter",
+                        "alltoall")},
         **{name: "process sets of TensorFlow collectives are not written yet"
            for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
         "DistributedOptimizer": "Keras 3's optimizer is wrapped in pslink.tf.keras; TF1's is not offered",
@@ -291,10 +290,9 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
     },
     "pslink.tf.keras": {
         "Compression": "fp16 compression of TensorFlow tensors is not written yet",
-        **{op: "Min, Max and Product of TensorFlow tensors are not written yet" for op in ("Min", "Max", "Product")},
         **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
-           for name in ("allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
-                        "reducescatter", "alltoall")},
+           for name in ("allgather_async", "grouped_allreduce_async", "grouped_allgather", "reducescatter",
+                        "alltoall")},
         **{name: "process sets of TensorFlow collectives are not written yet"
            for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
         "join": "uneven data for TensorFlow (join) is not written yet",

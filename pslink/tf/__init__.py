@@ -27,6 +27,9 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 from pslink.core.collectives import (
     Adasum,
     Average,
+    Max,
+    Min,
+    Product,
     Sum,
     ccl_built,
     ddl_built,
@@ -59,6 +62,7 @@ from pslink.tf.ops import (
     broadcast,
     broadcast_object,
     broadcast_variables,
+    grouped_allreduce,
 )
 from pslink.tf.strategy import ParameterServiceStrategy
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
@@ -68,7 +72,10 @@ __all__ = [
     "Average",
     "DistributedGradientTape",
     "HorovodInternalError",
+    "Max",
+    "Min",
     "ParameterServiceStrategy",
+    "Product",
     "Sum",
     "allgather",
     "allgather_object",
@@ -77,6 +84,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "broadcast_variables",
+    "grouped_allreduce",
     "ccl_built",
     "cross_rank",
     "cross_size",

@@ -38,14 +38,28 @@ _unnamed_allgather = SiteKeys("tf.allgather")
 
 @tf.autograph.experimental.do_not_convert
 def allreduce(tensor, average: bool | None = None, name: str | None = None, op=None) -> tf.Tensor:
-    """The mean (``op=hvd.Sum`` or ``average=False``: the sum) of ``tensor`` over every worker.
+    """The mean (``op=hvd.Sum`` or ``average=False``: the sum; ``Min``, ``Max``, ``Product``) of
+    ``tensor`` over every worker.
 
     ``name`` keys it on the service; without one, calls are told apart by dtype, shape and their
     order within the traced function, so make unnamed calls in the same order on every worker."""
-    average = collectives.reduce_op(op, average) is Average
+    op = collectives.reduce_op(op, average, elementwise=True)
     tensor = tf.convert_to_tensor(tensor)
+    if op in collectives.ELEMENTWISE:
+        # Every worker's tensor as a row, in rank order; each reduces them alike (the service sums).
+        rows = allgather(tf.expand_dims(tensor, 0), None if name is None else f"{name}.{op.value}")
+        return {collectives.Min: tf.reduce_min, collectives.Max: tf.reduce_max,
+                collectives.Product: tf.reduce_prod}[op](rows, axis=0)
     key = service_key("tf.allreduce", name) if name else _unnamed_allreduce.keys([tensor])[0]
-    return context.exchange().sum([key], [tensor], average=average, what=f"allreduce {name or ''}".strip())[0]
+    return context.exchange().sum([key], [tensor], average=op is Average,
+                                  what=f"allreduce {name or ''}".strip())[0]
+
+
+def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None, op=None) -> list[tf.Tensor]:
+    """:func:`allreduce` of each of ``tensors`` (``name.i`` each, when ``name`` is given)."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ConfigError(f"grouped_allreduce takes a non-empty list of tensors, got {type(tensors).__name__}")
+    return [allreduce(t, average, None if name is None else f"{name}.{i}", op) for i, t in enumerate(tensors)]
 
 
 @tf.autograph.experimental.do_not_convert

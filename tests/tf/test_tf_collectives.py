@@ -26,5 +26,7 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         assert report["object"] == {"from": 1, "text": "x" * 10}
         assert report["objects"] == [["rank", 0, []], ["rank", 1, [0]]]
         assert report["sum"] == 3.0 and report["mean"] == 1.5
+        assert report["min"] == [1.0, -1.0] and report["max"] == [2.0, 0.0]  # Horovod's Min and Max
+        assert report["product"] == [2 * 3, 9] and report["grouped"] == [3.0, [1.0, 1.0]]
         assert report["cross"] == [0, 1]  # one machine, as pslink launch reports it
         assert "root_rank must be an int in [0, 2), got 2" in report["bad_root"], rank

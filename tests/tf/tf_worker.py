@@ -241,6 +241,11 @@ def run_collectives(rank, outdir):
         "objects": hvd.allgather_object(("rank", rank, list(range(rank)))),
         "sum": float(hvd.allreduce(tf.constant(rank + 1.0), op=hvd.Sum, name="total")),
         "mean": float(hvd.allreduce(tf.constant(rank + 1.0), name="mean")),
+        "min": hvd.allreduce(tf.constant([rank + 1.0, -rank]), op=hvd.Min, name="min").numpy().tolist(),
+        "max": hvd.allreduce(tf.constant([rank + 1.0, -rank]), op=hvd.Max).numpy().tolist(),  # unnamed
+        "product": hvd.allreduce(tf.constant([rank + 2, 3]), op=hvd.Product, name="product").numpy().tolist(),
+        "grouped": [t.numpy().tolist() for t in hvd.grouped_allreduce([tf.constant(rank + 1.0), tf.ones([2]) * rank],
+                                                                     op=hvd.Sum, name="group")],
         "cross": [hvd.cross_rank(), hvd.cross_size()],
     }
     hvd.barrier()

@@ -14,6 +14,9 @@ Use these without ``ParameterServiceStrategy`` (which reduces gradients itself).
 from pslink.core.collectives import (
     Adasum,
     Average,
+    Max,
+    Min,
+    Product,
     Sum,
     ccl_built,
     ddl_built,
@@ -40,13 +43,17 @@ from pslink.tf.context import (
 from pslink.tf.keras import callbacks
 from pslink.tf.keras.optimizer import DistributedOptimizer
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
-from pslink.tf.ops import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object, broadcast_variables
+from pslink.tf.ops import (allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object,
+                           broadcast_variables, grouped_allreduce)
 
 __all__ = [
     "Adasum",
     "Average",
     "DistributedOptimizer",
     "HorovodInternalError",
+    "Max",
+    "Min",
+    "Product",
     "Sum",
     "allgather",
     "allgather_object",
@@ -55,6 +62,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "broadcast_variables",
+    "grouped_allreduce",
     "callbacks",
     "ccl_built",
     "cross_rank",
