@@ -288,6 +288,15 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         "DistributedOptimizer": "Keras 3's optimizer is wrapped in pslink.tf.keras; TF1's is not offered",
         "join": "uneven data for TensorFlow (join) is not written yet",
     },
+    "pslink.mxnet.horovod": {
+        "Compression": "fp16 compression of MXNet NDArrays is not written yet",
+        "join": "uneven data for MXNet (join) is not written yet",
+        **{name: "asynchronous and grouped collectives beyond grouped_allreduce of NDArrays are not written yet"
+           for name in ("allgather_async", "grouped_allreduce_async", "grouped_allgather", "reducescatter",
+                        "alltoall")},
+        **{name: "process sets of MXNet collectives are not written yet"
+           for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
+    },
     "pslink.tf.keras": {
         "Compression": "fp16 compression of TensorFlow tensors is not written yet",
         **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"

@@ -1,0 +1,348 @@
+"""Horovod's MXNet API (``horovod.mxnet``) over the parameter service.
+
+::
+
+    import pslink.mxnet.horovod as hvd      # in place of: import horovod.mxnet as hvd
+
+    hvd.init()
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1 * hvd.size()})
+    hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+
+Every operation is a push-pull of a named key of the job in mode ``sum`` (as in
+:mod:`pslink.torch`): ``allreduce`` averages floats on the service (integer averages truncate),
+``broadcast`` sends the root's bits and zeros from the others, ``allgather`` rows in rank order.
+NDArrays go through host memory. ``DistributedTrainer`` is a gluon Trainer that sums each
+gradient over the ranks before its update and divides by the number of ranks in the update's
+scale, as Horovod's does; ``DistributedOptimizer`` wraps an ``mx.optimizer.Optimizer`` whose
+``update`` averages the gradient first. Run the script with ``pslink launch -n N python train.py``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+
+import pslink
+from pslink.core import collectives
+from pslink.core.collectives import (Adasum, Average, Max, Min, Product, Sum, Zeros, ccl_built,  # noqa: F401
+                                     ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                                     mpi_threads_supported, nccl_built, reduce_op, rocm_built)
+from pslink.errors import ConfigError
+from pslink.errors import PslinkError as HorovodInternalError  # noqa: F401  (a RuntimeError, as Horovod's)
+
+
+__all__ = [
+    "Adasum", "Average", "DistributedOptimizer", "DistributedTrainer", "HorovodInternalError", "Max", "Min",
+    "Product", "Session", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "barrier", "broadcast", "broadcast_", "broadcast_object",
+    "broadcast_parameters", "ccl_built", "cross_rank", "cuda_built", "cross_size", "ddl_built", "gloo_built", "gloo_enabled",
+    "grouped_allreduce", "init", "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size",
+]
+
+
+class Session:
+    """One worker's Horovod collectives over an Agent in mode ``sum`` (the module functions use
+    the one :func:`init` made; tests may hold several)."""
+
+    def __init__(self, agent):
+        if agent.mode != "sum":
+            raise ConfigError(f"pslink.mxnet.horovod needs an Agent in mode 'sum', this one is in mode {agent.mode!r}")
+        self.agent = agent
+        self.rank, self.size = agent.rank, agent.num_workers
+        self._unnamed = {kind: itertools.count() for kind in ("allreduce", "broadcast", "allgather")}
+        self._zeros = Zeros()
+
+    def close(self) -> None:
+        self._zeros.clear()
+        self.agent.close()
+
+    def _name(self, kind: str, name: str | None) -> str:
+        if name is None:
+            return f"{kind}.noname.{next(self._unnamed[kind])}"  # the n-th unnamed call on every rank
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
+        return name
+
+    def _pushpull(self, key: str, array: np.ndarray, out: np.ndarray, average: bool = False) -> np.ndarray:
+        return self.agent.pushpull(key, array, out=out, average=average).wait()
+
+    def allreduce_(self, tensor: mx.nd.NDArray, average: bool | None = None, name: str | None = None,
+                   op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> mx.nd.NDArray:
+        """``tensor`` averaged (or summed; Min, Max, Product) over the ranks, in place; returns it."""
+        op = reduce_op(op, average, elementwise=True)
+        name = self._name("allreduce", name)
+        if op in collectives.ELEMENTWISE:
+            tensor[:] = self.reduce_elementwise(_scale_nd(tensor, prescale_factor), op, name)
+            if postscale_factor != 1.0:
+                tensor[:] = _scale_nd(tensor, postscale_factor)
+            return tensor
+        host = np.ascontiguousarray(tensor.asnumpy())
+        if prescale_factor != 1.0:
+            host = _scaled(host, prescale_factor)
+        floating = host.dtype.kind == "f"
+        out = np.empty_like(host)
+        self._pushpull(collectives.service_key("mx.allreduce", name), host, out, op is Average and floating)
+        if op is Average and not floating:
+            out = np.trunc(out / self.size).astype(out.dtype)
+        if postscale_factor != 1.0:
+            out = _scaled(out, postscale_factor)
+        tensor[:] = out
+        return tensor
+
+    def allreduce(self, tensor: mx.nd.NDArray, average: bool | None = None, name: str | None = None, op=None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> mx.nd.NDArray:
+        return self.allreduce_(tensor.copy(), average, name, op, prescale_factor, postscale_factor)
+
+    def broadcast_(self, tensor: mx.nd.NDArray, root_rank: int, name: str | None = None) -> mx.nd.NDArray:
+        """root_rank's ``tensor`` on every rank, in place, bit for bit."""
+        collectives.check_root(root_rank, self.size, "broadcast")
+        name = self._name("broadcast", name)
+        host = np.ascontiguousarray(tensor.asnumpy())
+        if host.size:
+            bits = collectives.bits_of(host)
+            (push,) = collectives.broadcast_pushes([bits], self.rank, root_rank, self._zeros)
+            self._pushpull(collectives.service_key("mx.broadcast", name), push, bits)
+            tensor[:] = host
+        return tensor
+
+    def broadcast(self, tensor: mx.nd.NDArray, root_rank: int, name: str | None = None) -> mx.nd.NDArray:
+        return self.broadcast_(tensor.copy(), root_rank, name)
+
+    def allgather(self, tensor: mx.nd.NDArray, name: str | None = None) -> mx.nd.NDArray:
+        """Every rank's ``tensor`` concatenated along the first dimension, in rank order."""
+        name = self._name("allgather", name)
+        host = np.ascontiguousarray(tensor.asnumpy())
+        gathered, _ = collectives.gather_rows(self._round, f"mx.{name}", host, self.rank, self.size)
+        return mx.nd.array(gathered, ctx=tensor.context, dtype=tensor.dtype)
+
+    def _round(self, key: str, array: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return self._pushpull(key, array, out)
+
+    def broadcast_object(self, obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+        collectives.check_root(root_rank, self.size, "broadcast_object")
+        return collectives.broadcast_object(self._round, f"mx.{name or 'broadcast_object'}", obj, self.rank,
+                                            root_rank)
+
+    def broadcast_parameters(self, params, root_rank: int = 0) -> None:
+        """Overwrite ``params`` (a gluon ParameterDict or a dict of NDArrays, as Module's
+        ``get_params()`` gives) with root_rank's, in place, by name."""
+        if hasattr(params, "items"):
+            named = sorted(params.items(), key=lambda item: item[0])
+        else:
+            raise ConfigError(f"broadcast_parameters takes a ParameterDict or a dict of NDArrays, got "
+                              f"{type(params).__name__}")
+        for name, value in named:
+            if isinstance(value, mx.gluon.Parameter):
+                arrays = value.list_data()
+                self.broadcast_(arrays[0], root_rank, f"parameter.{name}")
+                for other in arrays[1:]:
+                    arrays[0].copyto(other)
+            else:
+                self.broadcast_(value, root_rank, f"parameter.{name}")
+
+    def allgather_object(self, obj: Any, name: str | None = None) -> list:
+        return collectives.allgather_object(self._round, f"mx.{name or 'allgather_object'}", obj, self.rank,
+                                            self.size)
+
+    def reduce_elementwise(self, tensor: mx.nd.NDArray, op, name: str | None) -> mx.nd.NDArray:
+        """Min, Max or Product: every rank's tensor gathered in rank order, reduced alike on each."""
+        rows = self.allgather(tensor.reshape((1, -1)), None if name is None else f"{name}.{op.value}").asnumpy()
+        reduce = {collectives.Min: np.min, collectives.Max: np.max, collectives.Product: np.prod}[op]
+        return mx.nd.array(reduce(rows, axis=0).reshape(tensor.shape), ctx=tensor.context, dtype=tensor.dtype)
+
+    def barrier(self) -> None:
+        self.agent.barrier("mx/barrier", timeout=self.agent.timeout)
+
+
+def _scale_nd(tensor: mx.nd.NDArray, factor: float) -> mx.nd.NDArray:
+    return tensor if factor == 1.0 else mx.nd.array(_scaled(tensor.asnumpy(), factor), ctx=tensor.context,
+                                                    dtype=tensor.dtype)
+
+
+def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
+    """``array * factor`` in its own dtype (integers truncated toward zero, as Horovod scales)."""
+    if array.dtype.kind == "f":
+        return (array * factor).astype(array.dtype)
+    return np.trunc(array.astype(np.float64) * factor).astype(array.dtype)
+
+
+# -- the module's session ----------------------------------------------------------------------------
+
+_session: Session | None = None
+
+
+def init(comm=None, *, job: str | None = None, rank: int | None = None, num_workers: int | None = None,
+         master: str | None = None, **options: Any) -> None:
+    """Join the job (from ``pslink launch``'s environment, or as arguments); again: nothing."""
+    global _session
+    if _session is not None:
+        return
+    if comm is not None:
+        raise ConfigError("pslink.mxnet.horovod.init: MPI communicators are not supported; call init()")
+    options["mode"] = "sum"
+    _session = Session(pslink.connect(job, rank, num_workers, master, **options))
+
+
+def shutdown() -> None:
+    global _session
+    session, _session = _session, None
+    if session is not None:
+        session.close()
+
+
+atexit.register(shutdown)
+
+
+def current_session() -> Session:
+    if _session is None:
+        raise ConfigError("pslink.mxnet.horovod has not been initialized; call init() first")
+    return _session
+
+
+def is_initialized() -> bool:
+    return _session is not None
+
+
+def rank() -> int:
+    return current_session().rank
+
+
+def size() -> int:
+    return current_session().size
+
+
+def local_rank() -> int:
+    return current_session().rank
+
+
+def local_size() -> int:
+    return current_session().size
+
+
+def cross_rank() -> int:
+    return collectives.cross_rank(rank(), local_size())
+
+
+def cross_size() -> int:
+    return collectives.cross_size(size(), local_size())
+
+
+def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0, op=None):
+    """A new NDArray: ``tensor`` averaged (default) or summed over every rank (``priority`` unused)."""
+    return current_session().allreduce(tensor, average, name, op, prescale_factor, postscale_factor)
+
+
+def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0, op=None):
+    return current_session().allreduce_(tensor, average, name, op, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
+                      op=None):
+    return [allreduce(t, average, None if name is None else f"{name}.{i}", priority, prescale_factor,
+                      postscale_factor, op) for i, t in enumerate(tensors)]
+
+
+def allgather(tensor, name=None, priority=0):
+    return current_session().allgather(tensor, name)
+
+
+def broadcast(tensor, root_rank, name=None, priority=0):
+    return current_session().broadcast(tensor, root_rank, name)
+
+
+def broadcast_(tensor, root_rank, name=None, priority=0):
+    return current_session().broadcast_(tensor, root_rank, name)
+
+
+def broadcast_object(obj=None, root_rank=0, name=None):
+    return current_session().broadcast_object(obj, root_rank, name)
+
+
+def broadcast_parameters(params, root_rank=0, prefix=None):
+    current_session().broadcast_parameters(params, root_rank)
+
+
+def allgather_object(obj, name=None):
+    return current_session().allgather_object(obj, name)
+
+
+def barrier():
+    current_session().barrier()
+
+
+def cuda_built() -> bool:
+    return False  # pslink moves NDArrays through host memory
+
+
+# -- training ----------------------------------------------------------------------------------------
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """``optimizer`` (for ``Module.fit(optimizer=..., kvstore=None)``) whose ``update`` first sums
+    the gradient over the ranks, its ``rescale_grad`` divided by the number of ranks: the average,
+    as Horovod's does it."""
+
+    def __init__(self, optimizer: mx.optimizer.Optimizer, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, session: Session | None = None):
+        self._optimizer = optimizer
+        self._predivide = float(gradient_predivide_factor)
+        self._session = session or current_session()
+        self._optimizer.rescale_grad *= self._predivide / self._session.size
+
+    def __getattr__(self, item):
+        return getattr(self._optimizer, item)
+
+    def create_state_multi_precision(self, index, weight):
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def _sum(self, index, grad) -> None:
+        indices, grads = (index, grad) if isinstance(index, (list, tuple)) else ([index], [grad])
+        for i, g in zip(indices, grads):
+            self._session.allreduce_(g, op=Sum, name=f"optimizer.{i}", prescale_factor=1.0 / self._predivide)
+
+    def update(self, index, weight, grad, state):
+        self._sum(index, grad)
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        self._sum(index, grad)
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+    def set_learning_rate(self, lr):
+        self._optimizer.set_learning_rate(lr)
+
+    def set_lr_mult(self, args_lr_mult):
+        self._optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult):
+        self._optimizer.set_wd_mult(args_wd_mult)
+
+
+class DistributedTrainer(mx.gluon.Trainer):
+    """A gluon Trainer whose gradients are summed over the ranks before each update, the update's
+    scale divided by the number of ranks (Horovod's ``DistributedTrainer``)."""
+
+    def __init__(self, params, optimizer, optimizer_params=None, compression=None,
+                 gradient_predivide_factor: float = 1.0, prefix=None, num_groups: int = 0,
+                 session: Session | None = None):
+        if compression not in (None, "none") and getattr(compression, "__name__", "") != "none":
+            raise ConfigError("DistributedTrainer: gradient compression is not offered here; leave it unset")
+        self._session = session or current_session()
+        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
+        self._predivide = float(gradient_predivide_factor)
+        self._scale /= self._session.size  # gradients are summed: the average, as Horovod scales it
+        self._prefix = prefix or ""
+
+    def _allreduce_grads(self):
+        for i, param in enumerate(self._params):
+            if param.grad_req == "null":
+                continue
+            grads = param.list_grad()
+            self._session.allreduce_(grads[0], op=Sum, name=f"{self._prefix}grad.{i}.{param.name}",
+                                     prescale_factor=1.0 / self._predivide, postscale_factor=self._predivide)
+            for other in grads[1:]:
+                grads[0].copyto(other)

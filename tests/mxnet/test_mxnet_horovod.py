@@ -1,0 +1,151 @@
+"""Horovod's MXNet API (pslink.mxnet.horovod): collectives, DistributedTrainer and
+DistributedOptimizer, on ranks that are threads of this process (one Session each)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mxnet", reason="MXNet 1.9.1 is not installed (CI installs it: pip install '.[mxnet]')")
+
+import pslink  # noqa: E402
+from pslink.errors import ConfigError, ShapeMismatchError  # noqa: E402
+from pslink.mxnet import horovod as hvd  # noqa: E402
+from tests.helpers import run_workers  # noqa: E402
+
+_jobs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cluster(inproc_cluster):
+    return inproc_cluster
+
+
+def on_ranks(cluster, size: int, fn) -> list:
+    service, transports = cluster
+    job = f"mxhvd-{next(_jobs)}"
+
+    def body(rank):
+        session = hvd.Session(pslink.connect(job, rank, size, master=service.address, transports=transports,
+                                             timeout=30.0, mode="sum"))
+        try:
+            return fn(session)
+        finally:
+            session.close()
+
+    return run_workers(size, body)
+
+
+def test_allreduce_broadcast_allgather_and_objects(cluster):
+    def body(s):
+        r = s.rank + 1
+        mean = s.allreduce(mx.nd.array([1.0, 2.0]) * r, name="mean")
+        total = s.allreduce(mx.nd.array([3, 7], dtype="int32") * r, op=hvd.Sum)  # unnamed
+        ints = s.allreduce(mx.nd.array([3, 7], dtype="int64") * r, name="ints")  # an integer mean truncates
+        scaled = s.allreduce(mx.nd.ones((2,)) * r, name="scaled", prescale_factor=2.0, postscale_factor=10.0)
+        value = mx.nd.array([-0.0, 1.5]) if s.rank == 1 else mx.nd.array([5.0, 5.0])
+        s.broadcast_(value, root_rank=1, name="value")
+        rows = s.allgather(mx.nd.ones((r, 2)) * s.rank, name="rows")
+        obj = s.broadcast_object({"from": s.rank} if s.rank == 0 else None, root_rank=0)
+        low = s.allreduce(mx.nd.array([1.5 * r, -r]), name="min", op=hvd.Min)
+        product = s.allreduce(mx.nd.array([r + 1, 3], dtype="int64"), op=hvd.Product)
+        objects = s.allgather_object(("rank", s.rank))
+        with pytest.raises(ConfigError, match="root_rank must be an int in \\[0, 2\\), got 2"):
+            s.broadcast_(mx.nd.ones((1,)), root_rank=2)
+        return mean, total, ints, scaled, value, rows, obj, low, product, objects
+
+    for mean, total, ints, scaled, value, rows, obj, low, product, objects in on_ranks(cluster, 2, body):
+        assert low.asnumpy().tolist() == [1.5, -2.0] and product.asnumpy().tolist() == [6, 9]
+        assert objects == [("rank", 0), ("rank", 1)]
+        assert mean.asnumpy().tolist() == [1.5, 3.0]
+        assert total.dtype == np.int32 and total.asnumpy().tolist() == [9, 21]
+        assert ints.asnumpy().tolist() == [4, 10]
+        assert scaled.asnumpy().tolist() == [30.0, 30.0]  # (2*1 + 2*2) / 2 * 10
+        got = value.asnumpy()
+        assert np.signbit(got[0]) and got[1] == 1.5  # the root's bits, -0.0 included
+        assert rows.asnumpy().tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert obj == {"from": 0}
+
+
+def test_shapes_that_differ_fail_on_every_rank(cluster):
+    def body(s):
+        with pytest.raises(ShapeMismatchError):
+            s.allreduce(mx.nd.ones((3 + s.rank,)), name="loss")
+        return True
+
+    assert on_ranks(cluster, 2, body) == [True, True]
+
+
+def net_and_data(rank: int, seed: int = 0):
+    net = mx.gluon.nn.Dense(3, in_units=4)
+    net.initialize(mx.init.Constant(0.1))
+    rng = np.random.default_rng(10 + rank)
+    x = mx.nd.array(rng.standard_normal((8, 4)))
+    y = mx.nd.array(rng.integers(0, 3, 8))
+    return net, x, y
+
+
+def train_steps(net, trainer, x, y, steps: int, batch: int) -> list:
+    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+    for _ in range(steps):
+        with mx.autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(batch)
+    return [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+def test_distributed_trainer_equals_one_process_on_the_combined_batch(cluster):
+    def body(s):
+        net, x, y = net_and_data(s.rank)
+        trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.5, "momentum": 0.9},
+                                         session=s)
+        return train_steps(net, trainer, x, y, 4, 8)
+
+    results = on_ranks(cluster, 2, body)
+    reference, x0, y0 = net_and_data(0)
+    _, x1, y1 = net_and_data(1)
+    trainer = mx.gluon.Trainer(reference.collect_params(), "sgd", {"learning_rate": 0.5, "momentum": 0.9},
+                               kvstore=None)
+    expected = train_steps(reference, trainer, mx.nd.concat(x0, x1, dim=0), mx.nd.concat(y0, y1, dim=0), 4, 16)
+    for weights in results:
+        for got, want in zip(weights, expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_distributed_optimizer_averages_each_gradient_before_its_update(cluster):
+    def body(s):
+        optimizer = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1), session=s)
+        weight = mx.nd.ones((3,))
+        grad = mx.nd.array([1.0, 2.0, 3.0]) * (s.rank + 1)
+        optimizer.update(0, weight, grad, optimizer.create_state_multi_precision(0, weight))
+        return weight.asnumpy()
+
+    for weight in on_ranks(cluster, 2, body):
+        # the average gradient is 1.5 x [1, 2, 3]; SGD: w - 0.1 * g
+        np.testing.assert_allclose(weight, 1.0 - 0.1 * 1.5 * np.array([1.0, 2.0, 3.0]), rtol=1e-6)
+
+
+def test_broadcast_parameters_gives_every_rank_the_roots(cluster):
+    def body(s):
+        net = mx.gluon.nn.Dense(2, in_units=3, bias_initializer=mx.init.Constant(float(s.rank + 1)))
+        net.initialize(mx.init.Constant(float(s.rank + 1)))
+        s.broadcast_parameters(net.collect_params(), root_rank=1)
+        arrays = {"a": mx.nd.ones((2,)) * s.rank}
+        s.broadcast_parameters(arrays, root_rank=0)
+        return [p.data().asnumpy() for p in net.collect_params().values()], arrays["a"].asnumpy()
+
+    for params, array in on_ranks(cluster, 2, body):
+        assert all((p == 2.0).all() for p in params)
+        assert array.tolist() == [0.0, 0.0]
+
+
+def test_the_module_api_names_horovods_functions():
+    for name in ("init", "shutdown", "rank", "size", "local_rank", "allreduce", "allreduce_", "allgather",
+                 "broadcast", "broadcast_", "broadcast_parameters", "broadcast_object", "DistributedTrainer",
+                 "DistributedOptimizer", "Average", "Sum", "HorovodInternalError", "mpi_built", "nccl_built"):
+        assert hasattr(hvd, name), name
+    with pytest.raises(ConfigError, match="has not been initialized"):
+        hvd.rank()
