@@ -20,6 +20,7 @@ the adapters to it.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import hashlib
 import pickle
@@ -90,6 +91,26 @@ def reduce_op(op: ReduceOp | None, average: bool | None = None, elementwise: boo
     if op in ELEMENTWISE and not elementwise:
         raise ConfigError(f"op={op.name.title()} is not supported here; use Average or Sum")
     return op
+
+
+class SessionHolder:
+    """The process's one session of a Horovod-style module (``module``, as users import it): its
+    ``init()`` sets ``session``; ``shutdown()``, also at exit, closes it."""
+
+    def __init__(self, module: str):
+        self.module = module
+        self.session: Any = None
+        atexit.register(self.shutdown)
+
+    def current(self) -> Any:
+        if self.session is None:
+            raise ConfigError(f"{self.module} has not been initialized; call {self.module}.init() first")
+        return self.session
+
+    def shutdown(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
 
 
 # -- broadcast ----------------------------------------------------------------------------------------

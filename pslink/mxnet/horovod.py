@@ -19,7 +19,6 @@ scale, as Horovod's does; ``DistributedOptimizer`` wraps an ``mx.optimizer.Optim
 
 from __future__ import annotations
 
-import atexit
 import itertools
 from typing import Any
 
@@ -172,39 +171,30 @@ def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
 
 # -- the module's session ----------------------------------------------------------------------------
 
-_session: Session | None = None
+_holder = collectives.SessionHolder("pslink.mxnet.horovod")
 
 
 def init(comm=None, *, job: str | None = None, rank: int | None = None, num_workers: int | None = None,
          master: str | None = None, **options: Any) -> None:
     """Join the job (from ``pslink launch``'s environment, or as arguments); again: nothing."""
-    global _session
-    if _session is not None:
+    if _holder.session is not None:
         return
     if comm is not None:
         raise ConfigError("pslink.mxnet.horovod.init: MPI communicators are not supported; call init()")
     options["mode"] = "sum"
-    _session = Session(pslink.connect(job, rank, num_workers, master, **options))
+    _holder.session = Session(pslink.connect(job, rank, num_workers, master, **options))
 
 
 def shutdown() -> None:
-    global _session
-    session, _session = _session, None
-    if session is not None:
-        session.close()
-
-
-atexit.register(shutdown)
+    _holder.shutdown()
 
 
 def current_session() -> Session:
-    if _session is None:
-        raise ConfigError("pslink.mxnet.horovod has not been initialized; call init() first")
-    return _session
+    return _holder.current()
 
 
 def is_initialized() -> bool:
-    return _session is not None
+    return _holder.session is not None
 
 
 def rank() -> int:

@@ -41,8 +41,8 @@ def _agent_for(agent) -> Agent:
     from pslink.torch import horovod
     from pslink.torch.ddp import _backend_agent, connect
 
-    if horovod._session is not None:
-        return horovod._session.agent
+    if horovod._holder.session is not None:
+        return horovod._holder.session.agent
     return _backend_agent() or connect().agent
 
 

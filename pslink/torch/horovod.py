@@ -7,7 +7,6 @@ the launcher's environment names; everything else works on the session it made.
 
 from __future__ import annotations
 
-import atexit
 import os
 from typing import Any
 
@@ -35,7 +34,7 @@ from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, 
 ENV_LOCAL_RANK = "PSLINK_LOCAL_RANK"
 ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
 
-_session: Session | None = None
+_holder = collectives.SessionHolder("pslink.torch")
 
 
 def init(comm=None, *, job: str | None = None, rank: int | None = None, num_workers: int | None = None,
@@ -43,8 +42,7 @@ def init(comm=None, *, job: str | None = None, rank: int | None = None, num_work
     """Join the job (job, rank, num_workers and master from ``pslink launch``'s environment, or as
     arguments, as :func:`pslink.connect` names them). Calling it again while initialized does
     nothing, as in Horovod."""
-    global _session
-    if _session is not None:
+    if _holder.session is not None:
         return
     if comm is not None:
         raise ConfigError("pslink.torch.init: MPI communicators and process sets are not supported; call init()")
@@ -65,7 +63,7 @@ def init(comm=None, *, job: str | None = None, rank: int | None = None, num_work
         """The same registration, with the job's token (elastic recovery: a new Agent)."""
         return pslink.connect(job, rank, num_workers, master, **dict(options, token=token, rejoin=rejoin))
 
-    _session = Session(agent, _env_int(ENV_LOCAL_RANK), _env_int(ENV_LOCAL_SIZE), connect=connect_again)
+    _holder.session = Session(agent, _env_int(ENV_LOCAL_RANK), _env_int(ENV_LOCAL_SIZE), connect=connect_again)
 
 
 def _env_int(name: str) -> int | None:
@@ -80,13 +78,7 @@ def _env_int(name: str) -> int | None:
 
 def shutdown() -> None:
     """Leave the job and release the session (``init()`` may be called again)."""
-    global _session
-    session, _session = _session, None
-    if session is not None:
-        session.close()
-
-
-atexit.register(shutdown)
+    _holder.shutdown()
 
 
 def _session_of(process_set) -> Session:
@@ -108,13 +100,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def current_session() -> Session:
-    if _session is None:
-        raise ConfigError("pslink.torch has not been initialized; call pslink.torch.init() first")
-    return _session
+    return _holder.current()
 
 
 def is_initialized() -> bool:
-    return _session is not None
+    return _holder.session is not None
 
 
 def rank() -> int:
