@@ -576,8 +576,6 @@ class Master:
             self._joined.add(peer)
             self._registered.notify_all()
         self.pool.registered()
-        if self.pool.resume:  # an operator was removing some when pMaster stopped
-            self.reactor.post(self.pool.registered_again)
 
     # -- liveness -------------------------------------------------------------------------------
 

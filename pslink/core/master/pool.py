@@ -156,12 +156,15 @@ class Pool:
         self.registered()
 
     def registered(self) -> None:
-        """An Aggregator registered: answer the adds now complete."""
+        """An Aggregator registered: answer the adds now complete; removals a restart interrupted
+        may go on (judged once this turn is over: the registration's own work comes first)."""
         for wait in [w for w in self._pool_adds if all(self.alive(n) for n in w["names"])]:
             self._pool_adds.remove(wait)
             wait["timer"].cancel()
             wait["peer"].reply(wait["req"], body={"added": wait["names"],
                                                   "min_aggregators": self.state.control.min_aggregators})
+        if self.resume:
+            self.reactor.post(self._resume_removals)
 
     def _pool_add_timed_out(self, wait: dict) -> None:
         if wait in self._pool_adds:
@@ -192,9 +195,8 @@ class Pool:
             self._move_replica(name, action)
         # The moves and the Release are in the outbox: pMaster carries them out after this request.
 
-    def registered_again(self) -> None:
-        """An Aggregator registered with a pMaster that restarted while an operator was removing
-        some: each such removal goes on once its Aggregator is back and the pool has room for its
+    def _resume_removals(self) -> None:
+        """pMaster restarted while an operator was removing Aggregators: each such removal goes on once its Aggregator is back and the pool has room for its
         parts (until then it waits for the next registration; nobody waits for its answer now)."""
         for name in sorted(self.resume):
             if name not in self.links.peers:
