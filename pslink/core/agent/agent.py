@@ -130,7 +130,8 @@ class Agent:
                                   connect_timeout=connect_timeout, peer_timeout=peer_timeout,
                                   probe_interval=probe_interval, resend_timeout=resend_timeout, faults=self.faults,
                                   clock=clock, fusion_bytes=fusion[0], fusion_cycle=fusion[1])
-        self._handles.before_wait = self._requests.flush
+        if fusion[0]:  # with fusion off nothing waits in an outbox: no look at every link before each wait
+            self._handles.before_wait = self._requests.flush
         self._iterations = Iterations(clock, self._timeline, self._lock)  # durations for pMaster; the timeline's steps
         self._master = MasterLink(self.seat, master, self.transports, self._reactor, limits, self._handles,
                                   connect_timeout=connect_timeout, timeout=timeout,
