@@ -203,6 +203,13 @@ class Session:
             raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
         return name
 
+    def _group_names(self, kind: str, name: str | None, count: int) -> list:
+        """A group's names: ``name.i`` each, or None each (unnamed: matched by position)."""
+        if name is None:
+            return [None] * count
+        name = self._name(kind, name)
+        return [f"{name}.{i}" for i in range(count)]
+
     def _wait(self, work: Work) -> Any:
         return work.wait(self.timeout)
 
@@ -268,8 +275,7 @@ class Session:
         together (their small requests travel fused); ``name`` is the group's, each tensor's is
         ``name.i``. Returns a :class:`WorkGroup`."""
         tensors = tensor_list(tensors, "grouped_allreduce")
-        names = [None] * len(tensors) if name is None else [f"{self._name('allreduce', name)}.{i}"
-                                                            for i in range(len(tensors))]
+        names = self._group_names("allreduce", name, len(tensors))
         return WorkGroup([self.allreduce_async_(t, n, op, prescale_factor, postscale_factor)
                           for t, n in zip(tensors, names)])
 
@@ -370,8 +376,7 @@ class Session:
 
     def grouped_allgather_async(self, tensors, name: str | None = None) -> "WorkGroup":
         tensors = tensor_list(tensors, "grouped_allgather")
-        names = [None] * len(tensors) if name is None else [f"{self._name('allgather', name)}.{i}"
-                                                            for i in range(len(tensors))]
+        names = self._group_names("allgather", name, len(tensors))
         return WorkGroup([self.allgather_async(t, n) for t, n in zip(tensors, names)])
 
     def sparse_allreduce(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average) -> torch.Tensor:
