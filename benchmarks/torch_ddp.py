@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import io
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 
@@ -94,21 +92,12 @@ VARIANTS = ("alone", "gloo", "pslink", "backend")
 
 
 def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
-    from pslink.launch import launch
+    from pslink.bench.launched import launch_and_collect
 
-    with tempfile.TemporaryDirectory(prefix=f"pslink-bench-{variant}-") as out:
-        command = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--out", out,
-                   "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        log = io.StringIO()
-        code = launch(command, 2, service=service, job=f"bench-ddp-{variant}-{os.getpid()}-{index}", output=log)
-        if code != 0:
-            raise SystemExit(f"the {variant} workers failed (status {code}):\n{log.getvalue()}")
-        results = []
-        for rank in range(2):
-            with open(os.path.join(out, f"rank{rank}.json")) as f:
-                results.append(json.load(f))
-        return results
+    command = [sys.executable, os.path.abspath(__file__), "--worker", variant,
+               "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    return launch_and_collect(command, variant, service, f"bench-ddp-{variant}-{os.getpid()}-{index}")
 
 
 def main(argv=None) -> int:

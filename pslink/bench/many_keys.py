@@ -25,7 +25,6 @@ the limit. The last line is JSON::
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
@@ -149,20 +148,11 @@ def worker(args) -> None:
 
 
 def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
-    from pslink.launch import launch
+    from pslink.bench.launched import launch_and_collect
 
-    with tempfile.TemporaryDirectory(prefix=f"pslink-many-{variant}-") as out:
-        command = [sys.executable, "-m", "pslink.bench.many_keys", "--worker", variant, "--out", out,
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        log = io.StringIO()
-        code = launch(command, 2, service=service, job=f"bench-many-{variant}-{os.getpid()}-{index}", output=log)
-        if code != 0:
-            raise SystemExit(f"the {variant} workers failed (status {code}):\n{log.getvalue()}")
-        results = []
-        for rank in range(2):
-            with open(os.path.join(out, f"rank{rank}.json")) as f:
-                results.append(json.load(f))
-        return results
+    command = [sys.executable, "-m", "pslink.bench.many_keys", "--worker", variant,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    return launch_and_collect(command, variant, service, f"bench-many-{variant}-{os.getpid()}-{index}")
 
 
 def main(argv=None) -> int:
