@@ -189,12 +189,12 @@ def _write_jobs(path: Path, outcomes) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["job", "model", "workers", "servers", "submit_s", "duration_s", "end_s", "iteration_s",
-                         "busy_cpus", "slo", "slowdown", "migrations", "relocations", "reverts"])
+                         "busy_cpus", "slo", "slowdown", "migrations", "parts_moved", "relocations", "reverts"])
         for o in outcomes:
             writer.writerow([o.name, o.model, o.workers, o.servers, f"{o.submit:.1f}", f"{o.duration:.1f}",
                              f"{o.end:.1f}" if o.end is not None else "", f"{o.iteration:.4f}", f"{o.busy:.4f}",
                              f"{o.slo:g}" if o.slo is not None else "", f"{o.slowdown:.5f}", o.migrations,
-                             o.relocations, o.reverts])
+                             o.parts_moved, o.relocations, o.reverts])
 
 
 def _print_summary(summary: dict, wall: float, out: Path, written: list[Path]) -> None:
@@ -217,10 +217,12 @@ def _print_summary(summary: dict, wall: float, out: Path, written: list[Path]) -
         ("jobs above their SLO", f"{summary['over_slo']:.2%}"),
         *[(f"  SLO {slo}: jobs, above, p99 slowdown", f"{c['jobs']:,} / {c['over_slo']:.2%} / {c.get('p99', 0):.1%}")
           for slo, c in summary["slo_classes"].items() if len(summary["slo_classes"]) > 1],
-        ("migrations (parts moved) / reverts", f"{summary['migrations']['total']:,} / "
+        ("migrations / parts moved / reverts", f"{summary['migrations']['total']:,} / "
+                                               f"{summary['parts_moved']['total']:,} / "
                                                f"{summary['counters'].get('reverts', 0):,.0f}"),
-        ("per job: parts moved, relocations (median)", f"{summary['migrations']['per_job_median']:.0f} / "
-                                                      f"{summary['relocations']['per_job_median']:.0f}"),
+        ("per job: migrations, parts moved, relocations (median)",
+         f"{summary['migrations']['per_job_median']:.0f} / {summary['parts_moved']['per_job_median']:.0f} / "
+         f"{summary['relocations']['per_job_median']:.0f}"),
         ("wall time, peak memory", f"{wall:.0f} s, {_peak_memory_mb():,.0f} MB"),
         ("hosts at peak, NIC peak load, jobs a NIC slowed",
          f"{summary['counters'].get('hosts at peak', 0):,.0f}, {summary['counters'].get('NIC peak load', 0):.0%}, "

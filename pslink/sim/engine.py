@@ -10,11 +10,11 @@ Two policies over the same jobs (:class:`~pslink.sim.workload.SimJob`):
   Aggregator ``startup`` seconds after an ``Allocate`` and then binds it; it reports each job's
   profiled iterations and task costs, later its iteration durations and the Aggregators' loads
   to the guard; it carries out migrations through the migration core pMaster runs
-  (:mod:`pslink.core.master.migrations`): moves are throttled as live ones are, a move's source
-  hands its task over at the end of its job's round (one iteration), the copy crosses at
-  ``copy_bandwidth`` and stalls the job's next round by its duration, and the move ends once the
-  workers came round to the new place (another iteration); releases of Aggregators a move still
-  involves wait for it, as pMaster's do.
+  (:mod:`pslink.core.master.migrations`): moves are batched and throttled as live ones are, a
+  batch's source hands its tasks over at the end of its job's round (one iteration), the batch's
+  copy crosses at ``copy_bandwidth`` and stalls the job's next round once by its duration, and a
+  move ends once the workers came round to the new place (another iteration); releases of
+  Aggregators a move still involves wait for it, as pMaster's do.
 
 How fast a packed job runs follows the model placement itself uses (the paper's cyclic
 execution, 3.3.1): on an Aggregator with cycle ``C`` a job of standalone iteration ``D`` runs
@@ -36,10 +36,10 @@ import heapq
 import itertools
 from typing import Callable, Iterable
 
-from pslink.core.master.actions import Allocate, Migrate, Release
+from pslink.core.master.actions import Allocate, Migrate, Release, batches_of_moves
 from pslink.core.master.control import DEFAULT_HEADROOM, DEFAULT_PLACEMENT_SHARE, ControlPlane
-from pslink.core.master.migrations import (DEFAULT_MAX_MIGRATION_BYTES, Begin, Finished, HandOver, Migrations,
-                                           Settle)
+from pslink.core.master.migrations import (DEFAULT_MAX_MIGRATION_BYTES, Begin, Finished, HandOver, Migrated,
+                                           Migrations, Settle)
 from pslink.core.master.placement import LOSS_LIMIT, runs_per_cycle
 from pslink.sim.hosts import HostPool
 from pslink.sim.results import JobOutcome, SimResult, Timeline, outcome_of, relocation_kind, simulate_static
@@ -149,6 +149,7 @@ class PslinkSimulation:
         self._dirty: set[str] = set()  # jobs whose speed must be looked at again
         # The migrations, as pMaster carries them out; the guard leaves moving jobs be, as live.
         self.migrations = Migrations(self._move_size, options.max_migration_bytes)
+        self._batch_copies: dict[int, float] = {}  # a batch under way -> when its copy lands
         self.control.moving_jobs = lambda: self.migrations.moving_jobs() | self.control.jobs_waiting_to_move()
         self._held: dict[str, Release] = {}  # releases waiting for the moves that involve them
         self.hosts = HostPool(options.host_cpus, options.nic_bandwidth) if options.host_cpus else None
@@ -293,8 +294,11 @@ class PslinkSimulation:
     # -- actions -------------------------------------------------------------------------------------
 
     def _apply(self, actions: list) -> None:
-        for action in actions:
-            if isinstance(action, Allocate):
+        for group in batches_of_moves(actions):
+            action = group[0]
+            if isinstance(action, Migrate):
+                self._carry(self.migrations.request_many(group, self.now))  # one decision's: batches of them
+            elif isinstance(action, Allocate):
                 self.aggregators += 1
                 self.counters["allocations"] += 1
                 self._push(self.now + self.options.startup, BIND, action.placeholder)
@@ -304,14 +308,12 @@ class PslinkSimulation:
                     self._held[action.aggregator] = action  # its CPU is held until the moves off it are over
                 else:
                     self._release(action)
-            elif isinstance(action, Migrate):
-                self._carry(self.migrations.request(action, self.now))
         self._count_relocations(actions)
 
     def _count_relocations(self, actions: list) -> None:
         """One decision that moves parts of a job (a pack, the guard's moves, a revert, a drain)
-        is one relocation of that job, whatever number of parts it moves; parts moved are
-        counted as migrations when they arrive."""
+        is one relocation of that job, whatever number of parts it moves; its migrations (batches)
+        and parts moved are counted when they arrive."""
         decisions = {(a.task[0], a.reason) for a in actions if isinstance(a, Migrate)}
         for job, reason in decisions:
             self.counters[f"relocations: {relocation_kind(reason)}"] += 1
@@ -351,12 +353,26 @@ class PslinkSimulation:
                 self._carry(self.migrations.handed_over(move.task, move.source, True, self.now))
                 # CPU the copy takes: the source sends its bytes, the target receives them.
                 self.counters["migration CPU seconds"] += 2 * move.bytes * self.cost_per_byte
-                self._push(self.now + self._round(move.task[0]) + self._copy_seconds(move.bytes), COPIED,
-                           (move.task, move.bytes))
-            elif isinstance(action, Finished) and action.why == "done":
+                # A batch's parts travel as one copy: it lands (and stalls the job) once.
+                landing = self._batch_copies.get(move.batch)
+                stall = 0.0
+                if landing is None:
+                    batch = self.migrations.batch(move.batch)
+                    stall = self._copy_seconds(batch.bytes if batch is not None else move.bytes)
+                    landing = self._batch_copies[move.batch] = self.now + self._round(move.task[0]) + stall
+                self._push(landing, COPIED, (move.task, stall))
+            elif isinstance(action, Finished):
+                if self.migrations.batch(action.move.batch) is None:
+                    self._batch_copies.pop(action.move.batch, None)
+                if action.why == "done":
+                    self.counters["parts moved"] += 1
+                    self.counters["migrated bytes"] += action.move.bytes
+                    run = self.runs.get(action.move.task[0])
+                    if run is not None:
+                        run.outcome.parts_moved += 1
+            elif isinstance(action, Migrated):
                 self.counters["migrations"] += 1
-                self.counters["migrated bytes"] += action.move.bytes
-                run = self.runs.get(action.move.task[0])
+                run = self.runs.get(action.batch.job)
                 if run is not None:
                     run.outcome.migrations += 1
             elif isinstance(action, Settle):
@@ -369,10 +385,10 @@ class PslinkSimulation:
                     self._apply(self.control.release_idle("emptied by migrations"))
 
     def _copied(self, payload: tuple) -> bool:
-        """A move's copy landed: the job's round waited for it; then its workers come round."""
-        task, nbytes = payload
+        """A move's copy landed: the job's round waited for it (its batch's copy, once); then its
+        workers come round."""
+        task, stall = payload
         run = self.runs.get(task[0])
-        stall = self._copy_seconds(nbytes)
         if run is not None and stall > 0:
             self._advance(run)
             run.remaining += stall * run.rate

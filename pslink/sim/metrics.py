@@ -67,6 +67,7 @@ def summarize(pslink: SimResult, static: SimResult, interval: float = 60.0) -> d
     for o in pslink.jobs:
         by_model[o.model].append(o.slowdown)
     migrated = [o.migrations for o in pslink.jobs]
+    parts_moved = [o.parts_moved for o in pslink.jobs]
     relocated = [o.relocations for o in pslink.jobs]
     by_slo: dict[float, list[float]] = collections.defaultdict(list)
     for o in pslink.jobs:
@@ -97,8 +98,9 @@ def summarize(pslink: SimResult, static: SimResult, interval: float = 60.0) -> d
         "network_slowed": float(np.mean([o.network_slowed for o in pslink.jobs])) if pslink.jobs else 0.0,
         "slo_classes": {f"{slo:g}": {"jobs": len(v), "over_slo": float(np.mean(np.array(v) > slo)),
                                      **_percentiles(np.array(v))} for slo, v in sorted(by_slo.items())},
-        "migrations": {"total": int(sum(migrated)), "per_job_median": float(np.median(migrated)) if migrated else 0.0,
-                       "per_job_p90": float(np.percentile(migrated, 90)) if migrated else 0.0},
+        # A migration: one decision's parts of a job between two Aggregators, one copy (a batch).
+        "migrations": _per_job(migrated),
+        "parts_moved": _per_job(parts_moved),
         # Decisions that moved a job's parts (its pack, the guard's moves, reverts, drains).
         "relocations": {"total": int(sum(relocated)),
                         "per_job_median": float(np.median(relocated)) if relocated else 0.0,
@@ -106,6 +108,11 @@ def summarize(pslink: SimResult, static: SimResult, interval: float = 60.0) -> d
                         "per_job_max": int(max(relocated)) if relocated else 0},
         "counters": {k: float(v) for k, v in sorted(pslink.counters.items())},
     }
+
+
+def _per_job(counts: list[int]) -> dict:
+    return {"total": int(sum(counts)), "per_job_median": float(np.median(counts)) if counts else 0.0,
+            "per_job_p90": float(np.percentile(counts, 90)) if counts else 0.0}
 
 
 def binned_mean(times: np.ndarray, values: np.ndarray, width: float) -> tuple[np.ndarray, np.ndarray]:

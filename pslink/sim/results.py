@@ -25,7 +25,8 @@ class JobOutcome:
     busy: float  # CPUs its aggregation keeps busy at standalone speed
     end: float | None = None
     packed_at: float | None = None
-    migrations: int = 0  # parts moved
+    migrations: int = 0  # batches moved: a decision's parts of it between two Aggregators, one copy
+    parts_moved: int = 0
     relocations: int = 0  # decisions that moved some of its parts
     reverts: int = 0
     slo: float | None = None  # the slowdown it accepted (pslink: its own or the service's limit)

@@ -102,7 +102,8 @@ def test_asp_pushes_and_optimizer_state_survive_a_migration(transports):
 
 def test_throttled_migrations_copy_a_bounded_amount_at_a_time_and_all_complete(transports):
     """Many moves at once: at most max_migration_bytes of task state copies at a time (one task
-    always), the rest wait queued (and count as in flight), and the result is exact."""
+    always; a job's tasks from one Aggregator to another go in batches of up to that), the rest
+    wait queued (and count as in flight), and the result is exact."""
     part_bytes = 2048  # 6000 floats: 12 parts of 2 KiB; momentum doubles the state: 4 KiB a task
     limit = 8192  # two tasks at a time
     n, workers, rounds, migrated_at = 6000, 2, 40, 8
@@ -118,6 +119,8 @@ def test_throttled_migrations_copy_a_bounded_amount_at_a_time_and_all_complete(t
         def watched(now):
             actions = original(now)
             peak[0] = max(peak[0], moves.copying_bytes())
+            # Batches of up to two tasks (4 KiB each): a batch never copies more than the throttle.
+            assert all(b.bytes <= limit for b in moves.batches.values())
             if moves.throttled:
                 seen_queued[0] = True
                 assert all(moves.moving(a.source) for a in moves.throttled.values())

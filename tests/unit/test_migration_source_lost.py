@@ -61,7 +61,7 @@ def moving(master, replication=1, *, target_holds_replica=False, migrate=True):
     replica = part.replicas[0] if part.replicas else None
     target = replica if target_holds_replica else next(n for n in names if n not in (source, replica))
     if migrate:
-        master.mover.migrate(state.control.move_task(TASK, target, "test"))
+        master.mover.migrate([state.control.move_task(TASK, target, "test")])
         peers[target].answer(Op.ASSIGN)  # the target waits for the copy now
     return part, peers, (source, replica, target)
 
@@ -139,7 +139,7 @@ def test_a_target_that_held_the_replica_is_asked_first(master):
 def test_a_source_dead_before_the_target_took_the_task_fails_over_as_before(master):
     """The MIGRATE was never sent: the source served the part to the end; its replica takes over."""
     part, peers, (source, replica, target) = moving(master, migrate=False)
-    master.mover.migrate(master.state.control.move_task(TASK, target, "test"))  # the ASSIGN is unanswered
+    master.mover.migrate([master.state.control.move_task(TASK, target, "test")])  # the ASSIGN is unanswered
     lose(master, source)
     assert move_of(master) is None
     assert part.aggregator == replica

@@ -7,9 +7,10 @@ import pytest
 
 from pslink.core.master import Master
 from pslink.core.master.actions import Migrate
-from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrations, Routed,
-                                           Settle)
+from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
+                                           Routed, Settle)
 from pslink.core.transport import Transports
+from pslink.core.wire.protocol import Op
 from pslink.sim.engine import PslinkSimulation, ServiceOptions
 from pslink.sim.workload import SimJob
 
@@ -205,3 +206,96 @@ def test_simulated_moves_take_time_and_hold_back_the_guard(timed):
         assert all(end > o.submit + o.duration for end, o in zip(ends, result.jobs))  # each copy stalled a round
     else:
         assert ends == [pytest.approx(o.submit + o.duration) for o in result.jobs]
+
+
+# -- batches: one decision's moves of a job between two Aggregators are one migration ---------------
+
+
+def test_one_decisions_moves_of_a_job_between_two_aggregators_are_batches_the_throttle_admits_whole():
+    moves = core(max_bytes=8 * MIB)
+    pack = [Migrate(("j", k, 0), "a", "b", "pack") for k in range(3)] + [Migrate(("j", 3, 0), "c", "b", "pack")]
+    pack.append(Migrate(("k", 0, 0), "a", "b", "pack"))  # another job's: a batch of its own
+    begun = kinds(moves.request_many(pack, 0.0))
+    # 12 MiB from a to b: a batch of 8 MiB (the throttle's worth) and one of 4; the rest waits.
+    assert begun == [("Begin", ("j", k, 0), "a", "b") for k in range(2)]
+    assert {m.batch for m in moves.running.values()} == {1} and moves.batch(1).bytes == 8 * MIB
+    assert [list(m) for m in moves.waiting.values()] == [[("j", 2, 0)], [("j", 3, 0)], [("k", 0, 0)]]
+    actions = []
+    for k in range(2):
+        actions += walk(moves, ("j", k, 0))
+    migrated = [a.batch for a in actions if isinstance(a, Migrated)]
+    assert len(migrated) == 1 and (migrated[0].job, migrated[0].source, migrated[0].target, migrated[0].moved) == \
+        ("j", "a", "b", 2)
+    assert moves.done == 2 and moves.migrated == 1 and moves.batch(1) is None
+    # The first batch's copies landed: room for the next two (4 MiB each).
+    assert [a[1] for a in kinds(actions) if a[0] == "Begin"] == [("j", 2, 0), ("j", 3, 0)]
+    big = core({("j", "huge", 0): 64 * MIB}, max_bytes=8 * MIB)  # a task over the throttle goes alone
+    assert kinds(big.request_many([Migrate(("j", "huge", 0), "a", "b", "x"), Migrate(("j", 1, 0), "a", "b", "x")],
+                                  0.0)) == [("Begin", ("j", "huge", 0), "a", "b")]
+
+
+def test_a_batch_counts_as_a_migration_only_if_some_of_its_moves_were_done():
+    moves = core()
+    moves.request_many([Migrate(("j", k, 0), "a", "b", "pack") for k in range(2)], 0.0)
+    first = moves.target_ready(("j", 0, 0), False, 0.0)  # refused: the plan goes back
+    assert [a for a in first if isinstance(a, Migrated)] == []
+    rest = walk(moves, ("j", 1, 0))
+    (migrated,) = [a.batch for a in rest if isinstance(a, Migrated)]
+    assert migrated.moved == 1 and moves.migrated == 1
+    moves.request_many([Migrate(("j", k, 0), "b", "c", "guard") for k in range(2)], 0.0)
+    for k in range(2):
+        assert not [a for a in moves.target_ready(("j", k, 0), False, 0.0) if isinstance(a, Migrated)]
+    assert moves.migrated == 1 and moves.idle()
+
+
+def test_a_waiting_task_moved_again_leaves_its_batch():
+    moves = core({("x", 0, 0): 16 * MIB})
+    moves.request(Migrate(("x", 0, 0), "a", "b", "m"), 0.0)  # runs, 16 MiB: what follows waits
+    moves.request_many([Migrate(("j", k, 0), "a", "b", "pack") for k in range(3)], 0.0)
+    assert list(moves.waiting.values()) == [dict.fromkeys(("j", k, 0) for k in range(3))]
+    moves.request_many([Migrate(("j", 1, 0), "b", "c", "guard")], 0.0)  # straight a -> c, a batch of its own
+    assert [list(m) for m in moves.waiting.values()] == [[("j", 0, 0), ("j", 2, 0)], [("j", 1, 0)]]
+    moves.request_many([Migrate(("j", 0, 0), "b", "a", "back"), Migrate(("j", 2, 0), "b", "a", "back")], 0.0)
+    assert [list(m) for m in moves.waiting.values()] == [[("j", 1, 0)]]  # back where they were: off
+    assert set(moves.batch_of) == set(moves.throttled) == {("j", 1, 0)}
+
+
+class _RecordingPeer:
+    def __init__(self):
+        self.calls = []
+
+    def call(self, op, callback, timeout=None, **fields):
+        self.calls.append((op, callback, fields))
+
+    def notify(self, op, **fields):
+        pass
+
+
+def test_pmaster_tells_a_batch_in_one_assign_and_one_migrate_and_plans_back_a_part_the_source_refused():
+    master = Master("inproc://pmaster-batches", transports=Transports())
+    try:
+        state = master.state
+        peers = {}
+        for name in ("agg-0", "agg-1"):
+            state.register_aggregator(f"tcp://127.0.0.1:{9000 + int(name[-1])}", name)
+            state.aggregator_joined(name)
+            peers[name] = master.links.peers[name] = _RecordingPeer()
+        record = state.register_worker("j", 0, 1, None, {"servers": 1})
+        for key in range(3):
+            spec, _ = state.declare(record, 0, {"key": key, "shape": [16], "dtype": "float32", "intent": "init"})
+            spec.ready = True
+        source = record.keys[0].parts[0].aggregator
+        target = next(n for n in peers if n != source)
+        tasks = [("j", key, 0) for key in range(3)]
+        master.mover.migrate([state.control.move_task(t, target, "test") for t in tasks])
+        ((op, assigned, fields),) = peers[target].calls
+        assert op == Op.ASSIGN and sorted(t["key"] for t in fields["tasks"]) == [0, 1, 2]
+        assigned({"op": Op.REPLY}, None)
+        ((op, started, fields),) = peers[source].calls
+        assert op == Op.MIGRATE and fields["parts"] == [[0, 0], [1, 0], [2, 0]] and fields["target"][0] == target
+        started({"op": Op.REPLY, "body": {"failed": [[1, 0, "still arriving"]]}}, None)
+        assert [record.keys[k].parts[0].aggregator for k in range(3)] == [target, source, target]
+        assert sorted(master.mover.core.running) == [("j", 0, 0), ("j", 2, 0)]
+        assert [state.control._where(t) for t in tasks] == [target, source, target]  # the plan took it back
+    finally:
+        master.stop()

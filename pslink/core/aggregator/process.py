@@ -520,10 +520,7 @@ class Aggregator:
             if req["id"]:
                 peer.reply(req)
         elif op == Op.MIGRATE:
-            target = tuple(req["target"])
-            outputs = self.core.moves.begin_migration((req["job"], req["key"], req["part"]), target, req.get("force", False))
-            peer.reply(req)
-            self._send_all(outputs)
+            self._migrate(peer, req)
         elif op == Op.PROMOTE:
             outputs = self.core.moves.promote((req["job"], req["key"], req["part"]), req["replicas"])
             peer.reply(req)
@@ -537,6 +534,26 @@ class Aggregator:
             self._stop(0)
         else:
             raise ProtocolError(f"{op.name} is not a request an Aggregator serves")
+
+    def _migrate(self, peer, req: dict) -> None:
+        """MIGRATE: hand one part over (``key``, ``part``), or a batch of one job's parts bound
+        for one target (``parts``: one migration; the reply names those that could not go)."""
+        batch = req.get("parts")
+        parts = batch if batch is not None else [(req.get("key"), req.get("part"))]
+        if any(not isinstance(p, (list, tuple)) or len(p) != 2 or not isinstance(p[1], int) for p in parts) \
+                or (batch is None and parts[0][0] is None):
+            raise ProtocolError(f"bad MIGRATE from pMaster: it names no part, or a malformed one ({req})")
+        outputs, failed = [], []
+        for key, part in parts:
+            try:
+                outputs += self.core.moves.begin_migration((req["job"], key, part), tuple(req["target"]),
+                                                           req.get("force", False))
+            except KeyStateError as exc:
+                if batch is None:
+                    raise
+                failed.append([key, part, exc.message])
+        peer.reply(req, body={"failed": failed})
+        self._send_all(outputs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,3 +27,15 @@ class Migrate:
     source: str
     target: str
     reason: str
+
+
+def batches_of_moves(actions: list) -> list[list]:
+    """``actions`` in order, the moves side by side in one list (one decision's: pMaster and the
+    simulator hand them to the migration core together), every other action a list of its own."""
+    out: list[list] = []
+    for action in actions:
+        if isinstance(action, Migrate) and out and isinstance(out[-1][0], Migrate):
+            out[-1].append(action)
+        else:
+            out.append([action])
+    return out

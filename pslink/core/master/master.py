@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from pslink.core import hosts
-from pslink.core.master.actions import Allocate, Migrate, Release
+from pslink.core.master.actions import Allocate, Migrate, Release, batches_of_moves
 from pslink.core.master.barriers import Barriers
 from pslink.core.master.control import ControlPlane
 from pslink.core.credentials import ServiceCredentials
@@ -317,17 +317,16 @@ class Master:
             peer.notify(Op.SCHEDULE, cycle=cycle, tasks=entries)
 
     def _carry_out_actions(self) -> None:
-        for action in self.state.take_actions():
-            self.observing.watch.action(action)
+        # Moves side by side are one decision's: the mover makes migrations of them (a batch per
+        # job, source and target), before what follows them (a release waits for them).
+        for group in batches_of_moves(self.state.take_actions()):
+            for action in group:
+                self.observing.watch.action(action)
             try:
-                if isinstance(action, Allocate):
-                    self.pool.allocate(action)
-                elif isinstance(action, Release):
-                    self.pool.release(action)
-                elif isinstance(action, Migrate):
-                    self.mover.migrate(action)
+                carry = {Migrate: self.mover.migrate, Allocate: self.pool.allocate, Release: self.pool.release}
+                carry[type(group[0])](group if type(group[0]) is Migrate else group[0])
             except Exception:
-                log.exception("pMaster: carrying out %r failed", action)
+                log.exception("pMaster: carrying out %r failed", group)
 
     def _on_peer_close(self, peer: RpcPeer, exc) -> None:
         role = peer.info.get("role")

@@ -8,6 +8,12 @@ A move's steps, and who reports them:
    goes straight from where it is to the new place. Moves wait behind the **throttle**: at most
    ``max_bytes`` of task state (weights, and as much again of optimizer state) are being copied
    at once, at least one move always, so a job's iteration carries a bounded copy.
+   ``request_many(actions)``: one decision's moves (a pack, the guard's, a drain). Those of one job
+   from one Aggregator to another form **batches** of up to ``max_bytes`` each (one task at
+   least): a batch is one migration, admitted by the throttle whole, begun together (the driver
+   tells the target of all its tasks at once, then the source), handed over at the same round's
+   end, its copy one bounded stall of the job's round (a pack used to move a 161-tensor model as
+   161 migrations, each a stall and two control messages of its own). Events stay per task.
 2. :class:`Begin`: the target is told to expect the task (ASSIGN); ``target_ready(task, ok)``.
 3. :class:`HandOver`: the source is told to hand it over when its current round closes (MIGRATE);
    ``handed_over(task, ok)``. :class:`Routed`: new lookups go to the target from here on, and a
@@ -51,6 +57,22 @@ class Move:
     copied: bool = False
     workers: bool = False
     held_replica: bool = False  # the target held a replica of the part when the move began
+    batch: int = 0  # the migration it is part of (see Batch)
+
+
+@dataclasses.dataclass
+class Batch:
+    """One migration: moves of one job's tasks from one Aggregator to another that one decision
+    asked for, admitted, begun and counted together."""
+
+    ident: int
+    job: str
+    source: str
+    target: str
+    reason: str
+    bytes: int = 0  # task state its moves copy, all together
+    left: int = 0  # its moves still running
+    moved: int = 0  # its moves that finished done
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +116,13 @@ class Finished:
 
 
 @dataclasses.dataclass(frozen=True)
+class Migrated:
+    """A batch is over and moved some of its tasks (``batch.moved`` of them): one migration."""
+
+    batch: Batch
+
+
+@dataclasses.dataclass(frozen=True)
 class Dropped:
     """A move that never began is off. ``why``: ``ended`` (its job ended, or the task was moved
     back before it began); ``failed`` (an Aggregator of it is gone: the plan goes back to its
@@ -121,13 +150,19 @@ class Migrations:
         self.running: dict[tuple, Move] = {}
         self.throttled: dict[tuple, Migrate] = {}  # waiting for room, in arrival order
         self.follow_ups: dict[tuple, Migrate] = {}  # the next move of a task still moving
-        self.done = 0
+        self.batch_of: dict[tuple, int] = {}  # a throttled task's batch
+        self.waiting: dict[int, dict[tuple, None]] = {}  # batches waiting for room, oldest first: their tasks
+        self.batches: dict[int, Batch] = {}  # batches under way
+        self._next_batch = 1
+        self._copying = 0  # bytes of running moves whose copy has not landed (a batch runs hundreds)
+        self.done = 0  # moves (tasks) finished
+        self.migrated = 0  # batches finished (migrations)
 
     # -- views ------------------------------------------------------------------------------------
 
     def copying_bytes(self) -> int:
         # A move whose copy landed copies nothing more: it waits for the workers.
-        return sum(m.bytes for m in self.running.values() if not m.copied)
+        return self._copying
 
     def moving(self, name: str) -> bool:
         """A move off or onto ``name`` runs or waits."""
@@ -159,20 +194,42 @@ class Migrations:
 
     def request(self, action: Migrate, now: float) -> list:
         """The plan moved ``action.task`` from ``action.source`` to ``action.target``."""
-        task = action.task
-        if task in self.running:
-            self.follow_ups[task] = action  # one copy of a task in flight at a time
-            return []
-        waiting = self.throttled.get(task)
-        if waiting is not None:
-            # Moved again before its first move began: one move, from where it is to the new place.
-            if waiting.source == action.target:
-                del self.throttled[task]
-                return [Dropped(waiting, "ended"), Settle((waiting.source, waiting.target))]
-            self.throttled[task] = Migrate(task, waiting.source, action.target, action.reason)
-            return [Settle((waiting.target,))]
-        self.throttled[task] = action
-        return self._start(now)
+        return self.request_many([action], now)
+
+    def request_many(self, actions: list[Migrate], now: float) -> list:
+        """One decision's moves: those of one job between the same two Aggregators are a batch."""
+        out: list = []
+        batches: dict[tuple, tuple[int, int]] = {}  # (job, source, target, reason) -> its last batch, bytes
+        for action in actions:
+            task = action.task
+            if task in self.running:
+                self.follow_ups[task] = action  # one copy of a task in flight at a time
+                continue
+            waiting = self.throttled.get(task)
+            if waiting is not None:
+                # Moved again before its first move began: one move, from where it is to the new place.
+                self._unthrottle(task)
+                if waiting.source == action.target:
+                    out += [Dropped(waiting, "ended"), Settle((waiting.source, waiting.target))]
+                    continue
+                action = Migrate(task, waiting.source, action.target, action.reason)
+                out.append(Settle((waiting.target,)))
+            group = (task[0], action.source, action.target, action.reason)
+            size = self.size_of(task)
+            ident, nbytes = batches.get(group, (0, 0))
+            if not ident or nbytes + size > self.max_bytes:  # a batch copies what the throttle lets go at once
+                ident, nbytes = self._next_batch, 0
+                self._next_batch += 1
+                self.waiting[ident] = {}
+            batches[group] = (ident, nbytes + size)
+            self.throttled[task] = action
+            self.batch_of[task] = ident
+            self.waiting[ident][task] = None
+        return out + self._start(now)
+
+    def batch(self, ident: int) -> Batch | None:
+        """The batch under way ``ident`` (None once it is over)."""
+        return self.batches.get(ident)
 
     def target_ready(self, task: tuple, ok: bool, now: float) -> list:
         move = self.running.get(task)
@@ -204,7 +261,9 @@ class Migrations:
         move = self.running.get(task)
         if move is None:
             return []
-        move.copied = True
+        if not move.copied:
+            move.copied = True
+            self._copying -= move.bytes
         return self._start(now) + self._maybe_done(move, now)
 
     def workers_done(self, task: tuple, now: float) -> list:
@@ -230,7 +289,7 @@ class Migrations:
         serve it: the failover offers it the task first), and the actions."""
         actions: list = []
         for task in [t for t, a in self.throttled.items() if name in (a.source, a.target)]:
-            actions.append(Dropped(self.throttled.pop(task), "failed"))
+            actions.append(Dropped(self._unthrottle(task), "failed"))
         stays: dict[tuple, str] = {}
         resourced = False
         for task, move in [(t, m) for t, m in self.running.items() if name in (m.source, m.target)]:
@@ -249,7 +308,7 @@ class Migrations:
     def job_ended(self, job: str, now: float) -> list:
         actions: list = []
         for task in [t for t in self.throttled if t[0] == job]:
-            action = self.throttled.pop(task)
+            action = self._unthrottle(task)
             actions += [Dropped(action, "ended"), Settle((action.source, action.target))]
         for task in [t for t in self.follow_ups if t[0] == job]:
             del self.follow_ups[task]
@@ -260,18 +319,34 @@ class Migrations:
 
     # -- inside -----------------------------------------------------------------------------------
 
+    def _unthrottle(self, task: tuple) -> Migrate:
+        """Take a waiting task out of the throttle (and its batch)."""
+        ident = self.batch_of.pop(task)
+        members = self.waiting[ident]
+        del members[task]
+        if not members:
+            del self.waiting[ident]
+        return self.throttled.pop(task)
+
     def _start(self, now: float) -> list:
-        """Begin waiting moves, oldest first, while they fit (one at least when none runs)."""
+        """Begin waiting batches, oldest first, while they fit (one at least when none runs)."""
         actions = []
-        while self.throttled:
-            task, action = next(iter(self.throttled.items()))
-            size = self.size_of(task)
-            if self.running and self.copying_bytes() + size > self.max_bytes:
+        while self.waiting:
+            ident, members = next(iter(self.waiting.items()))
+            sizes = {task: self.size_of(task) for task in members}
+            if self.running and self.copying_bytes() + sum(sizes.values()) > self.max_bytes:
                 break
-            del self.throttled[task]
-            move = self.running[task] = Move(task, action.source, action.target, action.reason, bytes=size,
-                                             started=now)
-            actions.append(Begin(move))
+            del self.waiting[ident]
+            first = self.throttled[next(iter(members))]
+            batch = self.batches[ident] = Batch(ident, first.task[0], first.source, first.target, first.reason,
+                                                bytes=sum(sizes.values()), left=len(members))
+            for task, size in sizes.items():
+                del self.batch_of[task]
+                action = self.throttled.pop(task)
+                move = self.running[task] = Move(task, action.source, action.target, action.reason, bytes=size,
+                                                 started=now, batch=batch.ident)
+                self._copying += size
+                actions.append(Begin(move))
         return actions
 
     def _maybe_done(self, move: Move, now: float) -> list:
@@ -282,7 +357,17 @@ class Migrations:
 
     def _end(self, task: tuple, why: str, now: float) -> list:
         move = self.running.pop(task)
+        if not move.copied:
+            self._copying -= move.bytes
         actions: list = [Finished(move, why)]
+        batch = self.batches[move.batch]
+        batch.left -= 1
+        batch.moved += why == "done"
+        if not batch.left:
+            del self.batches[move.batch]
+            if batch.moved:
+                self.migrated += 1
+                actions.append(Migrated(batch))
         follow = self.follow_ups.pop(task, None)
         names: list = [move.source, move.target]
         if follow is not None:

@@ -3,7 +3,8 @@
 
 The target learns the task first (ASSIGN, waiting for its copy), then the source lets it go
 (MIGRATE: at its round's end, or at once when forced after ``migration_timeout``); once the
-source took the order, new lookups go to the target. The Aggregators report TENSOR_COPY_DONE and
+source took the order, new lookups go to the target. A batch (one job's tasks between two
+Aggregators: one migration) is one ASSIGN and one MIGRATE for all its tasks. The Aggregators report TENSOR_COPY_DONE and
 WORKER_DONE. A move that fails to start goes back to its source in the control plane's plan.
 """
 
@@ -14,8 +15,8 @@ from typing import Callable
 
 from pslink.core.master.actions import Migrate
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrations, Move,
-                                           Routed, Settle, bytes_of)
+from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
+                                           Move, Routed, Settle, bytes_of)
 from pslink.core.master.recovery import holdings, pick_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
@@ -57,8 +58,9 @@ class Mover:
 
     # -- events in ----------------------------------------------------------------------------------
 
-    def migrate(self, action: Migrate) -> None:
-        self.carry(self.core.request(action, self.state.clock()))
+    def migrate(self, actions: list[Migrate]) -> None:
+        """One decision's moves (the core makes batches of them)."""
+        self.carry(self.core.request_many(actions, self.state.clock()))
 
     def progress(self, peer: RpcPeer, req: dict) -> None:
         """TENSOR_COPY_DONE or WORKER_DONE from an Aggregator: only from the move's source, over
@@ -105,16 +107,22 @@ class Mover:
 
     def carry(self, actions: list) -> None:
         settle: list = []
+        begins: dict[int, list[Move]] = {}  # by batch: one ASSIGN, then one MIGRATE, for each
+        hand_overs: dict[int, list[Move]] = {}
         for action in actions:
             try:
                 if isinstance(action, Begin):
-                    self._begin(action.move)
+                    begins.setdefault(action.move.batch, []).append(action.move)
                 elif isinstance(action, HandOver):
-                    self._hand_over(action.move, action.force)
+                    hand_overs.setdefault(-1 if action.force else action.move.batch, []).append(action.move)
                 elif isinstance(action, Routed):
                     self._routed(action.move)
                 elif isinstance(action, Finished):
                     self._finished(action.move, action.why)
+                elif isinstance(action, Migrated):
+                    batch = action.batch
+                    log.info("pMaster: migrated %d part(s) of job %r from %s to %s (%s, %d bytes)", batch.moved,
+                             batch.job, batch.source, batch.target, batch.reason, batch.bytes)
                 elif isinstance(action, Dropped):
                     self._dropped(action.action, action.why)
                 elif isinstance(action, CopyFromReplica):
@@ -123,63 +131,106 @@ class Mover:
                     settle += action.names
             except Exception:
                 log.exception("pMaster: carrying out %r failed", action)
+        for moves in begins.values():
+            self._guarded(self._begin, moves)
+        for batch, moves in hand_overs.items():
+            if batch == -1:
+                for move in moves:
+                    self._guarded(self._force, move)
+            else:
+                self._guarded(self._hand_over, moves)
         if settle:
             self.settled(list(dict.fromkeys(settle)))
 
-    def _begin(self, move: Move) -> None:
-        """The new place first learns the task (waiting for its copy), then the old one lets go."""
-        job, key, part = move.task
-        record = self.state.jobs.get(job)
-        spec = record.keys.get(key) if record is not None else None
-        if spec is None or move.source not in self.links.peers or move.target not in self.links.peers:
-            why = "unknown task" if spec is None else "Aggregator not connected"
-            log.warning("pMaster: cannot migrate %s from %s to %s (%s)", move.task, move.source, move.target, why)
-            # Failed (a removal waiting for this move keeps its Aggregator; the plan goes back).
-            self.carry(self.core.target_ready(move.task, False, self.state.clock()))
+    @staticmethod
+    def _guarded(step: Callable, what) -> None:
+        try:
+            step(what)
+        except Exception:
+            log.exception("pMaster: carrying out %r failed", what)
+
+    def _begin(self, moves: list[Move]) -> None:
+        """The new place first learns the batch's tasks (waiting for their copies), then the old
+        one lets them go."""
+        now = self.state.clock()
+        target = moves[0].target
+        tasks, ready, refused = [], [], []
+        record = self.state.jobs.get(moves[0].task[0])
+        for move in moves:
+            job, key, part = move.task
+            spec = record.keys.get(key) if record is not None else None
+            if spec is None or move.source not in self.links.peers or target not in self.links.peers:
+                why = "unknown task" if spec is None else "Aggregator not connected"
+                log.warning("pMaster: cannot migrate %s from %s to %s (%s)", move.task, move.source, target, why)
+                # Failed (a removal waiting for this move keeps its Aggregator; the plan goes back).
+                refused.append(move)
+                continue
+            placed = spec.parts[part]
+            # Should the source die before its copy lands, the target may hold the only replica with
+            # the part's state (the source keeps replicating to it: see Failover.copy_from_replica).
+            move.held_replica = target in placed.replicas
+            if move.held_replica:
+                # The target held a replica; now it serves the part: another Aggregator holds the replica.
+                placed.replicas.remove(target)
+                added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
+                                      record.replication - len(placed.replicas),
+                                      exclude={target, move.source, *placed.replicas},
+                                      hosts=self.state.control.host_of, away_from=[target, *placed.replicas])
+                placed.replicas += added
+                for name in added:
+                    self.links.tell(name, Op.ASSIGN, f"giving {name} a replica of {move.task}",
+                                    jobinfo=record.jobinfo(), tasks=[e for e in spec.task_specs(name) if e["part"] == part])
+            tasks += [dict(t, incoming=True) for t in spec.task_specs(None, self.links.address_of) if t["part"] == part]
+            ready.append(move)
+        actions: list = []
+        for move in refused:
+            actions += self.core.target_ready(move.task, False, now)
+        self.carry(actions)
+        if not ready:
             return
-        placed = spec.parts[part]
-        # Should the source die before its copy lands, the target may hold the only replica with
-        # the part's state (the source keeps replicating to it: see Failover.copy_from_replica).
-        move.held_replica = move.target in placed.replicas
-        if move.held_replica:
-            # The target held a replica; now it serves the part: another Aggregator holds the replica.
-            placed.replicas.remove(move.target)
-            added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
-                                  record.replication - len(placed.replicas),
-                                  exclude={move.target, move.source, *placed.replicas},
-                                  hosts=self.state.control.host_of, away_from=[move.target, *placed.replicas])
-            placed.replicas += added
-            for name in added:
-                self.links.tell(name, Op.ASSIGN, f"giving {name} a replica of {move.task}", jobinfo=record.jobinfo(),
-                                tasks=[e for e in spec.task_specs(name) if e["part"] == part])
-        tasks = [dict(t, incoming=True) for t in spec.task_specs(None, self.links.address_of) if t["part"] == part]
 
         def assigned(result, error):
             if error is not None:
-                log.warning("pMaster: migration of %s to %s failed to start: %s", move.task, move.target, error)
-            self.carry(self.core.target_ready(move.task, error is None, self.state.clock()))
+                log.warning("pMaster: migration of %d part(s) of job %r to %s failed to start: %s", len(ready),
+                            ready[0].task[0], target, error)
+            done: list = []
+            for move in ready:
+                done += self.core.target_ready(move.task, error is None, self.state.clock())
+            self.carry(done)
 
-        self.links.call(move.target, Op.ASSIGN, assigned, jobinfo=record.jobinfo(), tasks=tasks)
+        self.links.call(target, Op.ASSIGN, assigned, jobinfo=record.jobinfo(), tasks=tasks)
 
-    def _hand_over(self, move: Move, force: bool) -> None:
+    def _force(self, move: Move) -> None:
+        """No round of a routed move closed in time: its source hands the task over now."""
         job, key, part = move.task
-        source = move.source
-        target = [move.target, self.links.address_of(move.target)]
-        if force:
-            log.info("pMaster: no round of %s closed within %.0f s; moving it now", move.task, self.migration_timeout)
-            if not self.links.call(source, Op.MIGRATE, self.links.log_failure(f"forcing the migration of {move.task}"),
-                                   job=job, key=key, part=part, target=target, force=True):
-                self.give_up(move.task)  # its source is gone: nothing will end it
-            return
+        log.info("pMaster: no round of %s closed within %.0f s; moving it now", move.task, self.migration_timeout)
+        if not self.links.call(move.source, Op.MIGRATE, self.links.log_failure(f"forcing the migration of {move.task}"),
+                               job=job, key=key, part=part, target=[move.target, self.links.address_of(move.target)],
+                               force=True):
+            self.give_up(move.task)  # its source is gone: nothing will end it
+
+    def _hand_over(self, moves: list[Move]) -> None:
+        """The source hands the batch's tasks over at their round's end (one MIGRATE)."""
+        source, job = moves[0].source, moves[0].task[0]
+        target = [moves[0].target, self.links.address_of(moves[0].target)]
 
         def started(result, error):
+            failed = {(key, part): why for key, part, why in ((result or {}).get("body") or {}).get("failed") or ()}
             if error is not None:
-                log.warning("pMaster: migration of %s to %s failed to start: %s", move.task, move.target, error)
-            self.carry(self.core.handed_over(move.task, source, error is None, self.state.clock()))
+                log.warning("pMaster: migration of %d part(s) of job %r to %s failed to start: %s", len(moves), job,
+                            target[0], error)
+            for (key, part), why in failed.items():
+                log.warning("pMaster: migration of %s to %s failed to start: %s", (job, key, part), target[0], why)
+            done: list = []
+            for move in moves:
+                ok = error is None and move.task[1:] not in failed
+                done += self.core.handed_over(move.task, source, ok, self.state.clock())
+            self.carry(done)
 
-        # From here on the source may hand the part over (and send workers to the target)
+        # From here on the source may hand the parts over (and send workers to the target)
         # at any time, before pMaster hears that it took the MIGRATE.
-        if not self.links.call(source, Op.MIGRATE, started, job=job, key=key, part=part, target=target):
+        if not self.links.call(source, Op.MIGRATE, started, job=job, target=target,
+                               parts=[[move.task[1], move.task[2]] for move in moves]):
             started(None, ServiceError(f"aggregator {source} is not connected"))
 
     def _routed(self, move: Move) -> None:
@@ -203,8 +254,8 @@ class Mover:
     def _finished(self, move: Move, why: str) -> None:
         self.stop_deadline(move.task)
         if why == "done":
-            log.info("pMaster: migrated %s from %s to %s in %.3f s (%s)", move.task, move.source, move.target,
-                     self.state.clock() - move.started, move.reason)
+            log.debug("pMaster: migrated %s from %s to %s in %.3f s (%s)", move.task, move.source, move.target,
+                      self.state.clock() - move.started, move.reason)
             self.moved(move.task)
         elif why == "failed":
             self.removal_failed(move.source, move.task, move.target, ServiceError("the move failed to start"))

@@ -337,9 +337,9 @@ SCHEMAS: dict[Op, Schema] = {
     Op.DROP_KEYS: Schema({"id": _uint, "job": _small_str, "keys": _list}),
     Op.SHUTDOWN: Schema({"id": _uint}),
     Op.AGG_HEARTBEAT: Schema({"id": _uint, "agg": _small_str, "stats": _map}),
-    Op.MIGRATE: Schema(
-        {"id": _uint, "job": _small_str, "key": _key, "part": _uint, "target": _list},
-        {"force": _bool},
+    Op.MIGRATE: Schema(  # one part (key, part), or a batch of one job's (parts: [[key, part], ...])
+        {"id": _uint, "job": _small_str, "target": _list},
+        {"key": _key, "part": _uint, "parts": _list, "force": _bool},
     ),
     Op.TENSOR_COPY_DONE: Schema({"id": _uint, "agg": _small_str, "job": _small_str, "key": _key, "part": _uint}),
     Op.WORKER_DONE: Schema({"id": _uint, "agg": _small_str, "job": _small_str, "key": _key, "part": _uint}),
