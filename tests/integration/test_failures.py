@@ -135,6 +135,69 @@ def test_with_a_replica_a_lost_aggregator_changes_nothing_in_the_weights():
             np.testing.assert_array_equal(got[rank][key], expected[rank][key])
 
 
+def train_through_two_losses(job, steps, lose_at=None):
+    """Two workers on 4 in-process Aggregators, replication 1. Before step ``lose_at``, both
+    waiting: a replica holder is stopped as if it crashed; once pMaster has given every part a
+    replica again and each new one holds its part's state (no round has closed since), the
+    Aggregator serving a part whose replica is new is stopped too. Returns the final weights."""
+    transports = Transports()
+    service = start_cluster("tcp", aggregators=4, transports=transports, control={"profile_iterations": 0})
+    master, aggregators = service.master, service.provider.aggregators
+    barrier = threading.Barrier(2, timeout=60)
+
+    def placed():
+        return {(job, spec.key, p.part): (p.aggregator, list(p.replicas))
+                for spec in master.state.jobs[job].keys.values() for p in spec.parts}
+
+    def has_state(name, ident):
+        held = aggregators[name].core.replicas.get(ident)
+        return held is not None and "state" in held
+
+    def lose_a_replica_then_a_primary():
+        before = placed()
+        holder = next(replicas[0] for _, replicas in before.values() if replicas)
+        aggregators[holder].stop()
+        wait_until(lambda: all(r and holder not in r and primary != holder for primary, r in placed().values()),
+                   30, "pMaster to give every part a replica again")
+        wait_until(lambda: all(has_state(r[0], ident) for ident, (_, r) in placed().items()), 10,
+                   "the new replicas to hold their parts' state before any round closed")
+        primary = next(p for ident, (p, r) in placed().items() if r != before[ident][1])
+        aggregators[primary].stop()
+
+    def worker(rank):
+        with pslink.connect(job, rank, 2, master=service.address, transports=transports, partition_bytes=4096,
+                            replication=1, timeout=30, optimizer=OPTIMIZER) as agent:
+            keys = [0, 1, 2]
+            agent.init_many(keys, [np.linspace(-1, 1, 3000, dtype=np.float32) * (k + 1) for k in keys]).wait()
+            for step in range(steps):
+                if step == lose_at:
+                    barrier.wait()
+                    if rank == 0:
+                        lose_a_replica_then_a_primary()
+                    barrier.wait()
+                outs = agent.pushpull_many(keys, [gradient(rank, step, k) for k in keys]).wait()
+            return [o.copy() for o in outs]
+
+    try:
+        return run_workers(2, worker, timeout=120), master.failovers_done
+    finally:
+        service.stop()
+        transports.close()
+
+
+def test_a_new_replica_has_its_parts_state_at_once_so_losing_the_primary_next_loses_nothing():
+    """Gap (issue 23): a replica pMaster gave a part after its old one was lost had no state until
+    the next round closed; the part's Aggregator lost before that took the part's state with it
+    (optimizer mode: the key failed). Now the part's Aggregator sends its last closed round to a
+    new replica when it learns of it (and a promoted replica to its own new replicas)."""
+    expected, _ = train_through_two_losses("two-clean", 16)
+    got, failovers = train_through_two_losses("two-losses", 16, lose_at=8)
+    assert failovers == 2
+    for rank in (0, 1):
+        for key in range(3):
+            np.testing.assert_array_equal(got[rank][key], expected[rank][key])
+
+
 def test_without_a_replica_sum_mode_goes_on_and_optimizer_mode_fails_loudly():
     got, failovers = train_through_a_loss("sums", 20, lose_at=8, replication=0, mode="sum")
     assert failovers == 1

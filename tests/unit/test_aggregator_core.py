@@ -748,3 +748,54 @@ def test_an_optimizer_that_needs_whole_keys_refuses_a_part_of_one_by_name():
     later = Cluster(mode="optimizer", optimizer={"type": "sgd", "lr": 0.1}, shape=(6,), span=(3, 6))
     later.core.set_job(jobinfo(mode="optimizer", optimizer=lamb))
     assert "needs the whole key" in later.task.poisoned.message
+
+
+def test_a_replica_that_joins_a_part_gets_its_last_closed_round_at_once():
+    """Gap (issue 23): a replica pMaster gave a part (its old one was lost) had no state until the
+    next round closed; had the part's Aggregator died before that, the part had no replica with
+    its state. Before the fix the ASSIGN that names the new replica sent nothing."""
+    settings = {"type": "sgd", "lr": 0.1, "momentum": 0.9}
+    c, replica = replicated_source(settings)
+    ident = (c.task.job.job, c.task.key, c.task.part)
+    c.send(Op.INIT, 0, 0, np.arange(6, dtype=np.float32))
+    close_round(c, replica, 1, [np.ones(6), np.full(6, 3.0)])
+    t = c.task
+    info = {"job": t.job.job, "token": TOKEN, "membership": t.job.membership.to_wire(), "mode": "optimizer",
+            "optimizer": t.job.optimizer.to_wire(), "sync": "bsp"}
+    newcomer = AggregatorCore("agg-n", summer=Summer(threads=1))
+    newcomer.assign(info, [dict(spec(), replica=True)])
+    # The replica is lost; pMaster names the newcomer the part's replica (ASSIGN with replicas).
+    (task,) = c.core.assign(info, [dict(spec(), replicas=[["agg-n", "tcp://127.0.0.1:9997"]])])
+    from pslink.core.aggregator.tasks import Replicate
+
+    (rep,) = c.core.moves.catch_up(task)
+    assert isinstance(rep, Replicate) and rep.round == 1 and c.core.moves.catch_up(task) == []  # once
+    header = {"job": t.job.job, "key": t.key, "part": t.part}
+    newcomer.moves.replica_update(header, rep.state, [a.copy() for a in rep.arrays])
+    assert c.core.moves.replicated(ident, 1) == []  # round 1 was answered already: nothing waited
+    # The part's Aggregator dies before round 2: the newcomer serves it from round 1.
+    assert newcomer.moves.promote(ident, []) == []
+    promoted = newcomer.tasks[ident]
+    assert promoted.closed == 1
+    np.testing.assert_array_equal(promoted.value, c.task.value)
+    assert promoted.opt_state.keys() == c.task.opt_state.keys() and c.task.opt_state  # momentum too
+    for name, value in c.task.opt_state.items():
+        np.testing.assert_array_equal(promoted.opt_state[name], value)
+
+
+def test_a_replica_that_joins_while_a_round_is_on_its_way_gets_the_state_after_its_ack():
+    c, replica = replicated_source({"type": "sgd", "lr": 0.1})
+    ident = (c.task.job.job, c.task.key, c.task.part)
+    c.send(Op.INIT, 0, 0, np.zeros(6, dtype=np.float32))
+    from pslink.core.aggregator.tasks import Replicate
+
+    outputs = [o for rank in (0, 1) for o in c.send(Op.PUSHPULL, rank, 1, np.ones(6))[1]]
+    (first,) = [o for o in outputs if isinstance(o, Replicate)]  # on its way to the old replica
+    t = c.task
+    info = {"job": t.job.job, "token": TOKEN, "membership": t.job.membership.to_wire(), "mode": "optimizer",
+            "optimizer": t.job.optimizer.to_wire(), "sync": "bsp"}
+    (task,) = c.core.assign(info, [dict(spec(), replicas=[list(REPLICA), ["agg-n", "tcp://127.0.0.1:9997"]])])
+    assert c.core.moves.catch_up(task) == []  # a round is on its way: after its ack
+    after = c.core.moves.replicated(ident, first.round)
+    (again,) = [o for o in after if isinstance(o, Replicate)]
+    assert again.round == 1 and [o for o in after if isinstance(o, Reply) and o.payload is not None]

@@ -139,7 +139,10 @@ class AggregatorCore:
                 if task.incoming:
                     task.pool.warm(WARM_BUFFERS)
             elif "replicas" in spec:
-                task.replicas = [tuple(r) for r in spec["replicas"]]
+                replicas = [tuple(r) for r in spec["replicas"]]
+                # A replica new to the part has nothing until a round closes: it gets the state now.
+                task.catch_up |= bool({r[0] for r in replicas} - {r[0] for r in task.replicas})
+                task.replicas = replicas
             elif (tuple(spec["shape"]), spec["dtype"], tuple(spec["span"])) != (task.shape, task.dtype_name, task.span):
                 raise ShapeMismatchError(
                     f"{task.name}: reassigned as shape {tuple(spec['shape'])} {spec['dtype']} span "

@@ -282,8 +282,19 @@ class Moves:
     def replicate(self, task: Task) -> list:
         """The round that just closed goes to every replica; its answers wait for their acks."""
         task.replicating = task.closed
+        task.catch_up = False  # every replica, the new ones too, gets this round
         state, arrays = self._export(task, open_rounds=False)
         return [Replicate(task, task.closed, state, arrays)]
+
+    def catch_up(self, task: Task) -> list:
+        """A replica that joined the part (pMaster replaced a lost one) gets its last closed round
+        at once, not when the next round closes: until then the part would have no replica
+        with its state. Waits for a round already on its way to the replicas (sent before the
+        new one joined), and for the task to have a value."""
+        if not task.catch_up or task.replicating is not None or not task.replicas or task.moved_to is not None \
+                or not task.initialized:
+            return []
+        return self.replicate(task)
 
     def replicated(self, ident: tuple, round_: int, lost: list | None = None) -> list:
         """Every replica acknowledged ``round_`` (``lost``: replicas that failed instead): answer
@@ -297,7 +308,8 @@ class Moves:
         outputs = self.release(task, round_)
         if task.migrate_to is not None and task.moved_to is None:
             return outputs + self.snapshot(task, at_round_end=True)
-        return outputs + self.close_ready(task)
+        outputs += self.close_ready(task)
+        return outputs + self.catch_up(task)
 
     def replica_update(self, header: dict, state: dict, arrays: list[np.ndarray]) -> None:
         """REPLICATE: keep a closed round's state of a part this Aggregator is a replica of."""
@@ -319,9 +331,11 @@ class Moves:
             raise KeyStateError(f"{task.name} was handed over to {task.moved_to[0]} here; a replica has what "
                                 "followed", job=ident[0], key=ident[1])
         if task is not None:  # promoted already (a repeated request), or a move's source still serving it
-            task.replicas = [tuple(r) for r in replicas]
+            replicas = [tuple(r) for r in replicas]
+            task.catch_up |= bool({r[0] for r in replicas} - {r[0] for r in task.replicas})
+            task.replicas = replicas
             task.migrate_to = None  # a move not begun yet is off: its target is gone
-            return []
+            return self.catch_up(task)
         held = self.replicas.pop(ident, None)
         if held is None:
             raise KeyStateError(f"aggregator {self.name} holds no replica of key {ident[1]!r} part {ident[2]} "
@@ -331,7 +345,8 @@ class Moves:
                                            self.clock)
         if "state" in held:
             self._import(task, held["state"], held["arrays"])
-        return []
+        task.catch_up = bool(task.replicas)  # its replicas are new to it: they get its state now
+        return self.catch_up(task)
 
     def find_ident(self, ident: tuple) -> Task | None:
         return self.tasks.get(ident)

@@ -501,6 +501,8 @@ class Aggregator:
                     self._send_all(self.core.abort(task, task.poisoned))  # the key was aborted: fail its waiters
                 elif task.restore and task.restored is None:
                     self._restore(task)
+                else:
+                    self._send_all(self.core.moves.catch_up(task))  # a new replica gets the state now
             peer.reply(req)
         elif op == Op.JOB_INFO:
             outputs = self.core.set_job(req["jobinfo"])

@@ -320,6 +320,7 @@ class Task:
         # replication: where each closed round goes before it is answered
         self.replicas: list[tuple[str, str]] = [tuple(r) for r in spec.get("replicas", ())]
         self.replicating: int | None = None  # the round on its way to the replicas
+        self.catch_up = False  # a replica joined that has no state yet: send it the last closed round
         self.acks: dict[int, list[Request]] = {}  # pushes answered once their round is replicated
         # migration (AutoPS Appendix B)
         self.incoming = bool(spec.get("incoming", False))  # waiting for its state to be copied here
