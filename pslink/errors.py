@@ -88,6 +88,14 @@ class MovedError(PslinkError):
     code = "moved"
 
 
+class FencedError(PslinkError):
+    """The Aggregator has not heard from pMaster for its lease: its parts may be served elsewhere
+    now. Agents ask pMaster where the part is (or, when they cannot reach pMaster either, tell
+    the Aggregator so and go on with it)."""
+
+    code = "fenced"
+
+
 class PeerError(PslinkError, ConnectionError):
     """A peer (pMaster or Aggregator) could not be reached or went away."""
 
@@ -121,6 +129,7 @@ _BY_CODE = {
         MembershipError,
         ServiceError,
         MovedError,
+        FencedError,
         PeerError,
         PslinkTimeoutError,
         ClosedError,

@@ -193,8 +193,9 @@ def test_a_killed_aggregator_process_fails_requests_with_its_name(local_service)
 
 
 def test_a_hung_aggregator_process_is_detected(local_service):
+    # Without failover (an Agent's opt-out) the silence is the error, naming the Aggregator.
     with pslink.connect("hung", 0, 1, master=local_service.address, timeout=20, peer_timeout=1.0,
-                        probe_interval=0.1) as agent:
+                        probe_interval=0.1, failover=False) as agent:
         agent.init("w", np.zeros(4)).wait()
         name = agent.key_info("w")["parts"][0][3]
         pid = local_service.provider.pid(name)
@@ -204,6 +205,33 @@ def test_a_hung_aggregator_process_is_detected(local_service):
                 agent.pushpull("w", np.ones(4)).wait(timeout=10)
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+def test_a_hung_aggregator_process_is_failed_over_once_its_lease_ran_out(tmp_path):
+    """Gap (issue 23): an Agent whose Aggregator hung (SIGSTOP: its sockets stay open) failed its
+    requests, or waited up to 15.5 s for pMaster, which still saw the Aggregator connected. Now it
+    asks pMaster, which fails the silent Aggregator over once its lease ran out; when it wakes
+    it has been told nothing, refuses (its lease ran out) and, registered again, drops the part."""
+    service = Service(aggregators=2, log_dir=str(tmp_path / "logs")).start()
+    try:
+        with pslink.connect("hung-over", 0, 1, master=service.address, timeout=30, peer_timeout=1.0,
+                            probe_interval=0.1) as agent:
+            agent.init("w", np.zeros(4)).wait()
+            name = agent.key_info("w")["parts"][0][3]
+            pid = service.provider.pid(name)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                np.testing.assert_array_equal(agent.pushpull("w", np.ones(4)).wait(timeout=25), np.ones(4))
+                took = time.monotonic() - started
+                assert agent.key_info("w")["parts"][0][3] != name
+                assert service.master.failover.by_lease == 1
+                assert took < 15.0  # well before aggregator_timeout: peer_timeout + the lease + a second
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            np.testing.assert_array_equal(agent.pushpull("w", np.full(4, 2.0)).wait(timeout=10), np.full(4, 2.0))
+    finally:
+        service.stop()
 
 
 def test_pslink_demo_trains_and_reports_accuracy():

@@ -52,8 +52,8 @@ from pslink.core.observe.timeline import Timeline
 from pslink.core.transport import DISCARD, Lent, Transports
 from pslink.core.wire.fusion import Unfused, fused_header, fused_message
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode
-from pslink.errors import ClosedError, MovedError, ProtocolError, PslinkError, error_from_code
+from pslink.core.wire.protocol import DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode
+from pslink.errors import ClosedError, FencedError, MovedError, ProtocolError, PslinkError, error_from_code
 
 log = logging.getLogger("pslink.core.agent")
 _REPLY, _ERROR, _PONG, _STATE_GET, _FUSED = Op.REPLY, Op.ERROR, Op.PONG, Op.STATE_GET, Op.FUSED  # (and so is a member's lookup)
@@ -422,8 +422,10 @@ class Agent:
                     return (header, ProtocolError(f"state from {conn.peer} carries frames of {list(sizes)} bytes; "
                                                   f"{pending.nbytes} each were expected"), None), DISCARD
                 return (header, None, None), None  # the transport allocates
-            if pending is None or pending.dest is None:
-                return (header, None, None), DISCARD  # a late reply, or a payload nobody asked for
+            if pending is None or pending.dest is None or pending.link.conn is not conn:
+                # A late reply, a payload nobody asked for, or an answer from where the request
+                # no longer is (it went elsewhere: a fenced or lost Aggregator's late answer).
+                return (header, None, None), DISCARD
             if sizes[0] != pending.nbytes:
                 error = ProtocolError(
                     f"reply from {conn.peer} carries {sizes[0]} bytes; {pending.nbytes} were expected"
@@ -453,11 +455,15 @@ class Agent:
         header, error, lend = state
         if header is None or header["op"] is _PONG:
             return
+        pending = self._requests.pending.get(header["id"])
+        if pending is None or pending.link.conn is not conn:
+            return  # answered already, or it went elsewhere since (see _header)
         request = self._requests.take(header["id"])
-        if request is None:
-            return
         if error is None and header["op"] is _ERROR:
             error = error_from_code(header["code"], header["msg"], header.get("details"))
+        if isinstance(error, FencedError) and request.moves < MAX_MOVES:
+            self._fenced(header["id"], request, error)
+            return
         if isinstance(error, MovedError) and request.moves < MAX_MOVES:
             # The task migrated before this request got there: follow it, same round, same data.
             self._moved(request, error.details)
@@ -493,6 +499,23 @@ class Agent:
                 elif n > 1:
                     np.divide(request.array, n, out=request.array)
         self._handles.complete(request.handle, error)
+
+    def _fenced(self, rid: int, request: PartRequest, error: FencedError) -> None:
+        """The Aggregator has not heard from pMaster for its lease. pMaster says where the part
+        is now; if this Agent cannot reach pMaster either, pMaster is down (nobody fails the
+        Aggregator over then): tell the Aggregator so, and send the request there again."""
+        request.moves += 1
+        self._requests.put_back(rid, request)
+        master = self._master.peer
+        if master is not None and not master.conn.closed:
+            self._failover.link_lost(request.link, error, [rid])
+            return
+        try:
+            request.link.conn.send([encode(Op.PING, id=0, pmd=True)])
+        except PslinkError as exc:
+            self._failover.link_lost(request.link, exc, [rid])
+            return
+        self._requests.transmit(rid, request, request.frames)
 
     def _moved(self, request: PartRequest, where: dict) -> None:
         """The Aggregator ``request`` went to says its part lives elsewhere now (a migration: the

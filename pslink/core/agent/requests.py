@@ -247,16 +247,22 @@ class Requests:
             self.reactor.call_later(self.probe_interval, self._probe)
 
     def _give_up(self, link: Link, silent_for: float) -> None:
+        """A silent Aggregator (frozen, or cut off): its requests go where pMaster says (which
+        fails it over once its lease ran out, see pslink.core.aggregator.master_link)."""
         error = PeerError(
             f"aggregator {link.name} at {link.address} did not answer for {silent_for:.1f} s "
-            f"(job {self.seat.job!r}, rank {self.seat.rank}); {len(link.pending)} request(s) failed",
-            peer=link.address,
+            f"(job {self.seat.job!r}, rank {self.seat.rank})", peer=link.address,
         )
-        log.error("%s", error)
+        log.error("%s; %d request(s) go where pMaster says its parts are", error, len(link.pending))
         self.by_conn.pop(link.conn, None)
         self._drop_outbox(link)
         with self._link_lock:
             if self.links.get(link.name) is link:
                 del self.links[link.name]
         link.conn.close()
-        self.fail(list(link.pending), error)
+        self.on_lost(link, error, list(link.pending))
+
+    def put_back(self, rid: int, request: PartRequest) -> None:
+        """A request taken for its answer goes again (the answer said: ask pMaster)."""
+        self.pending[rid] = request
+        request.link.pending.add(rid)

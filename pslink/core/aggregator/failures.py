@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from pslink.core.aggregator.tasks import Reply, Task
-from pslink.errors import PslinkError
+from pslink.errors import FencedError, PslinkError
 
 MAX_FAILED_ROUNDS = 16  # rounds a refused request failed, remembered per task to fail their late requests
 
@@ -62,3 +62,19 @@ def forget_origin(tasks: Iterable[Task], origin: Any) -> None:
                 task.pulls[r] = kept
             else:
                 del task.pulls[r]
+
+
+def fence(tasks: dict, parts: list, name: str) -> tuple[set, list[Reply]]:
+    """pMaster placed ``parts`` ([job, key, part], ...) elsewhere while this Aggregator was away
+    (frozen, or cut off): drop them. Returns their idents (requests for them are refused from now
+    on, so that their Agents ask pMaster) and the answers to what waited on them."""
+    idents, replies = set(), []
+    for job, key, part in parts:
+        ident = (job, key, part)
+        idents.add(ident)
+        task = tasks.pop(ident, None)
+        if task is not None:
+            replies += fail_waiters(task, FencedError(
+                f"aggregator {name} was failed over while away; {task.name} is served elsewhere now: ask pMaster",
+                agg=name))
+    return idents, replies

@@ -6,6 +6,16 @@ While pMaster is away the Aggregator keeps serving the jobs it has and reconnect
 ``reconnect_interval``; after ``orphan_timeout`` with no pMaster it exits (status 3), since nobody
 would ever manage it again. A registration pMaster refuses (an address nobody can dial) stops it
 at once (status 2): a retry would be refused again.
+
+**The lease** (fencing). pMaster fails over an Aggregator it no longer hears from, and an
+Aggregator cut off from pMaster (a partition, a frozen process) must not go on serving workers
+that still reach it once its parts are served elsewhere. Each heartbeat pMaster answers renews
+a lease of ``lease`` seconds counted from when the heartbeat was sent; pMaster fails an
+Aggregator over early (an Agent asked where its parts went) only once the last heartbeat it
+heard is a lease old. Past its lease, the Aggregator refuses data requests (``FencedError``: the
+Agent asks pMaster where the part is) and heartbeats at once to renew it. pMaster itself may be
+down: an Agent that cannot reach pMaster either says so (a PING with ``pmd``), and the
+Aggregator serves on for another lease: nobody can fail it over then.
 """
 
 from __future__ import annotations
@@ -18,22 +28,27 @@ from pslink.core.transport import Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits, Op
-from pslink.errors import AuthError, ConfigError, PeerError, PslinkError
+from pslink.errors import AuthError, ConfigError, FencedError, PeerError, PslinkError
 
 log = logging.getLogger("pslink.core.aggregator.process")
+
+DEFAULT_LEASE = 5.0  # seconds an answered heartbeat lets the Aggregator serve without pMaster
 
 
 class MasterLink:
     """The Aggregator's side of pMaster at ``address``. ``registration()`` gives the fields of a
     REGISTER_AGGREGATOR; ``on_request(peer, request)`` serves pMaster's requests; ``stats()``
     gives a heartbeat's figures; ``on_named(name)`` hears the name pMaster gave;
-    ``stop(status)`` ends the Aggregator; ``stopping()`` says it is ending (pMaster asked)."""
+    ``stop(status)`` ends the Aggregator; ``stopping()`` says it is ending (pMaster asked);
+    ``on_fenced(parts)`` drops parts pMaster placed elsewhere while this one was away."""
 
     def __init__(self, address: str, transports: Transports, reactor: Reactor, limits: Limits, *,
                  registration: Callable[[], dict], on_request: Callable[[RpcPeer, dict], None],
                  stats: Callable[[], dict], on_named: Callable[[str], None], stop: Callable[[int], None],
                  stopping: Callable[[], bool], name: Callable[[], str | None], clock: Callable[[], float],
-                 heartbeat_interval: float, reconnect_interval: float, orphan_timeout: float | None):
+                 on_fenced: Callable[[list], set],
+                 heartbeat_interval: float, reconnect_interval: float, orphan_timeout: float | None,
+                 lease: float = DEFAULT_LEASE):
         self.address = address
         self.transports, self.reactor, self.limits = transports, reactor, limits
         self.registration, self.stats, self.on_named = registration, stats, on_named
@@ -47,6 +62,12 @@ class MasterLink:
         self.registered = threading.Event()  # set once pMaster answered a registration (either way)
         self.refusal: ConfigError | None = None  # pMaster refused this Aggregator (it then stops)
         self.error: PslinkError | None = None  # why pMaster was last unreachable
+        self.lease = lease
+        self.on_fenced = on_fenced
+        self.fenced_parts: set = set()  # dropped at a registration: refused, not unknown
+        self.refused = 0  # data requests refused past the lease or for a dropped part
+        self.lease_until = float("inf")  # no pMaster answered yet: nothing to be fenced from
+        self._renewing = False  # a heartbeat pMaster has not answered yet is out
 
     def start(self) -> None:
         self.reactor.post(self._connect)
@@ -72,9 +93,11 @@ class MasterLink:
         peer = self.endpoint.peer(conn)
         peer.info["name"] = "pMaster"
         self.peer = peer
-        peer.call(Op.REGISTER_AGGREGATOR, self._registered, timeout=10.0, **self.registration())
+        sent = self.clock()
+        peer.call(Op.REGISTER_AGGREGATOR, lambda result, error: self._registered(result, error, sent), timeout=10.0,
+                  lease=self.lease, **self.registration())
 
-    def _registered(self, result: dict | None, error: PslinkError | None) -> None:
+    def _registered(self, result: dict | None, error: PslinkError | None, sent: float) -> None:
         if isinstance(error, (ConfigError, AuthError)):
             # pMaster refused what this Aggregator is (an address nobody can dial, a name a live
             # one has, no valid credential): retrying would be refused again. Say why and stop.
@@ -91,6 +114,8 @@ class MasterLink:
             self._down(error)
             return
         self.on_named(result["body"]["agg"])
+        self.fenced_parts |= self.on_fenced(result["body"].get("fenced") or [])
+        self.lease_until = sent + self.lease
         self._lost_at = None
         self.error = None
         self.registered.set()
@@ -117,8 +142,39 @@ class MasterLink:
 
     def _heartbeat(self) -> None:
         try:
-            # Not before pMaster named it (a joining Aggregator has no name until then).
-            if self.peer is not None and self._lost_at is None and self.name() is not None:
-                self.peer.notify(Op.AGG_HEARTBEAT, agg=self.name(), stats=self.stats())
+            self.renew()
         finally:
             self.reactor.call_later(self.heartbeat_interval, self._heartbeat)
+
+    def renew(self) -> None:
+        """Heartbeat now (with the figures); pMaster's answer renews the lease."""
+        # Not before pMaster named it (a joining Aggregator has no name until then).
+        if self.peer is None or self._lost_at is not None or self.name() is None or self._renewing:
+            return
+        sent = self.clock()
+
+        def answered(result, error):
+            self._renewing = False
+            if error is None:
+                self.lease_until = max(self.lease_until, sent + self.lease)
+
+        self._renewing = True
+        self.peer.call(Op.AGG_HEARTBEAT, answered, timeout=max(self.lease, 1.0), agg=self.name(), stats=self.stats())
+
+    def fenced(self, now: float, header: dict) -> FencedError | None:
+        """Past the lease (or a part dropped at registration): the error a data request gets (and
+        a heartbeat goes to renew the lease)."""
+        if self.fenced_parts and (header["job"], header["key"], header["part"]) in self.fenced_parts:
+            self.refused += 1
+            return FencedError(f"aggregator {self.name()} was failed over while away; key {header['key']!r} part "
+                               f"{header['part']} is served elsewhere now: ask pMaster", agg=self.name())
+        if now <= self.lease_until:
+            return None
+        self.refused += 1
+        self.renew()
+        return FencedError(f"aggregator {self.name()} has not heard from pMaster for {now - self.lease_until + self.lease:.1f} s "
+                           "(its lease ran out): its parts may be served elsewhere now; ask pMaster", agg=self.name())
+
+    def master_down(self, now: float) -> None:
+        """An Agent cannot reach pMaster either: pMaster is down, nobody fails this one over."""
+        self.lease_until = max(self.lease_until, now + self.lease)

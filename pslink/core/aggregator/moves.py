@@ -15,7 +15,7 @@ from pslink.core.wire.protocol import Op
 from pslink.core.aggregator.table_task import new_task
 from pslink.core.aggregator.tasks import (Checkpoint, CopyOut, JobState, Replicate, Reply, Request, Summer, Task,
                                           moved_error)
-from pslink.errors import KeyStateError, MembershipError, PslinkError, error_from_code, error_to_wire
+from pslink.errors import KeyStateError, MembershipError, ProtocolError, PslinkError, error_from_code, error_to_wire
 
 MAX_COPY_IDLE_WAIT = 1.0  # seconds a migration's copy waits at most for its Aggregator to fall idle
 
@@ -131,6 +131,24 @@ class Moves:
         if force or task.job.sync == "asp" or not task.initialized:
             return self.snapshot(task)
         return []
+
+    def begin_migrations(self, req: dict) -> tuple[list, list]:
+        """MIGRATE of one part (``key``, ``part``: an error fails the request) or of a batch
+        (``parts``): the outputs, and the batch's parts that cannot go, each with why."""
+        batch = req.get("parts")
+        parts = batch if batch is not None else [(req.get("key"), req.get("part"))]
+        if any(not isinstance(p, (list, tuple)) or len(p) != 2 or not isinstance(p[1], int) for p in parts) \
+                or (batch is None and parts[0][0] is None):
+            raise ProtocolError(f"bad MIGRATE from pMaster: it names no part, or a malformed one ({req})")
+        outputs, failed = [], []
+        for key, part in parts:
+            try:
+                outputs += self.begin_migration((req["job"], key, part), tuple(req["target"]), req.get("force", False))
+            except KeyStateError as exc:
+                if batch is None:
+                    raise
+                failed.append([key, part, exc.message])
+        return outputs, failed
 
     @staticmethod
     def _export(task: Task, open_rounds: bool = True) -> tuple[dict, list[np.ndarray]]:

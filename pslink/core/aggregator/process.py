@@ -39,8 +39,9 @@ from pslink.core.wire.protocol import (DATA_OPS, DEFAULT_LIMITS, STATE_OPS, TABL
                                         encode_error, peek_id)
 from pslink.core.transport.rpc import RpcPeer
 from pslink.core.wire.fusion import MAX_FUSED_ITEMS, Cork, Unfused, fused_header, fused_message
+from pslink.core.aggregator import failures
 from pslink.core.aggregator.copies import Arriving, Copies, Rejected
-from pslink.core.aggregator.master_link import MasterLink
+from pslink.core.aggregator.master_link import DEFAULT_LEASE, MasterLink
 from pslink.core.aggregator.stalls import StallInspector, stall_threshold
 from pslink.core.transport import DISCARD, Connection, Lent, Transports
 from pslink.errors import (AbortedError, ConfigError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 _TABLE_AS_DATA = {Op.TABLE_PUSH: Op.PUSH, Op.TABLE_PULL: Op.PULL, Op.TABLE_PUSHPULL: Op.PUSHPULL,  # rounds as for tensors
                   Op.TABLE_INIT: Op.INIT}
 MAX_STALL_LINES = 8  # per scan: a whole job stalling is one story, not a line per key
+FENCED_OPS = DATA_OPS | TABLE_OPS | STATE_OPS  # refused past the lease (MasterLink)
 
 
 class Aggregator:
@@ -74,6 +76,7 @@ class Aggregator:
         keep: bool = False,
         credential: str | None = None,
         stall_seconds: float | None = None,
+        lease: float = DEFAULT_LEASE,
         clock=time.monotonic,
     ):
         self.name = name
@@ -121,8 +124,9 @@ class Aggregator:
         self.master = MasterLink(master or "", self.transports, self.reactor, limits, registration=self._registration,
                                  on_request=self._on_control, stats=self._stats, on_named=self._named,
                                  stop=self._stop, stopping=lambda: self.exit_code is not None, name=lambda: self.name,
+                                 on_fenced=self._fence,
                                  clock=clock, heartbeat_interval=heartbeat_interval,
-                                 reconnect_interval=reconnect_interval, orphan_timeout=orphan_timeout)
+                                 reconnect_interval=reconnect_interval, orphan_timeout=orphan_timeout, lease=lease)
         # The stall inspector: rounds waiting longer than this for some rank are logged and reported.
         self.stalls = StallInspector(stall_threshold(stall_seconds))
         if self.stalls.threshold > 0:
@@ -152,6 +156,11 @@ class Aggregator:
         return dict(address=self.address, pid=os.getpid(), host=hosts.host_name(), host_id=self.host_id, tasks=tasks,
                     **({"agg": self.name} if self.name else {}), **({"keep": True} if self.keep else {}),
                     **({"cred": self.credential} if self.credential else {}))
+
+    def _fence(self, parts: list) -> set:
+        idents, replies = failures.fence(self.core.tasks, parts, self.name)
+        self._send_all(replies)
+        return idents
 
     def _named(self, name: str) -> None:
         self.name = name
@@ -322,6 +331,8 @@ class Aggregator:
 
     def _header(self, conn: Connection, header: dict, sizes: tuple[int, ...]):
         op = header["op"]
+        if op in FENCED_OPS and (fenced := self.master.fenced(self.clock(), header)) is not None:
+            return Rejected(header["id"], fenced), DISCARD  # past its lease: the Agent asks pMaster
         if op in DATA_OPS:
             try:
                 task = self.core.admit(header)
@@ -387,6 +398,8 @@ class Aggregator:
             return
         if isinstance(state, dict):  # PING or ABORT
             if state["op"] == Op.PING:
+                if state.get("pmd"):  # the Agent cannot reach pMaster either: serve on (see the lease)
+                    self.master.master_down(self.clock())
                 self._send(conn, [encode(Op.PONG, id=state["id"])])
             else:
                 self._abort(conn, state)
@@ -497,6 +510,7 @@ class Aggregator:
         op = req["op"]
         if op == Op.ASSIGN:
             for task in self.core.assign(req["jobinfo"], req["tasks"]):
+                self.master.fenced_parts.discard((task.job.job, task.key, task.part))  # placed here again
                 if task.poisoned is not None:
                     self._send_all(self.core.abort(task, task.poisoned))  # the key was aborted: fail its waiters
                 elif task.restore and task.restored is None:
@@ -540,20 +554,7 @@ class Aggregator:
     def _migrate(self, peer, req: dict) -> None:
         """MIGRATE: hand one part over (``key``, ``part``), or a batch of one job's parts bound
         for one target (``parts``: one migration; the reply names those that could not go)."""
-        batch = req.get("parts")
-        parts = batch if batch is not None else [(req.get("key"), req.get("part"))]
-        if any(not isinstance(p, (list, tuple)) or len(p) != 2 or not isinstance(p[1], int) for p in parts) \
-                or (batch is None and parts[0][0] is None):
-            raise ProtocolError(f"bad MIGRATE from pMaster: it names no part, or a malformed one ({req})")
-        outputs, failed = [], []
-        for key, part in parts:
-            try:
-                outputs += self.core.moves.begin_migration((req["job"], key, part), tuple(req["target"]),
-                                                           req.get("force", False))
-            except KeyStateError as exc:
-                if batch is None:
-                    raise
-                failed.append([key, part, exc.message])
+        outputs, failed = self.core.moves.begin_migrations(req)
         peer.reply(req, body={"failed": failed})
         self._send_all(outputs)
 

@@ -28,6 +28,11 @@ from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Op
 from pslink.errors import KeyStateError, PeerError, PslinkError, PslinkTimeoutError
 
+#: After an Agent asked where a connected Aggregator's parts went: how long its ping may go
+#: unanswered before its lease decides, and the margin past the lease (clock rates, delays).
+LEASE_PATIENCE = 1.0
+LEASE_MARGIN = 0.5
+
 log = logging.getLogger("pslink.core.master")
 
 
@@ -48,6 +53,7 @@ class Failover:
         self._relocations: dict[str, list[tuple[RpcPeer, dict]]] = {}  # lost Aggregator -> who asked
         self.failing: dict[str, int] = {}  # Aggregator being failed over -> steps still under way
         self.done = 0  # failovers carried out
+        self.by_lease = 0  # of Aggregators still connected, silent past their lease
         self.copies_resourced = 0  # copies asked of a replica because a migration's source died
 
     # -- detection ----------------------------------------------------------------------------------
@@ -266,8 +272,31 @@ class Failover:
                             self._answer_one(name, peer, req)
 
                 connected.call(Op.PING, alive, timeout=wait)
+                # If it says nothing (frozen, or cut off from pMaster only), its lease is what
+                # fences it: once that ran out it serves nobody, and its parts may go elsewhere.
+                self.reactor.call_later(LEASE_PATIENCE, self._silent_past_lease, name, connected)
             return
         self._answer_relocation(record, peer, req)
+
+    def _silent_past_lease(self, name: str, connected: RpcPeer) -> None:
+        """An Agent asked where ``name``'s parts went and ``name`` has not answered pMaster's
+        ping: fail it over once its lease (counted from the last heartbeat pMaster heard) is
+        over, instead of after ``aggregator_timeout``: it refuses data requests by then."""
+        record = self.state.aggregators.get(name)
+        if (record is None or not record.lease or not self._relocations.get(name) or name in self.failing
+                or self.links.get(name) is not connected):
+            return  # no lease to rely on, nobody waits, it answered (or went) meanwhile
+        wait = record.last_seen + record.lease + LEASE_MARGIN - self.state.clock()
+        if wait > 0:
+            self.reactor.call_later(wait, self._silent_past_lease, name, connected)
+            return
+        log.warning("pMaster: aggregator %s does not answer and its lease ran out %.1f s ago: failing it over",
+                    name, -wait)
+        self.links.peers.pop(name, None)
+        connected.conn.close()  # should it come back, it registers again and is told what to drop
+        record.alive = False
+        self.by_lease += 1
+        self.fail_over(name)
 
     def _answer_relocations(self, name: str) -> None:
         for peer, req in self._relocations.pop(name, []):

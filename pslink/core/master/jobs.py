@@ -228,6 +228,7 @@ class AggregatorRecord:
     last_seen: float = 0.0
     stats: dict = dataclasses.field(default_factory=dict)
     rates: dict = dataclasses.field(default_factory=dict)
+    lease: float = 0.0  # how long it serves past its last heartbeat pMaster answered (0: no lease)
 
 
 def validate_settings(config: dict | None) -> dict:

@@ -110,6 +110,21 @@ class Joining:
 
         threading.Thread(target=dial_back, name="pmaster-dial-back", daemon=True).start()
 
+    def _fenced(self, name: str, held: list) -> list:
+        """Parts an Aggregator holds that pMaster placed elsewhere meanwhile (it was failed over
+        while frozen or cut off, and came back): it must drop them, not serve them."""
+        fenced = []
+        for entry in held:
+            if not isinstance(entry, list) or len(entry) != 3:
+                continue
+            job, key, part = entry
+            record = self.state.jobs.get(job)
+            spec = record.keys.get(key) if record is not None else None
+            if spec is not None and isinstance(part, int) and 0 <= part < len(spec.parts) \
+                    and spec.parts[part].aggregator != name:
+                fenced.append(entry)
+        return fenced
+
     def _admit(self, peer: RpcPeer, req: dict) -> None:
         provider = self.provider()
         taken = provider.names() if provider is not None else ()
@@ -117,12 +132,13 @@ class Joining:
                                                 req.get("host_id", ""), taken=taken)
         if req.get("agg") is None and provider is not None:
             provider.reserve([record.name])  # the provider must not start another under its name
+        record.lease = float(req.get("lease") or 0.0)
         old = self.links.peers.get(record.name)
         if old is not None and old is not peer:
             old.conn.close()
         self.links.peers[record.name] = peer
         peer.info.update(role="aggregator", name=record.name, pid=req.get("pid", 0))
         self.store.save_aggregator(record)
-        peer.reply(req, body={"agg": record.name})
+        peer.reply(req, body={"agg": record.name, "fenced": self._fenced(record.name, req.get("tasks") or [])})
         log.info("aggregator %s registered at %s", record.name, record.address)
         self.joined(peer, record, req)

@@ -554,6 +554,8 @@ class Master:
     def _aggregator_heartbeat(self, peer: RpcPeer, req: dict) -> None:
         if peer.info.get("role") == "aggregator":
             self.state.aggregator_heartbeat(peer.info["name"], req["stats"])
+            if req["id"]:
+                peer.reply(req)  # renews its lease (pslink.core.aggregator.master_link)
 
     def _aggregator_joined(self, peer: RpcPeer, record: AggregatorRecord, req: dict) -> None:
         """An Aggregator was admitted (:class:`Joining`): into the plan (filling the placeholder it

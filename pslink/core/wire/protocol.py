@@ -277,7 +277,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.TABLE_PULL: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(1,)),
     Op.TABLE_PUSHPULL: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
     Op.TABLE_INIT: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
-    Op.PING: Schema({"id": _uint}),
+    Op.PING: Schema({"id": _uint}, {"pmd": _bool}),  # pmd: the Agent cannot reach pMaster (see FencedError)
     Op.PONG: Schema({"id": _uint}),
     Op.ABORT: Schema(
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "key": _key, "msg": _text},
@@ -328,7 +328,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.REGISTER_AGGREGATOR: Schema(
         {"id": _uint, "address": _text},
         {"agg": _small_str, "pid": _uint, "host": _text, "host_id": _small_str, "keep": _bool, "tasks": _list,
-         "cred": _small_str},
+         "cred": _small_str, "lease": _number},
     ),
     Op.ASSIGN: Schema({"id": _uint, "jobinfo": _map, "tasks": _list}),
     Op.JOB_INFO: Schema({"id": _uint, "jobinfo": _map}),
