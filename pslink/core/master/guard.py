@@ -4,9 +4,10 @@ the control plane: it reads and changes the :class:`~pslink.core.master.control.
 plan and answers with actions.
 
 A job is judged on the median of its last ``guard_window`` iterations, against its slowdown
-limit (its SLO). Too slow: tasks on a congested Aggregator move to others with room, once;
+limit (its SLO) plus a margin for its own noise (:meth:`JobControl.noise_margin`). Too slow: tasks on a congested Aggregator move to others with room, once;
 failing that, or still too slow after that move, the job is reverted onto a new Aggregator of
-its own (at most ``max_reverts`` times). While its tasks move, and in the report right after, it
+its own (at most ``max_reverts`` times), once the revert pays for its moves (a short job keeps
+its place: :meth:`JobControl.revert_pays`). While its tasks move, and in the report right after, it
 is not judged: each window is measured on one placement, the one it is judged for.
 """
 
@@ -57,7 +58,7 @@ class Guard:
             control.window.clear()
             return []
         loss = current / control.standalone - 1.0  # its slowdown
-        if loss <= control.slo:
+        if loss <= control.slo + control.noise_margin():
             return []
         control.window.clear()  # judge the next placement on its own iterations
         return self.act(control, loss, current)
@@ -100,6 +101,9 @@ class Guard:
             # alone now (the host changed), so that is its standalone speed from here on.
             control.standalone = current
             return []
+        plane = self.plane
+        if not control.revert_pays(loss, plane.clock(), plane.copy_latency, plane.copy_bandwidth):
+            return []  # judged again with the next window, when it has run longer
         control.reverts += 1
         control.relieved = False
         control.phase = "reverted"

@@ -10,6 +10,7 @@ import statistics
 from pslink.errors import ConfigError
 
 PRIORITIES = ("normal", "high")
+NOISE_SIGMAS = 2.0  # the guard's margin for chance: standard errors of the window's median
 
 
 def check_service_level(slo, priority) -> None:
@@ -55,6 +56,29 @@ class JobControl:
     # measured during the moves (an Agent reports what it measured since its last report).
     settling: bool = False
 
+    def noise_margin(self) -> float:
+        """How much slower than its profile the job's window may be by chance alone: its
+        iterations' own spread (a robust relative deviation of the profiled ones) as it shows in
+        the difference of two medians, the window's and the profile's, at two standard errors.
+        A steady job has none; a noisy one is not judged too slow for its noise."""
+        profiled, window = self.profiled, self.window
+        if len(profiled) < 3 or not window:
+            return 0.0
+        middle = statistics.median(profiled)
+        spread = 1.4826 * statistics.median(abs(d - middle) for d in profiled) / middle if middle > 0 else 0.0
+        return NOISE_SIGMAS * 1.2533 * spread * (1.0 / len(window) + 1.0 / len(profiled)) ** 0.5
+
+    def move_stalls(self, copy_latency: float, copy_bandwidth: float) -> float:
+        """What moving every part of the job stalls its rounds: a latency and the bytes, a part."""
+        return sum(copy_latency + (b / copy_bandwidth if copy_bandwidth else 0.0) for b in self.parts.values())
+
+    def revert_pays(self, loss: float, now: float, copy_latency: float, copy_bandwidth: float) -> bool:
+        """A revert moves every part to an Aggregator of its own: worth it when what the job
+        loses at ``loss`` over the rest of its life (as long again as it has run, the best guess
+        for heavy-tailed job lengths) is more than the moves stall it. A short job keeps its
+        place: a revert would cost it more than the slowdown it ends."""
+        return loss * (now - self.arrived) >= self.move_stalls(copy_latency, copy_bandwidth)
+
     def pack_due(self, copy_latency: float, copy_bandwidth: float, placement_share: float) -> float:
         """When packing the job pays for its moves: a pack moves up to all of its parts, and each
         copy stalls the job's round (a latency plus its bytes). Those stalls may take the share of
@@ -62,7 +86,7 @@ class JobControl:
         best guess of how long it still runs (job lengths are heavy-tailed: Philly's median
         multi-GPU job runs 76 minutes, its shortest tenth under 17 s). A job that ends sooner is
         never moved: its own Aggregators cost little over a short life."""
-        stalls = sum(copy_latency + (b / copy_bandwidth if copy_bandwidth else 0.0) for b in self.parts.values())
+        stalls = self.move_stalls(copy_latency, copy_bandwidth)
         budget = self.slo * (1.0 - placement_share)
         return self.arrived + (stalls / budget if budget > 0 else 0.0)
 
