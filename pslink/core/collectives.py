@@ -165,6 +165,36 @@ def gather_same_rows(pushpull: PushPull, key: str, row: np.ndarray, rank: int, r
     return stacked
 
 
+def scatter_share(rows: int, size: int, rank: int) -> tuple[int, int]:
+    """Horovod's reducescatter split of ``rows``: (first row, rows) of ``rank``'s share; the
+    first ``rows % size`` ranks get one row more."""
+    counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+    return sum(counts[:rank]), counts[rank]
+
+
+def alltoall_splits(name: str, rows: int, size: int, splits) -> list[int]:
+    """The rows ``alltoall`` sends each rank: ``splits`` checked, or equal shares if None."""
+    if splits is None:
+        if rows % size:
+            raise ConfigError(f"alltoall {name!r}: {rows} rows do not split evenly over {size} ranks; pass splits")
+        return [rows // size] * size
+    splits = [int(n) for n in splits]
+    if len(splits) != size or any(n < 0 for n in splits) or sum(splits) != rows:
+        raise ConfigError(f"alltoall {name!r}: splits {splits} must be {size} counts >= 0 adding up to the "
+                          f"tensor's {rows} rows")
+    return splits
+
+
+def alltoall_pieces(table: list[list[int]], rank: int) -> list[tuple[int, int]]:
+    """Where ``rank``'s rows lie in every rank's rows gathered in rank order: (first row, rows)
+    from each rank in turn (``table[r]``: the rows rank r sends each rank)."""
+    pieces, start = [], 0
+    for sent in table:
+        pieces.append((start + sum(sent[:rank]), sent[rank]))
+        start += sum(sent)
+    return pieces
+
+
 def gather_rows(pushpull: PushPull, name: str, host: np.ndarray, rank: int, size: int,
                 capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(all ranks' ``host`` concatenated along the first dimension, rows per rank).
@@ -312,9 +342,9 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
     "pslink.mxnet.horovod": {
         "Compression": "fp16 compression of MXNet NDArrays is not written yet",
         "join": "uneven data for MXNet (join) is not written yet",
-        **{name: "asynchronous and grouped collectives beyond grouped_allreduce of NDArrays are not written yet"
-           for name in ("allgather_async", "grouped_allreduce_async", "grouped_allgather", "reducescatter",
-                        "alltoall")},
+        # Horovod's MXNet API has no handles either (its collectives return when done).
+        **{name: "asynchronous collectives of NDArrays are not written (Horovod's MXNet API has none)"
+           for name in ("allgather_async", "grouped_allreduce_async")},
         **{name: "process sets of MXNet collectives are not written yet"
            for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
     },

@@ -36,10 +36,11 @@ from pslink.errors import PslinkError as HorovodInternalError  # noqa: F401  (a 
 
 __all__ = [
     "Adasum", "Average", "DistributedOptimizer", "DistributedTrainer", "HorovodInternalError", "Max", "Min",
-    "Product", "Session", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "barrier", "broadcast", "broadcast_", "broadcast_object",
-    "broadcast_parameters", "ccl_built", "cross_rank", "cuda_built", "cross_size", "ddl_built", "gloo_built", "gloo_enabled",
-    "grouped_allreduce", "init", "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size",
+    "Product", "Session", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",
+    "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters", "ccl_built", "cross_rank", "cuda_built",
+    "cross_size", "ddl_built", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_reducescatter", "init", "is_initialized", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "rocm_built", "shutdown", "size",
 ]
 
 
@@ -52,7 +53,8 @@ class Session:
             raise ConfigError(f"pslink.mxnet.horovod needs an Agent in mode 'sum', this one is in mode {agent.mode!r}")
         self.agent = agent
         self.rank, self.size = agent.rank, agent.num_workers
-        self._unnamed = {kind: itertools.count() for kind in ("allreduce", "broadcast", "allgather")}
+        self._unnamed = {kind: itertools.count() for kind in ("allreduce", "broadcast", "allgather", "reducescatter",
+                                                              "alltoall")}
         self._zeros = Zeros()
 
     def close(self) -> None:
@@ -117,6 +119,39 @@ class Session:
         host = np.ascontiguousarray(tensor.asnumpy())
         gathered, _ = collectives.gather_rows(self._round, f"mx.{name}", host, self.rank, self.size)
         return mx.nd.array(gathered, ctx=tensor.context, dtype=tensor.dtype)
+
+    def reducescatter(self, tensor: mx.nd.NDArray, op=Average, name: str | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> mx.nd.NDArray:
+        """Horovod's reducescatter: ``tensor`` (one shape on every rank) averaged or summed over
+        the ranks, this rank's share of its first dimension returned (the first ``rows % size``
+        ranks get one row more)."""
+        if op not in (Average, Sum):
+            raise ConfigError(f"reducescatter takes op=Average or Sum, got {op!r}")
+        if not tensor.shape:
+            raise ConfigError("reducescatter needs a tensor of at least one dimension (its rows are scattered)")
+        name = self._name("reducescatter", name)
+        reduced = self.allreduce(tensor, None, f"reducescatter.{name}", op, prescale_factor, postscale_factor)
+        start, rows = collectives.scatter_share(tensor.shape[0], self.size, self.rank)
+        return reduced[start : start + rows].copy()
+
+    def alltoall(self, tensor: mx.nd.NDArray, splits=None, name: str | None = None):
+        """Horovod's alltoall: rank i gets ``splits[i]`` rows of every rank's ``tensor`` (equal
+        shares of the first dimension when ``splits`` is None), concatenated in rank order; with
+        ``splits`` given also how many rows came from each rank (int32)."""
+        if not tensor.shape:
+            raise ConfigError("alltoall needs a tensor of at least one dimension (its rows are sent)")
+        name = self._name("alltoall", name)
+        given = splits is not None
+        if isinstance(splits, mx.nd.NDArray):
+            splits = splits.asnumpy().tolist()
+        splits = collectives.alltoall_splits(name, tensor.shape[0], self.size, splits)
+        everything = self.allgather(tensor, f"alltoall.{name}.rows").asnumpy()
+        table = self.allgather(mx.nd.array([splits], dtype="int64"), f"alltoall.{name}.splits").asnumpy().tolist()
+        pieces = [everything[start : start + rows] for start, rows in collectives.alltoall_pieces(table, self.rank)]
+        received = mx.nd.array(np.concatenate(pieces), ctx=tensor.context, dtype=tensor.dtype)
+        if given:
+            return received, mx.nd.array([sent[self.rank] for sent in table], dtype="int32")
+        return received
 
     def _round(self, key: str, array: np.ndarray, out: np.ndarray) -> np.ndarray:
         return self._pushpull(key, array, out)
@@ -236,8 +271,31 @@ def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_fac
                       postscale_factor, op) for i, t in enumerate(tensors)]
 
 
+def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
+                       op=None):
+    return [allreduce_(t, average, None if name is None else f"{name}.{i}", priority, prescale_factor,
+                       postscale_factor, op) for i, t in enumerate(tensors)]
+
+
 def allgather(tensor, name=None, priority=0):
     return current_session().allgather(tensor, name)
+
+
+def grouped_allgather(tensors, name=None, priority=0):
+    return [allgather(t, None if name is None else f"{name}.{i}", priority) for i, t in enumerate(tensors)]
+
+
+def reducescatter(tensor, op=Average, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0):
+    return current_session().reducescatter(tensor, op, name, prescale_factor, postscale_factor)
+
+
+def grouped_reducescatter(tensors, op=Average, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0):
+    return [reducescatter(t, op, None if name is None else f"{name}.{i}", priority, prescale_factor,
+                          postscale_factor) for i, t in enumerate(tensors)]
+
+
+def alltoall(tensor, splits=None, name=None, priority=0):
+    return current_session().alltoall(tensor, splits, name)
 
 
 def broadcast(tensor, root_rank, name=None, priority=0):

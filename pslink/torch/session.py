@@ -406,9 +406,7 @@ class Session:
             raise ConfigError("reducescatter needs a tensor of at least one dimension (its rows are scattered)")
         name = self._name("reducescatter", name)
         reduced = self.allreduce(tensor, f"reducescatter.{name}", op)
-        rows, size = tensor.shape[0], self.size
-        counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
-        return reduced.narrow(0, sum(counts[: self.rank]), counts[self.rank]).clone()
+        return reduced.narrow(0, *collectives.scatter_share(tensor.shape[0], self.size, self.rank)).clone()
 
     def alltoall(self, tensor: torch.Tensor, splits=None, name: str | None = None):
         """Horovod's alltoall: rank i gets ``splits[i]`` rows of every rank's ``tensor`` (equal
@@ -417,26 +415,15 @@ class Session:
         if tensor.dim() == 0:
             raise ConfigError("alltoall needs a tensor of at least one dimension (its rows are sent)")
         name = self._name("alltoall", name)
-        rows, size = tensor.shape[0], self.size
         given = splits is not None
-        if splits is None:
-            if rows % size:
-                raise ConfigError(f"alltoall {name!r}: {rows} rows do not split evenly over {size} ranks; pass splits")
-            splits = [rows // size] * size
-        splits = [int(n) for n in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(splits) != size or any(n < 0 for n in splits) or sum(splits) != rows:
-            raise ConfigError(f"alltoall {name!r}: splits {splits} must be {size} counts >= 0 adding up to the "
-                              f"tensor's {rows} rows")
+        splits = collectives.alltoall_splits(name, tensor.shape[0], self.size,
+                                             splits.tolist() if isinstance(splits, torch.Tensor) else splits)
         everything = self.allgather(tensor, f"alltoall.{name}.rows")
         table = self.allgather(torch.tensor([splits], dtype=torch.int64), f"alltoall.{name}.splits").tolist()
-        pieces, start = [], 0
-        for source in range(size):
-            sent = table[source]
-            pieces.append(everything.narrow(0, start + sum(sent[: self.rank]), sent[self.rank]))
-            start += sum(sent)
+        pieces = [everything.narrow(0, start, rows) for start, rows in collectives.alltoall_pieces(table, self.rank)]
         received = torch.cat(pieces) if pieces else tensor.new_empty((0, *tensor.shape[1:]))
         if given:
-            return received, torch.tensor([table[source][self.rank] for source in range(size)], dtype=torch.int32)
+            return received, torch.tensor([sent[self.rank] for sent in table], dtype=torch.int32)
         return received
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list:

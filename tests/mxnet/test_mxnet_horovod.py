@@ -69,6 +69,34 @@ def test_allreduce_broadcast_allgather_and_objects(cluster):
         assert obj == {"from": 0}
 
 
+def test_reducescatter_alltoall_and_grouped_collectives_as_horovod_splits(cluster):
+    def body(s):
+        r = s.rank
+        x = mx.nd.array(np.arange(10, dtype=np.float32).reshape(5, 2) * (r + 1))
+        mine = s.reducescatter(x, op=hvd.Sum, name="rs")  # 5 rows over 2 ranks: 3 and 2
+        mean = s.reducescatter(x)  # unnamed: matched by position
+        even = s.alltoall(mx.nd.arange(4) + 10 * r)  # two elements to each rank; unnamed
+        rows = mx.nd.array(np.arange(3 * 2, dtype=np.float32).reshape(3, 2) + 100 * r)
+        splits = [1, 2] if r == 0 else [2, 1]
+        got, counts = s.alltoall(rows, splits=splits, name="uneven")
+        with pytest.raises(ConfigError, match=r"splits \[1, 1\] must be 2 counts >= 0 adding up to the tensor's 3 rows"):
+            s.alltoall(rows, splits=[1, 1], name="bad")
+        return mine.asnumpy(), mean.asnumpy(), even.asnumpy(), got.asnumpy(), counts.asnumpy()
+
+    results = on_ranks(cluster, 2, body)
+    total = np.arange(10, dtype=np.float32).reshape(5, 2) * 3
+    for r, (mine, mean, even, got, counts) in enumerate(results):
+        share = slice(0, 3) if r == 0 else slice(3, 5)
+        np.testing.assert_array_equal(mine, total[share])
+        np.testing.assert_array_equal(mean, total[share] / 2)
+        np.testing.assert_array_equal(even, [2 * r, 2 * r + 1, 10 + 2 * r, 11 + 2 * r])
+        sent = [[1, 2], [2, 1]]
+        np.testing.assert_array_equal(counts, [sent[0][r], sent[1][r]])
+    rows = [np.arange(6, dtype=np.float32).reshape(3, 2) + 100 * r for r in range(2)]
+    np.testing.assert_array_equal(results[0][3], np.concatenate([rows[0][:1], rows[1][:2]]))
+    np.testing.assert_array_equal(results[1][3], np.concatenate([rows[0][1:], rows[1][2:]]))
+
+
 def test_shapes_that_differ_fail_on_every_rank(cluster):
     def body(s):
         with pytest.raises(ShapeMismatchError):
