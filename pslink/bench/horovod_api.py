@@ -23,10 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+from pslink.bench.launched import add_horovod_path, horovod_available, horovodrun_and_collect, launch_and_collect
 
 SIZES = {"4K": 4 << 10, "4M": 4 << 20, "64M": 64 << 20}
 CALLS = {"4K": 300, "4M": 40, "64M": 8}  # measured calls per size (the quick run takes a fifth)
@@ -39,16 +39,6 @@ def build_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
                                torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
-
-
-def _horovod_env(path: str | None) -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
-
-
-def horovod_available(path: str | None) -> bool:
-    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], env=_horovod_env(path),
-                           capture_output=True, timeout=120)
-    return probe.returncode == 0
 
 
 def worker(args) -> None:
@@ -99,23 +89,10 @@ def _command(variant: str, args) -> list[str]:
 
 
 def run_horovod(args) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="pslink-bench-horovod-") as out:
-        command = [sys.executable, "-m", "horovod.runner.launch", "-np", "2", "-H", "localhost:2", "--gloo",
-                   *_command("horovod", args), "--out", out]
-        done = subprocess.run(command, env=_horovod_env(args.horovod_path), capture_output=True, text=True,
-                              timeout=900)
-        if done.returncode != 0:
-            raise SystemExit(f"the horovod workers failed (status {done.returncode}):\n{done.stdout}\n{done.stderr}")
-        results = []
-        for rank in range(2):
-            with open(os.path.join(out, f"rank{rank}.json")) as f:
-                results.append(json.load(f))
-        return results
+    return horovodrun_and_collect(_command("horovod", args), args.horovod_path)
 
 
 def run_pslink(args, service: str, index: int) -> list[dict]:
-    from pslink.bench.launched import launch_and_collect
-
     return launch_and_collect(_command("pslink", args), "pslink", service, f"bench-hvd-api-{os.getpid()}-{index}")
 
 
@@ -124,9 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: fewer calls and steps, 1 repeat")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating")
     parser.add_argument("--steps", type=int, default=20, help="measured training steps per run")
-    parser.add_argument("--horovod-path", default=os.environ.get("PSLINK_BENCH_HOROVOD"),
-                        help="a directory Horovod was installed into (pip install --target), if not in this "
-                             "environment (default: $PSLINK_BENCH_HOROVOD)")
+    add_horovod_path(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

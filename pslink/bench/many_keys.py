@@ -29,8 +29,9 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
+
+from pslink.bench.launched import add_horovod_path, horovod_available, horovodrun_and_collect
 
 TENSORS = 500
 MIN_BYTES, MAX_BYTES = 1 << 10, 64 << 10
@@ -70,32 +71,10 @@ def _horovod():
     return hvd
 
 
-def horovod_available(path: str | None) -> bool:
-    """Horovod imports (from ``path`` too, a ``pip install --target`` directory, if given)."""
-    import subprocess
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
-    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], env=env, capture_output=True, timeout=120)
-    return probe.returncode == 0
-
-
 def run_horovod(args, index: int) -> list[dict]:
     """Horovod's own DistributedOptimizer over gloo, 2 processes started by ``horovodrun --gloo``."""
-    import subprocess
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [args.horovod_path, os.environ.get("PYTHONPATH")])))
-    with tempfile.TemporaryDirectory(prefix="pslink-many-horovod-") as out:
-        command = [sys.executable, "-m", "horovod.runner.launch", "-np", "2", "-H", "localhost:2", "--gloo",
-                   sys.executable, "-m", "pslink.bench.many_keys", "--worker", "horovod", "--out", out,
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise SystemExit(f"the horovod workers failed (status {done.returncode}):\n{done.stdout}\n{done.stderr}")
-        results = []
-        for rank in range(2):
-            with open(os.path.join(out, f"rank{rank}.json")) as f:
-                results.append(json.load(f))
-        return results
+    return horovodrun_and_collect([sys.executable, "-m", "pslink.bench.many_keys", "--worker", "horovod",
+                                   "--steps", str(args.steps), "--warmup", str(args.warmup)], args.horovod_path)
 
 
 def worker(args) -> None:
@@ -162,9 +141,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each variant, alternating")
     parser.add_argument("--variants", default="alone,gloo,pslink,unfused,horovod")
-    parser.add_argument("--horovod-path", default=os.environ.get("PSLINK_BENCH_HOROVOD"),
-                        help="a directory Horovod was installed into (pip install --target), if not in this "
-                             "environment (default: $PSLINK_BENCH_HOROVOD)")
+    add_horovod_path(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
