@@ -153,6 +153,20 @@ def test_replicas_on_a_removed_aggregator_are_made_elsewhere():
         state.remove_from_pool("agg-9")
 
 
+def test_an_aggregator_released_while_moves_leave_it_takes_no_replica():
+    """Found by the chaos run: a pack released the job's profiling Aggregators (their release
+    waiting for the moves off them), the moves gave them replicas meanwhile, and the release took
+    those replicas with it, leaving parts with none. A released Aggregator is no candidate."""
+    state = MasterState(clock=lambda: 0.0, control=ControlPlane(profile_iterations=0))
+    for i in range(3):
+        state.register_aggregator(f"tcp://127.0.0.1:{9000 + i}", f"agg-{i}")
+        state.aggregator_joined(f"agg-{i}")
+    assert set(state.replica_candidates()) == {"agg-0", "agg-1", "agg-2"}
+    (release,) = [a for a in state.control.scaling.release_empty("a pack emptied it") if isinstance(a, Release)][:1]
+    assert release.aggregator in state.live_aggregators()  # pMaster releases it once the moves are over
+    assert release.aggregator not in state.replica_candidates()
+
+
 def test_a_removal_waits_for_moves_off_it_that_wait_for_a_new_aggregator():
     control = plane("agg-0", "agg-1")
     declare(control, "j", [300])

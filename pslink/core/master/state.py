@@ -460,8 +460,11 @@ class MasterState:
         return sorted(n for n, a in self.aggregators.items() if a.alive)
 
     def replica_candidates(self) -> list[str]:
-        """Live Aggregators that may take a part or a replica (not one being removed)."""
-        return [n for n in self.live_aggregators() if n not in self.control.draining]
+        """Live Aggregators that may take a part or a replica: not one being removed, nor one the
+        control plane released whose release waits for moves off it (found by the chaos run: a
+        pack released its profiling Aggregators, the pack's own moves then gave them replicas,
+        and the release took the replicas with it)."""
+        return [n for n in self.live_aggregators() if n not in self.control.draining and n in self.control.cluster_of]
 
     def fail_over(self, name: str, stays: dict[tuple, str] | None = None) -> list:
         """The Aggregator ``name`` is gone for good: re-home its parts and replicas
