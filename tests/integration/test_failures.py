@@ -512,3 +512,37 @@ def test_a_sigkilled_aggregator_is_replaced_and_the_pool_is_back_at_its_floor(tm
         assert len(alive) == 3
     finally:
         service.stop()
+
+
+def test_a_replica_named_to_its_part_before_it_knows_the_part_gets_the_state_once_it_does():
+    """Found by the chaos run: pMaster told a part's Aggregator of a new replica before the
+    replica's own ASSIGN arrived; its REPLICATE was refused ("serves no job") and the replica was
+    given up, so the part went without one and a later failover promoted a replica with no state.
+    Now the Aggregator sends the round again shortly, and the replica has it once it knows."""
+    transports = Transports()
+    service = start_cluster("tcp", aggregators=2, transports=transports, control={"profile_iterations": 0})
+    try:
+        with pslink.connect("early", 0, 1, master=service.address, transports=transports, optimizer=OPTIMIZER,
+                            timeout=30) as agent:
+            agent.init("w", np.arange(8, dtype=np.float32)).wait()
+            agent.pushpull("w", np.ones(8, np.float32)).wait()
+            (primary_name,) = {p[3] for p in agent.key_info("w")["parts"]}
+            aggregators = service.provider.aggregators
+            other = next(n for n in aggregators if n != primary_name)
+            primary, replica = aggregators[primary_name], aggregators[other]
+            ident = ("early", "w", 0)
+            task = primary.core.tasks[ident]
+            spec = {"key": "w", "part": 0, "shape": list(task.shape), "span": list(task.span), "dtype": task.dtype_name,
+                    "needs_init": True, "declared_by": 0}
+            jobinfo = service.master.state.jobs["early"].jobinfo()
+            # The part's Aggregator learns of the replica first ...
+            primary.reactor.post(lambda: primary._send_all(
+                primary.core.moves.catch_up(primary.core.assign(jobinfo, [dict(spec, replicas=[[other, replica.address]])])[0])))
+            wait_until(lambda: primary.copies._not_ready, 10, "the replica to refuse the round it does not know yet")
+            # ... the replica's own ASSIGN comes after.
+            replica.reactor.post(lambda: replica.core.assign(jobinfo, [dict(spec, replica=True)]))
+            wait_until(lambda: "state" in replica.core.replicas.get(ident, {}), 10, "the round to reach the replica")
+            assert [r[0] for r in primary.core.tasks[ident].replicas] == [other]  # not given up
+    finally:
+        service.stop()
+        transports.close()

@@ -21,7 +21,7 @@ from pslink.core.transport import DISCARD, Connection, Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits, Op, dtype_of, encode, encode_error
-from pslink.errors import ProtocolError, PslinkError
+from pslink.errors import KeyStateError, ProtocolError, PslinkError, UnknownJobError
 
 log = logging.getLogger("pslink.core.aggregator.process")
 
@@ -47,6 +47,10 @@ class Rejected:
         self.error = error
 
 
+NOT_READY_RETRIES = 20  # REPLICATEs a replica may refuse as "not mine (yet)" before it is given up
+NOT_READY_PAUSE = 0.1  # seconds before the round goes to it again
+
+
 class Copies:
     """Sends and receives task state for one Aggregator. ``reply(conn, frames)`` answers a
     sender; ``carry_out(outputs)`` sends what the core returned; ``tell_master(op, task)``
@@ -64,6 +68,7 @@ class Copies:
         # Connections to other Aggregators (requests go out on them; none come in).
         self.endpoint = RpcEndpoint(reactor, self._refuse_peer_request, limits)
         self._peer_by_address: dict[str, RpcPeer] = {}
+        self._not_ready: dict[tuple, int] = {}  # (part, replica) -> REPLICATEs it refused as not its yet
 
     def header(self, header: dict, sizes: tuple[int, ...]):
         """A TENSOR_COPY from the task's old Aggregator: receive its arrays straight into place."""
@@ -161,19 +166,31 @@ class Copies:
         )
 
     def replicate(self, out: Replicate) -> None:
-        """REPLICATE to every replica; when all answered (or failed), the round's answers go out."""
+        """REPLICATE to every replica; when all answered (or failed), the round's answers go out.
+        A replica that does not know yet that it holds the part (pMaster told this Aggregator of
+        it first; its own ASSIGN is on the way) is not given up: the round goes again to it
+        shortly (found by the chaos run: dropped so, parts went without replica, and a later
+        failover promoted a replica with no state)."""
         task = out.task
         ident = (task.job.job, task.key, task.part)
-        waiting = {"left": len(task.replicas), "lost": []}
+        waiting = {"left": len(task.replicas), "lost": [], "later": False}
 
         def done(name, error):
-            if error is not None:
+            if isinstance(error, (UnknownJobError, KeyStateError)) and \
+                    self._not_ready.get((ident, name), 0) < NOT_READY_RETRIES:
+                self._not_ready[(ident, name)] = self._not_ready.get((ident, name), 0) + 1
+                waiting["later"] = True
+            elif error is not None:
                 log.warning("aggregator %s: replica %s of %s failed (%s); going on without it",
                             self.name(), name, task.name, error)
                 waiting["lost"].append(name)
+            else:
+                self._not_ready.pop((ident, name), None)
             waiting["left"] -= 1
             if waiting["left"] == 0:
                 self.carry_out(self.core.moves.replicated(ident, out.round, waiting["lost"]))
+                if waiting["later"]:
+                    self.reactor.call_later(NOT_READY_PAUSE, self._catch_up_again, ident)
 
         for name, address in list(task.replicas):
             try:
@@ -186,6 +203,12 @@ class Copies:
                 payloads=out.arrays, job=task.job.job, tok=task.job.token, rank=0, key=task.key, part=task.part,
                 rnd=out.round, dtype=task.dtype_name, shape=list(task.shape), span=list(task.span), state=out.state,
             )
+
+    def _catch_up_again(self, ident: tuple) -> None:
+        task = self.core.tasks.get(ident)
+        if task is not None:
+            task.catch_up = True
+            self.carry_out(self.core.moves.catch_up(task))
 
     def peer(self, address: str) -> RpcPeer:
         """The connection to the Aggregator at ``address``, made on first use."""
