@@ -21,6 +21,7 @@ from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.migrations import Move
 from pslink.core.master.moving import Mover
 from pslink.core.master.recovery import Lost, Promote, Recreate, Rereplicate, copy_sources, holdings, pick_replicas
+from pslink.core.master.replicas import give_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
@@ -231,30 +232,9 @@ class Failover:
         peer.call(Op.ASSIGN, assigned, timeout=self.links.timeout, jobinfo=record.jobinfo(), tasks=entries)
 
     def _rereplicate(self, action: Rereplicate) -> None:
-        """Tell the new replicas what they hold, then the part's Aggregator its replicas (it sends
-        them the part's state at once: they must know the part by then)."""
-        record, spec, part = action.record, action.spec, action.part
-        self.store.save_key(record.job, spec)
-
-        def tell(name, callback):
-            entries = [e for e in spec.task_specs(name, self.links.address_of) if e["part"] == part.part]
-            return self.links.call(name, Op.ASSIGN, callback, jobinfo=record.jobinfo(), tasks=entries)
-
-        primary = self.links.log_failure(f"telling {part.aggregator} of key {spec.key!r}'s replicas")
-        left = {"holders": len(action.added)}
-
-        def held(result=None, error=None):
-            if error is not None:
-                log.warning("pMaster: giving a replica of key %r part %d failed: %s", spec.key, part.part, error)
-            left["holders"] -= 1
-            if left["holders"] <= 0:
-                tell(part.aggregator, primary)
-
-        if not action.added:
-            tell(part.aggregator, primary)
-        for name in action.added:
-            if not tell(name, held):
-                held(None, None)  # not connected: its failover will deal with it
+        """Tell the new replicas what they hold, then the part's Aggregator its replicas."""
+        self.store.save_key(action.record.job, action.spec)
+        give_replicas(self.links, action.record, action.spec, action.part, action.added)
 
     def _step_done(self, lost: str) -> None:
         self.failing[lost] -= 1

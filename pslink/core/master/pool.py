@@ -25,6 +25,7 @@ from pslink.core.master.actions import Allocate, Release
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.migrations import Migrations
 from pslink.core.master.recovery import Rereplicate, holdings
+from pslink.core.master.replicas import give_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
@@ -213,39 +214,10 @@ class Pool:
 
     def _move_replica(self, leaving: str, action: Rereplicate) -> None:
         """The new replicas learn what they hold first; then the part's Aggregator learns where its
-        replicas are (a round replicated to one that does not hold it yet would drop it); only
-        then may ``leaving`` go (until then, it is the replica the rounds reach)."""
-        record, spec, part = action.record, action.spec, action.part
-        self.store.save_key(record.job, spec)
-        primary = self.links.get(part.aggregator)
-
-        def entries(name):
-            return [e for e in spec.task_specs(name, self.links.address_of) if e["part"] == part.part]
-
-        def tell_primary(result=None, error=None):
-            if error is not None:
-                log.warning("pMaster: giving a replica of key %r part %d failed: %s", spec.key, part.part, error)
-            outcome["left"] -= 1
-            if outcome["left"] == 0:
-                if primary is None:
-                    self._replica_moved(leaving)
-                    return
-                primary.call(Op.ASSIGN, told, timeout=self.links.timeout, jobinfo=record.jobinfo(),
-                             tasks=entries(part.aggregator))
-
-        def told(result, error):
-            if error is not None:
-                log.warning("pMaster: telling %s of key %r's replicas failed: %s", part.aggregator, spec.key, error)
-            self._replica_moved(leaving)
-
-        holders = [(n, self.links.get(n)) for n in action.added]
-        holders = [(n, p) for n, p in holders if p is not None]
-        outcome = {"left": len(holders)}
-        if not holders:
-            tell_primary()
-        for name, holder in holders:
-            holder.call(Op.ASSIGN, tell_primary, timeout=self.links.timeout, jobinfo=record.jobinfo(),
-                        tasks=entries(name))
+        replicas are; only then may ``leaving`` go (until then, it is the replica the rounds reach)."""
+        self.store.save_key(action.record.job, action.spec)
+        give_replicas(self.links, action.record, action.spec, action.part, action.added,
+                      lambda error: self._replica_moved(leaving))
 
     def _replicas_moving(self, name: str) -> bool:
         removal = self._pool_removals.get(name)

@@ -12,12 +12,14 @@ new replicas, then the old holder drops its copy.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.recovery import holdings, pick_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.wire.protocol import Op
+from pslink.errors import PslinkError, ServiceError
 
 log = logging.getLogger("pslink.core.master")
 
@@ -65,31 +67,48 @@ class Replicas:
             self._swap_replica(record, spec, part, old, new[0])
 
     def _swap_replica(self, record, spec, part, old: str, new: str) -> None:
-        """The new holder learns the part, then the primary its replicas (a round replicated to a
-        holder that does not know the part yet would be dropped), then the old holder forgets it."""
+        """The new holder learns the part, then the primary its replicas, then the old holder
+        forgets it (if the primary took the news)."""
 
-        def entries(name, **extra):
-            return [dict(e, **extra) for e in spec.task_specs(name, self.links.address_of) if e["part"] == part.part]
-
-        def tell_primary(result, error):
-            if error is not None:
-                log.warning("pMaster: giving %s a replica of key %r part %d failed: %s", new, spec.key, part.part,
-                            error)
-            primary = self.links.get(part.aggregator)
-            if primary is not None:
-                primary.call(Op.ASSIGN, drop_old, timeout=self.links.timeout, jobinfo=record.jobinfo(),
-                             tasks=entries(part.aggregator))
-
-        def drop_old(result, error):
+        def drop_old(error):
             holder = self.links.get(old)
             if holder is not None and error is None:
                 stale = [dict(e, replica=True, drop=True) for e in spec.task_specs(None) if e["part"] == part.part]
                 holder.call(Op.ASSIGN, self.links.log_failure(f"dropping {old}'s replica of key {spec.key!r}"),
                             timeout=self.links.timeout, jobinfo=record.jobinfo(), tasks=stale)
 
-        holder = self.links.get(new)
-        if holder is None:
-            tell_primary(None, None)
-            return
-        holder.call(Op.ASSIGN, tell_primary, timeout=self.links.timeout, jobinfo=record.jobinfo(),
-                    tasks=entries(new))
+        give_replicas(self.links, record, spec, part, [new], drop_old)
+
+
+def give_replicas(links: AggregatorLinks, record, spec, part, added: list[str],
+                  done: Callable[[PslinkError | None], None] = lambda error: None) -> None:
+    """Tell the Aggregators in ``added`` that they hold a replica of ``part``, then, once they
+    answered, the part's own Aggregator where its replicas are: it replicates to them at once
+    (a new replica gets the part's state without waiting for a round), and a replica that does
+    not know the part yet would refuse it. ``done(error)`` follows the primary's answer (an
+    error if it failed or is not connected). Holders not connected are left out: their own
+    failover deals with them."""
+
+    def entries(name):
+        return [e for e in spec.task_specs(name, links.address_of) if e["part"] == part.part]
+
+    def told(result, error):
+        if error is not None:
+            log.warning("pMaster: telling %s of key %r's replicas failed: %s", part.aggregator, spec.key, error)
+        done(error)
+
+    def held(name, error):
+        if error is not None:
+            log.warning("pMaster: giving %s a replica of key %r part %d failed: %s", name, spec.key, part.part, error)
+        waiting.discard(name)
+        if not waiting and not links.call(part.aggregator, Op.ASSIGN, told, jobinfo=record.jobinfo(),
+                                          tasks=entries(part.aggregator)):
+            done(ServiceError(f"aggregator {part.aggregator} is not connected"))
+
+    holders = [name for name in added if links.get(name) is not None]
+    waiting = set(holders)
+    if not holders:
+        held(None, None)
+    for name in holders:
+        links.call(name, Op.ASSIGN, lambda result, error, name=name: held(name, error), jobinfo=record.jobinfo(),
+                   tasks=entries(name))
