@@ -35,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -91,45 +90,12 @@ def role_pushpull(args) -> None:
 # -- the orchestra ----------------------------------------------------------------------------------
 
 
-def _finish(proc: subprocess.Popen, timeout: float, what: str) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise SystemExit(f"{what} did not finish within {timeout} s:\n{out[-3000:]}")
-    if proc.returncode != 0:
-        raise SystemExit(f"{what} failed (status {proc.returncode}):\n{out[-3000:]}")
-    return out
+def _start(hosts, host, argv, env=None):
+    return netns.start_on(hosts, host, argv, cwd=ROOT, env=env)
 
 
 def _last_json(out: str) -> dict:
     return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-
-
-def _start(hosts, host, argv, env=None) -> subprocess.Popen:
-    return hosts.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
-
-
-def _wait_ready(hosts, via: str, master: str, aggregators: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    from pslink.core.service.client import ControlClient
-    from pslink.errors import PslinkError
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the service on {via} ended:\n{proc.communicate()[0][-3000:]}")
-        try:
-            with hosts.enter(via):
-                client = ControlClient(master, timeout=5)
-            with client:
-                if len([a for a in client.status()["aggregators"] if a["alive"]]) >= aggregators:
-                    return
-        except PslinkError:
-            pass
-        time.sleep(0.2)  # polling for the service to come up, with a deadline
-    raise SystemExit(f"the service at {master} did not get {aggregators} Aggregator(s) within {timeout} s")
 
 
 def measure_raw(hosts, seconds: float) -> float:
@@ -139,8 +105,8 @@ def measure_raw(hosts, seconds: float) -> float:
         raise SystemExit(f"the raw receiver did not start: {line}{receiver.communicate()[0]}")
     sender = _start(hosts, "A", [PYTHON, __file__, "--role", "raw-send", "--to", hosts.address("B"),
                                  "--seconds", str(seconds)])
-    _finish(sender, seconds + 60, "the raw sender")
-    return _last_json(_finish(receiver, 60, "the raw receiver"))["MBps"]
+    netns.finish(sender, seconds + 60, "the raw sender")
+    return _last_json(netns.finish(receiver, 60, "the raw receiver"))["MBps"]
 
 
 def measure_pushpull(hosts, master: str, size: str, seconds: float, index: int, fused: bool = True,
@@ -149,7 +115,7 @@ def measure_pushpull(hosts, master: str, size: str, seconds: float, index: int, 
                                  "--seconds", str(seconds), "--job", f"pushpull-{size}-{index}-{int(fused)}",
                                  "--inflight", str(inflight)],
                     env=None if fused else {"PSLINK_FUSION_BYTES": "0"})
-    return _last_json(_finish(worker, seconds * 20 + 120, f"the {size} pushpull worker"))["MBps"]
+    return _last_json(netns.finish(worker, seconds * 20 + 120, f"the {size} pushpull worker"))["MBps"]
 
 
 def measure_ddp(hosts, master: str, variant: str, args, index: int) -> float:
@@ -166,7 +132,7 @@ def measure_ddp(hosts, master: str, variant: str, args, index: int) -> float:
                                               str(args.batch_size), "--steps", str(args.steps), "--warmup", "3"],
                                 env=env))
         for rank, proc in enumerate(procs):
-            _finish(proc, 900, f"DDP {variant} rank {rank}")
+            netns.finish(proc, 900, f"DDP {variant} rank {rank}")
         times = []
         for rank in range(2):
             with open(os.path.join(out, f"rank{rank}.json")) as f:
@@ -185,7 +151,7 @@ def run_rate(rate: str, args) -> dict:
         master_b = f"tcp://{hosts.address('B')}:{MASTER_PORT}"
         service = _start(hosts, "B", [*PSLINK, "service", "up", "--host", hosts.address("B"), "--port",
                                       str(MASTER_PORT), "--aggregators", "1", "--allow-first-join"])
-        _wait_ready(hosts, "B", master_b, 1, service)
+        netns.wait_service(hosts, "B", master_b, 1, service)
         for index in range(args.repeats):
             figures["raw_MBps"].append(measure_raw(hosts, args.seconds))
             for size in args.sizes:
@@ -200,16 +166,16 @@ def run_rate(rate: str, args) -> dict:
                   + "".join(f", unfused {s} {figures['unfused_pushpull_MBps'][s][-1]:.0f} MB/s"
                             for s in figures["unfused_pushpull_MBps"]), flush=True)
         service.terminate()
-        _finish(service, 30, "the pushpull service")
+        netns.finish(service, 30, "the pushpull service")
         if args.no_ddp:
             return figures
         # DDP: pMaster and one Aggregator on A, one Aggregator joined from B
         master_a = f"tcp://{hosts.address('A')}:{MASTER_PORT}"
         service = _start(hosts, "A", [*PSLINK, "service", "up", "--host", hosts.address("A"), "--port",
                                       str(MASTER_PORT), "--aggregators", "1", "--allow-first-join"])
-        _wait_ready(hosts, "A", master_a, 1, service)
+        netns.wait_service(hosts, "A", master_a, 1, service)
         joined = _start(hosts, "B", [*PSLINK, "aggregator", "--master", master_a])
-        _wait_ready(hosts, "A", master_a, 2, service)
+        netns.wait_service(hosts, "A", master_a, 2, service)
         for index in range(args.repeats):
             for variant in ("alone", "gloo", "pslink"):
                 figures["ddp_ms"][variant].append(measure_ddp(hosts, master_a, variant, args, index))

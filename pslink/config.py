@@ -160,6 +160,61 @@ def fusion_settings(fusion_bytes: int | None = None, cycle_ms: float | None = No
     return fusion_bytes, cycle_ms / 1000
 
 
+ENV_HOST_REDUCE = "PSLINK_HOST_REDUCE"
+ENV_LOCAL_RANK = "PSLINK_LOCAL_RANK"
+ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
+
+
+def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local_size: int | None,
+                         job: str | None = None, rank: int | None = None, environ=os.environ) -> tuple[int, int] | None:
+    """Host-local reduce (pslink.core.agent.host_reduce): ``(local_rank, local_size)`` of this
+    worker's host when it is on, else None. On by default when the host has more than one of the
+    job's workers, as the launcher says (``pslink launch`` sets PSLINK_LOCAL_RANK and
+    PSLINK_LOCAL_SIZE; torchrun LOCAL_RANK and LOCAL_WORLD_SIZE); ``host_reduce=False`` or
+    PSLINK_HOST_REDUCE=0 turns it off. The launcher's numbers are for the job and rank it
+    launched (PSLINK_JOB / PSLINK_RANK, or RANK): another job of the same process (a Horovod
+    process set's, say) does not reduce on the host unless given its own."""
+    if host_reduce is None:
+        raw = (_env(ENV_HOST_REDUCE, environ) or "1").strip().lower()
+        if raw not in ("0", "1", "true", "false", "on", "off"):
+            raise ConfigError(f"{ENV_HOST_REDUCE}={raw!r} must be 1 or 0")
+        host_reduce = raw in ("1", "true", "on")
+    elif not isinstance(host_reduce, bool):
+        raise ConfigError(f"host_reduce must be True or False, got {host_reduce!r}")
+    if not host_reduce:
+        return None
+    local: list[int] = []
+    for value, name, alias in ((local_rank, ENV_LOCAL_RANK, "LOCAL_RANK"), (local_size, ENV_LOCAL_SIZE,
+                                                                             "LOCAL_WORLD_SIZE")):
+        if value is None:
+            ours = _env(name, environ) is not None
+            variable = name if ours else alias
+            value = _number(variable, int, "an integer", 0, 1 << 20, environ) if _env(variable, environ) else None
+            launched = (_env(ENV_RANK, environ), _env(ENV_JOB, environ)) if ours else (_env("RANK", environ), None)
+            if value is not None and rank is not None and (launched[0] not in (None, str(rank))
+                                                           or launched[1] not in (None, job)):
+                return None  # not the launched worker's own job and rank
+        if value is None:
+            return None  # no launcher said: every worker pushes for itself
+        local.append(value)
+    if local[1] < 2:
+        return None
+    if not 0 <= local[0] < local[1]:
+        raise ConfigError(f"local rank {local[0]} is not in [0, {local[1]}) (PSLINK_LOCAL_RANK, PSLINK_LOCAL_SIZE)")
+    return local[0], local[1]
+
+
+ENV_AGGREGATOR_SPIN_MS = "PSLINK_AGGREGATOR_SPIN_MS"
+
+
+def aggregator_spin(environ=os.environ) -> float:
+    """How long an Aggregator's process keeps polling its sockets after a message before it
+    sleeps in the kernel (``PSLINK_AGGREGATOR_SPIN_MS``, default 2): a round's next push is
+    taken without a wake-up, for CPU spent waiting; 0 never spins (its CPU is then its work)."""
+    spin = _number(ENV_AGGREGATOR_SPIN_MS, float, "a number of milliseconds", 0, 1000, environ)
+    return 2e-3 if spin is None else spin / 1000
+
+
 # -- transports ------------------------------------------------------------------------------------
 
 

@@ -234,3 +234,48 @@ class VirtualHosts:
         finally:
             os.close(target)
             os.close(original)
+
+
+# -- running a benchmark's processes on the hosts --------------------------------------------------
+
+
+def start_on(hosts: VirtualHosts, host: str, argv: Sequence[str], cwd: str | None = None,
+             env: dict | None = None, **options) -> subprocess.Popen:
+    """``argv`` on ``host``, its output (stderr too) on a pipe, unbuffered."""
+    return hosts.popen(host, list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), **options)
+
+
+def finish(proc: subprocess.Popen, timeout: float, what: str) -> str:
+    """``proc``'s whole output once it ended well; SystemExit naming ``what`` if not."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise SystemExit(f"{what} did not finish within {timeout} s:\n{out[-3000:]}")
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed (status {proc.returncode}):\n{out[-3000:]}")
+    return out
+
+
+def wait_service(hosts: VirtualHosts, via: str, master: str, aggregators: int, proc: subprocess.Popen,
+                 timeout: float = 60) -> None:
+    """Return once the service at ``master`` (seen from host ``via``) has ``aggregators`` alive."""
+    from pslink.core.service.client import ControlClient
+    from pslink.errors import PslinkError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the service on {via} ended:\n{proc.communicate()[0][-3000:]}")
+        try:
+            with hosts.enter(via):
+                client = ControlClient(master, timeout=5)
+            with client:
+                if len([a for a in client.status()["aggregators"] if a["alive"]]) >= aggregators:
+                    return
+        except PslinkError:
+            pass
+        time.sleep(0.2)  # polling for the service to come up, with a deadline
+    raise SystemExit(f"the service at {master} did not get {aggregators} Aggregator(s) within {timeout} s")

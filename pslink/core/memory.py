@@ -18,6 +18,8 @@ import ctypes.util
 import os
 import sys
 
+import numpy as np
+
 ENV_KEEP_FREED = "PSLINK_KEEP_FREED_MEMORY"
 _M_TRIM_THRESHOLD = -1  # from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -50,3 +52,42 @@ def release_freed_memory() -> bool:
         return False
     trim.argtypes = [ctypes.c_size_t]
     return bool(trim(0))
+
+
+class BufferPool:
+    """Arrays of one dtype and length, reused once nothing else references them."""
+
+    __slots__ = ("dtype", "numel", "keep", "_arrays")
+
+    def __init__(self, dtype: np.dtype, numel: int, keep: int = 4):
+        self.dtype = dtype
+        self.numel = numel
+        self.keep = keep
+        self._arrays: list[np.ndarray] = []
+
+    def acquire(self) -> np.ndarray:
+        for array in self._arrays:
+            # Held only by the pool list, this loop variable and getrefcount's argument: free.
+            if sys.getrefcount(array) == 3:
+                return array
+        array = np.empty(self.numel, self.dtype)
+        if len(self._arrays) < self.keep:
+            self._arrays.append(array)
+        return array
+
+    def warm(self, count: int) -> None:
+        """Have ``count`` arrays ready, their pages touched. A fresh array's first write takes a
+        page fault per 4 KiB (about 4 us each on the machines we measured: ~4 ms per 4 MiB), so
+        a task that arrives by migration warms its buffers while the job computes, not in the
+        job's next round."""
+        while len(self._arrays) < min(count, self.keep):
+            array = np.empty(self.numel, self.dtype)
+            array.fill(0)
+            self._arrays.append(array)
+
+    def in_use(self, array: np.ndarray, known: int) -> bool:
+        """True if ``array`` has holders beyond the ``known`` references the caller holds
+        (its attributes and local variables), such as a reply still queued on a socket."""
+        pooled = any(a is array for a in self._arrays)
+        # getrefcount counts its own argument and this function's parameter as well
+        return sys.getrefcount(array) - 2 - pooled > known

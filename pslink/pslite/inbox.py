@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pslink.core.aggregator.tasks import BufferPool
+from pslink.core.memory import BufferPool
 from pslink.core.ratelog import Throttled
 from pslink.errors import ConfigError, ProtocolError, PslinkError
 from pslink.pslite import wire

@@ -31,6 +31,8 @@ def main() -> int:
     parser.add_argument("--optimizer", action="store_true", help="the service keeps the weights (momentum SGD)")
     parser.add_argument("--replication", type=int, default=0)
     parser.add_argument("--servers", type=int, default=None)
+    parser.add_argument("--exact", action="store_true",
+                        help="gradients of multiples of 2**-10: every sum exact, in any order")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     options = {"replication": args.replication}
@@ -45,6 +47,8 @@ def main() -> int:
             agent.init_many(keys, weights).wait()
             for round_no in range(args.rounds):
                 grads = [np.sin(w * (1 + args.rank) + round_no).astype(np.float32) for w in weights]
+                if args.exact:
+                    grads = [np.round(g * 1024) / np.float32(1024) for g in grads]
                 if args.optimizer:  # pushpull answers the new weights
                     agent.pushpull_many(keys, grads, outs=weights).wait()
                 else:  # pushpull answers the average gradient; the worker steps

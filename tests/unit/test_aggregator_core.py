@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from pslink.core.aggregator.core import AggregatorCore
-from pslink.core.aggregator.tasks import BufferPool, Request, Summer
+from pslink.core.aggregator.tasks import Request, Summer
+from pslink.core.memory import BufferPool
 from pslink.core.wire.protocol import Op
 from pslink.errors import (
     AbortedError,

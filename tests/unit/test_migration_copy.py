@@ -7,7 +7,8 @@ import pytest
 
 from pslink.core.wire.protocol import Op
 from pslink.core.aggregator.moves import MAX_COPY_IDLE_WAIT, copy_delay
-from pslink.core.aggregator.tasks import BufferPool, CopyOut
+from pslink.core.aggregator.tasks import CopyOut
+from pslink.core.memory import BufferPool
 
 from test_aggregator_core import Cluster, migrate
 

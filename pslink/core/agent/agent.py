@@ -33,11 +33,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pslink.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, fusion_settings, resolve_token
+from pslink.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, fusion_settings, host_reduce_settings, resolve_token
 from pslink.core import hosts
 from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
 from pslink.core.agent.handle import Handle, Handles
+from pslink.core.agent.host_reduce import local_group
+from pslink.core.agent.host_reduce import start as host_reduce_start
 from pslink.core.agent.iterations import Iterations
 from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartRequest, Seat, check_key
 from pslink.core.agent.master_link import MasterLink
@@ -89,6 +91,9 @@ class Agent:
         fusion_bytes: int | None = None,
         fusion_cycle_ms: float | None = None,
         failover: bool = True,
+        host_reduce: bool | None = None,
+        local_rank: int | None = None,
+        local_size: int | None = None,
         faults: Faults | None = None,
         peer_timeout: float = 10.0,
         probe_interval: float = 0.5,
@@ -156,7 +161,7 @@ class Agent:
         self.partition_bytes: int = self.settings["partition_bytes"]
         self._failover = Failover(self.seat, self._keys, self._requests, self._master, self._reactor,
                                   enabled=failover, closed=lambda: self._closed)
-        self._requests.on_lost = self._failover.link_lost
+        self._requests.on_lost = self._link_lost
         self._sender = Sender(self.seat, self._keys, self._lock, self._iterations, self._handles, self._requests,
                               self._master, clock, lambda: self._failover.enabled)
         self._sender.set_compression(gradient_compression)
@@ -165,6 +170,16 @@ class Agent:
                                                         self._handles, self._master,
                                                         late=bool(self.settings.get("late")))
         self._handles.explain = self._tasks.explain_wait  # a timeout names the ranks its round waits for
+        self._host = None
+        local = host_reduce_settings(host_reduce, local_rank, local_size, job, rank)
+        if local is not None and self.sync == "bsp" and not rejoin and not self._tasks.late:
+            try:  # the workers of this host sum their pushes here first (pslink.core.agent.host_reduce)
+                self._host = self._sender.host = host_reduce_start(
+                    self.seat, local_group(rank, *local), self._master, self.transports, self._reactor, limits,
+                    self._requests, self._sender, self._handles, connect_timeout)
+            except BaseException:
+                self.close(leave=False)
+                raise
         self._master.start_heartbeats()
         self._driver.start()
 
@@ -274,6 +289,8 @@ class Agent:
         body = self._master.call(Op.DELETE_KEYS, keys=keys)
         for key in keys:
             self._keys.pop(key, None)
+        if self._host is not None:
+            self._host.forget(keys)
         return list(body.get("deleted", []))
 
     def set_gradient_compression(self, params: dict | None) -> None:
@@ -340,6 +357,8 @@ class Agent:
                 log.debug("agent %s: leave failed: %s", self.seat, exc)
         self._closed = True
         self._requests.closed = True
+        if self._host is not None and self._host.leads:
+            self._host.close()  # its followers push to the pool themselves from now on
         self._driver.close()
         self._requests.fail(list(self._requests.pending), ClosedError(f"agent of job {self.job!r} rank {self.rank} "
                                                                         "closed"))
@@ -472,7 +491,8 @@ class Agent:
                                        request.moves + 1)
                 return
             self._sender.send_part(request.handle, request.op, request.info, request.part, request.round,
-                                   request.payload, request.flat_out, request.average, request.moves + 1)
+                                   request.payload, request.flat_out, request.average, request.moves + 1,
+                                   request.covers)
             return
         if error is None:
             if request.op in STATE_OPS:
@@ -532,4 +552,11 @@ class Agent:
     def on_close(self, conn, exc) -> None:
         link = self._requests.closed_link(conn)
         if link is not None and link.pending:
-            self._failover.link_lost(link, exc)
+            self._link_lost(link, exc)
+
+    def _link_lost(self, link, exc, rids: list[int] | None = None) -> None:
+        host = self._host  # (the Sender's is None once the leader was lost: a late send there comes here too)
+        if host is not None and not host.leads and link.name == host.name:
+            host.leader_lost(link, exc, rids)  # this host's leader: push to the pool directly
+        else:
+            self._failover.link_lost(link, exc, rids)

@@ -178,6 +178,12 @@ class Handles:
         for key in handle.keys[:256]:
             timeline.span(handle.op, key, started, end, args)
 
+    def expect_more(self, handle: Handle, parts: int) -> None:
+        """``handle`` waits for ``parts`` more answers (a request that was to come whole from one
+        place now comes part by part from several: host-local reduce's leader was lost)."""
+        with self._lock:
+            handle._left += parts
+
     def add_callback(self, handle: Handle, fn) -> bool:
         """Attach ``fn``; False when the handle is already done (the caller runs it)."""
         with self._lock:

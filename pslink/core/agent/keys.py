@@ -102,13 +102,15 @@ class PartRequest:
     that migrated answers with its new place)."""
 
     __slots__ = ("handle", "link", "nbytes", "dest", "array", "average", "op", "info", "part", "round",
-                 "payload", "flat_out", "moves", "frames", "sent")
+                 "payload", "flat_out", "moves", "covers", "frames", "sent")
 
-    def __init__(self, handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out, moves):
+    def __init__(self, handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out, moves,
+                 covers=None):
         self.handle, self.link, self.nbytes = handle, link, nbytes
         self.dest, self.array, self.average = dest, array, average
         self.op, self.info, self.part, self.round = op, info, part, round_
         self.payload, self.flat_out, self.moves = payload, flat_out, moves
+        self.covers = covers  # the ranks a host's leader pushes for (pslink.core.agent.host_reduce)
         self.frames: list | None = None  # what was sent: sent again as it is (same id) if no answer comes
         self.sent = 0.0
 

@@ -43,6 +43,9 @@ class Sender:
         self.tasks = None
         self.residuals: Residuals | None = None  # 2-bit gradient compression, when set (pslink.core.compression)
         self.payload_bytes = 0  # payload bytes sent (pushes), for measuring compression
+        # Host-local reduce (pslink.core.agent.host_reduce): this worker's part in its host's sum,
+        # the leader's or a follower's; None pushes to the pool directly.
+        self.host = None
 
     def set_compression(self, params) -> None:
         threshold = check_compression(params)
@@ -98,16 +101,30 @@ class Sender:
         return self.issue(op, [key], [info], flats, results, average)
 
     def issue(self, op: Op, keys: list, infos: list[KeyInfo], flats: list | None, results: list | None,
-               average: bool) -> Handle:
-        """Count the round, make the handle and send every part: where both submit paths end."""
+              average: bool, covers: list | None = None, at_round: int | None = None) -> Handle:
+        """Count the round, make the handle and send every part: where both submit paths end.
+        A host's leader sends its host's sums with ``covers`` (the ranks they stand for) at the
+        round ``at_round`` of its local round, counted already."""
+        host = self.host
+        whole = None  # a follower of its host's reduce sends a push whole, to its leader
+        if host is not None and covers is None and (op == Op.PUSH or op == Op.PUSHPULL) and self.residuals is None:
+            if host.leads:
+                return host.own(op, keys, infos, flats, results, average)
+            whole = host.part_of
         with self.lock:
-            if op == Op.PUSH or op == Op.PUSHPULL:
-                for info in infos:
-                    info.round += 1
-                self.iterations.pushed(keys)
-            rounds = [info.round for info in infos]
+            if at_round is not None:
+                rounds = [at_round] * len(infos)
+            else:
+                if op == Op.PUSH or op == Op.PUSHPULL:
+                    for info in infos:
+                        info.round += 1
+                    self.iterations.pushed(keys)
+                rounds = [info.round for info in infos]
         single = len(keys) == 1
-        total_parts = len(infos[0].parts) if single else sum(len(info.parts) for info in infos)
+        if whole is not None:
+            total_parts = len(infos)
+        else:
+            total_parts = len(infos[0].parts) if single else sum(len(info.parts) for info in infos)
         result = None if results is None else (results[0] if single else results)
         handle = self.handles.new(_OP_NAMES[op], keys, result, total_parts, rounds[0] if single else 0)
         # An init's value comes from the job's first rank (rank 0, or the lowest left if it has gone).
@@ -122,17 +139,17 @@ class Sender:
             payload = flats[i] if send_payload else None
             residuals = self.residuals if payload is not None and (op == Op.PUSH or op == Op.PUSHPULL) \
                 and info.dtype_name in FLOAT_DTYPES else None
-            for part in info.parts:
+            for part in info.parts if whole is None else (whole(info),):
                 if residuals is not None:  # quantized once: a resend sends the same bytes
                     self.send_part(handle, op, info, part, rounds[i],
                                    residuals.quantize(info.key, part.index, payload[part.start:part.stop]), flat_out,
                                    average)
                     continue
-                self.send_part(handle, op, info, part, rounds[i], payload, flat_out, average)
+                self.send_part(handle, op, info, part, rounds[i], payload, flat_out, average, covers=covers)
         return handle
 
     def send_part(self, handle, op, info: KeyInfo, part: PartInfo, round_: int, payload, flat_out, average,
-                   moves: int = 0) -> None:
+                  moves: int = 0, covers: list | None = None) -> None:
         table = op in TABLE_OPS  # a table's shard (pslink.core.agent.tables): ids (and rows) in, rows out
         ids = (payload if op is Op.TABLE_PULL else payload[0]) if table else None
         nbytes = (part.stop - part.start if not table else ids.size * info.shape[1]) * info.dtype.itemsize
@@ -154,19 +171,21 @@ class Sender:
             array = flat_out if whole else flat_out[part.start : part.stop]
             dest = memoryview(array).cast("B")
         request = PartRequest(handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out,
-                              moves)
+                              moves, covers)
         rid = self.requests.add(request)
         if table:
             self.requests.transmit(rid, request, table_frames(self.seat, op, info, part, rid, round_, payload))
             return
         quantized = type(payload) is Quantized
         threshold = payload.threshold if quantized else None
-        template = part.headers.get((op, average, threshold))
+        form = (op, average, threshold) if covers is None else (op, average, threshold, tuple(covers))
+        template = part.headers.get(form)
         if template is None:
-            template = part.headers[(op, average, threshold)] = HeaderTemplate(
+            template = part.headers[form] = HeaderTemplate(
                 op, **self.seat.fields(), key=info.key, part=part.index,
                 dtype=info.dtype_name, shape=list(info.shape), span=[part.start, part.stop],
                 **_AVERAGE if average else {}, **{"cmp": payload.threshold} if quantized else {},
+                **{"cov": list(covers)} if covers is not None else {},
             )
         header = template.make(rid, round_)
         if quantized:

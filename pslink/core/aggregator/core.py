@@ -266,7 +266,7 @@ class AggregatorCore:
         if task.rebase and req.op in (Op.PUSH, Op.PUSHPULL, Op.PULL):
             outputs += self.moves.rebase(task, req)
         if task.seen is not None:
-            task.seen.add(req.rank)
+            task.seen.update(req.covers or (req.rank,))
             if task.seen >= task.members.expected(task.closed + 1):
                 task.seen = None
                 outputs.append(WorkerDone(task))
@@ -347,35 +347,37 @@ class AggregatorCore:
         if r <= task.closed:
             return None  # already in a closed round, or too late for it (dropped): answered as done
         expected = task.members.expected(r)
-        if rank not in expected:
-            if rank not in task.members:
-                raise MembershipError(
-                    f"{task.name}: rank {rank} is not a member (members: {sorted(task.members.first)}); a worker "
-                    "that left or was removed must register again", job=task.job.job)
-            raise KeyStateError(
-                f"{task.name}: rank {rank} pushed round {r}, but it joined at round "
-                f"{task.members.first[rank]}", key=task.key)
+        ranks = req.covers or (rank,)  # a host's leader pushes its host's sum for the host's ranks
+        for member in ranks:
+            if member not in expected:
+                if member not in task.members:
+                    raise MembershipError(
+                        f"{task.name}: rank {member} is not a member (members: {sorted(task.members.first)}); a "
+                        "worker that left or was removed must register again", job=task.job.job)
+                raise KeyStateError(f"{task.name}: rank {member} pushed round {r}, but it joined at round "
+                                    f"{task.members.first[member]}", key=task.key)
         if r > task.closed + task.max_ahead:
-            raise KeyStateError(
-                f"{task.name}: rank {rank} pushed round {r}, more than {task.max_ahead} rounds "
-                f"ahead of round {task.closed} (are the other workers stuck?)",
-                key=task.key,
-            )
+            raise KeyStateError(f"{task.name}: rank {req.rank} pushed round {r}, more than {task.max_ahead} rounds "
+                                f"ahead of round {task.closed} (are the other workers stuck?)", key=task.key)
         round_ = task.rounds.get(r)
         outputs: list = []
         if round_ is None:
             round_ = task.rounds[r] = _Round(self.clock())
             if task.job.straggler_timeout:
                 outputs.append(CloseLater(task, round_.opened + task.job.straggler_timeout, r))
-        if rank in round_.contributors:
+        present = round_.contributors.intersection(ranks)
+        if len(present) == len(ranks):
             return None  # the same push again (a resend or a duplicate): added once
+        if present:  # a host's sum for ranks some of which pushed this round already: never counted twice
+            raise KeyStateError(f"{task.name}: rank {req.rank} pushed round {r} for ranks {sorted(ranks)}, but "
+                                f"ranks {sorted(present)} pushed it already", key=task.key)
         if task.table is not None:
             task.add_push(round_, req)
         elif round_.acc is None:
             round_.acc = req.payload
         else:
             self.summer.add(round_.acc, req.payload)
-        round_.contributors.add(rank)
+        round_.contributors.update(ranks)
         task.count_push(req)
         return outputs + self._close_ready(task)
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from pslink.config import aggregator_spin
 from pslink.core import hosts
 from pslink.core.aggregator.core import AggregatorCore
 from pslink.core.ratelog import Throttled
 from pslink.core.aggregator.tasks import Checkpoint, CloseLater, CopyOut, Replicate, Reply, Request, Summer, Task, WorkerDone
-from pslink.core.checkpoints import CheckpointWriter, part_path
-from pslink.core.checkpoints import read as read_checkpoint
+from pslink.core.checkpoints import CheckpointWriter, part_path, read as read_checkpoint
 from pslink.core.faults import Faults
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.memory import keep_freed_memory, release_freed_memory
@@ -419,13 +419,14 @@ class Aggregator:
             payload = dequantize(buffer, header["cmp"], self.core.receive_buffer(task))
         elif lend is not None and lend.lent[0]:  # the push lies in the sender's shared-memory ring
             payload = np.frombuffer(payloads[0], task.dtype)
-            if not self.core.adds_in_place(task, header["op"], header["rank"], header["rnd"]):
+            if "cov" in header or not self.core.adds_in_place(task, header["op"], header["rank"], header["rnd"]):
                 np.copyto(buffer, payload)  # it may become the round's sum, or be kept: copy it
                 payload = buffer
         # A sum that reaches its worker through a ring is divided there, on the copy the worker
         # makes anyway, instead of in a pass of its own here.
         average = bool(header.get("avg")) and not conn.payload_in_place(task.numel * task.dtype.itemsize)
-        request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], payload, average=average)
+        request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], payload, average=average,
+                          covers=header.get("cov"))
         if header["op"] == Op.STATE_SET:
             request.header = header
         self._send_all(self.core.handle(task, request))
@@ -583,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
 
         credential = credential_for(args.master, AGGREGATOR, args.credentials)
         aggregator = Aggregator(args.master, args.listen, name=args.name, orphan_timeout=args.orphan_timeout,
-                                advertise=args.advertise, interface=args.interface, credential=credential)
+                                advertise=args.advertise, interface=args.interface, credential=credential,
+                                spin=aggregator_spin())
     except PslinkError as exc:
         log.error("aggregator %s cannot start: %s", args.name or "", exc.message)
         return 2

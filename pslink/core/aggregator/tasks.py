@@ -8,11 +8,11 @@ import concurrent.futures
 import dataclasses
 import math
 import os
-import sys
 from typing import Any
 
 import numpy as np
 
+from pslink.core.memory import BufferPool
 from pslink.core.membership import Membership, TaskMembers
 from pslink.core.optim import Optimizer, make_optimizer
 from pslink.core.wire.protocol import Op, dtype_of
@@ -22,45 +22,6 @@ MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
 DEFAULT_MAX_AHEAD = 64
 MAX_BEFORE_INIT = 4096  # requests one task may hold while it waits for rank 0's init
-
-
-class BufferPool:
-    """Arrays of one dtype and length, reused once nothing else references them."""
-
-    __slots__ = ("dtype", "numel", "keep", "_arrays")
-
-    def __init__(self, dtype: np.dtype, numel: int, keep: int = 4):
-        self.dtype = dtype
-        self.numel = numel
-        self.keep = keep
-        self._arrays: list[np.ndarray] = []
-
-    def acquire(self) -> np.ndarray:
-        for array in self._arrays:
-            # Held only by the pool list, this loop variable and getrefcount's argument: free.
-            if sys.getrefcount(array) == 3:
-                return array
-        array = np.empty(self.numel, self.dtype)
-        if len(self._arrays) < self.keep:
-            self._arrays.append(array)
-        return array
-
-    def warm(self, count: int) -> None:
-        """Have ``count`` arrays ready, their pages touched. A fresh array's first write takes a
-        page fault per 4 KiB (about 4 us each on the machines we measured: ~4 ms per 4 MiB), so
-        a task that arrives by migration warms its buffers while the job computes, not in the
-        job's next round."""
-        while len(self._arrays) < min(count, self.keep):
-            array = np.empty(self.numel, self.dtype)
-            array.fill(0)
-            self._arrays.append(array)
-
-    def in_use(self, array: np.ndarray, known: int) -> bool:
-        """True if ``array`` has holders beyond the ``known`` references the caller holds
-        (its attributes and local variables), such as a reply still queued on a socket."""
-        pooled = any(a is array for a in self._arrays)
-        # getrefcount counts its own argument and this function's parameter as well
-        return sys.getrefcount(array) - 2 - pooled > known
 
 
 class Summer:
@@ -162,6 +123,7 @@ class Request:
     payload: np.ndarray | None = None
     header: dict | None = None  # STATE_SET: the header's names and scalars (payload: a list of arrays)
     average: bool = False  # a pull that wants the round's sum divided by its contributors
+    covers: list | None = None  # a push that stands for these ranks (a host's sum: host-local reduce)
 
 
 @dataclasses.dataclass(slots=True)

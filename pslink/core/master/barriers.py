@@ -3,6 +3,7 @@ current member arrived; a rank that leaves meanwhile, or the job's end, fails it
 
 from __future__ import annotations
 
+from pslink.core.master.host_leaders import HostLeaders
 from pslink.core.master.jobs import JobRecord
 from pslink.core.transport.rpc import RpcPeer
 from pslink.errors import ClosedError, MembershipError
@@ -12,6 +13,7 @@ class Barriers:
     def __init__(self, state):
         self.state = state
         self.waiting: dict[tuple[str, str], dict[int, tuple[RpcPeer, dict]]] = {}
+        self.leaders = HostLeaders(state)  # the other place a job's workers meet: their hosts' leaders
 
     def enter(self, peer: RpcPeer, req: dict) -> None:
         """BARRIER: a rank arrives (answered when the barrier is released)."""
@@ -24,10 +26,12 @@ class Barriers:
         self._settle(record, ident)
 
     def members_changed(self, record: JobRecord) -> None:
+        self.leaders.members_changed(record)
         for ident in [b for b in self.waiting if b[0] == record.job]:
             self._settle(record, ident)
 
     def job_ended(self, record: JobRecord) -> None:
+        self.leaders.job_ended(record)
         for ident in [b for b in self.waiting if b[0] == record.job]:
             for peer, req in self.waiting.pop(ident).values():
                 peer.error(req, ClosedError(f"job {record.job!r} ended during barrier {ident[1]!r}"))

@@ -167,6 +167,7 @@ class Master:
             Op.SET_OPTIMIZER: self._set_optimizer,
             Op.HEARTBEAT: self._heartbeat,
             Op.BARRIER: self.barriers.enter,
+            Op.HOST_LEADER: self.barriers.leaders.call,
             Op.LEAVE: self._leave,
             Op.JOB_KEYS: self._job_keys,
             Op.DELETE_KEYS: self._delete_keys,

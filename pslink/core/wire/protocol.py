@@ -83,6 +83,9 @@ class Op(enum.IntEnum):
     # message; ``items`` are their headers as each would travel alone, ``np`` how many of the
     # payload frames that follow belong to each (pslink.core.wire.fusion)
     FUSED = 45
+    # Agent -> pMaster: where a host's leader takes its followers' pushes (host-local reduce,
+    # pslink.core.agent.host_reduce); the leader says (``address``), a follower asks
+    HOST_LEADER = 46
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
@@ -94,19 +97,8 @@ MAX_FUSED_FRAMES = 128  # payload frames of one FUSED message (its items' payloa
 # The dtypes a tensor may have on the wire. Always little-endian.
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<")
-    for name in (
-        "int8",
-        "uint8",
-        "int16",
-        "uint16",
-        "int32",
-        "uint32",
-        "int64",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-    )
+    for name in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
+                 "float64")
 }
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
 
@@ -277,7 +269,9 @@ SCHEMAS: dict[Op, Schema] = {
     Op.TABLE_PULL: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(1,)),
     Op.TABLE_PUSHPULL: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
     Op.TABLE_INIT: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
-    Op.PING: Schema({"id": _uint}, {"pmd": _bool}),  # pmd: the Agent cannot reach pMaster (see FencedError)
+    # pmd: the Agent cannot reach pMaster (see FencedError); job, tok, rank: a follower's hello to
+    # its host's leader (host-local reduce)
+    Op.PING: Schema({"id": _uint}, {"pmd": _bool, "job": _small_str, "tok": _token, "rank": _uint}),
     Op.PONG: Schema({"id": _uint}),
     Op.ABORT: Schema(
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "key": _key, "msg": _text},
@@ -318,6 +312,8 @@ SCHEMAS: dict[Op, Schema] = {
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "optimizer": _map}
     ),
     Op.HEARTBEAT: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}, {"iters": _list}),
+    Op.HOST_LEADER: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "leader": _uint},
+                           {"address": _text, "host_id": _small_str}),
     Op.BARRIER: Schema(
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "name": _small_str}
     ),
@@ -473,6 +469,8 @@ def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMI
         )
     if op in DATA_OPS:
         _check_tensor(header, payload_sizes)
+        if "cov" in header:
+            _check_covers(header, op)
     elif op in TABLE_OPS:
         _check_table(header, payload_sizes)
     elif (op == Op.TENSOR_COPY or op == Op.REPLICATE) and "layout" in header["state"]:
@@ -487,6 +485,18 @@ def decode(raw, payload_sizes: Sequence[int] = (), limits: Limits = DEFAULT_LIMI
                 raise ProtocolError(f"STATE_SET of key {header['key']!r}: names {names!r} must be "
                                     f"{len(payload_sizes)} short strings, one per frame")
     return header
+
+
+MAX_COVERED = 1 << 16  # ranks one push may stand for (a host's workers: pslink.core.agent.host_reduce)
+
+
+def _check_covers(header: dict, op: Op) -> None:
+    """``cov``: the ranks a push stands for (a host's leader pushes its host's sum for them)."""
+    cov = header["cov"]
+    if (op is not Op.PUSH and op is not Op.PUSHPULL) or type(cov) is not list or not 0 < len(cov) <= MAX_COVERED \
+            or any(type(r) is not int or r < 0 for r in cov) or len(set(cov)) != len(cov):
+        raise ProtocolError(f"{op.name} of key {header['key']!r}: field 'cov' must be a list of distinct ranks, "
+                            f"on a push or pushpull only; got {cov!r}")
 
 
 def _check_tensor(header: dict, payload_sizes: Sequence[int]) -> None:

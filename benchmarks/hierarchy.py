@@ -1,0 +1,197 @@
+"""Host-local reduce across hosts: two hosts of two workers, flat against host-local, one run.
+
+    sudo python benchmarks/hierarchy.py                      # 10 Gbit/s links, 3 repeats
+    sudo python benchmarks/hierarchy.py --rate 1gbit --quick
+
+Hosts A and B (network namespaces, links shaped with ``tc ... tbf`` in both directions) run two
+workers each (ranks 0, 1 on A, 2, 3 on B, numbered as ``pslink launch`` numbers them); pMaster
+and its Aggregators are on host M. Each run trains ``--steps`` steps of a model of ``--keys``
+tensors (``--mib`` MiB in all) with pushpull (the DDP hook's and Horovod's allreduce path):
+
+- **flat**: every worker pushes to the pool (``PSLINK_HOST_REDUCE=0``);
+- **host-local**: each host's workers sum on the host, its leader pushes for both.
+
+Alternating the variants ``--repeats`` times, it reports per step: the bytes on the wire (what
+hosts A and B's links carried, both directions, read from their interfaces' counters), the pool's
+CPU seconds (the Aggregator processes on M, from /proc; they run with
+``PSLINK_AGGREGATOR_SPIN_MS=0``, so that their CPU is their work, not polling), both counted over
+the timed steps only (not the pool's start-up for the job), and the step time (median over the
+workers' steps). Target: pool CPU and wire bytes <= 0.55x flat. Medians over the repeats; the
+last line is JSON. Needs root (namespaces); without it, it says why and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from pslink.bench import netns  # noqa: E402
+
+PYTHON = sys.executable
+PSLINK = [PYTHON, "-m", "pslink.cli"]
+PORT = 7770
+HOSTS = "AABB"  # the ranks' hosts
+
+
+def role_worker(args) -> None:
+    """One worker: ``--steps`` pushpulls of the whole model; prints its step times as JSON."""
+    import numpy as np
+
+    import pslink
+
+    values = args.mib * (1 << 20) // 4 // args.keys
+    keys = [f"w{k}" for k in range(args.keys)]
+    grads = [np.full(values, args.rank + 1, np.float32) for _ in keys]
+    with pslink.connect(args.job, args.rank, 4, args.master) as agent:
+        agent.init_many(keys, [np.zeros(values, np.float32) for _ in keys]).wait()
+        times = []
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:  # the timed steps begin: the parent reads the counters
+                agent.barrier("warm")
+                if args.rank == 0:
+                    print("timed", flush=True)
+                    sys.stdin.readline()
+                agent.barrier("timed")
+            started = time.perf_counter()
+            agent.pushpull_many(keys, grads, grads, average=True).wait()
+            times.append(time.perf_counter() - started)
+            for g in grads:
+                g.fill(args.rank + 1)
+        agent.barrier("steps")
+        if args.rank == 0:  # and they end
+            print("steps done", flush=True)
+            sys.stdin.readline()
+        agent.barrier("done")
+    print(json.dumps({"times": times[args.warmup:], "host": type(agent._sender.host).__name__}), flush=True)
+
+
+def _start(hosts, host, argv, env=None) -> subprocess.Popen:
+    return netns.start_on(hosts, host, argv, cwd=ROOT, env=env)
+
+
+def wire_bytes(hosts) -> int:
+    """What hosts A and B's links carried so far, both directions."""
+    total = 0
+    for host in "AB":
+        out = hosts.run(host, ["cat", "/sys/class/net/eth0/statistics/rx_bytes",
+                               "/sys/class/net/eth0/statistics/tx_bytes"], timeout=10, capture_output=True, text=True)
+        total += sum(int(line) for line in out.stdout.split())
+    return total
+
+
+def aggregator_cpu(hosts) -> dict[int, float]:
+    """CPU seconds each Aggregator process on M used so far."""
+    seen = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in hosts.pids("M"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"pslink.core.aggregator" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            seen[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return seen
+
+
+def measure(hosts, args, variant: str, index: int) -> dict:
+    """One run of ``variant``: the counters are read when the timed steps begin and end (rank 0
+    waits for the go on its stdin each time), so the pool's start-up is not counted."""
+    master = f"tcp://{hosts.address('M')}:{PORT}"
+    job = f"{variant}-{index}"
+    procs = []
+    for rank, host in enumerate(HOSTS):
+        env = {"PSLINK_LOCAL_RANK": str(rank % 2), "PSLINK_LOCAL_SIZE": "2",
+               "PSLINK_HOST_REDUCE": "1" if variant == "host-local" else "0"}
+        argv = [PYTHON, __file__, "--role", "worker", "--job", job, "--rank", str(rank), "--master", master,
+                "--keys", str(args.keys), "--mib", str(args.mib), "--steps", str(args.steps), "--warmup",
+                str(args.warmup)]
+        procs.append(netns.start_on(hosts, host, argv, cwd=ROOT, env=env, stdin=subprocess.PIPE))
+    counters = []
+    for marker in ("timed", "steps done"):
+        for line in procs[0].stdout:
+            if line.strip() == marker:
+                break
+        else:
+            raise SystemExit(f"{variant} rank 0 ended before {marker!r}:\n{netns.finish(procs[0], 60, 'rank 0')}")
+        counters.append((wire_bytes(hosts), aggregator_cpu(hosts), time.perf_counter()))
+        procs[0].stdin.write("go\n")
+        procs[0].stdin.flush()
+    outs = [netns.finish(proc, 600, f"{variant} rank {rank}") for rank, proc in enumerate(procs)]
+    results = [json.loads([line for line in out.splitlines() if line.startswith("{")][-1]) for out in outs]
+    expected = {"flat": {"NoneType"}, "host-local": {"HostLeader", "HostFollower"}}[variant]
+    if {r["host"] for r in results} != expected:
+        raise SystemExit(f"{variant}: the workers' host-local parts were {[r['host'] for r in results]}")
+    (wire0, cpu0, _), (wire1, cpu1, _) = counters
+    pool = sum(cpu - cpu0.get(pid, 0.0) for pid, cpu in cpu1.items())
+    return {"wire_MB": (wire1 - wire0) / args.steps / 1e6, "pool_cpu_ms": pool / args.steps * 1e3,
+            "step_ms": statistics.median(t for r in results for t in r["times"]) * 1e3}
+
+
+def run(args) -> dict:
+    figures: dict = {"flat": [], "host-local": []}
+    with netns.VirtualHosts(["M", "A", "B"]) as hosts:
+        for host in "AB":
+            hosts.shape(host, args.rate)
+        service = _start(hosts, "M", [*PSLINK, "service", "up", "--host", hosts.address("M"), "--port", str(PORT),
+                                      "--aggregators", str(args.aggregators), "--allow-first-join"],
+                         env={"PSLINK_AGGREGATOR_SPIN_MS": "0"})  # their CPU is then their work
+        netns.wait_service(hosts, "M", f"tcp://{hosts.address('M')}:{PORT}", args.aggregators, service)
+        try:
+            for index in range(args.repeats):
+                for variant in ("flat", "host-local") if index % 2 == 0 else ("host-local", "flat"):
+                    figures[variant].append(measure(hosts, args, variant, index))
+                    print(variant, figures[variant][-1], flush=True)
+        finally:
+            service.kill()
+            service.communicate()
+    summary = {v: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for v, rows in figures.items()}
+    ratios = {k: summary["host-local"][k] / summary["flat"][k] for k in summary["flat"]}
+    return {"rate": args.rate, "model_MiB": args.mib, "keys": args.keys, "steps": args.steps, "runs": figures,
+            "median": summary, "host_local_over_flat": ratios}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=["worker"], help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--master", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", default="10gbit", help="each worker host's link (tc tbf rate)")
+    parser.add_argument("--aggregators", type=int, default=2)
+    parser.add_argument("--keys", type=int, default=16)
+    parser.add_argument("--mib", type=int, default=16, help="the model's size")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1 repeat, 10 steps, a 4 MiB model")
+    args = parser.parse_args(argv)
+    if args.role == "worker":
+        role_worker(args)
+        return 0
+    if args.quick:
+        args.repeats, args.steps, args.mib = 1, 10, 4
+    reason = netns.unavailable()
+    if reason:
+        print(f"skipped: {reason}")
+        return 0
+    result = run(args)
+    for name, value in result["host_local_over_flat"].items():
+        print(f"host-local / flat  {name:12s} {value:.2f}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
