@@ -82,9 +82,12 @@ class MLP:
 
 
 def train(agent: pslink.Agent, epochs: int = 15, batch_size: int = 32, hidden: int = 64,
-          progress: bool = True, seed: int = 0) -> dict:
+          progress: bool = True, seed: int = 0, groups=None, shard: tuple[int, int] | None = None) -> dict:
     """Train with ``agent``'s job; returns the test accuracy and a checksum of the weights
-    (equal on every worker, since all apply the same averaged updates)."""
+    (equal on every worker, since all apply the same averaged updates). With ``groups`` (a
+    :class:`~pslink.core.groups.GroupSync`; ``agent`` is then the group's own job) the weights
+    are averaged over the groups every T steps; ``shard``: (this worker's index, workers) over
+    the whole data set (default: the agent's rank and workers)."""
     x_train, y_train, x_test, y_test = load_data(seed)
     model = MLP(hidden, seed + agent.rank)  # rank 0's initial weights win, below
     names = list(model.params)
@@ -92,8 +95,9 @@ def train(agent: pslink.Agent, epochs: int = 15, batch_size: int = 32, hidden: i
     agent.init_many(names, params).wait()
     agent.pull_many(names, outs=params).wait()  # every worker now starts from rank 0's weights
 
-    shard = np.arange(agent.rank, len(x_train), agent.num_workers)
-    steps = (len(x_train) // agent.num_workers) // batch_size  # equal on all workers: BSP rounds
+    index, count = shard or (agent.rank, agent.num_workers)
+    shard = np.arange(index, len(x_train), count)
+    steps = (len(x_train) // count) // batch_size  # equal on all workers: BSP rounds
     server_side = agent.mode == "optimizer"
     velocity = {n: np.zeros_like(model.params[n]) for n in names}
     rng = np.random.default_rng(seed + 1000 + agent.rank)
@@ -117,6 +121,8 @@ def train(agent: pslink.Agent, epochs: int = 15, batch_size: int = 32, hidden: i
                         velocity[n] *= MOMENTUM
                         velocity[n] += g
                         model.params[n] -= LEARNING_RATE * velocity[n]
+                if groups is not None:
+                    groups.step(model.params)
                 bar.update(task, advance=1, loss=loss)
             bar.update(task, acc=model.accuracy(x_test, y_test), description=f"epoch {epoch + 1}/{epochs}")
     checksum = float(sum(float(np.abs(model.params[n]).sum()) for n in names))

@@ -32,7 +32,7 @@ def gradient(rank: int, step: int, key: str, n: int) -> np.ndarray:
 
 
 def train(service, transports, job: str, host_reduce: bool, steps: int = 4, mode: str = "sum", before_close=None,
-          leaves: tuple[int, int] | None = None, on_start=None, **options):
+          leaves: tuple[int, int] | None = None, on_start=None, on_end=None, local_size: int = 2, **options):
     """Each worker's weights after ``steps`` (sum mode: pushpull of the average, the worker steps;
     optimizer mode: push, then pull the service's weights). ``leaves``: (rank, step) at which
     that rank leaves the job instead of pushing."""
@@ -41,10 +41,10 @@ def train(service, transports, job: str, host_reduce: bool, steps: int = 4, mode
 
     def worker(rank):
         agent = pslink.connect(job, rank, 4, master=service.address, transports=transports, timeout=30.0,
-                               host_reduce=host_reduce, local_rank=rank % 2, local_size=2, partition_bytes=4096,
-                               optimizer=optimizer, **options)
+                               host_reduce=host_reduce, local_rank=rank % local_size, local_size=local_size,
+                               partition_bytes=4096, optimizer=optimizer, **options)
         try:
-            expected = (HostLeader if rank % 2 == 0 else HostFollower) if host_reduce else type(None)
+            expected = (HostLeader if rank % local_size == 0 else HostFollower) if host_reduce else type(None)
             assert type(agent._sender.host) is expected
             if on_start is not None:
                 on_start(rank, agent)
@@ -65,6 +65,8 @@ def train(service, transports, job: str, host_reduce: bool, steps: int = 4, mode
             if before_close is not None and rank == 1:
                 before_close()
             met.wait(30)
+            if on_end is not None:
+                on_end(rank, agent)
             return weights
         finally:
             agent.close()
@@ -169,3 +171,21 @@ def test_a_follower_whose_leader_does_not_come_pushes_to_the_pool_itself(cluster
     finally:
         follower.close()
         leader.close()
+
+
+def test_the_next_rank_of_a_host_leads_once_its_leader_left(cluster):
+    # Ranks 0, 1, 2 on one host (rank 3 alone on another); rank 0 leaves at the third step.
+    # Rank 1 leads the host from its next push on, and rank 2 pushes through it.
+    service, transports = cluster
+    roles = {}
+
+    def on_end(rank, agent):
+        host = agent._sender.host
+        roles[rank] = (type(host).__name__, getattr(host, "leader", None))
+
+    flat = train(service, transports, "elect-flat", False, steps=5, leaves=(0, 2), local_size=3)
+    local = train(service, transports, "elect-local", True, steps=5, leaves=(0, 2), local_size=3, on_end=on_end)
+    assert roles == {1: ("HostLeader", None), 2: ("HostFollower", 1), 3: ("HostLeader", None)}
+    for a, b in zip(flat[1:], local[1:]):
+        for key in KEYS:
+            assert np.array_equal(a[key], b[key]), key

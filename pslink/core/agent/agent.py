@@ -170,11 +170,12 @@ class Agent:
                                                         self._handles, self._master,
                                                         late=bool(self.settings.get("late")))
         self._handles.explain = self._tasks.explain_wait  # a timeout names the ranks its round waits for
-        self._host = None
         local = host_reduce_settings(host_reduce, local_rank, local_size, job, rank)
-        if local is not None and self.sync == "bsp" and not rejoin and not self._tasks.late:
+        # Not in elastic jobs (max_workers) unless asked: their workers come and go, renumbered.
+        if local is not None and self.sync == "bsp" and not rejoin and not self._tasks.late \
+                and (max_workers is None or host_reduce):
             try:  # the workers of this host sum their pushes here first (pslink.core.agent.host_reduce)
-                self._host = self._sender.host = host_reduce_start(
+                self._sender.host = host_reduce_start(
                     self.seat, local_group(rank, *local), self._master, self.transports, self._reactor, limits,
                     self._requests, self._sender, self._handles, connect_timeout)
             except BaseException:
@@ -289,8 +290,8 @@ class Agent:
         body = self._master.call(Op.DELETE_KEYS, keys=keys)
         for key in keys:
             self._keys.pop(key, None)
-        if self._host is not None:
-            self._host.forget(keys)
+        if self._sender.host is not None:
+            self._sender.host.forget(keys)
         return list(body.get("deleted", []))
 
     def set_gradient_compression(self, params: dict | None) -> None:
@@ -357,8 +358,8 @@ class Agent:
                 log.debug("agent %s: leave failed: %s", self.seat, exc)
         self._closed = True
         self._requests.closed = True
-        if self._host is not None and self._host.leads:
-            self._host.close()  # its followers push to the pool themselves from now on
+        if self._sender.host is not None and self._sender.host.leads:
+            self._sender.host.close()  # its followers push to the pool themselves from now on
         self._driver.close()
         self._requests.fail(list(self._requests.pending), ClosedError(f"agent of job {self.job!r} rank {self.rank} "
                                                                         "closed"))
@@ -555,8 +556,8 @@ class Agent:
             self._link_lost(link, exc)
 
     def _link_lost(self, link, exc, rids: list[int] | None = None) -> None:
-        host = self._host  # (the Sender's is None once the leader was lost: a late send there comes here too)
-        if host is not None and not host.leads and link.name == host.name:
-            host.leader_lost(link, exc, rids)  # this host's leader: push to the pool directly
+        follower = self._sender.followers.get(link.name)  # (also once it was lost: a late send there)
+        if follower is not None:
+            follower.leader_lost(link, exc, rids)  # this host's leader: push to the pool directly
         else:
             self._failover.link_lost(link, exc, rids)

@@ -122,10 +122,12 @@ class Handles:
         self.before_wait: Callable[[], None] = lambda: None  # the Agent's: send what fusion holds
         self._lock = threading.Lock()
 
-    def new(self, op: str, keys: list, result: Any, parts: int, round_: int = 0) -> Handle:
+    def new(self, op: str, keys: list, result: Any, parts: int, round_: int = 0, traced: bool = True) -> Handle:
+        """``traced``: on the timeline (a host's leader's own sends for its host are not: the
+        worker's request they serve is)."""
         handle = Handle(self, op, keys, result, parts, round_)
         timeline = self.timeline
-        if timeline is not None and timeline.active:
+        if traced and timeline is not None and timeline.active:
             handle._started = timeline.now()
         return handle
 

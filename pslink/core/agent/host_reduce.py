@@ -22,14 +22,17 @@ Rules that keep it exact without any agreement protocol:
   connected late) is sent on alone, for its own rank.
 - The sum is taken in rank order, so it does not depend on arrival order.
 - A follower that is lost is not waited for (the pool waits for it as on the flat path, until
-  pMaster removes it); a leader that is lost: each follower sends what it had at the leader, and
-  everything after, itself, at the same rounds (:meth:`HostFollower.leader_lost`).
+  pMaster removes it); a leader that is lost: each follower sends what it had at the leader
+  itself, at the same rounds (:meth:`HostFollower.leader_lost`), and the host's next rank leads
+  from the next push on (a survivor that cannot reach it within the connect timeout pushes on
+  its own).
 - Pulls and inits go straight to the pool; ``ssp``/``asp`` jobs do not reduce on the host (their
   rounds do not line up across workers).
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import threading
@@ -333,11 +336,14 @@ class HostFollower:
     """A follower's side: where its pushes go (the leader, as one whole part per key), and what
     happens when the leader is lost (everything goes to the pool itself, at the same rounds)."""
 
-    def __init__(self, seat: Seat, leader: int, address: str, requests, sender, handles):
-        self.seat, self.leader, self.address = seat, leader, address
+    def __init__(self, seat: Seat, group: list[int], leader: int, address: str, requests, sender, handles,
+                 restart=None):
+        self.seat, self.group, self.leader, self.address = seat, group, leader, address
         self.requests, self.sender, self.handles = requests, sender, handles
+        self.restart = restart  # start(leader=...) with this worker's settings: a new leader's election
         self.name = leader_name(seat.job, leader)
         self.parts: dict[Any, PartInfo] = {}
+        sender.followers[self.name] = self
         link = requests.link(self.name, address)
         link.conn.send([encode(Op.PING, id=0, job=seat.job, tok=seat.token, rank=seat.rank)])
 
@@ -359,10 +365,16 @@ class HostFollower:
     def leader_lost(self, link, error, rids: list[int] | None) -> None:
         """The leader is gone (or stopped answering): what waited there goes to the pool from
         here, each key's parts to their Aggregators, at the same rounds (a round the leader had
-        pushed already answers it as a repeat), and so does everything after."""
-        self.sender.host = None
-        log.warning("agent %s: lost rank %d, this host's leader (%s); pushing to the pool directly from now on",
-                    self.seat, self.leader, error)
+        pushed already answers it as a repeat). The next rank of the host leads from its next
+        push on (each survivor's next push starts it or finds it: :meth:`elect`)."""
+        if self.sender.host is self:
+            self.sender.host = None
+            after = [rank for rank in self.group if rank > self.leader]
+            if after and self.restart is not None:
+                self.sender.elect = lambda: self.restart(leader=after[0])
+        log.warning("agent %s: lost rank %d, this host's leader (%s); its pushes go to the pool directly, and rank "
+                    "%s leads the host from the next push", self.seat, self.leader, error,
+                    next((r for r in self.group if r > self.leader), "none"))
         for rid in list(link.pending) if rids is None else rids:
             request = self.requests.take(rid)
             if request is None or request.handle.done():
@@ -375,13 +387,14 @@ class HostFollower:
 
 
 def start(seat: Seat, group: list[int], master, transports, reactor, limits: Limits, requests, sender, handles,
-          timeout: float) -> HostLeader | HostFollower | None:
+          timeout: float, leader: int | None = None) -> HostLeader | HostFollower | None:
     """This worker's part in its host's reduce: the leader listens and says where; a follower
     asks where (waiting up to ``timeout`` for a leader that starts later) and connects. None
     when the leader is not on this host after all (the launcher's numbering was not by host), or
     did not come within ``timeout``: the worker then pushes to the pool itself (its leader, if it
-    comes, does not wait for it)."""
-    leader = group[0]
+    comes, does not wait for it). ``leader``: the rank that leads (the host's first, or the next
+    one after a leader was lost)."""
+    leader = group[0] if leader is None else leader
     if seat.rank == leader:
         host = HostLeader(seat, group, transports, reactor, limits, sender, handles)
         master.call(Op.HOST_LEADER, leader=leader, address=host.address, host_id=seat.host_id)
@@ -396,5 +409,7 @@ def start(seat: Seat, group: list[int], master, transports, reactor, limits: Lim
         log.warning("agent %s: rank %d, which should lead this host's ranks %s, runs on another host (%s, this is "
                     "%s); pushing to the pool directly", seat, leader, group, body.get("host_id"), seat.host_id)
         return None
-    return HostFollower(seat, leader, body["address"], requests, sender, handles)
+    restart = functools.partial(start, seat, group, master, transports, reactor, limits, requests, sender, handles,
+                                timeout)
+    return HostFollower(seat, group, leader, body["address"], requests, sender, handles, restart)
 

@@ -46,6 +46,8 @@ class Sender:
         # Host-local reduce (pslink.core.agent.host_reduce): this worker's part in its host's sum,
         # the leader's or a follower's; None pushes to the pool directly.
         self.host = None
+        self.elect = None  # after a leader was lost: starts this worker's part under the next one
+        self.followers: dict = {}  # a leader's link name -> this worker's follower of it (its loss is handled there)
 
     def set_compression(self, params) -> None:
         threshold = check_compression(params)
@@ -105,6 +107,9 @@ class Sender:
         """Count the round, make the handle and send every part: where both submit paths end.
         A host's leader sends its host's sums with ``covers`` (the ranks they stand for) at the
         round ``at_round`` of its local round, counted already."""
+        if self.elect is not None and covers is None:  # (on the caller's thread: it may ask pMaster)
+            elect, self.elect = self.elect, None
+            self.host = elect()
         host = self.host
         whole = None  # a follower of its host's reduce sends a push whole, to its leader
         if host is not None and covers is None and (op == Op.PUSH or op == Op.PUSHPULL) and self.residuals is None:
@@ -126,7 +131,8 @@ class Sender:
         else:
             total_parts = len(infos[0].parts) if single else sum(len(info.parts) for info in infos)
         result = None if results is None else (results[0] if single else results)
-        handle = self.handles.new(_OP_NAMES[op], keys, result, total_parts, rounds[0] if single else 0)
+        handle = self.handles.new(_OP_NAMES[op], keys, result, total_parts, rounds[0] if single else 0,
+                                  traced=covers is None)
         # An init's value comes from the job's first rank (rank 0, or the lowest left if it has gone).
         send_payload = flats is not None and (op != Op.INIT or self.seat.rank == 0 or (
             not self.tasks.late and self.seat.rank == min(self.seat.members.get("ranks") or [0])))

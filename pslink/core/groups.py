@@ -1,0 +1,171 @@
+"""Groups with delayed global sync (dSyncPS, ``../shared/papers/003``): the workers of a group
+aggregate every step (BSP) among themselves, on the group's own job; every ``T`` local steps
+the groups average their weights (the *global* sync) through the pool, a job whose members are
+the groups' leaders (each group's rank 0). Groups far apart (another site, a slow link) train
+together without a cluster-wide barrier per step.
+
+::
+
+    agent = pslink.connect(f"{job}.g{group}", group_rank, group_size, master)   # the group's BSP
+    groups = GroupSync(agent, job, group, max_groups=4, every=5)
+    for batch in data:
+        grads = ...;  agent.pushpull_many(names, grads, grads, average=True).wait()
+        step(weights, grads)
+        groups.step(weights)          # every 5th call: weights = the average over the groups
+
+Joining. Groups come and go: the global job is elastic (ranks are group indices up to
+``max_groups``). A group that joins does its first global sync at once (it starts from the
+others' weights); the groups already there sync with it at their next step, whatever their
+schedule (:class:`SyncSchedule`: dSyncPS's rule, the ``i``-th sync *deferred* to the next step if
+it was due now and had not begun, the ``i+1``-th *advanced* to the next step if the ``i``-th is
+done). A group that leaves (its leader's Agent closes or dies) is dropped from the global job by
+pMaster, and the others' syncs go on without it.
+
+Each step the group's workers agree whether this step syncs (a one-value pushpull on the group's
+job: the leader decides), so that they stay in lockstep; the averaged weights reach the group's
+other workers the same way (the leader pushes them, the others zeros).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+
+from pslink.errors import ConfigError
+
+log = logging.getLogger("pslink.core.groups")
+_FLAG = "__dsync/flag"  # the group's per-step decision: sync now (1) or not (0)
+
+
+def parse_local_sync(sync: str) -> int:
+    """``"local:T"`` -> T (the local steps between global syncs)."""
+    kind, _, every = sync.partition(":")
+    try:
+        value = int(every)
+    except ValueError:
+        value = 0
+    if kind != "local" or value < 1:
+        raise ConfigError(f"sync {sync!r}: groups with delayed global sync are written 'local:T', T >= 1 local "
+                          "steps between global syncs")
+    return value
+
+
+class SyncSchedule:
+    """When a group syncs globally (pure): at the end of every ``every``-th local step, counted
+    from its last sync; a group that joins pulls the next sync to the step under way."""
+
+    def __init__(self, every: int):
+        if every < 1:
+            raise ConfigError(f"a global sync every {every} local steps: it must be at least 1")
+        self.every = every
+        self.done = 0  # global syncs done
+        self.next = every  # the local step whose end syncs
+        self.last: int | None = None  # the step that ended with the last sync
+
+    def due(self, step: int) -> bool:
+        return step >= self.next
+
+    def synced(self, step: int) -> None:
+        self.done += 1
+        self.next = step + self.every
+        self.last = step
+
+    def joined(self, step: int) -> tuple[str, int]:
+        """A group joined, seen at the end of local step ``step``: this step ends with a sync
+        that includes it. dSyncPS's names for it: ("defer", i) when sync i was due at this step
+        (it waits for the newcomer); ("advance", i) otherwise: sync i comes now instead of later
+        in the period (right after sync i - 1, or in the middle)."""
+        coming = self.done + 1
+        what = ("defer", coming) if self.next == step else ("advance", coming)
+        self.next = step
+        return what
+
+
+class GroupSync:
+    """A group's part in the global sync. ``agent``: this worker's Agent of its group's own job
+    (sum mode: the workers keep the weights); ``job`` names the whole job (the global one is
+    ``<job>.global``); ``group``: this group's index (< ``max_groups``)."""
+
+    def __init__(self, agent, job: str, group: int, max_groups: int, every: int, timeout: float | None = None):
+        if agent.mode != "sum":
+            raise ConfigError(f"groups with delayed global sync average the workers' weights: group job "
+                              f"{agent.job!r} must run in sum mode (the workers step), not {agent.mode!r}")
+        if not 0 <= group < max_groups:
+            raise ConfigError(f"group {group} is out of range for {max_groups} groups")
+        self.agent, self.job, self.group, self.max_groups = agent, job, group, max_groups
+        self.schedule = SyncSchedule(every)
+        self.steps = 0
+        self.moves: list[tuple[str, int, int]] = []  # (what, sync, step): the joins' effects, for tests and logs
+        self.timeout = timeout
+        self.leads = agent.rank == 0
+        self.world = None  # the global job's Agent (leaders only)
+        self.members: list[int] = []
+        self._flag = np.zeros(1, np.float32)
+        self._declared = False
+        agent.init(_FLAG, self._flag).wait(timeout)
+        if self.leads:
+            from pslink.core.agent.agent import Agent  # the core's own: no adapter in between
+
+            self.world = Agent(f"{job}.global", group, 1, agent.master_address, token=None, max_workers=max_groups,
+                               timeout=agent.timeout, transports=agent.transports)
+            self.members = self.world.membership()["ranks"]
+            if self.world.late:
+                # Others are under way (dSyncPS's Bonjour): come into the weights' keys now, so that
+                # their next sync waits for this group, and sync with them at this group's first step.
+                self.world.join_all(timeout)
+                self.schedule.next = 1
+
+    @property
+    def syncs(self) -> int:
+        return self.schedule.done
+
+    def close(self) -> None:
+        if self.world is not None:
+            self.world.close()
+
+    def step(self, arrays: dict[str, np.ndarray] | Sequence[tuple[str, np.ndarray]]) -> bool:
+        """After each local step (every worker of the group, with its weights): True when this
+        step ended with a global sync (``arrays`` then hold the average over the groups)."""
+        items = list(arrays.items()) if isinstance(arrays, dict) else list(arrays)
+        self.steps += 1
+        if self._decide():
+            self._sync(items)
+            self.schedule.synced(self.steps)
+            return True
+        return False
+
+    def _decide(self) -> bool:
+        """The leader decides (its schedule, and groups that joined since it last looked); the
+        group learns it in a one-value round."""
+        flag = 0.0
+        if self.leads:
+            members = self.world.membership()["ranks"]
+            joined = sorted(set(members) - set(self.members))
+            if joined and self.schedule.done:  # (before the first sync, every group there starts together)
+                what = self.schedule.joined(self.steps)
+                self.moves.append((*what, self.steps))
+                log.info("group %d: group(s) %s joined: global sync %d %sed to step %d", self.group, joined,
+                         what[1], what[0], self.steps)
+            self.members = members
+            flag = 1.0 if self.schedule.due(self.steps) else 0.0
+        self._flag[0] = flag
+        self.agent.pushpull(_FLAG, self._flag, self._flag).wait(self.timeout)
+        return bool(self._flag[0])
+
+    def _sync(self, items: list[tuple[str, np.ndarray]]) -> None:
+        names = [name for name, _ in items]
+        arrays = [array for _, array in items]
+        local = [f"__dsync/{name}" for name in names]
+        if not self._declared:
+            self.agent.init_many(local, [np.zeros_like(a) for a in arrays]).wait(self.timeout)
+            if self.leads:
+                self.world.init_many(names, arrays).wait(self.timeout)
+            self._declared = True
+        if self.leads:  # the average over the groups there now
+            self.world.pushpull_many(names, arrays, arrays, average=True).wait(self.timeout)
+        else:
+            for array in arrays:
+                array.fill(0)
+        self.agent.pushpull_many(local, arrays, arrays).wait(self.timeout)  # the leader's, to everyone
