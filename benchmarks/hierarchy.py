@@ -2,6 +2,7 @@
 
     sudo python benchmarks/hierarchy.py                      # 10 Gbit/s links, 3 repeats
     sudo python benchmarks/hierarchy.py --rate 1gbit --quick
+    sudo python benchmarks/hierarchy.py --dsync --slow 20mbit  # groups with delayed global sync
 
 Hosts A and B (network namespaces, links shaped with ``tc ... tbf`` in both directions) run two
 workers each (ranks 0, 1 on A, 2, 3 on B, numbered as ``pslink launch`` numbers them); pMaster
@@ -18,6 +19,12 @@ CPU seconds (the Aggregator processes on M, from /proc; they run with
 the timed steps only (not the pool's start-up for the job), and the step time (median over the
 workers' steps). Target: pool CPU and wire bytes <= 0.55x flat. Medians over the repeats; the
 last line is JSON. Needs root (namespaces); without it, it says why and exits.
+
+``--dsync``: two sites, A and B, each with its own service, the link between them (B's) slow
+(``--slow``). The digits demo (2 workers per site) runs flat (all 4 on A's service: B's workers
+cross the slow link every step) and as 2 groups (each on its site's service, averaging their
+weights every ``--every`` steps through A's): the groups' time to the flat run's final accuracy
+over the flat run's time, alternating.
 """
 
 from __future__ import annotations
@@ -72,6 +79,75 @@ def role_worker(args) -> None:
             sys.stdin.readline()
         agent.barrier("done")
     print(json.dumps({"times": times[args.warmup:], "host": type(agent._sender.host).__name__}), flush=True)
+
+
+def role_digits(args) -> None:
+    """One worker of the digits demo, flat or in a group (``--group``); prints its result."""
+    import pslink
+    from pslink.core.groups import GroupSync
+    from pslink.demo.digits import train
+
+    grouped = args.group is not None
+    job = f"{args.job}.g{args.group}" if grouped else args.job
+    rank = args.rank % 2 if grouped else args.rank
+    with pslink.connect(job, rank, 2 if grouped else 4, args.master) as agent:
+        groups = GroupSync(agent, args.job, args.group, 2, args.every, master=args.global_master) if grouped else None
+        try:
+            result = train(agent, epochs=args.epochs, hidden=args.hidden, progress=False, groups=groups,
+                           shard=(args.rank, 4))
+        finally:
+            if groups is not None:
+                groups.close()
+    result["syncs"] = groups.syncs if groups is not None else None
+    print(json.dumps(result), flush=True)
+
+
+def run_dsync(args) -> dict:
+    """Two sites, A and B, a slow link between them (B's, shaped to ``--slow``): a flat job of
+    4 workers (2 per site) on A's service, against 2 groups of 2 (each on its own site's service,
+    the global sync every ``--every`` steps through A's), alternating; seconds and accuracy."""
+    figures: dict = {"flat": [], "groups": []}
+    with netns.VirtualHosts(["A", "B"]) as hosts:
+        hosts.shape("B", args.slow)
+        masters = {host: f"tcp://{hosts.address(host)}:{PORT}" for host in "AB"}
+        services = []
+        for host in "AB":
+            services.append(_start(hosts, host, [*PSLINK, "service", "up", "--host", hosts.address(host), "--port",
+                                                 str(PORT), "--aggregators", "1", "--allow-first-join"]))
+            netns.wait_service(hosts, host, masters[host], 1, services[-1])
+        try:
+            for index in range(args.repeats):
+                for variant in ("flat", "groups") if index % 2 == 0 else ("groups", "flat"):
+                    procs = []
+                    epochs = args.epochs if variant == "flat" else 2 * args.epochs  # time to the flat accuracy
+                    for rank, host in enumerate(HOSTS):
+                        argv = [PYTHON, __file__, "--role", "digits", "--job", f"digits-{variant}-{index}", "--rank",
+                                str(rank), "--epochs", str(epochs), "--hidden", str(args.hidden)]
+                        if variant == "flat":
+                            argv += ["--master", masters["A"]]
+                        else:
+                            argv += ["--master", masters[host], "--group", str(rank // 2), "--every",
+                                     str(args.every), "--global-master", masters["A"]]
+                        procs.append(_start(hosts, host, argv))
+                    outs = [netns.finish(proc, 900, f"digits {variant} rank {rank}") for rank, proc in enumerate(procs)]
+                    results = [json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]) for out in outs]
+                    figures[variant].append({"seconds": max(r["seconds"] for r in results),
+                                             "accuracy": min(r["accuracy"] for r in results),
+                                             "history": results[0]["history"], "syncs": results[0]["syncs"]})
+                    print(variant, {k: v for k, v in figures[variant][-1].items() if k != "history"}, flush=True)
+        finally:
+            for service in services:
+                service.kill()
+                service.communicate()
+    # Each groups run against the flat run of its pair: the time its rank 0 first reached the flat
+    # run's final accuracy (None: not within twice the epochs).
+    for flat, grouped in zip(figures["flat"], figures["groups"]):
+        grouped["to_flat_accuracy"] = next((t for t, a in grouped["history"] if a >= flat["accuracy"]), None)
+        grouped["ratio"] = None if grouped["to_flat_accuracy"] is None else grouped["to_flat_accuracy"] / flat["seconds"]
+    ratios = [g["ratio"] for g in figures["groups"] if g["ratio"] is not None]
+    return {"slow_link": args.slow, "every": args.every, "epochs": args.epochs, "runs": figures,
+            "reached": f"{len(ratios)} of {len(figures['groups'])}",
+            "groups_time_to_flat_accuracy_over_flat": statistics.median(ratios) if ratios else None}
 
 
 def _start(hosts, host, argv, env=None) -> subprocess.Popen:
@@ -164,7 +240,15 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--role", choices=["worker"], help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["worker", "digits"], help=argparse.SUPPRESS)
+    parser.add_argument("--group", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--global-master", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dsync", action="store_true",
+                        help="instead: two sites over a slow link, flat against groups with delayed global sync")
+    parser.add_argument("--slow", default="20mbit", help="--dsync: the link between the sites")
+    parser.add_argument("--every", type=int, default=5, help="--dsync: local steps between global syncs")
+    parser.add_argument("--epochs", type=int, default=8, help="--dsync: epochs of the digits demo")
+    parser.add_argument("--hidden", type=int, default=256, help="--dsync: the demo's hidden layer")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
@@ -180,15 +264,23 @@ def main(argv=None) -> int:
     if args.role == "worker":
         role_worker(args)
         return 0
+    if args.role == "digits":
+        role_digits(args)
+        return 0
     if args.quick:
-        args.repeats, args.steps, args.mib = 1, 10, 4
+        args.repeats, args.steps, args.mib, args.epochs = 1, 10, 4, 2
     reason = netns.unavailable()
     if reason:
         print(f"skipped: {reason}")
         return 0
-    result = run(args)
-    for name, value in result["host_local_over_flat"].items():
-        print(f"host-local / flat  {name:12s} {value:.2f}")
+    if args.dsync:
+        result = run_dsync(args)
+        print(f"groups' time to the flat accuracy / flat's time: {result['groups_time_to_flat_accuracy_over_flat']} "
+              f"(reached in {result['reached']} runs)")
+    else:
+        result = run(args)
+        for name, value in result["host_local_over_flat"].items():
+            print(f"host-local / flat  {name:12s} {value:.2f}")
     print(json.dumps(result))
     return 0
 

@@ -7,14 +7,14 @@ together without a cluster-wide barrier per step.
 ::
 
     agent = pslink.connect(f"{job}.g{group}", group_rank, group_size, master)   # the group's BSP
-    groups = GroupSync(agent, job, group, max_groups=4, every=5)
+    groups = GroupSync(agent, job, group, groups=2, every=5, max_groups=4)
     for batch in data:
         grads = ...;  agent.pushpull_many(names, grads, grads, average=True).wait()
         step(weights, grads)
         groups.step(weights)          # every 5th call: weights = the average over the groups
 
-Joining. Groups come and go: the global job is elastic (ranks are group indices up to
-``max_groups``). A group that joins does its first global sync at once (it starts from the
+Joining. Groups come and go: the global job is elastic (ranks are group indices below
+``max_groups``; the first ``groups`` start it). A group that joins does its first global sync at once (it starts from the
 others' weights); the groups already there sync with it at their next step, whatever their
 schedule (:class:`SyncSchedule`: dSyncPS's rule, the ``i``-th sync *deferred* to the next step if
 it was due now and had not begun, the ``i+1``-th *advanced* to the next step if the ``i``-th is
@@ -86,14 +86,20 @@ class SyncSchedule:
 class GroupSync:
     """A group's part in the global sync. ``agent``: this worker's Agent of its group's own job
     (sum mode: the workers keep the weights); ``job`` names the whole job (the global one is
-    ``<job>.global``); ``group``: this group's index (< ``max_groups``)."""
+    ``<job>.global``); ``group``: this group's index; ``groups``: how many the job starts with
+    (their first sync waits for each), ``max_groups`` how many it may have (default ``groups``;
+    groups ``groups`` and up join while it runs); ``master``: the pMaster
+    of the global job, when the groups use services of their own (one per site: each group's
+    rounds stay on its site, only the global syncs cross); default the group's."""
 
-    def __init__(self, agent, job: str, group: int, max_groups: int, every: int, timeout: float | None = None):
+    def __init__(self, agent, job: str, group: int, groups: int, every: int, max_groups: int | None = None,
+                 timeout: float | None = None, master: str | None = None):
         if agent.mode != "sum":
             raise ConfigError(f"groups with delayed global sync average the workers' weights: group job "
                               f"{agent.job!r} must run in sum mode (the workers step), not {agent.mode!r}")
-        if not 0 <= group < max_groups:
-            raise ConfigError(f"group {group} is out of range for {max_groups} groups")
+        max_groups = groups if max_groups is None else max_groups
+        if not 0 < groups <= max_groups or not 0 <= group < max_groups:
+            raise ConfigError(f"group {group} of {groups} starting groups (at most {max_groups}): out of range")
         self.agent, self.job, self.group, self.max_groups = agent, job, group, max_groups
         self.schedule = SyncSchedule(every)
         self.steps = 0
@@ -108,7 +114,7 @@ class GroupSync:
         if self.leads:
             from pslink.core.agent.agent import Agent  # the core's own: no adapter in between
 
-            self.world = Agent(f"{job}.global", group, 1, agent.master_address, token=None, max_workers=max_groups,
+            self.world = Agent(f"{job}.global", group, groups, master or agent.master_address, max_workers=max_groups,
                                timeout=agent.timeout, transports=agent.transports)
             self.members = self.world.membership()["ranks"]
             if self.world.late:

@@ -103,6 +103,7 @@ def train(agent: pslink.Agent, epochs: int = 15, batch_size: int = 32, hidden: i
     rng = np.random.default_rng(seed + 1000 + agent.rank)
     bar = _progress(progress and agent.rank == 0, epochs * steps)
     loss = float("nan")
+    history = []  # (seconds, test accuracy) at the end of each epoch
     started = time.perf_counter()
     with bar:
         task = bar.add_task("training", total=epochs * steps, loss=loss, acc=0.0)
@@ -124,7 +125,9 @@ def train(agent: pslink.Agent, epochs: int = 15, batch_size: int = 32, hidden: i
                 if groups is not None:
                     groups.step(model.params)
                 bar.update(task, advance=1, loss=loss)
-            bar.update(task, acc=model.accuracy(x_test, y_test), description=f"epoch {epoch + 1}/{epochs}")
+            accuracy = model.accuracy(x_test, y_test)
+            history.append((time.perf_counter() - started, accuracy))
+            bar.update(task, acc=accuracy, description=f"epoch {epoch + 1}/{epochs}")
     checksum = float(sum(float(np.abs(model.params[n]).sum()) for n in names))
     return {
         "rank": agent.rank,
@@ -133,6 +136,7 @@ def train(agent: pslink.Agent, epochs: int = 15, batch_size: int = 32, hidden: i
         "checksum": checksum,
         "seconds": time.perf_counter() - started,
         "rounds": epochs * steps,
+        "history": history,
     }
 
 

@@ -103,7 +103,7 @@ def test_a_group_that_joins_mid_period_syncs_at_once_and_the_others_advance_to_i
         if group == 1:
             at_seven.wait(30)
         agent = connect(service, transports, f"joining.g{group}", rank, 2)
-        groups = GroupSync(agent, "joining", group, 2, every=5)
+        groups = GroupSync(agent, "joining", group, 1, every=5, max_groups=2)
         try:
             if group == 1 and rank == 0:
                 came.set()
