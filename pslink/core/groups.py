@@ -21,6 +21,9 @@ it was due now and had not begun, the ``i+1``-th *advanced* to the next step if 
 done). A group that leaves (its leader's Agent closes or dies) is dropped from the global job by
 pMaster, and the others' syncs go on without it.
 
+The groups meet through the pool (:class:`~pslink.core.meeting.PoolMeeting`) or through shared
+storage, a directory or any fsspec URL (:class:`~pslink.core.meeting.StoreMeeting`, ``store=``).
+
 Each step the group's workers agree whether this step syncs (a one-value pushpull on the group's
 job: the leader decides), so that they stay in lockstep; the averaged weights reach the group's
 other workers the same way (the leader pushes them, the others zeros).
@@ -33,6 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pslink.core.meeting import PoolMeeting, StoreMeeting
 from pslink.errors import ConfigError
 
 log = logging.getLogger("pslink.core.groups")
@@ -90,10 +94,12 @@ class GroupSync:
     (their first sync waits for each), ``max_groups`` how many it may have (default ``groups``;
     groups ``groups`` and up join while it runs); ``master``: the pMaster
     of the global job, when the groups use services of their own (one per site: each group's
-    rounds stay on its site, only the global syncs cross); default the group's."""
+    rounds stay on its site, only the global syncs cross); default the group's. ``store``: a
+    directory or fsspec URL the groups meet in instead of the pool (dSyncPS's shared storage:
+    :class:`~pslink.core.meeting.StoreMeeting`)."""
 
     def __init__(self, agent, job: str, group: int, groups: int, every: int, max_groups: int | None = None,
-                 timeout: float | None = None, master: str | None = None):
+                 timeout: float | None = None, master: str | None = None, store: str | None = None):
         if agent.mode != "sum":
             raise ConfigError(f"groups with delayed global sync average the workers' weights: group job "
                               f"{agent.job!r} must run in sum mode (the workers step), not {agent.mode!r}")
@@ -106,21 +112,16 @@ class GroupSync:
         self.moves: list[tuple[str, int, int]] = []  # (what, sync, step): the joins' effects, for tests and logs
         self.timeout = timeout
         self.leads = agent.rank == 0
-        self.world = None  # the global job's Agent (leaders only)
+        self.meeting = None  # where the leaders average the groups' weights (leaders only)
         self.members: list[int] = []
         self._flag = np.zeros(1, np.float32)
         self._declared = False
         agent.init(_FLAG, self._flag).wait(timeout)
         if self.leads:
-            from pslink.core.agent.agent import Agent  # the core's own: no adapter in between
-
-            self.world = Agent(f"{job}.global", group, groups, master or agent.master_address, max_workers=max_groups,
-                               timeout=agent.timeout, transports=agent.transports)
-            self.members = self.world.membership()["ranks"]
-            if self.world.late:
-                # Others are under way (dSyncPS's Bonjour): come into the weights' keys now, so that
-                # their next sync waits for this group, and sync with them at this group's first step.
-                self.world.join_all(timeout)
+            self.meeting = (StoreMeeting(store, job, group, groups, timeout) if store is not None else
+                            PoolMeeting(agent, job, group, groups, max_groups, master, timeout))
+            self.members = self.meeting.members()
+            if self.meeting.late:  # others are under way (dSyncPS's Bonjour): sync with them at once
                 self.schedule.next = 1
 
     @property
@@ -128,8 +129,8 @@ class GroupSync:
         return self.schedule.done
 
     def close(self) -> None:
-        if self.world is not None:
-            self.world.close()
+        if self.meeting is not None:
+            self.meeting.close()
 
     def step(self, arrays: dict[str, np.ndarray] | Sequence[tuple[str, np.ndarray]]) -> bool:
         """After each local step (every worker of the group, with its weights): True when this
@@ -147,7 +148,7 @@ class GroupSync:
         group learns it in a one-value round."""
         flag = 0.0
         if self.leads:
-            members = self.world.membership()["ranks"]
+            members = self.meeting.members()
             joined = sorted(set(members) - set(self.members))
             if joined and self.schedule.done:  # (before the first sync, every group there starts together)
                 what = self.schedule.joined(self.steps)
@@ -166,11 +167,9 @@ class GroupSync:
         local = [f"__dsync/{name}" for name in names]
         if not self._declared:
             self.agent.init_many(local, [np.zeros_like(a) for a in arrays]).wait(self.timeout)
-            if self.leads:
-                self.world.init_many(names, arrays).wait(self.timeout)
             self._declared = True
         if self.leads:  # the average over the groups there now
-            self.world.pushpull_many(names, arrays, arrays, average=True).wait(self.timeout)
+            self.meeting.average(names, arrays)
         else:
             for array in arrays:
                 array.fill(0)

@@ -28,13 +28,14 @@ def exact_gradient(worker: int, step: int) -> np.ndarray:
     return (rng.integers(-64, 64, 50) / 64).astype(np.float32)
 
 
-def sgd(service, transports, job: str, steps: int, every: int | None) -> list[np.ndarray]:
-    """4 workers of plain SGD (lr 1/2), flat or as 2 groups of 2 syncing every ``every`` steps."""
+def sgd(service, transports, job: str, steps: int, every: int | None, store: str | None = None) -> list[np.ndarray]:
+    """4 workers of plain SGD (lr 1/2), flat or as 2 groups of 2 syncing every ``every`` steps
+    (through the pool, or ``store``)."""
 
     def worker(index):
         group, rank = divmod(index, 2) if every else (0, index)
         agent = connect(service, transports, f"{job}.g{group}" if every else job, rank, 2 if every else 4)
-        groups = GroupSync(agent, job, group, 2, every) if every else None
+        groups = GroupSync(agent, job, group, 2, every, store=store) if every else None
         try:
             w = np.full(50, 0.5, np.float32)
             agent.init("w", w).wait()
@@ -53,10 +54,12 @@ def sgd(service, transports, job: str, steps: int, every: int | None) -> list[np
     return run_workers(4, worker)
 
 
-def test_groups_that_sync_every_step_train_as_one_flat_bsp_job(cluster):
+@pytest.mark.parametrize("meeting", ["pool", "store"])
+def test_groups_that_sync_every_step_train_as_one_flat_bsp_job(cluster, meeting, tmp_path):
     service, transports = cluster
-    flat = sgd(service, transports, "flat-sgd", 6, None)
-    grouped = sgd(service, transports, "grouped-sgd", 6, 1)
+    store = str(tmp_path / "store") if meeting == "store" else None
+    flat = sgd(service, transports, f"flat-sgd-{meeting}", 6, None)
+    grouped = sgd(service, transports, f"grouped-sgd-{meeting}", 6, 1, store=store)
     for a, b in zip(flat, grouped):
         np.testing.assert_array_equal(a, b)
 
@@ -88,7 +91,8 @@ def test_groups_syncing_every_five_steps_reach_the_flat_accuracy_on_digits(clust
         assert result["accuracy"] >= flat_accuracy - 0.01, (result["accuracy"], flat_accuracy)
 
 
-def test_a_group_that_joins_mid_period_syncs_at_once_and_the_others_advance_to_it(cluster):
+@pytest.mark.parametrize("meeting", ["pool", "store"])
+def test_a_group_that_joins_mid_period_syncs_at_once_and_the_others_advance_to_it(cluster, meeting, tmp_path):
     # Group 0 syncs every 5 steps; after its 7th step group 1 comes. Group 0's leader sees it
     # at the end of step 8: the 2nd sync, due at step 10, is advanced to step 8; group 1's first
     # step syncs with it (it starts from group 0's weights); the period counts from there.
@@ -102,8 +106,9 @@ def test_a_group_that_joins_mid_period_syncs_at_once_and_the_others_advance_to_i
         group, rank = divmod(index, 2)
         if group == 1:
             at_seven.wait(30)
-        agent = connect(service, transports, f"joining.g{group}", rank, 2)
-        groups = GroupSync(agent, "joining", group, 1, every=5, max_groups=2)
+        agent = connect(service, transports, f"joining-{meeting}.g{group}", rank, 2)
+        groups = GroupSync(agent, f"joining-{meeting}", group, 1, every=5, max_groups=2,
+                           store=str(tmp_path) if meeting == "store" else None)
         try:
             if group == 1 and rank == 0:
                 came.set()
@@ -130,3 +135,35 @@ def test_a_group_that_joins_mid_period_syncs_at_once_and_the_others_advance_to_i
     assert moves[0] == [("advance", 2, 8)]
     for w in weights[1:]:
         np.testing.assert_array_equal(w, weights[0])
+
+
+@pytest.mark.parametrize("meeting", ["pool", "store"])
+def test_a_group_that_leaves_does_not_stop_the_others(cluster, meeting, tmp_path):
+    # Both groups sync at step 5; group 1 then stops. Group 0 goes on to step 15, its syncs at
+    # 10 and 15 with itself alone: its weights are its own.
+    service, transports = cluster
+    syncs: dict[int, list[int]] = {}
+
+    def worker(index):
+        group, rank = divmod(index, 2)
+        agent = connect(service, transports, f"leaving-{meeting}.g{group}", rank, 2)
+        groups = GroupSync(agent, f"leaving-{meeting}", group, 2, every=5,
+                           store=str(tmp_path) if meeting == "store" else None)
+        try:
+            w = np.zeros(4, np.float32)
+            agent.init("w", w).wait()
+            for step in range(1, (15 if group == 0 else 5) + 1):
+                g = np.full(4, float(group + 1), np.float32)
+                agent.pushpull("w", g, g, average=True).wait()
+                w -= g
+                if groups.step({"w": w}):
+                    syncs.setdefault(index, []).append(step)
+            return w
+        finally:
+            groups.close()
+            agent.close()
+
+    weights = run_workers(4, worker)
+    assert syncs[0] == [5, 10, 15] and syncs[2] == [5]
+    np.testing.assert_array_equal(weights[2], np.full(4, -7.5, np.float32))  # (-5 + -10) / 2
+    np.testing.assert_array_equal(weights[0], np.full(4, -17.5, np.float32))  # then 10 steps alone
