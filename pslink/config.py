@@ -200,7 +200,9 @@ def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local
     if local[1] < 2:
         return None
     if not 0 <= local[0] < local[1]:
-        raise ConfigError(f"local rank {local[0]} is not in [0, {local[1]}) (PSLINK_LOCAL_RANK, PSLINK_LOCAL_SIZE)")
+        if local_rank is None or local_size is None:
+            return None  # a launcher's numbers that do not fit (an elastic job's newcomer): no host reduce
+        raise ConfigError(f"local rank {local[0]} is not in [0, {local[1]})")
     return local[0], local[1]
 
 

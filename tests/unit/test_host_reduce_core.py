@@ -111,5 +111,7 @@ def test_host_reduce_is_on_where_a_launcher_put_several_workers_on_a_host():
         host_reduce_settings(None, None, None, environ={**env, "PSLINK_HOST_REDUCE": "maybe"})
     with pytest.raises(ConfigError, match="local rank 2 is not in"):
         host_reduce_settings(None, 2, 2, environ={})
+    # A launcher's numbers that do not fit (an elastic job's newcomer, numbered past the old size).
+    assert host_reduce_settings(None, None, None, environ={"PSLINK_LOCAL_RANK": "2", "PSLINK_LOCAL_SIZE": "2"}) is None
     with pytest.raises(ConfigError, match="PSLINK_LOCAL_SIZE='two' must be an integer"):
         host_reduce_settings(None, None, None, environ={"PSLINK_LOCAL_RANK": "0", "PSLINK_LOCAL_SIZE": "two"})
