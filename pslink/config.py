@@ -166,22 +166,25 @@ ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
 
 
 def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local_size: int | None,
-                         job: str | None = None, rank: int | None = None, environ=os.environ) -> tuple[int, int] | None:
+                         job: str | None = None, rank: int | None = None, num_workers: int | None = None,
+                         environ=os.environ) -> tuple[int, int] | None:
     """Host-local reduce (pslink.core.agent.host_reduce): ``(local_rank, local_size)`` of this
     worker's host when it is on, else None. On by default when the host has more than one of the
-    job's workers, as the launcher says (``pslink launch`` sets PSLINK_LOCAL_RANK and
-    PSLINK_LOCAL_SIZE; torchrun LOCAL_RANK and LOCAL_WORLD_SIZE); ``host_reduce=False`` or
-    PSLINK_HOST_REDUCE=0 turns it off. The launcher's numbers are for the job and rank it
+    job's workers and the job spans more hosts than this one, as the launcher says (``pslink
+    launch`` sets PSLINK_LOCAL_RANK and PSLINK_LOCAL_SIZE; torchrun LOCAL_RANK and
+    LOCAL_WORLD_SIZE): a job on one host crosses no network, and its pool's saving would be paid
+    by the leader's copies on the same CPUs (docs/hierarchy.md). ``host_reduce=True`` or
+    PSLINK_HOST_REDUCE=1 turns it on there too; ``host_reduce=False`` or PSLINK_HOST_REDUCE=0 off. The launcher's numbers are for the job and rank it
     launched (PSLINK_JOB / PSLINK_RANK, or RANK): another job of the same process (a Horovod
     process set's, say) does not reduce on the host unless given its own."""
-    if host_reduce is None:
-        raw = (_env(ENV_HOST_REDUCE, environ) or "1").strip().lower()
+    if host_reduce is None and _env(ENV_HOST_REDUCE, environ) is not None:
+        raw = _env(ENV_HOST_REDUCE, environ).strip().lower()
         if raw not in ("0", "1", "true", "false", "on", "off"):
             raise ConfigError(f"{ENV_HOST_REDUCE}={raw!r} must be 1 or 0")
         host_reduce = raw in ("1", "true", "on")
-    elif not isinstance(host_reduce, bool):
+    elif host_reduce is not None and not isinstance(host_reduce, bool):
         raise ConfigError(f"host_reduce must be True or False, got {host_reduce!r}")
-    if not host_reduce:
+    if host_reduce is False:
         return None
     local: list[int] = []
     for value, name, alias in ((local_rank, ENV_LOCAL_RANK, "LOCAL_RANK"), (local_size, ENV_LOCAL_SIZE,
@@ -197,8 +200,8 @@ def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local
         if value is None:
             return None  # no launcher said: every worker pushes for itself
         local.append(value)
-    if local[1] < 2:
-        return None
+    if local[1] < 2 or (host_reduce is None and num_workers is not None and num_workers <= local[1]):
+        return None  # one worker here, or (unless asked) a job on this host alone
     if not 0 <= local[0] < local[1]:
         if local_rank is None or local_size is None:
             return None  # a launcher's numbers that do not fit (an elastic job's newcomer): no host reduce

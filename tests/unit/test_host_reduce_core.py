@@ -90,10 +90,15 @@ def test_local_groups_are_a_hosts_consecutive_ranks():
         local_group(3, 3, 2)
 
 
-def test_host_reduce_is_on_where_a_launcher_put_several_workers_on_a_host():
+def test_host_reduce_is_on_where_a_launcher_put_several_workers_of_a_multi_host_job_on_a_host():
     assert host_reduce_settings(None, None, None, environ={}) is None  # no launcher: nothing to reduce
     env = {"PSLINK_LOCAL_RANK": "1", "PSLINK_LOCAL_SIZE": "2"}
     assert host_reduce_settings(None, None, None, environ=env) == (1, 2)
+    assert host_reduce_settings(None, None, None, num_workers=4, environ=env) == (1, 2)
+    # A job on this host alone: only when asked (it crosses no network; the leader's copies would cost).
+    assert host_reduce_settings(None, None, None, num_workers=2, environ=env) is None
+    assert host_reduce_settings(True, None, None, num_workers=2, environ=env) == (1, 2)
+    assert host_reduce_settings(None, None, None, num_workers=2, environ={**env, "PSLINK_HOST_REDUCE": "1"}) == (1, 2)
     assert host_reduce_settings(None, None, None, environ={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}) == (0, 4)
     assert host_reduce_settings(None, None, None, environ={**env, "PSLINK_LOCAL_SIZE": "1"}) is None
     assert host_reduce_settings(False, None, None, environ=env) is None

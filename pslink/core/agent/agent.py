@@ -170,7 +170,7 @@ class Agent:
                                                         self._handles, self._master,
                                                         late=bool(self.settings.get("late")))
         self._handles.explain = self._tasks.explain_wait  # a timeout names the ranks its round waits for
-        local = host_reduce_settings(host_reduce, local_rank, local_size, job, rank)
+        local = host_reduce_settings(host_reduce, local_rank, local_size, job, rank, num_workers)
         # Not in elastic jobs (max_workers) unless asked: their workers come and go, renumbered.
         if local is not None and self.sync == "bsp" and not rejoin and not self._tasks.late \
                 and (max_workers is None or host_reduce):

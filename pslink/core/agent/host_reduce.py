@@ -222,7 +222,7 @@ class HostLeader:
         ident = (key, dtype.str, numel, rank)
         pool = self.pools.get(ident)
         if pool is None:
-            pool = self.pools[ident] = BufferPool(dtype, numel, keep=4)
+            pool = self.pools[ident] = BufferPool(dtype, numel, keep=2)  # a round's, and the next one's
         return pool
 
     def _answer(self, lr: _LocalRound, error: PslinkError | None, result, total) -> None:
