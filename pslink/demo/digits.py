@@ -137,6 +137,7 @@ def train(agent: pslink.Agent, epochs: int = 15, batch_size: int = 32, hidden: i
         "seconds": time.perf_counter() - started,
         "rounds": epochs * steps,
         "history": history,
+        "host_role": agent.host_role,
     }
 
 
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["sum", "optimizer"], default="sum",
                         help="sum: average gradients, step locally; optimizer: the service steps")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--result", default=None, help="write the result as JSON to this file")
+    parser.add_argument("--result", default=None, help="write the result as JSON to this file ({rank}: the rank)")
     args = parser.parse_args(argv)
     options = {"optimizer": optimizer_settings()} if args.mode == "optimizer" else {}
     try:
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     if args.result:
-        with open(args.result, "w") as f:
+        with open(args.result.replace("{rank}", str(result["rank"])), "w") as f:
             json.dump(result, f)
     print(f"rank {result['rank']}: test accuracy {result['accuracy']:.1%} after {result['rounds']} rounds "
           f"({result['seconds']:.1f} s)", flush=True)

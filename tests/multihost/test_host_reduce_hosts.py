@@ -4,10 +4,13 @@ PSLINK_LOCAL_SIZE); where namespaces cannot be made, every test skips, naming wh
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 
-from tests.multihost.harness import PYTHON, WORKER, Cluster, make_hosts
+from tests.multihost.harness import PSLINK, PYTHON, ROOT, WORKER, Cluster, make_hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.multihost]
 HOSTS = "AABB"  # ranks 0, 1 on A; 2, 3 on B
@@ -62,3 +65,20 @@ def test_the_pushing_worker_killed_mid_round_loses_no_round(cluster, tmp_path):
     final = [np.load(tmp_path / f"w{rank}.npy") for rank in (1, 2, 3)]
     np.testing.assert_array_equal(final[0], final[1])
     np.testing.assert_array_equal(final[0], final[2])
+
+
+def test_pslink_launch_over_two_hosts_of_two_reduces_on_each_host_by_default(cluster, tmp_path):
+    pytest.importorskip("sklearn", reason="the digits data set ships with scikit-learn (CI installs it)")
+    cluster.service("M", 2)
+    result = str(tmp_path / "rank{rank}.json")
+    launches = [cluster.start(host, [*PSLINK, "launch", "--nnodes", "2", "--node-rank", str(index), "-n", "2",
+                                     "--service", cluster.master(), "--job", "launched", "--master-addr",
+                                     cluster.address("A"), PYTHON, os.path.join(ROOT, "examples", "numpy",
+                                                                                  "train_digits.py"),
+                                     "--epochs", "3", "--no-progress", "--result", result])
+                for index, host in enumerate("AB")]
+    for launch in launches:
+        assert launch.finish(240) == 0, launch.text()
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+    assert [r["host_role"] for r in results] == ["leader", "follower", "leader", "follower"]
+    assert len({r["checksum"] for r in results}) == 1 and results[0]["accuracy"] > 0.9

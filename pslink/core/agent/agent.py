@@ -208,6 +208,13 @@ class Agent:
         return self.seat.host_id
 
     @property
+    def host_role(self) -> str | None:
+        """This worker's part in its host's reduce (docs/hierarchy.md): "leader" (it pushes its
+        host's sums), "follower" (its pushes go through the leader), or None (it pushes itself)."""
+        host = self._sender.host
+        return None if host is None else ("leader" if host.leads else "follower")
+
+    @property
     def rounds_lost(self) -> dict:
         """key -> (rounds of updates lost, checkpoint round) when it restarted from a checkpoint."""
         return self._failover.rounds_lost
