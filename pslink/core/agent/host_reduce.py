@@ -69,17 +69,16 @@ def leader_name(job: str, leader: int) -> str:
 class _LocalRound:
     """One (key, round) at the leader: the pushes of the host's ranks, and who waits for what."""
 
-    __slots__ = ("key", "round", "expected", "given", "waiting", "sent")
+    __slots__ = ("key", "round", "expected", "given", "waiting")
 
     def __init__(self, key, round_: int, expected: set[int]):
         self.key, self.round, self.expected = key, round_, expected
         self.given: dict[int, np.ndarray] = {}
         # (rank, conn or None for the leader, request id or the leader's handle, out, op, average)
         self.waiting: list[tuple] = []
-        self.sent = False
 
     def ready(self) -> bool:
-        return not self.sent and self.expected <= self.given.keys()
+        return self.expected <= self.given.keys()
 
 
 class HostLeader:
@@ -127,13 +126,8 @@ class HostLeader:
     # -- the leader's own pushes ----------------------------------------------------------------
 
     def own(self, op: Op, keys: list, infos: list[KeyInfo], flats: list, results: list | None,
-            average: bool):
-        """The leader's push of ``keys``: counted as the Sender counts, added to the local rounds."""
-        with self.sender.lock:
-            for info in infos:
-                info.round += 1
-            self.sender.iterations.pushed(keys)
-            rounds = [info.round for info in infos]
+            average: bool, rounds: list[int]):
+        """The leader's push of ``keys`` (at ``rounds``, counted by the Sender): into the local rounds."""
         single = len(keys) == 1
         result = None if results is None else (results[0] if single else results)
         handle = self.handles.new(op.name.lower(), keys, result, len(keys), rounds[0] if single else 0)
@@ -152,31 +146,24 @@ class HostLeader:
             own = rank == self.seat.rank
             if own:
                 self.own_rounds[key] = round_
-            if lr is None and not own and round_ <= self.own_rounds.get(key, 0):
-                lr = _LocalRound(key, round_, set())  # went to the pool already
-                lr.sent = True
+            # The round began before this follower was known, and went without it: on alone.
+            late = lr is None and not own and round_ <= self.own_rounds.get(key, 0)
+            if late:
+                lr = _LocalRound(key, round_, {rank})
             elif lr is None:
                 known = set(self.followers.values()) | {self.seat.rank}
                 lr = self.rounds[(key, round_)] = _LocalRound(key, round_, known)
-            if lr.sent:
-                # It began before this follower was known, and went without it: on alone.
-                late = _LocalRound(key, round_, {rank})
-                late.given[rank] = array
-                late.waiting.append((rank, conn, ident, out, op, average))
-                send = late
-            else:
-                lr.given[rank] = array
-                lr.waiting.append((rank, conn, ident, out, op, average))
-                send = self._take_ready(lr)
+            lr.given[rank] = array
+            lr.waiting.append((rank, conn, ident, out, op, average))
+            send = lr if late else self._take_ready(lr)
         if send is not None:
             self._send(send)
 
     def _take_ready(self, lr: _LocalRound) -> _LocalRound | None:
         """``lr`` if it may go to the pool now (the leader's own push is in: the leader knows the
-        key then); marked sent. Called with the lock held."""
+        key then), no longer under way. Called with the lock held."""
         if not lr.ready() or self.seat.rank not in lr.given:
             return None
-        lr.sent = True
         del self.rounds[(lr.key, lr.round)]
         return lr
 

@@ -111,11 +111,9 @@ class Sender:
             elect, self.elect = self.elect, None
             self.host = elect()
         host = self.host
-        whole = None  # a follower of its host's reduce sends a push whole, to its leader
-        if host is not None and covers is None and (op == Op.PUSH or op == Op.PUSHPULL) and self.residuals is None:
-            if host.leads:
-                return host.own(op, keys, infos, flats, results, average)
-            whole = host.part_of
+        if host is not None and (covers is not None or (op != Op.PUSH and op != Op.PUSHPULL)
+                                 or self.residuals is not None):
+            host = None  # not through the host's leader (pslink.core.agent.host_reduce)
         with self.lock:
             if at_round is not None:
                 rounds = [at_round] * len(infos)
@@ -125,6 +123,9 @@ class Sender:
                         info.round += 1
                     self.iterations.pushed(keys)
                 rounds = [info.round for info in infos]
+        if host is not None and host.leads:
+            return host.own(op, keys, infos, flats, results, average, rounds)
+        whole = None if host is None else host.part_of  # a follower sends a push whole, to its leader
         single = len(keys) == 1
         if whole is not None:
             total_parts = len(infos)
