@@ -167,14 +167,15 @@ ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
 
 def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local_size: int | None,
                          job: str | None = None, rank: int | None = None, num_workers: int | None = None,
-                         environ=os.environ) -> tuple[int, int] | None:
+                         elastic: bool = False, environ=os.environ) -> tuple[int, int] | None:
     """Host-local reduce (pslink.core.agent.host_reduce): ``(local_rank, local_size)`` of this
     worker's host when it is on, else None. On by default when the host has more than one of the
     job's workers and the job spans more hosts than this one, as the launcher says (``pslink
     launch`` sets PSLINK_LOCAL_RANK and PSLINK_LOCAL_SIZE; torchrun LOCAL_RANK and
     LOCAL_WORLD_SIZE): a job on one host crosses no network, and its pool's saving would be paid
-    by the leader's copies on the same CPUs (docs/hierarchy.md). ``host_reduce=True`` or
-    PSLINK_HOST_REDUCE=1 turns it on there too; ``host_reduce=False`` or PSLINK_HOST_REDUCE=0 off. The launcher's numbers are for the job and rank it
+    by the leader's copies on the same CPUs (docs/hierarchy.md); nor in an ``elastic`` job (its
+    workers come and go, renumbered). ``host_reduce=True`` or PSLINK_HOST_REDUCE=1 turns it on
+    there too; ``host_reduce=False`` or PSLINK_HOST_REDUCE=0 off. The launcher's numbers are for the job and rank it
     launched (PSLINK_JOB / PSLINK_RANK, or RANK): another job of the same process (a Horovod
     process set's, say) does not reduce on the host unless given its own."""
     if host_reduce is None and _env(ENV_HOST_REDUCE, environ) is not None:
@@ -184,7 +185,7 @@ def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local
         host_reduce = raw in ("1", "true", "on")
     elif host_reduce is not None and not isinstance(host_reduce, bool):
         raise ConfigError(f"host_reduce must be True or False, got {host_reduce!r}")
-    if host_reduce is False:
+    if host_reduce is False or (host_reduce is None and elastic):
         return None
     local: list[int] = []
     for value, name, alias in ((local_rank, ENV_LOCAL_RANK, "LOCAL_RANK"), (local_size, ENV_LOCAL_SIZE,

@@ -99,6 +99,10 @@ def test_host_reduce_is_on_where_a_launcher_put_several_workers_of_a_multi_host_
     assert host_reduce_settings(None, None, None, num_workers=2, environ=env) is None
     assert host_reduce_settings(True, None, None, num_workers=2, environ=env) == (1, 2)
     assert host_reduce_settings(None, None, None, num_workers=2, environ={**env, "PSLINK_HOST_REDUCE": "1"}) == (1, 2)
+    # An elastic job: only when asked, by the argument or the environment alike.
+    assert host_reduce_settings(None, None, None, num_workers=4, elastic=True, environ=env) is None
+    assert host_reduce_settings(None, None, None, num_workers=4, elastic=True,
+                                environ={**env, "PSLINK_HOST_REDUCE": "1"}) == (1, 2)
     assert host_reduce_settings(None, None, None, environ={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}) == (0, 4)
     assert host_reduce_settings(None, None, None, environ={**env, "PSLINK_LOCAL_SIZE": "1"}) is None
     assert host_reduce_settings(False, None, None, environ=env) is None

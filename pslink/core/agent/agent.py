@@ -170,10 +170,9 @@ class Agent:
                                                         self._handles, self._master,
                                                         late=bool(self.settings.get("late")))
         self._handles.explain = self._tasks.explain_wait  # a timeout names the ranks its round waits for
-        local = host_reduce_settings(host_reduce, local_rank, local_size, job, rank, num_workers)
-        # Not in elastic jobs (max_workers) unless asked: their workers come and go, renumbered.
-        if local is not None and self.sync == "bsp" and not rejoin and not self._tasks.late \
-                and (max_workers is None or host_reduce):
+        local = host_reduce_settings(host_reduce, local_rank, local_size, job, rank, num_workers,
+                                     elastic=max_workers is not None)
+        if local is not None and self.sync == "bsp" and not rejoin and not self._tasks.late:
             try:  # the workers of this host sum their pushes here first (pslink.core.agent.host_reduce)
                 self._sender.host = host_reduce_start(
                     self.seat, local_group(rank, *local), self._master, self.transports, self._reactor, limits,
