@@ -365,8 +365,9 @@ class AggregatorCore:
             round_ = task.rounds[r] = _Round(self.clock())
             if task.job.straggler_timeout:
                 outputs.append(CloseLater(task, round_.opened + task.job.straggler_timeout, r))
-        present = round_.contributors.intersection(ranks)
-        if len(present) == len(ranks):
+        # (a plain push, the hot path, builds no set)
+        present = round_.contributors.intersection(ranks) if req.covers else (rank,) * (rank in round_.contributors)
+        if present and len(present) == len(ranks):
             return None  # the same push again (a resend or a duplicate): added once
         if present:  # a host's sum for ranks some of which pushed this round already: never counted twice
             raise KeyStateError(f"{task.name}: rank {req.rank} pushed round {r} for ranks {sorted(ranks)}, but "
