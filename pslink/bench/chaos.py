@@ -238,6 +238,14 @@ class Chaos:
                 "schedule": [{k: v for k, v in f.items() if k != "at"} for f in self.schedule],
                 "longest_pause_s": {k: round(v, 2) for k, v in pauses.items()}, "memory": memory}
 
+    def log_excerpt(self, lines: int = 80) -> str:
+        """The service's last warnings and errors (pMaster's and its Aggregators'): why a run failed."""
+        self.log.flush()
+        with open(self.log.name, "rb") as log:
+            said = [line for line in log.read().decode(errors="replace").splitlines() if " WARNING " in line
+                    or " ERROR " in line or " pslink.core.master INFO " in line]
+        return "\n".join(said[-lines:])
+
     def close(self) -> None:
         self.stop_at.append(0)
         if self.service is not None and self.service.poll() is None:

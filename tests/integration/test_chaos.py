@@ -17,7 +17,7 @@ def test_a_short_chaos_run_loses_and_doubles_no_round(tmp_path):
         report = run.run(seconds=45, warmup=2.0, gap=(3.0, 5.0), pmaster_share=0.34)
     finally:
         run.close()
-    assert not report["errors"], report["errors"]
+    assert not report["errors"], "\n".join(report["errors"]) + "\nthe service said:\n" + run.log_excerpt()
     kinds = [fault["kind"] for fault in report["schedule"]]
     assert "aggregator" in kinds and "pmaster" in kinds, kinds  # seed 7 draws both
     for job, figures in report["jobs"].items():

@@ -784,6 +784,31 @@ def test_a_replica_that_joins_a_part_gets_its_last_closed_round_at_once():
         np.testing.assert_array_equal(promoted.opt_state[name], value)
 
 
+def test_a_replica_promoted_with_no_state_fails_the_rounds_past_init_instead_of_waiting_for_ever():
+    """Found by the chaos run in CI: a replica that never received a round was promoted when the
+    part's Aggregator died; the workers' round 1001 waited for an init that would never come (the
+    job hung until its timeout, the Aggregator saying nobody had pushed). Now such a round fails
+    at once, naming the loss; an init (the part died before its first one) is still served."""
+    c, replica = replicated_source({"type": "sgd", "lr": 0.1})
+    ident = (c.task.job.job, c.task.key, c.task.part)
+    assert replica.moves.promote(ident, []) == []  # nothing had reached the replica
+    blank = Cluster.__new__(Cluster)
+    blank.core, blank.task, blank.ids = replica, replica.tasks[ident], itertools.count(1)
+    waiting, replies = blank.send(Op.PULL, 0, 1001)  # rank 0's pull waits no longer than rank 1's push
+    assert replies and replies[0].error is not None and "state is lost" in replies[0].error.message
+    _, replies = blank.send(Op.PUSHPULL, 1, 1001, np.ones(6))
+    assert isinstance(replies[0].error, KeyStateError) and "agg-r" in replies[0].error.message
+    # Had the part died before its init, the init sets the value as on any new part.
+    _, early = replicated_source({"type": "sgd", "lr": 0.1})
+    early.moves.promote(ident, [])
+    first = Cluster.__new__(Cluster)
+    first.core, first.task, first.ids = early, early.tasks[ident], itertools.count(1)
+    _, replies = first.send(Op.INIT, 0, 0, np.arange(6, dtype=np.float32))
+    assert replies[0].error is None and first.task.initialized
+    _, replies = first.send(Op.PUSHPULL, 0, 1, np.ones(6))
+    assert replies == []  # waits for rank 1, as any round does
+
+
 def test_a_replica_that_joins_while_a_round_is_on_its_way_gets_the_state_after_its_ack():
     c, replica = replicated_source({"type": "sgd", "lr": 0.1})
     ident = (c.task.job.job, c.task.key, c.task.part)

@@ -47,8 +47,9 @@ class Rejected:
         self.error = error
 
 
-NOT_READY_RETRIES = 20  # REPLICATEs a replica may refuse as "not mine (yet)" before it is given up
+NOT_READY_RETRIES = 20  # REPLICATEs a replica refuses as "not mine (yet)" before the pause grows
 NOT_READY_PAUSE = 0.1  # seconds before the round goes to it again
+NOT_READY_SLOW_PAUSE = 1.0  # ... once it refused NOT_READY_RETRIES times (pMaster is slow to tell it)
 
 
 class Copies:
@@ -69,6 +70,7 @@ class Copies:
         self.endpoint = RpcEndpoint(reactor, self._refuse_peer_request, limits)
         self._peer_by_address: dict[str, RpcPeer] = {}
         self._not_ready: dict[tuple, int] = {}  # (part, replica) -> REPLICATEs it refused as not its yet
+        self._catch_up_due: set[tuple] = set()  # parts whose round goes again to such a replica soon
 
     def header(self, header: dict, sizes: tuple[int, ...]):
         """A TENSOR_COPY from the task's old Aggregator: receive its arrays straight into place."""
@@ -168,17 +170,23 @@ class Copies:
     def replicate(self, out: Replicate) -> None:
         """REPLICATE to every replica; when all answered (or failed), the round's answers go out.
         A replica that does not know yet that it holds the part (pMaster told this Aggregator of
-        it first; its own ASSIGN is on the way) is not given up: the round goes again to it
-        shortly (found by the chaos run: dropped so, parts went without replica, and a later
-        failover promoted a replica with no state)."""
+        it first; its own ASSIGN is on the way) is never given up: pMaster counts it as one, and
+        would promote it, stateless, should this Aggregator go. The round goes again to it
+        shortly, then every NOT_READY_SLOW_PAUSE, until it knows (or pMaster names others).
+        Found by the chaos run: dropped after 2 s while a restarted pMaster's ASSIGN to the
+        replica was late, the part went without one, and a later failover promoted a replica
+        with no state (its job hung)."""
         task = out.task
         ident = (task.job.job, task.key, task.part)
         waiting = {"left": len(task.replicas), "lost": [], "later": False}
 
         def done(name, error):
-            if isinstance(error, (UnknownJobError, KeyStateError)) and \
-                    self._not_ready.get((ident, name), 0) < NOT_READY_RETRIES:
-                self._not_ready[(ident, name)] = self._not_ready.get((ident, name), 0) + 1
+            if isinstance(error, (UnknownJobError, KeyStateError)):
+                refused = self._not_ready[(ident, name)] = self._not_ready.get((ident, name), 0) + 1
+                if refused == NOT_READY_RETRIES:
+                    log.warning("aggregator %s: replica %s of %s still does not know it holds it (%s); sending "
+                                "the round again every %.0f s", self.name(), name, task.name, error,
+                                NOT_READY_SLOW_PAUSE)
                 waiting["later"] = True
             elif error is not None:
                 log.warning("aggregator %s: replica %s of %s failed (%s); going on without it",
@@ -189,8 +197,11 @@ class Copies:
             waiting["left"] -= 1
             if waiting["left"] == 0:
                 self.carry_out(self.core.moves.replicated(ident, out.round, waiting["lost"]))
-                if waiting["later"]:
-                    self.reactor.call_later(NOT_READY_PAUSE, self._catch_up_again, ident)
+                if waiting["later"] and ident not in self._catch_up_due:  # one timer per part
+                    refused = max((self._not_ready.get((ident, r[0]), 0) for r in task.replicas), default=0)
+                    self._catch_up_due.add(ident)
+                    self.reactor.call_later(NOT_READY_PAUSE if refused < NOT_READY_RETRIES else NOT_READY_SLOW_PAUSE,
+                                            self._catch_up_again, ident)
 
         for name, address in list(task.replicas):
             try:
@@ -205,7 +216,11 @@ class Copies:
             )
 
     def _catch_up_again(self, ident: tuple) -> None:
+        self._catch_up_due.discard(ident)
         task = self.core.tasks.get(ident)
+        listed = {r[0] for r in task.replicas} if task is not None else set()
+        for stale in [k for k in self._not_ready if k[0] == ident and k[1] not in listed]:
+            del self._not_ready[stale]  # pMaster named others (or the part went): not waited for
         if task is not None:
             task.catch_up = True
             self.carry_out(self.core.moves.catch_up(task))

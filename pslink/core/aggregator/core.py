@@ -276,6 +276,9 @@ class AggregatorCore:
         if not task.initialized:
             if req.op == Op.INIT and req.payload is not None:
                 return self._initialize(task, req)
+            if task.stateless and req.round > 0:  # the job went past its init: its state is lost
+                lost = KeyStateError(task.stateless, key=task.key)
+                return self.abort(task, lost) + [Reply(req.origin, req.id, error=lost)]
             if len(task.before_init) >= MAX_BEFORE_INIT:
                 return [Reply(req.origin, req.id, error=KeyStateError(
                     f"{task.name}: {MAX_BEFORE_INIT} requests already wait for rank 0's init; is rank 0 "
@@ -563,8 +566,7 @@ class AggregatorCore:
     # -- failures (pslink.core.aggregator.failures) ---------------------------------------------
 
     def abort(self, task: Task, error: PslinkError) -> list[Reply]:
-        """Poison a task: every waiting request and every later one gets ``error``."""
-        return failures.poison(task, error)
+        return failures.poison(task, error)  # every waiting request and every later one gets ``error``
 
     def fail_rounds(self, task: Task, error: PslinkError, through: int) -> list:
         """A rank's refused request fails the rounds open up to ``through``; the key goes on
@@ -584,8 +586,7 @@ class AggregatorCore:
                 for r in failures.poison(task, error)]
 
     def fail_origin(self, origin: Any) -> None:
-        """Forget requests from a peer that went away (nobody is left to answer)."""
-        failures.forget_origin(self.tasks.values(), origin)
+        failures.forget_origin(self.tasks.values(), origin)  # a peer went away: nobody is left to answer
 
     # -- reporting (pslink.core.aggregator.reports) ---------------------------------------------
 

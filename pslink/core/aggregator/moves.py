@@ -363,6 +363,9 @@ class Moves:
                                            self.clock)
         if "state" in held:
             self._import(task, held["state"], held["arrays"])
+        elif not task.initialized:
+            task.stateless = (f"{task.name} lost its Aggregator, and its replica on {self.name} had not received "
+                              "any of its rounds: its state is lost (the job must restart it from a checkpoint)")
         task.catch_up = bool(task.replicas)  # its replicas are new to it: they get its state now
         return self.catch_up(task)
 

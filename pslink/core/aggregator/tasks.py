@@ -264,6 +264,10 @@ class Task:
         self.rounds: dict[int, _Round] = {}
         self.pulls: dict[int, list[Request]] = {}
         self.before_init: list[Request] = []
+        # Promoted from a replica that never received a round (why, in words): a request of a
+        # round past the init finds the key's state lost (AggregatorCore), instead of waiting
+        # for an init that will not come.
+        self.stateless: str | None = None
         # A key pMaster aborted before it assigned this part (see KeySpec.task_specs) starts failed.
         self.poisoned: PslinkError | None = error_from_code(*spec["aborted"]) if spec.get("aborted") else None
         if spec.get("table") is None:  # a table's shard is checked once its table exists (TableTask)
