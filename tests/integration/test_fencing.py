@@ -133,3 +133,86 @@ def test_with_pmaster_down_aggregators_serve_on_past_their_lease():
     for rank in (0, 1):
         for key in KEYS:
             np.testing.assert_array_equal(got[rank][key], clean[rank][key])
+
+
+def test_after_a_pmaster_restart_an_agent_asking_for_a_known_aggregator_is_answered_once_it_registers(tmp_path):
+    """Found by the chaos run: after a pMaster restart, an Agent asking where an Aggregator's
+    parts went (its lease ran out while pMaster was down) waited ``aggregator_grace`` +
+    ``aggregator_timeout`` whenever that Aggregator, known from the store, had not registered
+    again yet, though it came back within a second; a second pMaster kill in that window failed
+    the job. Now the answer goes out as soon as the Aggregator registers."""
+    from pslink.core.master import Master
+    from pslink.core.service.providers import ThreadProvider
+
+    transports = Transports()
+    state_dir = str(tmp_path / "state")
+    silent = 120.0  # what the answer waited for before (plus the grace)
+    master = Master("tcp://127.0.0.1:0", state_dir=state_dir, transports=transports, aggregator_timeout=silent).start()
+    address = master.address
+    # Aggregators that come back a while after pMaster does: the Agent asks before they do.
+    provider = ThreadProvider(address, transports, reconnect_interval=3.0)
+    agent = None
+    try:
+        assert master.wait_for_aggregators(provider.start(2), 20)
+        agent = pslink.connect("back", 0, 1, master=address, transports=transports, heartbeat_interval=0.1,
+                               timeout=silent / 2)
+        agent.init("w", np.zeros(8, np.float32)).wait()
+        (holder,) = {p[3] for p in agent.key_info("w")["parts"]}
+        master.stop()  # the Aggregators stay, and retry every 3 s
+        master = Master(address, state_dir=state_dir, transports=transports, aggregator_timeout=silent).start()
+        worker = master.state.jobs["back"].workers
+        wait_until(lambda: worker[0].connected and not worker[0].restored, 20, "the Agent to register again")
+        body = agent._master.call(Op.RELOCATE, parts=[["w", 0, holder]])  # waits for its answer
+        assert master.aggregator_alive(holder)  # answered once it was back (or at once, if it was)
+        ((_, _, _, where, _),) = body["keys"][0]["parts"]
+        assert where == holder  # it serves the part still: the Agent goes back to it
+        np.testing.assert_array_equal(agent.pushpull("w", np.ones(8, np.float32)).wait(), np.ones(8))
+    finally:
+        if agent is not None:
+            agent.close()
+        master.stop(shutdown_aggregators=True)
+        provider.stop_all()
+        transports.close()
+
+
+def test_an_agent_that_loses_an_aggregator_while_pmaster_is_down_asks_again_once_pmaster_is_back(tmp_path, caplog):
+    """Found by the chaos run: an Agent lost an Aggregator, asked pMaster where its parts went, and
+    pMaster was down (killed, restarting): the requests failed with the lost connection's error,
+    and the job with them. Now the Agent asks again until pMaster is back (within its timeout);
+    the restarted pMaster fails the Aggregator over and the round completes on its replica."""
+    import logging
+
+    from pslink.core.master import Master
+    from pslink.core.service.providers import ThreadProvider
+
+    caplog.set_level(logging.INFO, logger="pslink.core.agent.agent")
+    transports = Transports()
+    state_dir = str(tmp_path / "state")
+    # A known Aggregator that does not come back is failed over this long after the restart.
+    master = Master("tcp://127.0.0.1:0", state_dir=state_dir, transports=transports, aggregator_timeout=2.0).start()
+    address = master.address
+    provider = ThreadProvider(address, transports, reconnect_interval=0.2)
+    agents = []
+    try:
+        assert master.wait_for_aggregators(provider.start(2), 20)
+        agents = [pslink.connect("asks", rank, 2, master=address, transports=transports, replication=1, timeout=60,
+                                 heartbeat_interval=0.1, optimizer={"type": "sgd", "lr": 0.5}) for rank in (0, 1)]
+        for handle in [agent.init("w", np.ones(8, np.float32)) for agent in agents]:
+            handle.wait()
+        first = agents[0].pushpull("w", np.full(8, 1.0, np.float32))  # round 1 waits for rank 1 ...
+        (holder,) = {p[3] for p in agents[0].key_info("w")["parts"]}
+        master.stop()
+        provider.stop(holder)  # ... and the part's Aggregator dies while pMaster is down
+        wait_until(lambda: any("pMaster is unreachable" in r.message or "could not say" in r.message
+                               for r in caplog.records), 20, "rank 0 to ask pMaster where the part went")
+        master = Master(address, state_dir=state_dir, transports=transports, aggregator_timeout=2.0).start()
+        second = agents[1].pushpull("w", np.full(8, 3.0, np.float32))
+        # SGD on the mean gradient, 2: 1 - 0.5 * 2 = 0, served by the promoted replica
+        np.testing.assert_array_equal(first.wait(), np.zeros(8, np.float32))
+        np.testing.assert_array_equal(second.wait(), np.zeros(8, np.float32))
+    finally:
+        for agent in agents:
+            agent.close()
+        master.stop(shutdown_aggregators=True)
+        provider.stop_all()
+        transports.close()

@@ -600,6 +600,20 @@ def replicated_source(optimizer):
     return c, replica
 
 
+def init_replicated(c: Cluster, replica: AggregatorCore, value) -> list:
+    """Rank 0 initializes the part; round 0 reaches the replica before the init is answered."""
+    _, outputs = c.send(Op.INIT, 0, 0, value)
+    from pslink.core.aggregator.tasks import Replicate
+
+    (rep,) = [o for o in outputs if isinstance(o, Replicate)]
+    assert rep.round == 0 and not [o for o in outputs if not isinstance(o, Replicate)]  # not answered yet
+    replica.moves.replica_update({"job": c.task.job.job, "key": c.task.key, "part": c.task.part}, rep.state,
+                                 [a.copy() for a in rep.arrays])
+    replies = c.core.moves.replicated((c.task.job.job, c.task.key, c.task.part), 0)
+    assert [(r.round, r.error) for r in replies] == [(0, None)]  # now it is
+    return replies
+
+
 def close_round(c: Cluster, replica: AggregatorCore, r: int, pushes) -> list:
     """Both ranks push-pull round ``r``; the round reaches the replica before any answer."""
     outputs = []
@@ -623,8 +637,8 @@ def test_a_replica_sends_the_copy_when_the_source_died_after_handing_the_part_ov
     c, replica = replicated_source(settings)
     ident = (c.task.job.job, c.task.key, c.task.part)
     pushes = {r: [np.full(6, float(r * 10 + rank)) for rank in (0, 1)] for r in (1, 2, 3)}
-    for cluster in (still, c):
-        cluster.send(Op.INIT, 0, 0, np.arange(6, dtype=np.float32))
+    still.send(Op.INIT, 0, 0, np.arange(6, dtype=np.float32))
+    init_replicated(c, replica, np.arange(6, dtype=np.float32))
     for r in (1, 2):
         for rank in (0, 1):
             still.send(Op.PUSHPULL, rank, r, pushes[r][rank])
@@ -650,7 +664,7 @@ def test_a_target_that_holds_the_replica_serves_from_it_and_a_landed_copy_wins()
     settings = {"type": "sgd", "lr": 0.1}
     c, replica = replicated_source(settings)
     ident = (c.task.job.job, c.task.key, c.task.part)
-    c.send(Op.INIT, 0, 0, np.zeros(6, dtype=np.float32))
+    init_replicated(c, replica, np.zeros(6, dtype=np.float32))
     close_round(c, replica, 1, [np.ones(6), np.ones(6)])
     t = c.task
     info = {"job": t.job.job, "token": TOKEN, "membership": t.job.membership.to_wire(), "mode": "optimizer",
@@ -758,7 +772,7 @@ def test_a_replica_that_joins_a_part_gets_its_last_closed_round_at_once():
     settings = {"type": "sgd", "lr": 0.1, "momentum": 0.9}
     c, replica = replicated_source(settings)
     ident = (c.task.job.job, c.task.key, c.task.part)
-    c.send(Op.INIT, 0, 0, np.arange(6, dtype=np.float32))
+    init_replicated(c, replica, np.arange(6, dtype=np.float32))
     close_round(c, replica, 1, [np.ones(6), np.full(6, 3.0)])
     t = c.task
     info = {"job": t.job.job, "token": TOKEN, "membership": t.job.membership.to_wire(), "mode": "optimizer",
@@ -812,7 +826,7 @@ def test_a_replica_promoted_with_no_state_fails_the_rounds_past_init_instead_of_
 def test_a_replica_that_joins_while_a_round_is_on_its_way_gets_the_state_after_its_ack():
     c, replica = replicated_source({"type": "sgd", "lr": 0.1})
     ident = (c.task.job.job, c.task.key, c.task.part)
-    c.send(Op.INIT, 0, 0, np.zeros(6, dtype=np.float32))
+    init_replicated(c, replica, np.zeros(6, dtype=np.float32))
     from pslink.core.aggregator.tasks import Replicate
 
     outputs = [o for rank in (0, 1) for o in c.send(Op.PUSHPULL, rank, 1, np.ones(6))[1]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from pslink.core.agent.keys import KeyInfo, Link, Seat
@@ -31,6 +32,9 @@ log = logging.getLogger("pslink.core.agent.agent")
 #: (times the attempt): then the requests fail with the connection's error.
 RELOCATE_ATTEMPTS = 3
 RELOCATE_BACKOFF = 0.2
+#: Asking pMaster while it is down (restarting): the pause before asking again. Nobody fails the
+#: Aggregator over meanwhile; the requests wait, up to the job's timeout, for pMaster to say.
+MASTER_DOWN_PAUSE = 0.5
 
 
 class Failover:
@@ -58,20 +62,34 @@ class Failover:
                     reason)
         self._ask_where(link.name, rids, error, 1)
 
-    def _ask_where(self, lost: str, rids: list[int], error: PeerError, attempt: int) -> None:
+    def _ask_where(self, lost: str, rids: list[int], error: PeerError, attempt: int,
+                   deadline: float | None = None) -> None:
         if self.closed():
             return
+        deadline = time.monotonic() + self.master.timeout if deadline is None else deadline
         # Off the driving thread: asking pMaster waits for an answer, which this thread delivers.
-        threading.Thread(target=self._relocate, args=(lost, rids, error, attempt), daemon=True,
+        threading.Thread(target=self._relocate, args=(lost, rids, error, attempt, deadline), daemon=True,
                          name=f"pslink-relocate-{lost}").start()
 
-    def _relocate(self, lost: str, rids: list[int], error: PeerError, attempt: int = 1) -> None:
+    def _relocate(self, lost: str, rids: list[int], error: PeerError, attempt: int = 1,
+                  deadline: float = float("inf")) -> None:
         if self.closed():
             return
         parts = [[info.key, part.index, lost] for info in list(self.keys.values()) for part in info.parts
                  if part.aggregator == lost]
         try:
             body = self.master.call(Op.RELOCATE, parts=parts)
+        except PeerError as exc:
+            # pMaster went away (killed, restarting) before it said: it knows where the parts
+            # are once it is back (found by the chaos run: these requests failed instead).
+            if time.monotonic() + MASTER_DOWN_PAUSE < deadline and any(r in self.requests.pending for r in rids):
+                log.info("agent %s: pMaster is unreachable (%s); asking where aggregator %s's parts went again "
+                         "in %.1f s", self.seat, exc.message, lost, MASTER_DOWN_PAUSE)
+                self.reactor.call_later(MASTER_DOWN_PAUSE, self._ask_where, lost, rids, error, attempt, deadline)
+                return
+            log.error("agent %s: pMaster could not say where aggregator %s's parts went: %s", self.seat, lost, exc)
+            self.reactor.post(self.requests.fail, rids, error)
+            return
         except PslinkError as exc:
             log.error("agent %s: pMaster could not say where aggregator %s's parts went: %s", self.seat, lost, exc)
             self.reactor.post(self.requests.fail, rids, error)

@@ -319,6 +319,8 @@ class AggregatorCore:
         task.value = req.payload
         task.init_rank = req.rank
         replies = [Reply(req.origin, req.id, round=0)]
+        if task.replicas:  # round 0 too is answered once the replicas have it (else a failover
+            task.acks[0], replies = [req], self.moves.replicate(task)  # right after it loses the value)
         if task.job.checkpoint and task.keeps_state:
             replies += self.moves.checkpoint(task)  # round 0: a part lost before its first checkpoint restarts here
         queued, task.before_init = task.before_init, []

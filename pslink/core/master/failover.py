@@ -295,6 +295,13 @@ class Failover:
         self.by_lease += 1
         self.fail_over(name)
 
+    def aggregator_back(self, name: str) -> None:
+        """``name`` registered (again, or for the first time since a pMaster restart): it is
+        alive, so the Agents that asked where its parts went are answered now, to go back to it
+        (they waited ``grace + silent`` for that before: 15.5 s after every pMaster restart)."""
+        if name not in self.failing:
+            self._answer_relocations(name)
+
     def _answer_relocations(self, name: str) -> None:
         for peer, req in self._relocations.pop(name, []):
             record = self.state.jobs.get(req["job"])

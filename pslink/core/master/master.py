@@ -559,8 +559,7 @@ class Master:
                 peer.reply(req)  # renews its lease (pslink.core.aggregator.master_link)
 
     def _aggregator_joined(self, peer: RpcPeer, record: AggregatorRecord, req: dict) -> None:
-        """An Aggregator was admitted (:class:`Joining`): into the plan (filling the placeholder it
-        was started for, if any), its deferred assignments, the waits for it."""
+        """An Aggregator was admitted (:class:`Joining`): into the plan (in its placeholder, if any)."""
         placeholder = self.pool.allocating.pop(record.name, None)
         self.state.aggregator_joined(record.name, placeholder)
         if req.get("keep"):
@@ -577,6 +576,7 @@ class Master:
         with self._registered:
             self._joined.add(peer)
             self._registered.notify_all()
+        self.failover.aggregator_back(record.name)
         self.pool.registered()
 
     # -- liveness -------------------------------------------------------------------------------
