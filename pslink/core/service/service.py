@@ -85,7 +85,11 @@ class Service:
         self.master.use_provider(self.provider, min_aggregators=(control or {}).get("min_aggregators", aggregators))
         self._started = False
         self._stopped = False
-        self.rejoin_window = 5.0  # how long a restarted service waits for the Aggregators it knew
+        # How long a restarted service waits for the Aggregators it knew before starting others:
+        # two of their attempts, each at worst a connect that times out (2 s), the retry pause
+        # (0.5 s) and pMaster's dial-back (3 s). 5 s, one attempt's worth, was too short under
+        # load (a CI run once found a known Aggregator replaced after a restart).
+        self.rejoin_window = 12.0
 
     def start(self, timeout: float = 30.0) -> "Service":
         """Start pMaster and the Aggregators; return once every Aggregator registered."""
@@ -109,7 +113,6 @@ class Service:
         if not known:
             return []
         self.provider.reserve(known)  # new Aggregators must not take a name an old one has
-        # They retry every reconnect interval (0.5 s); a few of those is plenty.
         self.master.wait_for_aggregators(known, min(timeout, self.rejoin_window))
         return [n for n in known if self.master.aggregator_alive(n)]
 
