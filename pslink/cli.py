@@ -165,8 +165,12 @@ def service_up(
         _fail(PslinkError(f"cannot start the service: {exc}"))
     credentials = write_client_file(client_file_for(int(service.address.rsplit(":", 1)[1])), service.address, secret)
     try:
-        pids = ", ".join(f"{n} (pid {service.provider.pid(n)})" for n in service.provider.names())
-        pids += f"  [{provider} provider, grows with load]"
+        # Every Aggregator registered: those it started, and (after a restart) those it found serving.
+        started = set(service.provider.names())
+        pids = ", ".join(f"{record.name} (pid {record.pid}{'' if record.name in started else ', adopted'})"
+                         for record in sorted(service.master.state.aggregators.values(), key=lambda r: r.name)
+                         if record.alive)
+        pids += f"  \\[{provider} provider, grows with load]"  # (escaped: not rich markup)
         console.print(Panel.fit(
             f"pMaster    [bold]{service.address}[/]\n"
             f"Aggregators {pids}\n"

@@ -346,6 +346,7 @@ def test_pmaster_killed_and_restarted_mid_training_the_iterations_never_stop(tmp
         log.flush()
         assert sorted(a["pid"] for a in status["aggregators"] if a["alive"]) == sorted(p.pid for p in orphans), \
             (status["aggregators"], (tmp_path / "service.log").read_text(errors="replace")[-6000:])
+        assert "adopted" in (tmp_path / "service.log").read_text(errors="replace")  # its banner lists them
         wait_until(lambda: any(j["job"] == "durable" and j["workers"] == 2
                                for j in status_of(master)["jobs"]), 30, "the workers registered again")
         at_restart = steps[0]
