@@ -330,10 +330,9 @@ HOROVOD_NAMES = frozenset({
 HOROVOD_GAPS: dict[str, dict[str, str]] = {
     "pslink.torch": {},
     "pslink.tf": {
-        "Compression": "fp16 compression of TensorFlow tensors is not written yet",
-        **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
-           for name in ("allgather_async", "grouped_allreduce_async", "grouped_allgather", "reducescatter",
-                        "alltoall")},
+        **{name: "asynchronous collectives of TensorFlow tensors are not written yet (a tf.function "
+                 "already runs them concurrently with what does not depend on them)"
+           for name in ("allgather_async", "grouped_allreduce_async")},
         **{name: "process sets of TensorFlow collectives are not written yet"
            for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
         "DistributedOptimizer": "Keras 3's optimizer is wrapped in pslink.tf.keras; TF1's is not offered",
@@ -349,10 +348,9 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
            for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
     },
     "pslink.tf.keras": {
-        "Compression": "fp16 compression of TensorFlow tensors is not written yet",
-        **{name: "grouped and asynchronous collectives of TensorFlow tensors are not written yet"
-           for name in ("allgather_async", "grouped_allreduce_async", "grouped_allgather", "reducescatter",
-                        "alltoall")},
+        **{name: "asynchronous collectives of TensorFlow tensors are not written yet (a tf.function "
+                 "already runs them concurrently with what does not depend on them)"
+           for name in ("allgather_async", "grouped_allreduce_async")},
         **{name: "process sets of TensorFlow collectives are not written yet"
            for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
         "join": "uneven data for TensorFlow (join) is not written yet",

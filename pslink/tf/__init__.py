@@ -54,6 +54,7 @@ from pslink.tf.context import (
     size,
 )
 from pslink.tf.ops import (
+    Compression,
     DistributedGradientTape,
     allgather,
     allgather_object,
@@ -64,6 +65,7 @@ from pslink.tf.ops import (
     broadcast_variables,
     grouped_allreduce,
 )
+from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, reducescatter
 from pslink.tf.strategy import ParameterServiceStrategy
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
 
@@ -85,6 +87,11 @@ __all__ = [
     "broadcast_object",
     "broadcast_variables",
     "grouped_allreduce",
+    "grouped_allgather",
+    "grouped_reducescatter",
+    "reducescatter",
+    "alltoall",
+    "Compression",
     "ccl_built",
     "cross_rank",
     "cross_size",

@@ -31,20 +31,72 @@ from pslink.errors import ConfigError
 from pslink.tf import context
 from pslink.tf.exchange import SiteKeys, describe, service_key, unique_names, variable_name
 
+class _NoneCompressor:
+    """Send tensors as they are."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class _FP16Compressor:
+    """Send floating-point tensors as float16, halving the bytes on the wire."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
+            return tf.cast(tensor, tf.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+class Compression:
+    """Horovod's compression choices: ``Compression.none`` and ``Compression.fp16``."""
+
+    none = _NoneCompressor
+    fp16 = _FP16Compressor
+
+
+def scaled(tensor: tf.Tensor, factor: float) -> tf.Tensor:
+    """``tensor`` times ``factor`` in its own dtype (an integer tensor through float64, rounded
+    back, as Horovod scales integers)."""
+    if factor == 1.0:
+        return tensor
+    if tensor.dtype.is_integer:
+        return tf.cast(tf.round(tf.cast(tensor, tf.float64) * factor), tensor.dtype)
+    return tensor * tf.cast(factor, tensor.dtype)
+
+
 _unnamed_allreduce = SiteKeys("tf.allreduce")
 _unnamed_broadcast = SiteKeys("tf.broadcast")
 _unnamed_allgather = SiteKeys("tf.allgather")
 
 
 @tf.autograph.experimental.do_not_convert
-def allreduce(tensor, average: bool | None = None, name: str | None = None, op=None) -> tf.Tensor:
+def allreduce(tensor, average: bool | None = None, name: str | None = None, op=None, compression=Compression.none,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
     """The mean (``op=hvd.Sum`` or ``average=False``: the sum; ``Min``, ``Max``, ``Product``) of
-    ``tensor`` over every worker.
+    ``tensor`` over every worker; ``compression=hvd.Compression.fp16`` sends it as float16;
+    ``prescale_factor`` multiplies it before, ``postscale_factor`` the result after.
 
     ``name`` keys it on the service; without one, calls are told apart by dtype, shape and their
     order within the traced function, so make unnamed calls in the same order on every worker."""
+    tensor = scaled(tf.convert_to_tensor(tensor), prescale_factor)
+    if compression is not Compression.none:
+        sent, ctx = compression.compress(tensor)
+        return scaled(compression.decompress(allreduce(sent, average, name, op), ctx), postscale_factor)
+    return scaled(_allreduce(tensor, average, name, op), postscale_factor)
+
+
+def _allreduce(tensor: tf.Tensor, average: bool | None, name: str | None, op) -> tf.Tensor:
     op = collectives.reduce_op(op, average, elementwise=True)
-    tensor = tf.convert_to_tensor(tensor)
     if op in collectives.ELEMENTWISE:
         # Every worker's tensor as a row, in rank order; each reduces them alike (the service sums).
         rows = allgather(tf.expand_dims(tensor, 0), None if name is None else f"{name}.{op.value}")
@@ -55,11 +107,14 @@ def allreduce(tensor, average: bool | None = None, name: str | None = None, op=N
                                   what=f"allreduce {name or ''}".strip())[0]
 
 
-def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None, op=None) -> list[tf.Tensor]:
+def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None, op=None,
+                      compression=Compression.none, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> list[tf.Tensor]:
     """:func:`allreduce` of each of ``tensors`` (``name.i`` each, when ``name`` is given)."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ConfigError(f"grouped_allreduce takes a non-empty list of tensors, got {type(tensors).__name__}")
-    return [allreduce(t, average, None if name is None else f"{name}.{i}", op) for i, t in enumerate(tensors)]
+    return [allreduce(t, average, None if name is None else f"{name}.{i}", op, compression, prescale_factor,
+                      postscale_factor) for i, t in enumerate(tensors)]
 
 
 @tf.autograph.experimental.do_not_convert
@@ -147,12 +202,14 @@ class DistributedGradientTape:
     is the wrapped tape's. ``name`` prefixes the keys, to tell apart two tapes over the same
     variables; ``average=False`` sums instead."""
 
-    def __init__(self, tape: tf.GradientTape, average: bool = True, name: str | None = None):
+    def __init__(self, tape: tf.GradientTape, average: bool = True, name: str | None = None,
+                 compression=Compression.none):
         if not isinstance(tape, tf.GradientTape):
             raise ConfigError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
         self._tape = tape
         self._average = average
         self._prefix = f"{name}/" if name else ""
+        self._compression = compression
 
     def __enter__(self) -> Self:
         self._tape.__enter__()
@@ -170,7 +227,8 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
-        flat_grads = tf.nest.flatten(grads)
-        reduced = allreduce_gradients(flat_grads, flat_sources, self._average, self._prefix,
-                                      what="DistributedGradientTape.gradient")
+        packed = [None if g is None else self._compression.compress(g) for g in tf.nest.flatten(grads)]
+        reduced = allreduce_gradients([None if p is None else p[0] for p in packed], flat_sources, self._average,
+                                      self._prefix, what="DistributedGradientTape.gradient")
+        reduced = [r if p is None else self._compression.decompress(r, p[1]) for r, p in zip(reduced, packed)]
         return tf.nest.pack_sequence_as(grads, reduced)

@@ -30,3 +30,24 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         assert report["product"] == [2 * 3, 9] and report["grouped"] == [3.0, [1.0, 1.0]]
         assert report["cross"] == [0, 1]  # one machine, as pslink launch reports it
         assert "root_rank must be an int in [0, 2), got 2" in report["bad_root"], rank
+    base = [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0], [8.0, 9.0]]
+    for rank, report in enumerate(reports):
+        # reducescatter: 5 rows over 2 workers, 3 to rank 0 and 2 to rank 1 (Horovod's split)
+        share = base[:3] if rank == 0 else base[3:]
+        assert report["scatter_sum"] == [[3 * v for v in row] for row in share]
+        assert report["scatter_mean"] == [[1.5 * v for v in row] for row in share]
+        assert report["scatter_traced"] == report["scatter_sum"]
+        assert report["scatter_int"] == ([[6], [12]] if rank == 0 else [[18]])  # prescaled by 2, integers
+        assert report["grouped_scatter"] == [[[2 * v for v in row] for row in share],
+                                             [[0.0, 2.0]] if rank == 0 else [[4.0, 6.0]]]
+        # alltoall: rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 2 to rank 0, 1 to itself
+        expected = [[[0], [10], [11]], [1, 2]] if rank == 0 else [[[1], [2], [12]], [2, 1]]
+        assert report["alltoall"] == [*expected, "int32"]
+        assert report["alltoall_traced"] == expected
+        assert report["alltoall_equal"] == [[[0], [1]] if rank == 0 else [[0], [1]], [1, 1]]
+        assert report["grouped_gather"] == [[0, 1, 1], [[0], [1]]]
+        assert report["fp16"] == [[0.75], "float32"]  # sent as float16, exact here, back as float32
+        assert report["tape_fp16"] == [[1.5, 1.5], "float32"]
+        assert "3 rows do not split evenly over 2 ranks" in report["uneven"]
+        assert "splits [1, 1] must be 2 counts >= 0 adding up to the tensor's 3 rows" in report["bad_splits"]
+        assert "reducescatter needs a tensor of at least one dimension" in report["scalar"]

@@ -248,6 +248,7 @@ def run_collectives(rank, outdir):
                                                                      op=hvd.Sum, name="group")],
         "cross": [hvd.cross_rank(), hvd.cross_size()],
     }
+    report.update(row_collectives(rank))
     hvd.barrier()
     try:
         hvd.broadcast_object("x", root_rank=WORKERS)
@@ -258,6 +259,55 @@ def run_collectives(rank, outdir):
     hvd.shutdown()
     print(f"rank {rank} done", flush=True)
     return 0
+
+
+def row_collectives(rank):
+    """reducescatter, alltoall, the grouped gathers and fp16 compression, eagerly and traced."""
+    base = tf.reshape(tf.range(10, dtype=tf.float32), [5, 2])
+    splits = [1, 2] if rank == 0 else [2, 1]
+    sent = tf.constant([[10 * rank], [10 * rank + 1], [10 * rank + 2]], tf.int32)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+    def traced_scatter(value):
+        return hvd.reducescatter(value, op=hvd.Sum)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 1], tf.int32), tf.TensorSpec([2], tf.int32)])
+    def traced_alltoall(value, counts):
+        return hvd.alltoall(value, counts)
+
+    received, counts = hvd.alltoall(sent, splits=splits, name="a2a")
+    equal, equal_counts = hvd.alltoall(tf.constant([[rank], [rank]]), name="a2a.equal")
+    traced_received, traced_counts = traced_alltoall(sent, tf.constant(splits))
+    x = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(x * (rank + 1.0))
+    grads = pslink.tf.DistributedGradientTape(tape, compression=hvd.Compression.fp16).gradient(loss, [x])
+    compressed = hvd.allreduce(tf.constant([0.25 * (rank + 1)]), op=hvd.Sum, name="fp16",
+                               compression=hvd.Compression.fp16)
+    out = {
+        "scatter_sum": hvd.reducescatter(base * (rank + 1), op=hvd.Sum, name="rs").numpy().tolist(),
+        "scatter_mean": hvd.reducescatter(base * (rank + 1)).numpy().tolist(),
+        "scatter_traced": traced_scatter(base * (rank + 1)).numpy().tolist(),
+        "scatter_int": hvd.reducescatter(tf.constant([[1], [2], [3]]) * (rank + 1), op=hvd.Sum, name="rsi",
+                                         prescale_factor=2.0).numpy().tolist(),
+        "grouped_scatter": [t.numpy().tolist() for t in hvd.grouped_reducescatter([base, base[:2]], op=hvd.Sum)],
+        "alltoall": [received.numpy().tolist(), counts.numpy().tolist(), counts.dtype.name],
+        "alltoall_equal": [equal.numpy().tolist(), equal_counts.numpy().tolist()],
+        "alltoall_traced": [traced_received.numpy().tolist(), traced_counts.numpy().tolist()],
+        "grouped_gather": [t.numpy().tolist() for t in hvd.grouped_allgather(
+            [tf.fill([rank + 1], rank), tf.constant([[rank]])], name="gg")],
+        "fp16": [compressed.numpy().tolist(), compressed.dtype.name],
+        "tape_fp16": [grads[0].numpy().tolist(), grads[0].dtype.name],
+    }
+    for what, call in (("uneven", lambda: hvd.alltoall(tf.ones([3, 1]), name="uneven")),
+                       ("bad_splits", lambda: hvd.alltoall(tf.ones([3, 1]), splits=[1, 1], name="bad")),
+                       ("scalar", lambda: hvd.reducescatter(tf.constant(1.0)))):
+        try:
+            call()
+            out[what] = "no error"
+        except PslinkError as exc:
+            out[what] = str(exc)
+    return out
 
 
 # -- single-process references -------------------------------------------------------------------

@@ -43,8 +43,9 @@ from pslink.tf.context import (
 from pslink.tf.keras import callbacks
 from pslink.tf.keras.optimizer import DistributedOptimizer
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
-from pslink.tf.ops import (allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object,
-                           broadcast_variables, grouped_allreduce)
+from pslink.tf.ops import (Compression, allgather, allgather_object, allreduce, barrier, broadcast,
+                           broadcast_object, broadcast_variables, grouped_allreduce)
+from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, reducescatter
 
 __all__ = [
     "Adasum",
@@ -63,6 +64,11 @@ __all__ = [
     "broadcast_object",
     "broadcast_variables",
     "grouped_allreduce",
+    "grouped_allgather",
+    "grouped_reducescatter",
+    "reducescatter",
+    "alltoall",
+    "Compression",
     "callbacks",
     "ccl_built",
     "cross_rank",
