@@ -143,6 +143,37 @@ def test_distributed_trainer_equals_one_process_on_the_combined_batch(cluster):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_distributed_trainer_with_fp16_compression_sends_float16_and_steps_in_float32(cluster):
+    sent = []
+
+    class Counting(hvd.Compression.fp16):
+        @staticmethod
+        def compress(tensor):
+            out = hvd.Compression.fp16.compress(tensor)
+            sent.append(out[0].dtype)
+            return out
+
+    def body(s):
+        net = mx.gluon.nn.Dense(1, in_units=2, use_bias=False)
+        net.initialize(mx.init.Constant(1.0))
+        trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.5}, session=s,
+                                         compression=Counting)
+        with mx.autograd.record():
+            loss = net(mx.nd.array([[1.0, 2.0]]) * (s.rank + 1)).sum()  # gradient (rank + 1) * [1, 2]
+        loss.backward()
+        trainer.step(1)
+        weight = net.weight.data()
+        return weight.dtype, weight.asnumpy().tolist()
+
+    for dtype, weight in on_ranks(cluster, 2, body):
+        # the average gradient, 1.5 x [1, 2], is exact in float16: w = 1 - 0.5 * [1.5, 3]
+        assert dtype == np.float32 and weight == [[0.25, -0.5]]
+    assert sent == [np.float16, np.float16]
+    with pytest.raises(ConfigError, match="Compression.none or hvd.Compression.fp16"):
+        hvd.DistributedTrainer(mx.gluon.nn.Dense(1, in_units=2).collect_params(), "sgd", compression="fp32",
+                               session=object())
+
+
 def test_distributed_optimizer_averages_each_gradient_before_its_update(cluster):
     def body(s):
         optimizer = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1), session=s)
