@@ -339,7 +339,6 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         "join": "uneven data for TensorFlow (join) is not written yet",
     },
     "pslink.mxnet.horovod": {
-        "join": "uneven data for MXNet (join) is not written yet",
         # Horovod's MXNet API has no handles either (its collectives return when done).
         **{name: "asynchronous collectives of NDArrays are not written (Horovod's MXNet API has none)"
            for name in ("allgather_async", "grouped_allreduce_async")},

@@ -39,7 +39,8 @@ __all__ = [
     "Product", "Session", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",
     "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters", "ccl_built", "cross_rank", "cuda_built",
     "cross_size", "ddl_built", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_reducescatter", "init", "is_initialized", "local_rank", "local_size", "mpi_built",
+    "grouped_allreduce_", "grouped_reducescatter", "init", "is_initialized", "join", "local_rank", "local_size",
+    "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "rocm_built", "shutdown", "size",
 ]
 
@@ -56,6 +57,8 @@ class Session:
         self._unnamed = {kind: itertools.count() for kind in ("allreduce", "broadcast", "allgather", "reducescatter",
                                                               "alltoall")}
         self._zeros = Zeros()
+        self.trainers: list = []  # this rank's DistributedTrainers, in creation order (join mirrors them)
+        self._joined_seen = np.zeros(self.size, np.int64)
 
     def close(self) -> None:
         self._zeros.clear()
@@ -191,6 +194,39 @@ class Session:
     def barrier(self) -> None:
         self.agent.barrier("mx/barrier", timeout=self.agent.timeout)
 
+    # -- join: uneven data (as pslink.torch's Session.join) -------------------------------------
+
+    def join_round(self, trainer_index: int | None):
+        """This rank's part of one join round, started (``wait()`` it): a slot per rank, 1 for
+        the joined ones, and in the last slot ``trainer_index + 1`` from every rank stepping
+        that trainer (a joined rank learns whose gradients to mirror). Returns (handle, vector)."""
+        vector = np.zeros(self.size + 1, np.int64)
+        if trainer_index is None:
+            vector[self.rank] = 1
+        else:
+            vector[self.size] = trainer_index + 1
+        return self.agent.pushpull("mx.join", vector, out=vector), vector
+
+    def join(self) -> int:
+        """Declare that this rank ran out of data, and block until every rank did. Until then it
+        mirrors the others' ``DistributedTrainer`` steps with zero gradients (averages are still
+        over every rank, as in Horovod); its own weights are not stepped. Returns the rank that
+        joined last (the highest, if several joined together)."""
+        while True:
+            before = self._joined_seen.copy()
+            handle, vector = self.join_round(None)
+            handle.wait()
+            joined = vector[: self.size]
+            self._joined_seen = joined.copy()
+            if joined.sum() == self.size:
+                newcomers = [r for r in range(self.size) if not before[r]]
+                return max(newcomers) if newcomers else self.rank
+            index = int(vector[-1]) // (self.size - int(joined.sum())) - 1
+            if not 0 <= index < len(self.trainers):
+                raise ConfigError(f"join: the other ranks stepped DistributedTrainer #{index}, but rank {self.rank} "
+                                  f"has {len(self.trainers)}: every rank must create the same ones")
+            self.trainers[index].contribute_zeros()
+
 
 def _scale_nd(tensor: mx.nd.NDArray, factor: float) -> mx.nd.NDArray:
     return tensor if factor == 1.0 else mx.nd.array(_scaled(tensor.asnumpy(), factor), ctx=tensor.context,
@@ -322,6 +358,12 @@ def barrier():
     current_session().barrier()
 
 
+def join(device: int = -1) -> int:
+    """This rank is out of data: mirror the others' DistributedTrainer steps with zero gradients
+    until every rank joined; returns the rank that joined last."""
+    return current_session().join()
+
+
 def cuda_built() -> bool:
     return False  # pslink moves NDArrays through host memory
 
@@ -416,20 +458,35 @@ class DistributedTrainer(mx.gluon.Trainer):
                               f"got {compression!r}")
         self._compression = compression
         self._session = session or current_session()
+        self._index = len(self._session.trainers)
+        self._session.trainers.append(self)
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
         self._predivide = float(gradient_predivide_factor)
         self._scale /= self._session.size  # gradients are summed: the average, as Horovod scales it
         self._prefix = prefix or ""
 
     def _allreduce_grads(self):
+        join, vector = self._session.join_round(self._index)  # in flight with the gradients
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
                 continue
             grads = param.list_grad()
-            sent, ctx = self._compression.compress(grads[0])
-            self._session.allreduce_(sent, op=Sum, name=f"{self._prefix}grad.{i}.{param.name}",
-                                     prescale_factor=1.0 / self._predivide, postscale_factor=self._predivide)
-            if sent is not grads[0]:
-                grads[0][:] = self._compression.decompress(sent, ctx)
+            self._reduce(i, param, grads[0])
             for other in grads[1:]:
                 grads[0].copyto(other)
+        join.wait()
+        self._session._joined_seen = vector[: self._session.size].copy()
+
+    def _reduce(self, i: int, param, grad: mx.nd.NDArray) -> None:
+        sent, ctx = self._compression.compress(grad)
+        self._session.allreduce_(sent, op=Sum, name=f"{self._prefix}grad.{i}.{param.name}",
+                                 prescale_factor=1.0 / self._predivide, postscale_factor=self._predivide)
+        if sent is not grad:
+            grad[:] = self._compression.decompress(sent, ctx)
+
+    def contribute_zeros(self) -> None:
+        """While this rank is joined: one step's worth of zero gradients, as the others step."""
+        for i, param in enumerate(self._params):
+            if param.grad_req != "null":
+                grad = param.list_grad()[0]
+                self._reduce(i, param, mx.nd.zeros(grad.shape, ctx=grad.context, dtype=grad.dtype))

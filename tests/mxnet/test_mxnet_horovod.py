@@ -174,6 +174,26 @@ def test_distributed_trainer_with_fp16_compression_sends_float16_and_steps_in_fl
                                session=object())
 
 
+def test_join_lets_a_rank_out_of_data_mirror_the_others_steps_with_zeros(cluster):
+    def body(s):
+        net = mx.gluon.nn.Dense(1, in_units=2, use_bias=False)
+        net.initialize(mx.init.Constant(1.0))
+        trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.5}, session=s)
+        for _ in range(3 if s.rank == 0 else 1):  # rank 1 has one batch, rank 0 three
+            with mx.autograd.record():
+                loss = net(mx.nd.array([[1.0, 2.0]]) * (s.rank + 1)).sum()  # gradient (rank + 1) * [1, 2]
+            loss.backward()
+            trainer.step(1)
+        last = s.join()
+        return last, net.weight.data().asnumpy().tolist()
+
+    (last0, weight0), (last1, weight1) = on_ranks(cluster, 2, body)
+    assert last0 == last1 == 0  # rank 0 joined last
+    # step 1: the average of both, 1.5 x [1, 2]; steps 2 and 3: rank 0's and rank 1's zeros, 0.5 x [1, 2]
+    assert weight0 == [[1 - 0.5 * 1.5 - 2 * 0.5 * 0.5, 1 - 0.5 * 3.0 - 2 * 0.5 * 1.0]]
+    assert weight1 == [[1 - 0.5 * 1.5, 1 - 0.5 * 3.0]]  # not stepped while joined
+
+
 def test_distributed_optimizer_averages_each_gradient_before_its_update(cluster):
     def body(s):
         optimizer = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1), session=s)
