@@ -342,8 +342,6 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         # Horovod's MXNet API has no handles either (its collectives return when done).
         **{name: "asynchronous collectives of NDArrays are not written (Horovod's MXNet API has none)"
            for name in ("allgather_async", "grouped_allreduce_async")},
-        **{name: "process sets of MXNet collectives are not written yet"
-           for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
     },
     "pslink.tf.keras": {
         **{name: "asynchronous collectives of TensorFlow tensors are not written yet (a tf.function "

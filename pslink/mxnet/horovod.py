@@ -26,7 +26,7 @@ import mxnet as mx
 import numpy as np
 
 import pslink
-from pslink.core import collectives
+from pslink.core import collectives, process_sets
 from pslink.core.collectives import (Adasum, Average, Max, Min, Product, Sum, Zeros, ccl_built,  # noqa: F401
                                      ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                      mpi_threads_supported, nccl_built, reduce_op, rocm_built)
@@ -35,7 +35,8 @@ from pslink.errors import PslinkError as HorovodInternalError  # noqa: F401  (a 
 
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "DistributedTrainer", "HorovodInternalError", "Max", "Min",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "ProcessSet", "add_process_set",
+    "global_process_set", "remove_process_set", "DistributedTrainer", "HorovodInternalError", "Max", "Min",
     "Product", "Session", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",
     "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters", "ccl_built", "cross_rank", "cuda_built",
     "cross_size", "ddl_built", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
@@ -58,9 +59,11 @@ class Session:
                                                               "alltoall")}
         self._zeros = Zeros()
         self.trainers: list = []  # this rank's DistributedTrainers, in creation order (join mirrors them)
+        self.process_sets = process_sets.ProcessSets(ProcessSet, Session)  # Horovod's, added from this session
         self._joined_seen = np.zeros(self.size, np.int64)
 
     def close(self) -> None:
+        self.process_sets.close()
         self._zeros.clear()
         self.agent.close()
 
@@ -264,6 +267,31 @@ def current_session() -> Session:
     return _holder.current()
 
 
+class ProcessSet(process_sets.ProcessSet):
+    __doc__ = process_sets.ProcessSet.__doc__
+    current = staticmethod(current_session)
+
+
+global_process_set = ProcessSet()
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Add a set of ranks (a ProcessSet or a list of ranks); every rank adds every set, in the
+    same order. Its collectives (``process_set=``) count only its ranks."""
+    world = current_session()
+    return world.process_sets.add(world, process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    return current_session().process_sets.remove(process_set)
+
+
+def _session_of(process_set) -> Session:
+    """The Session a collective of ``process_set`` runs on (the job's for None or the global set)."""
+    world = current_session()
+    return world.process_sets.session_for(world, process_set)
+
+
 def is_initialized() -> bool:
     return _holder.session is not None
 
@@ -292,70 +320,75 @@ def cross_size() -> int:
     return collectives.cross_size(size(), local_size())
 
 
-def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0, op=None):
+def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0, op=None, *,
+              process_set=None):
     """A new NDArray: ``tensor`` averaged (default) or summed over every rank (``priority`` unused)."""
-    return current_session().allreduce(tensor, average, name, op, prescale_factor, postscale_factor)
+    return _session_of(process_set).allreduce(tensor, average, name, op, prescale_factor, postscale_factor)
 
 
-def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0, op=None):
-    return current_session().allreduce_(tensor, average, name, op, prescale_factor, postscale_factor)
+def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0, op=None, *,
+               process_set=None):
+    return _session_of(process_set).allreduce_(tensor, average, name, op, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
-                      op=None):
+                      op=None, *, process_set=None):
     return [allreduce(t, average, None if name is None else f"{name}.{i}", priority, prescale_factor,
-                      postscale_factor, op) for i, t in enumerate(tensors)]
+                      postscale_factor, op, process_set=process_set) for i, t in enumerate(tensors)]
 
 
 def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
-                       op=None):
+                       op=None, *, process_set=None):
     return [allreduce_(t, average, None if name is None else f"{name}.{i}", priority, prescale_factor,
-                       postscale_factor, op) for i, t in enumerate(tensors)]
+                       postscale_factor, op, process_set=process_set) for i, t in enumerate(tensors)]
 
 
-def allgather(tensor, name=None, priority=0):
-    return current_session().allgather(tensor, name)
+def allgather(tensor, name=None, priority=0, *, process_set=None):
+    return _session_of(process_set).allgather(tensor, name)
 
 
-def grouped_allgather(tensors, name=None, priority=0):
-    return [allgather(t, None if name is None else f"{name}.{i}", priority) for i, t in enumerate(tensors)]
+def grouped_allgather(tensors, name=None, priority=0, *, process_set=None):
+    return [allgather(t, None if name is None else f"{name}.{i}", priority, process_set=process_set)
+            for i, t in enumerate(tensors)]
 
 
-def reducescatter(tensor, op=Average, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0):
-    return current_session().reducescatter(tensor, op, name, prescale_factor, postscale_factor)
+def reducescatter(tensor, op=Average, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0, *,
+                  process_set=None):
+    return _session_of(process_set).reducescatter(tensor, op, name, prescale_factor, postscale_factor)
 
 
-def grouped_reducescatter(tensors, op=Average, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(tensors, op=Average, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0, *,
+                          process_set=None):
     return [reducescatter(t, op, None if name is None else f"{name}.{i}", priority, prescale_factor,
-                          postscale_factor) for i, t in enumerate(tensors)]
+                          postscale_factor, process_set=process_set) for i, t in enumerate(tensors)]
 
 
-def alltoall(tensor, splits=None, name=None, priority=0):
-    return current_session().alltoall(tensor, splits, name)
+def alltoall(tensor, splits=None, name=None, priority=0, *, process_set=None):
+    return _session_of(process_set).alltoall(tensor, splits, name)
 
 
-def broadcast(tensor, root_rank, name=None, priority=0):
-    return current_session().broadcast(tensor, root_rank, name)
+def broadcast(tensor, root_rank, name=None, priority=0, *, process_set=None):
+    return _session_of(process_set).broadcast(tensor, root_rank, name)
 
 
-def broadcast_(tensor, root_rank, name=None, priority=0):
-    return current_session().broadcast_(tensor, root_rank, name)
+def broadcast_(tensor, root_rank, name=None, priority=0, *, process_set=None):
+    return _session_of(process_set).broadcast_(tensor, root_rank, name)
 
 
-def broadcast_object(obj=None, root_rank=0, name=None):
-    return current_session().broadcast_object(obj, root_rank, name)
+def broadcast_object(obj=None, root_rank=0, name=None, *, process_set=None):
+    return _session_of(process_set).broadcast_object(obj, root_rank, name)
 
 
-def broadcast_parameters(params, root_rank=0, prefix=None):
-    current_session().broadcast_parameters(params, root_rank)
+def broadcast_parameters(params, root_rank=0, prefix=None, *, process_set=None):
+    _session_of(process_set).broadcast_parameters(params, root_rank)
 
 
-def allgather_object(obj, name=None):
-    return current_session().allgather_object(obj, name)
+def allgather_object(obj, name=None, *, process_set=None):
+    return _session_of(process_set).allgather_object(obj, name)
 
 
-def barrier():
-    current_session().barrier()
+def barrier(*, process_set=None):
+    _session_of(process_set).barrier()
 
 
 def join(device: int = -1) -> int:

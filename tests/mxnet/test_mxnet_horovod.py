@@ -194,6 +194,49 @@ def test_join_lets_a_rank_out_of_data_mirror_the_others_steps_with_zeros(cluster
     assert weight1 == [[1 - 0.5 * 1.5, 1 - 0.5 * 3.0]]  # not stepped while joined
 
 
+def test_process_sets_reduce_among_their_ranks(cluster):
+    """Horovod's process sets (pslink.core.process_sets, as pslink.torch's): every rank adds every
+    set in the same order; a set's collectives count its ranks only; a rank outside a set may not
+    use it; a removed set is gone; the job itself is untouched."""
+    def body(s):
+        sets = s.process_sets
+        evens = sets.add(s, [2, 0])  # ranks 0 and 2, numbered 0 and 1 inside
+        pair = sets.add(s, hvd.ProcessSet([1, 2]))
+        with pytest.raises(ConfigError, match="exists already"):
+            sets.add(s, [0, 2])
+        out = {"ids": (evens.process_set_id, pair.process_set_id), "sizes": (evens.size(), pair.size()),
+               "ranks": (evens.rank(), pair.rank())}
+        x = mx.nd.full((2,), float(s.rank + 1))
+        for label, ps in (("evens", evens), ("pair", pair)):
+            if ps.included():
+                out[label] = sets.session_for(s, ps).allreduce(x, name="x", op=hvd.Sum).asnumpy().tolist()
+            else:
+                with pytest.raises(ConfigError, match=f"rank {s.rank} is not in ProcessSet"):
+                    sets.session_for(s, ps)
+        assert sets.remove(evens) and not sets.remove(evens)
+        with pytest.raises(ConfigError, match="is not added"):
+            sets.session_for(s, evens)
+        out["world_sum"] = s.allreduce(x, name="after", op=hvd.Sum).asnumpy().tolist()
+        return out
+
+    results = on_ranks(cluster, 3, body)
+    for rank, out in enumerate(results):
+        assert out["ids"] == (1, 2) and out["sizes"] == (2, 2)
+        assert out["ranks"] == {0: (0, -1), 1: (-1, 0), 2: (1, 1)}[rank]
+        assert out.get("evens") == ([4.0, 4.0] if rank in (0, 2) else None)  # 1 + 3
+        assert out.get("pair") == ([5.0, 5.0] if rank in (1, 2) else None)  # 2 + 3
+        assert out["world_sum"] == [6.0, 6.0]
+
+
+def test_the_module_functions_take_a_process_set():
+    import inspect
+
+    for name in ("allreduce", "allreduce_", "grouped_allreduce", "allgather", "grouped_allgather", "reducescatter",
+                 "alltoall", "broadcast", "broadcast_", "broadcast_object", "allgather_object", "barrier"):
+        assert "process_set" in inspect.signature(getattr(hvd, name)).parameters, name
+    assert hvd.global_process_set.ranks is None and isinstance(hvd.global_process_set, hvd.ProcessSet)
+
+
 def test_distributed_optimizer_averages_each_gradient_before_its_update(cluster):
     def body(s):
         optimizer = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1), session=s)
