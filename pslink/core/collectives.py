@@ -261,6 +261,19 @@ def allgather_object(pushpull: PushPull, name: str, obj: Any, rank: int, size: i
 
 # What Horovod's build reports: pslink needs none of MPI, Gloo, NCCL, DDL, CCL or ROCm (CUDA is
 # the framework's own question, answered by each adapter). The adapters export these as they are.
+class NoneCompressor:
+    """Horovod's ``Compression.none`` in every adapter: tensors go as they are (each adapter's
+    ``Compression.fp16`` casts with its framework's own calls)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
 def mpi_threads_supported() -> bool:
     return False
 

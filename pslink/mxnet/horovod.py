@@ -404,18 +404,6 @@ def cuda_built() -> bool:
 # -- training ----------------------------------------------------------------------------------------
 
 
-class _NoneCompressor:
-    """Send NDArrays as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
 class _FP16Compressor:
     """Send floating-point NDArrays as float16, halving the bytes on the wire."""
 
@@ -433,7 +421,7 @@ class _FP16Compressor:
 class Compression:
     """Horovod's compression choices for ``DistributedTrainer``: ``none`` and ``fp16``."""
 
-    none = _NoneCompressor
+    none = collectives.NoneCompressor
     fp16 = _FP16Compressor
 
 

@@ -31,18 +31,6 @@ from pslink.errors import ConfigError
 from pslink.tf import context
 from pslink.tf.exchange import SiteKeys, describe, service_key, unique_names, variable_name
 
-class _NoneCompressor:
-    """Send tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
 class _FP16Compressor:
     """Send floating-point tensors as float16, halving the bytes on the wire."""
 
@@ -60,7 +48,7 @@ class _FP16Compressor:
 class Compression:
     """Horovod's compression choices: ``Compression.none`` and ``Compression.fp16``."""
 
-    none = _NoneCompressor
+    none = collectives.NoneCompressor
     fp16 = _FP16Compressor
 
 

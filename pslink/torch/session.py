@@ -30,18 +30,6 @@ __all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Compression", "Session", "Wo
 JOIN_KEY = "join"
 
 
-class _NoneCompressor:
-    """Send tensors as they are."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx):
-        return tensor
-
-
 class _FP16Compressor:
     """Send floating-point tensors as float16, halving the bytes on the wire."""
 
@@ -59,7 +47,7 @@ class _FP16Compressor:
 class Compression:
     """Horovod's gradient compression choices: ``Compression.none`` and ``Compression.fp16``."""
 
-    none = _NoneCompressor
+    none = collectives.NoneCompressor
     fp16 = _FP16Compressor
 
 
