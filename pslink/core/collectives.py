@@ -343,13 +343,10 @@ HOROVOD_NAMES = frozenset({
 HOROVOD_GAPS: dict[str, dict[str, str]] = {
     "pslink.torch": {},
     "pslink.tf": {
-        **{name: "asynchronous collectives of TensorFlow tensors are not written yet (a tf.function "
-                 "already runs them concurrently with what does not depend on them)"
+        # Horovod's TensorFlow API has none either: its ops run asynchronously in the graph.
+        **{name: "asynchronous collectives with handles are torch's only (Horovod's TensorFlow API has none)"
            for name in ("allgather_async", "grouped_allreduce_async")},
-        **{name: "process sets of TensorFlow collectives are not written yet"
-           for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
         "DistributedOptimizer": "Keras 3's optimizer is wrapped in pslink.tf.keras; TF1's is not offered",
-        "join": "uneven data for TensorFlow (join) is not written yet",
     },
     "pslink.mxnet.horovod": {
         # Horovod's MXNet API has no handles either (its collectives return when done).
@@ -357,11 +354,8 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
            for name in ("allgather_async", "grouped_allreduce_async")},
     },
     "pslink.tf.keras": {
-        **{name: "asynchronous collectives of TensorFlow tensors are not written yet (a tf.function "
-                 "already runs them concurrently with what does not depend on them)"
+        # Horovod's TensorFlow API has none either: its ops run asynchronously in the graph.
+        **{name: "asynchronous collectives with handles are torch's only (Horovod's TensorFlow API has none)"
            for name in ("allgather_async", "grouped_allreduce_async")},
-        **{name: "process sets of TensorFlow collectives are not written yet"
-           for name in ("add_process_set", "remove_process_set", "ProcessSet", "global_process_set")},
-        "join": "uneven data for TensorFlow (join) is not written yet",
     },
 }

@@ -64,9 +64,11 @@ from pslink.tf.ops import (
     broadcast_object,
     broadcast_variables,
     grouped_allreduce,
+    join,
 )
 from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, reducescatter
 from pslink.tf.strategy import ParameterServiceStrategy
+from pslink.tf.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
 
 __all__ = [
@@ -87,6 +89,11 @@ __all__ = [
     "broadcast_object",
     "broadcast_variables",
     "grouped_allreduce",
+    "join",
+    "ProcessSet",
+    "add_process_set",
+    "global_process_set",
+    "remove_process_set",
     "grouped_allgather",
     "grouped_reducescatter",
     "reducescatter",

@@ -89,6 +89,13 @@ class Exchange:
         self.num_workers: int = agent.num_workers
         self._last_op: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> op
         self._checked: set[tuple] = set()  # variable lists already found equal on every worker
+        # join (uneven data): the gradient reductions this worker makes, numbered in the order it
+        # first makes them (every worker the same), and what each last sent (keys, shapes,
+        # dtypes, average): a worker that joined mirrors them with zeros (see join()).
+        self.steppers: dict[tuple, int] = {}
+        self.stepped: dict[int, tuple] = {}
+        self.joined_seen = np.zeros(self.num_workers, np.int64)
+        self.process_sets = None  # Horovod's process sets this worker added (pslink.tf.process_sets)
 
     def __repr__(self) -> str:
         return f"<Exchange job={self.agent.job!r} rank={self.rank}/{self.num_workers}>"
@@ -96,11 +103,13 @@ class Exchange:
     # -- sums and broadcasts -------------------------------------------------------------------
 
     def sum(self, keys: Sequence[str], tensors: Sequence, average: bool = False,
-            what: str = "all-reduce") -> list[tf.Tensor]:
+            what: str = "all-reduce", stepper: int | None = None) -> list[tf.Tensor]:
         """Sum (``average``: the mean) of each tensor over every worker, in one request.
 
         A key gets the runtime shape appended when the tensor's static shape is not fully known,
-        so a value whose shape changes from step to step never meets a differently shaped round."""
+        so a value whose shape changes from step to step never meets a differently shaped round.
+        ``stepper``: this is gradient reduction number ``stepper`` (:meth:`stepper`); a join round
+        goes along with it, for the workers that ran out of data (:meth:`join`)."""
         tensors = [tf.convert_to_tensor(t) for t in tensors]  # also densifies IndexedSlices
         if not tensors:
             return []
@@ -112,7 +121,12 @@ class Exchange:
             final = [service_key(k, a.shape) if d else k for k, a, d in zip(keys, arrays, dynamic)]
             outs = [np.empty(a.shape, a.dtype) for a in arrays]
             try:
+                joining = None if stepper is None else self._join_round(stepper)
                 self.agent.pushpull_many(final, arrays, outs=outs, average=average).wait()
+                if joining is not None:
+                    self.stepped[stepper] = (final, [a.shape for a in arrays], [a.dtype for a in arrays], average)
+                    joining[0].wait()
+                    self.joined_seen = joining[1][: self.num_workers].copy()
             except PslinkError as exc:
                 raise type(exc)(f"{what} (rank {self.rank} of {self.num_workers}): {exc.message}",
                                 **exc.details) from None
@@ -120,6 +134,44 @@ class Exchange:
 
         results = self._call(run, carried, what)
         return [self._restore(r, t) for r, t in zip(results, tensors)]
+
+    # -- join: uneven data (as pslink.torch's Session.join) -------------------------------------
+
+    def stepper(self, keys: tuple) -> int:
+        """The number of the gradient reduction of ``keys`` (in the order first seen)."""
+        return self.steppers.setdefault(keys, len(self.steppers))
+
+    def _join_round(self, stepper: int | None):
+        """This worker's part of a join round, started: a slot per worker (1: it joined), and in
+        the last slot ``stepper + 1`` from every worker making that reduction."""
+        vector = np.zeros(self.num_workers + 1, np.int64)
+        if stepper is None:
+            vector[self.rank] = 1
+        else:
+            vector[self.num_workers] = stepper + 1
+        return self.agent.pushpull("tf.join", vector, out=vector), vector
+
+    def join(self) -> int:
+        """This worker ran out of data: until every worker did, mirror the others' gradient
+        reductions (``DistributedGradientTape``, the Keras ``DistributedOptimizer``) with zeros,
+        so averages stay over every worker, as in Horovod. Returns the worker that joined last."""
+        size = self.num_workers
+        while True:
+            before = self.joined_seen.copy()
+            handle, vector = self._join_round(None)
+            handle.wait()
+            joined = vector[:size]
+            self.joined_seen = joined.copy()
+            if joined.sum() == size:
+                newcomers = [r for r in range(size) if not before[r]]
+                return max(newcomers) if newcomers else self.rank
+            stepper = int(vector[-1]) // (size - int(joined.sum())) - 1
+            if stepper not in self.stepped:
+                raise ConfigError(f"join: the other workers reduce gradients #{stepper}, which rank {self.rank} "
+                                  "never reduced: every worker must train the same model the same way")
+            keys, shapes, dtypes, average = self.stepped[stepper]
+            zeros = [np.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
+            self.agent.pushpull_many(keys, zeros, outs=[np.empty_like(z) for z in zeros], average=average).wait()
 
     def broadcast(self, keys: Sequence[str], tensors: Sequence, root: int,
                   what: str = "broadcast") -> list[tf.Tensor]:

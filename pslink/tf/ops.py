@@ -30,6 +30,7 @@ from pslink.core.collectives import Average
 from pslink.errors import ConfigError
 from pslink.tf import context
 from pslink.tf.exchange import SiteKeys, describe, service_key, unique_names, variable_name
+from pslink.tf.process_sets import exchange_of
 
 class _FP16Compressor:
     """Send floating-point tensors as float16, halving the bytes on the wire."""
@@ -69,75 +70,83 @@ _unnamed_allgather = SiteKeys("tf.allgather")
 
 @tf.autograph.experimental.do_not_convert
 def allreduce(tensor, average: bool | None = None, name: str | None = None, op=None, compression=Compression.none,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set=None) -> tf.Tensor:
     """The mean (``op=hvd.Sum`` or ``average=False``: the sum; ``Min``, ``Max``, ``Product``) of
     ``tensor`` over every worker; ``compression=hvd.Compression.fp16`` sends it as float16;
     ``prescale_factor`` multiplies it before, ``postscale_factor`` the result after.
 
     ``name`` keys it on the service; without one, calls are told apart by dtype, shape and their
-    order within the traced function, so make unnamed calls in the same order on every worker."""
+    order within the traced function, so make unnamed calls in the same order on every worker.
+    ``process_set``: among its workers only (:mod:`pslink.tf.process_sets`)."""
     tensor = scaled(tf.convert_to_tensor(tensor), prescale_factor)
     if compression is not Compression.none:
         sent, ctx = compression.compress(tensor)
-        return scaled(compression.decompress(allreduce(sent, average, name, op), ctx), postscale_factor)
-    return scaled(_allreduce(tensor, average, name, op), postscale_factor)
+        return scaled(compression.decompress(allreduce(sent, average, name, op, process_set=process_set), ctx),
+                      postscale_factor)
+    return scaled(_allreduce(tensor, average, name, op, process_set), postscale_factor)
 
 
-def _allreduce(tensor: tf.Tensor, average: bool | None, name: str | None, op) -> tf.Tensor:
+def _allreduce(tensor: tf.Tensor, average: bool | None, name: str | None, op, process_set) -> tf.Tensor:
     op = collectives.reduce_op(op, average, elementwise=True)
     if op in collectives.ELEMENTWISE:
         # Every worker's tensor as a row, in rank order; each reduces them alike (the service sums).
-        rows = allgather(tf.expand_dims(tensor, 0), None if name is None else f"{name}.{op.value}")
+        rows = allgather(tf.expand_dims(tensor, 0), None if name is None else f"{name}.{op.value}", process_set)
         return {collectives.Min: tf.reduce_min, collectives.Max: tf.reduce_max,
                 collectives.Product: tf.reduce_prod}[op](rows, axis=0)
     key = service_key("tf.allreduce", name) if name else _unnamed_allreduce.keys([tensor])[0]
-    return context.exchange().sum([key], [tensor], average=op is Average,
-                                  what=f"allreduce {name or ''}".strip())[0]
+    return exchange_of(process_set).sum([key], [tensor], average=op is Average,
+                                        what=f"allreduce {name or ''}".strip())[0]
 
 
 def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None, op=None,
                       compression=Compression.none, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list[tf.Tensor]:
+                      postscale_factor: float = 1.0, process_set=None) -> list[tf.Tensor]:
     """:func:`allreduce` of each of ``tensors`` (``name.i`` each, when ``name`` is given)."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ConfigError(f"grouped_allreduce takes a non-empty list of tensors, got {type(tensors).__name__}")
     return [allreduce(t, average, None if name is None else f"{name}.{i}", op, compression, prescale_factor,
-                      postscale_factor) for i, t in enumerate(tensors)]
+                      postscale_factor, process_set) for i, t in enumerate(tensors)]
 
 
 @tf.autograph.experimental.do_not_convert
-def allgather(tensor, name: str | None = None) -> tf.Tensor:
+def allgather(tensor, name: str | None = None, process_set=None) -> tf.Tensor:
     """Every worker's ``tensor`` concatenated along the first dimension, in rank order; workers may
     bring different numbers of rows (the other dimensions must agree)."""
     tensor = tf.convert_to_tensor(tensor)
     key = service_key("tf.allgather", name) if name else _unnamed_allgather.keys([tensor])[0]
-    return context.exchange().allgather(tensor, key, what=f"allgather {name or ''}".strip())
+    return exchange_of(process_set).allgather(tensor, key, what=f"allgather {name or ''}".strip())
 
 
-def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None):
+def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None, process_set=None):
     """``root_rank``'s ``obj`` (any picklable object) on every worker (eagerly)."""
     name = name or "broadcast_object"
-    return context.exchange().broadcast_object(obj, root_rank, f"tf/{name}", what=f"broadcast_object {name!r}")
+    return exchange_of(process_set).broadcast_object(obj, root_rank, f"tf/{name}", what=f"broadcast_object {name!r}")
 
 
-def allgather_object(obj, name: str | None = None) -> list:
+def allgather_object(obj, name: str | None = None, process_set=None) -> list:
     """Every worker's ``obj`` (any picklable object), as a list in rank order (eagerly)."""
     name = name or "allgather_object"
-    return context.exchange().allgather_object(obj, f"tf/{name}", what=f"allgather_object {name!r}")
+    return exchange_of(process_set).allgather_object(obj, f"tf/{name}", what=f"allgather_object {name!r}")
 
 
-def barrier() -> None:
-    """Block until every worker of the job has called ``barrier()``."""
-    agent = context.exchange().agent
+def join(device: int = -1) -> int:
+    """This worker ran out of data: it mirrors the others' gradient reductions with zeros until
+    every worker called ``join()`` (eagerly); returns the worker that joined last."""
+    return context.exchange().join()
+
+
+def barrier(process_set=None) -> None:
+    """Block until every worker of the job (of ``process_set``) has called ``barrier()``."""
+    agent = exchange_of(process_set).agent
     agent.barrier("tf/barrier", timeout=agent.timeout)
 
 
 @tf.autograph.experimental.do_not_convert
-def broadcast(tensor, root_rank: int = 0, name: str | None = None) -> tf.Tensor:
+def broadcast(tensor, root_rank: int = 0, name: str | None = None, process_set=None) -> tf.Tensor:
     """``root_rank``'s value of ``tensor``, on every worker."""
     tensor = tf.convert_to_tensor(tensor)
     key = service_key("tf.broadcast", name) if name else _unnamed_broadcast.keys([tensor])[0]
-    return context.exchange().broadcast([key], [tensor], root_rank, what=f"broadcast {name or ''}".strip())[0]
+    return exchange_of(process_set).broadcast([key], [tensor], root_rank, what=f"broadcast {name or ''}".strip())[0]
 
 
 @tf.autograph.experimental.do_not_convert
@@ -167,7 +176,8 @@ def allreduce_gradients(grads: Sequence, variables: Sequence, average: bool = Tr
     exchange.check_once([describe(f"{prefix}{n}", v) for n, v in zip(names, variables)], "gradients", what)
     present = [i for i, g in enumerate(grads) if g is not None]
     keys = [service_key("tf.grad", f"{prefix}{names[i]}") for i in present]
-    reduced = exchange.sum(keys, [grads[i] for i in present], average=average, what=what)
+    reduced = exchange.sum(keys, [grads[i] for i in present], average=average, what=what,
+                           stepper=exchange.stepper(tuple(keys)))
     out = list(grads)
     for i, value in zip(present, reduced):
         out[i] = value

@@ -14,8 +14,8 @@ import tensorflow as tf
 from pslink.core import collectives
 from pslink.core.collectives import Average, Sum
 from pslink.errors import ConfigError
-from pslink.tf import context
 from pslink.tf.ops import allgather, allreduce, scaled
+from pslink.tf.process_sets import exchange_of
 
 
 def _rows_of(tensor, what: str) -> tf.Tensor:
@@ -26,7 +26,7 @@ def _rows_of(tensor, what: str) -> tf.Tensor:
 
 @tf.autograph.experimental.do_not_convert
 def reducescatter(tensor, op=Average, name: str | None = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> tf.Tensor:
+                  postscale_factor: float = 1.0, process_set=None) -> tf.Tensor:
     """``tensor`` (one shape on every worker) averaged (``op=hvd.Sum``: summed) over the workers,
     this worker's share of its first dimension returned: the first ``rows % size`` workers get
     one row more, as Horovod splits it."""
@@ -34,9 +34,11 @@ def reducescatter(tensor, op=Average, name: str | None = None, prescale_factor: 
         raise ConfigError(f"reducescatter takes op=Average or op=Sum, got {op!r}")
     tensor = tf.convert_to_tensor(tensor)
     _rows_of(tensor, "reducescatter")
-    reduced = allreduce(scaled(tensor, prescale_factor), name=None if name is None else f"reducescatter.{name}", op=op)
+    reduced = allreduce(scaled(tensor, prescale_factor), name=None if name is None else f"reducescatter.{name}", op=op,
+                        process_set=process_set)
     reduced = scaled(reduced, postscale_factor)
-    size, rank = context.size(), context.rank()
+    exchange = exchange_of(process_set)
+    size, rank = exchange.num_workers, exchange.rank
     rows = tf.shape(reduced, out_type=tf.int64)[0]
     base, extra = rows // size, rows % size
     start = rank * base + tf.minimum(tf.constant(rank, tf.int64), extra)
@@ -44,27 +46,28 @@ def reducescatter(tensor, op=Average, name: str | None = None, prescale_factor: 
 
 
 def grouped_reducescatter(tensors, op=Average, name: str | None = None, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[tf.Tensor]:
+                          postscale_factor: float = 1.0, process_set=None) -> list[tf.Tensor]:
     """:func:`reducescatter` of each of ``tensors`` (``name.i`` each, when ``name`` is given)."""
     _check_list(tensors, "grouped_reducescatter")
-    return [reducescatter(t, op, None if name is None else f"{name}.{i}", prescale_factor, postscale_factor)
-            for i, t in enumerate(tensors)]
+    return [reducescatter(t, op, None if name is None else f"{name}.{i}", prescale_factor, postscale_factor,
+                          process_set) for i, t in enumerate(tensors)]
 
 
-def grouped_allgather(tensors, name: str | None = None) -> list[tf.Tensor]:
+def grouped_allgather(tensors, name: str | None = None, process_set=None) -> list[tf.Tensor]:
     """:func:`~pslink.tf.ops.allgather` of each of ``tensors`` (``name.i`` each, when given)."""
     _check_list(tensors, "grouped_allgather")
-    return [allgather(t, None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
+    return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
 
 
 @tf.autograph.experimental.do_not_convert
-def alltoall(tensor, splits=None, name: str | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+def alltoall(tensor, splits=None, name: str | None = None, process_set=None) -> tuple[tf.Tensor, tf.Tensor]:
     """Worker ``i`` gets ``splits[i]`` rows of every worker's ``tensor`` (equal shares of the first
     dimension when ``splits`` is None), concatenated in rank order. Returns them and how many rows
     came from each worker (int32), as Horovod's TensorFlow ``alltoall`` does."""
     tensor = tf.convert_to_tensor(tensor)
     rows = _rows_of(tensor, "alltoall")
-    size, rank = context.size(), context.rank()
+    exchange = exchange_of(process_set)
+    size, rank = exchange.num_workers, exchange.rank
     label = name or "alltoall"
     if splits is None:
         if tf.executing_eagerly():
@@ -80,8 +83,8 @@ def alltoall(tensor, splits=None, name: str | None = None) -> tuple[tf.Tensor, t
         else:
             tf.debugging.assert_equal(tf.reduce_sum(splits), rows, message=(
                 f"alltoall {label!r}: splits must add up to the tensor's rows"))
-    everything = allgather(tensor, None if name is None else f"alltoall.{name}.rows")
-    table = allgather(tf.reshape(splits, [1, size]), None if name is None else f"alltoall.{name}.splits")
+    everything = allgather(tensor, None if name is None else f"alltoall.{name}.rows", process_set)
+    table = allgather(tf.reshape(splits, [1, size]), None if name is None else f"alltoall.{name}.splits", process_set)
     # Rank s's rows start where the ranks before it end; ours among them after those s sends lower ranks.
     starts = tf.cumsum(tf.reduce_sum(table, axis=1), exclusive=True) + tf.reduce_sum(table[:, :rank], axis=1)
     counts = table[:, rank]

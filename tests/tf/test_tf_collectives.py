@@ -51,3 +51,15 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         assert "3 rows do not split evenly over 2 ranks" in report["uneven"]
         assert "splits [1, 1] must be 2 counts >= 0 adding up to the tensor's 3 rows" in report["bad_splits"]
         assert "reducescatter needs a tensor of at least one dimension" in report["scalar"]
+        # join: step 1 averages both (1.5 x [1, 2]); steps 2 and 3, rank 0's and rank 1's zeros (0.5 x [1, 2])
+        assert report["join_last"] == 0
+        assert report["join_weights"] == ([-0.25, -1.5] if rank == 0 else [0.25, -0.5])
+        # process sets: {1} and {0, 1}, each a job of its own
+        assert report["set_ids"] == [1, 2] and report["set_ranks"] == [[-1, 0], [0, 1]][rank]
+        assert "a process set of ranks [1] exists already" in report["set_again"]
+        assert report["set_both"] == [3.0] and report["set_rows"] == [0, 1, 1]
+        if rank == 1:
+            assert report["set_alone"] == [2.0]  # its own value: the set has it alone
+        else:
+            assert "rank 0 is not in ProcessSet" in report["set_alone"]
+        assert report["set_removed"] == [True, False] and report["set_world"] == [3.0]

@@ -249,6 +249,8 @@ def run_collectives(rank, outdir):
         "cross": [hvd.cross_rank(), hvd.cross_size()],
     }
     report.update(row_collectives(rank))
+    report.update(uneven_join(rank))
+    report.update(process_sets(rank))
     hvd.barrier()
     try:
         hvd.broadcast_object("x", root_rank=WORKERS)
@@ -259,6 +261,46 @@ def run_collectives(rank, outdir):
     hvd.shutdown()
     print(f"rank {rank} done", flush=True)
     return 0
+
+
+def process_sets(rank):
+    """A set of rank 1 alone and one of both: collectives count their workers only."""
+    alone = hvd.add_process_set([1])
+    both = hvd.add_process_set(hvd.ProcessSet([0, 1]))
+    out = {"set_ids": [alone.process_set_id, both.process_set_id], "set_ranks": [alone.rank(), both.rank()]}
+    try:
+        hvd.add_process_set([1])
+    except PslinkError as exc:
+        out["set_again"] = str(exc)
+    x = tf.constant([rank + 1.0])
+    out["set_both"] = hvd.allreduce(x, op=hvd.Sum, name="ps", process_set=both).numpy().tolist()
+    out["set_rows"] = hvd.allgather(tf.fill([rank + 1], rank), name="ps_rows", process_set=both).numpy().tolist()
+    if alone.included():
+        out["set_alone"] = hvd.allreduce(x, op=hvd.Sum, name="ps", process_set=alone).numpy().tolist()
+    else:
+        try:
+            hvd.allreduce(x, process_set=alone)
+        except PslinkError as exc:
+            out["set_alone"] = str(exc)
+    out["set_removed"] = [hvd.remove_process_set(alone), hvd.remove_process_set(alone)]
+    out["set_world"] = hvd.allreduce(x, op=hvd.Sum, name="after_sets").numpy().tolist()
+    return out
+
+
+def uneven_join(rank):
+    """Rank 1 has one batch, rank 0 three: rank 1 joins and mirrors rank 0's steps with zeros."""
+    x = tf.Variable([1.0, 1.0])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(x * tf.constant([1.0, 2.0]) * (rank + 1.0))  # gradient (rank + 1) * [1, 2]
+        (grad,) = pslink.tf.DistributedGradientTape(tape, name="uneven").gradient(loss, [x])
+        x.assign_sub(0.5 * grad)
+
+    for _ in range(3 if rank == 0 else 1):
+        step()
+    return {"join_last": hvd.join(), "join_weights": x.numpy().tolist()}
 
 
 def row_collectives(rank):

@@ -44,8 +44,9 @@ from pslink.tf.keras import callbacks
 from pslink.tf.keras.optimizer import DistributedOptimizer
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
 from pslink.tf.ops import (Compression, allgather, allgather_object, allreduce, barrier, broadcast,
-                           broadcast_object, broadcast_variables, grouped_allreduce)
+                           broadcast_object, broadcast_variables, grouped_allreduce, join)
 from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, reducescatter
+from pslink.tf.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
     "Adasum",
@@ -64,6 +65,11 @@ __all__ = [
     "broadcast_object",
     "broadcast_variables",
     "grouped_allreduce",
+    "join",
+    "ProcessSet",
+    "add_process_set",
+    "global_process_set",
+    "remove_process_set",
     "grouped_allgather",
     "grouped_reducescatter",
     "reducescatter",
