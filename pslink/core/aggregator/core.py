@@ -280,9 +280,8 @@ class AggregatorCore:
                 lost = KeyStateError(task.stateless, key=task.key)
                 return self.abort(task, lost) + [Reply(req.origin, req.id, error=lost)]
             if len(task.before_init) >= MAX_BEFORE_INIT:
-                return [Reply(req.origin, req.id, error=KeyStateError(
-                    f"{task.name}: {MAX_BEFORE_INIT} requests already wait for rank 0's init; is rank 0 "
-                    "calling init for this key?", key=task.key))]
+                return [Reply(req.origin, req.id, error=KeyStateError(f"{task.name}: {MAX_BEFORE_INIT} requests "
+                              "already wait for rank 0's init; is rank 0 calling init for this key?", key=task.key))]
             task.before_init.append(req)  # ps-lite aborts here; we wait for the init
             return []
         try:
@@ -319,8 +318,8 @@ class AggregatorCore:
         task.value = req.payload
         task.init_rank = req.rank
         replies = [Reply(req.origin, req.id, round=0)]
-        if task.replicas:  # round 0 too is answered once the replicas have it (else a failover
-            task.acks[0], replies = [req], self.moves.replicate(task)  # right after it loses the value)
+        if task.replicas:  # round 0 is answered once the replicas have it, as a push's round is
+            task.acks[0], replies = [req], self.moves.replicate(task)
         if task.job.checkpoint and task.keeps_state:
             replies += self.moves.checkpoint(task)  # round 0: a part lost before its first checkpoint restarts here
         queued, task.before_init = task.before_init, []
@@ -571,8 +570,7 @@ class AggregatorCore:
         return failures.poison(task, error)  # every waiting request and every later one gets ``error``
 
     def fail_rounds(self, task: Task, error: PslinkError, through: int) -> list:
-        """A rank's refused request fails the rounds open up to ``through``; the key goes on
-        (:func:`~pslink.core.aggregator.failures.fail_rounds`), and the replicas skip them too."""
+        """A rank's refused request fails the open rounds up to ``through`` (the replicas skip them too)."""
         replies = failures.fail_rounds(task, error, through)
         if replies is None:
             return []
