@@ -79,18 +79,15 @@ class Failover:
                  if part.aggregator == lost]
         try:
             body = self.master.call(Op.RELOCATE, parts=parts)
-        except PeerError as exc:
+        except PslinkError as exc:
             # pMaster went away (killed, restarting) before it said: it knows where the parts
             # are once it is back (found by the chaos run: these requests failed instead).
-            if time.monotonic() + MASTER_DOWN_PAUSE < deadline and any(r in self.requests.pending for r in rids):
+            if isinstance(exc, PeerError) and time.monotonic() + MASTER_DOWN_PAUSE < deadline \
+                    and any(r in self.requests.pending for r in rids):
                 log.info("agent %s: pMaster is unreachable (%s); asking where aggregator %s's parts went again "
                          "in %.1f s", self.seat, exc.message, lost, MASTER_DOWN_PAUSE)
                 self.reactor.call_later(MASTER_DOWN_PAUSE, self._ask_where, lost, rids, error, attempt, deadline)
                 return
-            log.error("agent %s: pMaster could not say where aggregator %s's parts went: %s", self.seat, lost, exc)
-            self.reactor.post(self.requests.fail, rids, error)
-            return
-        except PslinkError as exc:
             log.error("agent %s: pMaster could not say where aggregator %s's parts went: %s", self.seat, lost, exc)
             self.reactor.post(self.requests.fail, rids, error)
             return
