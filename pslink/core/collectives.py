@@ -261,6 +261,35 @@ def allgather_object(pushpull: PushPull, name: str, obj: Any, rank: int, size: i
 
 # What Horovod's build reports: pslink needs none of MPI, Gloo, NCCL, DDL, CCL or ROCm (CUDA is
 # the framework's own question, answered by each adapter). The adapters export these as they are.
+# -- join: uneven data (Horovod's join(), the same in every adapter) -----------------------------
+
+def join_vector(slots: int, rank: int, stepper: int | None) -> np.ndarray:
+    """A rank's part of a join round: a slot per rank (1 in its own once it joined) and, in the
+    last slot, ``stepper + 1`` from every rank still training (which gradient reduction it makes:
+    a joined rank learns which to mirror)."""
+    vector = np.zeros(slots + 1, np.int64)
+    if stepper is None:
+        vector[rank] = 1
+    else:
+        vector[slots] = stepper + 1
+    return vector
+
+
+def join(join_round: Callable[[], np.ndarray], size: int, rank: int, seen: np.ndarray,
+         mirror: Callable[[int], None]) -> tuple[int, np.ndarray]:
+    """This rank ran out of data: until every rank did, ``mirror(stepper)`` the reduction the
+    others make (with zeros), one join round (``join_round()``: this rank's joined vector,
+    summed over the ranks) at a time. ``seen``: who had joined at the last round this rank saw.
+    Returns the rank that joined last (the highest, if several joined together) and who has."""
+    while True:
+        before, vector = seen, join_round()
+        seen = vector[:size].copy()
+        if seen.sum() == size:
+            newcomers = [r for r in range(size) if not before[r]]
+            return (max(newcomers) if newcomers else rank), seen
+        mirror(int(vector[-1]) // (size - int(seen.sum())) - 1)
+
+
 class NoneCompressor:
     """Horovod's ``Compression.none`` in every adapter: tensors go as they are (each adapter's
     ``Compression.fp16`` casts with its framework's own calls)."""

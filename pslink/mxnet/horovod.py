@@ -200,14 +200,9 @@ class Session:
     # -- join: uneven data (as pslink.torch's Session.join) -------------------------------------
 
     def join_round(self, trainer_index: int | None):
-        """This rank's part of one join round, started (``wait()`` it): a slot per rank, 1 for
-        the joined ones, and in the last slot ``trainer_index + 1`` from every rank stepping
-        that trainer (a joined rank learns whose gradients to mirror). Returns (handle, vector)."""
-        vector = np.zeros(self.size + 1, np.int64)
-        if trainer_index is None:
-            vector[self.rank] = 1
-        else:
-            vector[self.size] = trainer_index + 1
+        """This rank's part of one join round (:func:`pslink.core.collectives.join_vector`),
+        started: (handle, vector)."""
+        vector = collectives.join_vector(self.size, self.rank, trainer_index)
         return self.agent.pushpull("mx.join", vector, out=vector), vector
 
     def join(self) -> int:
@@ -215,20 +210,19 @@ class Session:
         mirrors the others' ``DistributedTrainer`` steps with zero gradients (averages are still
         over every rank, as in Horovod); its own weights are not stepped. Returns the rank that
         joined last (the highest, if several joined together)."""
-        while True:
-            before = self._joined_seen.copy()
+        def round_():
             handle, vector = self.join_round(None)
             handle.wait()
-            joined = vector[: self.size]
-            self._joined_seen = joined.copy()
-            if joined.sum() == self.size:
-                newcomers = [r for r in range(self.size) if not before[r]]
-                return max(newcomers) if newcomers else self.rank
-            index = int(vector[-1]) // (self.size - int(joined.sum())) - 1
+            return vector
+
+        def mirror(index: int) -> None:
             if not 0 <= index < len(self.trainers):
                 raise ConfigError(f"join: the other ranks stepped DistributedTrainer #{index}, but rank {self.rank} "
                                   f"has {len(self.trainers)}: every rank must create the same ones")
             self.trainers[index].contribute_zeros()
+
+        last, self._joined_seen = collectives.join(round_, self.size, self.rank, self._joined_seen, mirror)
+        return last
 
 
 def _scale_nd(tensor: mx.nd.NDArray, factor: float) -> mx.nd.NDArray:

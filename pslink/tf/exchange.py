@@ -142,36 +142,30 @@ class Exchange:
         return self.steppers.setdefault(keys, len(self.steppers))
 
     def _join_round(self, stepper: int | None):
-        """This worker's part of a join round, started: a slot per worker (1: it joined), and in
-        the last slot ``stepper + 1`` from every worker making that reduction."""
-        vector = np.zeros(self.num_workers + 1, np.int64)
-        if stepper is None:
-            vector[self.rank] = 1
-        else:
-            vector[self.num_workers] = stepper + 1
+        """This worker's part of a join round (:func:`pslink.core.collectives.join_vector`),
+        started: (handle, vector)."""
+        vector = collectives.join_vector(self.num_workers, self.rank, stepper)
         return self.agent.pushpull("tf.join", vector, out=vector), vector
 
     def join(self) -> int:
         """This worker ran out of data: until every worker did, mirror the others' gradient
         reductions (``DistributedGradientTape``, the Keras ``DistributedOptimizer``) with zeros,
         so averages stay over every worker, as in Horovod. Returns the worker that joined last."""
-        size = self.num_workers
-        while True:
-            before = self.joined_seen.copy()
+        def round_():
             handle, vector = self._join_round(None)
             handle.wait()
-            joined = vector[:size]
-            self.joined_seen = joined.copy()
-            if joined.sum() == size:
-                newcomers = [r for r in range(size) if not before[r]]
-                return max(newcomers) if newcomers else self.rank
-            stepper = int(vector[-1]) // (size - int(joined.sum())) - 1
+            return vector
+
+        def mirror(stepper: int) -> None:
             if stepper not in self.stepped:
                 raise ConfigError(f"join: the other workers reduce gradients #{stepper}, which rank {self.rank} "
                                   "never reduced: every worker must train the same model the same way")
             keys, shapes, dtypes, average = self.stepped[stepper]
             zeros = [np.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
             self.agent.pushpull_many(keys, zeros, outs=[np.empty_like(z) for z in zeros], average=average).wait()
+
+        last, self.joined_seen = collectives.join(round_, self.num_workers, self.rank, self.joined_seen, mirror)
+        return last
 
     def broadcast(self, keys: Sequence[str], tensors: Sequence, root: int,
                   what: str = "broadcast") -> list[tf.Tensor]:

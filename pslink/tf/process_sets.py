@@ -61,6 +61,6 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def exchange_of(process_set) -> Exchange:
     """The Exchange a collective of ``process_set`` runs on (the process's for None or the global set)."""
     exchange = context.exchange()
-    if process_set is None or isinstance(process_set, process_sets.ProcessSet) and process_set.ranks is None:
+    if process_set is None:  # the common case: nothing to look up
         return exchange
     return _sets(exchange).session_for(_World(exchange), process_set).exchange

@@ -427,12 +427,7 @@ class Session:
         joined ranks) plus, in the last slot, ``optimizer_index + 1`` from every rank that is
         stepping that optimizer (so a joined rank learns which gradients to mirror). The vector
         has a slot per possible rank (the job's capacity): its shape survives a change of size."""
-        capacity = self.capacity
-        vector = np.zeros(capacity + 1, np.int64)
-        if optimizer_index is None:
-            vector[self.rank] = 1
-        else:
-            vector[capacity] = optimizer_index + 1
+        vector = collectives.join_vector(self.capacity, self.rank, optimizer_index)
         handle = self._submit([JOIN_KEY], [vector], [vector], False, "join", "do all ranks make the same calls?")
 
         def finish():
@@ -449,21 +444,17 @@ class Session:
         stepped. Returns the rank that joined last (the highest, if several joined together).
         Other collectives the remaining ranks call in the meantime are not mirrored.
         """
-        while True:
-            before = self._joined_seen.copy()
-            vector = self._wait(self.join_round_async(None))
-            joined = vector[: self.size]
-            if joined.sum() == self.size:
-                newcomers = [r for r in range(self.size) if not before[r]]
-                return max(newcomers) if newcomers else self.rank
-            active = self.size - int(joined.sum())
-            index = int(vector[-1]) // active - 1
+        def mirror(index: int) -> None:
             if not 0 <= index < len(self.optimizers):
                 raise ConfigError(
                     f"join: the other ranks stepped optimizer #{index}, but rank {self.rank} has "
                     f"{len(self.optimizers)} DistributedOptimizer(s): every rank must create the same ones"
                 )
             self.optimizers[index]._pslink.contribute_zeros()
+
+        last, self._joined_seen = collectives.join(lambda: self._wait(self.join_round_async(None)), self.size,
+                                                   self.rank, self._joined_seen, mirror)
+        return last
 
     def barrier(self, name: str = "barrier") -> None:
         self.agent.barrier(f"torch/{name}", timeout=self.timeout)
