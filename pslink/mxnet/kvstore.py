@@ -484,8 +484,12 @@ class PSLinkKVStore(KVStore):
     def _after_init(self, keys: list) -> None:
         """Wait for every worker's init, as MXNet's dist stores do (a Barrier ends each init):
         with asynchronous rounds rank 0 could otherwise train, even finish, before another
-        worker took its initial value."""
+        worker took its initial value. Not a worker that joined the job while it ran (the
+        replacement of one that died, say): the others passed that barrier long ago, and their
+        rounds now wait for it (found by a test: the two waited for each other)."""
         name = f"mxnet-init-{next(self._init_barriers)}"
+        if self._agent.late:
+            return
         self._call("init", keys, lambda: self._agent.barrier(name))
 
     def _settle(self) -> None:

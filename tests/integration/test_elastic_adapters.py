@@ -87,3 +87,72 @@ def test_mxnet_kvstore_goes_on_without_a_killed_worker(tmp_path):
 
 def test_tensorflow_allreduce_goes_on_without_a_killed_worker(tmp_path):
     check(run_two_workers(tmp_path, TF_WORKER))
+
+
+MXNET_JOINER = """
+    import os, signal, sys
+    import mxnet as mx
+    import pslink.mxnet  # registers the 'pslink' kvstore
+
+    here = {here!r}
+    died, joined, done = (os.path.join(here, name) for name in ("died", "joined", "done"))
+    kv = mx.kv.create("pslink")
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1.0))  # state on the service
+    kv.init("w", mx.nd.zeros((4,)))
+    out = mx.nd.zeros((4,))
+    kv.pull("w", out=out)
+    replacement = kv.rank == 1 and os.path.exists(died)
+    print(f"start {{out.asnumpy()[0]:.6f}} replacement {{replacement}}", flush=True)
+    if replacement:
+        open(joined, "w").close()
+    step = 0
+    while True:
+        if kv.rank == 1 and not replacement and step == 3:
+            open(died, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kv.rank == 1 and replacement and step == 5 or kv.rank == 0 and os.path.exists(done):
+            break
+        kv.push("w", mx.nd.full((4,), 1.0))
+        kv.pull("w", out=out)
+        print(f"step {{step}} w {{out.asnumpy()[0]:.6f}}", flush=True)
+        step += 1
+    if replacement:
+        open(done, "w").close()
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_that_replaces_a_killed_one_in_an_mxnet_job_starts_from_the_jobs_weights(tmp_path):
+    """Issue 23: a worker that joins a running MXNet job gets its state. With the optimizer on the
+    service (kv.set_optimizer), the weights and the optimizer's state (momentum) live there: the
+    replacement of a killed rank 1 (``pslink launch --max-restarts 1``) pulls the job's current
+    weights, not its init's zeros, and from then on both ranks see the same weights each round.
+    Before, the two waited for each other: the replacement in kv.init's barrier, which the others
+    had passed long ago, the others in rounds that now counted the replacement."""
+    script = tmp_path / "joiner.py"
+    script.write_text(textwrap.dedent(MXNET_JOINER.format(here=str(tmp_path))))
+    env = dict(os.environ, PSLINK_TIMEOUT="60",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    command = [sys.executable, "-m", "pslink.cli", "launch", "--min-np", "1", "--max-np", "2", "-n", "2",
+               "--max-restarts", "1", "--heartbeat-timeout", "2", sys.executable, str(script)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, env=env, cwd=str(REPO))
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"the job hung:\n{out}") from None
+    assert proc.returncode == 0, out
+    lines = {rank: [line.split("]: ", 1)[1] for line in out.splitlines() if line.startswith(f"[rank{rank}]: ")]
+             for rank in (0, 1)}
+    starts = [line for line in lines[1] if line.startswith("start ")]
+    assert starts[0] == "start 0.000000 replacement False" and len(starts) == 2, out
+    joined_at = float(starts[1].split()[1])
+    seen_by_0 = [float(line.split()[-1]) for line in lines[0] if line.startswith("step ")]
+    assert joined_at < 0 and joined_at in seen_by_0, out  # the job's weights, as rank 0 had them
+    after = lines[1][lines[1].index(starts[1]):]
+    replacement_steps = [float(line.split()[-1]) for line in after if line.startswith("step ")]
+    assert len(replacement_steps) == 5 and set(replacement_steps) <= set(seen_by_0), out  # the same rounds
+    assert "[rank0]: done" in out and lines[1][-1] == "done"
