@@ -1,0 +1,4 @@
+"""``horovod.tensorflow.keras``: pslink.tf.keras."""
+
+from pslink.tf.keras import *  # noqa: F401,F403
+from pslink.tf.keras import __all__, callbacks  # noqa: F401
