@@ -559,7 +559,7 @@ class Master:
                 peer.reply(req)  # renews its lease (pslink.core.aggregator.master_link)
 
     def _aggregator_joined(self, peer: RpcPeer, record: AggregatorRecord, req: dict) -> None:
-        """An Aggregator was admitted (:class:`Joining`): into the plan (in its placeholder, if any)."""
+        """Admitted (:class:`Joining`): into the plan, its deferred and restored assignments, who waits for it."""
         placeholder = self.pool.allocating.pop(record.name, None)
         self.state.aggregator_joined(record.name, placeholder)
         if req.get("keep"):
