@@ -375,7 +375,6 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         # Horovod's TensorFlow API has none either: its ops run asynchronously in the graph.
         **{name: "asynchronous collectives with handles are torch's only (Horovod's TensorFlow API has none)"
            for name in ("allgather_async", "grouped_allreduce_async")},
-        "DistributedOptimizer": "Keras 3's optimizer is wrapped in pslink.tf.keras; TF1's is not offered",
     },
     "pslink.mxnet.horovod": {
         # Horovod's MXNet API has no handles either (its collectives return when done).

@@ -56,6 +56,7 @@ from pslink.tf.context import (
 from pslink.tf.ops import (
     Compression,
     DistributedGradientTape,
+    DistributedOptimizer,
     allgather,
     allgather_object,
     allreduce,
@@ -75,6 +76,7 @@ __all__ = [
     "Adasum",
     "Average",
     "DistributedGradientTape",
+    "DistributedOptimizer",
     "HorovodInternalError",
     "Max",
     "Min",

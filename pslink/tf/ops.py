@@ -26,7 +26,7 @@ from typing import Self
 import tensorflow as tf
 
 from pslink.core import collectives
-from pslink.core.collectives import Average
+from pslink.core.collectives import Average, Sum
 from pslink.errors import ConfigError
 from pslink.tf import context
 from pslink.tf.exchange import SiteKeys, describe, service_key, unique_names, variable_name
@@ -190,6 +190,29 @@ def _source_name(source, index: int) -> str:
     if not tf.executing_eagerly() and hasattr(source, "name"):
         return source.name
     return f"source{index}"
+
+
+def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool = False, device_dense: str = "",
+                         device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
+                         backward_passes_per_step: int = 1, op=Average):
+    """Horovod's ``horovod.tensorflow.DistributedOptimizer`` for a Keras optimizer: the Keras
+    wrapper (:func:`pslink.tf.keras.DistributedOptimizer`), averaging (``op=hvd.Sum``: summing)
+    the gradients over the workers. TF1's ``tf.compat.v1.train`` optimizers are refused, naming
+    what to use instead; so are options this wrapper does not carry out."""
+    import keras
+
+    from pslink.tf.keras.optimizer import DistributedOptimizer as keras_distributed
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ConfigError(f"pslink.tf.DistributedOptimizer wraps Keras optimizers, got {type(optimizer).__name__}; "
+                          "TF1's tf.compat.v1.train optimizers are not offered: take the gradients with "
+                          "pslink.tf.DistributedGradientTape and apply them with the optimizer")
+    if op not in (Average, Sum):
+        raise ConfigError(f"DistributedOptimizer takes op=Average or op=Sum, got {op!r}")
+    if compression is not Compression.none or backward_passes_per_step != 1:
+        raise ConfigError("pslink.tf.DistributedOptimizer: compression and backward_passes_per_step are not "
+                          "offered for Keras optimizers; use DistributedGradientTape(tape, compression=...)")
+    return keras_distributed(optimizer, average=op is Average, name=name)
 
 
 class DistributedGradientTape:

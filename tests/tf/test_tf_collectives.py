@@ -63,3 +63,5 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         else:
             assert "rank 0 is not in ProcessSet" in report["set_alone"]
         assert report["set_removed"] == [True, False] and report["set_world"] == [3.0]
+        assert report["tf_optimizer"] == [0.25, -0.5]  # 1 - 0.5 x 1.5 x [1, 2]
+        assert "TF1's tf.compat.v1.train optimizers are not offered" in report["tf1_optimizer"]

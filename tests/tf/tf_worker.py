@@ -251,6 +251,7 @@ def run_collectives(rank, outdir):
     report.update(row_collectives(rank))
     report.update(uneven_join(rank))
     report.update(process_sets(rank))
+    report.update(horovod_tf_optimizer(rank))
     hvd.barrier()
     try:
         hvd.broadcast_object("x", root_rank=WORKERS)
@@ -261,6 +262,19 @@ def run_collectives(rank, outdir):
     hvd.shutdown()
     print(f"rank {rank} done", flush=True)
     return 0
+
+
+def horovod_tf_optimizer(rank):
+    """horovod.tensorflow's DistributedOptimizer: a Keras optimizer's, a TF1 one refused."""
+    x = tf.Variable([1.0, 1.0])
+    optimizer = pslink.tf.DistributedOptimizer(keras.optimizers.SGD(0.5), name="tfopt")
+    optimizer.apply_gradients([(tf.constant([1.0, 2.0]) * (rank + 1), x)])  # the average: 1.5 x [1, 2]
+    out = {"tf_optimizer": x.numpy().tolist()}
+    try:
+        pslink.tf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    except PslinkError as exc:
+        out["tf1_optimizer"] = str(exc)
+    return out
 
 
 def process_sets(rank):
