@@ -94,8 +94,26 @@ def _allreduce(tensor: tf.Tensor, average: bool | None, name: str | None, op, pr
         return {collectives.Min: tf.reduce_min, collectives.Max: tf.reduce_max,
                 collectives.Product: tf.reduce_prod}[op](rows, axis=0)
     key = service_key("tf.allreduce", name) if name else _unnamed_allreduce.keys([tensor])[0]
-    return exchange_of(process_set).sum([key], [tensor], average=op is Average,
-                                        what=f"allreduce {name or ''}".strip())[0]
+    exchange, what = exchange_of(process_set), f"allreduce {name or ''}".strip()
+
+    def reduce(value, on):
+        return exchange.sum([on], [value], average=op is Average, what=what)[0]
+
+    # As Horovod's: the gradient of an all-reduce is the all-reduce (the same op) of the gradients.
+    return _differentiable(tensor, lambda x: reduce(x, key), lambda dy: reduce(dy, f"{key}/grad"))
+
+
+def _differentiable(tensor: tf.Tensor, forward, backward) -> tf.Tensor:
+    """``forward(tensor)``, whose gradient (in a GradientTape) is ``backward(upstream)``, as Horovod
+    registers a gradient for each of its ops. Integer tensors have none."""
+    if not tensor.dtype.is_floating:
+        return forward(tensor)
+
+    @tf.custom_gradient
+    def op(x):
+        return forward(x), backward
+
+    return op(tensor)
 
 
 def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None, op=None,
@@ -114,7 +132,15 @@ def allgather(tensor, name: str | None = None, process_set=None) -> tf.Tensor:
     bring different numbers of rows (the other dimensions must agree)."""
     tensor = tf.convert_to_tensor(tensor)
     key = service_key("tf.allgather", name) if name else _unnamed_allgather.keys([tensor])[0]
-    return exchange_of(process_set).allgather(tensor, key, what=f"allgather {name or ''}".strip())
+    exchange, what = exchange_of(process_set), f"allgather {name or ''}".strip()
+
+    def backward(dy):  # as Horovod's: the gradients summed over the workers, this worker's rows
+        summed = exchange.sum([f"{key}/grad"], [dy], what=what)[0]
+        rows = exchange.allgather(tf.shape(tensor, out_type=tf.int64)[:1], f"{key}/grad.rows", what)
+        start = tf.reduce_sum(rows[: exchange.rank])
+        return summed[start:start + rows[exchange.rank]]
+
+    return _differentiable(tensor, lambda x: exchange.allgather(x, key, what=what), backward)
 
 
 def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None, process_set=None):
@@ -146,7 +172,13 @@ def broadcast(tensor, root_rank: int = 0, name: str | None = None, process_set=N
     """``root_rank``'s value of ``tensor``, on every worker."""
     tensor = tf.convert_to_tensor(tensor)
     key = service_key("tf.broadcast", name) if name else _unnamed_broadcast.keys([tensor])[0]
-    return exchange_of(process_set).broadcast([key], [tensor], root_rank, what=f"broadcast {name or ''}".strip())[0]
+    exchange, what = exchange_of(process_set), f"broadcast {name or ''}".strip()
+
+    def backward(dy):  # as Horovod's: the gradients summed over the workers, to the root alone
+        summed = exchange.sum([f"{key}/grad"], [dy], what=what)[0]
+        return summed if exchange.rank == root_rank else tf.zeros_like(summed)
+
+    return _differentiable(tensor, lambda x: exchange.broadcast([key], [x], root_rank, what=what)[0], backward)
 
 
 @tf.autograph.experimental.do_not_convert

@@ -64,4 +64,11 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
             assert "rank 0 is not in ProcessSet" in report["set_alone"]
         assert report["set_removed"] == [True, False] and report["set_world"] == [3.0]
         assert report["tf_optimizer"] == [0.25, -0.5]  # 1 - 0.5 x 1.5 x [1, 2]
+        # gradients as Horovod's: an all-reduce's is the all-reduce of the upstream ones; an
+        # allgather's, the upstream summed over the workers, this worker's rows; a broadcast's, the
+        # upstream summed, to the root alone (each then times the rank + 1 the value was scaled by)
+        assert report["d_sum"] == ([2.0, 2.0] if rank == 0 else [4.0, 4.0])
+        assert report["d_mean"] == [1.0, 1.0]
+        assert report["d_gather"] == ([2.0, 4.0] if rank == 0 else [12.0, 16.0])
+        assert report["d_bcast"] == ([2.0, 2.0] if rank == 0 else [0.0, 0.0])
         assert "TF1's tf.compat.v1.train optimizers are not offered" in report["tf1_optimizer"]

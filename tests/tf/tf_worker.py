@@ -252,6 +252,7 @@ def run_collectives(rank, outdir):
     report.update(uneven_join(rank))
     report.update(process_sets(rank))
     report.update(horovod_tf_optimizer(rank))
+    report.update(differentiable(rank))
     hvd.barrier()
     try:
         hvd.broadcast_object("x", root_rank=WORKERS)
@@ -262,6 +263,18 @@ def run_collectives(rank, outdir):
     hvd.shutdown()
     print(f"rank {rank} done", flush=True)
     return 0
+
+
+def differentiable(rank):
+    """Gradients through allreduce, allgather and broadcast (Horovod registers one for each)."""
+    x = tf.Variable([1.0, 2.0])
+    with tf.GradientTape(persistent=True) as tape:
+        total = tf.reduce_sum(hvd.allreduce(x * (rank + 1.0), op=hvd.Sum, name="d.sum"))
+        mean = tf.reduce_sum(hvd.allreduce(x, name="d.mean"))
+        gathered = tf.reduce_sum(hvd.allgather(x * (rank + 1.0), name="d.gather") * tf.constant([1.0, 2.0, 3.0, 4.0]))
+        broadcast = tf.reduce_sum(hvd.broadcast(x * (rank + 1.0), root_rank=0, name="d.bcast"))
+    return {f"d_{what}": tape.gradient(value, x).numpy().tolist()
+            for what, value in (("sum", total), ("mean", mean), ("gather", gathered), ("bcast", broadcast))}
 
 
 def horovod_tf_optimizer(rank):
