@@ -71,4 +71,7 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         assert report["d_mean"] == [1.0, 1.0]
         assert report["d_gather"] == ([2.0, 4.0] if rank == 0 else [12.0, 16.0])
         assert report["d_bcast"] == ([2.0, 2.0] if rank == 0 else [0.0, 0.0])
+        # warmup over 2 epochs of 2 batches from 0.2 / 2 workers to 0.2, then the schedule's 0.2 x 0.5
+        assert report["lr_seen"] == [0.125, 0.15, 0.175, 0.2, 0.1, 0.1]
+        assert report["lr_logged"] == [0.15, 0.2, 0.1]
         assert "TF1's tf.compat.v1.train optimizers are not offered" in report["tf1_optimizer"]

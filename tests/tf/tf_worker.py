@@ -253,6 +253,7 @@ def run_collectives(rank, outdir):
     report.update(process_sets(rank))
     report.update(horovod_tf_optimizer(rank))
     report.update(differentiable(rank))
+    report.update(lr_callbacks())
     hvd.barrier()
     try:
         hvd.broadcast_object("x", root_rank=WORKERS)
@@ -263,6 +264,19 @@ def run_collectives(rank, outdir):
     hvd.shutdown()
     print(f"rank {rank} done", flush=True)
     return 0
+
+
+def lr_callbacks():
+    """Horovod's learning-rate warmup and schedule callbacks: the rate each batch trains with."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: seen.append(round(float(model.optimizer.learning_rate.numpy()), 6)))
+    history = model.fit(np.ones((8, 2), np.float32), np.ones((8, 1), np.float32), batch_size=4, epochs=3, verbose=0,
+                        callbacks=[hvd.callbacks.LearningRateWarmupCallback(0.2, warmup_epochs=2),
+                                   hvd.callbacks.LearningRateScheduleCallback(0.2, 0.5, start_epoch=2), record])
+    return {"lr_seen": seen, "lr_logged": [round(v, 6) for v in history.history["lr"]]}
 
 
 def differentiable(rank):

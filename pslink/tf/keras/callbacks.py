@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from pslink.errors import ConfigError
 from pslink.tf import context
 from pslink.tf.exchange import service_key
 from pslink.tf.ops import broadcast_variables
@@ -56,6 +57,76 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[name] = float(value)
 
 
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Horovod's: from ``start_epoch`` until ``end_epoch`` (None: the end), the optimizer's
+    learning rate is ``initial_lr * multiplier(epoch)``, set at each epoch's first batch
+    (``staircase``), or at every batch with a fractional epoch (``staircase=False``; ``multiplier``
+    must then be callable). A number as ``multiplier`` is a constant factor. The rate goes into the
+    epoch's logs as ``lr``. ``momentum_correction`` is accepted and not applied: Keras 3 compiles an
+    optimizer's momentum into its step as a constant."""
+
+    def __init__(self, initial_lr: float, multiplier, start_epoch: int = 0, end_epoch: int | None = None,
+                 staircase: bool = True, momentum_correction: bool = True, steps_per_epoch: int | None = None):
+        super().__init__()
+        if initial_lr is None:
+            raise ConfigError("LearningRateScheduleCallback needs initial_lr (the rate the multiplier scales)")
+        self.initial_lr, self.start_epoch, self.end_epoch = float(initial_lr), start_epoch, end_epoch
+        self.staircase = staircase or not callable(multiplier)
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+
+    def on_train_begin(self, logs=None):
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.staircase and not self.steps_per_epoch:
+            raise ConfigError(f"{type(self).__name__}: steps_per_epoch is needed (Keras does not know it here)")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        epoch = self.current_epoch
+        if epoch < self.start_epoch or self.end_epoch is not None and epoch >= self.end_epoch:
+            return
+        if self.staircase:
+            if batch == 0:
+                self._set(epoch)
+        else:
+            self._set(epoch + batch / self.steps_per_epoch)
+
+    def _set(self, epoch: float) -> None:
+        self.model.optimizer.learning_rate.assign(self.initial_lr * self.multiplier(epoch))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = float(self.model.optimizer.learning_rate.numpy())
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Horovod's warmup (Goyal et al., 2017): over ``warmup_epochs`` the learning rate rises from
+    ``initial_lr / size`` to ``initial_lr`` (the rate scaled for ``size`` workers), batch by batch;
+    ``verbose`` says when it is done."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0):
+        def multiplier(epoch: float) -> float:
+            size = context.size()
+            # epoch + one step: each epoch ends on a round number of the ramp, as Horovod's does
+            return (1.0 + (epoch + 1.0 / self.steps_per_epoch) * (size - 1) / warmup_epochs) / size
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if self.verbose and epoch == self.end_epoch - 1:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                  f"{float(self.model.optimizer.learning_rate.numpy()):g}.")
+
+
 def _is_number(value) -> bool:
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         return True
@@ -63,4 +134,5 @@ def _is_number(value) -> bool:
     return shape is not None and tuple(shape) == () and np.issubdtype(np.asarray(value).dtype, np.number)
 
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback"]
+__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+           "MetricAverageCallback"]
