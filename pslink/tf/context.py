@@ -107,6 +107,8 @@ def shutdown() -> None:
     with _process.lock:
         exchange, owned = _process.exchange, _process.owned
         _process.exchange, _process.owned = None, False
+    if exchange is not None and exchange.process_sets is not None:
+        exchange.process_sets.close()  # the sets' jobs are this process's own, whoever made the Agent
     if exchange is not None and owned:
         exchange.agent.close()
 

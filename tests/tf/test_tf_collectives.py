@@ -63,6 +63,7 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         else:
             assert "rank 0 is not in ProcessSet" in report["set_alone"]
         assert report["set_removed"] == [True, False] and report["set_world"] == [3.0]
+        assert report["set_closed_at_shutdown"] is True  # a set's job is left with the process's
         assert report["tf_optimizer"] == [0.25, -0.5]  # 1 - 0.5 x 1.5 x [1, 2]
         # gradients as Horovod's: an all-reduce's is the all-reduce of the upstream ones; an
         # allgather's, the upstream summed over the workers, this worker's rows; a broadcast's, the

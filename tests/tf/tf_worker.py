@@ -260,8 +260,10 @@ def run_collectives(rank, outdir):
     except PslinkError as exc:
         report["bad_root"] = str(exc)
     with open(os.path.join(outdir, f"collectives_rank{rank}.json"), "w") as f:
+        set_agent = report.pop("set_agent")
+        hvd.shutdown()
+        report["set_closed_at_shutdown"] = set_agent.closed
         json.dump(report, f)
-    hvd.shutdown()
     print(f"rank {rank} done", flush=True)
     return 0
 
@@ -325,6 +327,7 @@ def process_sets(rank):
             out["set_alone"] = str(exc)
     out["set_removed"] = [hvd.remove_process_set(alone), hvd.remove_process_set(alone)]
     out["set_world"] = hvd.allreduce(x, op=hvd.Sum, name="after_sets").numpy().tolist()
+    out["set_agent"] = both.session.agent  # shutdown() closes it (popped before the report is written)
     return out
 
 
