@@ -120,10 +120,15 @@ def grouped_allreduce(tensors, average: bool | None = None, name: str | None = N
                       compression=Compression.none, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set=None) -> list[tf.Tensor]:
     """:func:`allreduce` of each of ``tensors`` (``name.i`` each, when ``name`` is given)."""
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise ConfigError(f"grouped_allreduce takes a non-empty list of tensors, got {type(tensors).__name__}")
+    tensor_list(tensors, "grouped_allreduce")
     return [allreduce(t, average, None if name is None else f"{name}.{i}", op, compression, prescale_factor,
                       postscale_factor, process_set) for i, t in enumerate(tensors)]
+
+
+def tensor_list(tensors, what: str) -> None:
+    """A grouped call's tensors: a non-empty list (or tuple), else an error naming ``what``."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ConfigError(f"{what} takes a non-empty list of tensors, got {type(tensors).__name__}")
 
 
 @tf.autograph.experimental.do_not_convert

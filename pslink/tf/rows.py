@@ -14,7 +14,7 @@ import tensorflow as tf
 from pslink.core import collectives
 from pslink.core.collectives import Average, Sum
 from pslink.errors import ConfigError
-from pslink.tf.ops import allgather, allreduce, scaled
+from pslink.tf.ops import allgather, allreduce, tensor_list
 from pslink.tf.process_sets import exchange_of
 
 
@@ -34,9 +34,8 @@ def reducescatter(tensor, op=Average, name: str | None = None, prescale_factor: 
         raise ConfigError(f"reducescatter takes op=Average or op=Sum, got {op!r}")
     tensor = tf.convert_to_tensor(tensor)
     _rows_of(tensor, "reducescatter")
-    reduced = allreduce(scaled(tensor, prescale_factor), name=None if name is None else f"reducescatter.{name}", op=op,
-                        process_set=process_set)
-    reduced = scaled(reduced, postscale_factor)
+    reduced = allreduce(tensor, name=None if name is None else f"reducescatter.{name}", op=op,
+                        prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
     exchange = exchange_of(process_set)
     size, rank = exchange.num_workers, exchange.rank
     rows = tf.shape(reduced, out_type=tf.int64)[0]
@@ -48,14 +47,14 @@ def reducescatter(tensor, op=Average, name: str | None = None, prescale_factor: 
 def grouped_reducescatter(tensors, op=Average, name: str | None = None, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0, process_set=None) -> list[tf.Tensor]:
     """:func:`reducescatter` of each of ``tensors`` (``name.i`` each, when ``name`` is given)."""
-    _check_list(tensors, "grouped_reducescatter")
+    tensor_list(tensors, "grouped_reducescatter")
     return [reducescatter(t, op, None if name is None else f"{name}.{i}", prescale_factor, postscale_factor,
                           process_set) for i, t in enumerate(tensors)]
 
 
 def grouped_allgather(tensors, name: str | None = None, process_set=None) -> list[tf.Tensor]:
     """:func:`~pslink.tf.ops.allgather` of each of ``tensors`` (``name.i`` each, when given)."""
-    _check_list(tensors, "grouped_allgather")
+    tensor_list(tensors, "grouped_allgather")
     return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
 
 
@@ -90,8 +89,3 @@ def alltoall(tensor, splits=None, name: str | None = None, process_set=None) -> 
     counts = table[:, rank]
     received = tf.concat([everything[starts[s]:starts[s] + counts[s]] for s in range(size)], axis=0)
     return received, tf.cast(counts, tf.int32)
-
-
-def _check_list(tensors, what: str) -> None:
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise ConfigError(f"{what} takes a non-empty list of tensors, got {type(tensors).__name__}")
