@@ -353,6 +353,12 @@ def cross_size(size: int, local_size: int) -> int:
     return max(size // max(local_size, 1), 1)
 
 
+def is_homogeneous(size: int, local_size: int) -> bool:
+    """Whether every machine runs ``local_size`` of the ``size`` ranks (as cross_rank and
+    cross_size assume; ``pslink launch --nnodes`` starts the same number on each)."""
+    return local_size >= 1 and size % local_size == 0
+
+
 # The names of Horovod's API (horovod.torch, horovod.tensorflow and horovod.mxnet share them) that
 # every pslink adapter offering Horovod's API must export, with Horovod's meaning.
 HOROVOD_NAMES = frozenset({
@@ -366,6 +372,34 @@ HOROVOD_NAMES = frozenset({
     "reducescatter", "alltoall", "add_process_set", "remove_process_set", "ProcessSet", "global_process_set",
     "Compression", "DistributedOptimizer",
 })
+
+# The public names of Horovod 0.28.1's modules (their __init__.py, read from its sdist; helpers a
+# module imports for itself, such as check_extension, split_list or vars_to_refs, left out):
+# each adapter offers every one of its module's, but the gaps listed below.
+HOROVOD_MODULE_NAMES: dict[str, frozenset] = {
+    "pslink.torch": frozenset({
+        "HorovodInternalError", "SyncBatchNorm", "allgather_async", "allreduce_", "allreduce_async",
+        "allreduce_async_", "alltoall_async", "barrier", "broadcast_", "broadcast_async", "broadcast_async_",
+        "broadcast_optimizer_state", "broadcast_parameters", "elastic", "grouped_allgather_async",
+        "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+        "grouped_reducescatter_async", "poll", "reducescatter_async", "sparse_allreduce_async", "start_timeline",
+        "stop_timeline", "synchronize"}),
+    "pslink.tf": frozenset({
+        "BroadcastGlobalVariablesHook", "DistributedGradientTape", "PartialDistributedGradientTape",
+        "SyncBatchNormalization", "broadcast_", "broadcast_global_variables", "broadcast_object_fn",
+        "broadcast_variables", "elastic", "grouped_reducescatter", "is_homogeneous", "local_rank_op",
+        "local_size_op", "process_set_included_op", "rank_op", "size_op", "start_timeline", "stop_timeline"}),
+    "pslink.tf.keras": frozenset({
+        "broadcast_global_variables", "callbacks", "elastic", "load_model", "reducescatter", "start_timeline",
+        "stop_timeline"}),
+    "pslink.tf.keras.callbacks": frozenset({
+        "BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
+        "LearningRateWarmupCallback", "MetricAverageCallback"}),
+    "pslink.mxnet.horovod": frozenset({
+        "DistributedTrainer", "allreduce_", "broadcast_", "broadcast_parameters", "grouped_allreduce_",
+        "grouped_reducescatter", "start_timeline", "stop_timeline"}),
+}
+# (each set above holds the names beyond HOROVOD_NAMES, which every module but the callbacks' has)
 
 # Names of HOROVOD_NAMES an adapter does not offer yet, and why (the test also checks that each
 # listed name is really missing, so that this stays true as names are added).
@@ -385,5 +419,8 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         # Horovod's TensorFlow API has none either: its ops run asynchronously in the graph.
         **{name: "asynchronous collectives with handles are torch's only (Horovod's TensorFlow API has none)"
            for name in ("allgather_async", "grouped_allreduce_async")},
+        "elastic": "TensorFlow's elastic training (hvd.elastic.run with a Keras state) is not written",
     },
+    "pslink.tf.keras.callbacks": {},
 }
+HOROVOD_GAPS["pslink.tf"]["elastic"] = HOROVOD_GAPS["pslink.tf.keras"]["elastic"]

@@ -35,6 +35,7 @@ from pslink.errors import PslinkError as HorovodInternalError  # noqa: F401  (a 
 
 
 __all__ = [
+    "start_timeline", "stop_timeline",
     "Adasum", "Average", "Compression", "DistributedOptimizer", "ProcessSet", "add_process_set",
     "global_process_set", "remove_process_set", "DistributedTrainer", "HorovodInternalError", "Max", "Min",
     "Product", "Session", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",
@@ -288,6 +289,16 @@ def _session_of(process_set) -> Session:
 
 def is_initialized() -> bool:
     return _holder.session is not None
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's: record this worker's requests to a Chrome trace at ``file_path`` from now on
+    (rank 0 writes ``file_path``, rank R ``file_path.rankR``); ``mark_cycles`` marks iterations."""
+    current_session().agent.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    current_session().agent.stop_timeline()
 
 
 def rank() -> int:

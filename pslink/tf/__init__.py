@@ -9,7 +9,8 @@ One line for ``tf.distribute`` users (Keras ``model.fit`` or a custom loop, unch
 
 Horovod users change the import (``import pslink.tf as hvd``): ``init``, ``rank``, ``size``,
 ``allreduce``, ``allgather``, ``broadcast``, ``broadcast_variables``, ``broadcast_object``,
-``allgather_object``, ``barrier``, ``DistributedGradientTape``, and in ``pslink.tf.keras``:
+``allgather_object``, ``barrier``, ``DistributedGradientTape``, ``SyncBatchNormalization``, ... and in
+``pslink.tf.keras``:
 ``DistributedOptimizer`` and the callbacks ``BroadcastGlobalVariablesCallback`` and
 ``MetricAverageCallback`` (the names offered are checked against
 ``pslink.core.collectives.HOROVOD_NAMES``). Run the script with ``pslink launch -n N python train.py``.
@@ -53,10 +54,25 @@ from pslink.tf.context import (
     shutdown,
     size,
 )
+from pslink.tf.functions import (
+    BroadcastGlobalVariablesHook,
+    broadcast_,
+    broadcast_global_variables,
+    broadcast_object_fn,
+    is_homogeneous,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    size_op,
+    start_timeline,
+    stop_timeline,
+)
 from pslink.tf.ops import (
     Compression,
     DistributedGradientTape,
     DistributedOptimizer,
+    PartialDistributedGradientTape,
     allgather,
     allgather_object,
     allreduce,
@@ -69,10 +85,25 @@ from pslink.tf.ops import (
 )
 from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, reducescatter
 from pslink.tf.strategy import ParameterServiceStrategy
+from pslink.tf.sync_batch_norm import SyncBatchNormalization
 from pslink.tf.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
 
 __all__ = [
+    "BroadcastGlobalVariablesHook",
+    "PartialDistributedGradientTape",
+    "SyncBatchNormalization",
+    "broadcast_",
+    "broadcast_global_variables",
+    "broadcast_object_fn",
+    "is_homogeneous",
+    "local_rank_op",
+    "local_size_op",
+    "process_set_included_op",
+    "rank_op",
+    "size_op",
+    "start_timeline",
+    "stop_timeline",
     "Adasum",
     "Average",
     "DistributedGradientTape",

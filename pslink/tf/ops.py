@@ -29,7 +29,7 @@ from pslink.core import collectives
 from pslink.core.collectives import Average, Sum
 from pslink.errors import ConfigError
 from pslink.tf import context
-from pslink.tf.exchange import SiteKeys, describe, service_key, unique_names, variable_name
+from pslink.tf.exchange import Exchange, SiteKeys, describe, service_key, unique_names, variable_name
 from pslink.tf.process_sets import exchange_of
 
 class _FP16Compressor:
@@ -199,12 +199,13 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
 
 @tf.autograph.experimental.do_not_convert
 def allreduce_gradients(grads: Sequence, variables: Sequence, average: bool = True, prefix: str = "",
-                        what: str = "gradient all-reduce") -> list:
-    """Average (or sum) ``grads`` over the workers, keyed by their variables' names; None stays None."""
+                        what: str = "gradient all-reduce", exchange: Exchange | None = None) -> list:
+    """Average (or sum) ``grads`` over the workers (of ``exchange``: by default the process's),
+    keyed by their variables' names; None stays None."""
     grads, variables = list(grads), list(variables)
     if len(grads) != len(variables):
         raise ConfigError(f"{what}: {len(grads)} gradients for {len(variables)} variables")
-    exchange = context.exchange()
+    exchange = exchange or context.exchange()
     if exchange.num_workers == 1:
         return grads
     names = unique_names([_source_name(v, i) for i, v in enumerate(variables)])
@@ -257,17 +258,38 @@ class DistributedGradientTape:
 
     Wrap a tape after recording (``tape = DistributedGradientTape(tape)``) or before
     (``with DistributedGradientTape(tf.GradientTape()) as tape:``). Everything but ``gradient``
-    is the wrapped tape's. ``name`` prefixes the keys, to tell apart two tapes over the same
-    variables; ``average=False`` sums instead."""
+    is the wrapped tape's. Horovod's arguments: ``op`` (Average or Sum), ``compression``,
+    ``gradient_predivide_factor`` (divides before the sum, multiplies after), ``process_set``
+    (among its workers only); ``device_*``, ``sparse_as_dense`` (sparse gradients travel dense
+    here either way), ``num_groups`` and ``groups`` (the requests are fused anyway) change
+    nothing. :meth:`register_local_source` keeps a variable's gradient local (divided by the
+    number of workers, as Horovod's ``scale_local_gradients``). pslink's own keywords: ``name``
+    prefixes the keys (to tell apart two tapes over the same variables); ``average=False`` is
+    ``op=Sum``."""
 
-    def __init__(self, tape: tf.GradientTape, average: bool = True, name: str | None = None,
-                 compression=Compression.none):
+    def __init__(self, tape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                 compression=Compression.none, sparse_as_dense: bool = False, op=None,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None, process_set=None,
+                 scale_local_gradients: bool = True, *, average: bool | None = None, name: str | None = None):
+        if isinstance(tape, DistributedGradientTape):
+            tape = tape._tape
         if not isinstance(tape, tf.GradientTape):
             raise ConfigError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
+        op = collectives.reduce_op(op, average)
+        if op not in (Average, Sum):
+            raise ConfigError(f"DistributedGradientTape takes op=Average or op=Sum, got {op!r}")
+        if not gradient_predivide_factor > 0:
+            raise ConfigError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
+        if gradient_predivide_factor != 1.0 and op is not Average:
+            raise ConfigError("gradient_predivide_factor needs op=Average")
         self._tape = tape
-        self._average = average
+        self._average = op is Average
+        self._predivide = float(gradient_predivide_factor)
         self._prefix = f"{name}/" if name else ""
         self._compression = compression
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._local_sources: dict = {}
 
     def __enter__(self) -> Self:
         self._tape.__enter__()
@@ -279,14 +301,58 @@ class DistributedGradientTape:
     def __getattr__(self, attribute):
         return getattr(self._tape, attribute)
 
+    def register_local_source(self, source) -> None:
+        """Keep ``source``'s gradient on this worker: not reduced (divided by the number of
+        workers if ``scale_local_gradients``)."""
+        self._local_sources[_ref(source)] = source  # held: an id stays this variable's
+
     @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
-        flat_sources = tf.nest.flatten(sources)
-        packed = [None if g is None else self._compression.compress(g) for g in tf.nest.flatten(grads)]
-        reduced = allreduce_gradients([None if p is None else p[0] for p in packed], flat_sources, self._average,
-                                      self._prefix, what="DistributedGradientTape.gradient")
-        reduced = [r if p is None else self._compression.decompress(r, p[1]) for r, p in zip(reduced, packed)]
-        return tf.nest.pack_sequence_as(grads, reduced)
+        flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
+        local = [_ref(s) in self._local_sources for s in flat_sources]
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        packed = [None if flat_grads[i] is None
+                  else self._compression.compress(scaled(flat_grads[i], 1 / self._predivide)) for i in shared]
+        reduced = allreduce_gradients([None if p is None else p[0] for p in packed], [flat_sources[i] for i in shared],
+                                      self._average, self._prefix, what="DistributedGradientTape.gradient",
+                                      exchange=exchange_of(self.process_set))
+        out = list(flat_grads)
+        for i, r, p in zip(shared, reduced, packed):
+            out[i] = None if p is None else scaled(self._compression.decompress(r, p[1]), self._predivide)
+        if self.scale_local_gradients and any(local):
+            workers = exchange_of(self.process_set).num_workers
+            for i in (i for i, is_local in enumerate(local) if is_local and out[i] is not None):
+                grad = out[i]
+                out[i] = (tf.IndexedSlices(grad.values / workers, grad.indices, grad.dense_shape)
+                          if isinstance(grad, tf.IndexedSlices) else grad / workers)
+        return tf.nest.pack_sequence_as(grads, out)
+
+
+def _ref(source):
+    """A hashable handle of a variable: tf's ``ref()``; a Keras 3 variable has none (its id)."""
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                                   compression=Compression.none, sparse_as_dense: bool = False, op=None,
+                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                                   process_set=None, local_layers=None,
+                                   scale_local_gradients: bool = True) -> DistributedGradientTape:
+    """A :class:`DistributedGradientTape` that keeps the gradients of ``local_layers`` (Keras
+    layers, one or a list) on each worker, as Horovod's."""
+    import keras
+
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ConfigError("All local layers must be of tf.keras.layers.Layer type.")  # Horovod's words
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    for variable in (v for layer in local_layers for v in layer.trainable_weights):
+        tape.register_local_source(variable)
+    return tape

@@ -54,6 +54,8 @@ from pslink.torch.horovod import (  # noqa: E402
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     init,
     is_initialized,
     join,
@@ -76,8 +78,11 @@ from pslink.torch.horovod import (  # noqa: E402
     shutdown,
     size,
     sparse_allreduce_async,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
+from pslink.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402
 from pslink.torch.embedding import Embedding, EmbeddingBag  # noqa: E402  (tables on the service)
 from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work, WorkGroup  # noqa: E402
 from pslink.core.collectives import Max, Min, Product  # noqa: E402
@@ -130,6 +135,8 @@ __all__ = [
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "broadcast",
     "broadcast_",
     "broadcast_async",
@@ -167,5 +174,8 @@ __all__ = [
     "shutdown",
     "size",
     "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
+    "SyncBatchNorm",
     "synchronize",
 ]

@@ -316,15 +316,46 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Re
 
 
 def reducescatter(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
-                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """``tensor`` reduced over all ranks (Average or Sum), this rank's share of its rows."""
-    return _session_of(process_set).reducescatter(tensor, name, reduce_op(op))
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """``tensor`` reduced over all ranks (Average or Sum), this rank's share of its rows;
+    ``prescale_factor`` multiplies ``tensor`` before, ``postscale_factor`` the share after."""
+    return _session_of(process_set).reducescatter(tensor, name, reduce_op(op), prescale_factor, postscale_factor)
 
 
 def reducescatter_async(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
-                        process_set: ProcessSet = global_process_set) -> Work:
-    result = reducescatter(tensor, op, name, process_set=process_set)
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Work:
+    result = reducescatter(tensor, op, name, process_set, prescale_factor, postscale_factor)
     return Work.finished(result, f"reducescatter {name!r}")
+
+
+def grouped_reducescatter(tensors, op: ReduceOp | None = None, name: str | None = None,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list:
+    """:func:`reducescatter` of each tensor of ``tensors`` (their requests travel together);
+    ``name`` is the group's, each tensor's is ``name.i``."""
+    return _session_of(process_set).grouped_reducescatter(tensors, name, reduce_op(op), prescale_factor,
+                                                          postscale_factor)
+
+
+def grouped_reducescatter_async(tensors, op: ReduceOp | None = None, name: str | None = None,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Work:
+    result = grouped_reducescatter(tensors, op, name, process_set, prescale_factor, postscale_factor)
+    return Work.finished(result, f"grouped_reducescatter {name!r}")
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's: record this worker's requests to a Chrome trace at ``file_path`` from now on
+    (rank 0 writes ``file_path``, rank R ``file_path.rankR``; see docs/visibility.md);
+    ``mark_cycles`` marks where each iteration starts."""
+    current_session().agent.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop recording the timeline and close its file."""
+    current_session().agent.stop_timeline()
 
 
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process_set: ProcessSet = global_process_set):

@@ -383,18 +383,31 @@ class Session:
             values = values / self.size
         return torch.sparse_coo_tensor(indices.t(), values, tensor.shape)
 
-    def reducescatter(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average) -> torch.Tensor:
+    def reducescatter(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
         """Horovod's reducescatter: ``tensor`` (the same shape on every rank) reduced over the
         ranks, this rank's share of its first dimension returned (the first ``rows % size``
         ranks get one row more, as Horovod splits). The sum is made on the service; each rank
         takes its rows of it."""
+        return self.grouped_reducescatter([tensor], name, op, prescale_factor, postscale_factor,
+                                          grouped=False)[0]
+
+    def grouped_reducescatter(self, tensors, name: str | None = None, op: ReduceOp = Average,
+                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                              grouped: bool = True) -> list:
+        """:meth:`reducescatter` of each of ``tensors``, started together (``name.i`` each)."""
+        what = "grouped_reducescatter" if grouped else "reducescatter"
+        tensors = tensor_list(tensors, what) if grouped else tensors
         if op not in (Average, Sum):
-            raise ConfigError(f"reducescatter takes op=Average or Sum, got {op!r}")
-        if tensor.dim() == 0:
-            raise ConfigError("reducescatter needs a tensor of at least one dimension (its rows are scattered)")
-        name = self._name("reducescatter", name)
-        reduced = self.allreduce(tensor, f"reducescatter.{name}", op)
-        return reduced.narrow(0, *collectives.scatter_share(tensor.shape[0], self.size, self.rank)).clone()
+            raise ConfigError(f"{what} takes op=Average or Sum, got {op!r}")
+        if any(t.dim() == 0 for t in tensors):
+            raise ConfigError(f"{what} needs tensors of at least one dimension (their rows are scattered)")
+        names = self._group_names("reducescatter", name, len(tensors)) if grouped else [name]
+        names = [self._name("reducescatter", n) for n in names]
+        works = [self.allreduce_async(t.detach(), f"reducescatter.{n}", op, prescale_factor, postscale_factor)
+                 for t, n in zip(tensors, names)]
+        return [self._wait(work).narrow(0, *collectives.scatter_share(t.shape[0], self.size, self.rank)).clone()
+                for work, t in zip(works, tensors)]
 
     def alltoall(self, tensor: torch.Tensor, splits=None, name: str | None = None):
         """Horovod's alltoall: rank i gets ``splits[i]`` rows of every rank's ``tensor`` (equal

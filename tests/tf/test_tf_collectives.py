@@ -76,3 +76,25 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         assert report["lr_seen"] == [0.125, 0.15, 0.175, 0.2, 0.1, 0.1]
         assert report["lr_logged"] == [0.15, 0.2, 0.1]
         assert "TF1's tf.compat.v1.train optimizers are not offered" in report["tf1_optimizer"]
+    for rank, report in enumerate(reports):  # Horovod's smaller names (tf_extras.py)
+        # rank, size, local rank and size, the size of the set {0}, included in the world, in {0}, unknown set
+        assert report["ops_eager"] == [rank, 2]
+        assert report["ops_traced"] == [rank, 2, rank, 2, 1, 1, 1 if rank == 0 else 0, -3]
+        assert report["homogeneous"] is True
+        assert report["broadcast_"] == [[1.0, 2.0], [1.0, 2.0]]  # rank 1's, in place and returned
+        assert report["object_fn"] == {"rank": 1}
+        assert "does not support eager execution" in report["global_eager"]
+        assert report["global_graph"] == 10.0 and report["global_hook"] == 21.0  # rank 0's, rank 1's
+        # the shared layer's gradient averaged over [1, 2] and [2, 2]; the local one kept, halved
+        assert report["partial"][0] == [1.5, 2.0]
+        assert report["partial"][1] == [v / 2 for v in report["partial_plain"][1]]
+        assert report["tape_sum"] == [3.0, 4.0] and report["tape_predivided"] == [1.5, 2.0]
+        assert "op=Max" in report["tape_max"]
+        assert report["syncbn_out"] < 1e-4 and report["syncbn_dx"] < 1e-4 and report["syncbn_moving"] < 1e-4
+        assert "does not support fused=True" in report["syncbn_fused"]
+        assert any("traced.by.timeline" in lane for lane in report["timeline_lanes"])
+        assert not any("not.traced" in lane for lane in report["timeline_lanes"])
+        assert report["loaded_class"] == ["SGD", True] and report["loaded_iterations"] == 1
+        assert report["loaded_iterations_after"] == 2
+        assert "BestModelCheckpoint has no filepath" in report["best_unset"] and report["best_saved"]
+    assert reports[0]["loaded_weights"] == reports[1]["loaded_weights"]  # one averaged step from rank 0's

@@ -39,6 +39,7 @@ from sklearn.datasets import load_digits
 
 import pslink.tf
 import pslink.tf.keras as hvd
+import tf_extras
 from pslink.errors import PslinkError
 
 BATCH = 32  # per worker
@@ -254,6 +255,7 @@ def run_collectives(rank, outdir):
     report.update(horovod_tf_optimizer(rank))
     report.update(differentiable(rank))
     report.update(lr_callbacks())
+    report.update(tf_extras.run(rank, outdir))
     hvd.barrier()
     try:
         hvd.broadcast_object("x", root_rank=WORKERS)

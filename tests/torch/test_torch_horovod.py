@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch", reason="the PyTorch adapter needs torch (pi
 
 import pslink  # noqa: E402
 import pslink.torch as hvd  # noqa: E402
+from pslink.core.observe import timeline as pslink_timeline  # noqa: E402
 from pslink.core.transport import Transports  # noqa: E402
 from pslink.errors import ConfigError, PeerError, ShapeMismatchError  # noqa: E402
 from pslink.torch.optimizer import DistributedOptimizer  # noqa: E402
@@ -208,6 +209,107 @@ def test_reducescatter_and_alltoall_as_horovod_splits(service):
             first = sum(sent[k][:r])
             expected += [[2 * i + 100 * k, 2 * i + 1 + 100 * k] for i in range(first, first + sent[k][r])]
         assert got.tolist() == expected
+
+
+def test_grouped_reducescatter_scales_and_shares_rows_as_the_single_one(service):
+    def body(s):
+        r = s.rank + 1
+        a = torch.arange(6.0).reshape(3, 2) * r  # 3 rows over 2 ranks: 2, 1
+        b = torch.tensor([10, 20, 30, 40]) * r  # integers: scaled through float64, rounded back
+        grouped = s.grouped_reducescatter([a, b], "group", op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+        single = s.reducescatter(a, "single", op=hvd.Sum, prescale_factor=3.0)
+        unnamed = s.grouped_reducescatter([a, b])  # averages, matched by position
+        with pytest.raises(ConfigError, match="grouped_reducescatter takes op=Average or Sum"):
+            s.grouped_reducescatter([a], "bad", op=hvd.Max)
+        with pytest.raises(ConfigError, match="at least one dimension"):
+            s.grouped_reducescatter([torch.tensor(1.0)], "scalar")
+        return grouped, single, unnamed
+
+    full_a = torch.arange(6.0).reshape(3, 2) * 3  # (1 + 2) x
+    full_b = torch.tensor([10, 20, 30, 40]) * 3
+    for r, (grouped, single, unnamed) in enumerate(on_ranks(service, 2, body)):
+        rows_a = slice(0, 2) if r == 0 else slice(2, 3)
+        rows_b = slice(0, 2) if r == 0 else slice(2, 4)
+        torch.testing.assert_close(grouped[0], full_a[rows_a])  # x 2 then x 0.5
+        assert grouped[1].dtype == torch.int64 and grouped[1].tolist() == full_b[rows_b].tolist()
+        torch.testing.assert_close(single, full_a[rows_a] * 3)
+        torch.testing.assert_close(unnamed[0], full_a[rows_a] / 2)
+        assert unnamed[1].tolist() == (full_b[rows_b] // 2).tolist()
+
+
+def test_sync_batch_norm_normalizes_with_the_whole_jobs_batch_as_batch_norm_on_it(service):
+    """Ranks with batches of 3 and 5 samples: outputs, input gradients, the summed weight
+    gradients and the running statistics equal torch's BatchNorm1d on the 8 samples at once."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(3, 4) * 2 + 1, torch.randn(5, 4) - 3]
+    upstream = [torch.randn(3, 4), torch.randn(5, 4)]
+
+    def body(s):
+        bn = hvd.SyncBatchNorm(4, momentum=0.1, session=s)
+        x = inputs[s.rank].clone().requires_grad_(True)
+        out = bn(x)
+        (out * upstream[s.rank]).sum().backward()
+        bn.eval()
+        evaluated = bn(inputs[s.rank])  # the running statistics: no collective
+        return out.detach(), x.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var, evaluated
+
+    results = on_ranks(service, 2, body)
+    reference = torch.nn.BatchNorm1d(4, momentum=0.1)
+    x = torch.cat(inputs).requires_grad_(True)
+    out = reference(x)
+    (out * torch.cat(upstream)).sum().backward()
+    rows = [slice(0, 3), slice(3, 8)]
+    for r, (got, x_grad, w_grad, b_grad, running_mean, running_var, _) in enumerate(results):
+        torch.testing.assert_close(got, out.detach()[rows[r]], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x_grad, x.grad[rows[r]], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(running_mean, reference.running_mean)
+        torch.testing.assert_close(running_var, reference.running_var, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results[0][2] + results[1][2], reference.weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results[0][3] + results[1][3], reference.bias.grad, rtol=1e-4, atol=1e-5)
+    reference.eval()
+    torch.testing.assert_close(results[1][6], reference(inputs[1]), rtol=1e-4, atol=1e-5)
+
+
+def test_sync_batch_norm_refuses_inputs_it_cannot_normalize(service):
+    def body(s):
+        bn = hvd.SyncBatchNorm(3, session=s)
+        with pytest.raises(ConfigError, match="dimension 1 must be 3"):
+            bn(torch.ones(2, 4))
+        with pytest.raises(ConfigError, match="at least 2D"):
+            bn(torch.ones(3))
+        return True
+
+    assert on_ranks(service, 2, body) == [True, True]
+
+
+def test_a_timeline_started_and_stopped_at_run_time_records_what_ran_between(service, tmp_path):
+    path = str(tmp_path / "timeline.json")
+
+    def body(s):
+        s.allreduce(torch.ones(2), name="before")
+        written = s.agent.start_timeline(path, mark_cycles=True)
+        for _ in range(3):  # the same key three times: three iterations, two marked starts
+            s.allreduce(torch.ones(2), name="traced")
+        s.agent.stop_timeline()
+        s.allreduce(torch.ones(2), name="after")
+        s.agent.stop_timeline()  # nothing recorded: nothing to do
+        return written
+
+    written = on_ranks(service, 2, body)
+    assert written == [path, str(tmp_path / "timeline.rank1.json")]  # rank 0 writes the path itself
+    for file in written:
+        events = pslink_timeline.read(file)
+        lanes = {e["args"]["name"] for e in events if e.get("ph") == "M"}
+        assert any("traced" in lane for lane in lanes), lanes
+        assert not any("before" in lane or "after" in lane for lane in lanes), lanes
+        assert [e["name"] for e in events if e.get("ph") == "i"].count("CYCLE_START") == 2
+
+    def empty(s):
+        with pytest.raises(ConfigError, match="file path"):
+            s.agent.start_timeline("")
+        return True
+
+    assert on_ranks(service, 1, empty) == [True]
 
 
 def test_sparse_allreduce_gathers_indices_and_averages_values(service):
@@ -652,6 +754,8 @@ def test_the_module_api_needs_init_and_says_how(monkeypatch):
     assert not hvd.is_initialized()
     with pytest.raises(ConfigError, match="init"):
         hvd.rank()
+    with pytest.raises(ValueError, match="init"):  # Horovod raises ValueError before init
+        hvd.start_timeline("timeline.json")
     with pytest.raises(ConfigError, match="pslink launch"):
         hvd.init()
     with pytest.raises(PeerError, match="no parameter service reachable"):

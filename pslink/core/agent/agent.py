@@ -50,12 +50,12 @@ from pslink.core.agent.tables import declare as declare_table
 from pslink.core.agent.sending import Sender
 from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.faults import Faults
-from pslink.core.observe.timeline import Timeline
+from pslink.core.observe.timeline import Timeline, path_for
 from pslink.core.transport import DISCARD, Lent, Transports
 from pslink.core.wire.fusion import Unfused, fused_header, fused_message
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode
-from pslink.errors import ClosedError, FencedError, MovedError, ProtocolError, PslinkError, error_from_code
+from pslink.errors import ClosedError, ConfigError, FencedError, MovedError, ProtocolError, PslinkError, error_from_code
 
 log = logging.getLogger("pslink.core.agent")
 _REPLY, _ERROR, _PONG, _STATE_GET, _FUSED = Op.REPLY, Op.ERROR, Op.PONG, Op.STATE_GET, Op.FUSED  # (and so is a member's lookup)
@@ -342,6 +342,33 @@ class Agent:
     def join_all(self, timeout: float | None = None) -> list:
         """Come into every key the job has (a worker added to a running job, before it trains)."""
         return self._tasks.join_all(timeout)
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> str:
+        """Record this worker's requests to a Chrome trace from now on (Horovod's
+        ``start_timeline``); a timeline being recorded (``PSLINK_TIMELINE`` or an earlier call)
+        is closed first. ``{rank}`` in ``path`` is replaced; otherwise rank 0 writes ``path``
+        itself (Horovod's coordinator writes the one file) and rank R ``path.rankR``.
+        ``mark_cycles``: an instant at each iteration's start. Returns the file written."""
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"start_timeline needs a file path, got {path!r}")
+        if "{rank}" not in path and self.rank == 0:
+            written = path
+        else:
+            written = path_for(path, self.rank, max(self.num_workers, 2))
+        timeline = Timeline(written, self.job, self.rank, mark_cycles=mark_cycles)
+        self._set_timeline(timeline)
+        return written
+
+    def stop_timeline(self) -> None:
+        """Stop recording the timeline and close its file (nothing if none is recorded)."""
+        self._set_timeline(None)
+
+    def _set_timeline(self, timeline: Timeline | None) -> None:
+        with self._lock:
+            old, self._timeline = self._timeline, timeline
+            self._handles.timeline = self._iterations.timeline = timeline
+        if old is not None:
+            old.close()
 
     def membership(self) -> dict:
         """The job's members now, from pMaster: ``{"ranks": [...], "epoch": n}``."""

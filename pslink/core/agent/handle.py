@@ -173,6 +173,8 @@ class Handles:
 
     def _trace(self, handle: Handle, started: float, error: PslinkError | None) -> None:
         timeline = self.timeline
+        if timeline is None:  # stopped while the request was in flight
+            return
         end = timeline.now()
         args = {"round": handle.round} if handle.round else {}
         if error is not None:

@@ -59,10 +59,12 @@ def path_for(path: str, rank: int, num_workers: int) -> str:
 class Timeline:
     """Chrome-trace events of one Agent (``pid``: its rank), written to ``path`` as they come."""
 
-    def __init__(self, path: str, job: str, rank: int, steps: tuple[int, int | None] | None = None):
+    def __init__(self, path: str, job: str, rank: int, steps: tuple[int, int | None] | None = None,
+                 mark_cycles: bool = False):
         self.path = path
         self.rank = rank
         self.steps = steps
+        self.mark_cycles = mark_cycles  # an instant where each iteration starts (Horovod's CYCLE_START)
         self.step = 0  # iterations so far (see pushed())
         self._this_step: set = set()
         self._lock = threading.Lock()
@@ -97,6 +99,8 @@ class Timeline:
         if any(key in seen for key in keys):
             self.step += 1
             seen.clear()
+            if self.mark_cycles and self.active:
+                self.instant("CYCLE_START", None)
         seen.update(keys)
 
     def now(self) -> float:

@@ -41,7 +41,8 @@ from pslink.tf.context import (
     size,
 )
 from pslink.tf.keras import callbacks
-from pslink.tf.keras.optimizer import DistributedOptimizer
+from pslink.tf.keras.optimizer import DistributedOptimizer, load_model
+from pslink.tf.functions import broadcast_global_variables, start_timeline, stop_timeline
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
 from pslink.tf.ops import (Compression, allgather, allgather_object, allreduce, barrier, broadcast,
                            broadcast_object, broadcast_variables, grouped_allreduce, join)
@@ -49,6 +50,10 @@ from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, r
 from pslink.tf.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
+    "broadcast_global_variables",
+    "load_model",
+    "start_timeline",
+    "stop_timeline",
     "Adasum",
     "Average",
     "DistributedOptimizer",

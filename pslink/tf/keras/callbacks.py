@@ -127,6 +127,26 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                   f"{float(self.model.optimizer.learning_rate.numpy()):g}.")
 
 
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's: a ``ModelCheckpoint`` that keeps the best model only (``save_best_only``), whose
+    ``filepath`` may be given later (``callback.filepath = ...``, before ``fit``)."""
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, save_weights_only: bool = False,
+                 mode: str = "auto", save_freq="epoch", filepath: str | None = None):
+        # Keras checks the path's suffix when the callback is made; a stand-in passes that check.
+        stand_in = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=filepath or stand_in, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        if not self.filepath:
+            raise ConfigError("BestModelCheckpoint has no filepath: set callback.filepath (a .keras file, or "
+                              ".weights.h5 with save_weights_only=True) before fit")
+        return super().on_train_begin(logs)
+
+
 def _is_number(value) -> bool:
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         return True
@@ -134,5 +154,5 @@ def _is_number(value) -> bool:
     return shape is not None and tuple(shape) == () and np.issubdtype(np.asarray(value).dtype, np.number)
 
 
-__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+__all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
            "MetricAverageCallback"]

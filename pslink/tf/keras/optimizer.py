@@ -38,10 +38,37 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, average: bool = 
     optimizers over the same variables. Wrap before training: the copy starts without state."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ConfigError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-    base = type(optimizer)
-    cls = type(base.__name__, (_Distributed, base), {
+    return distributed_class(type(optimizer), average, name).from_config(optimizer.get_config())
+
+
+def distributed_class(base: type, average: bool = True, name: str | None = None) -> type:
+    """``base`` (a Keras optimizer class) with its gradients averaged over the workers first."""
+    return type(base.__name__, (_Distributed, base), {
         "_pslink_average": bool(average),
         "_pslink_prefix": f"{name}/" if name else "",
         "__module__": base.__module__,  # a saved model names the plain optimizer
     })
-    return cls.from_config(optimizer.get_config())
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None,
+               legacy_opts: bool = False) -> keras.Model:
+    """Horovod's ``hvd.keras.load_model``: a saved Keras model whose optimizer, with the state it
+    was saved with, averages its gradients over the workers (as :func:`DistributedOptimizer`).
+    ``custom_optimizers``: optimizer classes of your own the file names; ``custom_objects`` as
+    ``keras.models.load_model``'s."""
+    from pslink.tf.ops import Compression
+
+    if compression not in (None, Compression.none):
+        raise ConfigError("load_model: compression is not offered for Keras optimizers here; use "
+                          "DistributedGradientTape(tape, compression=...)")
+    if legacy_opts:
+        raise ConfigError("load_model: legacy_opts=True needs Keras 2's tf.keras.optimizers.legacy, which Keras 3 "
+                          "does not have")
+    objects = {cls.__name__: cls for cls in custom_optimizers or []}
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.Optimizer) and not isinstance(optimizer, _Distributed):
+        # The loaded instance keeps its variables (step count, moments); only its class changes.
+        optimizer.__class__ = distributed_class(type(optimizer))
+    return model
