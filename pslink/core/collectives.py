@@ -419,8 +419,6 @@ HOROVOD_GAPS: dict[str, dict[str, str]] = {
         # Horovod's TensorFlow API has none either: its ops run asynchronously in the graph.
         **{name: "asynchronous collectives with handles are torch's only (Horovod's TensorFlow API has none)"
            for name in ("allgather_async", "grouped_allreduce_async")},
-        "elastic": "TensorFlow's elastic training (hvd.elastic.run with a Keras state) is not written",
     },
     "pslink.tf.keras.callbacks": {},
 }
-HOROVOD_GAPS["pslink.tf"]["elastic"] = HOROVOD_GAPS["pslink.tf.keras"]["elastic"]

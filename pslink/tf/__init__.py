@@ -85,11 +85,13 @@ from pslink.tf.ops import (
 )
 from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, reducescatter
 from pslink.tf.strategy import ParameterServiceStrategy
+from pslink.tf import elastic
 from pslink.tf.sync_batch_norm import SyncBatchNormalization
 from pslink.tf.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
 
 __all__ = [
+    "elastic",
     "BroadcastGlobalVariablesHook",
     "PartialDistributedGradientTape",
     "SyncBatchNormalization",

@@ -94,7 +94,10 @@ def init_for(what: str, agent: Agent | None, options: dict) -> Agent:
             if owned:
                 agent.close()  # leave the job we just joined
             raise
-        _process.exchange = Exchange(agent)
+        # Elastic recovery registers this rank again the same way (pslink.core.elastic.register_again).
+        again = (lambda token, rejoin=False: connect(what, **dict(options, token=token, rejoin=rejoin))) if owned \
+            else None
+        _process.exchange = Exchange(agent, again)
         _process.owned = owned
         if owned and not _process.exit_hook:
             atexit.register(shutdown)  # leave the job cleanly, so that it ends at once

@@ -83,8 +83,9 @@ class SiteKeys:
 class Exchange:
     """Runs Agent requests for TensorFlow values; one per process, shared by the adapter's parts."""
 
-    def __init__(self, agent: Agent):
+    def __init__(self, agent: Agent, connect: Callable | None = None):
         self.agent = agent
+        self._connect = connect  # connect(token, rejoin=...): this rank's registration again (elastic recovery)
         self.rank: int = agent.rank
         self.num_workers: int = agent.num_workers
         self._last_op: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> op
@@ -96,9 +97,46 @@ class Exchange:
         self.stepped: dict[int, tuple] = {}
         self.joined_seen = np.zeros(self.num_workers, np.int64)
         self.process_sets = None  # Horovod's process sets this worker added (pslink.tf.process_sets)
+        self.generation = 0  # of the world (pslink.tf.elastic): 0 until a membership change is agreed
 
     def __repr__(self) -> str:
         return f"<Exchange job={self.agent.job!r} rank={self.rank}/{self.num_workers}>"
+
+    # -- the world, for elastic training (pslink.core.elastic drives these) -------------------
+
+    @property
+    def size(self) -> int:
+        return self.num_workers
+
+    @property
+    def timeout(self) -> float:
+        return self.agent.timeout
+
+    @property
+    def capacity(self) -> int:
+        """The most workers the job may have: sizes the join vector, so that its key keeps its
+        shape when the number of workers changes."""
+        return max(int(self.agent.settings.get("max_workers") or 0), self.agent.num_workers, self.num_workers)
+
+    def set_world(self, ranks: list[int], generation: int) -> None:
+        """The workers agreed on ``ranks`` (service ranks): this worker's rank becomes its position
+        among them and the size their number, as Horovod renumbers after a reset; checks of the
+        variables run again, on keys of the ``generation``."""
+        if self.agent.rank not in ranks:
+            raise ConfigError(f"rank {self.agent.rank} of job {self.agent.job!r} is not in the world {ranks}")
+        self.rank, self.num_workers, self.generation = list(ranks).index(self.agent.rank), len(ranks), generation
+        self.joined_seen = np.zeros(self.num_workers, np.int64)
+        self._checked.clear()
+
+    def reconnect(self) -> Agent:
+        """Register this rank again (:func:`pslink.core.elastic.register_again`); returns the new Agent."""
+        from pslink.core.elastic import register_again
+
+        self.agent = register_again(self.agent, self._connect)
+        return self.agent
+
+    def abandon(self) -> None:
+        """Nothing to forget: TensorFlow's reductions return only once answered."""
 
     # -- sums and broadcasts -------------------------------------------------------------------
 
@@ -144,7 +182,7 @@ class Exchange:
     def _join_round(self, stepper: int | None):
         """This worker's part of a join round (:func:`pslink.core.collectives.join_vector`),
         started: (handle, vector)."""
-        vector = collectives.join_vector(self.num_workers, self.rank, stepper)
+        vector = collectives.join_vector(self.capacity, self.rank, stepper)
         return self.agent.pushpull("tf.join", vector, out=vector), vector
 
     def join(self) -> int:
@@ -234,21 +272,21 @@ class Exchange:
     # -- variables -------------------------------------------------------------------------------
 
     def broadcast_variables(self, variables: Sequence, root: int = 0, scope: str = "vars",
-                            what: str = "broadcast_variables") -> None:
+                            what: str = "broadcast_variables", prefix: str = "tf.var") -> None:
         """Give every worker ``root``'s values of ``variables``, after checking that every worker
-        has the same variables (names, shapes, dtypes) in the same order."""
+        has the same variables (names, shapes, dtypes) in the same order; keys under ``prefix``."""
         self._check_root(root, what)
         variables = list(variables)
         if not variables or self.num_workers == 1:
             return
         entries = describe_variables(variables)
         self.check_same_variables(entries, scope, what)
-        self.assign_from_root(variables, entries, root, what)
+        self.assign_from_root(variables, entries, root, what, prefix)
 
     def assign_from_root(self, variables: Sequence, entries: list[tuple[str, str, str]], root: int,
-                         what: str) -> list:
+                         what: str, prefix: str = "tf.var") -> list:
         """Assign ``root``'s values to ``variables`` (checked already); returns the assign ops."""
-        keys = [service_key("tf.var", name, dtype, shape) for name, shape, dtype in entries]
+        keys = [service_key(prefix, name, dtype, shape) for name, shape, dtype in entries]
         values = self.broadcast(keys, [tf.convert_to_tensor(v) for v in variables], root, what)
         return [variable.assign(value) for variable, value in zip(variables, values)]
 
@@ -268,7 +306,7 @@ class Exchange:
         shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tf.TensorShape([None])
         return self._restore(self._call(run, [carried], what, shapes=[shape])[0], tensor)
 
-    def broadcast_object(self, obj, root: int, name: str, what: str):
+    def broadcast_object(self, obj, root: int, name: str, what: str = "broadcast_object"):
         """``root``'s ``obj`` (any picklable object) on every worker."""
         self._check_root(root, what)
         return collectives.broadcast_object(self.round(what), name, obj, self.rank, root)
@@ -313,6 +351,8 @@ class Exchange:
         def gather(key: str, row: np.ndarray) -> np.ndarray:
             return collectives.gather_same_rows(pushpull, key, row, self.rank, self.num_workers)
 
+        if self.generation:  # a new world's checks: keys every member of it is in from the start
+            scope = f"g{self.generation}.{scope}"
         digests = gather(service_key("tf.check", scope, "digest"), digest)
         if (digests == digests[0]).all():
             return

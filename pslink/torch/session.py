@@ -19,7 +19,7 @@ import torch
 from pslink.core import collectives
 from pslink.torch.process_sets import ProcessSets
 from pslink.core.agent import Agent
-from pslink.core.agent import connect as connect_agent
+from pslink.core.elastic import register_again
 from pslink.core.collectives import Adasum, Average, ReduceOp, Sum, Zeros, reduce_op
 from pslink.errors import ConfigError, PslinkError
 from pslink.torch.tensors import HostView, StagingPool, explain_mismatch, wire_dtype
@@ -144,34 +144,20 @@ class Session:
 
     def reconnect(self) -> Agent:
         """Register this rank again with a new Agent, which comes into the running job as a late
-        worker, and close the old one. Returns the new Agent.
-
-        The new Agent registers with ``rejoin``: pMaster takes the rank out of the job (the
-        rounds and barriers stop waiting for the old Agent) and adds it back as a newcomer in
-        one step. Leaving first and registering after would leave a moment in which the others
-        see a job without this rank: they could settle a world without it and create the keys
-        of that world's sync, which would then wait for this rank (a member again from their
-        first round) while it waits for them in the settle barrier, until the timeout."""
-        old = self.agent
-        connect = self._connect or _reconnector(old)
-        try:
-            new = connect(old.token, rejoin=True)
-        except BaseException:
-            try:
-                old.close()  # as before a failed registration: out of the job, so nobody waits for it
-            except PslinkError:
-                pass
-            raise
-        try:
-            old.close(leave=False)  # the new Agent holds the rank now: leaving would take it out
-        except PslinkError:
-            pass
-        self.agent = new
+        worker, and close the old one (:func:`pslink.core.elastic.register_again`). Returns the
+        new Agent."""
+        self.agent = register_again(self.agent, self._connect)
         if self.agent.mode != "sum":
             raise ConfigError(f"pslink.torch needs an Agent in mode 'sum', the new one is in mode {self.agent.mode!r}")
         self.timeout = self.agent.timeout
         self._staging.clear()
         return self.agent
+
+    def abandon(self) -> None:
+        """Forget the DistributedOptimizers' gradients in flight (elastic recovery: their round
+        was given up)."""
+        for optimizer in self.optimizers:
+            optimizer._pslink.abandon()
 
     def close(self) -> None:
         self.process_sets.close()
@@ -537,16 +523,3 @@ def named_tensors(params, what: str) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def _reconnector(agent: Agent) -> Callable[[bytes], Agent]:
-    """How to register ``agent``'s rank again: the same job, service and settings."""
-    options = dict(mode="sum", timeout=agent.timeout, peer_timeout=agent.peer_timeout,
-                   heartbeat_interval=agent.heartbeat_interval, connect_timeout=agent.connect_timeout)
-    max_workers = agent.settings.get("max_workers")
-    if max_workers:
-        options["max_workers"] = max_workers
-
-    def connect_again(token: bytes, rejoin: bool = False) -> Agent:
-        return connect_agent(agent.job, agent.rank, agent.num_workers, agent.master_address, token=token,
-                             rejoin=rejoin, **options)
-
-    return connect_again

@@ -156,3 +156,87 @@ def test_a_worker_that_replaces_a_killed_one_in_an_mxnet_job_starts_from_the_job
     replacement_steps = [float(line.split()[-1]) for line in after if line.startswith("step ")]
     assert len(replacement_steps) == 5 and set(replacement_steps) <= set(seen_by_0), out  # the same rounds
     assert "[rank0]: done" in out and lines[1][-1] == "done"
+
+
+TF_ELASTIC = """
+    import os, signal
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import pslink.tf as hvd
+
+    here = {here!r}
+    died, done = (os.path.join(here, name) for name in ("died", "done"))
+    hvd.init()
+    replacement = hvd.rank() == 1 and os.path.exists(died)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    state = hvd.elastic.TensorFlowKerasState(model, optimizer, step=0)
+    x = np.array([[1.0, 2.0]], np.float32)
+
+    def show(what):
+        print(f"{{what}} {{state.step}} size {{hvd.size()}} it {{int(optimizer.iterations.numpy())}} "
+              f"w {{' '.join(f'{{v:.6f}}' for v in model.weights[0].numpy().ravel())}}", flush=True)
+
+    @hvd.elastic.run
+    def train(state):
+        show("enter")
+        steps = 0
+        while True:
+            if hvd.rank() == 1 and not replacement and state.step == 3:
+                open(died, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if replacement and steps == 5 or not replacement and os.path.exists(done):
+                return
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x * (hvd.rank() + 1.0)))
+            grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            state.step += 1
+            steps += 1
+            show("step")
+            state.commit()
+
+    train(state)
+    if replacement:
+        open(done, "w").close()
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_replaces_a_killed_one_in_a_tensorflow_elastic_job_gets_the_state(tmp_path):
+    """Issues 23 and 25: pslink.tf.elastic. Rank 1 of two is killed after 3 steps; rank 0 goes
+    on alone; the replacement (``--max-restarts 1``) enters with rank 0's weights, optimizer
+    state (its step count) and attributes, and from then on both train the same steps, their
+    gradients averaged again."""
+    script = tmp_path / "tf_elastic.py"
+    script.write_text(textwrap.dedent(TF_ELASTIC.format(here=str(tmp_path))))
+    env = dict(os.environ, PSLINK_TIMEOUT="60", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    command = [sys.executable, "-m", "pslink.cli", "launch", "--min-np", "1", "--max-np", "2", "-n", "2",
+               "--max-restarts", "1", "--heartbeat-timeout", "2", sys.executable, str(script)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, env=env, cwd=str(REPO))
+    try:
+        out, _ = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"the job hung:\n{out}") from None
+    assert proc.returncode == 0, out
+    lines = {rank: [line.split("]: ", 1)[1] for line in out.splitlines() if line.startswith(f"[rank{rank}]: ")]
+             for rank in (0, 1)}
+    steps = {rank: {int(line.split()[1]): line for line in lines[rank] if line.startswith("step ")} for rank in (0, 1)}
+    entered = [line for line in lines[1] if line.startswith("enter ")]
+    assert entered[0] == "enter 0 size 2 it 0 w 0.000000 0.000000", out
+    joined = entered[-1].split()
+    joined_at = int(joined[1])
+    assert joined_at > 3 and joined[3] == "2", out  # rank 0's progress, in a world of two again
+    # the replacement's first view: rank 0's step count and weights after the same number of steps
+    assert entered[-1].split(" it ")[1] == steps[0][joined_at].split(" it ")[1], out
+    after = sorted(s for s in steps[1] if s > joined_at)
+    assert len(after) == 5 and all(steps[1][s] == steps[0][s] for s in after), out  # the same steps since
+    assert all(" size 2 " in steps[0][s] for s in after), out
+    assert "[rank0]: done" in out and lines[1][-1] == "done"

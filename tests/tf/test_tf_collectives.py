@@ -98,3 +98,6 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         assert report["loaded_iterations_after"] == 2
         assert "BestModelCheckpoint has no filepath" in report["best_unset"] and report["best_saved"]
     assert reports[0]["loaded_weights"] == reports[1]["loaded_weights"]  # one averaged step from rank 0's
+    # 3 epochs of 4 batches, a commit every 2 batches and one at each epoch's end: 3 a epoch
+    assert reports[0]["elastic_fit"] == reports[1]["elastic_fit"] == [3, 0, [3, 6, 9]]
+    assert reports[0]["elastic_weights"] == reports[1]["elastic_weights"]  # synced, then averaged

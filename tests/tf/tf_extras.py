@@ -171,4 +171,26 @@ def keras_extras(rank, outdir):
     checkpoint.filepath = os.path.join(outdir, f"best_rank{rank}.keras")
     model.fit(x, y, epochs=2, verbose=0, callbacks=[checkpoint])
     report["best_saved"] = os.path.exists(checkpoint.filepath)
+    report.update(elastic_fit(rank, x, y))
     return report
+
+
+def elastic_fit(rank, x, y):
+    """model.fit under hvd.elastic.run with Horovod's state callbacks; each worker starts from its
+    own random weights: the state's sync gives both rank 0's."""
+    keras.utils.set_random_seed(rank)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    commits = []
+
+    @hvd.elastic.run
+    def train(state):
+        callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=2),
+                     hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
+                     keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: commits.append(state.commits))]
+        model.fit(x, y, batch_size=1, epochs=3 - state.epoch, verbose=0, callbacks=callbacks)
+
+    train(state)
+    return {"elastic_fit": [state.epoch, state.batch, commits],
+            "elastic_weights": [w.numpy().ravel().tolist() for w in model.weights]}

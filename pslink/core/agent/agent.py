@@ -409,6 +409,12 @@ class Agent:
             self.transports.close()
 
     @property
+    def keys_known(self) -> int:
+        """How many of the job's keys this Agent has made requests for (none: a process that has
+        not taken part yet, say one that just took over a rank)."""
+        return len(self._keys)
+
+    @property
     def late(self) -> bool:
         """True when this worker registered while its job was running (it joins keys under way)."""
         return self._tasks.late

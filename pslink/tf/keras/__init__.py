@@ -40,7 +40,7 @@ from pslink.tf.context import (
     shutdown,
     size,
 )
-from pslink.tf.keras import callbacks
+from pslink.tf.keras import callbacks, elastic
 from pslink.tf.keras.optimizer import DistributedOptimizer, load_model
 from pslink.tf.functions import broadcast_global_variables, start_timeline, stop_timeline
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
@@ -50,6 +50,7 @@ from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, r
 from pslink.tf.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
+    "elastic",
     "broadcast_global_variables",
     "load_model",
     "start_timeline",
