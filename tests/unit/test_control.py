@@ -173,6 +173,43 @@ def test_a_job_slowed_by_keys_it_declared_after_its_profile_is_judged_anew_not_r
     assert any(isinstance(a, Allocate) and "revert job j" in a.reason for a in actions)
 
 
+def test_a_job_whose_own_work_grew_is_re_profiled_not_reverted():
+    """Gap (issue 23): the guard misread a job whose own work per iteration changed (a bigger
+    batch, an evaluation phase) as slowed by its neighbours and reverted it. Its Agent now
+    reports the work in each iteration (its duration less the waits): the standalone speed
+    moves by the work's change, and only a slowdown beyond that is the guard's business."""
+    control = plane(min_aggregators=1)
+    control.aggregator_added("agg-0")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    assert control.iterations_reported("j", [0.05] * 3, [0.04] * 3) == []  # profiled: 0.04 s of own work
+    assert control.jobs["j"].work_baseline == 0.04
+    # Twice as slow, all of it the job's own work (0.04 -> 0.09 s): re-profiled, not moved
+    assert control.iterations_reported("j", [0.1] * 4, [0.09] * 4) == []
+    job = control.jobs["j"]
+    assert job.standalone == pytest.approx(0.1) and job.reverts == 0 and job.work_baseline == pytest.approx(0.09)
+    # the same work, but waits grew (its Aggregators are slow for it): judged against 0.1 s
+    assert control.iterations_reported("j", [0.105] * 4, [0.09] * 4) == []  # 5%: within its limit
+    actions = control.iterations_reported("j", [0.15] * 4, [0.09] * 4)  # 50% slower than its new standalone
+    assert any(isinstance(a, Allocate) and "revert job j" in a.reason for a in actions)
+
+
+def test_without_work_reported_a_job_is_judged_on_its_iterations_whole():
+    """DDP's hook waits inside torch, not in the Agent: no work is reported, and the guard
+    reverts a job twice as slow, as before."""
+    control = plane(min_aggregators=1)
+    control.aggregator_added("agg-0")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control.iterations_reported("j", [0.05] * 3)
+    assert control.jobs["j"].work_baseline is None
+    control.iterations_reported("j", [0.1] * 2, [0.09] * 2)  # work reported only later: not compared
+    actions = control.iterations_reported("j", [0.1] * 2, [0.09] * 2)
+    assert any(isinstance(a, Allocate) and "revert job j" in a.reason for a in actions)
+
+
 def test_a_job_whose_tasks_moved_is_judged_on_iterations_of_its_new_placement():
     # An operator removes its Aggregator while the host is busy (starting processes): the job
     # ran 20% slower. Those iterations, and those during the moves, say nothing of where it runs

@@ -138,6 +138,7 @@ class Agent:
         if fusion[0]:  # with fusion off nothing waits in an outbox: no look at every link before each wait
             self._handles.before_wait = self._requests.flush
         self._iterations = Iterations(clock, self._timeline, self._lock)  # durations for pMaster; the timeline's steps
+        self._handles.waited = self._iterations.waited
         self._master = MasterLink(self.seat, master, self.transports, self._reactor, limits, self._handles,
                                   connect_timeout=connect_timeout, timeout=timeout,
                                   heartbeat_interval=heartbeat_interval, take_iterations=self._iterations.take,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 from pslink.core.agent.driver import Driver
@@ -120,6 +121,7 @@ class Handles:
         # explain(handle) -> text: who a timed-out handle still waits for (the Agent asks its Aggregators)
         self.explain: Callable[[Handle], str] | None = None
         self.before_wait: Callable[[], None] = lambda: None  # the Agent's: send what fusion holds
+        self.waited: Callable[[float], None] | None = None  # seconds a thread blocked in wait (the Agent's)
         self._lock = threading.Lock()
 
     def new(self, op: str, keys: list, result: Any, parts: int, round_: int = 0, traced: bool = True) -> Handle:
@@ -135,11 +137,14 @@ class Handles:
         self.before_wait()  # requests held for fusion go now: this thread waits for their answers
         timeline = self.timeline
         started = timeline.now() if timeline is not None and timeline.active else None
+        waited, began = self.waited, time.monotonic()
         try:
             self.driver.wait(lambda: not handle._left, self.timeout if timeout is None else timeout,
                              handle._describe_wait, on_timeout=lambda t: self._timed_out(handle, t),
                              parking=handle._parking_event)
         finally:
+            if waited is not None:
+                waited(time.monotonic() - began)
             if started is not None:
                 timeline.span(f"wait {handle.op}", None, started, timeline.now(), {"keys": handle.keys[:8]})
 

@@ -28,12 +28,12 @@ log = logging.getLogger("pslink.core.agent")
 
 class MasterLink:
     """Requests to pMaster at ``address`` for the worker in ``seat``. ``take_iterations()`` gives
-    the iteration times measured since the last heartbeat; ``on_back(body)`` hears pMaster's
+    the iteration times measured since the last heartbeat and the worker's own work in each; ``on_back(body)`` hears pMaster's
     answer when the worker registered again after losing it; ``closed()`` says the Agent closed."""
 
     def __init__(self, seat: Seat, address: str, transports: Transports, reactor: Reactor, limits: Limits,
                  handles: Handles, *, connect_timeout: float, timeout: float, heartbeat_interval: float,
-                 take_iterations: Callable[[], list], on_back: Callable[[dict], None], closed: Callable[[], bool]):
+                 take_iterations: Callable[[], tuple], on_back: Callable[[dict], None], closed: Callable[[], bool]):
         self.seat = seat
         self.address = address
         self.transports, self.reactor, self.limits, self.handles = transports, reactor, limits, handles
@@ -127,8 +127,9 @@ class MasterLink:
         try:
             peer = self.peer
             if peer is not None and not peer.conn.closed:
-                iterations = self.take_iterations()
-                peer.notify(Op.HEARTBEAT, **self.seat.fields(), iters=[round(d, 6) for d in iterations])
+                iterations, work = self.take_iterations()
+                extra = {"work": [round(w, 6) for w in work]} if work else {}
+                peer.notify(Op.HEARTBEAT, **self.seat.fields(), iters=[round(d, 6) for d in iterations], **extra)
             elif not self._reconnecting:
                 self._reconnecting = True
                 threading.Thread(target=self._reconnect, daemon=True).start()

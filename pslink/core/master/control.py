@@ -432,12 +432,15 @@ class ControlPlane:
     def load_measured(self, name: str, load: float) -> None:
         self.loads[name] = load
 
-    def iterations_reported(self, job: str, durations: list[float]) -> list:
-        """Iteration durations measured by a job's Agents: profiling, then the guard."""
+    def iterations_reported(self, job: str, durations: list[float], work: list[float] | None = None) -> list:
+        """Iteration durations measured by a job's Agents (and, where the Agent measures it, the
+        worker's own work in each: the duration less the communication it waited for):
+        profiling, then the guard."""
         control = self.jobs.get(job)
         if control is None or not durations:
             return []
         control.iterations += len(durations)
+        control.add_work(work or [])
         if control.phase == "profiling":
             control.profiled.extend(durations)
             if len(control.profiled) >= self.profile_iterations and self.pack_due(job) <= self.clock():
@@ -452,6 +455,7 @@ class ControlPlane:
     def _pack(self, control: JobControl) -> list:
         """Profiling is over: place every task of the job by Pseudocode 1, best-fit cluster."""
         control.standalone = control.profiled_iteration = statistics.median(control.profiled)
+        control.work_baseline = statistics.median(control.work) if control.work else None
         control.phase = "packed"
         current = {i: self._where(i) for i in control.parts}
         if control.adopted or not self.elastic and not control.temporaries:

@@ -8,7 +8,9 @@ limit (its SLO) plus a margin for its own noise (:meth:`JobControl.noise_margin`
 failing that, or still too slow after that move, the job is reverted onto a new Aggregator of
 its own (at most ``max_reverts`` times), once the revert pays for its moves (a short job keeps
 its place: :meth:`JobControl.revert_pays`). While its tasks move, and in the report right after, it
-is not judged: each window is measured on one placement, the one it is judged for.
+is not judged: each window is measured on one placement, the one it is judged for. A job whose
+own work per iteration changed (its Agents report it) is re-profiled: its standalone iteration
+moves by that change, and the guard judges the placement against that.
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ class Guard:
         if len(control.window) < plane.guard_window or control.standalone is None:
             return []
         current = control.current_iteration()
+        change = control.own_work_change(plane.guard_window)
+        if change is not None:
+            # The worker's own work per iteration changed (a bigger batch, another phase of the
+            # job): its iterations changed by that much whatever its placement, so that is its
+            # standalone speed now (re-profiled, not reverted or moved for what it did itself).
+            control.standalone = max(control.standalone + change, 1e-9)
+            control.work_baseline += change
+            control.window.clear()
+            return []
         if control.grown:
             # Its iterations now include keys it declared after its profile: however much slower
             # they are, the job did that, not its neighbours (the guard would otherwise revert

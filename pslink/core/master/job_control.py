@@ -11,6 +11,8 @@ from pslink.errors import ConfigError
 
 PRIORITIES = ("normal", "high")
 NOISE_SIGMAS = 2.0  # the guard's margin for chance: standard errors of the window's median
+WORK_KEPT = 50  # own-work figures kept (the profile's, then the guard's recent ones)
+WORK_CHANGE = 0.05  # a change of a job's own work by more than this share of its iteration is its own
 
 
 def check_service_level(slo, priority) -> None:
@@ -55,6 +57,27 @@ class JobControl:
     # Its tasks were moving when it last reported: its next report still holds iterations
     # measured during the moves (an Agent reports what it measured since its last report).
     settling: bool = False
+    # The worker's own work per iteration (duration less the communication it waited for), as
+    # its Agent reports it: the last guard_window of them, and their median when it was profiled
+    # (None: not reported, as for DDP's hook; then iterations are judged whole).
+    work: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=WORK_KEPT))
+    work_baseline: float | None = None
+
+    def add_work(self, work: list[float]) -> None:
+        if self.phase != "profiling" and self.work_baseline is None:
+            return  # not measured while it was profiled: nothing to compare with
+        self.work.extend(w for w in work if w >= 0)
+
+    def own_work_change(self, window: int) -> float | None:
+        """How much the job's own work per iteration changed since its baseline (seconds, the
+        median of its last ``window`` figures against the baseline's), if it changed by more than
+        ``WORK_CHANGE`` of its standalone iteration and its noise; None otherwise or unknown."""
+        if self.work_baseline is None or not self.standalone or len(self.work) < window:
+            return None
+        change = statistics.median(list(self.work)[-window:]) - self.work_baseline
+        if abs(change) <= self.standalone * max(WORK_CHANGE, self.noise_margin()):
+            return None
+        return change
 
     def noise_margin(self) -> float:
         """How much slower than its profile the job's window may be by chance alone: its

@@ -378,7 +378,7 @@ class Master:
 
     def _heartbeat(self, peer: RpcPeer, req: dict) -> None:
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
-        self.state.heartbeat(record, req["rank"], req.get("iters"))
+        self.state.heartbeat(record, req["rank"], req.get("iters"), req.get("work"))
         self.observing.heartbeat(record, req["rank"], req.get("iters"))
         if not peer.info.get("role"):  # an Agent that reconnected after a pMaster restart
             peer.info.update(role="worker", job=record.job, rank=req["rank"])

@@ -252,7 +252,8 @@ class MasterState:
                                   + (f" (removed: {why}; register again to rejoin)" if why else ""), job=job)
         return record
 
-    def heartbeat(self, record: JobRecord, rank: int, iterations: list[float] | None = None) -> None:
+    def heartbeat(self, record: JobRecord, rank: int, iterations: list[float] | None = None,
+                  work: list[float] | None = None) -> None:
         worker = record.workers.get(rank)
         if worker is None:
             worker = record.workers[rank] = WorkerInfo(rank)
@@ -262,7 +263,8 @@ class MasterState:
         record.idle_since = None
         if iterations and rank == min(record.membership.ranks):
             # Workers of a job step together; one rank's clock is the job's.
-            self.outbox += self.control.iterations_reported(record.job, [float(d) for d in iterations if d > 0])
+            self.outbox += self.control.iterations_reported(record.job, [float(d) for d in iterations if d > 0],
+                                                            [float(w) for w in work or ()])
 
     def worker_disconnected(self, job: str, rank: int) -> None:
         """Its connection closed (a crash, or the network): removed after the grace period

@@ -311,7 +311,8 @@ SCHEMAS: dict[Op, Schema] = {
     Op.SET_OPTIMIZER: Schema(
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "optimizer": _map}
     ),
-    Op.HEARTBEAT: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}, {"iters": _list}),
+    Op.HEARTBEAT: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint},
+                         {"iters": _list, "work": _list}),
     Op.HOST_LEADER: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "leader": _uint},
                            {"address": _text, "host_id": _small_str}),
     Op.BARRIER: Schema(
