@@ -1,22 +1,26 @@
 """A chaos run (issue 23): jobs train on a ``pslink service up --state`` while a random but seeded
 schedule kills Aggregators (SIGKILL) and pMaster (SIGKILL, then started again on the same port
-and state after a pause); replication 1. Every job's final weights must equal its run without
-faults, bit for bit: its gradients are small integers and its learning rate a power of two, so
-the service's SGD is exact and the run without faults is a closed form; a round lost or doubled
-shows. Reported: the seed and the schedule, each job's steps and whether its weights are exact,
+and state after a pause), and workers of an elastic job (SIGKILL; ``pslink launch`` starts a
+replacement, which joins the job under way); replication 1. Every job's final weights must equal
+its run without faults, bit for bit: its gradients are small integers and its learning rate a
+power of two, so the service's SGD is exact and the run without faults is a closed form; a round
+lost or doubled shows. The elastic job (:mod:`pslink.bench.chaos_worker`, PyTorch's elastic API)
+computes each step from a fixed global batch split over the workers present, so its closed form
+holds whoever comes and goes. Reported: the seed and the schedule, each job's steps and whether its weights are exact,
 the longest pause of any job's steps around each fault kind, and the growth of the resident
 memory of every process that lived long enough (30 s of warm-up, then at least a minute).
 
     python benchmarks/chaos.py                      # 10 minutes, seed 0
     python benchmarks/chaos.py --minutes 1 --seed 3 # a shorter one
 
-Not in this schedule yet (issue 23 asks for them too): worker kills and rejoins, and network
-partitions between namespaces. The last line is JSON.
+Not in this schedule yet (issue 23 asks for it too): network partitions between namespaces.
+The last line is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -86,8 +90,9 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 class Chaos:
     """The service, the jobs' workers (threads of this process) and the schedule."""
 
-    def __init__(self, seed: int, jobs: int, workers: int, aggregators: int, workdir: str):
+    def __init__(self, seed: int, jobs: int, workers: int, aggregators: int, workdir: str, elastic: bool = False):
         self.rng = random.Random(seed)
+        self.elastic = ElasticJob(workdir, workers) if elastic else None
         self.seed, self.jobs, self.workers, self.aggregators = seed, jobs, workers, aggregators
         self.port = free_port()
         self.master = f"tcp://127.0.0.1:{self.port}"
@@ -157,6 +162,15 @@ class Chaos:
                  90, f"the service to replace {name}")
         return {"kind": "aggregator", "victim": name, "at": at, "recovered_s": round(time.monotonic() - at, 2)}
 
+    def kill_worker(self) -> dict:
+        """SIGKILL a worker of the elastic job; recovered once its replacement trains with the others."""
+        rank, pid = self.elastic.victim(self.rng)
+        os.kill(pid, signal.SIGKILL)
+        at = time.monotonic()
+        wait_for(lambda: self.elastic.back(rank, pid) or self.elastic.failed(), 120,
+                 f"the elastic job to replace rank {rank}")
+        return {"kind": "worker", "victim": f"rank {rank}", "at": at, "recovered_s": round(time.monotonic() - at, 2)}
+
     def kill_pmaster(self) -> dict:
         down = round(self.rng.uniform(1.0, 4.0), 2)
         self.service.kill()
@@ -168,28 +182,45 @@ class Chaos:
 
     # -- the run -----------------------------------------------------------------------------------
 
-    def run(self, seconds: float, warmup: float, gap: tuple[float, float], pmaster_share: float) -> dict:
+    def run(self, seconds: float, warmup: float, gap: tuple[float, float], pmaster_share: float,
+            worker_share: float = 0.3) -> dict:
+        """Faults every ``gap`` seconds: pMaster with probability ``pmaster_share``, an elastic
+        job's worker with ``worker_share`` (with ``elastic``), else an Aggregator."""
         self.up()
         threads = [threading.Thread(target=self.worker, args=(j, r), daemon=True)
                    for j in range(self.jobs) for r in range(self.workers)]
         for thread in threads:
             thread.start()
+        if self.elastic is not None:
+            self.elastic.start(self.master)
+            self.ends["elastic"] = self.elastic.ends
         started = time.monotonic()
-        wait_for(lambda: all(s >= 5 for s in self.steps.values()) or self.errors, 120, "every job's first steps")
+        wait_for(lambda: all(s >= 5 for s in self.steps.values()) and (self.elastic is None or self.elastic.steps() >= 5)
+                 or self.errors, 120, "every job's first steps")
         time.sleep(warmup)  # the warm-up: memory and rates settle before the measured part
         while time.monotonic() - started < seconds and not self.errors:
             self.sample_memory()
             time.sleep(self.rng.uniform(*gap))
             self.sample_memory()
-            fault = self.kill_pmaster() if self.rng.random() < pmaster_share else self.kill_aggregator()
+            draw = self.rng.random()
+            if draw < pmaster_share:
+                fault = self.kill_pmaster()
+            elif self.elastic is not None and draw < pmaster_share + worker_share:
+                fault = self.kill_worker()
+            else:
+                fault = self.kill_aggregator()
             fault["steps"] = dict(sorted((f"{j}/{r}", s) for (j, r), s in self.steps.items()))
             self.schedule.append(fault)
             print(f"chaos: {fault['kind']:10} " + (f"{fault.get('victim', '')} " if "victim" in fault else
                   f"down {fault['down_s']} s ") + f"recovered in {fault['recovered_s']} s", flush=True)
         self.sample_memory()
         self.stop_at.append(max(self.steps.values()) + 10)
+        if self.elastic is not None:
+            self.elastic.stop()
         for thread in threads:
             thread.join(180)
+        if self.elastic is not None:
+            self.elastic.wait(180)
         return self.report()
 
     def sample_memory(self) -> None:
@@ -225,6 +256,9 @@ class Chaos:
             expected = expected_weights(self.workers, got[0][1])
             exact = len(steps) == 1 and all(np.array_equal(w, e) for g in got for w, e in zip(g[0], expected))
             jobs[f"chaos-{job}"] = {"steps": got[0][1], "exact": bool(exact)}
+        if self.elastic is not None:
+            jobs["chaos-elastic"] = self.elastic.result()
+            self.errors.extend(self.elastic.errors)
         pauses: dict[str, float] = {}
         for fault in self.schedule:
             later = [f["at"] for f in self.schedule if f["at"] > fault["at"]]
@@ -248,6 +282,8 @@ class Chaos:
 
     def close(self) -> None:
         self.stop_at.append(0)
+        if self.elastic is not None:
+            self.elastic.close()
         if self.service is not None and self.service.poll() is None:
             self.service.send_signal(signal.SIGINT)
             try:
@@ -267,6 +303,104 @@ class Chaos:
         self.log.close()
 
 
+class ElasticJob:
+    """The chaos run's elastic job: ``pslink launch --service`` of :mod:`pslink.bench.chaos_worker`
+    workers, watched through their output (pid, steps and sizes, final weights)."""
+
+    def __init__(self, workdir: str, workers: int):
+        self.out = os.path.join(workdir, "elastic")
+        os.makedirs(self.out, exist_ok=True)
+        self.workers = workers
+        self.launcher: subprocess.Popen | None = None
+        self.pids: dict[int, int] = {}  # rank -> its current process
+        self.latest: dict[int, tuple[int, int, int]] = {}  # rank -> (pid, step, size) of its last step line
+        self.finals: dict[int, str] = {}
+        self.ends: list[float] = []  # when rank 0's steps ended (as read here)
+        self.errors: list[str] = []
+        self.lines: collections.deque = collections.deque(maxlen=200)  # the last lines, for errors
+        self._reader: threading.Thread | None = None
+
+    def start(self, master: str) -> None:
+        command = CLI + ["launch", "--service", master, "--job", "chaos-elastic", "--min-np", "1",
+                         "--max-np", str(self.workers), "-n", str(self.workers), "--max-restarts", "1000",
+                         sys.executable, "-m", "pslink.bench.chaos_worker", self.out]
+        self.launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         stdin=subprocess.DEVNULL)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.launcher.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if not line.startswith("[rank") or "]: " not in line:
+                continue
+            head, said = line.split("]: ", 1)
+            rank, words = int(head[5:]), said.split()
+            if words[:1] == ["pid"]:
+                self.pids[rank] = int(words[1])
+            elif words[:1] == ["step"] and len(words) >= 4:
+                self.latest[rank] = (self.pids.get(rank, 0), int(words[1]), int(words[3]))
+                if rank == 0:
+                    self.ends.append(time.monotonic())
+            elif words[:1] == ["final"]:
+                self.finals[rank] = said
+
+    def steps(self) -> int:
+        return min((step for _, step, _ in self.latest.values()), default=0) if len(self.latest) == self.workers else 0
+
+    def victim(self, rng: random.Random) -> tuple[int, int]:
+        rank = rng.choice(sorted(self.pids))
+        return rank, self.pids[rank]
+
+    def back(self, rank: int, old_pid: int) -> bool:
+        """``rank``'s replacement (a new pid) has stepped in a world of every worker."""
+        pid, _, size = self.latest.get(rank, (0, 0, 0))
+        return pid != old_pid and pid != 0 and size == self.workers
+
+    def failed(self) -> bool:
+        if self.launcher is not None and self.launcher.poll() is not None:
+            self.errors.append("the elastic job's launcher exited early:\n" + "\n".join(list(self.lines)[-40:]))
+            return True
+        return False
+
+    def stop(self) -> None:
+        """Every worker stops at the same step, a few past the furthest one now."""
+        target = max((step for _, step, _ in self.latest.values()), default=0) + 10
+        with open(os.path.join(self.out, "stop.tmp"), "w") as f:
+            f.write(str(target))
+        os.replace(os.path.join(self.out, "stop.tmp"), os.path.join(self.out, "stop"))
+
+    def wait(self, timeout: float) -> None:
+        try:
+            code = self.launcher.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.errors.append("the elastic job did not end:\n" + "\n".join(list(self.lines)[-40:]))
+            return
+        if self._reader is not None:
+            self._reader.join(10)
+        if code != 0:
+            self.errors.append(f"the elastic job's launcher exited with {code}:\n" + "\n".join(list(self.lines)[-40:]))
+
+    def result(self) -> dict:
+        from pslink.bench.chaos_worker import expected
+
+        finals = [self.finals.get(rank) for rank in range(self.workers)]
+        if any(f is None for f in finals) or len(set(finals)) != 1:
+            return {"exact": False, "error": "the workers did not end alike", "finals": finals}
+        steps, weights = finals[0].split()[1], finals[0].split()[2:]
+        want = [f"{v:g}" for v in expected(int(steps))]
+        return {"steps": int(steps), "exact": weights == want}
+
+    def close(self) -> None:
+        if self.launcher is not None and self.launcher.poll() is None:
+            self.launcher.terminate()  # the launcher stops its workers on SIGTERM
+            try:
+                self.launcher.wait(30)
+            except subprocess.TimeoutExpired:
+                self.launcher.kill()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -277,12 +411,14 @@ def main(argv=None) -> int:
     parser.add_argument("--gap", type=float, nargs=2, default=(10.0, 20.0), metavar=("MIN", "MAX"),
                         help="seconds between faults (uniform)")
     parser.add_argument("--pmaster-share", type=float, default=0.3, help="share of faults that kill pMaster")
+    parser.add_argument("--worker-share", type=float, default=0.3,
+                        help="share of faults that kill a worker of the elastic job (0: no elastic job)")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of training before the first fault")
     args = parser.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="pslink-chaos-")
-    chaos = Chaos(args.seed, args.jobs, args.workers, args.aggregators, workdir)
+    chaos = Chaos(args.seed, args.jobs, args.workers, args.aggregators, workdir, elastic=args.worker_share > 0)
     try:
-        report = chaos.run(args.minutes * 60, args.warmup, tuple(args.gap), args.pmaster_share)
+        report = chaos.run(args.minutes * 60, args.warmup, tuple(args.gap), args.pmaster_share, args.worker_share)
     finally:
         chaos.close()
     for job, figures in report["jobs"].items():

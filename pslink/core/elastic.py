@@ -82,14 +82,30 @@ class State:
 
     def commit(self) -> None:
         """Save the state, then raise :class:`HostsUpdatedInterrupt` if the job's workers changed
-        (every worker the same way, at the same commit). Cheap: one tiny push-pull."""
+        (every worker the same way, at the same commit). Cheap: one tiny push-pull.
+
+        If a worker was lost since the last commit, the steps since then are not saved: their
+        rounds may have closed without it (a sum short of its share), so every worker goes back
+        to the last commit and the new world does them again. Workers that only joined leave
+        those steps whole (a newcomer takes part in rounds from the next reset), so they are
+        saved first."""
+        change = self._world.change() if self._world is not None else None
+        if change == "lost":
+            self.restore()
+            raise HostsUpdatedInterrupt(f"a worker of job {self._world.session.agent.job!r} was lost; back to "
+                                        "the last commit")
         self.commits += 1
         self.save()
-        self.check_host_updates()
+        if change is not None:
+            raise HostsUpdatedInterrupt(f"the workers of job {self._world.session.agent.job!r} changed")
 
     def check_host_updates(self) -> None:
-        """Raise :class:`HostsUpdatedInterrupt` if the workers changed since the last reset."""
-        if self._world is not None and self._world.changed():
+        """Raise :class:`HostsUpdatedInterrupt` if the workers changed since the last reset (after
+        going back to the last commit if one was lost: see :meth:`commit`)."""
+        change = self._world.change() if self._world is not None else None
+        if change == "lost":
+            self.restore()
+        if change is not None:
             raise HostsUpdatedInterrupt(f"the workers of job {self._world.session.agent.job!r} changed")
 
     def save(self) -> None:
@@ -151,14 +167,20 @@ class World:
     def agent(self):
         return self.session.agent
 
-    def changed(self) -> bool:
-        """One push-pull, the same answer on every member: did anyone see a newer epoch, or is
-        anyone missing?"""
+    def change(self) -> str | None:
+        """One push-pull, the same answer on every member: "lost" if a worker of this world is
+        missing, "joined" if someone saw a newer membership (a worker registered) or an
+        unexpected rank took part, None if nothing changed."""
         vector = np.zeros(self.session.capacity, np.int64)
         vector[self.agent.rank] = max(self.agent.epoch, self.epoch) + 1
         seen = self.session.round("elastic commit")(COMMIT_KEY, vector, vector)
         present = [int(r) for r in np.flatnonzero(seen)]
-        return present != self.ranks or int(seen.max()) - 1 > self.epoch
+        if any(r not in present for r in self.ranks):
+            return "lost"
+        return "joined" if present != self.ranks or int(seen.max()) - 1 > self.epoch else None
+
+    def changed(self) -> bool:
+        return self.change() is not None
 
     def reset(self, state: State) -> None:
         """Settle the members, agree on the world, sync the state from the root, save it."""
