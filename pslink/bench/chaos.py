@@ -122,11 +122,14 @@ class Chaos:
             return None
         return {a["name"]: a["pid"] for a in status["aggregators"] if a["alive"] and a.get("pid")}
 
-    def processes(self) -> dict[int, str]:
-        """The long-lived processes now: pMaster and the Aggregators (pid -> what)."""
-        out = {self.service.pid: "pMaster"} if self.service is not None and self.service.poll() is None else {}
-        for name, pid in (self.alive_aggregators() or {}).items():
-            out[pid] = name
+    def processes(self) -> dict[int, tuple[str, int]]:
+        """The long-lived processes now: pMaster and the Aggregators (pid -> (what, bytes of
+        tensors it holds: an Aggregator's parts, replicas included, as it reports them))."""
+        out = {self.service.pid: ("pMaster", 0)} if self.service is not None and self.service.poll() is None else {}
+        status = status_of(self.master)
+        for agg in (status or {}).get("aggregators", []):
+            if agg["alive"] and agg.get("pid"):
+                out[agg["pid"]] = (agg["name"], int(agg.get("bytes", 0)))
         return out
 
     # -- the jobs ----------------------------------------------------------------------------------
@@ -226,23 +229,28 @@ class Chaos:
     def sample_memory(self) -> None:
         """Each long-lived process's resident memory now (pid -> [what, [(time, bytes), ...]])."""
         now = time.monotonic()
-        for pid, what in self.processes().items():
+        for pid, (what, held) in self.processes().items():
             try:
                 rss = psutil.Process(pid).memory_info().rss
             except psutil.Error:
                 continue
-            self.memory.setdefault(pid, [what, []])[1].append((now, rss))
+            self.memory.setdefault(pid, [what, []])[1].append((now, rss, held))
 
     def memory_growth(self) -> dict:
         """Growth from a process's first sample past ``MEMORY_WARMUP`` of its life (as seen here)
-        to its last, for the processes seen that long after it."""
+        to its last, for the processes seen that long after it: of its resident memory, and of
+        what it holds beyond its tensors (an Aggregator that took over the parts of one killed
+        grows by their bytes: that is not a leak)."""
         out = {}
         for pid, (what, samples) in self.memory.items():
-            warm = [(t, rss) for t, rss in samples if t >= samples[0][0] + MEMORY_WARMUP]
+            warm = [sample for sample in samples if sample[0] >= samples[0][0] + MEMORY_WARMUP]
             if warm and samples[-1][0] - warm[0][0] >= MEMORY_SPAN:
-                (t0, before), (t1, after) = warm[0], samples[-1]
-                out[f"{what} (pid {pid})"] = {"before_mb": round(before / 2**20, 1), "after_mb": round(after / 2**20, 1),
-                                             "seconds": round(t1 - t0), "growth": round(after / before - 1, 4)}
+                (t0, before, held0), (t1, after, held1) = warm[0], samples[-1]
+                out[f"{what} (pid {pid})"] = {
+                    "before_mb": round(before / 2**20, 1), "after_mb": round(after / 2**20, 1),
+                    "held_before_mb": round(held0 / 2**20, 2), "held_after_mb": round(held1 / 2**20, 2),
+                    "seconds": round(t1 - t0), "growth": round(after / before - 1, 4),
+                    "growth_beyond_held": round((after - held1) / (before - held0) - 1, 4)}
         return out
 
     def report(self) -> dict:
@@ -427,7 +435,9 @@ def main(argv=None) -> int:
         print(f"error: {error}")
     print(f"longest pause per fault kind: {report['longest_pause_s']}")
     for process, figures in report["memory"].items():
-        print(f"{process}: {figures['before_mb']} MB -> {figures['after_mb']} MB ({figures['growth']:+.1%})")
+        print(f"{process}: {figures['before_mb']} MB -> {figures['after_mb']} MB ({figures['growth']:+.1%}; tensors "
+              f"held {figures['held_before_mb']} -> {figures['held_after_mb']} MB, the rest "
+              f"{figures['growth_beyond_held']:+.1%})")
     print(json.dumps(report))
     ok = not report["errors"] and all(j.get("exact") for j in report["jobs"].values())
     if ok:

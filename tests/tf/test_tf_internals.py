@@ -39,6 +39,7 @@ class LoopbackAgent(Agent):
     def __init__(self):  # no service: nothing of Agent.__init__ is needed
         self.seat = Seat("loopback", 0, 2, b"", "")
         self.mode, self.sync = "sum", "bsp"
+        self.settings: dict = {}  # the job's settings as pMaster gave them (none set)
         self._closed = False
         self.calls: list[tuple[list, list]] = []
 
