@@ -375,3 +375,18 @@ def test_a_pack_that_opens_aggregators_while_its_profiling_ones_start_names_them
     for number, placeholder in enumerate(profiling + opened):  # every one binds to its own Aggregator
         control.bind(placeholder, f"agg-{number}")
     assert sorted(control.cluster_of) == [f"agg-{n}" for n in range(4)]
+
+
+def test_a_job_profiling_on_an_aggregator_that_was_lost_declares_its_next_parts_elsewhere():
+    """Found by the chaos run: a lost Aggregator stayed among the profiling Aggregators of a job,
+    and the job's next key failed to be placed (KeyError in pMaster: every LOOKUP of it failed,
+    and the elastic job could not come back)."""
+    control = plane(min_aggregators=2)
+    control.aggregator_added("agg-0")
+    control.aggregator_added("agg-1")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    (temporary,) = control.jobs["j"].temporaries
+    declare(control, "j", [0])
+    control.aggregator_lost(temporary)
+    (target,) = declare(control, "j", [1])
+    assert target != temporary and target in control.cluster_of

@@ -223,6 +223,9 @@ class ControlPlane:
         self.loads.pop(name, None)
         self.scaling.forget(name)
         self.pinned.discard(name)
+        for control in self.jobs.values():
+            if name in control.temporaries:  # a job profiled on it declares its next parts elsewhere
+                control.temporaries.remove(name)
 
     def task_recovered(self, ident: tuple, aggregator: str) -> None:
         """A part now lives on ``aggregator`` because its own Aggregator failed (a replica was
