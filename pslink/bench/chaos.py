@@ -338,7 +338,9 @@ class ElasticJob:
         self._reader.start()
 
     def _read(self) -> None:
+        log = open(os.path.join(self.out, "launch.log"), "w")  # all of it, kept with the run's workdir
         for line in self.launcher.stdout:
+            log.write(line)
             line = line.rstrip("\n")
             self.lines.append(line)
             if not line.startswith("[rank") or "]: " not in line:
@@ -353,6 +355,7 @@ class ElasticJob:
                     self.ends.append(time.monotonic())
             elif words[:1] == ["final"]:
                 self.finals[rank] = said
+        log.close()
 
     def steps(self) -> int:
         return min((step for _, step, _ in self.latest.values()), default=0) if len(self.latest) == self.workers else 0
