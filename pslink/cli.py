@@ -121,6 +121,9 @@ def service_up(
                                      "Aggregators unless it states its own (slo=)"),
     nic_gbit: Optional[float] = typer.Option(None, min=0.001, help="each Aggregator host's NIC, Gbit/s each way: "
                                              "placement keeps every NIC within it (default: not limited)"),
+    copy_gbit: Optional[float] = typer.Option(None, min=0.001, help="Gbit/s a migration's copy is expected to "
+                                              "cross at: when moves pay, and how much of a job one hand-over "
+                                              "moves (what it copies while the job computes; default 8)"),
     tls_cert: Optional[str] = TlsCertOption,
     tls_key: Optional[str] = TlsKeyOption,
     tls_ca: Optional[str] = TlsCaOption,
@@ -151,7 +154,8 @@ def service_up(
             os.environ[ENV_STALL_SECONDS] = str(stall_seconds)  # the Aggregators it starts inherit it
         master_options = {"quota": quota, "on_stop": stop.set,
                           **({} if no_metrics else {"metrics_port": metrics_port, "metrics_host": metrics_host})}
-        control = {"loss_limit": loss_limit, **({"nic_bandwidth": nic_gbit * 1e9 / 8} if nic_gbit else {})}
+        control = {"loss_limit": loss_limit, **({"nic_bandwidth": nic_gbit * 1e9 / 8} if nic_gbit else {}),
+                   **({"copy_bandwidth": copy_gbit * 1e9 / 8} if copy_gbit else {})}
         common = dict(state_dir=state, advertise=advertise, interface=interface, secret=secret,
                       allow_first_join=allow_first_join, master_options=master_options, control=control)
         if provider == "ray":

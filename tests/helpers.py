@@ -96,3 +96,31 @@ class RawClient:
         self.thread.stop()
         self.reactor.drain()
         self.reactor.close()
+
+
+def launch_elastic(script, args=(), workers: int = 2, max_restarts: int = 0, timeout: float = 100.0,
+                   env: dict | None = None) -> str:
+    """``pslink launch --min-np 1 --max-np W -n W --max-restarts R --heartbeat-timeout 2 python
+    script args...`` from the repository, with ``PSLINK_TIMEOUT=60``; its output, once it exited
+    with 0 (an AssertionError with the output if it failed or hung past ``timeout``)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    environ = dict(os.environ, PSLINK_TIMEOUT="60", TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "pslink.cli", "launch", "--min-np", "1", "--max-np", str(workers), "-n",
+               str(workers), "--max-restarts", str(max_restarts), "--heartbeat-timeout", "2", sys.executable,
+               str(script), *map(str, args)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, env=environ, cwd=str(repo))
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the launcher stops its workers on SIGTERM
+        out, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"the job hung:\n{out}") from None
+    assert proc.returncode == 0, out
+    return out

@@ -148,7 +148,7 @@ class PslinkSimulation:
         self._places: dict[str, set[str]] = collections.defaultdict(set)  # job -> Aggregators
         self._dirty: set[str] = set()  # jobs whose speed must be looked at again
         # The migrations, as pMaster carries them out; the guard leaves moving jobs be, as live.
-        self.migrations = Migrations(self._move_size, options.max_migration_bytes)
+        self.migrations = Migrations(self._move_size, options.max_migration_bytes, batch_bytes=self.control.batch_bytes)
         self._batch_copies: dict[int, float] = {}  # a batch under way -> when its copy lands
         self.control.moving_jobs = lambda: self.migrations.moving_jobs() | self.control.jobs_waiting_to_move()
         self._held: dict[str, Release] = {}  # releases waiting for the moves that involve them

@@ -86,9 +86,18 @@ from pslink.tf.ops import (
 from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, reducescatter
 from pslink.tf.strategy import ParameterServiceStrategy
 from pslink.tf import elastic
-from pslink.tf.sync_batch_norm import SyncBatchNormalization
 from pslink.tf.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
+
+
+def __getattr__(name: str):
+    # Keras loads only when its layer is asked for: the rest of pslink.tf does not need it.
+    if name == "SyncBatchNormalization":
+        from pslink.tf.sync_batch_norm import SyncBatchNormalization
+
+        return SyncBatchNormalization
+    raise AttributeError(f"module 'pslink.tf' has no attribute {name!r}")
+
 
 __all__ = [
     "elastic",

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import keras
 import numpy as np
 
 from pslink.core.elastic import HostsUpdatedInterrupt, ObjectState, State, run_elastic, sync_name
@@ -80,7 +79,7 @@ class TensorFlowKerasState(TensorFlowState):
     attributes (``epoch``, ``batch``, ...). The optimizer is built for the model's trainable
     variables if it was not yet, so that a newcomer receives the others' slots (momentum, ...)."""
 
-    def __init__(self, model: keras.Model, optimizer=None, backend=None, **kwargs: Any):
+    def __init__(self, model, optimizer=None, backend=None, **kwargs: Any):
         if not model.built:
             raise ConfigError("Model must be built first. Run `model.build(input_shape)`.")  # Horovod's words
         self.model = model

@@ -8,17 +8,15 @@ fourth step, rank 0 goes on to step 12. The sums rank 0 sees say who took part i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import launch_elastic
+
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS, DIES_AT = 12, 3
 
 MXNET_WORKER = """
@@ -57,20 +55,7 @@ TF_WORKER = """
 def run_two_workers(tmp_path: Path, source: str) -> str:
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(source.format(steps=STEPS, dies_at=DIES_AT)))
-    env = dict(os.environ, PSLINK_TIMEOUT="60", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    command = [sys.executable, "-m", "pslink.cli", "launch", "--min-np", "1", "--max-np", "2", "-n", "2",
-               "--max-restarts", "0", "--heartbeat-timeout", "2", sys.executable, str(script)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, env=env, cwd=str(REPO))
-    try:
-        out, _ = proc.communicate(timeout=100)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the launcher stops its workers on SIGTERM
-        out, _ = proc.communicate(timeout=30)
-        raise AssertionError(f"the job hung:\n{out}") from None
-    assert proc.returncode == 0, out
-    return out
+    return launch_elastic(script)
 
 
 def check(out: str) -> None:
@@ -132,19 +117,7 @@ def test_a_worker_that_replaces_a_killed_one_in_an_mxnet_job_starts_from_the_job
     had passed long ago, the others in rounds that now counted the replacement."""
     script = tmp_path / "joiner.py"
     script.write_text(textwrap.dedent(MXNET_JOINER.format(here=str(tmp_path))))
-    env = dict(os.environ, PSLINK_TIMEOUT="60",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    command = [sys.executable, "-m", "pslink.cli", "launch", "--min-np", "1", "--max-np", "2", "-n", "2",
-               "--max-restarts", "1", "--heartbeat-timeout", "2", sys.executable, str(script)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, env=env, cwd=str(REPO))
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-        raise AssertionError(f"the job hung:\n{out}") from None
-    assert proc.returncode == 0, out
+    out = launch_elastic(script, max_restarts=1, timeout=150)
     lines = {rank: [line.split("]: ", 1)[1] for line in out.splitlines() if line.startswith(f"[rank{rank}]: ")]
              for rank in (0, 1)}
     starts = [line for line in lines[1] if line.startswith("start ")]
@@ -213,19 +186,7 @@ def test_a_worker_that_replaces_a_killed_one_in_a_tensorflow_elastic_job_gets_th
     gradients averaged again."""
     script = tmp_path / "tf_elastic.py"
     script.write_text(textwrap.dedent(TF_ELASTIC.format(here=str(tmp_path))))
-    env = dict(os.environ, PSLINK_TIMEOUT="60", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    command = [sys.executable, "-m", "pslink.cli", "launch", "--min-np", "1", "--max-np", "2", "-n", "2",
-               "--max-restarts", "1", "--heartbeat-timeout", "2", sys.executable, str(script)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, env=env, cwd=str(REPO))
-    try:
-        out, _ = proc.communicate(timeout=200)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-        raise AssertionError(f"the job hung:\n{out}") from None
-    assert proc.returncode == 0, out
+    out = launch_elastic(script, max_restarts=1, timeout=200)
     lines = {rank: [line.split("]: ", 1)[1] for line in out.splitlines() if line.startswith(f"[rank{rank}]: ")]
              for rank in (0, 1)}
     steps = {rank: {int(line.split()[1]): line for line in lines[rank] if line.startswith("step ")} for rank in (0, 1)}

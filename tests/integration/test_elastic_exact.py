@@ -10,20 +10,17 @@ every update exact in float32.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import launch_elastic
 
 pytest.importorskip("torch", reason="pslink.torch.elastic needs torch (CI installs it)")
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS, SAMPLES, LR = 30, 8, 0.125
 
 WORKER = """
@@ -75,19 +72,7 @@ def expected(steps: int) -> np.ndarray:
 def test_a_worker_killed_mid_step_loses_no_step_and_doubles_none(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER.format(steps=STEPS, samples=SAMPLES, lr=LR, dies_at=7)))
-    env = dict(os.environ, PSLINK_TIMEOUT="60",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    command = [sys.executable, "-m", "pslink.cli", "launch", "--min-np", "1", "--max-np", "2", "-n", "2",
-               "--max-restarts", "1", "--heartbeat-timeout", "2", sys.executable, str(script), str(tmp_path)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, env=env, cwd=str(REPO))
-    try:
-        out, _ = proc.communicate(timeout=170)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-        raise AssertionError(f"the job hung:\n{out}") from None
-    assert proc.returncode == 0, out
+    out = launch_elastic(script, [tmp_path], max_restarts=1, timeout=170)
     finals = [line.split("final ")[1].split(" ", 1) for line in out.splitlines() if "]: final " in line]
     assert len(finals) == 2 and finals[0] == finals[1], out  # both ranks, the same step and weights
     steps, weights = int(finals[0][0]), finals[0][1]

@@ -377,6 +377,21 @@ def test_a_pack_that_opens_aggregators_while_its_profiling_ones_start_names_them
     assert sorted(control.cluster_of) == [f"agg-{n}" for n in range(4)]
 
 
+def test_a_jobs_migration_batch_is_the_copy_its_compute_hides():
+    """Issue 29: the bytes one migration of a job's parts may copy: the copy bandwidth times the
+    job's compute per iteration (its reported own work, else half its standalone iteration)."""
+    control = plane(min_aggregators=1, copy_bandwidth=1e9)
+    assert control.batch_bytes("nobody") == 0
+    control.aggregator_added("agg-0")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    assert control.batch_bytes("j") == 0  # not profiled yet: the throttle's bound
+    control.iterations_reported("j", [0.05] * 3)
+    assert control.batch_bytes("j") == 25_000_000  # half of 50 ms at 1 GB/s
+    control.jobs["j"].work_baseline = 0.04
+    assert control.batch_bytes("j") == 40_000_000
+
+
 def test_a_job_profiling_on_an_aggregator_that_was_lost_declares_its_next_parts_elsewhere():
     """Found by the chaos run: a lost Aggregator stayed among the profiling Aggregators of a job,
     and the job's next key failed to be placed (KeyError in pMaster: every LOOKUP of it failed,

@@ -208,18 +208,18 @@ def test_simulated_moves_take_time_and_hold_back_the_guard(timed):
         assert ends == [pytest.approx(o.submit + o.duration) for o in result.jobs]
 
 
-# -- batches: one decision's moves of a job between two Aggregators are one migration ---------------
+# -- batches: one decision's moves of a job onto one Aggregator are one migration ----------------------
 
 
-def test_one_decisions_moves_of_a_job_between_two_aggregators_are_batches_the_throttle_admits_whole():
+def test_one_decisions_moves_of_a_job_onto_an_aggregator_are_batches_the_throttle_admits_whole():
     moves = core(max_bytes=8 * MIB)
     pack = [Migrate(("j", k, 0), "a", "b", "pack") for k in range(3)] + [Migrate(("j", 3, 0), "c", "b", "pack")]
     pack.append(Migrate(("k", 0, 0), "a", "b", "pack"))  # another job's: a batch of its own
     begun = kinds(moves.request_many(pack, 0.0))
-    # 12 MiB from a to b: a batch of 8 MiB (the throttle's worth) and one of 4; the rest waits.
+    # 16 MiB onto b (from a and from c): two batches of 8 MiB (the throttle's worth); the rest waits.
     assert begun == [("Begin", ("j", k, 0), "a", "b") for k in range(2)]
     assert {m.batch for m in moves.running.values()} == {1} and moves.batch(1).bytes == 8 * MIB
-    assert [list(m) for m in moves.waiting.values()] == [[("j", 2, 0)], [("j", 3, 0)], [("k", 0, 0)]]
+    assert [list(m) for m in moves.waiting.values()] == [[("j", 2, 0), ("j", 3, 0)], [("k", 0, 0)]]
     actions = []
     for k in range(2):
         actions += walk(moves, ("j", k, 0))
@@ -227,11 +227,26 @@ def test_one_decisions_moves_of_a_job_between_two_aggregators_are_batches_the_th
     assert len(migrated) == 1 and (migrated[0].job, migrated[0].source, migrated[0].target, migrated[0].moved) == \
         ("j", "a", "b", 2)
     assert moves.done == 2 and moves.migrated == 1 and moves.batch(1) is None
-    # The first batch's copies landed: room for the next two (4 MiB each).
-    assert [a[1] for a in kinds(actions) if a[0] == "Begin"] == [("j", 2, 0), ("j", 3, 0)]
+    # The first batch's copies landed: room for the next, from two sources at once.
+    assert [a[1:] for a in kinds(actions) if a[0] == "Begin"] == [(("j", 2, 0), "a", "b"), (("j", 3, 0), "c", "b")]
     big = core({("j", "huge", 0): 64 * MIB}, max_bytes=8 * MIB)  # a task over the throttle goes alone
     assert kinds(big.request_many([Migrate(("j", "huge", 0), "a", "b", "x"), Migrate(("j", 1, 0), "a", "b", "x")],
                                   0.0)) == [("Begin", ("j", "huge", 0), "a", "b")]
+
+
+def test_a_job_whose_compute_hides_a_bigger_copy_moves_in_bigger_batches():
+    """Issue 29: the batch bound is per job (the control plane's batch_bytes: what the copy
+    moves while the job computes), at least the throttle's; a pack of a job with long
+    iterations is one migration per target, not one per 16 MiB."""
+    moves = core(max_bytes=8 * MIB)
+    moves.batch_bytes = {"slow": 64 * MIB, "fast": 0}.get
+    pack = [Migrate(("slow", k, 0), "a" if k % 2 else "c", "b", "pack") for k in range(6)]
+    pack += [Migrate(("fast", k, 0), "a", "b", "pack") for k in range(4)]
+    begun = kinds(moves.request_many(pack, 0.0))
+    assert [a[1] for a in begun] == [("slow", k, 0) for k in range(6)]  # 24 MiB: one batch, admitted alone
+    assert moves.batch(1).bytes == 24 * MIB and moves.batch(1).left == 6
+    assert [list(m) for m in moves.waiting.values()] == [[("fast", 0, 0), ("fast", 1, 0)],
+                                                         [("fast", 2, 0), ("fast", 3, 0)]]
 
 
 def test_a_batch_counts_as_a_migration_only_if_some_of_its_moves_were_done():

@@ -451,6 +451,18 @@ class ControlPlane:
             return []
         return self.guard.judge(control, durations)
 
+    def batch_bytes(self, job: str) -> int:
+        """The most bytes one migration (batch) of the job's parts may copy: what the copy moves
+        while the job computes, from its standalone iteration (0 while it is not known). The
+        source hands the parts over as their round closes, so the copy runs while the workers
+        compute their next step; only what outlasts that compute stalls the job. Its compute:
+        the own work its Agents report, else half its iteration."""
+        control = self.jobs.get(job)
+        if control is None or not control.standalone or not self.copy_bandwidth:
+            return 0
+        compute = control.work_baseline if control.work_baseline is not None else control.standalone * 0.5
+        return int(self.copy_bandwidth * compute)
+
     def pack_due(self, job: str) -> float:
         """When packing the job pays for its moves (:meth:`JobControl.pack_due`)."""
         return self.jobs[job].pack_due(self.copy_latency, self.copy_bandwidth, self.placement_share)

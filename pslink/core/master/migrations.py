@@ -9,11 +9,15 @@ A move's steps, and who reports them:
    ``max_bytes`` of task state (weights, and as much again of optimizer state) are being copied
    at once, at least one move always, so a job's iteration carries a bounded copy.
    ``request_many(actions)``: one decision's moves (a pack, the guard's, a drain). Those of one job
-   from one Aggregator to another form **batches** of up to ``max_bytes`` each (one task at
-   least): a batch is one migration, admitted by the throttle whole, begun together (the driver
-   tells the target of all its tasks at once, then the source), handed over at the same round's
-   end, its copy one bounded stall of the job's round (a pack used to move a 161-tensor model as
-   161 migrations, each a stall and two control messages of its own). Events stay per task.
+   onto one Aggregator form **batches** of up to the job's batch bound each (``batch_bytes(job)``,
+   at least ``max_bytes``; one task at least): a batch is one migration, admitted by the throttle
+   whole, begun together (the driver tells the target of all its tasks at once, then each source
+   of them), handed over at the same round's end, its copy one stall of the job's round (a pack
+   used to move a 161-tensor model as 161 migrations, each a stall and two control messages of
+   its own). The bound is the copy the job's own compute hides (the control plane's
+   :meth:`~pslink.core.master.control.ControlPlane.batch_bytes`): a job that iterates in 0.3 s
+   moves its model in one hand-over, a job of 20 ms iterations in 16 MiB steps. Events stay per
+   task.
 2. :class:`Begin`: the target is told to expect the task (ASSIGN); ``target_ready(task, ok)``.
 3. :class:`HandOver`: the source is told to hand it over when its current round closes (MIGRATE);
    ``handed_over(task, ok)``. :class:`Routed`: new lookups go to the target from here on, and a
@@ -62,8 +66,9 @@ class Move:
 
 @dataclasses.dataclass
 class Batch:
-    """One migration: moves of one job's tasks from one Aggregator to another that one decision
-    asked for, admitted, begun and counted together."""
+    """One migration: moves of one job's tasks onto one Aggregator that one decision asked for,
+    admitted, begun and counted together (``source``: the first task's; others may come from
+    other Aggregators)."""
 
     ident: int
     job: str
@@ -144,9 +149,11 @@ class Migrations:
     """Every move pMaster has under way or waiting. ``size_of(task)``: the bytes a move of it
     copies."""
 
-    def __init__(self, size_of: Callable[[tuple], int], max_bytes: int = DEFAULT_MAX_MIGRATION_BYTES):
+    def __init__(self, size_of: Callable[[tuple], int], max_bytes: int = DEFAULT_MAX_MIGRATION_BYTES,
+                 batch_bytes: Callable[[str], int] | None = None):
         self.size_of = size_of
         self.max_bytes = max_bytes
+        self.batch_bytes = batch_bytes  # job -> the most bytes one of its batches may copy (above max_bytes)
         self.running: dict[tuple, Move] = {}
         self.throttled: dict[tuple, Migrate] = {}  # waiting for room, in arrival order
         self.follow_ups: dict[tuple, Migrate] = {}  # the next move of a task still moving
@@ -197,9 +204,9 @@ class Migrations:
         return self.request_many([action], now)
 
     def request_many(self, actions: list[Migrate], now: float) -> list:
-        """One decision's moves: those of one job between the same two Aggregators are a batch."""
+        """One decision's moves: those of one job onto the same Aggregator are a batch."""
         out: list = []
-        batches: dict[tuple, tuple[int, int]] = {}  # (job, source, target, reason) -> its last batch, bytes
+        batches: dict[tuple, tuple[int, int]] = {}  # (job, target, reason) -> its last batch, bytes
         for action in actions:
             task = action.task
             if task in self.running:
@@ -214,10 +221,11 @@ class Migrations:
                     continue
                 action = Migrate(task, waiting.source, action.target, action.reason)
                 out.append(Settle((waiting.target,)))
-            group = (task[0], action.source, action.target, action.reason)
+            group = (task[0], action.target, action.reason)
             size = self.size_of(task)
             ident, nbytes = batches.get(group, (0, 0))
-            if not ident or nbytes + size > self.max_bytes:  # a batch copies what the throttle lets go at once
+            limit = max(self.max_bytes, self.batch_bytes(task[0])) if self.batch_bytes is not None else self.max_bytes
+            if not ident or nbytes + size > limit:  # a batch copies what the job's round can carry at once
                 ident, nbytes = self._next_batch, 0
                 self._next_batch += 1
                 self.waiting[ident] = {}

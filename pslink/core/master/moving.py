@@ -41,7 +41,7 @@ class Mover:
                  copy_from_replica: Callable[[Move, str], None]):
         self.state, self.store, self.reactor, self.links = state, store, reactor, links
         kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
-        self.core = Migrations(self._size_of, **kwargs)
+        self.core = Migrations(self._size_of, batch_bytes=state.control.batch_bytes, **kwargs)
         self.refused = 0  # reports on moves from peers not entitled to them
         self.migration_timeout = migration_timeout
         self.settled, self.removal_failed, self.moved = settled, removal_failed, moved
@@ -121,8 +121,8 @@ class Mover:
                     self._finished(action.move, action.why)
                 elif isinstance(action, Migrated):
                     batch = action.batch
-                    log.info("pMaster: migrated %d part(s) of job %r from %s to %s (%s, %d bytes)", batch.moved,
-                             batch.job, batch.source, batch.target, batch.reason, batch.bytes)
+                    log.info("pMaster: migrated %d part(s) of job %r to %s (%s, %d bytes)", batch.moved,
+                             batch.job, batch.target, batch.reason, batch.bytes)
                 elif isinstance(action, Dropped):
                     self._dropped(action.action, action.why)
                 elif isinstance(action, CopyFromReplica):
@@ -210,7 +210,14 @@ class Mover:
             self.give_up(move.task)  # its source is gone: nothing will end it
 
     def _hand_over(self, moves: list[Move]) -> None:
-        """The source hands the batch's tasks over at their round's end (one MIGRATE)."""
+        """Each source hands its tasks of the batch over at their round's end (one MIGRATE each)."""
+        by_source: dict[str, list[Move]] = {}
+        for move in moves:
+            by_source.setdefault(move.source, []).append(move)
+        for some in by_source.values():
+            self._guarded(self._hand_over_from, some)
+
+    def _hand_over_from(self, moves: list[Move]) -> None:
         source, job = moves[0].source, moves[0].task[0]
         target = [moves[0].target, self.links.address_of(moves[0].target)]
 
