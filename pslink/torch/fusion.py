@@ -7,11 +7,14 @@ its buckets. Here the buckets are fixed when the optimizer is made, the same on 
 parameters in reverse order (the order backward produces their gradients), a bucket closed when
 the next one would take it past the fusion threshold (``PSLINK_FUSION_BYTES``, the Agent's, 16 MiB
 by default) or has another dtype or device. Horovod's ``groups`` (explicit lists of parameters)
-and ``num_groups`` (that many equal groups) choose the buckets instead. Each parameter's
-``.grad`` is a view of its place in its bucket (as DDP's ``gradient_as_bucket_view``), so backward
-accumulates into the bucket and ``optimizer.zero_grad()`` zeroes it in place; the bucket is
-push-pulled, under a key named by its parameters' names, once backward has finished its last
-gradient, and the averages land in the ``.grad`` tensors.
+and ``num_groups`` (that many equal groups) choose the buckets instead. After a step each
+parameter's ``.grad`` is a view of its place in its bucket (as DDP's ``gradient_as_bucket_view``).
+``optimizer.zero_grad()`` (``set_to_none``, the default) drops those views: backward writes fresh
+gradients, each copied into its bucket place once final (as DDP copies into its buckets), which
+spares a pass zeroing the buckets and a read per gradient; with ``set_to_none=False`` the bucket is
+zeroed in place and backward accumulates into it. The bucket is push-pulled, under a key named by
+its parameters' names, once backward has finished its last gradient, and the averages land in
+the ``.grad`` tensors.
 """
 
 from __future__ import annotations

@@ -575,6 +575,31 @@ def test_fused_gradients_train_bit_for_bit_as_unfused_ones(service):
                 assert torch.equal(a, b), name
 
 
+def test_zeroing_bucketed_gradients_to_none_or_in_place_trains_alike(service):
+    """zero_grad() (set_to_none) lets backward write fresh gradients, copied into the bucket as
+    each is final; zero_grad(set_to_none=False) zeroes the bucket and backward accumulates into
+    it: the same weights, bit for bit, and after each step every .grad is its bucket place."""
+    def body(s):
+        results = {}
+        for set_to_none in (True, False):
+            model = make_model()
+            optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                             named_parameters=model.named_parameters(), session=s)
+            (bucket,) = optimizer._pslink.buckets
+            for step in range(4):
+                optimizer.zero_grad(set_to_none=set_to_none)
+                assert all((p.grad is None) == set_to_none for p in model.parameters())
+                loss_of(model, *data(step, s.rank)).backward()
+                optimizer.step()
+                assert all(p.grad is view for p, view in zip(bucket.params, bucket.views))
+            results[set_to_none] = [p.detach().clone() for p in model.parameters()]
+        return results
+
+    for results in on_ranks(service, 2, body):
+        for a, b in zip(results[True], results[False], strict=True):
+            assert torch.equal(a, b)
+
+
 def test_backward_passes_per_step_sum_op_and_predivide(service):
     def body(s):
         model = make_model()
