@@ -27,13 +27,11 @@ A job's life (paper 3.3.1-3.3.2):
 Aggregators are grouped in clusters of at most ``max_cluster_size``, each with its own placement
 state; a job is packed into the best-fit cluster (enough free CPU, the least of it).
 
-Hosts. pMaster tells the control plane each Aggregator's host (``host_of``). Where the pool spans
-several hosts, a job's parts are spread over them: each part goes, among the Aggregators that
-qualify, to the host holding the fewest of the job's bytes so far, so that no single NIC carries
-a whole job (with Aggregators on the worker hosts, as BytePS co-locates servers, each host's NIC
-then carries what a ring all-reduce would). One host, or none known (the simulator): the same
-decisions as without hosts. Aggregators an operator joined by hand (``pinned``) are never
-released or drained by scaling: the operator gave them.
+Hosts. pMaster tells the control plane each Aggregator's host (``host_of``). Over several hosts
+a job's parts are spread: each part goes, among the Aggregators that qualify, to the host holding
+the fewest of the job's bytes so far, so that no NIC carries a whole job (with Aggregators on the
+worker hosts, as BytePS co-locates servers, each NIC carries what a ring all-reduce would).
+Aggregators an operator joined by hand (``pinned``) are never released or drained by scaling.
 """
 
 from __future__ import annotations
@@ -52,17 +50,14 @@ from pslink.core.master.nics import Nics
 from pslink.core.master.guard import Guard
 from pslink.core.master.scaling import Scaling
 
-#: CPU seconds an Aggregator spends per byte pushed, before anything was measured (receiving the
-#: bytes and adding them up; calibrated on this project's 2-vCPU test machine, ~2 GB/s).
-DEFAULT_COST_PER_BYTE = 5e-10
+DEFAULT_COST_PER_BYTE = 5e-10  # CPU s an Aggregator spends per byte pushed, before any measurement (~2 GB/s)
 PROVISIONAL_ITERATION = 1.0  # placeholder duration for a profiling job's tasks (its Aggregators are its own)
 PROFILING_ITERATION = 0.1  # what a job being profiled is assumed to iterate in, for its NIC traffic
 PROFILING_NIC_SHARE = 0.5  # an idle Aggregator profiles a job only if its host's NIC is this free
 #: Share of a shared Aggregator's cycle packing leaves free: a job's costs are profiled alone, and
 #: next to other jobs they grow (the trace-driven simulator's jobs: 7% at the median, 25% at p99).
 DEFAULT_HEADROOM = 0.1
-#: Share of a job's slowdown limit its placement may use; the rest is for what placement does
-#: not see: the stalls of its moves, the guard's reaction time, noise.
+#: Share of a job's slowdown limit placement may use; the rest: its moves' stalls, the guard's delay, noise.
 DEFAULT_PLACEMENT_SHARE = 0.8
 DEFAULT_COPY_BANDWIDTH = 1e9  # bytes per second a migration's copy is expected to cross at
 DEFAULT_COPY_LATENCY = 0.002  # seconds a migration's copy costs besides its bytes
@@ -383,11 +378,9 @@ class ControlPlane:
         if cost is None:
             cost = self.estimate_cost(control, control.parts[ident])
         nbytes = control.parts[ident]
-        # Bytes/s through its Aggregator's NIC, each way: every worker pushes it (and pulls it) an
-        # iteration. While the job is profiled its iteration is not known: a fast one is assumed,
-        # so that the hosts of its Aggregators are not filled by others meanwhile.
-        # The guard may re-learn a slower standalone iteration (a job slowed by its host); its
-        # traffic is counted at the fastest it was measured, not lowered by that.
+        # Bytes/s through its Aggregator's NIC, each way (every worker pushes and pulls it once an
+        # iteration): while profiled, a fast iteration is assumed (its hosts are not filled by
+        # others meanwhile); later, the fastest measured (a slower re-learned one does not lower it).
         fastest = min(iteration, control.profiled_iteration or iteration) if known else PROFILING_ITERATION
         rate = nbytes * control.workers / fastest
         return TaskDemand(control.job, ident[1], ident[2], iteration, cost, nbytes, control.slo * self.placement_share,
@@ -452,16 +445,9 @@ class ControlPlane:
         return self.guard.judge(control, durations)
 
     def batch_bytes(self, job: str) -> int:
-        """The most bytes one migration (batch) of the job's parts may copy: what the copy moves
-        while the job computes, from its standalone iteration (0 while it is not known). The
-        source hands the parts over as their round closes, so the copy runs while the workers
-        compute their next step; only what outlasts that compute stalls the job. Its compute:
-        the own work its Agents report, else half its iteration."""
+        """The most bytes one migration of the job's parts may copy (:meth:`JobControl.batch_bytes`)."""
         control = self.jobs.get(job)
-        if control is None or not control.standalone or not self.copy_bandwidth:
-            return 0
-        compute = control.work_baseline if control.work_baseline is not None else control.standalone * 0.5
-        return int(self.copy_bandwidth * compute)
+        return control.batch_bytes(self.copy_bandwidth) if control is not None else 0
 
     def pack_due(self, job: str) -> float:
         """When packing the job pays for its moves (:meth:`JobControl.pack_due`)."""

@@ -79,6 +79,16 @@ class JobControl:
             return None
         return change
 
+    def batch_bytes(self, copy_bandwidth: float) -> int:
+        """The most bytes one migration (batch) of its parts may copy: what the copy moves while
+        the job computes (0 before its profile). The source hands the parts over as their round
+        closes, so the copy runs while the workers compute their next step; only what outlasts
+        that compute stalls the job. Its compute: its reported own work, else half its iteration."""
+        if not self.standalone or not copy_bandwidth:
+            return 0
+        compute = self.work_baseline if self.work_baseline is not None else self.standalone * 0.5
+        return int(copy_bandwidth * compute)
+
     def noise_margin(self) -> float:
         """How much slower than its profile the job's window may be by chance alone: its
         iterations' own spread (a robust relative deviation of the profiled ones) as it shows in
