@@ -89,11 +89,7 @@ class State:
         to the last commit and the new world does them again. Workers that only joined leave
         those steps whole (a newcomer takes part in rounds from the next reset), so they are
         saved first."""
-        change = self._world.change() if self._world is not None else None
-        if change == "lost":
-            self.restore()
-            raise HostsUpdatedInterrupt(f"a worker of job {self._world.session.agent.job!r} was lost; back to "
-                                        "the last commit")
+        change = self._interrupt_if_lost()
         self.commits += 1
         self.save()
         if change is not None:
@@ -102,11 +98,18 @@ class State:
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` if the workers changed since the last reset (after
         going back to the last commit if one was lost: see :meth:`commit`)."""
+        if self._interrupt_if_lost() is not None:
+            raise HostsUpdatedInterrupt(f"the workers of job {self._world.session.agent.job!r} changed")
+
+    def _interrupt_if_lost(self) -> str | None:
+        """The world's change since the last reset; if a worker was lost, back to the last commit
+        and :class:`HostsUpdatedInterrupt` (the rule :meth:`commit` explains)."""
         change = self._world.change() if self._world is not None else None
         if change == "lost":
             self.restore()
-        if change is not None:
-            raise HostsUpdatedInterrupt(f"the workers of job {self._world.session.agent.job!r} changed")
+            raise HostsUpdatedInterrupt(f"a worker of job {self._world.session.agent.job!r} was lost; back to "
+                                        "the last commit")
+        return change
 
     def save(self) -> None:
         raise NotImplementedError
@@ -147,6 +150,13 @@ class ObjectState(State):
                                           name=sync_name(session, "extras"))
         self._restore_extras(extras)
         self._synced = True
+
+
+def capacity(agent, size: int) -> int:
+    """The most workers a job may have (its ``max_workers``, else as many as it has or had): sizes
+    the keys whose shape would otherwise follow the number of workers (the join vector, unnamed
+    gathers), so that they keep their shape when that number changes."""
+    return max(int(agent.settings.get("max_workers") or 0), agent.num_workers, size)
 
 
 def sync_name(session, what: str) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from pslink.core import collectives
+from pslink.core import collectives, elastic
 from pslink.core.agent import Agent
 from pslink.core.collectives import service_key
 from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
@@ -114,9 +114,8 @@ class Exchange:
 
     @property
     def capacity(self) -> int:
-        """The most workers the job may have: sizes the join vector, so that its key keeps its
-        shape when the number of workers changes."""
-        return max(int(self.agent.settings.get("max_workers") or 0), self.agent.num_workers, self.num_workers)
+        """The most workers the job may have (:func:`pslink.core.elastic.capacity`)."""
+        return elastic.capacity(self.agent, self.num_workers)
 
     def set_world(self, ranks: list[int], generation: int) -> None:
         """The workers agreed on ``ranks`` (service ranks): this worker's rank becomes its position
@@ -130,9 +129,8 @@ class Exchange:
 
     def reconnect(self) -> Agent:
         """Register this rank again (:func:`pslink.core.elastic.register_again`); returns the new Agent."""
-        from pslink.core.elastic import register_again
 
-        self.agent = register_again(self.agent, self._connect)
+        self.agent = elastic.register_again(self.agent, self._connect)
         return self.agent
 
     def abandon(self) -> None:

@@ -18,7 +18,7 @@ import tensorflow as tf
 from pslink.core import collectives
 from pslink.errors import ConfigError
 from pslink.tf import context
-from pslink.tf.ops import broadcast_object, broadcast_variables
+from pslink.tf.ops import broadcast_object
 from pslink.tf.process_sets import _sets, exchange_of
 
 # Horovod's codes for process_set_included_op (horovod/common/basics.py)

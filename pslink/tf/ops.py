@@ -26,7 +26,7 @@ from typing import Self
 import tensorflow as tf
 
 from pslink.core import collectives
-from pslink.core.collectives import Average, Sum
+from pslink.core.collectives import Average
 from pslink.errors import ConfigError
 from pslink.tf import context
 from pslink.tf.exchange import Exchange, SiteKeys, describe, service_key, unique_names, variable_name
@@ -245,8 +245,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
         raise ConfigError(f"pslink.tf.DistributedOptimizer wraps Keras optimizers, got {type(optimizer).__name__}; "
                           "TF1's tf.compat.v1.train optimizers are not offered: take the gradients with "
                           "pslink.tf.DistributedGradientTape and apply them with the optimizer")
-    if op not in (Average, Sum):
-        raise ConfigError(f"DistributedOptimizer takes op=Average or op=Sum, got {op!r}")
+    op = collectives.reduce_op(op)  # Average or Sum: it refuses the others, naming them
     if compression is not Compression.none or backward_passes_per_step != 1:
         raise ConfigError("pslink.tf.DistributedOptimizer: compression and backward_passes_per_step are not "
                           "offered for Keras optimizers; use DistributedGradientTape(tape, compression=...)")
@@ -275,9 +274,7 @@ class DistributedGradientTape:
             tape = tape._tape
         if not isinstance(tape, tf.GradientTape):
             raise ConfigError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
-        op = collectives.reduce_op(op, average)
-        if op not in (Average, Sum):
-            raise ConfigError(f"DistributedGradientTape takes op=Average or op=Sum, got {op!r}")
+        op = collectives.reduce_op(op, average)  # Average or Sum: it refuses the others, naming them
         if not gradient_predivide_factor > 0:
             raise ConfigError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
         if gradient_predivide_factor != 1.0 and op is not Average:

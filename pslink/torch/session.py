@@ -16,10 +16,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pslink.core import collectives
+from pslink.core import collectives, elastic
 from pslink.torch.process_sets import ProcessSets
 from pslink.core.agent import Agent
-from pslink.core.elastic import register_again
 from pslink.core.collectives import Adasum, Average, ReduceOp, Sum, Zeros, reduce_op
 from pslink.errors import ConfigError, PslinkError
 from pslink.torch.tensors import HostView, StagingPool, explain_mismatch, wire_dtype
@@ -122,9 +121,8 @@ class Session:
 
     @property
     def capacity(self) -> int:
-        """The most workers the job may have (its ``max_workers``): sizes the keys whose shape
-        would otherwise follow the number of workers, so that they survive a change of it."""
-        return max(int(self.agent.settings.get("max_workers") or 0), self.agent.num_workers, self.size)
+        """The most workers the job may have (:func:`pslink.core.elastic.capacity`)."""
+        return elastic.capacity(self.agent, self.size)
 
     def set_world(self, ranks: list[int], generation: int) -> None:
         """Take ``ranks`` (the job's service ranks, every member agreeing) as the world: ``rank``
@@ -146,7 +144,7 @@ class Session:
         """Register this rank again with a new Agent, which comes into the running job as a late
         worker, and close the old one (:func:`pslink.core.elastic.register_again`). Returns the
         new Agent."""
-        self.agent = register_again(self.agent, self._connect)
+        self.agent = elastic.register_again(self.agent, self._connect)
         if self.agent.mode != "sum":
             raise ConfigError(f"pslink.torch needs an Agent in mode 'sum', the new one is in mode {self.agent.mode!r}")
         self.timeout = self.agent.timeout

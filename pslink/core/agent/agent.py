@@ -50,7 +50,7 @@ from pslink.core.agent.tables import declare as declare_table
 from pslink.core.agent.sending import Sender
 from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.faults import Faults
-from pslink.core.observe.timeline import Timeline, path_for
+from pslink.core.observe.timeline import Timeline, started_path
 from pslink.core.transport import DISCARD, Lent, Transports
 from pslink.core.wire.fusion import Unfused, fused_header, fused_message
 from pslink.core.wire.loop import Reactor
@@ -347,15 +347,11 @@ class Agent:
     def start_timeline(self, path: str, mark_cycles: bool = False) -> str:
         """Record this worker's requests to a Chrome trace from now on (Horovod's
         ``start_timeline``); a timeline being recorded (``PSLINK_TIMELINE`` or an earlier call)
-        is closed first. ``{rank}`` in ``path`` is replaced; otherwise rank 0 writes ``path``
-        itself (Horovod's coordinator writes the one file) and rank R ``path.rankR``.
+        is closed first; the file is :func:`~pslink.core.observe.timeline.started_path`'s.
         ``mark_cycles``: an instant at each iteration's start. Returns the file written."""
         if not isinstance(path, str) or not path.strip():
             raise ConfigError(f"start_timeline needs a file path, got {path!r}")
-        if "{rank}" not in path and self.rank == 0:
-            written = path
-        else:
-            written = path_for(path, self.rank, max(self.num_workers, 2))
+        written = started_path(path, self.rank)
         timeline = Timeline(written, self.job, self.rank, mark_cycles=mark_cycles)
         self._set_timeline(timeline)
         return written

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Callable
 
 from pslink.core.agent.driver import Driver
@@ -137,14 +136,15 @@ class Handles:
         self.before_wait()  # requests held for fusion go now: this thread waits for their answers
         timeline = self.timeline
         started = timeline.now() if timeline is not None and timeline.active else None
-        waited, began = self.waited, time.monotonic()
+        waited, clock = self.waited, self.driver.clock
+        began = clock()
         try:
             self.driver.wait(lambda: not handle._left, self.timeout if timeout is None else timeout,
                              handle._describe_wait, on_timeout=lambda t: self._timed_out(handle, t),
                              parking=handle._parking_event)
         finally:
             if waited is not None:
-                waited(time.monotonic() - began)
+                waited(clock() - began)  # the Iterations' clock: their waits and times compare
             if started is not None:
                 timeline.span(f"wait {handle.op}", None, started, timeline.now(), {"keys": handle.keys[:8]})
 

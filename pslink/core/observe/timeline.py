@@ -56,6 +56,15 @@ def path_for(path: str, rank: int, num_workers: int) -> str:
     return f"{stem}.rank{rank}{suffix or '.json'}"
 
 
+def started_path(path: str, rank: int) -> str:
+    """The file a timeline started at run time writes (Horovod's ``start_timeline``): ``{rank}``
+    replaced if there; otherwise rank 0 writes ``path`` itself (Horovod's coordinator writes the
+    one file) and rank R ``path.rankR``."""
+    if "{rank}" not in path and rank == 0:
+        return path
+    return path_for(path, rank, 2)
+
+
 class Timeline:
     """Chrome-trace events of one Agent (``pid``: its rank), written to ``path`` as they come."""
 
