@@ -80,9 +80,10 @@ def test_an_aggregator_not_yet_on_a_host_takes_no_more_than_a_whole_nic(at_once)
     assert sorted(round(p.rate) for p in plan.aggregators.values()) == [40, 80, 80]
 
 
-def test_a_job_is_profiled_only_on_idle_aggregators_whose_nic_is_half_free():
+def test_a_job_is_profiled_only_on_idle_aggregators_whose_nic_carries_nothing():
     control = ControlPlane(nic_bandwidth=1000.0, cost_per_byte=1e-9)
-    for name, host in (("busy-host", "A"), ("quiet", "B"), ("idle-on-busy", "A")):
+    for name, host in (("busy-host", "A"), ("quiet", "B"), ("idle-on-busy", "A"), ("lightly-used", "C"),
+                       ("idle-on-light", "C")):
         control.aggregator_added(name)
         control.aggregator_host(name, host, spread=False)
     control.job_arrived("big", workers=1, servers=1)
@@ -90,8 +91,35 @@ def test_a_job_is_profiled_only_on_idle_aggregators_whose_nic_is_half_free():
     control.jobs["big"].phase = "packed"
     control.jobs["big"].temporaries.clear()
     control.reserved.clear()
-    control.clusters[control.cluster_of["busy-host"]].assign(TaskDemand("big", 0, 0, 1.0, 0.1, rate=600.0), "busy-host")
+    plan = control.clusters[control.cluster_of["busy-host"]]
+    plan.assign(TaskDemand("big", 0, 0, 1.0, 0.1, rate=600.0), "busy-host")
+    plan.assign(TaskDemand("big", 1, 0, 1.0, 0.1, rate=10.0), "lightly-used")
     actions = control.job_arrived("new", workers=1, servers=2)
-    # host A's NIC is 60% used: its idle Aggregator is passed over, a new one is started instead
+    # A's NIC is 60% used, C's 1%: what the new job sends is not known, so only B's idle NIC
+    # takes it; a new Aggregator is started for its second server
     assert control.jobs["new"].temporaries[0] == "quiet"
-    assert "idle-on-busy" not in control.jobs["new"].temporaries and len(actions) == 1
+    assert not {"idle-on-busy", "idle-on-light"} & set(control.jobs["new"].temporaries) and len(actions) == 1
+
+
+def test_a_job_is_profiled_on_one_aggregator_per_nic():
+    control = ControlPlane(nic_bandwidth=1000.0, cost_per_byte=1e-9)
+    for name, host in (("a1", "A"), ("a2", "A"), ("b1", "B")):
+        control.aggregator_added(name)
+        control.aggregator_host(name, host, spread=False)
+    actions = control.job_arrived("new", workers=1, servers=3)
+    assert sorted(control.jobs["new"].temporaries[:2]) == ["a1", "b1"] and len(actions) == 1
+
+
+def test_a_job_keeps_its_nic_whole_until_profiled_then_uses_what_it_sends():
+    # Its iteration is not known while it is profiled: nothing may be placed beside it on its NIC.
+    # Once measured (not packed yet: its moves would not pay), its NIC holds its real bytes a second.
+    control = ControlPlane(nic_bandwidth=1000.0, cost_per_byte=1e-9, profile_iterations=3, clock=lambda: 0.0)
+    control.aggregator_added("agg")
+    control.aggregator_host("agg", "A", spread=False)
+    control.job_arrived("new", workers=2, servers=1)
+    control.place_part("new", "w", 0, 100)
+    assert control.nics.load_of("A") == pytest.approx(1000.0)
+    assert control.pack_due("new") > 0.0  # the clock stays at 0: it is not packed below
+    assert control.iterations_reported("new", [0.5, 0.5, 0.5]) == []
+    assert control.jobs["new"].phase == "profiling"
+    assert control.nics.load_of("A") == pytest.approx(2 * 100 / 0.5)  # 2 workers push 100 bytes every 0.5 s

@@ -52,8 +52,6 @@ from pslink.core.master.scaling import Scaling
 
 DEFAULT_COST_PER_BYTE = 5e-10  # CPU s an Aggregator spends per byte pushed, before any measurement (~2 GB/s)
 PROVISIONAL_ITERATION = 1.0  # placeholder duration for a profiling job's tasks (its Aggregators are its own)
-PROFILING_ITERATION = 0.1  # what a job being profiled is assumed to iterate in, for its NIC traffic
-PROFILING_NIC_SHARE = 0.5  # an idle Aggregator profiles a job only if its host's NIC is this free
 #: Share of a shared Aggregator's cycle packing leaves free: a job's costs are profiled alone, and
 #: next to other jobs they grow (the trace-driven simulator's jobs: 7% at the median, 25% at p99).
 DEFAULT_HEADROOM = 0.1
@@ -268,7 +266,7 @@ class ControlPlane:
             control.phase = "packed"
             return []
         actions: list = []
-        for name in spread.across_hosts(self._idle(cluster), self.host_of)[:servers]:
+        for name in self._profiling_places(cluster, servers):
             control.temporaries.append(name)
             self.reserved[name] = job
         while self.elastic and len(control.temporaries) < servers and self.aggregator_count() < self.max_aggregators:
@@ -278,17 +276,22 @@ class ControlPlane:
             actions.append(allocation)
         return actions
 
+    def _profiling_places(self, cluster: str, servers: int) -> list[str]:
+        """Idle Aggregators to profile a job on, one host after another; with NICs known, one per
+        NIC (the job's own traffic is not known either)."""
+        places = spread.across_hosts(self._idle(cluster), self.host_of)
+        return (spread.one_per_nic(places, self.clusters[cluster]) if self.nics.limited else places)[:servers]
+
     def _idle(self, cluster: str) -> list[str]:
         plan = self.clusters[cluster]
         idle = sorted(n for n, a in plan.aggregators.items()
                       if not a.tasks and n not in self.reserved and n not in self.exclusive
                       and not self.is_placeholder(n))
         if self.nics.limited:
-            # A job being profiled sends more than placement knows (its iteration is not known
-            # yet): only Aggregators on hosts with half their NIC free take it, quietest first;
-            # otherwise new ones are started.
-            idle = sorted((n for n in idle if plan.host_load(n) <= PROFILING_NIC_SHARE * self.nics.bandwidth),
-                          key=plan.host_load)
+            # A job not profiled yet sends what no one knows (its iteration is not measured): it
+            # is given NICs that carry nothing else, and keeps them whole until it is measured
+            # (:meth:`_demand`). Otherwise new Aggregators are started.
+            idle = [n for n in idle if plan.host_load(n) <= 0.0]
         return idle
 
     def place_part(self, job: str, key: Any, part: int, nbytes: int) -> tuple[str, list]:
@@ -376,23 +379,11 @@ class ControlPlane:
         iteration = control.standalone if known else PROVISIONAL_ITERATION
         cost = control.costs.get(ident)
         if cost is None:
-            cost = self.estimate_cost(control, control.parts[ident])
+            cost = control.estimate_cost(control.parts[ident], self.cost_per_byte)
         nbytes = control.parts[ident]
-        # Bytes/s through its Aggregator's NIC, each way (every worker pushes and pulls it once an
-        # iteration): while profiled, a fast iteration is assumed (its hosts are not filled by
-        # others meanwhile); later, the fastest measured (a slower re-learned one does not lower it).
-        fastest = min(iteration, control.profiled_iteration or iteration) if known else PROFILING_ITERATION
-        rate = nbytes * control.workers / fastest
+        rate = control.nic_rate(nbytes, self.profile_iterations, self.nics.bandwidth)
         return TaskDemand(control.job, ident[1], ident[2], iteration, cost, nbytes, control.slo * self.placement_share,
                           rate)
-
-    def estimate_cost(self, control: JobControl, nbytes: int) -> float:
-        """e_t before it was measured: bytes pushed per iteration times the cost of a byte (the
-        job's own measured rate when it has one)."""
-        measured = [(control.costs[i], control.parts[i]) for i in control.costs if control.parts.get(i)]
-        per_byte = (sum(c for c, _ in measured) / sum(b for _, b in measured)) if measured else (
-            self.cost_per_byte * control.workers)
-        return per_byte * nbytes
 
     def _candidates(self, control: JobControl) -> list[str]:
         plan = self.clusters[control.cluster]
@@ -438,9 +429,16 @@ class ControlPlane:
         control.iterations += len(durations)
         control.add_work(work or [])
         if control.phase == "profiling":
+            measured = len(control.profiled) >= self.profile_iterations
             control.profiled.extend(durations)
             if len(control.profiled) >= self.profile_iterations and self.pack_due(job) <= self.clock():
                 return self._pack(control)
+            if not measured and len(control.profiled) >= self.profile_iterations and self.nics.limited:
+                # Measured, not packed yet (its moves would not pay): its NICs carry what it
+                # really sends from now on, and have room for others.
+                for ident in control.parts:
+                    name = self._where(ident)
+                    self.clusters[self.cluster_of[name]].assign(self._demand(control, ident, provisional=True), name)
             return []
         return self.guard.judge(control, durations)
 

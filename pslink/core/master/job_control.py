@@ -79,6 +79,26 @@ class JobControl:
             return None
         return change
 
+    def estimate_cost(self, nbytes: int, cost_per_byte: float) -> float:
+        """e_t of a part before it was measured: its bytes times the cost of a byte (the job's own
+        measured one when it has one, else ``cost_per_byte`` a worker)."""
+        measured = [(self.costs[i], self.parts[i]) for i in self.costs if self.parts.get(i)]
+        per_byte = (sum(c for c, _ in measured) / sum(b for _, b in measured)) if measured else (
+            cost_per_byte * self.workers)
+        return per_byte * nbytes
+
+    def nic_rate(self, nbytes: int, profile_iterations: int, nic_bandwidth: float | None) -> float:
+        """Bytes/s a part of ``nbytes`` puts through its Aggregator's NIC, each way (every worker
+        pushes and pulls it once an iteration): once packed, at the fastest iteration measured (a
+        slower re-learned standalone does not lower it); once profiled, at the median profiled
+        one; before, unknown: the whole NIC is kept for it, so that nothing placed beside it can
+        be slowed by what it really sends."""
+        if self.standalone is not None:
+            return nbytes * self.workers / min(self.standalone, self.profiled_iteration or self.standalone)
+        if len(self.profiled) >= max(1, profile_iterations):
+            return nbytes * self.workers / statistics.median(self.profiled)
+        return nic_bandwidth or 0.0
+
     def batch_bytes(self, copy_bandwidth: float) -> int:
         """The most bytes one migration (batch) of its parts may copy: what the copy moves while
         the job computes (0 before its profile). The source hands the parts over as their round

@@ -248,9 +248,13 @@ class Placement:
         self.changed.discard(name)
         return tasks
 
+    def nic_of(self, name: str) -> int:
+        """The index of ``name``'s host in :attr:`nics` (``UNKNOWN`` while its host is not known)."""
+        return int(self._host[self.aggregators[name].index])
+
     def host_load(self, name: str) -> float:
         """Bytes/s placed on the NIC of ``name``'s host (0 while its host is not known)."""
-        host = int(self._host[self.aggregators[name].index])
+        host = self.nic_of(name)
         return float(self.nics.load[host]) if host != UNKNOWN else 0.0
 
     def take_changed(self) -> set[str]:

@@ -10,6 +10,7 @@ import collections
 import itertools
 from typing import Iterable, Mapping
 
+from pslink.core.master.nics import UNKNOWN
 from pslink.core.master.placement import Placement, TaskDemand
 
 
@@ -23,6 +24,16 @@ def across_hosts(names: list[str], host_of: Mapping[str, str]) -> list[str]:
         return names
     columns = list(by_host.values())
     return [n for row in itertools.zip_longest(*columns) for n in row if n is not None]
+
+
+def one_per_nic(names: list[str], plan: Placement) -> list[str]:
+    """``names`` keeping the first on each host's NIC (one whose host is not known yet counts as a
+    NIC of its own): a job being profiled sends what no one knows yet, even to itself."""
+    first_on_nic: dict = {}
+    for name in names:
+        nic = plan.nic_of(name)
+        first_on_nic.setdefault(name if nic == UNKNOWN else nic, name)
+    return list(first_on_nic.values())
 
 
 def bytes_by_host(parts: Mapping[tuple, int], plans: Iterable[Placement], host_of: Mapping[str, str]) -> collections.Counter:
