@@ -41,6 +41,25 @@ def test_timers_fire_in_deadline_order_and_can_be_cancelled():
     reactor.close()
 
 
+def test_cancelled_timers_do_not_pile_up_until_their_deadlines():
+    # An RPC's timeout timer is cancelled by the reply at once; its deadline is far off. Ten
+    # thousand such calls must not leave ten thousand timers (and what they hold) in the heap.
+    clock = FakeClock()
+    reactor = Reactor(clock=clock)
+    fired = []
+    late = reactor.call_later(100.0, fired.append, "late")
+    for i in range(10_000):
+        reactor.call_later(30.0 + i * 1e-4, fired.append, i).cancel()
+    assert len(reactor._timers) < 600
+    soon = reactor.call_later(1.0, fired.append, "soon")
+    with reactor._drive_lock:
+        clock.now = 200.0
+        reactor.run_once(0)
+    assert fired == ["soon", "late"] and not soon.cancelled and not late.cancelled
+    assert reactor.next_deadline() is None
+    reactor.close()
+
+
 def test_posts_from_other_threads_wake_a_blocked_driver():
     reactor = Reactor()
     thread = ReactorThread(reactor).start()

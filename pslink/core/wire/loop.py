@@ -57,20 +57,32 @@ class _Poller:
 log = logging.getLogger(__name__)
 
 
+_COMPACT_AT = 256  # cancelled timers in the heap before it may be compacted
+
+
+def _noop() -> None:
+    pass
+
+
 class Timer:
     """A callback scheduled by :meth:`Reactor.call_later`; ``cancel()`` stops it."""
 
-    __slots__ = ("deadline", "seq", "fn", "args", "cancelled")
+    __slots__ = ("deadline", "seq", "fn", "args", "cancelled", "_reactor")
 
-    def __init__(self, deadline: float, seq: int, fn: Callable, args: tuple):
+    def __init__(self, deadline: float, seq: int, fn: Callable, args: tuple, reactor: "Reactor | None" = None):
         self.deadline = deadline
         self.seq = seq
         self.fn = fn
         self.args = args
         self.cancelled = False
+        self._reactor = reactor
 
     def cancel(self) -> None:
-        self.cancelled = True
+        if not self.cancelled:
+            self.cancelled = True
+            self.fn, self.args = _noop, ()  # what the callback holds goes now, not at the deadline
+            if self._reactor is not None:
+                self._reactor._timer_cancelled()
 
     def __lt__(self, other: "Timer") -> bool:
         return (self.deadline, self.seq) < (other.deadline, other.seq)
@@ -95,6 +107,7 @@ class Reactor:
         self._writers: dict[int, Callable[[], None]] = {}
         self._posted: collections.deque = collections.deque()
         self._timers: list[Timer] = []
+        self._cancelled_timers = 0  # about how many of them are cancelled
         self._timer_lock = threading.Lock()
         self._seq = itertools.count()
         self._drive_lock = threading.Lock()
@@ -118,12 +131,26 @@ class Reactor:
         """Run ``fn(*args)`` on the driving thread after ``delay`` s. ``wake=False``: a deadline
         that may pass a little late, for a thread that must not pay a wake-up (a system call)
         for it: it is seen when the reactor next wakes for anything else."""
-        timer = Timer(self.clock() + max(0.0, delay), next(self._seq), fn, args)
+        timer = Timer(self.clock() + max(0.0, delay), next(self._seq), fn, args, self)
         with self._timer_lock:
             heapq.heappush(self._timers, timer)
+            if self._cancelled_timers > _COMPACT_AT and 2 * self._cancelled_timers > len(self._timers):
+                self._compact_timers()
         if wake and self._sleeping:
             self.wake()  # the new deadline may come before the current sleep ends
         return timer
+
+    def _timer_cancelled(self) -> None:
+        self._cancelled_timers += 1  # a hint for compaction (racy increments only delay it)
+
+    def _compact_timers(self) -> None:
+        """Drop cancelled timers (under ``_timer_lock``). A cancelled timer leaves the heap only
+        when it reaches the top, at its deadline: an RPC's timeout timer, cancelled by the reply
+        at once, would otherwise stay for the whole timeout, and an Aggregator replicating a
+        thousand rounds a second held tens of thousands of them (megabytes, and a deeper heap)."""
+        self._timers = [t for t in self._timers if not t.cancelled]
+        heapq.heapify(self._timers)
+        self._cancelled_timers = 0
 
     def wake(self) -> None:
         """Interrupt a driver blocked in select."""
@@ -266,6 +293,7 @@ class Reactor:
         with self._timer_lock:
             while self._timers and self._timers[0].cancelled:
                 heapq.heappop(self._timers)
+                self._cancelled_timers = max(0, self._cancelled_timers - 1)
             return self._timers[0].deadline if self._timers else None
 
     @property
@@ -305,6 +333,8 @@ class Reactor:
                 timer = heapq.heappop(self._timers)
                 if not timer.cancelled:
                     due.append(timer)
+                else:
+                    self._cancelled_timers = max(0, self._cancelled_timers - 1)
         for timer in due:
             self._guard(timer.fn, *timer.args)
 
