@@ -290,7 +290,7 @@ class ControlPlane:
         if self.nics.limited:
             # A job not profiled yet sends what no one knows (its iteration is not measured): it
             # is given NICs that carry nothing else, and keeps them whole until it is measured
-            # (:meth:`_demand`). Otherwise new Aggregators are started.
+            # (:meth:`JobControl.nic_rate`). Otherwise new Aggregators are started.
             idle = [n for n in idle if plan.host_load(n) <= 0.0]
         return idle
 
@@ -434,11 +434,8 @@ class ControlPlane:
             if len(control.profiled) >= self.profile_iterations and self.pack_due(job) <= self.clock():
                 return self._pack(control)
             if not measured and len(control.profiled) >= self.profile_iterations and self.nics.limited:
-                # Measured, not packed yet (its moves would not pay): its NICs carry what it
-                # really sends from now on, and have room for others.
-                for ident in control.parts:
-                    name = self._where(ident)
-                    self.clusters[self.cluster_of[name]].assign(self._demand(control, ident, provisional=True), name)
+                # Measured, not packed yet (its moves would not pay): its NICs carry what it sends.
+                self._record_demands(control, provisional=True)
             return []
         return self.guard.judge(control, durations)
 
@@ -456,12 +453,10 @@ class ControlPlane:
         control.standalone = control.profiled_iteration = statistics.median(control.profiled)
         control.work_baseline = statistics.median(control.work) if control.work else None
         control.phase = "packed"
-        current = {i: self._where(i) for i in control.parts}
         if control.adopted or not self.elastic and not control.temporaries:
-            # Measured where it already runs: record the real demands, move nothing.
-            for ident, name in current.items():
-                self.clusters[self.cluster_of[name]].assign(self._demand(control, ident), name)
+            self._record_demands(control)  # measured where it already runs: move nothing
             return []
+        current = {i: self._where(i) for i in control.parts}
         for ident in control.parts:
             self.clusters[self.cluster_of[current[ident]]].unassign(ident)
         for name in control.temporaries:
@@ -471,6 +466,12 @@ class ControlPlane:
         actions = self._place_job(control, demands, current, "pack after profiling")
         control.temporaries = []
         return actions + self.scaling.release_empty(f"job {control.job} packed")
+
+    def _record_demands(self, control: JobControl, provisional: bool = False) -> None:
+        """The job's parts stay where they are, with their demands as now known."""
+        for ident in control.parts:
+            name = self._where(ident)
+            self.clusters[self.cluster_of[name]].assign(self._demand(control, ident, provisional), name)
 
     def _where(self, ident: tuple) -> str:
         for plan in self.clusters.values():

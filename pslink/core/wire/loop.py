@@ -60,10 +60,6 @@ log = logging.getLogger(__name__)
 _COMPACT_AT = 256  # cancelled timers in the heap before it may be compacted
 
 
-def _noop() -> None:
-    pass
-
-
 class Timer:
     """A callback scheduled by :meth:`Reactor.call_later`; ``cancel()`` stops it."""
 
@@ -80,7 +76,6 @@ class Timer:
     def cancel(self) -> None:
         if not self.cancelled:
             self.cancelled = True
-            self.fn, self.args = _noop, ()  # what the callback holds goes now, not at the deadline
             if self._reactor is not None:
                 self._reactor._timer_cancelled()
 
@@ -147,7 +142,8 @@ class Reactor:
         """Drop cancelled timers (under ``_timer_lock``). A cancelled timer leaves the heap only
         when it reaches the top, at its deadline: an RPC's timeout timer, cancelled by the reply
         at once, would otherwise stay for the whole timeout, and an Aggregator replicating a
-        thousand rounds a second held tens of thousands of them (megabytes, and a deeper heap)."""
+        thousand rounds a second held tens of thousands of them (megabytes, and a deeper heap).
+        (``cancel`` leaves the callback in place: another thread may be about to run it.)"""
         self._timers = [t for t in self._timers if not t.cancelled]
         heapq.heapify(self._timers)
         self._cancelled_timers = 0
