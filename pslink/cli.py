@@ -481,6 +481,10 @@ def launch_command(
                                               "a free one, 29500 on several nodes)"),
     timeline: Optional[str] = typer.Option(None, "--timeline", help="write every rank's Chrome trace, merged, to "
                                            "this file (window: $PSLINK_TIMELINE_STEPS=a:b)"),
+    sync: Optional[str] = typer.Option(None, "--sync", help="local:T: the workers train as groups (one a host, or "
+                                       "--groups) that average their weights every T steps (docs/hierarchy.md)"),
+    groups: Optional[int] = typer.Option(None, "--groups", min=1, help="with --sync local:T: groups of "
+                                         "consecutive ranks (default: one a host)"),
 ):
     """Run N workers of a training script (as horovodrun or torchrun), with a service if none is given;
     with --min-np/--max-np, an elastic job whose workers come and go (see docs/elastic.md); with
@@ -495,6 +499,8 @@ def launch_command(
         if timeline and (pslite or min_np is not None or max_np is not None):
             raise PslinkError("--timeline merges the traces of a fixed job's ranks; for an elastic or ps-lite job set "
                               "PSLINK_TIMELINE=DIR/trace-{rank}.json in the workers' environment instead")
+        if (sync is not None or groups is not None) and (pslite or min_np is not None or max_np is not None):
+            raise PslinkError("--sync and --groups make a fixed job's workers groups; not for ps-lite or elastic jobs")
         if min_np is not None or max_np is not None:
             from pslink.launch_elastic import launch_elastic
 
@@ -520,10 +526,26 @@ def launch_command(
                 raise PslinkError("-s and --server-mode describe a ps-lite deployment: add --pslite")
             code = launch(command, num_workers, service=service, aggregators=aggregators, job=job,
                           prefix=not no_prefix, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                          master_port=master_port, timeline=timeline)
+                          master_port=master_port, timeline=timeline, env=_group_env(sync, groups))
     except PslinkError as exc:
         _fail(exc)
     raise typer.Exit(code)
+
+
+def _group_env(sync: str | None, groups: int | None) -> dict | None:
+    """The workers' environment with ``--sync`` / ``--groups`` (None: the launcher's own)."""
+    from pslink.config import ENV_GROUPS, ENV_SYNC
+    from pslink.core.groups import parse_local_sync
+
+    if sync is None and groups is None:
+        return None
+    if sync is None:
+        raise PslinkError("--groups goes with --sync local:T (the local steps between the groups' syncs)")
+    parse_local_sync(sync)
+    env = dict(os.environ, **{ENV_SYNC: sync})
+    if groups is not None:
+        env[ENV_GROUPS] = str(groups)
+    return env
 
 
 @bench_app.command("pushpull", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

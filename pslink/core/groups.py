@@ -32,10 +32,10 @@ other workers the same way (the leader pushes them, the others zeros).
 from __future__ import annotations
 
 import logging
-from typing import Sequence
 
 import numpy as np
 
+from pslink.core.agent.agent import Agent
 from pslink.core.meeting import PoolMeeting, StoreMeeting
 from pslink.errors import ConfigError
 
@@ -132,13 +132,14 @@ class GroupSync:
         if self.meeting is not None:
             self.meeting.close()
 
-    def step(self, arrays: dict[str, np.ndarray] | Sequence[tuple[str, np.ndarray]]) -> bool:
-        """After each local step (every worker of the group, with its weights): True when this
-        step ended with a global sync (``arrays`` then hold the average over the groups)."""
-        items = list(arrays.items()) if isinstance(arrays, dict) else list(arrays)
+    def step(self, arrays) -> bool:
+        """After each local step (every worker of the group, with its weights: a dict or (name,
+        array) pairs, or a function giving them, called only when this step syncs): True when
+        this step ended with a global sync (the arrays then hold the average over the groups)."""
         self.steps += 1
         if self._decide():
-            self._sync(items)
+            arrays = arrays() if callable(arrays) else arrays
+            self._sync(list(arrays.items()) if isinstance(arrays, dict) else list(arrays))
             self.schedule.synced(self.steps)
             return True
         return False
@@ -174,3 +175,42 @@ class GroupSync:
             for array in arrays:
                 array.fill(0)
         self.agent.pushpull_many(local, arrays, arrays).wait(self.timeout)  # the leader's, to everyone
+
+
+class GroupAgent(Agent):
+    """What ``pslink.connect(job, rank, num_workers, sync="local:T", groups=N)`` returns: the
+    Agent of a worker of its group's own BSP job ``<job>.g<group>`` (groups of consecutive
+    ranks; ``rank`` and ``num_workers`` are the group's, so an adapter's collectives run within
+    the group), whose weights are averaged with the other groups' every T local steps: the
+    adapters call :meth:`end_step` after each optimizer step. ``world_rank`` / ``world_size``:
+    the worker's place in the whole job (shard the data by them)."""
+
+    def __init__(self, job: str, rank: int, num_workers: int, master: str, *, every: int, groups: int,
+                 store: str | None = None, **options):
+        if options.get("mode", "sum") != "sum" or options.get("optimizer") is not None:
+            raise ConfigError(f"job {job!r}: groups with delayed global sync average the workers' weights, so the "
+                              "workers step (mode 'sum'); an optimizer on the Aggregators is not for them")
+        if options.get("max_workers") not in (None, num_workers):
+            raise ConfigError(f"job {job!r}: groups with delayed global sync take a fixed number of workers "
+                              "(max_workers); groups join as jobs of their own (pslink.core.groups.GroupSync)")
+        options.pop("max_workers", None)
+        size = num_workers // groups
+        group, group_rank = divmod(rank, size)
+        super().__init__(f"{job}.g{group}", group_rank, size, master, **dict(options, mode="sum"))
+        self.world_job, self.world_rank, self.world_size, self.group = job, rank, num_workers, group
+        try:
+            self.group_sync = GroupSync(self, job, group, groups, every, timeout=self.timeout, store=store)
+        except BaseException:
+            super().close()
+            raise
+
+    def end_step(self, arrays) -> bool:
+        """After each local step, with the weights (the same names on every worker; or a function
+        giving them, called only when this step syncs): True when this step ended with a global
+        sync (the arrays then hold the groups' average)."""
+        return self.group_sync.step(arrays)
+
+    def close(self, leave: bool = True) -> None:
+        if not self.closed:
+            self.group_sync.close()
+        super().close(leave)

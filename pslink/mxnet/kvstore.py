@@ -26,6 +26,7 @@ import numpy as np
 from mxnet.kvstore import KVStore, KVStoreBase
 
 import pslink
+from pslink.core.groups import GroupAgent
 from pslink.errors import AuthError, MembershipError, PslinkError
 from pslink.mxnet import sparse
 from pslink.mxnet.errors import KVStoreError, translate
@@ -174,10 +175,11 @@ class PSLinkKVStore(KVStore):
         """The pslink Agent underneath (its job, mode, sync, key placement)."""
         return self._agent
 
-    @staticmethod
-    def is_capable(capability: str) -> bool:
+    def is_capable(self, capability: str) -> bool:
         if capability.lower() == KVStoreBase.OPTIMIZER:
-            return True  # the service applies SGD and Adam (update_on_kvstore)
+            # The service applies SGD and Adam (update_on_kvstore); not for groups (sync="local:T"),
+            # whose workers step, so that the groups can average their weights.
+            return not isinstance(self._agent, GroupAgent)
         raise ValueError(f"Unknown capability: {capability}")
 
     # -- data path --------------------------------------------------------------------------------
@@ -335,6 +337,10 @@ class PSLinkKVStore(KVStore):
     def set_optimizer(self, optimizer) -> None:
         """Have the service apply ``optimizer`` (its type and hyperparameters, sent as plain data)
         to every push: pulls then return weights. Call it before the first init."""
+        if isinstance(self._agent, GroupAgent):
+            raise KVStoreError(f"pslink kvstore: job {self._agent.world_job!r} trains as groups (sync='local:T'): the "
+                               "workers update their weights, so that the groups can average them: train with "
+                               "gluon.Trainer (it updates on the workers with this store), not Module")
         config = service_config(optimizer, list(self._keys))
         for key, info in self._keys.items():
             check_key(optimizer, key, info.dtype.name)

@@ -5,6 +5,9 @@ for one device unless the name contains "dist": ``Trainer(..., kvstore='pslink')
 train alone, silently. For pslink's names we create the store first and hand MXNet the
 instance, which it always uses; every other name goes through unchanged.
 
+With groups (``sync="local:T"``, pslink.core.groups) every Trainer's step and update end with the
+groups' sync of its parameters: :func:`install_group_sync`.
+
 Sparse training needs nothing here: gluon's Trainer takes only MXNet's own ``KVStore`` class for
 row_sparse weights and sparse gradients, and the pslink store is a subclass of it.
 """
@@ -38,3 +41,48 @@ def install_kvstore_names(names) -> None:
         if current is original or getattr(current, "__wrapped__", None) is original:
             module._create_kvstore = create_kvstore
 
+
+
+def install_group_sync() -> None:
+    """End gluon.Trainer's ``step`` and ``update`` with the groups' sync of the Trainer's
+    parameters when its workers form groups (its pslink store's, or the Horovod API's, Agent is
+    a :class:`~pslink.core.groups.GroupAgent`); nothing otherwise (idempotent)."""
+    trainer = mx.gluon.Trainer
+    for name in ("step", "update"):
+        original = getattr(trainer, name)
+        if getattr(original, "pslink_groups", False):
+            continue
+
+        @functools.wraps(original)
+        def then_sync(self, *args, _original=original, **kwargs):
+            result = _original(self, *args, **kwargs)
+            agent = _group_agent(self)
+            if agent is not None:
+                _sync_parameters(agent, self._params)
+            return result
+
+        then_sync.pslink_groups = True
+        setattr(trainer, name, then_sync)
+
+
+def _group_agent(trainer):
+    from pslink.core.groups import GroupAgent
+
+    store = getattr(trainer, "_kvstore", None)
+    agent = getattr(store, "agent", None)
+    if agent is None and hasattr(trainer, "_session"):  # the Horovod API's DistributedTrainer
+        agent = trainer._session.agent
+    return agent if isinstance(agent, GroupAgent) else None
+
+
+def _sync_parameters(agent, params) -> None:
+    """The parameters (same order on every worker) averaged over the groups when this step syncs."""
+    arrays = {}
+
+    def copies():
+        arrays.update((f"mxnet/{i}", param.data().asnumpy()) for i, param in enumerate(params))
+        return arrays
+
+    if agent.end_step(copies):
+        for array, param in zip(arrays.values(), params):
+            param.set_data(mx.nd.array(array, dtype=param.dtype))

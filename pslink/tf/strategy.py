@@ -35,9 +35,11 @@ import numpy as np
 import tensorflow as tf
 
 from pslink.core.agent import Agent
+from pslink.core.groups import GroupAgent
 from pslink.errors import ConfigError
 from pslink.tf import _internals, context
 from pslink.tf.exchange import Exchange, SiteKeys, describe_variables
+from pslink.tf.groups import end_group_step
 
 WHAT = "ParameterServiceStrategy"
 
@@ -64,6 +66,7 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
         self._new_variables: list = []  # created under the scope, not checked yet
         self._waiting: list = []  # checked, but their initial values did not exist yet
         self._sent_by_graph: dict[int, object] = {}  # those broadcast by a traced function, by id
+        self._model_variables: list = []  # every one made under the scope: a group's sync averages them
         self._variables_lock = threading.Lock()
         _internals.init_strategy(self, devices, self)
 
@@ -104,7 +107,14 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
         self.sync_variables()
         result = tf.distribute.MirroredStrategy.run(self, fn, args=args, kwargs=kwargs, options=options)
         self.sync_variables()
+        if isinstance(self.agent, GroupAgent):  # sync="local:T": the step ends with the groups' sync
+            self._end_group_step()
         return result
+
+    def _end_group_step(self) -> None:
+        with self._variables_lock:
+            variables = [v for v in self._model_variables if v.trainable]
+        end_group_step(self.agent, variables)
 
     @tf.autograph.experimental.do_not_convert
     def sync_variables(self) -> None:
@@ -173,6 +183,7 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
             return  # per-replica accumulators (metrics): local by design
         with self._variables_lock:
             self._new_variables.append(variable)
+            self._model_variables.append(variable)
 
     def global_replicas(self) -> int:
         return self.num_replicas_in_sync

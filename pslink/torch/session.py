@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pslink.core import collectives, elastic
+from pslink.torch import local_sync
 from pslink.torch.process_sets import ProcessSets
 from pslink.core.agent import Agent
 from pslink.core.collectives import Adasum, Average, ReduceOp, Sum, Zeros, reduce_op
@@ -103,6 +104,7 @@ class Session:
         if agent.mode != "sum":
             raise ConfigError(f"pslink.torch needs an Agent in mode 'sum', this one is in mode {agent.mode!r}")
         self.agent = agent
+        local_sync.watch(agent)  # sync="local:T": each optimizer step ends with the groups' sync
         # ``connect(token, rejoin=...)`` makes a new Agent for this rank of the same job (elastic
         # recovery; ``rejoin``: the Agent option of that name).
         self._connect = connect

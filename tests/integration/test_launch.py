@@ -119,3 +119,14 @@ def test_launch_without_a_command_is_a_clear_error():
     done = run_launch(["-n", "2"])
     assert done.returncode != 0
     assert "Missing argument" in done.stderr or "needs a command" in done.stderr
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--sync", "local:x"], "'local:T'"),
+    (["--groups", "2"], "--groups goes with --sync"),
+    (["--sync", "local:2", "--min-np", "1"], "not for ps-lite or elastic jobs"),
+])
+def test_group_options_that_cannot_work_are_refused_before_anything_starts(options, words):
+    done = run_launch(["-n", "2", *options, sys.executable, "-c", "pass"])
+    assert done.returncode != 0
+    assert words in " ".join(done.stderr.split()), done.stderr  # (rich wraps long lines)

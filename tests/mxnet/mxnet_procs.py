@@ -38,10 +38,12 @@ def _finish(proc: subprocess.Popen, timeout: float, what: str) -> str:
         raise AssertionError(f"{what} did not finish within {timeout:g} s; output:\n{out}") from None
 
 
-def launch(script, args, service: str, job: str, workers: int = 2, timeout: float = 100) -> tuple[int, str]:
-    """Run ``python script args`` as ``workers`` workers of ``job`` on ``service``; (status, output)."""
+def launch(script, args, service: str, job: str, workers: int = 2, timeout: float = 100,
+           launcher: tuple[str, ...] = ()) -> tuple[int, str]:
+    """Run ``python script args`` as ``workers`` workers of ``job`` on ``service`` (more
+    ``launcher`` options to `pslink launch`); (status, output)."""
     command = [sys.executable, "-m", "pslink.cli", "launch", "-n", str(workers), "--service", service,
-               "--job", job, sys.executable, str(script), *map(str, args)]
+               "--job", job, *launcher, sys.executable, str(script), *map(str, args)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL, env=worker_env(), cwd=str(REPO))
     out = _finish(proc, timeout, f"pslink launch of {Path(script).name} {' '.join(map(str, args))}")

@@ -102,3 +102,26 @@ def test_async_rounds_train_through_pslink_async(service, tmp_path):
         assert result["kvstore"] == "pslink_dist_async"
         assert result["update_on_kvstore"] is True  # MXNet's Trainer forces it for async stores
         assert result["train_accuracy"] > 0.85 and result["last_loss"] < result["first_loss"] / 4, result
+
+
+def test_two_groups_syncing_every_step_end_with_the_flat_jobs_weights(service, tmp_path):
+    """4 workers as 2 groups of 2 (`pslink launch --sync local:1 --groups 2`): a group sums 2 of
+    the 4 gradients (each Trainer normalizes by the combined batch of 4), so at twice the
+    learning rate, with momentum SGD on the workers (linear in the gradients), averaging the
+    groups' weights after every step is the flat 4-worker job."""
+    common = ["--epochs", "1", "--no-progress", "--seed", "3", "--optimizer", "sgd", "--momentum", "0.9", "--batch-size", BATCH]
+    runs = {}
+    for name, lr, launcher in (("flat", "0.1", ()), ("groups", "0.2", ("--sync", "local:1", "--groups", "2"))):
+        code, out = launch(EXAMPLE, common + ["--lr", lr, "--save", tmp_path / f"{name}-{{rank}}.npz",
+                                              "--result", tmp_path / f"{name}-{{rank}}.json"],
+                           service.address, job=f"gluon-{name}-4", workers=4, timeout=150, launcher=launcher)
+        assert code == 0, out
+        runs[name] = [dict(np.load(tmp_path / f"{name}-{rank}.npz")) for rank in range(4)]
+        # The group store has no optimizer capability: the Trainer steps on the workers by itself.
+        assert json.loads((tmp_path / f"{name}-0.json").read_text())["update_on_kvstore"] == (name == "flat")
+    for rank in range(4):
+        for key, flat in runs["flat"][rank].items():
+            np.testing.assert_allclose(runs["groups"][rank][key], flat, rtol=1e-4, atol=1e-5, err_msg=f"rank {rank} {key}")
+    for rank in (1, 2, 3):  # one model on every worker after the last step's sync
+        for key, first in runs["groups"][0].items():
+            np.testing.assert_array_equal(runs["groups"][rank][key], first)

@@ -271,3 +271,34 @@ def test_the_module_api_names_horovods_functions():
         assert hasattr(hvd, name), name
     with pytest.raises(ConfigError, match="has not been initialized"):
         hvd.rank()
+
+
+def test_distributed_trainers_as_two_groups_syncing_every_step_equal_the_flat_job(cluster):
+    """4 ranks as 2 groups of 2 (sync="local:1"): each group averages over its 2 ranks, and the
+    groups' weights are averaged after every step (momentum SGD is linear in the gradients):
+    the flat 4-rank job's weights; with sync="local:3" the groups part between syncs."""
+    service, transports = cluster
+
+    def run(job, steps, **options):
+        def body(rank):
+            agent = pslink.connect(job, rank, 4, master=service.address, transports=transports, timeout=30.0,
+                                   mode="sum", **options)
+            session = hvd.Session(agent)
+            try:
+                net, x, y = net_and_data(rank)
+                trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.5, "momentum": 0.9},
+                                                 session=session)
+                return train_steps(net, trainer, x, y, steps, 8)
+            finally:
+                session.close()
+
+        return run_workers(4, body)
+
+    flat = run("mxhvd-flat4", 3)
+    every_step = run("mxhvd-groups1", 3, sync="local:1", groups=2)
+    for got, want in zip(every_step, flat, strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    apart = run("mxhvd-groups3", 2, sync="local:3", groups=2)  # no sync yet after 2 steps
+    assert all(np.array_equal(a, b) for a, b in zip(apart[0], apart[1]))  # one group, one model
+    assert not all(np.array_equal(a, b) for a, b in zip(apart[0], apart[2]))

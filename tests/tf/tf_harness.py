@@ -35,11 +35,12 @@ class Outcome:
         return f"{state} after {self.seconds:.0f} s; output:\n{self.output[-6000:]}"
 
 
-def launch(command: list[str], workers: int = 2, timeout: float = 240.0) -> Outcome:
-    """Run ``command`` as ``workers`` workers of one job; stop them all after ``timeout`` s."""
+def launch(command: list[str], workers: int = 2, timeout: float = 240.0, env: dict | None = None) -> Outcome:
+    """Run ``command`` as ``workers`` workers of one job (``env``: more of their environment);
+    stop them all after ``timeout`` s."""
     output = io.StringIO()
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), **(env or {}))
     run = Launch(command, workers, output=output, env=env)
     timed_out = threading.Event()
 

@@ -105,13 +105,37 @@ def kill(rank: int, scratch: str) -> None:
         print(f"step {step}", flush=True)
 
 
+def groups(rank: int, scratch: str) -> None:
+    """4 workers as 2 groups of 2 (sync="local:T", groups=2): the weights after every step, flat
+    (one job), with a global sync every step and every third step. Plain SGD, so that syncing
+    every step is the flat job."""
+    base = model()
+    job = os.environ["PSLINK_JOB"]
+    result = {}
+    for name, options in (("flat", {}), ("every1", {"sync": "local:1", "groups": 2}),
+                          ("every3", {"sync": "local:3", "groups": 2})):
+        ddp = DDP(copy.deepcopy(base), bucket_cap_mb=0.02)
+        state = pslink.torch.connect(job=f"{job}-{name}", **options)
+        ddp.register_comm_hook(state, pslink.torch.comm_hook)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        result[name] = []
+        for step in range(STEPS):
+            train_step(ddp, optimizer, step, rank)
+            result[name].append([p.detach().clone() for p in ddp.parameters()])
+        result[name + "_job"] = state.agent.job
+        del ddp
+        state.close()
+    torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
+
+
 def main() -> None:
     case, scratch = sys.argv[1], sys.argv[2]
     rank, size = int(os.environ["PSLINK_RANK"]), int(os.environ["PSLINK_NUM_WORKERS"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{scratch}/store-{case}", rank=rank, world_size=size)
     try:
-        {"compare": compare, "compare-large": compare_large, "mismatch": mismatch, "kill": kill}[case](rank, scratch)
+        {"compare": compare, "compare-large": compare_large, "mismatch": mismatch, "kill": kill,
+         "groups": groups}[case](rank, scratch)
     finally:
         gc.collect()  # no DDP model may outlive the process group (ENVIRONMENT.md)
         dist.destroy_process_group()

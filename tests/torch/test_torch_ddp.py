@@ -26,10 +26,10 @@ WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
 CLI = [sys.executable, "-m", "pslink.cli", "launch"]
 
 
-def launch(case: str, scratch, timeout: float = 100.0, **env) -> subprocess.CompletedProcess:
+def launch(case: str, scratch, timeout: float = 100.0, workers: int = 2, **env) -> subprocess.CompletedProcess:
     environment = dict(os.environ, **env)
-    return subprocess.run(CLI + ["-n", "2", sys.executable, WORKER, case, str(scratch)], capture_output=True,
-                          text=True, timeout=timeout, env=environment)
+    return subprocess.run(CLI + ["-n", str(workers), sys.executable, WORKER, case, str(scratch)],
+                          capture_output=True, text=True, timeout=timeout, env=environment)
 
 
 # -- two processes ----------------------------------------------------------------------------------
@@ -57,6 +57,27 @@ def test_the_hook_gives_the_gradients_and_weights_of_gloo_all_reduce(tmp_path, c
             assert result["rings"] == rings_supported()  # 1 MB buckets cross through shared memory
     for a, b in zip(results[0]["hooked_weights"], results[1]["hooked_weights"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.integration
+def test_the_hook_with_groups_syncs_weights_every_t_steps_and_every_step_is_the_flat_job(tmp_path):
+    done = launch("groups", tmp_path, timeout=150.0, workers=4, PSLINK_TIMEOUT="60")
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(4)]
+    assert [r["every1_job"] for r in results][::2] == [results[0]["every1_job"][:-1] + "0",
+                                                       results[0]["every1_job"][:-1] + "1"]  # <job>.g0, <job>.g1
+    for result in results:
+        for step, (flat, grouped) in enumerate(zip(result["flat"], result["every1"], strict=True)):
+            for a, b in zip(flat, grouped, strict=True):  # the same sums, in another order: to rounding
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, step=step: f"step {step}: {m}")
+
+    def same(rank_a, rank_b, step):
+        return all(torch.equal(a, b) for a, b in zip(results[rank_a]["every3"][step], results[rank_b]["every3"][step]))
+
+    for step in range(6):
+        assert same(0, 1, step) and same(2, 3, step)  # a group steps as one
+        # The groups train on their own data and meet at the end of steps 3 and 6 (indices 2, 5).
+        assert same(0, 2, step) == (step in (2, 5)), f"step {step + 1}"
 
 
 @pytest.mark.integration

@@ -22,8 +22,8 @@ EXAMPLES = os.path.join(ROOT, "examples", "torch")
 CLI = [sys.executable, "-m", "pslink.cli", "launch"]
 
 
-def launch(args: list[str], timeout: float = 110.0) -> subprocess.CompletedProcess:
-    done = subprocess.run(CLI + ["-n", "2", sys.executable] + args, capture_output=True, text=True,
+def launch(args: list[str], timeout: float = 110.0, launcher: tuple[str, ...] = ("-n", "2")) -> subprocess.CompletedProcess:
+    done = subprocess.run(CLI + list(launcher) + [sys.executable] + args, capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, PSLINK_TIMEOUT="60"))
     assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -89,6 +89,23 @@ def test_a_horovod_script_runs_after_changing_only_its_import_line(tmp_path):
     assert len(results) == 2, done.stdout
     assert results[0][1] == results[1][1]
     assert "Test set: Average loss" in done.stdout
+
+
+def test_a_horovod_script_trains_as_two_groups_with_one_launcher_option(tmp_path):
+    script = tmp_path / "horovod_script.py"
+    with open(os.path.join(os.path.dirname(__file__), "horovod_script.py")) as f:
+        script.write_text(f.read().replace("import horovod.torch as hvd\n", "import pslink.torch as hvd\n"))
+    # 2 groups of 2: each a Horovod job of its own (rank r of 2), sharding the data between its
+    # workers; 23 steps an epoch, so syncing every 23 ends each epoch on one model. Both groups
+    # start from one seed and read the same shards: their average is the 2-worker job's model.
+    pattern = r"\[rank(\d)\]: rank (\d) of 2: accuracy (\S+) config \{'epochs': 2\} ranks \[0, 1\]"
+    done = launch([str(script), "--epochs", "2"], timeout=150.0,
+                  launcher=("-n", "4", "--sync", "local:23", "--groups", "2"))
+    results = re.findall(pattern, done.stdout)
+    assert sorted((int(rank), int(local)) for rank, local, _ in results) == [(0, 0), (1, 1), (2, 0), (3, 1)], done.stdout
+    flat = re.findall(pattern, launch([str(script), "--epochs", "2"]).stdout)
+    assert len(flat) == 2
+    assert {accuracy for _, _, accuracy in results} == {flat[0][2]}, (results, flat)
 
 
 def test_the_ctr_example_learns_with_its_table_on_the_service():

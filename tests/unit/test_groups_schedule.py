@@ -1,6 +1,9 @@
-"""dSyncPS's schedule of global syncs (pslink.core.groups.SyncSchedule) and its join rule."""
+"""dSyncPS's schedule of global syncs (pslink.core.groups.SyncSchedule), its join rule, and how
+connect() reads groups (sync="local:T")."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -46,3 +49,45 @@ def test_local_sync_settings_are_checked():
             parse_local_sync(bad)
     with pytest.raises(ConfigError, match="at least 1"):
         SyncSchedule(0)
+
+
+# -- how connect() reads sync="local:T" ----------------------------------------------------------------
+
+
+def test_groups_come_from_the_option_or_one_per_launched_host():
+    from pslink.config import local_sync_settings
+
+    assert local_sync_settings("local:5", 2, None, "j", 3, 4, environ={}) == (5, 2, None)
+    assert local_sync_settings("bsp", None, None, "j", 0, 4, environ={}) is None
+    assert local_sync_settings(None, None, None, "j", 0, 4, environ={}) is None
+    launched = {"PSLINK_JOB": "j", "PSLINK_RANK": "1", "PSLINK_SYNC": "local:3", "PSLINK_LOCAL_SIZE": "2",
+                "PSLINK_SYNC_STORE": "/tmp/meet"}
+    assert local_sync_settings(None, None, None, "j", 1, 6, environ=launched) == (3, 3, "/tmp/meet")  # a group a host
+    assert local_sync_settings(None, None, None, "j", 1, 6, environ=dict(launched, PSLINK_GROUPS="2")) == (3, 2,
+                                                                                                       "/tmp/meet")
+    # Another job of the process (a process set's, a group's own) is not the launched one.
+    assert local_sync_settings(None, None, None, "j.ps1", 1, 6, environ=launched) is None
+
+
+@pytest.mark.parametrize("sync, groups, env, words", [
+    ("local:5", None, {}, "groups=N"),  # no launcher to say where the hosts are
+    ("local:5", 3, {}, "do not split into 3 groups"),
+    ("local:0", 2, {}, "'local:T'"),
+    (None, None, {"PSLINK_SYNC": "ssp"}, "PSLINK_SYNC"),
+    (None, None, {"PSLINK_SYNC": "local:2", "PSLINK_GROUPS": "x"}, "PSLINK_GROUPS"),
+])
+def test_group_settings_that_cannot_work_are_named(sync, groups, env, words):
+    from pslink.config import local_sync_settings
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        local_sync_settings(sync, groups, None, "j", 0, 4, environ=env)
+
+
+def test_connect_refuses_group_options_without_groups_and_an_optimizer_with_them():
+    import pslink
+
+    with pytest.raises(ConfigError, match="go with sync='local:T'"):
+        pslink.connect("j", 0, 2, "tcp://127.0.0.1:9", groups=2)
+    with pytest.raises(ConfigError, match="workers step"):
+        pslink.connect("j", 0, 2, "tcp://127.0.0.1:9", sync="local:2", groups=2, mode="optimizer",
+                       optimizer={"type": "sgd", "lr": 0.1})

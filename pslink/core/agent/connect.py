@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import inspect
 
-from pslink.config import resolve_connect
+from pslink.config import local_sync_settings, resolve_connect
 from pslink.core.agent.agent import Agent
+from pslink.errors import ConfigError
 
 
 def connect(
@@ -34,6 +35,10 @@ def connect(
     free an Aggregator),
     ``gradient_compression`` (``{"type": "2bit", "threshold": 0.5}``: pushes quantized to 2 bits
     a value, MXNet's 2-bit compression; see ``Agent.set_gradient_compression``),
+    ``sync="local:T"`` makes the workers groups (dSyncPS, :class:`~pslink.core.groups.GroupAgent`):
+    each group trains BSP on its own, and the groups average their weights every T local steps;
+    ``groups`` (default one per host the launcher started) and ``sync_store`` (a directory or
+    fsspec URL to meet in instead of the pool) go with it,
     ``rejoin`` (register a rank again as a newcomer: pMaster takes it out of the job and back in,
     in one step; an Agent of this process that held the rank is then closed with
     ``close(leave=False)``), ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other
@@ -42,9 +47,20 @@ def connect(
     """
     job, rank, num_workers, master, options = resolve_connect(job, rank, num_workers, master, options,
                                                               AGENT_OPTIONS)
-    return Agent(job, rank, num_workers, master, **options)
+    groups, store = options.pop("groups", None), options.pop("sync_store", None)
+    local = local_sync_settings(options.get("sync"), groups, store, job, rank, num_workers)
+    if local is None:
+        if groups is not None or store is not None:
+            raise ConfigError(f"job {job!r}: groups= and sync_store= go with sync='local:T' (groups with delayed "
+                              f"global sync), not with sync={options.get('sync') or 'bsp'!r}")
+        return Agent(job, rank, num_workers, master, **options)
+    from pslink.core.groups import GroupAgent
+
+    options.pop("sync", None)
+    every, groups, store = local
+    return GroupAgent(job, rank, num_workers, master, every=every, groups=groups, store=store, **options)
 
 
 #: What :func:`connect` passes on to :class:`Agent` besides job, rank, num_workers and master.
 AGENT_OPTIONS = frozenset(inspect.signature(Agent.__init__).parameters) - {"self", "job", "rank", "num_workers",
-                                                                            "master"}
+                                                                            "master"} | {"groups", "sync_store"}

@@ -6,7 +6,8 @@ import keras
 import tensorflow as tf
 
 from pslink.errors import ConfigError
-from pslink.tf import _internals
+from pslink.tf import _internals, context
+from pslink.tf.groups import end_group_step
 from pslink.tf.ops import allreduce_gradients
 
 
@@ -28,7 +29,9 @@ class _Distributed:
             return super().apply(grads, trainable_variables)  # Keras explains what is missing
         grads = allreduce_gradients(grads, variables, self._pslink_average, self._pslink_prefix,
                                     what=f"DistributedOptimizer({type(self).__name__})")
-        return super().apply(grads, trainable_variables)
+        result = super().apply(grads, trainable_variables)
+        end_group_step(context.exchange().agent, variables)  # sync="local:T": every T steps, the groups' average
+        return result
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, average: bool = True,
