@@ -132,6 +132,7 @@ def service_up(
     """Run pMaster and an elastic Aggregator pool in the foreground (it never shrinks below
     --aggregators); Ctrl-C stops every process it started. Operators and Aggregators need the
     credentials it writes (docs/security.md)."""
+    from pslink.core.faults import Faults
     from pslink.core.service import Service
     from pslink.core.service.credential_files import client_file_for, load_or_create_secret, write_client_file
 
@@ -156,6 +157,9 @@ def service_up(
                           **({} if no_metrics else {"metrics_port": metrics_port, "metrics_host": metrics_host})}
         control = {"loss_limit": loss_limit, **({"nic_bandwidth": nic_gbit * 1e9 / 8} if nic_gbit else {}),
                    **({"copy_bandwidth": copy_gbit * 1e9 / 8} if copy_gbit else {})}
+        faults = Faults.from_env()  # PSLINK_FAULTS=kill=pmaster@POINT: this process dies there (tests, chaos)
+        if faults is not None:
+            faults.bind("pmaster").arm()
         common = dict(state_dir=state, advertise=advertise, interface=interface, secret=secret,
                       allow_first_join=allow_first_join, master_options=master_options, control=control)
         if provider == "ray":

@@ -13,14 +13,20 @@ memory of every process that lived long enough (30 s of warm-up, then at least a
     python benchmarks/chaos.py                      # 10 minutes, seed 0
     python benchmarks/chaos.py --minutes 1 --seed 3 # a shorter one
 
-Not in this schedule yet (issue 23 asks for it too): network partitions between namespaces.
+Where network namespaces can be made (root, iproute2), the run has two hosts
+(:mod:`pslink.bench.netns`): pMaster, its Aggregators and the workers on M, and Aggregators joined
+from B (``pslink aggregator --master``), and the schedule also **partitions** B from M for a few
+seconds (its link down: B's processes live on, cut off; pMaster fails their parts over and fences
+them; they come back when the link does). ``--no-hosts`` runs on loopback only. And pMaster is
+also killed at named points of its control plane (``PSLINK_FAULTS=kill=pmaster@POINT``,
+:data:`pslink.core.faults.PMASTER_POINTS`): started again armed, it is driven there (an Aggregator
+killed, or drained), dies, and starts again from its state.
 The last line is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import random
@@ -35,6 +41,8 @@ import time
 import numpy as np
 import psutil
 
+from pslink.bench.chaos_elastic import ElasticJob
+from pslink.core.faults import PMASTER_POINTS
 from pslink.core.service.client import ControlClient
 from pslink.errors import PslinkError
 
@@ -90,12 +98,17 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 class Chaos:
     """The service, the jobs' workers (threads of this process) and the schedule."""
 
-    def __init__(self, seed: int, jobs: int, workers: int, aggregators: int, workdir: str, elastic: bool = False):
+    def __init__(self, seed: int, jobs: int, workers: int, aggregators: int, workdir: str, elastic: bool = False,
+                 hosts=None, remote: int = 2, points: list[str] | None = None):
         self.rng = random.Random(seed)
         self.elastic = ElasticJob(workdir, workers) if elastic else None
         self.seed, self.jobs, self.workers, self.aggregators = seed, jobs, workers, aggregators
+        self.hosts = hosts  # a started VirtualHosts of "M" and "B", or None: loopback only
+        self.points = list(points or PMASTER_POINTS)  # where pMaster may be killed: in turn
+        self.remote: list = [None] * (remote if hosts is not None else 0)  # the Aggregators joined from B
+        self._home = None  # this process's own network namespace, while the run is on M's
         self.port = free_port()
-        self.master = f"tcp://127.0.0.1:{self.port}"
+        self.master = f"tcp://{hosts.address('M') if hosts is not None else '127.0.0.1'}:{self.port}"
         self.state = os.path.join(workdir, "state")
         self.log = open(os.path.join(workdir, "service.log"), "ab")  # pMaster's (INFO: what it did and why)
         self.service: subprocess.Popen | None = None
@@ -109,11 +122,17 @@ class Chaos:
 
     # -- the service -------------------------------------------------------------------------------
 
-    def up(self) -> None:
+    def up(self, faults: str | None = None, floor: int | None = None) -> None:
+        """Start pMaster (on its state) and wait for ``floor`` Aggregators (default: the pool's
+        size); ``faults``: its PSLINK_FAULTS (e.g. kill=pmaster@failover)."""
+        floor = self.aggregators if floor is None else floor
+        where = ["--host", self.hosts.address("M")] if self.hosts is not None else []
+        env = dict(os.environ, **({"PSLINK_FAULTS": faults} if faults else {}))
         self.service = subprocess.Popen(
             CLI + ["service", "up", "--port", str(self.port), "--aggregators", str(self.aggregators),
-                   "--state", self.state, "--log-level", "INFO"], stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        wait_for(lambda: self.alive_aggregators() is not None and len(self.alive_aggregators()) >= self.aggregators,
+                   "--state", self.state, "--log-level", "INFO", *where], stdout=self.log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env)
+        wait_for(lambda: self.alive_aggregators() is not None and len(self.alive_aggregators()) >= floor,
                  90, "the service and its Aggregators")
 
     def alive_aggregators(self) -> dict | None:
@@ -121,6 +140,19 @@ class Chaos:
         if status is None:
             return None
         return {a["name"]: a["pid"] for a in status["aggregators"] if a["alive"] and a.get("pid")}
+
+    def join_remote(self) -> None:
+        """Start the Aggregators of host B that are not running (first, or after a kill)."""
+        for i, proc in enumerate(self.remote):
+            if proc is None or proc.poll() is not None:
+                self.remote[i] = self.hosts.popen("B", CLI + ["aggregator", "--master", self.master], stdout=self.log,
+                                                  stderr=subprocess.STDOUT)
+
+    def remote_serving(self) -> bool:
+        """Every Aggregator of host B is in the pool (registered, alive)."""
+        status = status_of(self.master)
+        pids = {a.get("pid") for a in (status or {}).get("aggregators", []) if a["alive"]}
+        return all(proc is not None and proc.poll() is None and proc.pid in pids for proc in self.remote)
 
     def processes(self) -> dict[int, tuple[str, int]]:
         """The long-lived processes now: pMaster and the Aggregators (pid -> (what, bytes of
@@ -163,7 +195,71 @@ class Chaos:
         # The pool is back at its floor (a replacement started, the parts failed over).
         wait_for(lambda: (a := self.alive_aggregators()) is not None and name not in a and len(a) >= self.aggregators,
                  90, f"the service to replace {name}")
+        if any(proc is not None and proc.pid == alive[name] for proc in self.remote):
+            self.join_remote()  # host B's supervisor starts it again (the service's own replace theirs on M)
+            wait_for(self.remote_serving, 60, "host B's Aggregator to join again")
         return {"kind": "aggregator", "victim": name, "at": at, "recovered_s": round(time.monotonic() - at, 2)}
+
+    def kill_pmaster_at_point(self) -> dict:
+        """Start pMaster again armed to die at a named point of its control plane, make it get
+        there (an Aggregator killed: its failover; or drained: its parts migrate), then start it
+        plainly once it died. A point not reached (a drained Aggregator that held nothing) ends
+        with pMaster killed there and then, as a plain pMaster kill."""
+        point = self.points.pop(0)
+        self.points.append(point)
+        self.service.kill()
+        self.service.wait(10)
+        self.up(faults=f"kill=pmaster@{point}")
+        serving = [a for a in (status_of(self.master) or {}).get("aggregators", []) if a["alive"] and a.get("pid")]
+        alive = {a["name"]: a["pid"] for a in serving}
+        victim = max(serving, key=lambda a: a["tasks"])["name"]  # the one with most parts to move
+        at = time.monotonic()
+        if point in ("failover", "promoted"):
+            os.kill(alive[victim], signal.SIGKILL)
+        else:
+            try:
+                with ControlClient(self.master, timeout=60.0) as client:
+                    client.remove_aggregator(victim)  # a drain: its parts migrate
+            except PslinkError:
+                pass  # pMaster died under the drain: the point was reached
+        try:
+            self.service.wait(30)
+            reached = True
+        except subprocess.TimeoutExpired:
+            reached = False
+            self.service.kill()
+            self.service.wait(10)
+        drained = point not in ("failover", "promoted")
+        self.up(floor=self.aggregators - 1 if drained else None)
+        if drained:
+            with ControlClient(self.master, timeout=60.0) as client:
+                client.add_aggregators(1)  # the operator's drain took one off the pool's floor: one back
+        if any(proc is not None and proc.pid == alive[victim] for proc in self.remote):
+            self.join_remote()
+            wait_for(self.remote_serving, 60, "host B's Aggregator to join again")
+        return {"kind": "pmaster-point", "victim": f"{point} ({victim}{'' if reached else ', not reached'})",
+                "reached": reached, "at": at, "recovered_s": round(time.monotonic() - at, 2)}
+
+    def partition(self) -> dict:
+        """Cut host B off for a few seconds; recovered once every job stepped on after the link came
+        back and B's Aggregators are in the pool again (fenced, registered anew)."""
+        length = round(self.rng.uniform(2.0, 8.0), 2)
+        remote = {proc.pid for proc in self.remote if proc is not None}
+        held = sum(a["tasks"] for a in (status_of(self.master) or {}).get("aggregators", [])
+                   if a["alive"] and a.get("pid") in remote)
+        self.hosts.cut("B")
+        at = time.monotonic()
+        try:
+            time.sleep(length)  # the partition lasts this long: the schedule's, not a wait for an outcome
+        finally:
+            self.hosts.heal("B")
+        mark = dict(self.steps)
+        wait_for(lambda: all(self.steps[k] > mark[k] + 2 for k in mark) or self.errors, 120,
+                 "every job to step on after the partition")
+        self.join_remote()  # one that gave pMaster up for lost (orphan timeout) exited
+        wait_for(self.remote_serving, 60, "host B's Aggregators to come back")
+        return {"kind": "partition", "down_s": length, "parts_cut_off": held, "at": at,
+                "recovered_s": round(time.monotonic() - at, 2)}
 
     def kill_worker(self) -> dict:
         """SIGKILL a worker of the elastic job; recovered once its replacement trains with the others."""
@@ -186,10 +282,18 @@ class Chaos:
     # -- the run -----------------------------------------------------------------------------------
 
     def run(self, seconds: float, warmup: float, gap: tuple[float, float], pmaster_share: float,
-            worker_share: float = 0.3) -> dict:
+            worker_share: float = 0.3, partition_share: float = 0.2, point_share: float = 0.0) -> dict:
         """Faults every ``gap`` seconds: pMaster with probability ``pmaster_share``, an elastic
-        job's worker with ``worker_share`` (with ``elastic``), else an Aggregator."""
+        job's worker with ``worker_share`` (with ``elastic``), a partition of host B with
+        ``partition_share`` (with hosts), pMaster at a named point with ``point_share``, else
+        an Aggregator."""
+        if self.hosts is not None:  # this process (its workers, the launcher, the service) on host M
+            self._home = self.hosts.enter("M")
+            self._home.__enter__()
         self.up()
+        if self.remote:
+            self.join_remote()
+            wait_for(self.remote_serving, 60, "host B's Aggregators")
         threads = [threading.Thread(target=self.worker, args=(j, r), daemon=True)
                    for j in range(self.jobs) for r in range(self.workers)]
         for thread in threads:
@@ -210,12 +314,17 @@ class Chaos:
                 fault = self.kill_pmaster()
             elif self.elastic is not None and draw < pmaster_share + worker_share:
                 fault = self.kill_worker()
+            elif self.remote and draw < pmaster_share + worker_share + partition_share:
+                fault = self.partition()
+            elif draw >= 1.0 - point_share:
+                fault = self.kill_pmaster_at_point()
             else:
                 fault = self.kill_aggregator()
             fault["steps"] = dict(sorted((f"{j}/{r}", s) for (j, r), s in self.steps.items()))
             self.schedule.append(fault)
+            cut = f"({fault['parts_cut_off']} parts cut off) " if "parts_cut_off" in fault else ""
             print(f"chaos: {fault['kind']:10} " + (f"{fault.get('victim', '')} " if "victim" in fault else
-                  f"down {fault['down_s']} s ") + f"recovered in {fault['recovered_s']} s", flush=True)
+                  f"down {fault['down_s']} s {cut}") + f"recovered in {fault['recovered_s']} s", flush=True)
         self.sample_memory()
         self.stop_at.append(max(self.steps.values()) + 10)
         if self.elastic is not None:
@@ -282,7 +391,8 @@ class Chaos:
 
     def log_excerpt(self, lines: int = 80) -> str:
         """The service's last warnings and errors (pMaster's and its Aggregators'): why a run failed."""
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         with open(self.log.name, "rb") as log:
             said = [line for line in log.read().decode(errors="replace").splitlines() if " WARNING " in line
                     or " ERROR " in line or " pslink.core.master INFO " in line]
@@ -299,6 +409,13 @@ class Chaos:
             except subprocess.TimeoutExpired:
                 self.service.kill()
                 self.service.wait(10)
+        for proc in self.remote:  # host B's
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        if self._home is not None:
+            self._home.__exit__(None, None, None)
+            self._home = None
         # Aggregators orphaned by a killed pMaster exit by themselves (orphan_timeout); not left behind here.
         for proc in psutil.process_iter(["cmdline"]):
             cmdline = " ".join(proc.info["cmdline"] or [])
@@ -311,105 +428,15 @@ class Chaos:
         self.log.close()
 
 
-class ElasticJob:
-    """The chaos run's elastic job: ``pslink launch --service`` of :mod:`pslink.bench.chaos_worker`
-    workers, watched through their output (pid, steps and sizes, final weights)."""
+def chaos_hosts():
+    """Hosts M and B (started), or None where namespaces cannot be made (said why)."""
+    from pslink.bench import netns
 
-    def __init__(self, workdir: str, workers: int):
-        self.out = os.path.join(workdir, "elastic")
-        os.makedirs(self.out, exist_ok=True)
-        self.workers = workers
-        self.launcher: subprocess.Popen | None = None
-        self.pids: dict[int, int] = {}  # rank -> its current process
-        self.latest: dict[int, tuple[int, int, int]] = {}  # rank -> (pid, step, size) of its last step line
-        self.finals: dict[int, str] = {}
-        self.ends: list[float] = []  # when rank 0's steps ended (as read here)
-        self.errors: list[str] = []
-        self.lines: collections.deque = collections.deque(maxlen=200)  # the last lines, for errors
-        self._reader: threading.Thread | None = None
-
-    def start(self, master: str) -> None:
-        command = CLI + ["launch", "--service", master, "--job", "chaos-elastic", "--min-np", "1",
-                         "--max-np", str(self.workers), "-n", str(self.workers), "--max-restarts", "1000",
-                         sys.executable, "-m", "pslink.bench.chaos_worker", self.out]
-        self.launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         stdin=subprocess.DEVNULL)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        log = open(os.path.join(self.out, "launch.log"), "w")  # all of it, kept with the run's workdir
-        for line in self.launcher.stdout:
-            log.write(line)
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            if not line.startswith("[rank") or "]: " not in line:
-                continue
-            head, said = line.split("]: ", 1)
-            rank, words = int(head[5:]), said.split()
-            if words[:1] == ["pid"]:
-                self.pids[rank] = int(words[1])
-            elif words[:1] == ["step"] and len(words) >= 4:
-                self.latest[rank] = (self.pids.get(rank, 0), int(words[1]), int(words[3]))
-                if rank == 0:
-                    self.ends.append(time.monotonic())
-            elif words[:1] == ["final"]:
-                self.finals[rank] = said
-        log.close()
-
-    def steps(self) -> int:
-        return min((step for _, step, _ in self.latest.values()), default=0) if len(self.latest) == self.workers else 0
-
-    def victim(self, rng: random.Random) -> tuple[int, int]:
-        rank = rng.choice(sorted(self.pids))
-        return rank, self.pids[rank]
-
-    def back(self, rank: int, old_pid: int) -> bool:
-        """``rank``'s replacement (a new pid) has stepped in a world of every worker."""
-        pid, _, size = self.latest.get(rank, (0, 0, 0))
-        return pid != old_pid and pid != 0 and size == self.workers
-
-    def failed(self) -> bool:
-        if self.launcher is not None and self.launcher.poll() is not None:
-            self.errors.append("the elastic job's launcher exited early:\n" + "\n".join(list(self.lines)[-40:]))
-            return True
-        return False
-
-    def stop(self) -> None:
-        """Every worker stops at the same step, a few past the furthest one now."""
-        target = max((step for _, step, _ in self.latest.values()), default=0) + 10
-        with open(os.path.join(self.out, "stop.tmp"), "w") as f:
-            f.write(str(target))
-        os.replace(os.path.join(self.out, "stop.tmp"), os.path.join(self.out, "stop"))
-
-    def wait(self, timeout: float) -> None:
-        try:
-            code = self.launcher.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.errors.append("the elastic job did not end:\n" + "\n".join(list(self.lines)[-40:]))
-            return
-        if self._reader is not None:
-            self._reader.join(10)
-        if code != 0:
-            self.errors.append(f"the elastic job's launcher exited with {code}:\n" + "\n".join(list(self.lines)[-40:]))
-
-    def result(self) -> dict:
-        from pslink.bench.chaos_worker import expected
-
-        finals = [self.finals.get(rank) for rank in range(self.workers)]
-        if any(f is None for f in finals) or len(set(finals)) != 1:
-            return {"exact": False, "error": "the workers did not end alike", "finals": finals}
-        steps, weights = finals[0].split()[1], finals[0].split()[2:]
-        want = [f"{v:g}" for v in expected(int(steps))]
-        return {"steps": int(steps), "exact": weights == want}
-
-    def close(self) -> None:
-        if self.launcher is not None and self.launcher.poll() is None:
-            self.launcher.terminate()  # the launcher stops its workers on SIGTERM
-            try:
-                self.launcher.wait(30)
-            except subprocess.TimeoutExpired:
-                self.launcher.kill()
+    why = netns.unavailable()
+    if why is not None:
+        print(f"chaos: on loopback only, no partitions: {why}", flush=True)
+        return None
+    return netns.VirtualHosts(["M", "B"]).start()
 
 
 def main(argv=None) -> int:
@@ -424,14 +451,30 @@ def main(argv=None) -> int:
     parser.add_argument("--pmaster-share", type=float, default=0.3, help="share of faults that kill pMaster")
     parser.add_argument("--worker-share", type=float, default=0.3,
                         help="share of faults that kill a worker of the elastic job (0: no elastic job)")
+    parser.add_argument("--partition-share", type=float, default=0.2,
+                        help="share of faults that partition host B (with network namespaces)")
+    parser.add_argument("--point-share", type=float, default=0.15,
+                        help="share of faults that kill pMaster at a named point of its control plane")
+    parser.add_argument("--points", default="failover,promoted",
+                        help=f"the named points, taken in turn (of {', '.join(PMASTER_POINTS)}; docs/failures.md says "
+                        "why the drain's are not in the default)")
+    parser.add_argument("--no-hosts", action="store_true", help="loopback only: no namespaces, no partitions")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of training before the first fault")
     args = parser.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="pslink-chaos-")
-    chaos = Chaos(args.seed, args.jobs, args.workers, args.aggregators, workdir, elastic=args.worker_share > 0)
+    hosts = None if args.no_hosts else chaos_hosts()
+    points = [p.strip() for p in args.points.split(",") if p.strip()]
+    if not points or set(points) - set(PMASTER_POINTS):
+        parser.error(f"--points: each of {', '.join(PMASTER_POINTS)}, got {args.points!r}")
+    chaos = Chaos(args.seed, args.jobs, args.workers, args.aggregators, workdir, elastic=args.worker_share > 0,
+                  hosts=hosts, points=points)
     try:
-        report = chaos.run(args.minutes * 60, args.warmup, tuple(args.gap), args.pmaster_share, args.worker_share)
+        report = chaos.run(args.minutes * 60, args.warmup, tuple(args.gap), args.pmaster_share, args.worker_share,
+                           args.partition_share, args.point_share)
     finally:
         chaos.close()
+        if hosts is not None:
+            hosts.close()
     for job, figures in report["jobs"].items():
         print(f"{job}: {figures}")
     for error in report["errors"]:

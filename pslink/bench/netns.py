@@ -188,6 +188,14 @@ class VirtualHosts:
                 "burst", burst, "latency", latency)
         self.rates[name] = rate
 
+    def cut(self, name: str) -> None:
+        """Partition host ``name`` from every other (its port on the bridge down): its processes
+        live on, and packets to and from it are lost until :meth:`heal`."""
+        _ip("-n", self.bridge, "link", "set", f"p{self.names.index(name) + 1}", "down")
+
+    def heal(self, name: str) -> None:
+        _ip("-n", self.bridge, "link", "set", f"p{self.names.index(name) + 1}", "up")
+
     # -- processes -------------------------------------------------------------------------------
 
     def command(self, name: str, argv: Sequence[str]) -> list[str]:

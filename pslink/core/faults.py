@@ -16,6 +16,13 @@ itself as it sends its N-th data-path message. Every process can share one setti
 one dies. ``kill=NAME@copy`` kills the Aggregator NAME as it is about to send its first migration
 copy (TENSOR_COPY): it handed a part over, and the copy never lands.
 
+``kill=pmaster@POINT`` kills pMaster (``pslink service up``'s process) as it reaches a named
+point of its control plane (:data:`PMASTER_POINTS`): ``failover`` (a lost Aggregator's loss is
+stored, its replicas not yet promoted), ``promoted`` (a replica answered its promotion, which is not
+stored yet), ``hand-over`` (a migration's source was told to hand its parts over, and the answer
+not heard) or ``copy-landed`` (a migration's copy landed, the move not yet finished). The
+restarted pMaster must carry on from what it stored.
+
 The Agent resends a request that got no answer within its resend timeout (one second while faults
 are injected, else only with ``resend_timeout``) and the Aggregator applies a request seen twice
 once, so a job under faults computes what it computes without them.
@@ -32,6 +39,9 @@ import threading
 from pslink.errors import ConfigError, PeerError
 
 ENV_FAULTS = "PSLINK_FAULTS"
+#: Where ``kill=pmaster@POINT`` can stop pMaster (see the module's text).
+PMASTER_POINTS = ("failover", "promoted", "hand-over", "copy-landed")
+_armed: tuple[str, str] | None = None  # (process, point) this process dies at: arm()
 
 
 @dataclasses.dataclass
@@ -56,14 +66,18 @@ class Faults:
         if self.delay_ms < 0:
             raise ConfigError(f"{ENV_FAULTS}: delay_ms must be >= 0, got {self.delay_ms}")
         self._kill_target, self._kill_at, self._kill_at_copy = None, 0, False
+        self.point: str | None = None  # kill=pmaster@POINT: the named point
         if self.kill:
             target, sep, count = self.kill.rpartition("@")
-            if not sep or not target or not (count == "copy" or count.isdigit() and int(count) >= 1):
-                raise ConfigError(f"{ENV_FAULTS}: kill must be NAME@N (N >= 1) or NAME@copy, got {self.kill!r}")
+            named = target == "pmaster" and count in PMASTER_POINTS
+            if not sep or not target or not (named or count == "copy" or count.isdigit() and int(count) >= 1):
+                raise ConfigError(f"{ENV_FAULTS}: kill must be NAME@N (N >= 1), NAME@copy or pmaster@POINT "
+                                  f"(POINT one of {', '.join(PMASTER_POINTS)}), got {self.kill!r}")
             self._kill_target = target
+            self.point = count if named else None
             if count == "copy":
                 self._kill_at_copy = True
-            else:
+            elif not named:
                 self._kill_at = int(count)
         self.owner: str | None = None
         self.sent = 0
@@ -128,9 +142,23 @@ class Faults:
         if self._kill_at_copy and self._kill_target == self.owner:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def arm(self) -> None:
+        """Make this process die at its named point (``kill=pmaster@POINT``), if it is the one
+        named (:meth:`bind` first): :func:`reached` checks it where the point is."""
+        global _armed
+        if self.point is not None and self._kill_target == self.owner:
+            _armed = (self.owner, self.point)
+
     @staticmethod
     def _send_late(conn, frames: list) -> None:
         try:
             conn.send(frames)
         except PeerError:
             pass  # gone meanwhile: as lost as a dropped message
+
+
+def reached(process: str, point: str) -> None:
+    """``process`` (e.g. "pmaster") reached the named ``point``: it dies here, as a crash would,
+    if ``kill=process@point`` was armed in it."""
+    if _armed == (process, point):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import pslink
+from pslink.core import faults
 from pslink.core.faults import Faults
 from pslink.core.service import Service
 from pslink.core.transport import Transports
@@ -81,6 +82,12 @@ def test_fault_settings_are_checked():
     at_copy = Faults.parse("kill=agg-1@copy").bind("agg-2")
     assert at_copy._kill_at_copy and not at_copy._kill_at
     at_copy.copying()  # another Aggregator's copy: nobody dies (this process is agg-2)
+    with pytest.raises(ConfigError, match="pmaster@POINT .POINT one of failover, promoted"):
+        Faults.parse("kill=pmaster@failing")
+    at_point = Faults.parse("kill=pmaster@failover")
+    assert at_point.point == "failover" and not at_point._kill_at
+    at_point.bind("agg-1").arm()  # an Aggregator reading the same setting is not armed
+    faults.reached("pmaster", "failover")  # (this process would die here if it were)
 
 
 # -- an Aggregator lost mid-training ------------------------------------------------------------------

@@ -278,6 +278,29 @@ def test_store_keeps_an_aborted_key_aborted(tmp_path, state):
     assert all("aborted" in entry for entry in again.task_specs())
 
 
+def test_an_aggregator_a_key_names_but_the_store_forgot_is_failed_over_at_the_first_sweep(tmp_path, state):
+    """A failover stores the loss (the Aggregator's row goes) before the parts' new places: a
+    pMaster that died in between finds keys naming an Aggregator it no longer has. The restarted
+    one must fail it over again, at once, and keep its name from new Aggregators (before: the
+    name was free, a new Aggregator took it, and the keys' replicas pointed at one without their
+    state; the chaos run's pMaster killed at kill=pmaster@failover lost keys so)."""
+    store = MasterStore(str(tmp_path / "pmaster.sqlite"))
+    job = state.register_worker("j", 0, 2, token=None)
+    spec, _ = state.declare(job, 0, item("w", shape=(40,)))
+    gone = spec.parts[0].aggregator
+    for agg in state.aggregators.values():
+        store.save_aggregator(agg)
+    store.save_job(job)
+    store.save_key("j", spec)
+    store.delete_aggregator(gone)  # the failover's first step, and pMaster died
+    store.close()
+    reloaded = MasterState(clock=Clock())
+    MasterStore(str(tmp_path / "pmaster.sqlite")).load(reloaded)
+    assert gone in reloaded.aggregators and reloaded.aggregators[gone].address == ""
+    assert gone in reloaded.sweep(worker_timeout=10, aggregator_timeout=100)[1]  # silent at once: failed over
+    assert reloaded.register_aggregator("tcp://127.0.0.1:1").name != gone  # its name stays taken
+
+
 def test_store_refuses_a_newer_schema(tmp_path):
     path = str(tmp_path / "s.sqlite")
     store = MasterStore(path)

@@ -140,8 +140,8 @@ class AggregatorCore:
                     task.pool.warm(WARM_BUFFERS)
             elif "replicas" in spec:
                 replicas = [tuple(r) for r in spec["replicas"]]
-                # A replica new to the part has nothing until a round closes: it gets the state now.
-                task.catch_up |= bool({r[0] for r in replicas} - {r[0] for r in task.replicas})
+                # A replica new to the part (by name or address) has nothing yet: it gets the state now.
+                task.catch_up |= bool(set(replicas) - set(task.replicas))
                 task.replicas = replicas
             elif (tuple(spec["shape"]), spec["dtype"], tuple(spec["span"])) != (task.shape, task.dtype_name, task.span):
                 raise ShapeMismatchError(

@@ -350,7 +350,7 @@ class Moves:
                                 "followed", job=ident[0], key=ident[1])
         if task is not None:  # promoted already (a repeated request), or a move's source still serving it
             replicas = [tuple(r) for r in replicas]
-            task.catch_up |= bool({r[0] for r in replicas} - {r[0] for r in task.replicas})
+            task.catch_up |= bool(set(replicas) - set(task.replicas))  # new by name or by address
             task.replicas = replicas
             task.migrate_to = None  # a move not begun yet is off: its target is gone
             return self.catch_up(task)

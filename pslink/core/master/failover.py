@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from pslink.core import faults
 from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.migrations import Move
@@ -79,6 +80,7 @@ class Failover:
         stays = self.mover.aggregator_lost(name)
         actions = self.state.fail_over(name, stays)
         self.store.delete_aggregator(name)
+        faults.reached("pmaster", "failover")  # (tests: a pMaster killed here restarts from the store)
         self.forget(name)
         for action in actions:
             if isinstance(action, Promote):
@@ -108,6 +110,7 @@ class Failover:
             else:
                 log.info("pMaster: key %r part %d of job %s now served by %s (was %s)", action.spec.key, part.part,
                          action.record.job, part.aggregator, lost)
+                faults.reached("pmaster", "promoted")
                 self.store.save_key(action.record.job, action.spec)
             self._step_done(lost)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from pslink.core import faults
 from pslink.core.master.actions import Migrate
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
@@ -79,6 +80,7 @@ class Mover:
                             job=req["job"])
         now = self.state.clock()
         if req["op"] == Op.TENSOR_COPY_DONE:
+            faults.reached("pmaster", "copy-landed")
             self.carry(self.core.copy_done(task, now))
         else:
             self.carry(self.core.workers_done(task, now))
@@ -222,6 +224,7 @@ class Mover:
         target = [moves[0].target, self.links.address_of(moves[0].target)]
 
         def started(result, error):
+            faults.reached("pmaster", "hand-over")
             failed = {(key, part): why for key, part, why in ((result or {}).get("body") or {}).get("failed") or ()}
             if error is not None:
                 log.warning("pMaster: migration of %d part(s) of job %r to %s failed to start: %s", len(moves), job,

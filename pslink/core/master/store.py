@@ -195,6 +195,14 @@ class MasterStore:
                 aborted=error_from_code(*aborted) if aborted else None,  # poisoned before the restart: still so
             )
             state.adopt_key(record, spec)
+        # Every Aggregator a key names is accounted for, one deleted from the table too: a failover
+        # stores the loss before the parts' new places, and a pMaster that died in between fails it
+        # over again at its first sweep (it was lost already), and never gives its name to another.
+        named = {name for record in state.jobs.values() for spec in record.keys.values() for part in spec.parts
+                 for name in (part.aggregator, *part.replicas)}
+        for name in sorted(named - set(state.aggregators)):
+            state.aggregators[name] = AggregatorRecord(name, "", alive=False, last_seen=float("-inf"))
+            state.control.aggregator_host(name, "")
 
     def close(self) -> None:
         if self.db is not None:

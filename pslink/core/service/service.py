@@ -93,10 +93,13 @@ class Service:
 
     def start(self, timeout: float = 30.0) -> "Service":
         """Start pMaster and the Aggregators; return once every Aggregator registered."""
+        # The Aggregators the store knows, named before pMaster runs: its first sweep fails over
+        # those a dead pMaster had lost already, and their names must stay taken all the same.
+        known = {name: record.address for name, record in self.master.state.aggregators.items()}
         self.master.start()
         self._started = True
         try:
-            adopted = self._adopt(timeout)
+            adopted = self._adopt(known, timeout)
             names = self.provider.start(max(0, self.count - len(adopted)))
             self.wait_for(names, timeout)
         except BaseException:
@@ -104,17 +107,18 @@ class Service:
             raise
         return self
 
-    def _adopt(self, timeout: float) -> list[str]:
-        """After a restart from ``state_dir``: the Aggregators the store knows keep running (they
-        serve jobs while pMaster is away and reconnect to it), so wait for them rather than start
-        as many again; those that do not come back are failed over by pMaster. Returns the ones
-        that came back. A fresh service knows none and returns at once."""
-        known = sorted(self.master.state.aggregators)
+    def _adopt(self, known: dict[str, str], timeout: float) -> list[str]:
+        """After a restart from ``state_dir``: the Aggregators the store knows (``known``: name ->
+        address) keep running (they serve jobs while pMaster is away and reconnect to it), so
+        wait for them rather than start as many again; those that do not come back are failed
+        over by pMaster. One without an address was lost before the restart: not waited for.
+        Returns the ones that came back. A fresh service knows none and returns at once."""
         if not known:
             return []
         self.provider.reserve(known)  # new Aggregators must not take a name an old one has
-        self.master.wait_for_aggregators(known, min(timeout, self.rejoin_window))
-        return [n for n in known if self.master.aggregator_alive(n)]
+        running = sorted(name for name, address in known.items() if address)
+        self.master.wait_for_aggregators(running, min(timeout, self.rejoin_window))
+        return [n for n in running if self.master.aggregator_alive(n)]
 
     def wait_for(self, names: list[str], timeout: float) -> None:
         if not self.master.wait_for_aggregators(names, timeout):
