@@ -77,7 +77,7 @@ def test_fault_settings_are_checked():
     with pytest.raises(ConfigError, match="kill must be NAME@N"):
         Faults.parse("kill=agg-1")
     assert Faults.parse("kill=job/0@5").bind("job/0")._kill_at == 5
-    with pytest.raises(ConfigError, match="or NAME@copy"):
+    with pytest.raises(ConfigError, match="NAME@copy or pmaster@POINT"):
         Faults.parse("kill=agg-1@cpy")
     at_copy = Faults.parse("kill=agg-1@copy").bind("agg-2")
     assert at_copy._kill_at_copy and not at_copy._kill_at
