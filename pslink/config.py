@@ -245,6 +245,10 @@ def local_sync_settings(sync: str | None, groups: int | None, store: str | None,
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or num_workers % groups:
         raise ConfigError(f"sync={sync!r}: {num_workers} workers do not split into {groups!r} groups of "
                           "equal size (groups of consecutive ranks)")
+    if groups == 1 and rank == 0:
+        log.warning("sync=%r with one group (%d workers, all on one host or groups=1): every step is already "
+                    "synchronous; give groups=N (pslink launch --groups N) for groups that sync every %d steps",
+                    sync, num_workers, every)
     if store is None and launched:
         store = _env(ENV_SYNC_STORE, environ)
     return every, groups, store
