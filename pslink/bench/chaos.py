@@ -148,6 +148,13 @@ class Chaos:
                 self.remote[i] = self.hosts.popen("B", CLI + ["aggregator", "--master", self.master], stdout=self.log,
                                                   stderr=subprocess.STDOUT)
 
+    def rejoin_if_remote(self, pid: int) -> None:
+        """The Aggregator ``pid`` that was killed ran on host B: its supervisor starts it again
+        there (the service's own replace those on M)."""
+        if any(proc is not None and proc.pid == pid for proc in self.remote):
+            self.join_remote()
+            wait_for(self.remote_serving, 60, "host B's Aggregator to join again")
+
     def remote_serving(self) -> bool:
         """Every Aggregator of host B is in the pool (registered, alive)."""
         status = status_of(self.master)
@@ -195,9 +202,7 @@ class Chaos:
         # The pool is back at its floor (a replacement started, the parts failed over).
         wait_for(lambda: (a := self.alive_aggregators()) is not None and name not in a and len(a) >= self.aggregators,
                  90, f"the service to replace {name}")
-        if any(proc is not None and proc.pid == alive[name] for proc in self.remote):
-            self.join_remote()  # host B's supervisor starts it again (the service's own replace theirs on M)
-            wait_for(self.remote_serving, 60, "host B's Aggregator to join again")
+        self.rejoin_if_remote(alive[name])
         return {"kind": "aggregator", "victim": name, "at": at, "recovered_s": round(time.monotonic() - at, 2)}
 
     def kill_pmaster_at_point(self) -> dict:
@@ -234,9 +239,7 @@ class Chaos:
         if drained:
             with ControlClient(self.master, timeout=60.0) as client:
                 client.add_aggregators(1)  # the operator's drain took one off the pool's floor: one back
-        if any(proc is not None and proc.pid == alive[victim] for proc in self.remote):
-            self.join_remote()
-            wait_for(self.remote_serving, 60, "host B's Aggregator to join again")
+        self.rejoin_if_remote(alive[victim])
         return {"kind": "pmaster-point", "victim": f"{point} ({victim}{'' if reached else ', not reached'})",
                 "reached": reached, "at": at, "recovered_s": round(time.monotonic() - at, 2)}
 

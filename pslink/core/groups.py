@@ -177,6 +177,12 @@ class GroupSync:
         self.agent.pushpull_many(local, arrays, arrays).wait(self.timeout)  # the leader's, to everyone
 
 
+def whole_job(agent) -> tuple[str, int]:
+    """(job, number of workers) of the whole job ``agent`` works for: a group's Agent's
+    (:class:`GroupAgent`) is not its group's."""
+    return getattr(agent, "world_job", agent.job), getattr(agent, "world_size", agent.num_workers)
+
+
 class GroupAgent(Agent):
     """What ``pslink.connect(job, rank, num_workers, sync="local:T", groups=N)`` returns: the
     Agent of a worker of its group's own BSP job ``<job>.g<group>`` (groups of consecutive

@@ -19,6 +19,8 @@ import importlib
 
 import mxnet as mx
 
+from pslink.core.groups import GroupAgent
+
 # The modules that imported _create_kvstore by name (so each holds its own reference).
 _USERS = ("mxnet.model", "mxnet.gluon.trainer", "mxnet.module.module")
 
@@ -40,7 +42,6 @@ def install_kvstore_names(names) -> None:
         current = getattr(module, "_create_kvstore", None)
         if current is original or getattr(current, "__wrapped__", None) is original:
             module._create_kvstore = create_kvstore
-
 
 
 def install_group_sync() -> None:
@@ -66,8 +67,6 @@ def install_group_sync() -> None:
 
 
 def _group_agent(trainer):
-    from pslink.core.groups import GroupAgent
-
     store = getattr(trainer, "_kvstore", None)
     agent = getattr(store, "agent", None)
     if agent is None and hasattr(trainer, "_session"):  # the Horovod API's DistributedTrainer

@@ -22,23 +22,32 @@ def end_group_step(agent, variables: list) -> None:
         return
     names = [f"tf/{i}" for i in range(len(variables))]  # the order they were made: alike on every worker
 
-    def end_step(*values):
-        arrays = {name: np.array(value, copy=True) for name, value in zip(names, values)}
-        synced = agent.end_step(arrays)
-        return (*arrays.values(), np.bool_(synced))
+    def averaged(read) -> list | None:
+        """The groups' average if this step syncs (``read()`` gives the values then), else None."""
+        arrays = {}
+
+        def copies():
+            arrays.update(zip(names, (np.array(value, copy=True) for value in read())))
+            return arrays
+
+        return list(arrays.values()) if agent.end_step(copies) else None
 
     if tf.executing_eagerly():
-        *averaged, synced = end_step(*[np.asarray(v.numpy()) for v in variables])
-        if synced:
-            for variable, value in zip(variables, averaged):
-                variable.assign(value)
+        values = averaged(lambda: [v.numpy() for v in variables])
+        for variable, value in zip(variables, values or ()):
+            variable.assign(value)
         return
-    *averaged, synced = tf.numpy_function(end_step, [tf.convert_to_tensor(v) for v in variables],
+
+    def end_step(*values):
+        synced = averaged(lambda: values)
+        return (*(values if synced is None else synced), np.bool_(synced is not None))
+
+    *new_values, synced = tf.numpy_function(end_step, [tf.convert_to_tensor(v) for v in variables],
                                           [tf.as_dtype(v.dtype) for v in variables] + [tf.bool], stateful=True,
                                           name="pslink_group_sync")
 
     def assign():
-        with tf.control_dependencies([v.assign(tf.reshape(a, v.shape)) for v, a in zip(variables, averaged)]):
+        with tf.control_dependencies([v.assign(tf.reshape(a, v.shape)) for v, a in zip(variables, new_values)]):
             return tf.constant(True)
 
     tf.cond(tf.reshape(synced, []), assign, lambda: tf.constant(False))

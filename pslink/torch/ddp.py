@@ -31,6 +31,7 @@ from pslink.config import ENV_NUM_WORKERS, ENV_RANK, resolve_connect
 from pslink.core.agent import Agent
 from pslink.core.agent.connect import AGENT_OPTIONS
 from pslink.core.collectives import service_key
+from pslink.core.groups import whole_job
 from pslink.errors import ConfigError, PeerError, PslinkError, PslinkTimeoutError
 from pslink.torch import local_sync
 from pslink.torch.tensors import StagingPool, explain_mismatch
@@ -148,13 +149,13 @@ def connect(
         if agent.mode != "sum":
             raise ConfigError(f"the DDP hook needs an Agent in mode 'sum', this one is in mode {agent.mode!r}")
         own = False
-    workers = getattr(agent, "world_size", agent.num_workers)  # a group's Agent: the whole job's
+    whole, workers = whole_job(agent)  # a group's Agent: the whole job's, not its group's
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() != workers:
         if own:
             _SHARED.release(agent)
         raise ConfigError(
-            f"torch.distributed has {dist.get_world_size()} ranks but pslink job "
-            f"{getattr(agent, 'world_job', agent.job)!r} has {workers} workers: every DDP rank must be one pslink worker"
+            f"torch.distributed has {dist.get_world_size()} ranks but pslink job {whole!r} has {workers} workers: "
+            "every DDP rank must be one pslink worker"
         )
     local_sync.watch(agent)  # sync="local:T": the optimizer's steps end with the groups' sync
     try:
@@ -189,9 +190,9 @@ class _SharedAgents:
             if agent is None:
                 agent = self._agents[(master, job, rank)] = pslink.connect(job, rank, num_workers, master, **options)
                 self._users[id(agent)] = 0
-            elif getattr(agent, "world_size", agent.num_workers) != num_workers:
+            elif whole_job(agent)[1] != num_workers:
                 raise ConfigError(f"pslink.torch.connect: job {job!r} rank {rank} is connected in this process with "
-                                  f"{agent.num_workers} workers, not {num_workers}")
+                                  f"{whole_job(agent)[1]} workers, not {num_workers}")
             self._users[id(agent)] += 1
             return agent
 

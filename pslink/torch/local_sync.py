@@ -2,8 +2,8 @@
 a job connected with ``sync="local:T"`` (:class:`~pslink.core.groups.GroupAgent`) hands the
 optimizer's parameters to its global sync, which averages them over the groups every T steps.
 
-One mechanism for the DDP hook, the Horovod API and the torch.distributed backend: torch's
-global optimizer step hooks, so no training loop changes. The parameters are keyed by the
+One mechanism for the DDP hook and the Horovod API: torch's global optimizer step hooks, so no
+training loop changes (the torch.distributed backend is one process group: no groups). The parameters are keyed by the
 optimizer's place among the optimizers stepped in this process (in the order they first stepped)
 and the parameter's place in its param groups: the same on every worker running one program.
 T counts optimizer steps (a GAN's two optimizers step twice an iteration).
