@@ -5,6 +5,7 @@ multiples of 2**-10, so every sum is exact and the two paths must agree bit for 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ def train(service, transports, job: str, host_reduce: bool, steps: int = 4, mode
     optimizer mode: push, then pull the service's weights). ``leaves``: (rank, step) at which
     that rank leaves the job instead of pushing."""
     met = threading.Barrier(4 if leaves is None else 3)
+    connected = threading.Barrier(4)
     optimizer = {"type": "sgd", "lr": 0.5, "momentum": 0.5} if mode == "optimizer" else None
 
     def worker(rank):
@@ -48,6 +50,9 @@ def train(service, transports, job: str, host_reduce: bool, steps: int = 4, mode
             assert type(agent._sender.host) is expected
             if on_start is not None:
                 on_start(rank, agent)
+            if host_reduce:
+                _wait_for_the_hosts_followers(agent, rank, local_size)
+            connected.wait(30)  # every follower counted before any leader's first push
             weights = {k: np.full(n, 0.25, np.float32) for k, n in KEYS.items()}
             agent.init_many(list(KEYS), list(weights.values())).wait()
             for step in range(steps):
@@ -72,6 +77,25 @@ def train(service, transports, job: str, host_reduce: bool, steps: int = 4, mode
             agent.close()
 
     return run_workers(4, worker)
+
+
+def _wait_for_the_hosts_followers(agent, rank: int, local_size: int, timeout: float = 30.0) -> None:
+    """A leader: until each follower's hello arrived. A follower that connects after its leader's
+    first push is sent on alone for the rounds that went without it (right, but a push more);
+    the workers a launcher starts together are all in before the first step here."""
+    host = agent._sender.host
+    if not isinstance(host, HostLeader):
+        return
+    first = rank - rank % local_size
+    expected = {r for r in range(first, first + local_size) if r < 4} - {rank}
+    deadline = time.monotonic() + timeout
+    while True:
+        with host.lock:
+            followers = set(host.followers.values())
+        if followers == expected:
+            return
+        assert time.monotonic() < deadline, f"rank {rank}: followers {sorted(followers)} of {sorted(expected)}"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("mode", ["sum", "optimizer"])
