@@ -248,8 +248,9 @@ class Chaos:
         back and B's Aggregators are in the pool again (fenced, registered anew)."""
         length = round(self.rng.uniform(2.0, 8.0), 2)
         remote = {proc.pid for proc in self.remote if proc is not None}
-        held = sum(a["tasks"] for a in (status_of(self.master) or {}).get("aggregators", [])
-                   if a["alive"] and a.get("pid") in remote)
+        status = status_of(self.master) or {}
+        on_b = [a for a in status.get("aggregators", []) if a["alive"] and a.get("pid") in remote]
+        held, replicas = sum(a["tasks"] for a in on_b), sum(a.get("replicas", 0) for a in on_b)
         self.hosts.cut("B")
         at = time.monotonic()
         try:
@@ -261,7 +262,7 @@ class Chaos:
                  "every job to step on after the partition")
         self.join_remote()  # one that gave pMaster up for lost (orphan timeout) exited
         wait_for(self.remote_serving, 60, "host B's Aggregators to come back")
-        return {"kind": "partition", "down_s": length, "parts_cut_off": held, "at": at,
+        return {"kind": "partition", "down_s": length, "parts_cut_off": held, "replicas_cut_off": replicas, "at": at,
                 "recovered_s": round(time.monotonic() - at, 2)}
 
     def kill_worker(self) -> dict:
@@ -285,11 +286,13 @@ class Chaos:
     # -- the run -----------------------------------------------------------------------------------
 
     def run(self, seconds: float, warmup: float, gap: tuple[float, float], pmaster_share: float,
-            worker_share: float = 0.3, partition_share: float = 0.2, point_share: float = 0.0) -> dict:
+            worker_share: float = 0.3, partition_share: float = 0.2, point_share: float = 0.0,
+            faults: int | None = None) -> dict:
         """Faults every ``gap`` seconds: pMaster with probability ``pmaster_share``, an elastic
         job's worker with ``worker_share`` (with ``elastic``), a partition of host B with
         ``partition_share`` (with hosts), pMaster at a named point with ``point_share``, else
-        an Aggregator."""
+        an Aggregator. For ``seconds``, or (``faults``) that many faults whatever they take: the
+        seed then fixes the schedule's kinds and order, not the host's speed (tests)."""
         if self.hosts is not None:  # this process (its workers, the launcher, the service) on host M
             self._home = self.hosts.enter("M")
             self._home.__enter__()
@@ -308,7 +311,8 @@ class Chaos:
         wait_for(lambda: all(s >= 5 for s in self.steps.values()) and (self.elastic is None or self.elastic.steps() >= 5)
                  or self.errors, 120, "every job's first steps")
         time.sleep(warmup)  # the warm-up: memory and rates settle before the measured part
-        while time.monotonic() - started < seconds and not self.errors:
+        while (len(self.schedule) < faults if faults is not None else time.monotonic() - started < seconds) \
+                and not self.errors:
             self.sample_memory()
             time.sleep(self.rng.uniform(*gap))
             self.sample_memory()
@@ -325,7 +329,8 @@ class Chaos:
                 fault = self.kill_aggregator()
             fault["steps"] = dict(sorted((f"{j}/{r}", s) for (j, r), s in self.steps.items()))
             self.schedule.append(fault)
-            cut = f"({fault['parts_cut_off']} parts cut off) " if "parts_cut_off" in fault else ""
+            cut = f"({fault['parts_cut_off']} parts, {fault['replicas_cut_off']} replicas cut off) " \
+                if "parts_cut_off" in fault else ""
             print(f"chaos: {fault['kind']:10} " + (f"{fault.get('victim', '')} " if "victim" in fault else
                   f"down {fault['down_s']} s {cut}") + f"recovered in {fault['recovered_s']} s", flush=True)
         self.sample_memory()
@@ -458,9 +463,8 @@ def main(argv=None) -> int:
                         help="share of faults that partition host B (with network namespaces)")
     parser.add_argument("--point-share", type=float, default=0.15,
                         help="share of faults that kill pMaster at a named point of its control plane")
-    parser.add_argument("--points", default="failover,promoted",
-                        help=f"the named points, taken in turn (of {', '.join(PMASTER_POINTS)}; docs/failures.md says "
-                        "why the drain's are not in the default)")
+    parser.add_argument("--points", default=",".join(PMASTER_POINTS),
+                        help=f"the named points, taken in turn (of {', '.join(PMASTER_POINTS)})")
     parser.add_argument("--no-hosts", action="store_true", help="loopback only: no namespaces, no partitions")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of training before the first fault")
     args = parser.parse_args(argv)

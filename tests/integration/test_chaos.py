@@ -38,33 +38,35 @@ def test_a_short_chaos_run_with_partitions_between_two_hosts_loses_and_doubles_n
     with netns.VirtualHosts(["M", "B"]) as hosts:
         run = chaos.Chaos(seed=11, jobs=3, workers=2, aggregators=2, workdir=str(tmp_path), elastic=False, hosts=hosts)
         try:
-            report = run.run(seconds=60, warmup=2.0, gap=(3.0, 5.0), pmaster_share=0.2, worker_share=0.0,
-                             partition_share=0.5)
+            report = run.run(seconds=0, warmup=2.0, gap=(3.0, 5.0), pmaster_share=0.2, worker_share=0.0,
+                             partition_share=0.5, faults=5)
         finally:
             run.close()
     assert not report["errors"], "\n".join(report["errors"]) + "\nthe service said:\n" + run.log_excerpt()
     kinds = [fault["kind"] for fault in report["schedule"]]
-    assert "partition" in kinds and "aggregator" in kinds, kinds
-    # Some partition cut off parts the jobs were using (the Aggregators of host B served them).
-    assert any(f.get("parts_cut_off", 0) > 0 for f in report["schedule"]), report["schedule"]
+    assert kinds == ["partition"] * 3 + ["pmaster", "aggregator"], kinds  # what seed 11 draws
+    # Each partition cut off what the jobs use every round: parts served on host B, or the
+    # replicas there of parts served on M (a replica goes to another host than its primary).
+    cuts = [f for f in report["schedule"] if f["kind"] == "partition"]
+    assert all(f["parts_cut_off"] + f["replicas_cut_off"] > 0 for f in cuts), report["schedule"]
     for job, figures in report["jobs"].items():
         assert figures.get("exact"), f"{job}: {figures}"
 
 
 @pytest.mark.timeout(360)
 def test_a_short_chaos_run_killing_pmaster_at_named_points_loses_and_doubles_no_round(tmp_path):
-    # The failover's named points in turn (an Aggregator killed drives pMaster there). The
-    # drain's (hand-over, copy-landed) still lose parts: docs/failures.md.
-    points = ["failover", "promoted"]
+    # Every named point in turn: a drain (pslink service remove) drives pMaster to the
+    # migration's (hand-over, copy-landed), an Aggregator killed to the failover's.
+    points = ["hand-over", "copy-landed", "failover", "promoted"]
     run = chaos.Chaos(seed=5, jobs=2, workers=2, aggregators=3, workdir=str(tmp_path), elastic=False, points=points)
     try:
-        report = run.run(seconds=40, warmup=2.0, gap=(2.0, 3.0), pmaster_share=0.0, worker_share=0.0,
-                         partition_share=0.0, point_share=1.0)
+        report = run.run(seconds=0, warmup=2.0, gap=(2.0, 3.0), pmaster_share=0.0, worker_share=0.0,
+                         partition_share=0.0, point_share=1.0, faults=6)
     finally:
         run.close()
     assert not report["errors"], "\n".join(report["errors"]) + "\nthe service said:\n" + run.log_excerpt()
     faults = [fault for fault in report["schedule"] if fault["kind"] == "pmaster-point"]
-    assert [fault["victim"].split()[0] for fault in faults][:4] == points * 2, report["schedule"]
+    assert [fault["victim"].split()[0] for fault in faults] == points + points[:2], report["schedule"]
     assert all(fault["reached"] for fault in faults), report["schedule"]  # pMaster died there each time
     for job, figures in report["jobs"].items():
         assert figures.get("exact"), f"{job}: {figures}"

@@ -218,3 +218,51 @@ def test_a_moved_reply_from_an_aggregator_the_part_has_left_is_stale(inproc_clus
         handle.wait(5)
         expected = ("agg-elsewhere", "inproc://agg-elsewhere") if relocated else ("agg-target", "inproc://agg-target")
         assert part.where == expected
+
+
+def test_a_migrate_order_that_reaches_its_source_late_still_moves_the_parts_pmaster_routes(transports):
+    """A partition delays pMaster's MIGRATE beyond its request timeout; TCP delivers it once the
+    link heals and the source hands the parts over. pMaster must not have given the move up
+    meanwhile (before: "failed to start", the plan went back, the source's table and pMaster's
+    disagreed, and a pMaster restart then fenced the parts at the target the workers used)."""
+    service = start_cluster("tcp", aggregators=2, transports=transports, assign_timeout=0.2)
+    master = service.master
+    held = threading.Event()
+    workers, n = 2, 3000
+    after_move = []  # rounds trained since pMaster counted the moves done
+
+    def next_round():  # (both workers at the barrier) train on until 3 rounds after the moves
+        if master.migrations_done == 3:
+            after_move.append(1)
+    step = threading.Barrier(workers, action=next_round, timeout=30)
+    try:
+        for agg in service.provider.aggregators.values():
+            def late(peer, req, agg=agg, migrate=agg._migrate):
+                held.set()  # answered 1 s later: five times pMaster's request timeout
+                agg.reactor.call_later(1.0, migrate, peer, req)
+            agg._migrate = late
+
+        def worker(rank):
+            with pslink.connect("late-order", rank, workers, master=service.address, transports=transports,
+                                partition_bytes=4096, servers=1, timeout=30) as agent:
+                agent.init("w", np.zeros(n, np.float32)).wait()
+                out = np.empty(n, np.float32)
+                r = 0
+                while len(after_move) < 3:
+                    r += 1
+                    assert r < 2000, "the moves never finished"
+                    step.wait()
+                    if r == 5 and rank == 0:
+                        (source,) = {p[3] for p in agent.key_info("w")["parts"]}
+                        master.migrate(master.tasks_of("late-order"), "agg-1" if source == "agg-0" else "agg-0")
+                    agent.pushpull("w", contribution(rank, r, n), out=out).wait()
+                    np.testing.assert_array_equal(out, contribution(0, r, n) + contribution(1, r, n))
+                step.wait()  # (the job still there: pMaster's table is read before anyone leaves)
+                placed = {part.aggregator for part in master.state.jobs["late-order"].keys["w"].parts}
+                return {p[3] for p in agent.key_info("w")["parts"]}, placed
+
+        (served, placed), (served_1, _) = run_workers(workers, worker)
+        assert held.is_set() and master.mover.core.idle()
+        assert len(served) == 1 and served == served_1 == placed  # pMaster routes where the parts are
+    finally:
+        service.stop()

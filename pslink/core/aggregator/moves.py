@@ -120,8 +120,12 @@ class Moves:
         asynchronous job, an uninitialized task or ``force`` moves at once."""
         task = self.tasks.get(ident)
         if task is None:
-            if ident in self.moved:
-                return []  # already gone
+            gone_to = self.moved.get(ident)
+            if gone_to is not None and gone_to[0] == target[0]:
+                return []  # already gone there
+            if gone_to is not None:  # (a pMaster that restarted may not know; it must not wait for a copy)
+                raise KeyStateError(f"{ident[1]!r} part {ident[2]} of job {ident[0]!r} was handed over to "
+                                    f"{gone_to[0]} already; it cannot go to {target[0]} from {self.name}")
             raise KeyStateError(f"aggregator {self.name} does not hold {ident[1]!r} part {ident[2]} of job {ident[0]!r}")
         if task.moved_to is not None:
             return []

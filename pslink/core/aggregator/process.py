@@ -148,8 +148,21 @@ class Aggregator:
         return self.master.error
 
     def _registration(self) -> dict:
-        tasks = [[job, key, part] for (job, key, part) in self.core.tasks]
+        """What pMaster hears at each (re)registration: the parts held, and the moves it may not
+        have stored (it restarted in between): ``moved``, parts handed over (or about to be) to
+        another Aggregator (and whether the copy landed); ``arrived``, parts that came here by a move,
+        with their source."""
+        tasks, moved, arrived = [], [], []
+        for ident, task in self.core.tasks.items():
+            if task.migrate_to is not None:  # (its copy has not landed)
+                moved.append([*ident, task.migrate_to[0], False])
+            else:
+                tasks.append(list(ident))
+                if task.arrived_from:
+                    arrived.append([*ident, task.arrived_from])
+        moved += [[*ident, where[0], True] for ident, where in self.core.moved.items() if ident not in self.core.tasks]
         return dict(address=self.address, pid=os.getpid(), host=hosts.host_name(), host_id=self.host_id, tasks=tasks,
+                    moved=moved, arrived=arrived,
                     **({"agg": self.name} if self.name else {}), **({"keep": True} if self.keep else {}),
                     **({"cred": self.credential} if self.credential else {}))
 
@@ -540,6 +553,9 @@ class Aggregator:
             self._send_all(outputs)
         elif op == Op.COPY_REPLICA:
             self.copies.from_replica(peer, req)
+        elif op == Op.FENCE:  # placed elsewhere (a move pMaster learned never happened): refused from now on
+            self.master.fenced_parts |= self._fence(req["parts"])
+            peer.reply(req)
         elif op == Op.PING:  # pMaster: is this Aggregator alive (an Agent could not reach it)?
             peer.reply(req)
         elif op == Op.SHUTDOWN:

@@ -290,6 +290,7 @@ class Task:
         self.acks: dict[int, list[Request]] = {}  # pushes answered once their round is replicated
         # migration (AutoPS Appendix B)
         self.incoming = bool(spec.get("incoming", False))  # waiting for its state to be copied here
+        self.arrived_from: str | None = spec.get("from")  # the source of the move that brought it here
         self.waiting_copy: list[Request] = []
         self.migrate_to: tuple[str, str] | None = None  # move once the current round closes
         self.moved_to: tuple[str, str] | None = None  # moved: redirect every request

@@ -92,8 +92,22 @@ class Failover:
             elif isinstance(action, Lost):
                 log.error("pMaster: %s", action.error.message)
                 self.abort_key(action.record, action.spec.key, action.error)
+        self._drop_claims_from(name)
         self._step_done(name)
         self.carry_out()
+
+    def _drop_claims_from(self, name: str) -> None:
+        """Copies of ``name``'s parts from a move pMaster never stored (Joining): with ``name``
+        gone nobody can say it happened; the failover placed its parts (from their replicas,
+        which hold every answered round), and the claimed copies go."""
+        for ident, (holder, source) in list(self.state.move_claims.items()):
+            if source != name:
+                continue
+            del self.state.move_claims[ident]
+            record = self.state.jobs.get(ident[0])
+            spec = record.keys.get(ident[1]) if record is not None else None
+            if spec is None or spec.parts[ident[2]].aggregator != holder:
+                self.links.fence(holder, ident, f"{name}, the source of its move, is gone")
 
     def _promote(self, lost: str, action: Promote) -> None:
         part, peer = action.part, self.links.get(action.part.aggregator)

@@ -32,14 +32,16 @@ class Joining:
     """Admits Aggregators for pMaster (its identity: ``host_id``). ``provider()`` names the
     Aggregators it starts (a nameless one that joins gets another name, which it reserves);
     ``joined(peer, record, request)`` takes an admitted Aggregator into the pool; ``carry_out()``
-    carries out what the control plane decided meanwhile."""
+    carries out what the control plane decided meanwhile; ``resume_moves(source, entries)`` goes
+    on with hand-overs a restarted pMaster had not stored."""
 
     def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks, *,
                  host_id: str, dial_back_timeout: float, provider: Callable,
-                 joined: Callable[[RpcPeer, AggregatorRecord, dict], None], carry_out: Callable[[], None]):
+                 joined: Callable[[RpcPeer, AggregatorRecord, dict], None], carry_out: Callable[[], None],
+                 resume_moves: Callable[[str, list], None]):
         self.state, self.store, self.reactor, self.links = state, store, reactor, links
         self.host_id, self.dial_back_timeout = host_id, dial_back_timeout
-        self.provider, self.joined, self.carry_out = provider, joined, carry_out
+        self.provider, self.joined, self.carry_out, self.resume_moves = provider, joined, carry_out, resume_moves
 
     def register(self, peer: RpcPeer, req: dict) -> None:
         """Admit an Aggregator under a name no live one has (a second process with a live one's
@@ -110,20 +112,61 @@ class Joining:
 
         threading.Thread(target=dial_back, name="pmaster-dial-back", daemon=True).start()
 
-    def _fenced(self, name: str, held: list) -> list:
+    def _placed(self, entry) -> tuple | None:
+        """(spec, part) of a reported [job, key, part, ...] that pMaster's table has, else None."""
+        if not isinstance(entry, list) or len(entry) < 3 or not isinstance(entry[2], int):
+            return None
+        record = self.state.jobs.get(entry[0])
+        spec = record.keys.get(entry[1]) if record is not None else None
+        return (record, spec, entry[2]) if spec is not None and 0 <= entry[2] < len(spec.parts) else None
+
+    def _fenced(self, name: str, req: dict) -> list:
         """Parts an Aggregator holds that pMaster placed elsewhere meanwhile (it was failed over
-        while frozen or cut off, and came back): it must drop them, not serve them."""
+        while frozen or cut off, and came back): it must drop them, not serve them. A move that
+        pMaster's store does not have (it restarted after the source handed the parts over)
+        is settled here instead: the source's report moves the parts to their target, and a
+        target's part from a source not registered yet waits for it (:meth:`_settle_claims`)."""
+        self._adopt_hand_overs(name, req.get("moved") or [])
+        arrived = {tuple(e[:3]): e[3] for e in req.get("arrived") or () if isinstance(e, list) and len(e) == 4}
         fenced = []
-        for entry in held:
-            if not isinstance(entry, list) or len(entry) != 3:
+        for entry in req.get("tasks") or ():
+            found = self._placed(entry)
+            if found is None or found[1].parts[found[2]].aggregator == name:
                 continue
-            job, key, part = entry
-            record = self.state.jobs.get(job)
-            spec = record.keys.get(key) if record is not None else None
-            if spec is not None and isinstance(part, int) and 0 <= part < len(spec.parts) \
-                    and spec.parts[part].aggregator != name:
-                fenced.append(entry)
+            source = found[1].parts[found[2]].aggregator
+            if arrived.get(tuple(entry)) == source and source not in self.links.peers \
+                    and source in self.state.aggregators:
+                self.state.move_claims[tuple(entry)] = (name, source)  # the source will say
+                log.info("pMaster: %s holds %s from a move off %s that was not stored; waiting for %s to say",
+                         name, tuple(entry), source, source)
+                continue
+            fenced.append(entry)
+        self._settle_claims(name)
         return fenced
+
+    def _adopt_hand_overs(self, name: str, moved: list) -> None:
+        """Parts ``name`` handed over (or will at its round's end) that pMaster has no move of:
+        those the table still places on it are the target's now (the Agents were sent there),
+        and those whose copy has not landed are moves again (a drain of ``name`` waits for them)."""
+        entries = []
+        for entry in moved:
+            found = self._placed(entry)
+            if found is None or len(entry) != 5 or entry[3] not in self.state.aggregators:
+                continue
+            placed_on = found[1].parts[found[2]].aggregator
+            if placed_on == name or placed_on == entry[3] and not entry[4]:
+                entries.append(entry)
+                self.state.move_claims.pop(tuple(entry[:3]), None)
+        if entries:
+            self.resume_moves(name, entries)
+
+    def _settle_claims(self, source: str) -> None:
+        """``source`` registered, and did not hand over the parts others claim from it: those
+        copies are not the part's (the move never happened); their holders drop them."""
+        for ident, (holder, claimed_from) in list(self.state.move_claims.items()):
+            if claimed_from == source:
+                del self.state.move_claims[ident]
+                self.links.fence(holder, ident, f"{source} kept it")
 
     def _admit(self, peer: RpcPeer, req: dict) -> None:
         provider = self.provider()
@@ -139,6 +182,6 @@ class Joining:
         self.links.peers[record.name] = peer
         peer.info.update(role="aggregator", name=record.name, pid=req.get("pid", 0))
         self.store.save_aggregator(record)
-        peer.reply(req, body={"agg": record.name, "fenced": self._fenced(record.name, req.get("tasks") or [])})
+        peer.reply(req, body={"agg": record.name, "fenced": self._fenced(record.name, req)})
         log.info("aggregator %s registered at %s", record.name, record.address)
         self.joined(peer, record, req)

@@ -29,12 +29,16 @@ class AggregatorLinks:
         record = self.state.aggregators.get(name)
         return record.address if record is not None else ""
 
-    def call(self, name: str, op: Op, callback, timeout: float | None = None, **fields) -> bool:
-        """Ask Aggregator ``name``; False (nothing sent) when it is not connected."""
+    def call(self, name: str, op: Op, callback, timeout: float | None = None, until_lost: bool = False,
+             **fields) -> bool:
+        """Ask Aggregator ``name``; False (nothing sent) when it is not connected. ``until_lost``:
+        no timeout, the answer or the connection's loss ends the call (for orders whose late
+        arrival must not pass for "not carried out": a partition delays a message, TCP still
+        delivers it once the link heals)."""
         peer = self.peers.get(name)
         if peer is None:
             return False
-        peer.call(op, callback, timeout=self.timeout if timeout is None else timeout, **fields)
+        peer.call(op, callback, timeout=None if until_lost else self.timeout if timeout is None else timeout, **fields)
         return True
 
     def notify(self, name: str, op: Op, **fields) -> None:
@@ -53,6 +57,11 @@ class AggregatorLinks:
     def tell(self, name: str, op: Op, what: str, **fields) -> None:
         """Ask ``name`` and only log a failure."""
         self.call(name, op, self.log_failure(what), **fields)
+
+    def fence(self, holder: str, ident: tuple, why: str) -> None:
+        """``holder``'s copy of part ``ident`` (from a move that never happened) goes: FENCE."""
+        log.warning("pMaster: %s drops %s (%s)", holder, ident, why)
+        self.tell(holder, Op.FENCE, f"fencing {ident} on {holder}", parts=[list(ident)])
 
     def broadcast_each(self, calls: list[tuple[RpcPeer, dict]], op: Op,
                        done: Callable[[PslinkError | None], None]) -> None:

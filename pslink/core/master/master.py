@@ -156,7 +156,7 @@ class Master:
                                  forget=lambda name: self.pool.forget(name))
         self.joining = Joining(self.state, self.store, self.reactor, self.links, host_id=self.host_id,
                                dial_back_timeout=dial_back_timeout, provider=lambda: self.provider,
-                               joined=self._aggregator_joined, carry_out=self._carry_out)
+                               joined=self._aggregator_joined, carry_out=self._carry_out, resume_moves=self.mover.resume)
         self._thread: ReactorThread | None = None
         self._registered = threading.Condition()
         self._joined: set[RpcPeer] = set()  # Aggregators' links, once taken into the pool (aggregator_alive)

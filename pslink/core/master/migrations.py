@@ -235,6 +235,33 @@ class Migrations:
             self.waiting[ident][task] = None
         return out + self._start(now)
 
+    def resume(self, source: str, entries: list[tuple[tuple, str, bool]], now: float) -> list:
+        """Moves ``source`` had begun handing over when pMaster restarted (its registration says
+        so; the store had not kept them): each ``(task, target, landed)`` runs again from its
+        hand-over, routed. A copy that landed is done; the others end with the source's
+        TENSOR_COPY_DONE, or are forced at ``deadline``. The workers count as at the target
+        already (a report sent to the old pMaster is lost; the source's forwarding address
+        sends a straggler on)."""
+        out: list = []
+        groups: dict[tuple, list] = {}
+        for task, target, landed in entries:
+            if task not in self.running and task not in self.throttled:
+                groups.setdefault((task[0], target), []).append((task, landed))
+        for (job, target), items in groups.items():
+            batch = self.batches[self._next_batch] = Batch(self._next_batch, job, source, target, "resumed",
+                                                           left=len(items))
+            self._next_batch += 1
+            for task, landed in items:
+                size = self.size_of(task)
+                batch.bytes += size
+                move = self.running[task] = Move(task, source, target, "resumed", bytes=size, started=now,
+                                                 assigned=True, routed=True, copied=landed, workers=True,
+                                                 batch=batch.ident)
+                self._copying += 0 if landed else size
+                out.append(Routed(move))
+                out += self._maybe_done(move, now)
+        return out
+
     def batch(self, ident: int) -> Batch | None:
         """The batch under way ``ident`` (None once it is over)."""
         return self.batches.get(ident)

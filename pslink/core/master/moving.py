@@ -3,7 +3,9 @@
 
 The target learns the task first (ASSIGN, waiting for its copy), then the source lets it go
 (MIGRATE: at its round's end, or at once when forced after ``migration_timeout``); once the
-source took the order, new lookups go to the target. A batch (one job's tasks between two
+source took the order, new lookups go to the target. Neither order times out: an order
+delayed (a partition) may still be carried out, so only its answer or the loss of its
+Aggregator decides the move. A batch (one job's tasks between two
 Aggregators: one migration) is one ASSIGN and one MIGRATE for all its tasks. The Aggregators report TENSOR_COPY_DONE and
 WORKER_DONE. A move that fails to start goes back to its source in the control plane's plan.
 """
@@ -102,6 +104,30 @@ class Mover:
         self.carry(actions)
         return stays
 
+    def resume(self, source: str, entries: list) -> None:
+        """Hand-overs ``source`` reports at its registration that pMaster has no move of
+        (``[job, key, part, target, landed]``: pMaster restarted after the source took the
+        MIGRATE): the Agents were sent to the target, so the parts are the target's; the moves
+        go on (:meth:`Migrations.resume`), and a drain of ``source`` waits for their copies."""
+        resumed = []
+        for job, key, part, target, landed in entries:
+            if (job, key, part) in self.core.running or (job, key, part) in self.core.throttled:
+                continue  # a move of this pMaster's (the source reconnected): it goes on as it was
+            record = self.state.jobs.get(job)
+            placed = record.keys[key].parts[part]
+            if target in placed.replicas:  # it serves the part now; the move's end tops the replicas up
+                placed.replicas.remove(target)
+            if target not in self.state.control.cluster_of:
+                self.state.control.aggregator_added(target)  # (registers later: as at a restart's load)
+            try:  # the plan follows (its Migrate is what already happened: not carried out)
+                self.state.control.move_task((job, key, part), target, "resumed")
+            except KeyError:
+                pass
+            log.warning("pMaster: %s had handed %s over to %s (copy %s) before pMaster restarted; the move goes on",
+                        source, (job, key, part), target, "landed" if landed else "in flight")
+            resumed.append(((job, key, part), target, bool(landed)))
+        self.carry(self.core.resume(source, resumed, self.state.clock()))
+
     def job_ended(self, job: str) -> None:
         self.carry(self.core.job_ended(job, self.state.clock()))
 
@@ -172,17 +198,9 @@ class Mover:
             # the part's state (the source keeps replicating to it: see Failover.copy_from_replica).
             move.held_replica = target in placed.replicas
             if move.held_replica:
-                # The target held a replica; now it serves the part: another Aggregator holds the replica.
-                placed.replicas.remove(target)
-                added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
-                                      record.replication - len(placed.replicas),
-                                      exclude={target, move.source, *placed.replicas},
-                                      hosts=self.state.control.host_of, away_from=[target, *placed.replicas])
-                placed.replicas += added
-                for name in added:
-                    self.links.tell(name, Op.ASSIGN, f"giving {name} a replica of {move.task}",
-                                    jobinfo=record.jobinfo(), tasks=[e for e in spec.task_specs(name) if e["part"] == part])
-            tasks += [dict(t, incoming=True) for t in spec.task_specs(None, self.links.address_of) if t["part"] == part]
+                self._replica_off(record, spec, part, target, move.source)
+            tasks += [dict(t, incoming=True, **{"from": move.source})
+                      for t in spec.task_specs(None, self.links.address_of) if t["part"] == part]
             ready.append(move)
         actions: list = []
         for move in refused:
@@ -200,7 +218,20 @@ class Mover:
                 done += self.core.target_ready(move.task, error is None, self.state.clock())
             self.carry(done)
 
-        self.links.call(target, Op.ASSIGN, assigned, jobinfo=record.jobinfo(), tasks=tasks)
+        self.links.call(target, Op.ASSIGN, assigned, until_lost=True, jobinfo=record.jobinfo(), tasks=tasks)
+
+    def _replica_off(self, record, spec, part: int, target: str, source: str) -> None:
+        """``target`` held a replica of the part; now it serves it: another Aggregator holds the
+        replica (told at once: ASSIGN)."""
+        placed = spec.parts[part]
+        placed.replicas.remove(target)
+        added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
+                              record.replication - len(placed.replicas), exclude={target, source, *placed.replicas},
+                              hosts=self.state.control.host_of, away_from=[target, *placed.replicas])
+        placed.replicas += added
+        for name in added:
+            self.links.tell(name, Op.ASSIGN, f"giving {name} a replica of {(record.job, spec.key, part)}",
+                            jobinfo=record.jobinfo(), tasks=[e for e in spec.task_specs(name) if e["part"] == part])
 
     def _force(self, move: Move) -> None:
         """No round of a routed move closed in time: its source hands the task over now."""
@@ -238,8 +269,11 @@ class Mover:
             self.carry(done)
 
         # From here on the source may hand the parts over (and send workers to the target)
-        # at any time, before pMaster hears that it took the MIGRATE.
-        if not self.links.call(source, Op.MIGRATE, started, job=job, target=target,
+        # at any time, before pMaster hears that it took the MIGRATE. So no timeout: a MIGRATE
+        # held up by a partition reaches the source when the link heals, and a move given up
+        # meanwhile would leave the parts half-moved (workers sent to a target pMaster does not
+        # route to). The answer, or the source's loss (the failover ends its moves), ends it.
+        if not self.links.call(source, Op.MIGRATE, started, until_lost=True, job=job, target=target,
                                parts=[[move.task[1], move.task[2]] for move in moves]):
             started(None, ServiceError(f"aggregator {source} is not connected"))
 

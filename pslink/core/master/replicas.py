@@ -6,7 +6,8 @@ decide where parts go, not where their replicas are), and a part placed while th
 Aggregator was still starting had no other host to replicate to. So after a move lands, when a key
 is placed and when an Aggregator joins, a replica that shares its primary's host moves to another
 host that has a live Aggregator: the new holder learns the part first, then the primary learns its
-new replicas, then the old holder drops its copy.
+new replicas, then the old holder drops its copy. At the same moments a part short of replicas
+gets them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Replicas:
         record = self.state.jobs.get(job)
         spec = record.keys.get(key) if record is not None else None
         if spec is not None and spec.ready and index < len(spec.parts):
+            self.top_up(record, spec, spec.parts[index])
             self.separate(record, spec, spec.parts[index])
 
     def everywhere(self) -> None:
@@ -46,7 +48,26 @@ class Replicas:
             for spec in list(record.keys.values()):
                 if spec.ready:
                     for part in spec.parts:
+                        self.top_up(record, spec, part)
                         self.separate(record, spec, part)
+
+    def top_up(self, record, spec, part) -> None:
+        """A part with fewer replicas than its job's replication (a move onto the Aggregator that
+        held its replica, resumed after a pMaster restart when no other Aggregator had registered
+        yet) gets them from the live Aggregators, when there are."""
+        need = record.replication - len(part.replicas)
+        if need <= 0 or self.links.get(part.aggregator) is None:
+            return
+        added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs), need,
+                              exclude={part.aggregator, *part.replicas}, hosts=self.state.control.host_of,
+                              away_from=[part.aggregator, *part.replicas])
+        if not added:
+            return
+        log.info("pMaster: key %r part %d of job %s has %d of its %d replica(s); %s take(s) the others", spec.key,
+                 part.part, record.job, len(part.replicas), record.replication, ", ".join(added))
+        part.replicas += added
+        self.store.save_key(record.job, spec)
+        give_replicas(self.links, record, spec, part, added)
 
     def separate(self, record, spec, part) -> None:
         """Move the replicas of ``part`` that share its primary's host, if another host can take them."""

@@ -61,6 +61,9 @@ class MasterState:
         self.jobs: dict[str, JobRecord] = {}
         self.membership_changed: list[JobRecord] = []  # jobs whose Aggregators must hear of it
         self.aggregators: dict[str, AggregatorRecord] = {}
+        # (job, key, part) -> (holder, source): a part an Aggregator holds from a move whose
+        # hand-over pMaster never stored (it restarted), until the source says (Joining).
+        self.move_claims: dict[tuple, tuple[str, str]] = {}
         self._agg_serial = 0
         self.outbox: list = []
         self.default_quota: dict = {}  # max_bytes / max_keys for jobs without their own (the operator's)

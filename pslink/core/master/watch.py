@@ -27,6 +27,12 @@ def status_of(state) -> dict:
     for plan in state.control.clusters.values():
         for name, agg in plan.aggregators.items():
             plans[name] = agg
+    replicas: dict[str, int] = {}  # name -> the parts it holds a replica of
+    for record in state.jobs.values():
+        for spec in record.keys.values():
+            for part in spec.parts:
+                for name in part.replicas:
+                    replicas[name] = replicas.get(name, 0) + 1
     aggregators = []
     for agg in sorted(state.aggregators.values(), key=lambda a: a.name):
         jobs = agg.stats.get("_jobs", {})
@@ -43,6 +49,7 @@ def status_of(state) -> dict:
                 "cluster": state.control.cluster_of.get(agg.name),
                 "last_seen": round(now - agg.last_seen, 1),
                 "tasks": sum(e.get("tasks", 0) for e in jobs.values()) if jobs else (len(plan.tasks) if plan else 0),
+                "replicas": replicas.get(agg.name, 0),
                 "bytes": sum(e.get("bytes", 0) for e in jobs.values()),
                 "jobs": {j: e.get("tasks", 0) for j, e in jobs.items()},
                 "cycle": plan.cycle if plan else 0.0,

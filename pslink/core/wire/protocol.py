@@ -72,9 +72,7 @@ class Op(enum.IntEnum):
     WORKER_DONE = 38  # target Aggregator -> pMaster: every worker now talks to it
     SCHEDULE = 39  # pMaster -> Aggregator: its cycle and per-task budgets
     PROMOTE = 40  # pMaster -> Aggregator: serve a part from the replica you hold
-    # pMaster -> Aggregator holding a replica: a migration's source died before its copy landed;
-    # send your replica to the target as the copy (answered once it landed)
-    COPY_REPLICA = 42
+    COPY_REPLICA = 42  # pMaster -> a replica's holder: a move's source died; send the copy yourself
     # control (CLI -> pMaster)
     POOL = 41  # CLI -> pMaster: add or remove Aggregators
     DELETE_KEYS = 43  # Agent -> pMaster: forget these keys of the job (their tasks and replicas go)
@@ -86,6 +84,7 @@ class Op(enum.IntEnum):
     # Agent -> pMaster: where a host's leader takes its followers' pushes (host-local reduce,
     # pslink.core.agent.host_reduce); the leader says (``address``), a follower asks
     HOST_LEADER = 46
+    FENCE = 47  # pMaster -> Aggregator: drop these parts and refuse them (they are served elsewhere)
 
 
 DATA_OPS = frozenset({Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL})
@@ -325,13 +324,13 @@ SCHEMAS: dict[Op, Schema] = {
     Op.REGISTER_AGGREGATOR: Schema(
         {"id": _uint, "address": _text},
         {"agg": _small_str, "pid": _uint, "host": _text, "host_id": _small_str, "keep": _bool, "tasks": _list,
-         "cred": _small_str, "lease": _number},
-    ),
+         "cred": _small_str, "lease": _number, "moved": _list, "arrived": _list}),
     Op.ASSIGN: Schema({"id": _uint, "jobinfo": _map, "tasks": _list}),
     Op.JOB_INFO: Schema({"id": _uint, "jobinfo": _map}),
     Op.DROP_JOB: Schema({"id": _uint, "job": _small_str}),
     Op.DELETE_KEYS: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "keys": _list}),
     Op.DROP_KEYS: Schema({"id": _uint, "job": _small_str, "keys": _list}),
+    Op.FENCE: Schema({"id": _uint, "parts": _list}),
     Op.SHUTDOWN: Schema({"id": _uint}),
     Op.AGG_HEARTBEAT: Schema({"id": _uint, "agg": _small_str, "stats": _map}),
     Op.MIGRATE: Schema(  # one part (key, part), or a batch of one job's (parts: [[key, part], ...])
