@@ -65,9 +65,7 @@ class AggregatorCore:
 
     def __init__(self, name: str = "aggregator", summer: Summer | None = None, max_ahead: int = DEFAULT_MAX_AHEAD,
                  clock=None):
-        self.name = name
-        self.summer = summer or Summer()
-        self.max_ahead = max_ahead
+        self.name, self.summer, self.max_ahead = name, summer or Summer(), max_ahead
         self.clock = clock or (lambda: 0.0)
         self.budget: CycleBudget | None = None  # cyclic execution, once pMaster sent a schedule
         self.jobs: dict[str, JobState] = {}
@@ -143,6 +141,7 @@ class AggregatorCore:
                 # A replica new to the part (by name or address) has nothing yet: it gets the state now.
                 task.catch_up |= bool(set(replicas) - set(task.replicas))
                 task.replicas = replicas
+                self.moves.dropped.pop(ident, None)  # pMaster named them: what it counts again
             elif (tuple(spec["shape"]), spec["dtype"], tuple(spec["span"])) != (task.shape, task.dtype_name, task.span):
                 raise ShapeMismatchError(
                     f"{task.name}: reassigned as shape {tuple(spec['shape'])} {spec['dtype']} span "

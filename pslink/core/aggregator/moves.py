@@ -46,6 +46,9 @@ class Moves:
                  release: Callable[[Task, int], list], close_ready: Callable[[Task], list],
                  pull: Callable[[Task, Request], list]):
         self.tasks, self.moved, self.replicas, self.jobs = tasks, moved, replicas, jobs
+        # part -> the replicas it went on without (unreachable): told to pMaster with every
+        # heartbeat until it names the part's replicas again (it counts them until then)
+        self.dropped: dict[tuple, set[str]] = {}
         self.summer, self.max_ahead, self.clock = summer, max_ahead, clock
         self._name = name
         self.serve, self.release, self.close_ready, self.pull = serve, release, close_ready, pull
@@ -326,12 +329,19 @@ class Moves:
             return []
         if lost:
             task.replicas = [r for r in task.replicas if r[0] not in lost]
+            self.dropped.setdefault(ident, set()).update(lost)
         task.replicating = None
         outputs = self.release(task, round_)
         if task.migrate_to is not None and task.moved_to is None:
             return outputs + self.snapshot(task, at_round_end=True)
         outputs += self.close_ready(task)
         return outputs + self.catch_up(task)
+
+    def dropped_report(self) -> list:
+        """``[job, key, part, replica]`` of :attr:`dropped`, for pMaster (parts gone from here are forgotten)."""
+        for ident in [i for i in self.dropped if i not in self.tasks]:
+            del self.dropped[ident]
+        return [[*ident, name] for ident, names in self.dropped.items() for name in sorted(names)]
 
     def replica_update(self, header: dict, state: dict, arrays: list[np.ndarray]) -> None:
         """REPLICATE: keep a closed round's state of a part this Aggregator is a replica of."""

@@ -189,7 +189,8 @@ class Aggregator:
         return {"jobs": jobs, "errors": self.errors, "requests": self.requests, "fused": self.fused,
                 "costs": self.core.costs(),
                 "load": round(min(1.0, load), 4), "cycle": self.core.budget.describe() if self.core.budget else None,
-                "stalled": self.stalls.report(now)}
+                "stalled": self.stalls.report(now),
+                "dropped_replicas": self.core.moves.dropped_report()}
 
     def _inspect(self) -> None:
         """Log each round that newly waits longer than the threshold, naming the missing ranks."""

@@ -134,8 +134,7 @@ class Master:
         self.endpoint = RpcEndpoint(self.reactor, self._on_request, limits, on_close=self._on_peer_close)
         advertise, interface = hosts.settings(advertise, interface)
         self.listener = self.transports.listen(listen, self.reactor, self.endpoint, limits)
-        # Workers and Aggregators on other hosts dial this; a wildcard bind advertises the
-        # address of this host's default route (or --advertise / --interface).
+        # Peers on other hosts dial this: a wildcard bind advertises its default route's address.
         self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface)
         self.host_id = hosts.host_id()
         self._waits: dict[tuple[str, Any], list[_LookupWait]] = {}
@@ -555,6 +554,7 @@ class Master:
     def _aggregator_heartbeat(self, peer: RpcPeer, req: dict) -> None:
         if peer.info.get("role") == "aggregator":
             self.state.aggregator_heartbeat(peer.info["name"], req["stats"])
+            self.replicas.dropped(peer.info["name"], req["stats"].get("dropped_replicas") or ())
             if req["id"]:
                 peer.reply(req)  # renews its lease (pslink.core.aggregator.master_link)
 

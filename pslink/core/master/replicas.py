@@ -51,23 +51,55 @@ class Replicas:
                         self.top_up(record, spec, part)
                         self.separate(record, spec, part)
 
-    def top_up(self, record, spec, part) -> None:
+    def top_up(self, record, spec, part, avoid: frozenset = frozenset()) -> bool:
         """A part with fewer replicas than its job's replication (a move onto the Aggregator that
         held its replica, resumed after a pMaster restart when no other Aggregator had registered
-        yet) gets them from the live Aggregators, when there are."""
+        yet; a replica its primary could not reach) gets them from the live Aggregators, when
+        there are (not from ``avoid``). True if it did."""
         need = record.replication - len(part.replicas)
         if need <= 0 or self.links.get(part.aggregator) is None:
-            return
+            return False
         added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs), need,
-                              exclude={part.aggregator, *part.replicas}, hosts=self.state.control.host_of,
+                              exclude={part.aggregator, *part.replicas, *avoid}, hosts=self.state.control.host_of,
                               away_from=[part.aggregator, *part.replicas])
         if not added:
-            return
+            return False
         log.info("pMaster: key %r part %d of job %s has %d of its %d replica(s); %s take(s) the others", spec.key,
                  part.part, record.job, len(part.replicas), record.replication, ", ".join(added))
         part.replicas += added
         self.store.save_key(record.job, spec)
         give_replicas(self.links, record, spec, part, added)
+        return True
+
+    def dropped(self, primary: str, entries) -> None:
+        """``primary`` went on without replicas it could not reach (its heartbeat says so until
+        pMaster names the part's replicas again): pMaster no longer counts them (a failover
+        would promote one without the rounds since), their holders drop their stale copies, and
+        the part gets other replicas where it can (else at the next registration)."""
+        for entry in entries:
+            if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[2], int):
+                continue
+            job, key, index, name = entry
+            record = self.state.jobs.get(job)
+            spec = record.keys.get(key) if record is not None else None
+            if spec is None or not 0 <= index < len(spec.parts) or spec.parts[index].aggregator != primary \
+                    or name not in spec.parts[index].replicas:
+                continue
+            part = spec.parts[index]
+            log.warning("pMaster: %s could not reach %s, its replica of key %r part %d of job %s; it no longer "
+                        "counts as one", primary, name, key, index, job)
+            part.replicas.remove(name)
+            self.store.save_key(job, spec)
+            self._drop_copy(record, spec, part, name)
+            if not self.top_up(record, spec, part, avoid=frozenset({name})):
+                give_replicas(self.links, record, spec, part, [])  # the primary hears its replicas: it stops saying
+
+    def _drop_copy(self, record, spec, part, holder_name: str) -> None:
+        holder = self.links.get(holder_name)
+        if holder is not None:
+            stale = [dict(e, replica=True, drop=True) for e in spec.task_specs(None) if e["part"] == part.part]
+            holder.call(Op.ASSIGN, self.links.log_failure(f"dropping {holder_name}'s replica of key {spec.key!r}"),
+                        timeout=self.links.timeout, jobinfo=record.jobinfo(), tasks=stale)
 
     def separate(self, record, spec, part) -> None:
         """Move the replicas of ``part`` that share its primary's host, if another host can take them."""
@@ -92,11 +124,8 @@ class Replicas:
         forgets it (if the primary took the news)."""
 
         def drop_old(error):
-            holder = self.links.get(old)
-            if holder is not None and error is None:
-                stale = [dict(e, replica=True, drop=True) for e in spec.task_specs(None) if e["part"] == part.part]
-                holder.call(Op.ASSIGN, self.links.log_failure(f"dropping {old}'s replica of key {spec.key!r}"),
-                            timeout=self.links.timeout, jobinfo=record.jobinfo(), tasks=stale)
+            if error is None:
+                self._drop_copy(record, spec, part, old)
 
         give_replicas(self.links, record, spec, part, [new], drop_old)
 
