@@ -99,8 +99,12 @@ class Chaos:
     """The service, the jobs' workers (threads of this process) and the schedule."""
 
     def __init__(self, seed: int, jobs: int, workers: int, aggregators: int, workdir: str, elastic: bool = False,
-                 hosts=None, remote: int = 2, points: list[str] | None = None):
+                 hosts=None, remote: int = 2, points: list[str] | None = None, control_faults: str | None = None):
         self.rng = random.Random(seed)
+        # PSLINK_FAULTS ctl_* for the service's processes and host B's Aggregators: every message
+        # pMaster sends or gets from an Aggregator, and every answer to a worker, may be lost
+        # with its connection, repeated or held (the workers here keep their own clean)
+        self.control_faults = control_faults
         self.elastic = ElasticJob(workdir, workers) if elastic else None
         self.seed, self.jobs, self.workers, self.aggregators = seed, jobs, workers, aggregators
         self.hosts = hosts  # a started VirtualHosts of "M" and "B", or None: loopback only
@@ -127,12 +131,13 @@ class Chaos:
         size); ``faults``: its PSLINK_FAULTS (e.g. kill=pmaster@failover)."""
         floor = self.aggregators if floor is None else floor
         where = ["--host", self.hosts.address("M")] if self.hosts is not None else []
+        faults = ",".join(filter(None, [self.control_faults, faults]))
         env = dict(os.environ, **({"PSLINK_FAULTS": faults} if faults else {}))
         self.service = subprocess.Popen(
             CLI + ["service", "up", "--port", str(self.port), "--aggregators", str(self.aggregators),
                    "--state", self.state, "--log-level", "INFO", *where], stdout=self.log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=env)
-        wait_for(lambda: self.alive_aggregators() is not None and len(self.alive_aggregators()) >= floor,
+        wait_for(lambda: (alive := self.alive_aggregators()) is not None and len(alive) >= floor,
                  90, "the service and its Aggregators")
 
     def alive_aggregators(self) -> dict | None:
@@ -145,8 +150,9 @@ class Chaos:
         """Start the Aggregators of host B that are not running (first, or after a kill)."""
         for i, proc in enumerate(self.remote):
             if proc is None or proc.poll() is not None:
+                env = dict(os.environ, **({"PSLINK_FAULTS": self.control_faults} if self.control_faults else {}))
                 self.remote[i] = self.hosts.popen("B", CLI + ["aggregator", "--master", self.master], stdout=self.log,
-                                                  stderr=subprocess.STDOUT)
+                                                  stderr=subprocess.STDOUT, env=env)
 
     def rejoin_if_remote(self, pid: int) -> None:
         """The Aggregator ``pid`` that was killed ran on host B: its supervisor starts it again
@@ -465,6 +471,9 @@ def main(argv=None) -> int:
                         help="share of faults that kill pMaster at a named point of its control plane")
     parser.add_argument("--points", default=",".join(PMASTER_POINTS),
                         help=f"the named points, taken in turn (of {', '.join(PMASTER_POINTS)})")
+    parser.add_argument("--control-faults", default=None, metavar="SETTINGS",
+                        help="PSLINK_FAULTS for the service's processes, e.g. ctl_drop=0.001,ctl_dup=0.01,"
+                        "ctl_delay=0.01,delay_ms=50: control messages lost with their connection, repeated, held")
     parser.add_argument("--no-hosts", action="store_true", help="loopback only: no namespaces, no partitions")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of training before the first fault")
     args = parser.parse_args(argv)
@@ -474,7 +483,7 @@ def main(argv=None) -> int:
     if not points or set(points) - set(PMASTER_POINTS):
         parser.error(f"--points: each of {', '.join(PMASTER_POINTS)}, got {args.points!r}")
     chaos = Chaos(args.seed, args.jobs, args.workers, args.aggregators, workdir, elastic=args.worker_share > 0,
-                  hosts=hosts, points=points)
+                  hosts=hosts, points=points, control_faults=args.control_faults)
     try:
         report = chaos.run(args.minutes * 60, args.warmup, tuple(args.gap), args.pmaster_share, args.worker_share,
                            args.partition_share, args.point_share)

@@ -10,6 +10,13 @@ Each message an Agent sends to an Aggregator, and each answer back, is dropped w
 ``drop``, sent twice with probability ``dup``, or sent ``delay_ms`` later with probability
 ``delay`` (so it may overtake others). Control messages to and from pMaster are left alone.
 
+``ctl_drop``, ``ctl_dup`` and ``ctl_delay`` (probabilities) do the same to the control messages
+to and from pMaster (each process's requests, answers and heartbeats on its control
+connections), as TCP can: a lost message is lost with its connection (the connection closes
+instead of sending it; both ends must reconnect and carry on), a repeated one arrives twice (as a
+resend after a reconnect would), and a delayed one holds that connection's later messages
+behind it for ``delay_ms`` (TCP keeps their order).
+
 ``kill=NAME@N`` kills one process at a chosen point, as a crash would (SIGKILL, no clean-up): the
 process named NAME (an Aggregator's name, such as ``agg-1``, or an Agent's ``job/rank``) kills
 itself as it sends its N-th data-path message. Every process can share one setting; only the named
@@ -52,17 +59,22 @@ class Faults:
     delay_ms: float = 50.0
     seed: int | None = None
     kill: str | None = None  # "NAME@N", or "NAME@copy"
+    ctl_drop: float = 0.0  # control messages (see the module's text)
+    ctl_dup: float = 0.0
+    ctl_delay: float = 0.0
     dropped: int = 0
     duplicated: int = 0
     delayed: int = 0
 
     def __post_init__(self):
-        for name in ("drop", "dup", "delay"):
+        for name in ("drop", "dup", "delay", "ctl_drop", "ctl_dup", "ctl_delay"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{ENV_FAULTS}: {name} is a probability in [0, 1], got {value}")
         if self.drop + self.dup + self.delay > 1.0:
             raise ConfigError(f"{ENV_FAULTS}: drop + dup + delay must not exceed 1")
+        if self.ctl_drop + self.ctl_dup + self.ctl_delay > 1.0:
+            raise ConfigError(f"{ENV_FAULTS}: ctl_drop + ctl_dup + ctl_delay must not exceed 1")
         if self.delay_ms < 0:
             raise ConfigError(f"{ENV_FAULTS}: delay_ms must be >= 0, got {self.delay_ms}")
         self._kill_target, self._kill_at, self._kill_at_copy = None, 0, False
@@ -83,6 +95,7 @@ class Faults:
         self.sent = 0
         self._random = random.Random(self.seed)
         self._lock = threading.Lock()
+        self._held: dict = {}  # control connection -> its messages held behind a delayed one
 
     def bind(self, owner: str) -> "Faults":
         """Name the process these faults act in (for ``kill``)."""
@@ -95,9 +108,10 @@ class Faults:
         fields = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, sep, value = item.partition("=")
-            if not sep or name not in ("drop", "dup", "delay", "delay_ms", "seed", "kill"):
+            if not sep or name not in ("drop", "dup", "delay", "delay_ms", "seed", "kill", "ctl_drop", "ctl_dup",
+                                       "ctl_delay"):
                 raise ConfigError(f"{ENV_FAULTS}: cannot read {item!r}; expected drop=, dup=, delay=, delay_ms=, "
-                                  "seed= or kill=")
+                                  "ctl_drop=, ctl_dup=, ctl_delay=, seed= or kill=")
             if name == "kill":
                 fields[name] = value.strip()
                 continue
@@ -135,6 +149,43 @@ class Faults:
             return
         conn.send(frames)
 
+    @property
+    def on_control(self) -> bool:
+        return bool(self.ctl_drop or self.ctl_dup or self.ctl_delay)
+
+    def send_control(self, conn, frames: list) -> None:
+        """A control message: sent, or lost with its connection, or sent twice, or held (with
+        every later one on ``conn``) for ``delay_ms``."""
+        copies = [bytes(memoryview(f)) for f in frames]  # (held ones go later; callers reuse buffers)
+        with self._lock:
+            held = self._held.get(conn)
+            if held is not None:
+                held.append(copies)
+                return
+            draw = self._random.random()
+            if self.ctl_drop + self.ctl_dup <= draw < self.ctl_drop + self.ctl_dup + self.ctl_delay:
+                self.delayed += 1
+                self._held[conn] = [copies]
+                conn.reactor.call_later(self.delay_ms / 1000.0, self._release_held, conn)
+                return
+        if draw < self.ctl_drop:
+            self.dropped += 1
+            conn.close()
+            raise PeerError(f"{conn.peer}: the connection was cut (PSLINK_FAULTS ctl_drop)")
+        conn.send(copies)
+        if draw < self.ctl_drop + self.ctl_dup:
+            self.duplicated += 1
+            conn.send(copies)
+
+    def _release_held(self, conn) -> None:
+        with self._lock:
+            held = self._held.pop(conn, [])
+        for frames in held:
+            try:
+                conn.send(frames)
+            except PeerError:
+                return  # gone meanwhile: lost with it
+
     def copying(self) -> None:
         """An Aggregator is about to send a migration's copy: ``kill=NAME@copy`` dies here, after
         it handed the part over (the workers may already be told the new place) and before any
@@ -155,6 +206,17 @@ class Faults:
             conn.send(frames)
         except PeerError:
             pass  # gone meanwhile: as lost as a dropped message
+
+
+_control: list = []  # [Faults or None]: this process's control-message faults, read once
+
+
+def control() -> "Faults | None":
+    """The control-message faults of this process (``PSLINK_FAULTS`` ctl_*), or None."""
+    if not _control:
+        found = Faults.from_env()
+        _control.append(found if found is not None and found.on_control else None)
+    return _control[0]
 
 
 def reached(process: str, point: str) -> None:

@@ -266,3 +266,29 @@ def test_a_migrate_order_that_reaches_its_source_late_still_moves_the_parts_pmas
         assert len(served) == 1 and served == served_1 == placed  # pMaster routes where the parts are
     finally:
         service.stop()
+
+
+def test_a_key_whose_assign_was_lost_with_its_connection_is_placed_again(inproc_cluster, monkeypatch):
+    """pMaster's connection to an Aggregator broke under the ASSIGN that places a new key (found
+    with PSLINK_FAULTS ctl_drop): the key is placed again, not failed to the worker (before: a
+    ServiceError 'placing key failed', and the job ended)."""
+    from pslink.core.wire.protocol import Op
+    from pslink.errors import PeerError
+
+    service, transports = inproc_cluster
+    links, cut = service.master.links, []
+    broadcast = links.broadcast_each
+
+    def lossy(calls, op, done):
+        if op == Op.ASSIGN and len(cut) < 2:  # the first two placements: lost with the connection
+            cut.append(op)
+            done(PeerError("the connection was cut"))
+            return
+        broadcast(calls, op, done)
+
+    monkeypatch.setattr(links, "broadcast_each", lossy)
+    with pslink.connect("placed-again", 0, 1, master=service.address, transports=transports, timeout=30) as agent:
+        agent.init("w", np.ones(4, np.float32)).wait()
+        out = np.empty(4, np.float32)
+        agent.pushpull("w", np.full(4, 2.0, np.float32), out=out).wait()
+    assert len(cut) == 2 and out.tolist() == [2.0] * 4

@@ -67,7 +67,7 @@ class Copies:
         self.reply, self.carry_out, self.tell_master = reply, carry_out, tell_master
         self.retries = retries
         # Connections to other Aggregators (requests go out on them; none come in).
-        self.endpoint = RpcEndpoint(reactor, self._refuse_peer_request, limits)
+        self.endpoint = RpcEndpoint(reactor, self._refuse_peer_request, limits, control_faults=False)
         self._peer_by_address: dict[str, RpcPeer] = {}
         self._not_ready: dict[tuple, int] = {}  # (part, replica) -> REPLICATEs it refused as not its yet
         self._catch_up_due: set[tuple] = set()  # parts whose round goes again to such a replica soon

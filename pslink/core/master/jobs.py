@@ -291,3 +291,16 @@ def _optional_int(config: dict, name: str, low: int) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
         raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
     return value
+
+
+class LookupWait:
+    """A LOOKUP that waits for some of its keys' assignments to be acknowledged (its
+    ``attempts``th: an ASSIGN lost with its connection places the keys again, up to ATTEMPTS)."""
+
+    __slots__ = ("peer", "request", "record", "specs", "missing", "attempts")
+    ATTEMPTS = 5
+
+    def __init__(self, peer, request: dict, record: JobRecord, specs: list[KeySpec], attempts: int = 1):
+        self.peer, self.request, self.record, self.specs = peer, request, record, specs
+        self.missing = {s.key for s in specs if not s.ready}
+        self.attempts = attempts

@@ -22,7 +22,7 @@ from pslink.core.master.control import ControlPlane
 from pslink.core.credentials import ServiceCredentials
 from pslink.core.master.failover import Failover
 from pslink.core.master.gate import Gate
-from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, checked_quota
+from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, LookupWait, checked_quota
 from pslink.core.master.joining import Joining
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.moving import Mover
@@ -35,25 +35,12 @@ from pslink.core.transport import Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op
-from pslink.errors import AuthError, ProtocolError, PslinkError, ServiceError, ShapeMismatchError
+from pslink.errors import AuthError, PeerError, ProtocolError, PslinkError, ServiceError, ShapeMismatchError
 
 log = logging.getLogger("pslink.core.master")
 
 DEFAULT_MASTER = "tcp://127.0.0.1:7770"
 STATE_FILE = "pmaster.sqlite"
-
-
-class _LookupWait:
-    """A LOOKUP that waits for some of its keys' assignments to be acknowledged."""
-
-    __slots__ = ("peer", "request", "record", "specs", "missing")
-
-    def __init__(self, peer: RpcPeer, request: dict, record: JobRecord, specs: list[KeySpec]):
-        self.peer = peer
-        self.request = request
-        self.record = record
-        self.specs = specs
-        self.missing = {s.key for s in specs if not s.ready}
 
 
 def spec_to_wire(spec: KeySpec, aggregators: dict) -> dict:
@@ -137,7 +124,7 @@ class Master:
         # Peers on other hosts dial this: a wildcard bind advertises its default route's address.
         self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface)
         self.host_id = hosts.host_id()
-        self._waits: dict[tuple[str, Any], list[_LookupWait]] = {}
+        self._waits: dict[tuple[str, Any], list[LookupWait]] = {}
         self.barriers = Barriers(self.state)
         # The collaborators. A cycle among them (a move that fails asks the pool; the pool asks
         # which Aggregators move) goes through the small callables named here.
@@ -452,7 +439,14 @@ class Master:
 
     # -- keys -----------------------------------------------------------------------------------
 
-    def _lookup(self, peer: RpcPeer, req: dict) -> None:
+    def _lookup_again(self, wait: LookupWait, attempts: int) -> None:
+        if not wait.peer.conn.closed:  # (else the worker is gone meanwhile)
+            try:
+                self._lookup(wait.peer, wait.request, attempts)
+            except PslinkError as exc:
+                wait.peer.error(wait.request, exc)
+
+    def _lookup(self, peer: RpcPeer, req: dict, attempts: int = 1) -> None:
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
         specs, created = [], []
         for item in req["items"]:
@@ -471,7 +465,7 @@ class Master:
             specs.append(spec)
             if new:
                 created.append(spec)
-        wait = _LookupWait(peer, req, record, specs)
+        wait = LookupWait(peer, req, record, specs, attempts)
         if not wait.missing:
             self._answer_lookup(wait)
             return
@@ -492,7 +486,7 @@ class Master:
                 by_aggregator.setdefault(name, []).extend(spec.task_specs(name, self.links.address_of))
         missing = [n for n in by_aggregator if n not in self.links.peers]
         if missing:
-            self._assigned(record, specs, ServiceError(f"aggregator(s) {missing} are not connected to pMaster"))
+            self._assigned(record, specs, PeerError(f"aggregator(s) {missing} are not connected to pMaster"))
             return
         calls = [(self.links.peers[n], dict(jobinfo=record.jobinfo(), tasks=t)) for n, t in by_aggregator.items()]
         self.links.broadcast_each(calls, Op.ASSIGN, lambda error: self._assigned(record, specs, error))
@@ -509,10 +503,14 @@ class Master:
             # worker that learnt where it lives could init and push before the Aggregator heard.
             failure = ServiceError(f"placing key {spec.key!r} failed: {error}") if error is not None else spec.aborted
             for wait in self._waits.pop((record.job, spec.key), []):
-                if failure is not None:
-                    if wait.missing:
-                        wait.missing.clear()
+                if failure is not None and wait.missing:
+                    wait.missing.clear()
+                    if isinstance(error, PeerError) and wait.attempts < LookupWait.ATTEMPTS:
+                        # An Aggregator's connection broke under the ASSIGN: place the keys again.
+                        self.reactor.call_later(0.5 * wait.attempts, self._lookup_again, wait, wait.attempts + 1)
+                    else:
                         wait.peer.error(wait.request, failure)
+                if failure is not None:
                     continue
                 wait.missing.discard(spec.key)
                 if not wait.missing:
@@ -521,7 +519,7 @@ class Master:
                 for part in spec.parts:  # placed while the host it should replicate to was starting
                     self.replicas.separate(record, spec, part)
 
-    def _answer_lookup(self, wait: _LookupWait) -> None:
+    def _answer_lookup(self, wait: LookupWait) -> None:
         aggs = self.state.aggregators
         wait.peer.reply(wait.request, body={"keys": [spec_to_wire(s, aggs) for s in wait.specs]})
 

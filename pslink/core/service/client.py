@@ -25,7 +25,7 @@ class ControlClient:
         self.transports = transports or Transports()
         self._own_transports = transports is None
         self.reactor = Reactor("control-client")
-        self.endpoint = RpcEndpoint(self.reactor, self._refuse, DEFAULT_LIMITS)
+        self.endpoint = RpcEndpoint(self.reactor, self._refuse, DEFAULT_LIMITS, control_faults=False)
         conn = self.transports.connect(master, self.reactor, self.endpoint, DEFAULT_LIMITS, timeout)
         self.peer = self.endpoint.peer(conn)
         self.peer.info["name"] = f"pMaster at {master}"

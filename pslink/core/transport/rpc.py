@@ -11,6 +11,7 @@ import itertools
 import logging
 from typing import Any, Callable
 
+from pslink.core import faults
 from pslink.core.wire.loop import Reactor
 from pslink.core.ratelog import Throttled
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op, decode, encode, encode_error, peek_id
@@ -26,8 +27,10 @@ Callback = Callable[[dict | None, PslinkError | None], None]
 class RpcPeer:
     """The control conversation with one peer."""
 
-    def __init__(self, conn: Connection, reactor: Reactor, on_request: Callable[["RpcPeer", dict], None]):
+    def __init__(self, conn: Connection, reactor: Reactor, on_request: Callable[["RpcPeer", dict], None],
+                 faults=None):
         self.conn = conn
+        self.faults = faults  # PSLINK_FAULTS ctl_*: pslink.core.faults.Faults.send_control
         self.reactor = reactor
         self.on_request = on_request
         self.info: dict[str, Any] = {}  # what the owner knows of this peer (role, name, ...)
@@ -46,7 +49,7 @@ class RpcPeer:
             timer = self.reactor.call_later(timeout, self._expire, request_id, op, timeout)
         self._pending[request_id] = (callback, timer)
         try:
-            self.conn.send([encode(op, id=request_id, **fields), *payloads])
+            self._out([encode(op, id=request_id, **fields), *payloads])
         except PslinkError as exc:
             self._finish(request_id, None, exc)
         return request_id
@@ -63,9 +66,15 @@ class RpcPeer:
 
     def _send(self, frames) -> None:
         try:
-            self.conn.send(frames)
+            self._out(frames)
         except PslinkError:
             pass  # the peer is gone; its on_close will clean up
+
+    def _out(self, frames) -> None:
+        if self.faults is None:
+            self.conn.send(frames)
+        else:
+            self.faults.send_control(self.conn, frames)
 
     def dispatch(self, header: dict) -> None:
         op = header["op"]
@@ -112,8 +121,13 @@ class RpcEndpoint:
         limits: Limits = DEFAULT_LIMITS,
         on_accept: Callable[[RpcPeer], None] | None = None,
         on_close: Callable[[RpcPeer, BaseException | None], None] | None = None,
+        control_faults: bool = True,
     ):
+        """``control_faults``: the process's PSLINK_FAULTS ctl_* act on these connections (the
+        control plane's to and from pMaster; not an operator's client, nor Aggregator to
+        Aggregator)."""
         self.reactor = reactor
+        self.faults = faults.control() if control_faults else None
         self.on_request = on_request
         self.limits = limits
         self._on_accept = on_accept
@@ -125,7 +139,7 @@ class RpcEndpoint:
     def peer(self, conn: Connection) -> RpcPeer:
         peer = self.peers.get(conn)
         if peer is None:
-            peer = self.peers[conn] = RpcPeer(conn, self.reactor, self.on_request)
+            peer = self.peers[conn] = RpcPeer(conn, self.reactor, self.on_request, self.faults)
         return peer
 
     # transport Handler
