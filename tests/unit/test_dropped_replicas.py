@@ -58,7 +58,8 @@ def test_pmaster_stops_counting_a_replica_its_primary_went_on_without_and_places
         peers = {name: _Peer() for name in ("agg-0", "agg-1", "agg-2")}
         master.links.peers.update(peers)
         primary = part.aggregator
-        master.replicas.dropped(primary, [["j", "w", 0, unreachable], ["j", "w", 0, "agg-9"], "junk"])
+        master.replicas.dropped(primary, [["j", "w", 0, unreachable], ["j", "w", 0, "agg-9"], "junk", 7,
+                                          [["j"], "w", 0, "x"], ["j", ["w"], 0, "x"], ["j", "w", 0, ["x"]]])
         (other,) = {"agg-0", "agg-1", "agg-2"} - {primary, unreachable}
         assert part.replicas == [other]  # another holds it (the unreachable one is not picked again)
         drops = [f["tasks"][0] for op, f in peers[unreachable].calls if op == Op.ASSIGN]

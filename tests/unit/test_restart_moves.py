@@ -140,9 +140,9 @@ def test_an_aggregator_reports_its_hand_overs_and_arrivals_and_drops_a_fenced_pa
         assert report["arrived"] == [["j", "v", 0, "agg-7"]]
         # A MIGRATE of a part already handed over: done if to the same target, refused (naming
         # where it went) if to another (before: taken silently, and that target waited forever).
-        assert aggregator.core.moves.begin_migrations({"job": "j", "target": ["agg-2", "a"], "parts": [["gone", 0]]}) \
-            == ([], [])
-        _, failed = aggregator.core.moves.begin_migrations({"job": "j", "target": ["agg-3", "a"], "parts": [["gone", 0]]})
+        migrate = aggregator.core.moves.begin_migrations
+        assert migrate({"job": "j", "target": ["agg-2", "a"], "parts": [["gone", 0]]}) == ([], [])
+        _, failed = migrate({"job": "j", "target": ["agg-3", "a"], "parts": [["gone", 0]]})
         assert len(failed) == 1 and "handed over to agg-2 already" in failed[0][2]
         peer = _Peer()
         aggregator._send_all = lambda outputs: None
@@ -176,5 +176,16 @@ def test_a_part_left_short_of_replicas_gets_them_when_an_aggregator_joins():
         holder = _register(master, other, tasks=[])
         assert part.replicas == [other]
         assert [fields["tasks"][0].get("replica") for op, fields in holder.calls if op == Op.ASSIGN] == [True]
+    finally:
+        master.stop()
+
+
+def test_malformed_move_reports_are_ignored_not_raised():
+    master, spec, source, target = _restarted_master()
+    try:
+        junk = ["x", 5, ["j", ["w"], 0, target, True], ["j", "w", "0", target], [1, 2], {"a": 1}, ["j", "w", 0],
+                ["j", "w", 0, [target], True], ["j", "w", 0, {"t": 1}]]
+        peer = _register(master, target, tasks=[["j", ["w"], 0], ["j", "w", 1, ["x"]]], moved=junk, arrived=junk)
+        assert peer.replies[0]["body"]["fenced"] == [] and spec.parts[0].aggregator == source
     finally:
         master.stop()

@@ -113,8 +113,9 @@ class Joining:
         threading.Thread(target=dial_back, name="pmaster-dial-back", daemon=True).start()
 
     def _placed(self, entry) -> tuple | None:
-        """(spec, part) of a reported [job, key, part, ...] that pMaster's table has, else None."""
-        if not isinstance(entry, list) or len(entry) < 3 or not isinstance(entry[2], int):
+        """(record, spec, part) of a reported [job, key, part, ...] that pMaster's table has, else None."""
+        if not isinstance(entry, list) or len(entry) < 3 or not isinstance(entry[0], str) \
+                or not isinstance(entry[1], (str, int)) or not isinstance(entry[2], int):
             return None
         record = self.state.jobs.get(entry[0])
         spec = record.keys.get(entry[1]) if record is not None else None
@@ -127,18 +128,18 @@ class Joining:
         is settled here instead: the source's report moves the parts to their target, and a
         target's part from a source not registered yet waits for it (:meth:`_settle_claims`)."""
         self._adopt_hand_overs(name, req.get("moved") or [])
-        arrived = {tuple(e[:3]): e[3] for e in req.get("arrived") or () if isinstance(e, list) and len(e) == 4}
+        arrived = {tuple(e[:3]): e[3] for e in req.get("arrived") or ()
+                   if self._placed(e) and len(e) == 4 and isinstance(e[3], str)}
         fenced = []
         for entry in req.get("tasks") or ():
             found = self._placed(entry)
             if found is None or found[1].parts[found[2]].aggregator == name:
                 continue
-            source = found[1].parts[found[2]].aggregator
-            if arrived.get(tuple(entry)) == source and source not in self.links.peers \
-                    and source in self.state.aggregators:
-                self.state.move_claims[tuple(entry)] = (name, source)  # the source will say
+            source, ident = found[1].parts[found[2]].aggregator, tuple(entry[:3])
+            if arrived.get(ident) == source and source not in self.links.peers and source in self.state.aggregators:
+                self.state.move_claims[ident] = (name, source)  # the source will say
                 log.info("pMaster: %s holds %s from a move off %s that was not stored; waiting for %s to say",
-                         name, tuple(entry), source, source)
+                         name, ident, source, source)
                 continue
             fenced.append(entry)
         self._settle_claims(name)
@@ -151,7 +152,8 @@ class Joining:
         entries = []
         for entry in moved:
             found = self._placed(entry)
-            if found is None or len(entry) != 5 or entry[3] not in self.state.aggregators:
+            if found is None or len(entry) != 5 or not isinstance(entry[3], str) \
+                    or entry[3] not in self.state.aggregators:
                 continue
             placed_on = found[1].parts[found[2]].aggregator
             if placed_on == name or placed_on == entry[3] and not entry[4]:

@@ -77,7 +77,8 @@ class Replicas:
         would promote one without the rounds since), their holders drop their stale copies, and
         the part gets other replicas where it can (else at the next registration)."""
         for entry in entries:
-            if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[2], int):
+            if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[1], (str, int)) \
+                    or not all(isinstance(v, t) for v, t in zip(entry, (str, object, int, str))):
                 continue
             job, key, index, name = entry
             record = self.state.jobs.get(job)
