@@ -124,3 +124,18 @@ def launch_elastic(script, args=(), workers: int = 2, max_restarts: int = 0, tim
         raise AssertionError(f"the job hung:\n{out}") from None
     assert proc.returncode == 0, out
     return out
+
+
+class RecordingPeer:
+    """A control connection as pMaster sees an Aggregator's (or an Aggregator pMaster's), driven by
+    hand: what it was answered (``replies``) and asked (``calls``: (op, fields))."""
+
+    def __init__(self):
+        self.info, self.replies, self.calls = {}, [], []
+        self.conn = type("Conn", (), {"closed": False, "peer": "test"})()
+
+    def reply(self, req, **fields):
+        self.replies.append(fields)
+
+    def call(self, op, callback, timeout=None, **fields):
+        self.calls.append((op, fields))

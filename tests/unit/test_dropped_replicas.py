@@ -10,20 +10,9 @@ from pslink.core.aggregator.core import AggregatorCore
 from pslink.core.master import Master
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op
+from tests.helpers import RecordingPeer
 
 TOKEN = b"secret-token-123"
-
-
-class _Peer:
-    def __init__(self):
-        self.info, self.replies, self.calls = {}, [], []
-        self.conn = type("Conn", (), {"closed": False, "peer": "test"})()
-
-    def reply(self, req, **fields):
-        self.replies.append(fields)
-
-    def call(self, op, callback, timeout=None, **fields):
-        self.calls.append((op, fields))
 
 
 def test_an_aggregator_reports_the_replicas_it_went_on_without_until_pmaster_names_them_again():
@@ -55,7 +44,7 @@ def test_pmaster_stops_counting_a_replica_its_primary_went_on_without_and_places
         spec.ready = True
         (part,) = spec.parts
         (unreachable,) = part.replicas
-        peers = {name: _Peer() for name in ("agg-0", "agg-1", "agg-2")}
+        peers = {name: RecordingPeer() for name in ("agg-0", "agg-1", "agg-2")}
         master.links.peers.update(peers)
         primary = part.aggregator
         master.replicas.dropped(primary, [["j", "w", 0, unreachable], ["j", "w", 0, "agg-9"], "junk", 7,

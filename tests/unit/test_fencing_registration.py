@@ -14,20 +14,9 @@ from pslink.core.master import Master
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op
 from pslink.errors import FencedError
+from tests.helpers import RecordingPeer
 
 TOKEN = b"secret-token-123"
-
-
-class _Peer:
-    def __init__(self):
-        self.info, self.replies = {}, []
-        self.conn = type("Conn", (), {"closed": False, "peer": "test"})()
-
-    def reply(self, req, **fields):
-        self.replies.append(fields)
-
-    def call(self, op, callback, timeout=None, **fields):
-        pass
 
 
 def test_pmaster_tells_an_aggregator_back_from_a_failover_what_it_must_drop():
@@ -43,7 +32,7 @@ def test_pmaster_tells_an_aggregator_back_from_a_failover_what_it_must_drop():
         where = [p.aggregator for p in spec.parts]
         assert len(where) == 2
         held = [["j", "w", i] for i in range(len(where))] + [["gone", "w", 0], ["j", "other", 0], "junk"]
-        peer = _Peer()
+        peer = RecordingPeer()
         master.joining._admit(peer, {"id": 1, "address": "inproc://agg-0-again", "agg": "agg-0", "tasks": held,
                                      "lease": 2.5})
         (reply,) = peer.replies

@@ -14,22 +14,9 @@ from pslink.core.master import Master
 from pslink.core.master.migrations import Finished, Migrations, Routed
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op
+from tests.helpers import RecordingPeer
 
 TOKEN = b"secret-token-123"
-
-
-class _Peer:
-    """A registered Aggregator's connection, as pMaster sees it: what it was answered and asked."""
-
-    def __init__(self):
-        self.info, self.replies, self.calls = {}, [], []
-        self.conn = type("Conn", (), {"closed": False, "peer": "test"})()
-
-    def reply(self, req, **fields):
-        self.replies.append(fields)
-
-    def call(self, op, callback, timeout=None, **fields):
-        self.calls.append((op, fields))
 
 
 def _restarted_master():
@@ -48,8 +35,8 @@ def _restarted_master():
     return master, spec, source, target
 
 
-def _register(master, name: str, **report) -> _Peer:
-    peer = _Peer()
+def _register(master, name: str, **report) -> RecordingPeer:
+    peer = RecordingPeer()
     master.joining._admit(peer, {"id": 1, "address": f"inproc://{name}-again", "agg": name, "lease": 2.5, **report})
     return peer
 
@@ -144,7 +131,7 @@ def test_an_aggregator_reports_its_hand_overs_and_arrivals_and_drops_a_fenced_pa
         assert migrate({"job": "j", "target": ["agg-2", "a"], "parts": [["gone", 0]]}) == ([], [])
         _, failed = migrate({"job": "j", "target": ["agg-3", "a"], "parts": [["gone", 0]]})
         assert len(failed) == 1 and "handed over to agg-2 already" in failed[0][2]
-        peer = _Peer()
+        peer = RecordingPeer()
         aggregator._send_all = lambda outputs: None
         aggregator._on_control(peer, {"op": Op.FENCE, "id": 3, "parts": [["j", "v", 0]]})
         assert ("j", "v", 0) not in aggregator.core.tasks and ("j", "u", 0) in aggregator.core.tasks
