@@ -170,8 +170,12 @@ class Faults:
                 return
         if draw < self.ctl_drop:
             self.dropped += 1
+            error = PeerError(f"{conn.peer}: the connection was cut (PSLINK_FAULTS ctl_drop)")
             conn.close()
-            raise PeerError(f"{conn.peer}: the connection was cut (PSLINK_FAULTS ctl_drop)")
+            handler = getattr(conn, "handler", None)
+            if handler is not None:  # this end sees the reset too (a close of its own tells it nothing)
+                conn.reactor.post(handler.on_close, conn, error)
+            raise error
         conn.send(copies)
         if draw < self.ctl_drop + self.ctl_dup:
             self.duplicated += 1

@@ -13,8 +13,12 @@ class _Conn:
     peer = "tcp://peer:1"
 
     def __init__(self):
-        self.sent, self.closed, self.timers = [], False, []
+        self.sent, self.closed, self.timers, self.posted = [], False, [], []
         self.reactor = self
+        self.handler = type("Handler", (), {"on_close": lambda conn, exc: None})()
+
+    def post(self, fn, *args):
+        self.posted.append((fn, args))
 
     def send(self, frames):
         if self.closed:
@@ -50,6 +54,9 @@ def test_a_lost_control_message_is_lost_with_its_connection():
     with pytest.raises(PeerError, match="ctl_drop"):
         faults.send_control(conn, [b"migrate"])
     assert conn.closed and conn.sent == [] and faults.dropped == 1
+    # Both ends see the reset: the other by its socket, this one is told (its own close says nothing).
+    ((on_close, (closed, error)),) = conn.posted
+    assert on_close == conn.handler.on_close and closed is conn and "ctl_drop" in str(error)
 
 
 def test_a_delayed_control_message_holds_the_later_ones_behind_it_in_order():
