@@ -104,9 +104,8 @@ class Failover:
             if source != name:
                 continue
             del self.state.move_claims[ident]
-            record = self.state.jobs.get(ident[0])
-            spec = record.keys.get(ident[1]) if record is not None else None
-            if spec is None or spec.parts[ident[2]].aggregator != holder:
+            found = self.state.reported_part(list(ident))
+            if found is None or found[1].parts[ident[2]].aggregator != holder:
                 self.links.fence(holder, ident, f"{name}, the source of its move, is gone")
 
     def _promote(self, lost: str, action: Promote) -> None:

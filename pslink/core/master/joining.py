@@ -112,15 +112,6 @@ class Joining:
 
         threading.Thread(target=dial_back, name="pmaster-dial-back", daemon=True).start()
 
-    def _placed(self, entry) -> tuple | None:
-        """(record, spec, part) of a reported [job, key, part, ...] that pMaster's table has, else None."""
-        if not isinstance(entry, list) or len(entry) < 3 or not isinstance(entry[0], str) \
-                or not isinstance(entry[1], (str, int)) or not isinstance(entry[2], int):
-            return None
-        record = self.state.jobs.get(entry[0])
-        spec = record.keys.get(entry[1]) if record is not None else None
-        return (record, spec, entry[2]) if spec is not None and 0 <= entry[2] < len(spec.parts) else None
-
     def _fenced(self, name: str, req: dict) -> list:
         """Parts an Aggregator holds that pMaster placed elsewhere meanwhile (it was failed over
         while frozen or cut off, and came back): it must drop them, not serve them. A move that
@@ -129,10 +120,10 @@ class Joining:
         target's part from a source not registered yet waits for it (:meth:`_settle_claims`)."""
         self._adopt_hand_overs(name, req.get("moved") or [])
         arrived = {tuple(e[:3]): e[3] for e in req.get("arrived") or ()
-                   if self._placed(e) and len(e) == 4 and isinstance(e[3], str)}
+                   if self.state.reported_part(e) and len(e) == 4 and isinstance(e[3], str)}
         fenced = []
         for entry in req.get("tasks") or ():
-            found = self._placed(entry)
+            found = self.state.reported_part(entry)
             if found is None or found[1].parts[found[2]].aggregator == name:
                 continue
             source, ident = found[1].parts[found[2]].aggregator, tuple(entry[:3])
@@ -151,7 +142,7 @@ class Joining:
         and those whose copy has not landed are moves again (a drain of ``name`` waits for them)."""
         entries = []
         for entry in moved:
-            found = self._placed(entry)
+            found = self.state.reported_part(entry)
             if found is None or len(entry) != 5 or not isinstance(entry[3], str) \
                     or entry[3] not in self.state.aggregators:
                 continue

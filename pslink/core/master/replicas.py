@@ -77,20 +77,17 @@ class Replicas:
         would promote one without the rounds since), their holders drop their stale copies, and
         the part gets other replicas where it can (else at the next registration)."""
         for entry in entries:
-            if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[1], (str, int)) \
-                    or not all(isinstance(v, t) for v, t in zip(entry, (str, object, int, str))):
+            found = self.state.reported_part(entry)
+            if found is None or len(entry) != 4 or not isinstance(entry[3], str):
                 continue
-            job, key, index, name = entry
-            record = self.state.jobs.get(job)
-            spec = record.keys.get(key) if record is not None else None
-            if spec is None or not 0 <= index < len(spec.parts) or spec.parts[index].aggregator != primary \
-                    or name not in spec.parts[index].replicas:
+            record, spec, index = found
+            part, name = spec.parts[index], entry[3]
+            if part.aggregator != primary or name not in part.replicas:
                 continue
-            part = spec.parts[index]
             log.warning("pMaster: %s could not reach %s, its replica of key %r part %d of job %s; it no longer "
-                        "counts as one", primary, name, key, index, job)
+                        "counts as one", primary, name, spec.key, index, record.job)
             part.replicas.remove(name)
-            self.store.save_key(job, spec)
+            self.store.save_key(record.job, spec)
             self._drop_copy(record, spec, part, name)
             if not self.top_up(record, spec, part, avoid=frozenset({name})):
                 give_replicas(self.links, record, spec, part, [])  # the primary hears its replicas: it stops saying

@@ -461,6 +461,16 @@ class MasterState:
         record = self.aggregators.get(name)
         return record.address if record is not None else ""
 
+    def reported_part(self, entry) -> tuple | None:
+        """(record, spec, part index) of a part an Aggregator reports as ``[job, key, part, ...]``,
+        if the table has it; None for anything else (an unknown part, a malformed entry)."""
+        if not isinstance(entry, list) or len(entry) < 3 \
+                or not all(isinstance(v, t) for v, t in zip(entry, (str, (str, int), int))):
+            return None
+        record = self.jobs.get(entry[0])
+        spec = record.keys.get(entry[1]) if record is not None else None
+        return (record, spec, entry[2]) if spec is not None and 0 <= entry[2] < len(spec.parts) else None
+
     def live_aggregators(self) -> list[str]:
         return sorted(n for n, a in self.aggregators.items() if a.alive)
 
