@@ -131,7 +131,7 @@ class RecordingPeer:
     hand: what it was answered (``replies``) and asked (``calls``: (op, fields))."""
 
     def __init__(self):
-        self.info, self.replies, self.calls = {}, [], []
+        self.info, self.replies, self.calls, self.callbacks = {}, [], [], []
         self.conn = type("Conn", (), {"closed": False, "peer": "test"})()
 
     def reply(self, req, **fields):
@@ -139,3 +139,4 @@ class RecordingPeer:
 
     def call(self, op, callback, timeout=None, **fields):
         self.calls.append((op, fields))
+        self.callbacks.append(callback)  # (the test answers: callback(result, error))

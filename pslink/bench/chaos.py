@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import shutil
@@ -45,6 +46,8 @@ from pslink.bench.chaos_elastic import ElasticJob
 from pslink.core.faults import PMASTER_POINTS
 from pslink.core.service.client import ControlClient
 from pslink.errors import PslinkError
+
+log = logging.getLogger("pslink.bench.chaos")
 
 CLI = [sys.executable, "-m", "pslink.cli"]
 LR = 0.125  # a power of two: every update below is exact in float32
@@ -195,8 +198,9 @@ class Chaos:
                     if rank == 0:
                         self.ends[job].append(time.monotonic())
                 self.results[(job, rank)] = ([o.copy() for o in outs], step)
-        except BaseException as exc:  # reported, and the run fails
+        except BaseException as exc:  # reported, and the run fails (where it came from: in the log)
             self.errors.append(f"job chaos-{job} rank {rank}: {type(exc).__name__}: {exc}")
+            log.error("job chaos-%d rank %d failed", job, rank, exc_info=True)
 
     # -- faults ------------------------------------------------------------------------------------
 

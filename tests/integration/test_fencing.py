@@ -15,6 +15,7 @@ import pslink
 from pslink.core.service import Service
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op
+from pslink.errors import PeerError
 from tests.helpers import run_workers
 from tests.integration.test_processes import wait_until
 
@@ -29,17 +30,17 @@ def gradient(rank: int, step: int, key: int) -> np.ndarray:
     return np.full(3000, (rank + 1) * 0.01 * (step + 1) + key, np.float32)
 
 
-def service_with_leases(transports: Transports) -> Service:
+def service_with_leases(transports: Transports, lease: float = LEASE) -> Service:
     return Service("tcp://127.0.0.1:0", 3, provider="thread", transports=transports,
                    aggregator_listen="tcp://127.0.0.1:0", control={"profile_iterations": 0},
-                   aggregator_options={"lease": LEASE, "heartbeat_interval": 0.1}).start()
+                   aggregator_options={"lease": lease, "heartbeat_interval": 0.1}).start()
 
 
-def train(job: str, steps: int, fault=None, at: int = 6) -> tuple[list, dict]:
+def train(job: str, steps: int, fault=None, at: int = 6, lease: float = LEASE) -> tuple[list, dict]:
     """Two workers, replication 1; ``fault(service, seen)`` runs before step ``at`` while both
     wait. Returns each rank's final weights and what the fault recorded."""
     transports = Transports()
-    service = service_with_leases(transports)
+    service = service_with_leases(transports, lease)
     barrier = threading.Barrier(2, timeout=60)
     seen: dict = {"job": job}
 
@@ -114,6 +115,50 @@ def test_an_aggregator_cut_off_from_pmaster_is_fenced_and_failed_over_by_its_lea
 
 def service_failovers(seen: dict) -> int:
     return seen["failovers"] - seen["before"]
+
+
+def test_an_aggregator_whose_control_connection_breaks_is_not_failed_over_while_it_serves():
+    """Found by control-plane faults (issue 23): a control connection the network cut was taken
+    for the Aggregator's death once ``aggregator_grace`` (0.5 s) passed, whenever the live
+    Aggregator took longer than that to register again (it retried after 0.5 s; a lost SYN
+    alone costs TCP 1 s): its parts went to their replicas for nothing, and cascading
+    failovers of live Aggregators lost keys. Now pMaster asks the Aggregator's data port first:
+    it answers, so pMaster waits for it until its lease runs out. Its way back is held here for
+    3x the grace period."""
+    clean, _ = train("cut-clean", 14, lease=5.0)
+    held = 1.5
+
+    def fault(service, seen):
+        master = service.master
+        victim = seen["victim"] = serving_most(service, seen["job"])
+        link = service.provider.aggregators[victim].master  # the Aggregator's side of its control connection
+        seen["before"], old = master.failovers_done, master.links.peers[victim]
+        connect = link._connect
+
+        def slowly():  # a slow way back, once
+            link._connect = connect
+            link.reactor.call_later(held, connect)
+
+        link._connect = slowly
+        broken = threading.Event()
+
+        def cut():
+            peer = link.peer
+            peer.conn.close()  # pMaster sees the connection close ...
+            link._lost(peer, PeerError("connection reset (test)"))  # ... and so does the Aggregator
+            broken.set()
+
+        link.reactor.post(cut)
+        assert broken.wait(10)
+        wait_until(lambda: master.links.peers.get(victim) not in (None, old), 20, f"{victim} to register again")
+        seen["away"] = master.failover.alive_but_away
+
+    got, seen = train("cut", 14, fault, lease=5.0)
+    assert seen["away"] == 1  # it answered pMaster's probe while away ...
+    assert service_failovers(seen) == 0  # ... and came back within its lease: nothing moved
+    for rank in (0, 1):
+        for key in KEYS:
+            np.testing.assert_array_equal(got[rank][key], clean[rank][key])
 
 
 def test_with_pmaster_down_aggregators_serve_on_past_their_lease():

@@ -292,3 +292,41 @@ def test_a_key_whose_assign_was_lost_with_its_connection_is_placed_again(inproc_
         out = np.empty(4, np.float32)
         agent.pushpull("w", np.full(4, 2.0, np.float32), out=out).wait()
     assert len(cut) == 2 and out.tolist() == [2.0] * 4
+
+
+def test_a_placement_whose_assign_failed_leaves_nothing_on_the_aggregators_that_got_it(inproc_cluster, monkeypatch):
+    """Found by the chaos run with control faults: an ASSIGN lost with one Aggregator's
+    connection failed the placement, which pMaster forgot and made again (maybe elsewhere), but
+    the other Aggregators kept what it gave them (the part, its replica); a later move onto one
+    of them then found a stale copy there ("expects no copy") and never ended. Now whoever got
+    a failed placement drops it. Here every placement of the key fails that way."""
+    from pslink.core.wire.protocol import Op
+    from pslink.errors import PeerError, ServiceError
+    from tests.integration.test_processes import wait_until
+
+    service, transports = inproc_cluster
+    links, cut = service.master.links, []
+    broadcast = links.broadcast_each
+
+    def half_lost(calls, op, done):
+        if op != Op.ASSIGN:
+            broadcast(calls, op, done)
+            return
+        cut.append(op)  # the first Aggregator's connection breaks; the others get their ASSIGN
+        broadcast(calls[1:], op, lambda error: done(PeerError("the connection was cut")))
+
+    def holdings(job):
+        held = {}
+        for name, aggregator in service.provider.aggregators.items():
+            core = aggregator.core
+            held[name] = sorted(i for table in (core.tasks, core.replicas) for i in table if i[0] == job)
+        return held
+
+    monkeypatch.setattr(links, "broadcast_each", half_lost)
+    with pslink.connect("half-placed", 0, 1, master=service.address, transports=transports, timeout=30,
+                        replication=1, partition_bytes=64) as agent:
+        with pytest.raises(ServiceError, match="placing key 'w' failed"):
+            agent.init("w", np.ones(64, np.float32)).wait()
+        assert len(cut) == 5  # placed five times, each failed
+        # (the drops went out before the last lookup's answer; the Aggregators carry them out on their threads)
+        wait_until(lambda: not any(holdings("half-placed").values()), 10, "the Aggregators to drop the placements")

@@ -58,3 +58,43 @@ def test_pmaster_stops_counting_a_replica_its_primary_went_on_without_and_places
         assert part.replicas == [other]
     finally:
         master.stop()
+
+
+def test_a_part_never_gets_the_target_of_its_own_move_as_a_replica():
+    """Found by the chaos run with control faults: the holder of a moving part's replica died,
+    and the failover gave the replica's place to the move's target, which served the part once
+    the copy landed: its only "replica" was itself, and when it died the key was lost. The
+    same for a replica placed while the part moves (a primary's dropped replica, a top-up)."""
+    from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
+    from pslink.core.master.recovery import plan_failover
+
+    def moving_job():
+        record = JobRecord(job="j", token=b"t", num_workers=1, mode="optimizer", replication=1)
+        record.keys["w"] = KeySpec("w", (4,), "float32", 0, True, [PartSpec(0, (0, 4), "agg-0", ["agg-1"])])
+        return record
+
+    # agg-3 is the least loaded, so the only pick but for the move onto it
+    for incoming, replica in (({}, "agg-3"), ({("j", "w", 0): "agg-3"}, "agg-2")):
+        record = moving_job()
+        record.keys["x"] = KeySpec("x", (4,), "float32", 0, True, [PartSpec(0, (0, 4), "agg-2", [])])
+        plan_failover({"j": record}, "agg-1", ["agg-0", "agg-2", "agg-3"], incoming=incoming)
+        assert record.keys["w"].parts[0].replicas == [replica]
+
+    master = Master("inproc://pmaster-no-replica-on-the-target", transports=Transports())
+    try:
+        state = master.state
+        for name in ("agg-0", "agg-1", "agg-2"):
+            state.register_aggregator(f"tcp://127.0.0.1:{9300 + int(name[-1])}", name)
+            state.aggregator_joined(name)
+        record = state.register_worker("j", 0, 1, None, {"servers": 1, "partition_bytes": 1024, "replication": 1})
+        spec, _ = state.declare(record, 0, {"key": "w", "shape": [32], "dtype": "float32", "intent": "init"})
+        spec.ready = True
+        (part,) = spec.parts
+        master.links.peers.update({name: RecordingPeer() for name in ("agg-0", "agg-1", "agg-2")})
+        (target,) = {"agg-0", "agg-1", "agg-2"} - {part.aggregator, *part.replicas}
+        master.replicas.incoming = lambda: {("j", "w", 0): target}
+        dropped = part.replicas[0]
+        master.replicas.dropped(part.aggregator, [["j", "w", 0, dropped]])
+        assert part.replicas == []  # none but the target was left: none now, one once the move landed
+    finally:
+        master.stop()

@@ -176,3 +176,16 @@ def test_malformed_move_reports_are_ignored_not_raised():
         assert peer.replies[0]["body"]["fenced"] == [] and spec.parts[0].aggregator == source
     finally:
         master.stop()
+
+
+def test_a_part_of_a_key_pmaster_does_not_have_is_dropped_at_registration():
+    """A placement pMaster never stored (it restarted before the ASSIGN was answered, or the
+    placement failed) is made again, maybe elsewhere: an Aggregator that reports a part of it
+    drops it (else a later move or replica onto it finds a stale copy). Keys of jobs pMaster
+    does not serve are not its to judge, and the parts it places there stay."""
+    master, spec, source, target = _restarted_master()
+    try:
+        peer = _register(master, source, tasks=[["j", "w", 0], ["j", "gone", 0], ["other-job", "w", 0], ["j", [1], 0]])
+        assert peer.replies[0]["body"]["fenced"] == [["j", "gone", 0]]
+    finally:
+        master.stop()

@@ -133,6 +133,10 @@ class MasterLink:
         if self._lost_at is None:
             self._lost_at = now
             log.warning("aggregator %s: pMaster at %s unreachable (%s); retrying", self.name(), self.address, exc)
+            # The first time at once: a connection the network reset while pMaster lives
+            # comes back within pMaster's grace period, before anything is failed over.
+            self.reactor.post(self._connect)
+            return
         if self.orphan_timeout is not None and now - self._lost_at > self.orphan_timeout:
             # Nobody will ever manage this process again: leave instead of lingering forever.
             log.error("aggregator %s: pMaster gone for %.0f s; exiting", self.name(), self.orphan_timeout)

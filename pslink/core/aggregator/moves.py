@@ -383,6 +383,19 @@ class Moves:
         task.catch_up = bool(task.replicas)  # its replicas are new to it: they get its state now
         return self.catch_up(task)
 
+    def promote_placed(self, job_id: str, specs: list[dict]) -> list:
+        """pMaster places parts here (an ASSIGN, not a move's) that this holds a replica of: its
+        PROMOTE was lost with the connection, or pMaster restarted before sending it (found by
+        the chaos run with control faults). The replica's state is the part's, so it is
+        promoted; a new task would serve the part from nothing."""
+        outputs = []
+        for spec in specs:
+            ident = (job_id, spec.get("key"), spec.get("part"))
+            if not spec.get("replica") and not spec.get("incoming") and ident not in self.tasks \
+                    and ident in self.replicas and job_id in self.jobs:
+                outputs += self.promote(ident, spec.get("replicas") or [])
+        return outputs
+
     def find_ident(self, ident: tuple) -> Task | None:
         return self.tasks.get(ident)
 

@@ -520,6 +520,7 @@ class Aggregator:
     def _on_control(self, peer: RpcPeer, req: dict) -> None:
         op = req["op"]
         if op == Op.ASSIGN:
+            self._send_all(self.core.moves.promote_placed(req["jobinfo"]["job"], req["tasks"]))
             for task in self.core.assign(req["jobinfo"], req["tasks"]):
                 self.master.fenced_parts.discard((task.job.job, task.key, task.part))  # placed here again
                 if task.poisoned is not None:

@@ -17,7 +17,7 @@ import logging
 from typing import Callable
 
 from pslink.core import faults
-from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
+from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, PartSpec
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.migrations import Move
 from pslink.core.master.moving import Mover
@@ -30,6 +30,8 @@ from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Op
 from pslink.errors import KeyStateError, PeerError, PslinkError, PslinkTimeoutError
 
+#: How long a closed-connection Aggregator's data port has to answer pMaster's PING.
+PROBE_TIMEOUT = 2.0
 #: After an Agent asked where a connected Aggregator's parts went: how long its ping may go
 #: unanswered before its lease decides, and the margin past the lease (clock rates, delays).
 LEASE_PATIENCE = 1.0
@@ -47,30 +49,75 @@ class Failover:
     def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks,
                  mover: Mover, *, grace: float, silent: float, migration_timeout: float,
                  abort_key: Callable[[JobRecord, object, PslinkError], None], spec_wire: Callable[[KeySpec], dict],
-                 carry_out: Callable[[], None], forget: Callable[[str], None] = lambda name: None):
+                 carry_out: Callable[[], None], forget: Callable[[str], None] = lambda name: None,
+                 probe: Callable[[str, float, Callable[[str | None], None]], None] | None = None):
         self.state, self.store, self.reactor, self.links, self.mover = state, store, reactor, links, mover
         self.forget = forget  # a failed Aggregator's process is reaped (the pool refills itself)
-        self.grace, self.silent, self.migration_timeout = grace, silent, migration_timeout
+        self.probe = probe  # liveness.Prober.probe: does a process answer at this address?
+        self.grace, self.silent_after, self.migration_timeout = grace, silent, migration_timeout
         self.abort_key, self.spec_wire, self.carry_out = abort_key, spec_wire, carry_out
         self._relocations: dict[str, list[tuple[RpcPeer, dict]]] = {}  # lost Aggregator -> who asked
         self.failing: dict[str, int] = {}  # Aggregator being failed over -> steps still under way
         self.done = 0  # failovers carried out
         self.by_lease = 0  # of Aggregators still connected, silent past their lease
+        self.alive_but_away = 0  # Aggregators whose connection closed but whose process answered
         self.copies_resourced = 0  # copies asked of a replica because a migration's source died
+        self._promotes_owed: dict[str, list[tuple[str, Promote]]] = {}  # holder away -> its PROMOTEs to send again
 
     # -- detection ----------------------------------------------------------------------------------
 
     def connection_lost(self, name: str) -> None:
-        """Its connection closed: unless it comes back within the grace period, fail it over."""
-        self.reactor.call_later(self.grace, self._fail_over_unless_back, name)
+        """Its connection closed: unless it comes back within the grace period, or its process
+        answers at its data port (:mod:`pslink.core.master.liveness`), fail it over."""
+        self.reactor.call_later(self.grace, self._probe_unless_back, name)
 
-    def _fail_over_unless_back(self, name: str) -> None:
-        if name in self.links.peers or name not in self.state.aggregators or name in self.failing:
+    def _away(self, name: str, record: AggregatorRecord | None = None) -> bool:
+        """``name`` is still away: not back, not failed over (nor being), the same registration."""
+        now = self.state.aggregators.get(name)
+        return (name not in self.links.peers and now is not None and not now.alive and name not in self.failing
+                and (record is None or now is record))
+
+    def _probe_unless_back(self, name: str) -> None:
+        if not self._away(name):
             return
         record = self.state.aggregators[name]
-        if record.alive:
+        if not record.lease or self.probe is None:
+            self.fail_over(name)  # nothing fences it while it serves on: no waiting for it
             return
+        self.probe(record.address, PROBE_TIMEOUT, lambda problem: self._probed(name, record, problem))
+
+    def _probed(self, name: str, record: AggregatorRecord, problem: str | None) -> None:
+        if not self._away(name, record):
+            return
+        if problem is not None:
+            log.warning("pMaster: aggregator %s does not answer at %s (%s)", name, record.address, problem)
+            self.fail_over(name)
+            return
+        # Alive and serving under its lease, and dialling pMaster again: it has until its lease
+        # runs out to register; by then it refuses the jobs' requests, and its parts may move.
+        self.alive_but_away += 1
+        log.warning("pMaster: aggregator %s lost its connection but answers at %s: waiting for it until its "
+                    "lease runs out", name, record.address)
+        self._fail_over_past_lease(name, record)
+
+    def _fail_over_past_lease(self, name: str, record: AggregatorRecord) -> None:
+        if not self._away(name, record):
+            return
+        wait = record.last_seen + record.lease + LEASE_MARGIN - self.state.clock()
+        if wait > 0:
+            self.reactor.call_later(wait, self._fail_over_past_lease, name, record)
+            return
+        log.warning("pMaster: aggregator %s did not come back within its lease: failing it over", name)
         self.fail_over(name)
+
+    def silent(self, name: str) -> None:
+        """Not heard from for ``silent`` seconds (connected or not): gone."""
+        log.warning("aggregator %s silent for %.0f s: failing it over", name, self.silent_after)
+        peer = self.links.peers.pop(name, None)
+        if peer is not None:
+            peer.conn.close()
+        if name not in self.failing:
+            self.fail_over(name)
 
     def fail_over(self, name: str) -> None:
         log.warning("pMaster: aggregator %s is gone; failing its parts over", name)
@@ -78,7 +125,7 @@ class Failover:
         # Migrations off or onto it never end by themselves. First, while the plan still has
         # it: a queued move onto it goes back to its source in the plan before the plan forgets it.
         stays = self.mover.aggregator_lost(name)
-        actions = self.state.fail_over(name, stays)
+        actions = self.state.fail_over(name, stays, self.mover.incoming())
         self.store.delete_aggregator(name)
         faults.reached("pmaster", "failover")  # (tests: a pMaster killed here restarts from the store)
         self.forget(name)
@@ -93,6 +140,8 @@ class Failover:
                 log.error("pMaster: %s", action.error.message)
                 self.abort_key(action.record, action.spec.key, action.error)
         self._drop_claims_from(name)
+        for waiting, _ in self._promotes_owed.pop(name, []):
+            self._step_done(waiting)  # its parts were failed over again just now
         self._step_done(name)
         self.carry_out()
 
@@ -109,12 +158,21 @@ class Failover:
                 self.links.fence(holder, ident, f"{name}, the source of its move, is gone")
 
     def _promote(self, lost: str, action: Promote) -> None:
+        if self.links.get(action.part.aggregator) is not None:
+            self.failing[lost] += 1
+            self._send_promote(lost, action)
+
+    def _send_promote(self, lost: str, action: Promote) -> None:
         part, peer = action.part, self.links.get(action.part.aggregator)
-        if peer is None:
-            return
-        self.failing[lost] += 1
 
         def promoted(result, error):
+            if isinstance(error, PeerError) and part.aggregator in self.state.aggregators:
+                # Lost with the holder's connection (it may have promoted or not): sent again
+                # when it registers again; the Agents asking where the parts went wait for it.
+                log.warning("pMaster: promoting %s's replica of key %r part %d: %s; again once it is back",
+                            part.aggregator, action.spec.key, part.part, error)
+                self._promotes_owed.setdefault(part.aggregator, []).append((lost, action))
+                return
             if error is not None and action.moving:
                 self._promote_replica_instead(lost, action)  # before the step below is done
             elif error is not None:
@@ -273,7 +331,7 @@ class Failover:
             name = pending[0]
             self._relocations.setdefault(name, []).append((peer, req))
             # An Aggregator that never fails over (it came back, or pMaster cannot decide): answer anyway.
-            wait = self.grace + self.silent
+            wait = self.grace + self.silent_after
             self.reactor.call_later(wait, self._answer_one, name, peer, req)
             connected = self.links.get(name)
             if name not in self.failing and connected is not None:
@@ -315,6 +373,8 @@ class Failover:
         """``name`` registered (again, or for the first time since a pMaster restart): it is
         alive, so the Agents that asked where its parts went are answered now, to go back to it
         (they waited ``grace + silent`` for that before: 15.5 s after every pMaster restart)."""
+        for lost, action in self._promotes_owed.pop(name, []):
+            self._send_promote(lost, action)
         if name not in self.failing:
             self._answer_relocations(name)
 

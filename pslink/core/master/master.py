@@ -22,11 +22,13 @@ from pslink.core.master.control import ControlPlane
 from pslink.core.credentials import ServiceCredentials
 from pslink.core.master.failover import Failover
 from pslink.core.master.gate import Gate
-from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, LookupWait, checked_quota
+from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, checked_quota
 from pslink.core.master.joining import Joining
 from pslink.core.master.links import AggregatorLinks
+from pslink.core.master.liveness import Prober
 from pslink.core.master.moving import Mover
 from pslink.core.master.observing import Observing
+from pslink.core.master.placing import KeyPlacing, spec_to_wire
 from pslink.core.master.pool import Pool
 from pslink.core.master.replicas import Replicas
 from pslink.core.master.state import MasterState
@@ -35,30 +37,12 @@ from pslink.core.transport import Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op
-from pslink.errors import AuthError, PeerError, ProtocolError, PslinkError, ServiceError, ShapeMismatchError
+from pslink.errors import AuthError, ProtocolError, PslinkError
 
 log = logging.getLogger("pslink.core.master")
 
 DEFAULT_MASTER = "tcp://127.0.0.1:7770"
 STATE_FILE = "pmaster.sqlite"
-
-
-def spec_to_wire(spec: KeySpec, aggregators: dict) -> dict:
-    return {
-        "key": spec.key,
-        "shape": list(spec.shape),
-        "dtype": spec.dtype,
-        "declared_by": spec.declared_by,
-        "parts": [
-            [p.part, p.span[0], p.span[1], p.aggregator, _address(aggregators, p.aggregator)] for p in spec.parts
-        ],
-        **({"table": spec.table} if spec.table is not None else {}),
-    }
-
-
-def _address(aggregators: dict, name: str) -> str:
-    record = aggregators.get(name)
-    return record.address if record is not None else ""  # a lost Aggregator's (the key failed with it)
 
 
 def _plain_details(error: PslinkError) -> dict:
@@ -116,7 +100,6 @@ class Master:
         self.disconnect_grace = disconnect_grace  # a worker whose connection closed is removed after it
         self.aggregator_timeout = aggregator_timeout
         self.sweep_interval = sweep_interval
-        self._deferred: dict[str, list] = {}  # placeholder -> (record, specs) to assign once it is up
         self._schedules_sent: dict[str, int] = {}  # Aggregator -> plan version it has
         self.endpoint = RpcEndpoint(self.reactor, self._on_request, limits, on_close=self._on_peer_close)
         advertise, interface = hosts.settings(advertise, interface)
@@ -124,12 +107,12 @@ class Master:
         # Peers on other hosts dial this: a wildcard bind advertises its default route's address.
         self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface)
         self.host_id = hosts.host_id()
-        self._waits: dict[tuple[str, Any], list[LookupWait]] = {}
         self.barriers = Barriers(self.state)
         # The collaborators. A cycle among them (a move that fails asks the pool; the pool asks
         # which Aggregators move) goes through the small callables named here.
         self.links = AggregatorLinks(self.state, assign_timeout)
-        self.replicas = Replicas(self.state, self.store, self.links)
+        self.replicas = Replicas(self.state, self.store, self.links, incoming=lambda: self.mover.incoming())
+        self.placing = KeyPlacing(self.state, self.store, self.reactor, self.links, self.replicas, self._abort_key)
         self.mover = Mover(self.state, self.store, self.reactor, self.links, max_bytes=max_migration_bytes,
                            migration_timeout=migration_timeout, settled=lambda names: self.pool.settled(names),
                            removal_failed=lambda *why: self.pool.removal_failed(*why), moved=self.replicas.after_move,
@@ -139,7 +122,8 @@ class Master:
         self.failover = Failover(self.state, self.store, self.reactor, self.links, self.mover, grace=aggregator_grace,
                                  silent=aggregator_timeout, migration_timeout=migration_timeout,
                                  abort_key=self._abort_key, spec_wire=self.spec_wire, carry_out=self._carry_out,
-                                 forget=lambda name: self.pool.forget(name))
+                                 forget=lambda name: self.pool.forget(name),
+                                 probe=Prober(self.transports, self.reactor, limits).probe)
         self.joining = Joining(self.state, self.store, self.reactor, self.links, host_id=self.host_id,
                                dial_back_timeout=dial_back_timeout, provider=lambda: self.provider,
                                joined=self._aggregator_joined, carry_out=self._carry_out, resume_moves=self.mover.resume)
@@ -149,14 +133,14 @@ class Master:
         self._handlers = {
             Op.REGISTER_JOB: self._register_job,
             Op.REGISTER_WORKER: self._register_worker,
-            Op.LOOKUP: self._lookup,
+            Op.LOOKUP: self.placing.lookup,
             Op.SET_OPTIMIZER: self._set_optimizer,
             Op.HEARTBEAT: self._heartbeat,
             Op.BARRIER: self.barriers.enter,
             Op.HOST_LEADER: self.barriers.leaders.call,
             Op.LEAVE: self._leave,
             Op.JOB_KEYS: self._job_keys,
-            Op.DELETE_KEYS: self._delete_keys,
+            Op.DELETE_KEYS: self.placing.delete_keys,
             Op.STATUS: self._status,
             Op.AGG_HEARTBEAT: self._aggregator_heartbeat,
             Op.RELOCATE: self.failover.relocate,
@@ -380,21 +364,6 @@ class Master:
             self._end_job(record)
         peer.reply(req)
 
-    def _delete_keys(self, peer: RpcPeer, req: dict) -> None:
-        """Forget keys of the job (keys it does not have are ignored: every worker may delete the
-        same ones); answered once every Aggregator that held a part or a replica dropped them."""
-        record = self.state.authorize(req["job"], req["tok"], req["rank"])
-        specs = [record.keys[k] for k in dict.fromkeys(req["keys"]) if k in record.keys]
-        holders = {name for spec in specs for part in spec.parts for name in [part.aggregator, *part.replicas]}
-        for spec in specs:
-            self.state.forget_key(record, spec.key)
-            self.store.delete_key(record.job, spec.key)
-        keys = [spec.key for spec in specs]
-        calls = [(self.links.peers[name], dict(job=record.job, keys=keys)) for name in sorted(holders)
-                 if name in self.links.peers]
-        self.links.broadcast_each(calls, Op.DROP_KEYS, lambda error: peer.error(req, error) if error is not None
-                                  else peer.reply(req, body={"deleted": keys}))
-
     def _end_job(self, record: JobRecord) -> None:
         self.observing.watch.job_ended(record.job)
         self._drop_job_tasks(record)
@@ -439,90 +408,6 @@ class Master:
 
     # -- keys -----------------------------------------------------------------------------------
 
-    def _lookup_again(self, wait: LookupWait, attempts: int) -> None:
-        if not wait.peer.conn.closed:  # (else the worker is gone meanwhile)
-            try:
-                self._lookup(wait.peer, wait.request, attempts)
-            except PslinkError as exc:
-                wait.peer.error(wait.request, exc)
-
-    def _lookup(self, peer: RpcPeer, req: dict, attempts: int = 1) -> None:
-        record = self.state.authorize(req["job"], req["tok"], req["rank"])
-        specs, created = [], []
-        for item in req["items"]:
-            try:
-                spec, new = self.state.declare(record, req["rank"], item)
-            except ShapeMismatchError as exc:
-                # The first declarer may be waiting on this key already: fail it too, now.
-                self._abort_key(record, item.get("key"), exc)
-                for spec_ in created:
-                    self.state.forget_key(record, spec_.key)
-                raise
-            except PslinkError:
-                for spec_ in created:
-                    self.state.forget_key(record, spec_.key)
-                raise
-            specs.append(spec)
-            if new:
-                created.append(spec)
-        wait = LookupWait(peer, req, record, specs, attempts)
-        if not wait.missing:
-            self._answer_lookup(wait)
-            return
-        for key in wait.missing:
-            self._waits.setdefault((record.job, key), []).append(wait)
-        if created:
-            self._assign(record, created)
-
-    def _assign(self, record: JobRecord, specs: list[KeySpec]) -> None:
-        starting = sorted({p.aggregator for s in specs for p in s.parts if self.state.control.is_placeholder(p.aggregator)})
-        if starting:
-            # Some parts go to Aggregators still starting: assign once they registered.
-            self._deferred.setdefault(starting[0], []).append((record, specs))
-            return
-        by_aggregator: dict[str, list[dict]] = {}
-        for spec in specs:
-            for name in {p.aggregator for p in spec.parts} | {r for p in spec.parts for r in p.replicas}:
-                by_aggregator.setdefault(name, []).extend(spec.task_specs(name, self.links.address_of))
-        missing = [n for n in by_aggregator if n not in self.links.peers]
-        if missing:
-            self._assigned(record, specs, PeerError(f"aggregator(s) {missing} are not connected to pMaster"))
-            return
-        calls = [(self.links.peers[n], dict(jobinfo=record.jobinfo(), tasks=t)) for n, t in by_aggregator.items()]
-        self.links.broadcast_each(calls, Op.ASSIGN, lambda error: self._assigned(record, specs, error))
-
-    def _assigned(self, record: JobRecord, specs: list[KeySpec], error: PslinkError | None) -> None:
-        for spec in specs:
-            if error is None:
-                spec.ready = True
-                self.store.save_key(record.job, spec)
-            else:
-                self.state.forget_key(record, spec.key)
-            # A key aborted while it was being placed (its ASSIGN poisoned the task, or the ABORT
-            # followed the ASSIGN on the same connection) fails the lookups waiting for it: a
-            # worker that learnt where it lives could init and push before the Aggregator heard.
-            failure = ServiceError(f"placing key {spec.key!r} failed: {error}") if error is not None else spec.aborted
-            for wait in self._waits.pop((record.job, spec.key), []):
-                if failure is not None and wait.missing:
-                    wait.missing.clear()
-                    if isinstance(error, PeerError) and wait.attempts < LookupWait.ATTEMPTS:
-                        # An Aggregator's connection broke under the ASSIGN: place the keys again.
-                        self.reactor.call_later(0.5 * wait.attempts, self._lookup_again, wait, wait.attempts + 1)
-                    else:
-                        wait.peer.error(wait.request, failure)
-                if failure is not None:
-                    continue
-                wait.missing.discard(spec.key)
-                if not wait.missing:
-                    self._answer_lookup(wait)
-            if error is None and spec.aborted is None:
-                for part in spec.parts:  # placed while the host it should replicate to was starting
-                    self.replicas.separate(record, spec, part)
-
-    def _answer_lookup(self, wait: LookupWait) -> None:
-        aggs = self.state.aggregators
-        wait.peer.reply(wait.request, body={"keys": [spec_to_wire(s, aggs) for s in wait.specs]})
-
     def _abort_key(self, record: JobRecord, key: Any, error: PslinkError) -> None:
         """Poison a key on every Aggregator that holds or will hold a part of it.
 
@@ -562,9 +447,9 @@ class Master:
         self.state.aggregator_joined(record.name, placeholder)
         if req.get("keep"):
             self.state.control.pinned.add(record.name)  # an operator's (`pslink aggregator`): scaling keeps it
+        self.placing.registered(record.name)
         if placeholder is not None:
-            for job_record, specs in self._deferred.pop(placeholder, []):
-                self._assign(job_record, specs)
+            self.placing.assign_deferred(placeholder)
         # After a pMaster or Aggregator restart: make sure it holds what it was given.
         for job, specs in self.state.tasks_on(record.name):
             self.links.tell(record.name, Op.ASSIGN, f"re-assigning job {job.job} to {record.name}",
@@ -587,12 +472,7 @@ class Master:
                 log.info("job %s ended: no worker heard from in %.0f s", record.job, self.worker_timeout)
                 self._end_job(record)
             for name in silent:
-                log.warning("aggregator %s silent for %.0f s: failing it over", name, self.aggregator_timeout)
-                peer = self.links.peers.pop(name, None)
-                if peer is not None:
-                    peer.conn.close()
-                if name not in self.failover.failing:
-                    self.failover.fail_over(name)
+                self.failover.silent(name)
             self._carry_out()
             self.observing.tick()
         finally:

@@ -95,6 +95,10 @@ class Mover:
         """A move ends undone because its source is gone (the failover places the task)."""
         self.carry(self.core.abandon(task, self.state.clock(), why="abandoned"))
 
+    def incoming(self) -> dict[tuple, str]:
+        """The parts moving now, and their targets (who serve them next, so hold no replica of them)."""
+        return {task: move.target for task, move in self.core.running.items()}
+
     def aggregator_lost(self, name: str) -> dict[tuple, str]:
         stays, actions = self.core.aggregator_lost(name, self.state.clock())
         for action in actions:

@@ -106,25 +106,29 @@ def pick_replicas(candidates: list[str], load: collections.Counter, count: int, 
 
 
 def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str] | None = None,
-                  hosts: Mapping[str, str] | None = None) -> list:
+                  hosts: Mapping[str, str] | None = None, incoming: Mapping[tuple, str] | None = None) -> list:
     """Update every part that lived on, or was replicated to, the Aggregator ``lost``; return what
     pMaster must do. ``candidates``: the live Aggregators that may take parts or replicas.
     ``stays``: parts that were moving onto ``lost`` and whose copy had not landed, with the
     migration's source: that may still be serving the part (a move waits for a round to close),
     and a promoted replica would then be a second server; so the source is asked first.
-    ``hosts``: Aggregator -> host, to keep replicas off their primary's host."""
+    ``hosts``: Aggregator -> host, to keep replicas off their primary's host. ``incoming``: parts
+    moving (their copy under way) and their targets, which serve them next and so cannot be
+    their replicas too (found by the chaos run: such a part then had no replica but itself,
+    and the target's loss lost the key)."""
     load = holdings(jobs)
     actions: list = []
-    stays = stays or {}
+    stays, incoming = stays or {}, incoming or {}
     for record in jobs.values():
         for spec in record.keys.values():
             dead_key = False
             for part in spec.parts:
-                source = stays.get((record.job, spec.key, part.part))
+                ident = (record.job, spec.key, part.part)
+                source, coming = stays.get(ident), incoming.get(ident)
                 if source in candidates and record.replication:
                     part.aggregator, part.replicas = source, [r for r in part.replicas if r != lost]
                     actions.append(Promote(record, spec, part, lost, moving=True))
-                    added = _top_up(record, part, candidates, load, lost, hosts)
+                    added = _top_up(record, part, candidates, load, lost, hosts, coming)
                     if added:
                         actions.append(Rereplicate(record, spec, part, added))
                 elif part.aggregator == lost:
@@ -142,12 +146,12 @@ def plan_failover(jobs, lost: str, candidates: list[str], stays: dict[tuple, str
                     else:
                         dead_key = True
                         continue
-                    added = _top_up(record, part, candidates, load, lost, hosts)
+                    added = _top_up(record, part, candidates, load, lost, hosts, coming)
                     if added:
                         actions.append(Rereplicate(record, spec, part, added))
                 elif lost in part.replicas:
                     part.replicas = [r for r in part.replicas if r != lost]
-                    added = _top_up(record, part, candidates, load, lost, hosts)
+                    added = _top_up(record, part, candidates, load, lost, hosts, coming)
                     actions.append(Rereplicate(record, spec, part, added))
             if dead_key:
                 if spec.table is not None and not record.checkpoint:
@@ -192,11 +196,11 @@ def plan_replica_moves(jobs, leaving: str, candidates: list[str], hosts: Mapping
 
 
 def _top_up(record: JobRecord, part: PartSpec, candidates: list[str], load, lost: str,
-            hosts: Mapping[str, str] | None = None) -> list[str]:
+            hosts: Mapping[str, str] | None = None, coming: str | None = None) -> list[str]:
     missing = record.replication - len(part.replicas)
     if missing <= 0:
         return []
-    added = pick_replicas(candidates, load, missing, exclude={part.aggregator, lost, *part.replicas}, hosts=hosts,
+    added = pick_replicas(candidates, load, missing, exclude={part.aggregator, lost, coming, *part.replicas}, hosts=hosts,
                           away_from=[part.aggregator, *part.replicas])
     part.replicas = part.replicas + added
     return added

@@ -28,8 +28,14 @@ log = logging.getLogger("pslink.core.master")
 class Replicas:
     """Moves replicas off their primary's host for pMaster."""
 
-    def __init__(self, state: MasterState, store: MasterStore, links: AggregatorLinks):
+    def __init__(self, state: MasterState, store: MasterStore, links: AggregatorLinks,
+                 incoming: Callable[[], dict] = dict):
         self.state, self.store, self.links = state, store, links
+        self.incoming = incoming  # parts moving now -> their targets (no replica goes there)
+
+    def _not_for(self, record, spec, part) -> set:
+        """Who may not hold ``part``'s replicas: its primary, its replicas, its move's target."""
+        return {part.aggregator, *part.replicas, self.incoming().get((record.job, spec.key, part.part))}
 
     def after_move(self, task: tuple) -> None:
         """After ``task`` moved: a replica that now shares its primary's host goes to another host,
@@ -60,7 +66,7 @@ class Replicas:
         if need <= 0 or self.links.get(part.aggregator) is None:
             return False
         added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs), need,
-                              exclude={part.aggregator, *part.replicas, *avoid}, hosts=self.state.control.host_of,
+                              exclude={*self._not_for(record, spec, part), *avoid}, hosts=self.state.control.host_of,
                               away_from=[part.aggregator, *part.replicas])
         if not added:
             return False
@@ -107,7 +113,7 @@ class Replicas:
         for old in [r for r in part.replicas if host_of.get(r) == primary_host]:
             others = [r for r in part.replicas if r != old]
             new = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs), 1,
-                                exclude={part.aggregator, *part.replicas}, hosts=host_of,
+                                exclude=self._not_for(record, spec, part), hosts=host_of,
                                 away_from=[part.aggregator, *others])
             if not new or host_of.get(new[0]) in {host_of.get(n) for n in [part.aggregator, *others]}:
                 return  # no other host has room for it: it stays where it is

@@ -481,12 +481,14 @@ class MasterState:
         and the release took the replicas with it)."""
         return [n for n in self.live_aggregators() if n not in self.control.draining and n in self.control.cluster_of]
 
-    def fail_over(self, name: str, stays: dict[tuple, str] | None = None) -> list:
+    def fail_over(self, name: str, stays: dict[tuple, str] | None = None, incoming: dict[tuple, str] | None = None
+                  ) -> list:
         """The Aggregator ``name`` is gone for good: re-home its parts and replicas
         (:mod:`pslink.core.master.recovery`) and forget it. ``stays``: parts whose migration onto it
-        had not landed, and their sources. Returns what pMaster must carry out."""
+        had not landed, and their sources; ``incoming``: the other moves' parts and targets.
+        Returns what pMaster must carry out."""
         self.aggregator_lost(name)
-        actions = plan_failover(self.jobs, name, self.replica_candidates(), stays, self.control.host_of)
+        actions = plan_failover(self.jobs, name, self.replica_candidates(), stays, self.control.host_of, incoming)
         for action in actions:
             if isinstance(action, (Promote, Recreate)):
                 ident = (action.record.job, action.spec.key, action.part.part)

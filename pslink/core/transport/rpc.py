@@ -78,7 +78,7 @@ class RpcPeer:
 
     def dispatch(self, header: dict) -> None:
         op = header["op"]
-        if op == Op.REPLY:
+        if op == Op.REPLY or op == Op.PONG:  # (a data port answers a PING with a PONG)
             self._finish(header["id"], header, None)
         elif op == Op.ERROR:
             self._finish(header["id"], None, error_from_code(header["code"], header["msg"], header.get("details")))

@@ -1,0 +1,94 @@
+"""pMaster's orders lost with their connection (PSLINK_FAULTS ctl_drop, or a pMaster killed
+before it sent them): what pMaster sends again when the Aggregator registers makes up for them.
+Driven by hand: an Aggregator's core, as the shell drives it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pslink.core.wire.protocol import Op
+
+from tests.unit.test_aggregator_core import close_round, init_replicated, replicated_source, spec
+
+
+def test_a_part_placed_on_the_holder_of_its_replica_is_promoted_from_the_replica():
+    """Found by the chaos run with control faults: the PROMOTE of a failover was lost with the
+    replica holder's connection; pMaster re-sent what it places there (an ASSIGN) when the holder
+    registered again, and the holder made a new, empty task of it: the workers' rounds found no
+    state (and waited, or failed). Now such an ASSIGN promotes the replica it holds."""
+    c, replica = replicated_source({"type": "sgd", "lr": 0.1, "momentum": 0.9})
+    t = c.task
+    ident = (t.job.job, t.key, t.part)
+    init_replicated(c, replica, np.arange(6, dtype=np.float32))
+    close_round(c, replica, 1, [np.ones(6), np.full(6, 3.0)])
+    info = {"job": t.job.job, "token": t.job.token, "membership": t.job.membership.to_wire(), "mode": "optimizer",
+            "optimizer": t.job.optimizer.to_wire(), "sync": "bsp"}
+    placed = [dict(spec(), replicas=[])]  # the re-sent ASSIGN: the part is served here now
+    assert replica.moves.promote_placed(t.job.job, placed) == []
+    (task,) = replica.assign(info, placed)
+    assert replica.tasks[ident] is task and ident not in replica.replicas and task.closed == 1
+    np.testing.assert_array_equal(task.value, t.value)
+    for name, value in t.opt_state.items():  # the momentum too
+        np.testing.assert_array_equal(task.opt_state[name], value)
+    # A move's ASSIGN (incoming) or a replica's is not a promotion.
+    assert replica.moves.promote_placed(t.job.job, [dict(spec(), incoming=True), dict(spec(), replica=True)]) == []
+
+
+def _failing_over():
+    """pMaster with a job's key ``w`` on agg-0 (its replica on agg-1), agg-1 and agg-2 connected
+    (recording peers), an Agent waiting to hear where the part went, and agg-0 failed over."""
+    from pslink.core.master import Master
+    from pslink.core.transport import Transports
+    from tests.helpers import RecordingPeer
+
+    master = Master("inproc://pmaster-lost-orders", transports=Transports())
+    state = master.state
+    for name in ("agg-0", "agg-1", "agg-2"):
+        state.register_aggregator(f"tcp://127.0.0.1:{9400 + int(name[-1])}", name)
+        state.aggregator_joined(name)
+    record = state.register_worker("j", 0, 1, None, {"servers": 1, "partition_bytes": 1024, "replication": 1})
+    spec, _ = state.declare(record, 0, {"key": "w", "shape": [32], "dtype": "float32", "intent": "init"})
+    spec.ready = True
+    (part,) = spec.parts
+    part.aggregator, part.replicas = "agg-0", ["agg-1"]
+    peers = {name: RecordingPeer() for name in ("agg-1", "agg-2")}
+    master.links.peers.update(peers)
+    agent = RecordingPeer()
+    master.failover.relocate(agent, {"id": 7, "job": "j", "tok": record.token, "rank": 0, "parts": [["w", 0, "agg-0"]]})
+    master.failover.fail_over("agg-0")
+    (promote,) = [i for i, (op, _) in enumerate(peers["agg-1"].calls) if op == Op.PROMOTE]
+    return master, peers, agent, promote
+
+
+def test_a_promote_lost_with_its_connection_is_sent_again_when_the_holder_is_back():
+    """Found by the chaos run with control faults: a failover's PROMOTE was lost with the replica
+    holder's connection; pMaster logged it and answered the Agents, which went to the holder and
+    were told it does not hold the part (the job failed). Now the Agents wait; the PROMOTE goes
+    again once the holder registers again, and they are answered when it took it."""
+    from pslink.errors import PeerError
+
+    master, peers, agent, promote = _failing_over()
+    try:
+        peers["agg-1"].callbacks[promote](None, PeerError("the connection was cut"))
+        assert agent.replies == [] and "agg-0" in master.failover.failing  # nobody is sent there yet
+        master.failover.aggregator_back("agg-1")  # it registered again
+        again = [i for i, (op, _) in enumerate(peers["agg-1"].calls) if op == Op.PROMOTE][-1]
+        assert again != promote and agent.replies == []
+        peers["agg-1"].callbacks[again]({"op": Op.REPLY}, None)
+        ((_, _, _, where, _),) = agent.replies[0]["body"]["keys"][0]["parts"]
+        assert where == "agg-1" and not master.failover.failing
+    finally:
+        master.stop()
+
+
+def test_a_promote_lost_with_a_holder_that_is_then_failed_over_ends_the_wait():
+    from pslink.errors import PeerError
+
+    master, peers, agent, promote = _failing_over()
+    try:
+        peers["agg-1"].callbacks[promote](None, PeerError("the connection was cut"))
+        del master.links.peers["agg-1"]
+        master.failover.fail_over("agg-1")  # never came back: its parts (and the promoted one) go elsewhere
+        assert "agg-0" not in master.failover.failing and agent.replies  # the Agent hears where it went now
+    finally:
+        master.stop()
