@@ -44,7 +44,8 @@ class Prober:
 
         def ping(conn) -> None:
             def answered(result, error) -> None:
-                conn.close()
+                conn.close()  # (a close of its own tells the endpoint nothing: forget the peer here)
+                self.endpoint.peers.pop(conn, None)
                 done(None if error is None else error.message)
 
             self.endpoint.peer(conn).call(Op.PING, answered, timeout=timeout)
