@@ -103,12 +103,16 @@ class Failover:
     def _fail_over_past_lease(self, name: str, record: AggregatorRecord) -> None:
         if not self._away(name, record):
             return
-        wait = record.last_seen + record.lease + LEASE_MARGIN - self.state.clock()
+        wait = self._lease_left(record)
         if wait > 0:
             self.reactor.call_later(wait, self._fail_over_past_lease, name, record)
             return
         log.warning("pMaster: aggregator %s did not come back within its lease: failing it over", name)
         self.fail_over(name)
+
+    def _lease_left(self, record: AggregatorRecord) -> float:
+        """Seconds until ``record``'s lease (from the last heartbeat pMaster heard), and a margin, ran out."""
+        return record.last_seen + record.lease + LEASE_MARGIN - self.state.clock()
 
     def silent(self, name: str) -> None:
         """Not heard from for ``silent`` seconds (connected or not): gone."""
@@ -357,7 +361,7 @@ class Failover:
         if (record is None or not record.lease or not self._relocations.get(name) or name in self.failing
                 or self.links.get(name) is not connected):
             return  # no lease to rely on, nobody waits, it answered (or went) meanwhile
-        wait = record.last_seen + record.lease + LEASE_MARGIN - self.state.clock()
+        wait = self._lease_left(record)
         if wait > 0:
             self.reactor.call_later(wait, self._silent_past_lease, name, connected)
             return

@@ -124,7 +124,7 @@ class Joining:
         fenced = []
         for entry in req.get("tasks") or ():
             found = self.state.reported_part(entry)
-            if found is None and self._placement_forgotten(entry):
+            if found is None and self.state.forgotten_part(entry):
                 fenced.append(entry[:3])  # (pMaster restarted before its ASSIGN was answered, or it failed)
                 continue
             if found is None or found[1].parts[found[2]].aggregator == name:
@@ -138,13 +138,6 @@ class Joining:
             fenced.append(entry)
         self._settle_claims(name)
         return fenced
-
-    def _placement_forgotten(self, entry) -> bool:
-        """A part of a job pMaster serves, of a key it does not have: a placement that failed or
-        was never answered, placed again since (or to be); the copy is stale."""
-        record = self.state.jobs.get(entry[0]) if isinstance(entry, list) and len(entry) == 3 \
-            and isinstance(entry[0], str) and isinstance(entry[1], (str, int)) else None
-        return record is not None and entry[1] not in record.keys
 
     def _adopt_hand_overs(self, name: str, moved: list) -> None:
         """Parts ``name`` handed over (or will at its round's end) that pMaster has no move of:

@@ -28,7 +28,7 @@ from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.liveness import Prober
 from pslink.core.master.moving import Mover
 from pslink.core.master.observing import Observing
-from pslink.core.master.placing import KeyPlacing, spec_to_wire
+from pslink.core.master.placing import KeyPlacing, holders_of, spec_to_wire
 from pslink.core.master.pool import Pool
 from pslink.core.master.replicas import Replicas
 from pslink.core.master.state import MasterState
@@ -423,7 +423,7 @@ class Master:
             self.store.save_key(record.job, spec)  # a restarted pMaster still knows it (and tells late Aggregators)
         error = spec.aborted
         # The replicas' holders too: one promoted after a failure must not serve the key unpoisoned.
-        names = {p.aggregator for p in spec.parts} | {r for p in spec.parts for r in p.replicas}
+        names = holders_of(spec)
         names |= {m[side] for m in self.mover.core.status(0.0) if (m["job"], m["key"]) == (record.job, key)
                   for side in ("source", "target")}
         for name in names:

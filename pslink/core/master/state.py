@@ -461,15 +461,26 @@ class MasterState:
         record = self.aggregators.get(name)
         return record.address if record is not None else ""
 
+    @staticmethod
+    def _part_entry(entry) -> bool:
+        """``[job, key, part, ...]`` as an Aggregator reports a part, well formed."""
+        return isinstance(entry, list) and len(entry) >= 3 \
+            and all(isinstance(v, t) for v, t in zip(entry, (str, (str, int), int)))
+
     def reported_part(self, entry) -> tuple | None:
         """(record, spec, part index) of a part an Aggregator reports as ``[job, key, part, ...]``,
         if the table has it; None for anything else (an unknown part, a malformed entry)."""
-        if not isinstance(entry, list) or len(entry) < 3 \
-                or not all(isinstance(v, t) for v, t in zip(entry, (str, (str, int), int))):
+        if not self._part_entry(entry):
             return None
         record = self.jobs.get(entry[0])
         spec = record.keys.get(entry[1]) if record is not None else None
         return (record, spec, entry[2]) if spec is not None and 0 <= entry[2] < len(spec.parts) else None
+
+    def forgotten_part(self, entry) -> bool:
+        """A reported part of a job pMaster serves, of a key it does not have: a placement that
+        failed or was never answered (placed again since, or to be); the copy is stale."""
+        record = self.jobs.get(entry[0]) if self._part_entry(entry) else None
+        return record is not None and entry[1] not in record.keys
 
     def live_aggregators(self) -> list[str]:
         return sorted(n for n, a in self.aggregators.items() if a.alive)
