@@ -140,3 +140,80 @@ class RecordingPeer:
     def call(self, op, callback, timeout=None, **fields):
         self.calls.append((op, fields))
         self.callbacks.append(callback)  # (the test answers: callback(result, error))
+
+
+class DelayRelay:
+    """A TCP relay to ``target`` (``tcp://host:port``) that holds every chunk ``delay / 2``
+    seconds each way: a far site's round trip on loopback (this kernel has no netem). Its
+    ``address`` is what to dial; :meth:`close` stops it and joins its threads."""
+
+    def __init__(self, target: str, delay: float):
+        import socket
+
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target, self.delay = (host, int(port)), delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.threads: list[threading.Thread] = []
+        self.sockets: list = []
+        self.closed = threading.Event()
+        self._start(self._accept)
+
+    def _start(self, fn, *args) -> None:
+        thread = threading.Thread(target=fn, args=args, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.closed.is_set():
+            try:
+                near, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.closed.is_set():
+                near.close()
+                return
+            far = socket.create_connection(self.target, timeout=10)
+            for sock in (near, far):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(None)
+            self.sockets += [near, far]
+            self._start(self._pump, near, far)
+            self._start(self._pump, far, near)
+
+    def _pump(self, source, sink) -> None:
+        try:
+            while True:
+                chunk = source.recv(1 << 16)
+                if not chunk or self.closed.wait(self.delay / 2):
+                    break
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        import socket
+
+        self.closed.set()
+        try:
+            socket.create_connection(self.listener.getsockname(), timeout=1).close()  # wakes accept()
+        except OSError:
+            pass
+        self.listener.close()
+        for sock in self.sockets:
+            try:
+                sock.shutdown(2)
+            except OSError:
+                pass
+        for thread in self.threads:
+            thread.join(10)
+        for sock in self.sockets:
+            sock.close()

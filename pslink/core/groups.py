@@ -40,7 +40,8 @@ from pslink.core.meeting import PoolMeeting, StoreMeeting
 from pslink.errors import ConfigError
 
 log = logging.getLogger("pslink.core.groups")
-_FLAG = "__dsync/flag"  # the group's per-step decision: sync now (1) or not (0)
+_FLAG = "__dsync/flag"  # the group's per-step round: [sync now (1) or not (0), newcomers, the leader's step]
+_TOLD = "__dsync/told"  # with the weights at a sync: [the rank that may move + 1, each group's workers]
 
 
 def parse_local_sync(sync: str) -> int:
@@ -96,26 +97,43 @@ class GroupSync:
     of the global job, when the groups use services of their own (one per site: each group's
     rounds stay on its site, only the global syncs cross); default the group's. ``store``: a
     directory or fsspec URL the groups meet in instead of the pool (dSyncPS's shared storage:
-    :class:`~pslink.core.meeting.StoreMeeting`)."""
+    :class:`~pslink.core.meeting.StoreMeeting`).
+
+    Moving between groups (dSyncPS's load balancing): with ``connect`` (``group -> Agent``, a new
+    Agent of that group's job, elastic, at a rank of this worker's that no founder has) and
+    ``choice`` (a :class:`~pslink.core.group_choice.GroupChoice`), at each global sync one worker
+    of each group (its highest rank, never the leader) scores the groups by load x RTT (the RTT to
+    ``sites[group]``, each group's service address; default: all on one service) and moves to a
+    group 20% better: it leaves its group, comes into the other one as a late member
+    (:meth:`enter`: that group's weights and step count), and :attr:`agent` is then the new one.
+    A worker started late into a running group calls :meth:`enter` before it trains."""
 
     def __init__(self, agent, job: str, group: int, groups: int, every: int, max_groups: int | None = None,
-                 timeout: float | None = None, master: str | None = None, store: str | None = None):
+                 timeout: float | None = None, master: str | None = None, store: str | None = None,
+                 connect=None, choice=None, sites: dict | None = None):
         if agent.mode != "sum":
             raise ConfigError(f"groups with delayed global sync average the workers' weights: group job "
                               f"{agent.job!r} must run in sum mode (the workers step), not {agent.mode!r}")
         max_groups = groups if max_groups is None else max_groups
         if not 0 < groups <= max_groups or not 0 <= group < max_groups:
             raise ConfigError(f"group {group} of {groups} starting groups (at most {max_groups}): out of range")
+        if choice is not None and connect is None:
+            raise ConfigError(f"job {job!r}: moving between groups (choice=) needs connect=, a function giving this "
+                              "worker's Agent of another group's job")
         self.agent, self.job, self.group, self.max_groups = agent, job, group, max_groups
+        self.connect, self.choice, self.sites = connect, choice, dict(sites or {})
         self.schedule = SyncSchedule(every)
         self.steps = 0
-        self.moves: list[tuple[str, int, int]] = []  # (what, sync, step): the joins' effects, for tests and logs
+        self.moves: list[tuple] = []  # (what, sync or group, step): joins' effects and this worker's moves
         self.timeout = timeout
         self.leads = agent.rank == 0
         self.meeting = None  # where the leaders average the groups' weights (leaders only)
         self.members: list[int] = []
-        self._flag = np.zeros(1, np.float32)
+        self.sizes: dict[int, int] = {}  # each group's workers, as the last sync told
+        self._flag = np.zeros(3, np.float32)  # [sync now, newcomers, the leader's step]
+        self._told = np.zeros(1 + max_groups, np.float32)  # at a sync: [rank that may move + 1, sizes...]
         self._declared = False
+        self._entered = not agent.late or self.leads
         agent.init(_FLAG, self._flag).wait(timeout)
         if self.leads:
             self.meeting = (StoreMeeting(store, job, group, groups, timeout) if store is not None else
@@ -136,45 +154,134 @@ class GroupSync:
         """After each local step (every worker of the group, with its weights: a dict or (name,
         array) pairs, or a function giving them, called only when this step syncs): True when
         this step ended with a global sync (the arrays then hold the average over the groups)."""
+        if not self._entered:
+            raise ConfigError(f"rank {self.agent.rank} of {self.agent.job!r} came into its running group late: "
+                              "call enter(weights) before its first step")
         self.steps += 1
-        if self._decide():
-            arrays = arrays() if callable(arrays) else arrays
-            self._sync(list(arrays.items()) if isinstance(arrays, dict) else list(arrays))
+        flag = self._round(self._decide())
+        sync, welcome = bool(flag[0]), flag[1] > 0
+        while flag[1] > 0:  # newcomers come into every key while the group waits here (see enter)
+            flag = self._round(self._flag_value(sync))
+        if not (sync or welcome):
+            return False
+        items = _items(arrays)
+        self._sync(items, average=sync)
+        if sync:
             self.schedule.synced(self.steps)
-            return True
-        return False
+            self._consider_moving(items)
+        return sync
 
-    def _decide(self) -> bool:
-        """The leader decides (its schedule, and groups that joined since it last looked); the
-        group learns it in a one-value round."""
-        flag = 0.0
-        if self.leads:
-            members = self.meeting.members()
-            joined = sorted(set(members) - set(self.members))
-            if joined and self.schedule.done:  # (before the first sync, every group there starts together)
-                what = self.schedule.joined(self.steps)
-                self.moves.append((*what, self.steps))
-                log.info("group %d: group(s) %s joined: global sync %d %sed to step %d", self.group, joined,
-                         what[1], what[0], self.steps)
-            self.members = members
-            flag = 1.0 if self.schedule.due(self.steps) else 0.0
-        self._flag[0] = flag
-        self.agent.pushpull(_FLAG, self._flag, self._flag).wait(self.timeout)
-        return bool(self._flag[0])
+    def enter(self, arrays) -> int:
+        """A worker that came into its group while the group trained (a late Agent: it moved
+        here, or started late): wait until the group lets it in, then take the group's weights into
+        ``arrays`` and its step count. Returns the group's step. Nothing for a founder.
 
-    def _sync(self, items: list[tuple[str, np.ndarray]]) -> None:
+        The group notices a newcomer in its per-step round (the newcomer adds 1), then repeats
+        that round until one has no newcomer; meanwhile, the group waiting on it, the newcomer
+        comes into every key of the job, each at the round the group's next step will use."""
+        if self._entered:
+            return self.steps
+        self._flag[:] = (0.0, 1.0, 0.0)
+        first = self._round(self._flag)
+        self.steps = int(first[2])
+        known = set(self.agent.join_all(self.timeout))
+        self._entered = True
+        flag = first
+        while flag[1] > 0:
+            self._flag[:] = 0.0
+            flag = self._round(self._flag)
+        items = _items(arrays)
+        self._declared = all(f"__dsync/{name}" in known for name, _ in items) and _TOLD in known
+        self._sync(items, average=False)
+        if first[0]:
+            self.schedule.synced(self.steps)
+        log.info("rank %d of %r: came into group %d at its step %d", self.agent.rank, self.agent.job, self.group,
+                 self.steps)
+        return self.steps
+
+    def _decide(self) -> np.ndarray:
+        """The leader decides (its schedule, and groups that joined since it last looked)."""
+        if not self.leads:
+            return self._flag_value(False)
+        members = self.meeting.members()
+        joined = sorted(set(members) - set(self.members))
+        if joined and self.schedule.done:  # (before the first sync, every group there starts together)
+            what = self.schedule.joined(self.steps)
+            self.moves.append((*what, self.steps))
+            log.info("group %d: group(s) %s joined: global sync %d %sed to step %d", self.group, joined,
+                     what[1], what[0], self.steps)
+        self.members = members
+        return self._flag_value(self.schedule.due(self.steps))
+
+    def _flag_value(self, sync: bool) -> np.ndarray:
+        self._flag[:] = (1.0 if sync else 0.0, 0.0, float(self.steps)) if self.leads else 0.0
+        return self._flag
+
+    def _round(self, value: np.ndarray) -> np.ndarray:
+        """The group's one-value round (the leader's decision and step, and how many newcomers)."""
+        self.agent.pushpull(_FLAG, value, value).wait(self.timeout)
+        return value
+
+    def _sync(self, items: list[tuple[str, np.ndarray]], average: bool) -> None:
+        """The leader's weights (averaged with the other groups' first, at a global sync) to every
+        worker of the group, with what the leader knows of the groups' sizes."""
         names = [name for name, _ in items]
         arrays = [array for _, array in items]
-        local = [f"__dsync/{name}" for name in names]
+        local = [f"__dsync/{name}" for name in names] + [_TOLD]
+        told = self._told
         if not self._declared:
-            self.agent.init_many(local, [np.zeros_like(a) for a in arrays]).wait(self.timeout)
+            self.agent.init_many(local, [np.zeros_like(a) for a in arrays] + [told]).wait(self.timeout)
             self._declared = True
-        if self.leads:  # the average over the groups there now
-            self.meeting.average(names, arrays)
+        told[:] = 0.0
+        if self.leads:
+            if average:  # the average over the groups there now
+                ranks = self.agent.membership()["ranks"]
+                sizes = self.meeting.average(names, arrays, len(ranks))
+                told[0] = 1 + max(ranks) if len(ranks) > 1 else 0  # one worker a sync may move (never the leader)
+                for group, size in sizes.items():
+                    told[1 + group] = size
         else:
             for array in arrays:
                 array.fill(0)
-        self.agent.pushpull_many(local, arrays, arrays).wait(self.timeout)  # the leader's, to everyone
+        self.agent.pushpull_many(local, arrays + [told], arrays + [told]).wait(self.timeout)  # the leader's, to all
+        if told[1:].any():
+            self.sizes = {group: int(n) for group, n in enumerate(told[1:]) if n > 0}
+
+    def _consider_moving(self, items: list) -> None:
+        """At a sync, the worker the leader named: to another group, if load x RTT says so."""
+        if self.choice is None or self.leads or self._told[0] != self.agent.rank + 1 or len(self.sizes) < 2:
+            return
+        rtts = self._rtts()
+        target = self.choice.better(self.group, self.sizes, rtts)
+        if target is None:
+            return
+        log.info("rank %d of %r: moves to group %d (workers per group %s, RTTs %s)", self.agent.rank,
+                 self.agent.job, target, self.sizes, {g: round(r, 6) for g, r in rtts.items()})
+        self.moves.append(("moved", target, self.steps))
+        self.agent.close()
+        self.agent = self.connect(target)
+        if self.agent.rank == 0:
+            raise ConfigError(f"a worker moving into group {target} got rank 0 of {self.agent.job!r}: rank 0 is the "
+                              "group's leader (its founder); connect= must give a moving worker a rank of its own")
+        self.group, self._declared, self._entered = target, False, not self.agent.late
+        self.agent.init(_FLAG, self._flag).wait(self.timeout)
+        self.enter(items)
+
+    def _rtts(self) -> dict[int, float]:
+        """RTT to each group's service, measured once per distinct address (all alike on one)."""
+        from pslink.core.group_choice import probe_rtt
+
+        addresses = {group: self.sites.get(group, self.agent.master_address) for group in self.sizes}
+        if len(set(addresses.values())) < 2:
+            return {group: 1.0 for group in addresses}
+        measured = {address: probe_rtt(address, timeout=self.timeout or 10.0, transports=self.agent.transports)
+                    for address in set(addresses.values())}
+        return {group: measured[address] for group, address in addresses.items()}
+
+
+def _items(arrays) -> list[tuple[str, np.ndarray]]:
+    arrays = arrays() if callable(arrays) else arrays
+    return list(arrays.items()) if isinstance(arrays, dict) else list(arrays)
 
 
 def whole_job(agent) -> tuple[str, int]:

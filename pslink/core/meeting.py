@@ -17,6 +17,7 @@ from pslink.errors import ConfigError
 
 log = logging.getLogger("pslink.core.groups")
 POLL = 0.01  # how often a store is looked at while a sync waits for the other groups' files
+_SIZES = "__dsync/sizes"  # the groups' workers, one slot per group (moving between groups: group_choice)
 
 
 class PoolMeeting:
@@ -28,7 +29,7 @@ class PoolMeeting:
                  timeout: float | None):
         from pslink.core.agent.agent import Agent  # the core's own: no adapter in between
 
-        self.timeout = timeout
+        self.timeout, self.group, self.max_groups = timeout, group, max_groups
         self.world = Agent(f"{job}.global", group, groups, master or agent.master_address, max_workers=max_groups,
                            timeout=agent.timeout, transports=agent.transports)
         self.late = self.world.late
@@ -41,11 +42,18 @@ class PoolMeeting:
     def members(self) -> list[int]:
         return self.world.membership()["ranks"]
 
-    def average(self, names: list[str], arrays: list[np.ndarray]) -> None:
+    def average(self, names: list[str], arrays: list[np.ndarray], size: int) -> dict[int, int]:
+        """The groups' average into ``arrays``; ``size``: this group's workers. Returns every
+        group's (a sum of one-hot vectors, in flight with the average: no round trip more)."""
+        sizes = np.zeros(self.max_groups, np.float32)
         if not self._declared:
-            self.world.init_many(names, arrays).wait(self.timeout)
+            self.world.init_many(names + [_SIZES], arrays + [sizes]).wait(self.timeout)
             self._declared = True
-        self.world.pushpull_many(names, arrays, arrays, average=True).wait(self.timeout)
+        sizes[self.group] = size
+        averaged = self.world.pushpull_many(names, arrays, arrays, average=True)
+        self.world.pushpull(_SIZES, sizes, sizes).wait(self.timeout)
+        averaged.wait(self.timeout)
+        return {group: int(n) for group, n in enumerate(sizes) if n > 0}
 
     def close(self) -> None:
         self.world.close()
@@ -91,25 +99,29 @@ class StoreMeeting:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(f"{self.base}/members", detail=False)]
         return sorted(int(n[1:]) for n in names if n.startswith("g") and n[1:].isdigit())
 
-    def average(self, names: list[str], arrays: list[np.ndarray]) -> None:
+    def average(self, names: list[str], arrays: list[np.ndarray], size: int) -> dict[int, int]:
+        """As :meth:`PoolMeeting.average`: each file carries its group's size too."""
         self.index += 1
         folder = f"{self.base}/sync-{self.index:08d}"
         buffer = io.BytesIO()
-        np.savez(buffer, **{f"a{i}": a for i, a in enumerate(arrays)})
+        np.savez(buffer, size=np.int64(size), **{f"a{i}": a for i, a in enumerate(arrays)})
         self.fs.makedirs(folder, exist_ok=True)
         self.fs.pipe(f"{folder}/g{self.group}.tmp", buffer.getvalue())
         self.fs.mv(f"{folder}/g{self.group}.tmp", f"{folder}/g{self.group}.npz")  # whole or not at all
         found = self._wait(folder)
         total = [np.zeros_like(a) for a in arrays]
+        sizes = {}
         for group in sorted(found):  # in group order: the same sum on every group
             with np.load(io.BytesIO(self.fs.cat(f"{folder}/g{group}.npz")), allow_pickle=False) as data:
                 for i, t in enumerate(total):
                     t += data[f"a{i}"]
+                sizes[group] = int(data["size"])
         for array, t in zip(arrays, total):
             np.divide(t, len(found), out=array, casting="unsafe")
         self.written.append(f"{folder}/g{self.group}.npz")
         if len(self.written) > 2:
             self.fs.rm(self.written.pop(0))
+        return sizes
 
     def _wait(self, folder: str) -> set[int]:
         deadline = time.monotonic() + self.timeout

@@ -10,7 +10,7 @@ import pytest
 
 import pslink
 from pslink.core.groups import GroupSync
-from tests.helpers import run_workers
+from tests.helpers import DelayRelay, run_workers
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +167,142 @@ def test_a_group_that_leaves_does_not_stop_the_others(cluster, meeting, tmp_path
     assert syncs[0] == [5, 10, 15] and syncs[2] == [5]
     np.testing.assert_array_equal(weights[2], np.full(4, -7.5, np.float32))  # (-5 + -10) / 2
     np.testing.assert_array_equal(weights[0], np.full(4, -17.5, np.float32))  # then 10 steps alone
+
+
+def grouped_sgd_reference(steps: int, every: int, founders: dict, moves: list) -> dict[int, np.ndarray]:
+    """The weights each group's workers should end with: plain SGD (lr 1/2) averaged within each
+    group every step and over the groups every ``every`` steps, ``moves`` being (worker, left
+    after step, target, in from the step after ``entered``)."""
+    members = {group: list(ranks) for group, ranks in founders.items()}
+    weights = {group: np.full(50, 0.5, np.float32) for group in members}
+    for step in range(1, steps + 1):
+        for group, ranks in members.items():
+            total = np.zeros(50, np.float32)
+            for rank in ranks:
+                total += exact_gradient(rank, step)
+            weights[group] -= np.float32(0.5) * (total / np.float32(len(ranks)))
+        if step % every == 0:
+            mean = sum(weights.values()) / np.float32(len(weights))
+            weights = {group: mean.copy() for group in weights}
+        for worker, left, target, entered in moves:
+            if step == left:
+                members[[g for g, ranks in members.items() if worker in ranks][0]].remove(worker)
+            if step == entered:
+                members[target].append(worker)
+    return weights
+
+
+@pytest.mark.parametrize("meeting", ["pool", "store"])
+def test_a_worker_moves_to_the_lighter_group_and_loses_no_round(cluster, meeting, tmp_path):
+    # Groups of 3 and 1 workers, one service (equal RTTs): at the first sync (step 2) group 0's
+    # highest rank finds group 1 with it 2 workers against 3 (more than 20% lighter) and moves:
+    # it leaves group 0, comes into group 1 at whatever step group 1 is at, with its weights.
+    # Then 2 and 2: nobody moves again. Every worker ends with the weights of plain SGD
+    # with those memberships, step for step (no round of either group lost or doubled).
+    from pslink.core.group_choice import GroupChoice
+
+    service, transports = cluster
+    job, steps, every = f"moving-{meeting}", 12, 2
+    founders = {0: [0, 1, 2], 1: [3]}
+    store = str(tmp_path) if meeting == "store" else None
+    histories: dict[int, list] = {}
+
+    def agent_of(group: int, world_rank: int):
+        size = len(founders[group])
+        own = founders[group].index(world_rank) if world_rank in founders[group] else size + world_rank
+        return connect(service, transports, f"{job}.g{group}", own, size, max_workers=size + 4)
+
+    def worker(world_rank):
+        group = 0 if world_rank < 3 else 1
+        groups = GroupSync(agent_of(group, world_rank), job, group, 2, every, store=store, choice=GroupChoice(),
+                           connect=lambda target: agent_of(target, world_rank))
+        history = histories[world_rank] = []
+        try:
+            w = np.full(50, 0.5, np.float32)
+            groups.agent.init("w", w).wait()
+            while groups.steps < steps:
+                g = exact_gradient(world_rank, groups.steps + 1)
+                groups.agent.pushpull("w", g, g, average=True).wait()
+                w -= np.float32(0.5) * g
+                groups.step({"w": w})
+                history.append((groups.group, groups.steps, w.copy()))
+            return groups.moves, groups.group, w
+        finally:
+            groups.close()
+            groups.agent.close()
+
+    results = run_workers(4, worker)
+    moved = [(rank, moves) for rank, (moves, _, _) in enumerate(results) if any(m[0] == "moved" for m in moves)]
+    assert [(rank, [m[:2] for m in moves]) for rank, moves in moved] == [(2, [("moved", 1)])], moved
+    assert [group for _, group, _ in results] == [0, 0, 1, 1]
+    left = moved[0][1][0][2]
+    assert left == 2
+    entered = next(step for group, step, _ in histories[2] if group == 1)  # (group 1's step when it came in)
+    assert entered >= left
+    # From its first step in group 1 on, the mover's weights are group 1's leader's, step by step.
+    leader = {step: w for _, step, w in histories[3]}
+    for group, step, w in histories[2]:
+        if group == 1:
+            np.testing.assert_array_equal(w, leader[step])
+    expected = grouped_sgd_reference(steps, every, founders, [(2, left, 1, entered)])
+    for rank, (_, group, w) in enumerate(results):
+        np.testing.assert_array_equal(w, expected[group], err_msg=f"worker {rank} (group {group})")
+
+
+def test_the_rtt_to_a_service_is_measured_through_its_link(cluster):
+    from pslink.core.group_choice import probe_rtt
+
+    service, transports = cluster
+    relay = DelayRelay(service.address, 0.030)
+    try:
+        near, far = probe_rtt(service.address), probe_rtt(relay.address)
+    finally:
+        relay.close()
+    assert near < 0.020 <= 0.030 <= far < 1.0, (near, far)
+
+
+@pytest.mark.parametrize("far_group, mover", [(1, None), (0, 1)])
+def test_a_far_group_weighs_as_its_rtt_says(cluster, far_group, mover):
+    # Group `far_group`'s service is reached through a link with a 30 ms round trip, the other's
+    # directly (under the 1 ms floor). Groups of 3 (group 0) and 1, group 1 far: moving would
+    # lighten the load 3 -> 2 but cost 30x the RTT: nobody moves. Groups of 2 and 2, group 0
+    # far: its highest rank moves to the near group though it then has 3 workers.
+    from pslink.core.group_choice import GroupChoice
+
+    service, transports = cluster
+    job = f"far-{far_group}"
+    founders = {0: [0, 1, 2], 1: [3]} if far_group == 1 else {0: [0, 1], 1: [2, 3]}
+    relay = DelayRelay(service.address, 0.030)
+    sites = {far_group: relay.address, 1 - far_group: service.address}
+
+    def agent_of(group: int, world_rank: int):
+        size = len(founders[group])
+        own = founders[group].index(world_rank) if world_rank in founders[group] else size + world_rank
+        return connect(service, transports, f"{job}.g{group}", own, size, max_workers=size + 4)
+
+    def worker(world_rank):
+        group = next(g for g, ranks in founders.items() if world_rank in ranks)
+        groups = GroupSync(agent_of(group, world_rank), job, group, 2, 2, choice=GroupChoice(), sites=sites,
+                           connect=lambda target: agent_of(target, world_rank))
+        try:
+            w = np.full(4, 0.5, np.float32)
+            groups.agent.init("w", w).wait()
+            while groups.steps < 6:
+                g = np.full(4, 0.25, np.float32)
+                groups.agent.pushpull("w", g, g, average=True).wait()
+                w -= g
+                groups.step({"w": w})
+            return [m[:2] for m in groups.moves if m[0] == "moved"], groups.sizes, w
+        finally:
+            groups.close()
+            groups.agent.close()
+
+    try:
+        results = run_workers(4, worker)
+    finally:
+        relay.close()
+    moved = {rank: moves for rank, (moves, _, _) in enumerate(results) if moves}
+    assert moved == ({} if mover is None else {mover: [("moved", 1)]})
+    assert results[0][1] == ({0: 3, 1: 1} if mover is None else {0: 1, 1: 3})  # as the last sync told
+    for _, _, w in results:
+        np.testing.assert_array_equal(w, np.full(4, -1.0, np.float32))

@@ -148,6 +148,7 @@ class Master:
             Op.TENSOR_COPY_DONE: self.mover.progress,
             Op.WORKER_DONE: self.mover.progress,
             Op.POOL: self._pool_request,
+            Op.PING: lambda peer, req: peer.reply(req),  # a worker measuring its RTT to this service (group_choice)
         }
         # Status, /metrics and the page (metrics_port: None serves no HTTP), `pslink service stop`.
         self.observing = Observing(self, metrics_port=metrics_port, metrics_host=metrics_host, on_stop=on_stop)
