@@ -213,16 +213,20 @@ def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local
 ENV_SYNC = "PSLINK_SYNC"
 ENV_GROUPS = "PSLINK_GROUPS"
 ENV_SYNC_STORE = "PSLINK_SYNC_STORE"
+ENV_SYNC_GROUP = "PSLINK_SYNC_GROUP"
 
 
 def local_sync_settings(sync: str | None, groups: int | None, store: str | None, job: str, rank: int,
-                        num_workers: int, environ=os.environ) -> tuple[int, int, str | None] | None:
+                        num_workers: int, environ=os.environ,
+                        label: str | None = None) -> tuple[int, int | str, str | None] | None:
     """Groups with delayed global sync (pslink.core.groups): ``(every, groups, store)`` when the
     job asks for them (``sync="local:T"``, or PSLINK_SYNC=local:T for the launched job and rank),
     else None. ``groups`` (PSLINK_GROUPS) splits the ranks into that many groups of consecutive
     ranks; by default one per host, as the launcher numbers them (``pslink launch --nnodes``:
-    PSLINK_LOCAL_SIZE workers a host). ``store`` (PSLINK_SYNC_STORE): a directory or fsspec URL
-    the groups meet in instead of the pool."""
+    PSLINK_LOCAL_SIZE workers a host). ``label`` (PSLINK_SYNC_GROUP): this worker's group by
+    name instead (the workers of one label form a group, of any size); it is then returned in
+    ``groups``' place. ``store`` (PSLINK_SYNC_STORE): a directory or fsspec URL the groups meet
+    in instead of the pool."""
     from pslink.core.groups import parse_local_sync
 
     launched = _env(ENV_JOB, environ) in (None, job) and _env(ENV_RANK, environ) in (None, str(rank))
@@ -234,13 +238,26 @@ def local_sync_settings(sync: str | None, groups: int | None, store: str | None,
         every = parse_local_sync(sync)
     except ConfigError as exc:
         raise ConfigError(f"{ENV_SYNC}: {exc.message}" if sync == _env(ENV_SYNC, environ) else exc.message) from None
+    if store is None and launched:
+        store = _env(ENV_SYNC_STORE, environ)
+    if label is None and groups is None and launched:
+        label = _env(ENV_SYNC_GROUP, environ)
+    if label is not None:
+        if groups is not None:
+            raise ConfigError(f"sync={sync!r}: a group by label (sync_group={label!r}) or groups={groups!r} of "
+                              "consecutive ranks, not both")
+        if not isinstance(label, str) or not label.strip() or len(label.encode()) > 200:
+            raise ConfigError(f"sync={sync!r}: sync_group={label!r} must name this worker's group: a non-empty "
+                              "string of at most 200 bytes")
+        return every, label, store
     if groups is None and launched and _env(ENV_GROUPS, environ):
         groups = resolve_int(None, "groups", ENV_GROUPS, 1, environ=environ)
     if groups is None:
         local_size = _env(ENV_LOCAL_SIZE, environ) or _env("LOCAL_WORLD_SIZE", environ)
         if not launched or local_size is None or not local_size.isdigit() or int(local_size) < 1:
             raise ConfigError(f"sync={sync!r}: say how the {num_workers} workers form groups: groups=N (or "
-                              f"{ENV_GROUPS}), or launch one group a host with `pslink launch --nnodes`")
+                              f"{ENV_GROUPS}), sync_group=LABEL (or {ENV_SYNC_GROUP}), or launch one group a host "
+                              "with `pslink launch --nnodes`")
         groups = max(1, num_workers // int(local_size))
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or num_workers % groups:
         raise ConfigError(f"sync={sync!r}: {num_workers} workers do not split into {groups!r} groups of "
@@ -249,8 +266,6 @@ def local_sync_settings(sync: str | None, groups: int | None, store: str | None,
         log.warning("sync=%r with one group (%d workers, all on one host or groups=1): every step is already "
                     "synchronous; give groups=N (pslink launch --groups N) for groups that sync every %d steps",
                     sync, num_workers, every)
-    if store is None and launched:
-        store = _env(ENV_SYNC_STORE, environ)
     return every, groups, store
 
 

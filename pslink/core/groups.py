@@ -290,15 +290,42 @@ def whole_job(agent) -> tuple[str, int]:
     return getattr(agent, "world_job", agent.job), getattr(agent, "world_size", agent.num_workers)
 
 
+def label_groups(job: str, rank: int, num_workers: int, master: str, label: str, options: dict) -> tuple:
+    """Groups by label: every worker's label, gathered in a short job ``<job>.groups`` of the
+    whole job's workers. Returns ``(group, rank in it, its size, number of groups)``: the groups
+    numbered in the order of their lowest rank, ranks within a group in the job's rank order."""
+    from pslink.core.collectives import gather_rows
+
+    timeout = options.get("timeout")
+    meeting = Agent(f"{job}.groups", rank, num_workers, master, **dict(options, mode="sum"))
+    try:
+        def pushpull(key, array, out):
+            meeting.pushpull(key, array, out).wait(timeout)
+            return out
+
+        gathered, lengths = gather_rows(pushpull, "labels", np.frombuffer(label.encode(), np.uint8), rank,
+                                        num_workers)
+    finally:
+        meeting.close()
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    labels = [gathered[bounds[r]:bounds[r + 1]].tobytes().decode() for r in range(num_workers)]
+    order = list(dict.fromkeys(labels))  # by each label's lowest rank
+    members = [r for r in range(num_workers) if labels[r] == label]
+    log.info("job %r: rank %d is in group %d (%r) with ranks %s; groups %s", job, rank, order.index(label), label,
+             members, order)
+    return order.index(label), members.index(rank), len(members), len(order)
+
+
 class GroupAgent(Agent):
     """What ``pslink.connect(job, rank, num_workers, sync="local:T", groups=N)`` returns: the
     Agent of a worker of its group's own BSP job ``<job>.g<group>`` (groups of consecutive
     ranks; ``rank`` and ``num_workers`` are the group's, so an adapter's collectives run within
     the group), whose weights are averaged with the other groups' every T local steps: the
     adapters call :meth:`end_step` after each optimizer step. ``world_rank`` / ``world_size``:
-    the worker's place in the whole job (shard the data by them)."""
+    the worker's place in the whole job (shard the data by them). ``groups``: how many groups of
+    consecutive ranks, or this worker's label (:func:`label_groups`: groups of any size)."""
 
-    def __init__(self, job: str, rank: int, num_workers: int, master: str, *, every: int, groups: int,
+    def __init__(self, job: str, rank: int, num_workers: int, master: str, *, every: int, groups: int | str,
                  store: str | None = None, **options):
         if options.get("mode", "sum") != "sum" or options.get("optimizer") is not None:
             raise ConfigError(f"job {job!r}: groups with delayed global sync average the workers' weights, so the "
@@ -307,8 +334,11 @@ class GroupAgent(Agent):
             raise ConfigError(f"job {job!r}: groups with delayed global sync take a fixed number of workers "
                               "(max_workers); groups join as jobs of their own (pslink.core.groups.GroupSync)")
         options.pop("max_workers", None)
-        size = num_workers // groups
-        group, group_rank = divmod(rank, size)
+        if isinstance(groups, str):
+            group, group_rank, size, groups = label_groups(job, rank, num_workers, master, groups, options)
+        else:
+            size = num_workers // groups
+            group, group_rank = divmod(rank, size)
         super().__init__(f"{job}.g{group}", group_rank, size, master, **dict(options, mode="sum"))
         self.world_job, self.world_rank, self.world_size, self.group = job, rank, num_workers, group
         try:

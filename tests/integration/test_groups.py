@@ -306,3 +306,34 @@ def test_a_far_group_weighs_as_its_rtt_says(cluster, far_group, mover):
     assert results[0][1] == ({0: 3, 1: 1} if mover is None else {0: 1, 1: 3})  # as the last sync told
     for _, _, w in results:
         np.testing.assert_array_equal(w, np.full(4, -1.0, np.float32))
+
+
+def test_groups_by_label_take_any_ranks_and_sizes(cluster):
+    # Labels "b", "a", "b", "a": group 0 is "b" (rank 0's), ranks 0 and 2; group 1 "a". With
+    # T = 1 the groups of equal size give the flat job's weights. Then 3 "x" and 1 "y": the
+    # group sizes follow the labels.
+    service, transports = cluster
+    flat = sgd(service, transports, "flat-labels", 6, None)
+
+    def worker(index, job, labels, steps):
+        agent = connect(service, transports, job, index, 4, sync="local:1", sync_group=labels[index])
+        try:
+            w = np.full(50, 0.5, np.float32)
+            agent.init("w", w).wait()
+            for step in range(steps):
+                g = exact_gradient(index, step)
+                agent.pushpull("w", g, g, average=True).wait()
+                w -= np.float32(0.5) * g
+                agent.end_step({"w": w})
+            return (agent.group, agent.rank, agent.num_workers, agent.world_rank), w
+        finally:
+            agent.close()
+
+    results = run_workers(4, lambda i: worker(i, "labelled", "baba", 6))
+    assert [seat for seat, _ in results] == [(0, 0, 2, 0), (1, 0, 2, 1), (0, 1, 2, 2), (1, 1, 2, 3)]
+    for a, (_, b) in zip(flat, results):
+        np.testing.assert_array_equal(a, b)
+    results = run_workers(4, lambda i: worker(i, "uneven-labels", "xxxy", 2))
+    assert [seat for seat, _ in results] == [(0, 0, 3, 0), (0, 1, 3, 1), (0, 2, 3, 2), (1, 0, 1, 3)]
+    for _, w in results[1:]:
+        np.testing.assert_array_equal(w, results[0][1])

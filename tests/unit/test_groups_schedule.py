@@ -67,6 +67,10 @@ def test_groups_come_from_the_option_or_one_per_launched_host():
                                                                                                        "/tmp/meet")
     # Another job of the process (a process set's, a group's own) is not the launched one.
     assert local_sync_settings(None, None, None, "j.ps1", 1, 6, environ=launched) is None
+    # A group by label: from the option, or the launched worker's environment.
+    assert local_sync_settings("local:5", None, None, "j", 3, 4, environ={}, label="site-a") == (5, "site-a", None)
+    assert local_sync_settings(None, None, None, "j", 1, 6, environ=dict(launched, PSLINK_SYNC_GROUP="b")) == (
+        3, "b", "/tmp/meet")
 
 
 @pytest.mark.parametrize("sync, groups, env, words", [
@@ -83,11 +87,22 @@ def test_group_settings_that_cannot_work_are_named(sync, groups, env, words):
         local_sync_settings(sync, groups, None, "j", 0, 4, environ=env)
 
 
+@pytest.mark.parametrize("groups, label, words", [(2, "a", "not both"), (None, "", "non-empty"),
+                                                  (None, "x" * 201, "at most 200 bytes"), (None, 3, "must name")])
+def test_group_labels_that_cannot_work_are_named(groups, label, words):
+    from pslink.config import local_sync_settings
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        local_sync_settings("local:5", groups, None, "j", 0, 4, environ={}, label=label)
+
+
 def test_connect_refuses_group_options_without_groups_and_an_optimizer_with_them():
     import pslink
 
     with pytest.raises(ConfigError, match="go with sync='local:T'"):
         pslink.connect("j", 0, 2, "tcp://127.0.0.1:9", groups=2)
+    with pytest.raises(ConfigError, match="go with sync='local:T'"):
+        pslink.connect("j", 0, 2, "tcp://127.0.0.1:9", sync_group="a")
     with pytest.raises(ConfigError, match="workers step"):
         pslink.connect("j", 0, 2, "tcp://127.0.0.1:9", sync="local:2", groups=2, mode="optimizer",
                        optimizer={"type": "sgd", "lr": 0.1})

@@ -37,8 +37,9 @@ def connect(
     a value, MXNet's 2-bit compression; see ``Agent.set_gradient_compression``),
     ``sync="local:T"`` makes the workers groups (dSyncPS, :class:`~pslink.core.groups.GroupAgent`):
     each group trains BSP on its own, and the groups average their weights every T local steps;
-    ``groups`` (default one per host the launcher started) and ``sync_store`` (a directory or
-    fsspec URL to meet in instead of the pool) go with it,
+    ``groups`` (N groups of consecutive ranks; default one per host the launcher started) or
+    ``sync_group`` (this worker's group by label) and ``sync_store`` (a directory or fsspec URL to
+    meet in instead of the pool) go with it,
     ``rejoin`` (register a rank again as a newcomer: pMaster takes it out of the job and back in,
     in one step; an Agent of this process that held the rank is then closed with
     ``close(leave=False)``), ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other
@@ -47,12 +48,12 @@ def connect(
     """
     job, rank, num_workers, master, options = resolve_connect(job, rank, num_workers, master, options,
                                                               AGENT_OPTIONS)
-    groups, store = options.pop("groups", None), options.pop("sync_store", None)
-    local = local_sync_settings(options.get("sync"), groups, store, job, rank, num_workers)
+    groups, store, label = options.pop("groups", None), options.pop("sync_store", None), options.pop("sync_group", None)
+    local = local_sync_settings(options.get("sync"), groups, store, job, rank, num_workers, label=label)
     if local is None:
-        if groups is not None or store is not None:
-            raise ConfigError(f"job {job!r}: groups= and sync_store= go with sync='local:T' (groups with delayed "
-                              f"global sync), not with sync={options.get('sync') or 'bsp'!r}")
+        if groups is not None or store is not None or label is not None:
+            raise ConfigError(f"job {job!r}: groups=, sync_group= and sync_store= go with sync='local:T' (groups with "
+                              f"delayed global sync), not with sync={options.get('sync') or 'bsp'!r}")
         return Agent(job, rank, num_workers, master, **options)
     from pslink.core.groups import GroupAgent
 
@@ -63,4 +64,5 @@ def connect(
 
 #: What :func:`connect` passes on to :class:`Agent` besides job, rank, num_workers and master.
 AGENT_OPTIONS = frozenset(inspect.signature(Agent.__init__).parameters) - {"self", "job", "rank", "num_workers",
-                                                                            "master"} | {"groups", "sync_store"}
+                                                                            "master"} | {"groups", "sync_store",
+                                                                                         "sync_group"}
