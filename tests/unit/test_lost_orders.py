@@ -34,24 +34,26 @@ def test_a_part_placed_on_the_holder_of_its_replica_is_promoted_from_the_replica
     assert replica.moves.promote_placed(t.job.job, [dict(spec(), incoming=True), dict(spec(), replica=True)]) == []
 
 
-def _failing_over():
+def _failing_over(state_dir=None, names=("agg-0", "agg-1", "agg-2")):
     """pMaster with a job's key ``w`` on agg-0 (its replica on agg-1), agg-1 and agg-2 connected
     (recording peers), an Agent waiting to hear where the part went, and agg-0 failed over."""
     from pslink.core.master import Master
     from pslink.core.transport import Transports
     from tests.helpers import RecordingPeer
 
-    master = Master("inproc://pmaster-lost-orders", transports=Transports())
+    master = Master("inproc://pmaster-lost-orders", transports=Transports(), state_dir=state_dir)
     state = master.state
-    for name in ("agg-0", "agg-1", "agg-2"):
-        state.register_aggregator(f"tcp://127.0.0.1:{9400 + int(name[-1])}", name)
+    for name in names:
+        master.store.save_aggregator(state.register_aggregator(f"tcp://127.0.0.1:{9400 + int(name[-1])}", name))
         state.aggregator_joined(name)
     record = state.register_worker("j", 0, 1, None, {"servers": 1, "partition_bytes": 1024, "replication": 1})
     spec, _ = state.declare(record, 0, {"key": "w", "shape": [32], "dtype": "float32", "intent": "init"})
     spec.ready = True
     (part,) = spec.parts
     part.aggregator, part.replicas = "agg-0", ["agg-1"]
-    peers = {name: RecordingPeer() for name in ("agg-1", "agg-2")}
+    master.store.save_job(record)
+    master.store.save_key("j", spec)
+    peers = {name: RecordingPeer() for name in names[1:]}
     master.links.peers.update(peers)
     agent = RecordingPeer()
     master.failover.relocate(agent, {"id": 7, "job": "j", "tok": record.token, "rank": 0, "parts": [["w", 0, "agg-0"]]})
@@ -92,3 +94,24 @@ def test_a_promote_lost_with_a_holder_that_is_then_failed_over_ends_the_wait():
         assert "agg-0" not in master.failover.failing and agent.replies  # the Agent hears where it went now
     finally:
         master.stop()
+
+
+def test_a_pmaster_killed_in_a_failover_resumes_from_where_the_parts_go(tmp_path):
+    """Found by the chaos run with control faults (a pMaster killed at the named point
+    ``promoted``): the failover forgot the lost Aggregator in the store at once but stored a
+    key's new place only once its PROMOTE was answered. The restarted pMaster found the other
+    parts on an Aggregator it no longer knew and answered the Agents with no address for them
+    ("address '' has no scheme"). Now the failover's placement is stored first; the holders
+    promote their replicas when the restarted pMaster re-sends what it places on them."""
+    from pslink.core.master import Master
+    from pslink.core.transport import Transports
+
+    master, peers, agent, promote = _failing_over(str(tmp_path), names=("agg-0", "agg-1"))  # (no replica to top up)
+    master.stop()  # killed before any PROMOTE was answered
+    restarted = Master("inproc://pmaster-lost-orders-2", transports=Transports(), state_dir=str(tmp_path))
+    try:
+        (part,) = restarted.state.jobs["j"].keys["w"].parts
+        assert part.aggregator == "agg-1" and "agg-0" not in restarted.state.aggregators
+        assert restarted.state.tasks_on("agg-1") and not restarted.state.tasks_on("agg-0")  # re-sent at registration
+    finally:
+        restarted.stop()

@@ -130,6 +130,12 @@ class Failover:
         # it: a queued move onto it goes back to its source in the plan before the plan forgets it.
         stays = self.mover.aggregator_lost(name)
         actions = self.state.fail_over(name, stays, self.mover.incoming())
+        # Stored before ``name`` is forgotten: a pMaster killed from here on resumes from where
+        # the parts go, and its re-sent ASSIGNs promote the replicas (Moves.promote_placed). (Not
+        # stored, a restart found the parts on an Aggregator it no longer knew, and answered the
+        # Agents with no address for them.)
+        for record, spec in {id(a.spec): (a.record, a.spec) for a in actions if not isinstance(a, Lost)}.values():
+            self.store.save_key(record.job, spec)
         self.store.delete_aggregator(name)
         faults.reached("pmaster", "failover")  # (tests: a pMaster killed here restarts from the store)
         self.forget(name)
