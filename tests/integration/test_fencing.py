@@ -261,3 +261,28 @@ def test_an_agent_that_loses_an_aggregator_while_pmaster_is_down_asks_again_once
         master.stop(shutdown_aggregators=True)
         provider.stop_all()
         transports.close()
+
+
+def test_an_agent_sent_to_a_replica_holder_asks_pmaster_again_instead_of_failing():
+    # A restarted pMaster or a lost PROMOTE can send an Agent to an Aggregator that holds only
+    # the part's replica (its promotion on the way). Before: "does not hold part", and the job
+    # failed. Now the holder answers "ask pMaster again": the Agent relocates and goes on.
+    transports = Transports()
+    service = service_with_leases(transports, lease=30.0)
+    try:
+        with pslink.connect("to-replica", 0, 1, master=service.address, transports=transports, replication=1,
+                            timeout=30) as agent:
+            agent.init("k", np.zeros(100, np.float32)).wait()
+            g = np.arange(100, dtype=np.float32)
+            np.testing.assert_array_equal(agent.pushpull("k", g).wait(), g)
+            placed = service.master.state.jobs["to-replica"].keys["k"].parts[0]
+            primary, holder = placed.aggregator, placed.replicas[0]
+            part = agent._keys["k"].parts[0]
+            assert part.aggregator == primary
+            part.move(holder, service.master.state.aggregators[holder].address)  # where an early answer sends it
+            np.testing.assert_array_equal(agent.pushpull("k", g + 1).wait(), g + 1)
+            assert part.aggregator == primary
+        assert service.master.failovers_done == 0
+    finally:
+        service.stop()
+        transports.close()

@@ -195,14 +195,9 @@ class AggregatorCore:
         key, part = header["key"], header["part"]
         task = self.tasks.get((job_id, key, part))
         if task is None or task.moved_to is not None:
-            moved = self.moved.get((job_id, key, part)) or (task.moved_to if task is not None else None)
-            if moved is not None:
-                raise moved_error(key, part, moved)
-            raise KeyStateError(
-                f"aggregator {self.name} does not hold part {part} of key {key!r} of job {job_id!r}",
-                job=job_id,
-                key=key,
-            )
+            ident = (job_id, key, part)
+            raise failures.not_here(self.name, ident, self.moved.get(ident) or (task and task.moved_to),
+                                    ident in self.replicas)
         if header["op"] in (TABLE_OPS if task.table is None else DATA_OPS):
             raise KeyStateError(f"{task.name} is {'a table' if task.table is not None else 'a tensor'}; "
                                 f"{header['op'].name} does not apply to it", job=job_id, key=key)

@@ -7,10 +7,25 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from pslink.core.aggregator.tasks import Reply, Task
-from pslink.errors import FencedError, PslinkError
+from pslink.core.aggregator.tasks import Reply, Task, moved_error
+from pslink.errors import FencedError, KeyStateError, PslinkError
 
 MAX_FAILED_ROUNDS = 16  # rounds a refused request failed, remembered per task to fail their late requests
+
+
+def not_here(name: str, ident: tuple, moved: tuple | None, replica: bool) -> PslinkError:
+    """The error for a request of a part this Aggregator does not serve: where it moved to, or
+    ask pMaster again (it holds a replica only), or not here at all."""
+    job, key, part = ident
+    if moved is not None:
+        return moved_error(key, part, moved)
+    if replica:
+        # pMaster placed the part here and its PROMOTE (or the ASSIGN that promotes) is on its
+        # way, or the Agent's placement is old: it asks pMaster again (lost control messages and
+        # a pMaster restarted mid-failover send Agents here early).
+        return FencedError(f"aggregator {name} holds only a replica of part {part} of key {key!r} of job {job!r}, "
+                           "not promoted; ask pMaster where the part is", job=job, key=key)
+    return KeyStateError(f"aggregator {name} does not hold part {part} of key {key!r} of job {job!r}", job=job, key=key)
 
 
 def fail_waiters(task: Task, error: PslinkError) -> list[Reply]:
