@@ -85,8 +85,11 @@ class StoreMeeting:
         self.base = "/".join([root.rstrip("/"), urllib.parse.quote(job, safe="")])
         self.fs.makedirs(f"{self.base}/members", exist_ok=True)
         done = self._syncs()
-        self.late = bool(done)
-        self.index = max(done, default=0)  # the syncs this group has done, as the job numbers them
+        # Late: others are under way without this group. A founding group is awaited at the first
+        # sync, whose folder may exist already (a founder quicker to its first sync waits for it
+        # there: found by the suite on a loaded machine); it is late only once a later one exists.
+        self.late = bool(set(done) - {1}) if group in self.founders else bool(done)
+        self.index = max(done) if self.late else 0  # the syncs this group has done, as the job numbers them
         self.written: list[str] = []  # this group's files of the last syncs
         self.seen: set[int] = set()  # groups ever listed as members
         self.fs.pipe(f"{self.base}/members/g{group}", str(time.time()).encode())
