@@ -115,3 +115,48 @@ def test_a_pmaster_killed_in_a_failover_resumes_from_where_the_parts_go(tmp_path
         assert restarted.state.tasks_on("agg-1") and not restarted.state.tasks_on("agg-0")  # re-sent at registration
     finally:
         restarted.stop()
+
+
+def test_a_drain_whose_moves_fail_keeps_the_aggregator_and_its_parts():
+    """Found by the chaos run with partitions: a scale-down drained an Aggregator that had just
+    died (its connection closed, the liveness probe not answered yet). Its moves were refused
+    (not connected), yet the release that followed them forgot it with the parts still placed
+    on it: no failover came, and the Agents were told no address for them ("address '' has no
+    scheme"). Now the parts keep it in the pool (and in the plan), and its failover places them."""
+    from pslink.core.master import Master
+    from pslink.core.master.actions import Migrate, Release
+    from pslink.core.transport import Transports
+    from tests.helpers import RecordingPeer
+
+    master = Master("inproc://pmaster-drain-failed", transports=Transports())
+    try:
+        state, control = master.state, master.state.control
+        for name in ("agg-0", "agg-1"):
+            master.store.save_aggregator(state.register_aggregator(f"tcp://127.0.0.1:{9400 + int(name[-1])}", name))
+            state.aggregator_joined(name)
+        record = state.register_worker("j", 0, 1, None, {"servers": 1, "partition_bytes": 1024, "replication": 0})
+        spec, _ = state.declare(record, 0, {"key": "w", "shape": [32], "dtype": "float32", "intent": "init"})
+        spec.ready = True
+        ident = ("j", "w", 0)
+        assert spec.parts[0].aggregator == "agg-0"
+        master.links.peers["agg-1"] = RecordingPeer()  # agg-0's connection is closed
+        # What Scaling._drain decides: the part to agg-1, agg-0 out of the plan, then released.
+        move = control.move_task(ident, "agg-1", "drain agg-0: idle")
+        control.clusters[control.cluster_of.pop("agg-0")].remove_aggregator("agg-0")
+        state.outbox += [move, Release("agg-0", "drained: idle")]
+        master._carry_out()
+        assert isinstance(move, Migrate) and spec.parts[0].aggregator == "agg-0"
+        assert "agg-0" in state.aggregators and control._where(ident) == "agg-0"  # kept, the plan put back
+        agent = RecordingPeer()
+        master.failover.relocate(agent, {"id": 7, "job": "j", "tok": record.token, "rank": 0,
+                                         "parts": [["w", 0, "agg-0"]]})
+        master.failover.fail_over("agg-0")  # its failover places the part (no replica: restarted elsewhere)
+        assert spec.parts[0].aggregator == "agg-1" and "agg-0" not in state.aggregators
+        peer = master.links.peers["agg-1"]
+        for callback in list(peer.callbacks):  # agg-1 took what it was given
+            callback({"op": Op.REPLY}, None)
+        for key in agent.replies[0]["body"]["keys"]:
+            for _, _, _, where, address in key["parts"]:
+                assert where == "agg-1" and address == "tcp://127.0.0.1:9401"
+    finally:
+        master.stop()

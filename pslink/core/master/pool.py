@@ -75,6 +75,8 @@ class Pool:
             # Tasks (or replicas) are still moving off (or onto) it: let it go when they are done.
             self._release_after[name] = action
             return
+        if self._keeps_parts(name, action.reason):
+            return
         log.info("pMaster: releasing aggregator %s (%s)", name, action.reason)
         peer = self.links.peers.pop(name, None)
         if peer is not None:
@@ -83,6 +85,26 @@ class Pool:
         self.store.delete_aggregator(name)
         self._reap(name)
         self._pool_released(name)
+
+    def _keeps_parts(self, name: str, reason: str) -> bool:
+        """Parts still placed on ``name`` (a move off it failed: its source or target was not
+        connected) keep it in the pool, back in the plan with them: released, it would be
+        forgotten with them, never failed over, and the Agents told no address for them (found
+        by the chaos run: a scale-down drained an Aggregator that had just died)."""
+        placed = [(record.job, spec.key, part.part) for record in self.state.jobs.values()
+                  for spec in record.keys.values() for part in spec.parts if part.aggregator == name]
+        if not placed:
+            return False
+        log.warning("pMaster: not releasing aggregator %s (%s): %d part(s) still placed on it (a move off it "
+                    "failed); it stays in the pool", name, reason, len(placed))
+        control = self.state.control
+        control.aggregator_added(name)
+        for ident in placed:
+            try:
+                control.move_task(ident, name, "its move failed")  # what is (not carried out)
+            except KeyError:
+                pass  # the plan does not count it (its job is profiling, or ended)
+        return True
 
     def forget(self, name: str) -> None:
         """A failed Aggregator: reap its process, if the provider started it."""
