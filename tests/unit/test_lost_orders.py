@@ -160,3 +160,25 @@ def test_a_drain_whose_moves_fail_keeps_the_aggregator_and_its_parts():
                 assert where == "agg-1" and address == "tcp://127.0.0.1:9401"
     finally:
         master.stop()
+
+
+def test_a_source_given_a_replica_of_the_part_it_handed_over_no_longer_reports_the_hand_over():
+    """Found by the CI chaos test killing pMaster at named points: an Aggregator that had handed a
+    part over long before, and held its replica since, reported that old hand-over at every
+    registration (its forwarding address stayed). A pMaster restarted in a failover that placed
+    the part on this very holder took the report for a move it had not stored, sent the part to
+    the old target, which held only a replica with no round in it, and promoted that: the job
+    failed (``its replica ... had not received any of its rounds``). A replica placed here
+    means pMaster stored the hand-over's end: the forwarding address goes."""
+    from tests.unit.test_aggregator_core import Cluster, copy, jobinfo, migrate
+
+    c = Cluster(workers=1, needs_init=False)
+    ident = (c.task.job.job, c.task.key, c.task.part)
+    target, _ = migrate(c)
+    _, outputs = c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
+    (out,) = [o for o in outputs if type(o).__name__ == "CopyOut"]
+    copy(out, target)
+    c.core.moves.copy_done(ident)
+    assert ident in c.core.moved and ident not in c.core.tasks  # reported as handed over (landed)
+    c.core.assign(jobinfo(workers=1), [dict(spec(), replica=True)])  # later: this holds its replica
+    assert ident in c.core.replicas and ident not in c.core.moved

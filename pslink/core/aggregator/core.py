@@ -130,6 +130,8 @@ class AggregatorCore:
                     self.replicas.pop(ident, None)
                 elif ident not in self.tasks:
                     self.replicas.setdefault(ident, {"spec": {k: v for k, v in spec.items() if k != "replica"}})
+                    # A hand-over from here is over (pMaster stored it): not one to report again.
+                    self.moved.pop(ident, None)
                 continue
             task = self.tasks.get(ident)
             if task is None:
