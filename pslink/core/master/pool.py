@@ -33,7 +33,7 @@ from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Op
 from pslink.errors import ConfigError, ProtocolError, PslinkError, PslinkTimeoutError, ServiceError
 
-log = logging.getLogger("pslink.core.master.master")
+log = logging.getLogger("pslink.core.master")  # as every part of pMaster: one name to filter its log by
 
 MAX_ADD = 64  # per request: a typo (-n 1000) should not start a thousand processes
 
