@@ -170,13 +170,14 @@ def test_a_source_given_a_replica_of_the_part_it_handed_over_no_longer_reports_t
     the old target, which held only a replica with no round in it, and promoted that: the job
     failed (``its replica ... had not received any of its rounds``). A replica placed here
     means pMaster stored the hand-over's end: the forwarding address goes."""
+    from pslink.core.aggregator.tasks import CopyOut
     from tests.unit.test_aggregator_core import Cluster, copy, jobinfo, migrate
 
     c = Cluster(workers=1, needs_init=False)
     ident = (c.task.job.job, c.task.key, c.task.part)
     target, _ = migrate(c)
     _, outputs = c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
-    (out,) = [o for o in outputs if type(o).__name__ == "CopyOut"]
+    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
     copy(out, target)
     c.core.moves.copy_done(ident)
     assert ident in c.core.moved and ident not in c.core.tasks  # reported as handed over (landed)
