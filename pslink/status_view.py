@@ -26,8 +26,8 @@ def render_status(status: dict, out: Console) -> None:
     out.print(f"[bold]pMaster[/] {master.get('address', '?')} (pid {master.get('pid', '?')}, "
               f"state {master.get('state') or 'in memory'})")
     aggs = Table(title="Aggregators")
-    for column in ("name", "host", "address", "pid", "alive", "tasks by job", "MB", "cycle ms", "free ms", "load",
-                   "task rounds/s", "bad msgs"):
+    for column in ("name", "host", "address", "pid", "alive", "tasks by job", "replicas (no state)", "MB", "cycle ms",
+                   "free ms", "load", "task rounds/s", "bad msgs"):
         left = column in ("name", "host", "address", "tasks by job")
         aggs.add_column(column, justify="left" if left else "right", no_wrap=column in ("name", "address"))
     labels = host_labels(status["aggregators"])
@@ -36,7 +36,9 @@ def render_status(status: dict, out: Console) -> None:
         if a.get("reserved_for"):
             jobs += f" (kept for {a['reserved_for']})"
         alive = ("[yellow]draining[/]" if a.get("draining") else "yes") if a["alive"] else "[red]no[/]"
+        behind = a.get("replicas_without_state", 0)
         aggs.add_row(a["name"], labels[a["name"]], a["address"], str(a["pid"]), alive, jobs,
+                     str(a.get("replicas", 0)) + (f" [yellow]({behind})[/]" if behind else ""),
                      f"{a['bytes'] / 1e6:.2f}", f"{a.get('cycle', 0) * 1e3:.1f}", f"{a.get('free', 0) * 1e3:.1f}",
                      f"{a.get('load', 0):.0%}", f"{a['task_rounds_per_s']:.1f}", str(a["errors"]))
     out.print(aggs)

@@ -170,6 +170,30 @@ class Chaos:
         pids = {a.get("pid") for a in (status or {}).get("aggregators", []) if a["alive"]}
         return all(proc is not None and proc.poll() is None and proc.pid in pids for proc in self.remote)
 
+    def wait_replicated(self, after: str) -> None:
+        """Until every part is served by a live Aggregator and has its job's replicas, each of
+        which a round (or its primary's catch-up) reached: the service survives another failure.
+        Replication 1 survives one failure at a time; a fault before this is a second failure,
+        whose loss no replication 1 promises to prevent, so the schedule waits (and reports how
+        long it took). Not so within a minute: the run fails, naming what is missing."""
+        lacking = ["no status"]
+
+        def replicated() -> bool:
+            status = status_of(self.master)
+            if status is None:
+                return False
+            lacking[:] = [f"{j['job']}: {j['parts_short_of_replicas']} part(s) short of replicas, "
+                          f"{j['parts_on_lost_aggregators']} on lost Aggregators" for j in status["jobs"]
+                          if j["parts_short_of_replicas"] or j["parts_on_lost_aggregators"]]
+            lacking.extend(f"{a['name']}: {a['replicas_without_state']} replica(s) no round reached"
+                           for a in status["aggregators"] if a["replicas_without_state"])
+            return not lacking
+
+        try:
+            wait_for(lambda: replicated() or self.errors, 60, f"every part's replicas to have its state after {after}")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc} ({'; '.join(lacking)})") from None
+
     def processes(self) -> dict[int, tuple[str, int]]:
         """The long-lived processes now: pMaster and the Aggregators (pid -> (what, bytes of
         tensors it holds: an Aggregator's parts, replicas included, as it reports them))."""
@@ -225,10 +249,18 @@ class Chaos:
         self.service.kill()
         self.service.wait(10)
         self.up(faults=f"kill=pmaster@{point}")
+        at = time.monotonic()
         serving = [a for a in (status_of(self.master) or {}).get("aggregators", []) if a["alive"] and a.get("pid")]
+        if not serving:
+            # No status: pMaster reached the point by itself (a move of its own, just restarted,
+            # reached "copy-landed"), or it is between answers: what was armed is spent either way.
+            self.service.kill()
+            self.service.wait(10)
+            self.up()
+            return {"kind": "pmaster-point", "victim": f"{point} (reached or not, before a victim was chosen)",
+                    "reached": None, "at": at, "recovered_s": round(time.monotonic() - at, 2)}
         alive = {a["name"]: a["pid"] for a in serving}
         victim = max(serving, key=lambda a: a["tasks"])["name"]  # the one with most parts to move
-        at = time.monotonic()
         if point in ("failover", "promoted"):
             os.kill(alive[victim], signal.SIGKILL)
         else:
@@ -321,6 +353,7 @@ class Chaos:
         wait_for(lambda: all(s >= 5 for s in self.steps.values()) and (self.elastic is None or self.elastic.steps() >= 5)
                  or self.errors, 120, "every job's first steps")
         time.sleep(warmup)  # the warm-up: memory and rates settle before the measured part
+        self.wait_replicated("the warm-up")
         while (len(self.schedule) < faults if faults is not None else time.monotonic() - started < seconds) \
                 and not self.errors:
             self.sample_memory()
@@ -337,12 +370,15 @@ class Chaos:
                 fault = self.kill_pmaster_at_point()
             else:
                 fault = self.kill_aggregator()
+            self.wait_replicated(f"the {fault['kind']} fault")
+            fault["replicated_s"] = round(time.monotonic() - fault["at"], 2)
             fault["steps"] = dict(sorted((f"{j}/{r}", s) for (j, r), s in self.steps.items()))
             self.schedule.append(fault)
             cut = f"({fault['parts_cut_off']} parts, {fault['replicas_cut_off']} replicas cut off) " \
                 if "parts_cut_off" in fault else ""
             print(f"chaos: {fault['kind']:10} " + (f"{fault.get('victim', '')} " if "victim" in fault else
-                  f"down {fault['down_s']} s {cut}") + f"recovered in {fault['recovered_s']} s", flush=True)
+                  f"down {fault['down_s']} s {cut}") + f"recovered in {fault['recovered_s']} s, replicated in "
+                  f"{fault['replicated_s']} s", flush=True)
         self.sample_memory()
         self.stop_at.append(max(self.steps.values()) + 10)
         if self.elastic is not None:

@@ -104,6 +104,8 @@ def test_metrics_parse_and_match_the_status_of_a_two_job_run():
             assert metrics[("pslink_job_workers", label)] == job["workers"] == 2
             assert metrics[("pslink_job_keys", label)] == job["keys"] == 2
             assert metrics[("pslink_job_stalls_total", label)] == job["stalls"] == 0
+            for name in ("parts_short_of_replicas", "parts_on_lost_aggregators"):  # (no replication asked)
+                assert metrics[(f"pslink_job_{name}", label)] == job[name] == 0
             count = job["iteration_seconds"]["count"]
             assert metrics[("pslink_job_iteration_seconds_count", label)] == count
             assert metrics[("pslink_job_iteration_seconds_bucket", label | {("le", "+Inf")})] == count
@@ -112,6 +114,8 @@ def test_metrics_parse_and_match_the_status_of_a_two_job_run():
             assert metrics[("pslink_aggregator_tasks", label)] == agg["tasks"]
             assert metrics[("pslink_aggregator_held_bytes", label)] == agg["bytes"]
             assert metrics[("pslink_aggregator_bad_messages_total", label)] == agg["errors"]
+            assert metrics[("pslink_aggregator_replicas", label)] == agg["replicas"] == 0
+            assert metrics[("pslink_aggregator_replicas_without_state", label)] == agg["replicas_without_state"] == 0
         assert sum(a["tasks"] for a in status["aggregators"]) == 4
         counters = status["counters"]
         # The service started two Aggregators; the pool the others (each job is profiled alone).

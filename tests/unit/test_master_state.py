@@ -333,3 +333,32 @@ def test_a_rank_registered_anew_leaves_and_comes_back_as_a_newcomer(state):
     assert state.take_out_to_rejoin("j", 0, job.token, pid=12, host="h")
     assert not state.take_out_to_rejoin("j", 2, job.token)  # not a member: a plain registration
     assert not state.take_out_to_rejoin("nope", 0, job.token)  # register_worker says why
+
+
+def test_status_counts_replicas_no_round_reached_and_parts_short_of_replicas(state):
+    """A replica counts as up to date once its holder's heartbeat reports a round in it: until
+    then (just placed, or its primary never told), a failover would promote an empty copy."""
+    job = state.register_worker("j", 0, 1, token=None, config={"replication": 1})
+    spec, _ = state.declare(job, 0, item("w"))
+    (holder,) = spec.parts[0].replicas
+
+    def replica_row():
+        (row,) = [a for a in status_of(state)["aggregators"] if a["name"] == holder]
+        return row["replicas"], row["replicas_without_state"]
+
+    assert replica_row() == (1, 1)  # no heartbeat yet: not known to have any round
+    state.aggregator_heartbeat(holder, {"replicas_with_state": [["j", "other", 0], ["j", "w"], "junk"]})
+    assert replica_row() == (1, 1)  # another part, and malformed entries, do not count
+    state.aggregator_heartbeat(holder, {"replicas_with_state": [["j", "w", 0]]})
+    assert replica_row() == (1, 0)
+
+    def job_row():
+        (row,) = status_of(state)["jobs"]
+        return row["parts_short_of_replicas"], row["parts_on_lost_aggregators"]
+
+    assert job_row() == (0, 0)
+    state.aggregator_lost(holder)  # its connection closed: the replica is not a live one
+    assert job_row() == (1, 0)
+    state.aggregator_heartbeat(holder, {"replicas_with_state": [["j", "w", 0]]})  # back
+    state.aggregator_lost(spec.parts[0].aggregator)  # the primary: the part waits for its failover
+    assert job_row() == (0, 1)

@@ -343,6 +343,13 @@ class Moves:
             del self.dropped[ident]
         return [[*ident, name] for ident, names in self.dropped.items() for name in sorted(names)]
 
+    def replicas_with_state(self) -> list:
+        """``[job, key, part]`` of the replicas held here that a round (or a catch-up) reached,
+        for pMaster: a replica it counts and does not find here would lose the part's state,
+        were it promoted now (its status shows such replicas, so an operator, or the chaos run,
+        knows when the service survives another failure)."""
+        return [list(ident) for ident, held in self.replicas.items() if "state" in held]
+
     def replica_update(self, header: dict, state: dict, arrays: list[np.ndarray]) -> None:
         """REPLICATE: keep a closed round's state of a part this Aggregator is a replica of."""
         ident = (header["job"], header["key"], header["part"])

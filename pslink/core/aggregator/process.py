@@ -190,7 +190,8 @@ class Aggregator:
                 "costs": self.core.costs(),
                 "load": round(min(1.0, load), 4), "cycle": self.core.budget.describe() if self.core.budget else None,
                 "stalled": self.stalls.report(now),
-                "dropped_replicas": self.core.moves.dropped_report()}
+                "dropped_replicas": self.core.moves.dropped_report(),
+                "replicas_with_state": self.core.moves.replicas_with_state()}
 
     def _inspect(self) -> None:
         """Log each round that newly waits longer than the threshold, naming the missing ranks."""

@@ -442,9 +442,11 @@ class MasterState:
         if "load" in stats:
             record.stats["load"] = stats["load"]
             self.control.load_measured(name, float(stats["load"]))
-        record.stats["errors"] = stats.get("errors", 0)
-        record.stats["requests"] = stats.get("requests", 0)
-        record.stats["fused"] = stats.get("fused", 0)  # of those, requests that came in FUSED messages
+        # "fused": of the requests, those that came in FUSED messages.
+        for field in ("errors", "requests", "fused"):
+            record.stats[field] = stats.get(field, 0)
+        record.stats["replicas_with_state"] = {tuple(e) for e in stats.get("replicas_with_state") or ()
+                                               if self._part_entry(e)}
         record.stats["stalled"] = stats.get("stalled") or []
         record.last_seen = now
         record.alive = True

@@ -28,11 +28,21 @@ def status_of(state) -> dict:
         for name, agg in plan.aggregators.items():
             plans[name] = agg
     replicas: dict[str, int] = {}  # name -> the parts it holds a replica of
+    stateless: dict[str, int] = {}  # name -> of those, replicas its last heartbeat did not report a round in
+    short: dict[str, int] = {}  # job -> its parts with fewer live replicas than its replication
+    lost: dict[str, int] = {}  # job -> its parts on an Aggregator that is not alive (a failover to come)
+    alive = {name for name, agg in state.aggregators.items() if agg.alive}
     for record in state.jobs.values():
         for spec in record.keys.values():
             for part in spec.parts:
+                lost[record.job] = lost.get(record.job, 0) + (part.aggregator not in alive)
+                live = sum(name in alive for name in part.replicas)
+                short[record.job] = short.get(record.job, 0) + (live < record.replication)
                 for name in part.replicas:
                     replicas[name] = replicas.get(name, 0) + 1
+                    holder = state.aggregators.get(name)
+                    reached = holder.stats.get("replicas_with_state", ()) if holder is not None else ()
+                    stateless[name] = stateless.get(name, 0) + ((record.job, spec.key, part.part) not in reached)
     aggregators = []
     for agg in sorted(state.aggregators.values(), key=lambda a: a.name):
         jobs = agg.stats.get("_jobs", {})
@@ -50,6 +60,9 @@ def status_of(state) -> dict:
                 "last_seen": round(now - agg.last_seen, 1),
                 "tasks": sum(e.get("tasks", 0) for e in jobs.values()) if jobs else (len(plan.tasks) if plan else 0),
                 "replicas": replicas.get(agg.name, 0),
+                # Of those, replicas no round reached yet (as far as its last heartbeat said):
+                # their part has no up-to-date replica.
+                "replicas_without_state": stateless.get(agg.name, 0),
                 "bytes": sum(e.get("bytes", 0) for e in jobs.values()),
                 "jobs": {j: e.get("tasks", 0) for j, e in jobs.items()},
                 "cycle": plan.cycle if plan else 0.0,
@@ -77,6 +90,8 @@ def status_of(state) -> dict:
                 "num_workers": record.num_workers,
                 "keys": len(record.keys),
                 "tasks": sum(len(s.parts) for s in record.keys.values()),
+                "parts_short_of_replicas": short.get(record.job, 0),
+                "parts_on_lost_aggregators": lost.get(record.job, 0),
                 "bytes": sum(s.nbytes() for s in record.keys.values()),
                 "held_bytes": sum(s.held_bytes() for s in record.keys.values()),
                 "quota": state.quota_of(record),

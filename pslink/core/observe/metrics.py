@@ -39,6 +39,9 @@ def metric_families(status: dict) -> Iterator[Metric]:
          lambda a: a.get("task_rounds_per_s", 0.0)),
         (C, "pslink_aggregator_bad_messages", "malformed messages and broken peers", lambda a: a.get("errors", 0)),
         (C, "pslink_aggregator_requests", "requests received", lambda a: a.get("requests", 0)),
+        (G, "pslink_aggregator_replicas", "replicas of parts the Aggregator holds", lambda a: a.get("replicas", 0)),
+        (G, "pslink_aggregator_replicas_without_state", "of its replicas, those no round reached yet",
+         lambda a: a.get("replicas_without_state", 0)),
     ]
     for kind, name, doc, get in per_agg:
         yield _family(kind, name, doc, ["aggregator"], [([a["name"]], get(a)) for a in aggs])
@@ -53,6 +56,10 @@ def metric_families(status: dict) -> Iterator[Metric]:
         (C, "pslink_job_pulled_bytes", "bytes the job's workers pulled", lambda j: j.get("pulled_bytes", 0)),
         (C, "pslink_job_stalls", "rounds that waited longer than the stall threshold", lambda j: j.get("stalls", 0)),
         (G, "pslink_job_stalled_rounds", "rounds stalled now", lambda j: j.get("stalled_rounds", 0)),
+        (G, "pslink_job_parts_short_of_replicas", "parts with fewer live replicas than the job's replication",
+         lambda j: j.get("parts_short_of_replicas", 0)),
+        (G, "pslink_job_parts_on_lost_aggregators", "parts whose Aggregator is not alive (to be failed over)",
+         lambda j: j.get("parts_on_lost_aggregators", 0)),
     ]
     for kind, name, doc, get in per_job:
         yield _family(kind, name, doc, ["job"], [([j["job"]], get(j)) for j in jobs])
