@@ -12,7 +12,7 @@ from pslink.core.master.control import ControlPlane
 from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
 from pslink.core.master.state import MasterState
 from pslink.core.service.providers.base import Provider
-from pslink.core.master.recovery import pick_replicas, plan_failover
+from pslink.core.master.recovery import pick_replicas, plan_failover, plan_replica_moves
 from pslink.core.master.store import MasterStore
 from pslink.errors import ConfigError
 from pslink.launch import Launch, check_nodes
@@ -217,3 +217,16 @@ def test_each_node_gives_its_workers_global_ranks():
     assert [label for label, _, _ in launch.processes()] == ["rank 2", "rank 3"]
     single = Launch(["python", "train.py"], 1, env={})
     assert "GLOO_SOCKET_IFNAME" not in single.environment(0)  # one node: gloo finds loopback by itself
+
+
+def test_a_removed_replica_holder_s_replicas_never_go_to_a_running_move_s_target():
+    """The part moves to b2 now: its replica, leaving with a1, goes to c1 (b2 would hold the
+    part and its only replica once the move landed), though b2 is the least loaded."""
+    record = JobRecord(job="j", token=b"t", num_workers=1, mode="optimizer", replication=1)
+    record.keys["w"] = KeySpec("w", (4,), "float32", 0, True, [PartSpec(0, (0, 4), "b1", ["a1"])])
+    record.keys["x"] = KeySpec("x", (4,), "float32", 0, True, [PartSpec(0, (0, 4), "c1", ["b1"])])
+    (action,) = plan_replica_moves({"j": record}, "a1", ["b1", "b2", "c1"], incoming={("j", "w", 0): "b2"})
+    assert action.added == ["c1"] and record.keys["w"].parts[0].replicas == ["c1"]
+    record.keys["w"].parts[0].replicas = ["a1"]
+    (action,) = plan_replica_moves({"j": record}, "a1", ["b1", "b2", "c1"])  # no move: the least loaded
+    assert action.added == ["b2"]

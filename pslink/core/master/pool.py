@@ -208,7 +208,7 @@ class Pool:
             # Its tasks could not be copied off it: pMaster fails it over by itself instead.
             raise ServiceError(f"aggregator {name} is not connected to pMaster (down, or failing over); "
                                "it cannot be drained")
-        moves, replicas = self.state.remove_from_pool(name)
+        moves, replicas = self.state.remove_from_pool(name, {task: m.target for task, m in self.moves.running.items()})
         log.info("pMaster: an operator removes aggregator %s: %d task(s) and %d replica(s) move", name, len(moves),
                  len(replicas))
         self._pool_removals[name] = {"peer": peer, "req": req, "moves": list(moves), "replicas": replicas,

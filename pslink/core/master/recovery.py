@@ -179,18 +179,22 @@ def copy_sources(replicas: list[str], target: str, target_held_replica: bool, li
     return first + [r for r in replicas if r in live and r not in (lost, target)]
 
 
-def plan_replica_moves(jobs, leaving: str, candidates: list[str], hosts: Mapping[str, str] | None = None
-                       ) -> list[Rereplicate]:
+def plan_replica_moves(jobs, leaving: str, candidates: list[str], hosts: Mapping[str, str] | None = None,
+                       incoming: Mapping[tuple, str] | None = None) -> list[Rereplicate]:
     """An operator removes ``leaving``: every replica it holds goes to another of ``candidates``
-    (the live Aggregators not being removed), so each part keeps its replica count."""
+    (the live Aggregators not being removed), so each part keeps its replica count.
+    ``incoming``: parts moving now and their targets, which serve them next (a replica there
+    would be the part's primary once the move lands)."""
     load = holdings(jobs)
+    incoming = incoming or {}
     actions = []
     for record in jobs.values():
         for spec in record.keys.values():
             for part in spec.parts:
                 if leaving in part.replicas:
                     part.replicas = [r for r in part.replicas if r != leaving]
-                    added = _top_up(record, part, candidates, load, leaving, hosts)
+                    coming = incoming.get((record.job, spec.key, part.part))
+                    added = _top_up(record, part, candidates, load, leaving, hosts, coming)
                     actions.append(Rereplicate(record, spec, part, added))
     return actions
 

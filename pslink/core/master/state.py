@@ -409,16 +409,17 @@ class MasterState:
         self.aggregators.pop(name, None)
         self.control.released(name)
 
-    def remove_from_pool(self, name: str) -> tuple[dict[tuple, str], list]:
+    def remove_from_pool(self, name: str, incoming: dict[tuple, str] | None = None) -> tuple[dict[tuple, str], list]:
         """An operator removes the Aggregator ``name``: the control plane plans the moves of the
-        tasks it serves (its actions go to the outbox), the replicas it holds go elsewhere at once.
+        tasks it serves (its actions go to the outbox), the replicas it holds go elsewhere at once
+        (not to the target of a part's running move, ``incoming``).
         Returns (task -> where it moves, the replica changes to carry out)."""
         if name not in self.aggregators:
             raise ServiceError(f"aggregator {name!r} is not registered with this pMaster (it has: "
                                f"{', '.join(sorted(self.aggregators)) or 'none'})")
         actions, moves = self.control.remove_aggregator(name)
         self.outbox += actions
-        return moves, plan_replica_moves(self.jobs, name, self.replica_candidates(), self.control.host_of)
+        return moves, plan_replica_moves(self.jobs, name, self.replica_candidates(), self.control.host_of, incoming)
 
     def aggregator_heartbeat(self, name: str, stats: dict) -> None:
         record = self.aggregators.get(name)
