@@ -41,7 +41,7 @@ from pslink.core.agent.handle import Handle, Handles
 from pslink.core.agent.host_reduce import local_group
 from pslink.core.agent.host_reduce import start as host_reduce_start
 from pslink.core.agent.iterations import Iterations
-from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartRequest, Seat, check_key
+from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartRequest, Seat, check_key, fenced_pause
 from pslink.core.agent.master_link import MasterLink
 from pslink.core.agent.requests import Requests
 from pslink.core.agent.settings import job_config
@@ -565,7 +565,8 @@ class Agent:
         self._requests.put_back(rid, request)
         master = self._master.peer
         if master is not None and not master.conn.closed:
-            self._failover.link_lost(request.link, error, [rid])
+            # (Again and again: a promotion not done yet; the tries span seconds, not a burst.)
+            self._reactor.call_later(fenced_pause(request.moves), self._failover.link_lost, request.link, error, [rid])
             return
         try:
             request.link.conn.send([encode(Op.PING, id=0, pmd=True)])

@@ -118,6 +118,14 @@ class PartRequest:
 MAX_MOVES = 8  # a request that keeps meeting "moved" answers gives up with the last one
 
 
+def fenced_pause(moves: int) -> float:
+    """Seconds before a request told "ask pMaster again" (FencedError) for the ``moves``-th time
+    asks: at once the first time (a lease that ran out: pMaster knows the new place), then
+    50 ms doubling to 1 s (a failover whose promotion is not done yet), so that the MAX_MOVES
+    tries span seconds instead of a burst of round trips."""
+    return 0.0 if moves <= 1 else min(0.05 * 2 ** (moves - 2), 1.0)
+
+
 # dtype -> wire name; a dict lookup, because ``dtype.name`` costs microseconds per call
 WIRE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 WIRE_NAMES.update({np.dtype(name): name for name in DTYPES})
