@@ -217,3 +217,29 @@ class DelayRelay:
             thread.join(10)
         for sock in self.sockets:
             sock.close()
+
+
+class FirstAnswerLost(DelayRelay):
+    """A relay (no delay) whose first connection closes, both ways, instead of passing on the
+    first bytes the far end answers: a request that reached pMaster and whose answer was lost
+    with the connection. Later connections pass everything; ``cut`` counts the lost answers."""
+
+    def __init__(self, target: str):
+        self.cut = 0
+        super().__init__(target, 0.0)
+
+    def _pump(self, source, sink) -> None:
+        if source is not self.sockets[1]:  # (``sockets``: near, far of each connection, in order)
+            super()._pump(source, sink)
+            return
+        try:
+            if source.recv(1 << 16):
+                self.cut += 1
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(2)
+            except OSError:
+                pass
+

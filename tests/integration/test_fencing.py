@@ -286,3 +286,26 @@ def test_an_agent_sent_to_a_replica_holder_asks_pmaster_again_instead_of_failing
     finally:
         service.stop()
         transports.close()
+
+
+def test_a_worker_whose_registration_answer_was_lost_registers_again_and_trains():
+    """Found by the chaos run with control faults: pMaster registered a worker, and its answer
+    (with the job's token) was lost with the connection; the worker failed at once with a
+    PeerError, and had it asked again without the token it would have been refused. Now the
+    Agent asks again on a new connection, and pMaster lets the same process register again
+    until it has used the token; another process may not."""
+    from tests.helpers import FirstAnswerLost
+
+    with Service(aggregators=1) as service:
+        relay = FirstAnswerLost(service.address)
+        try:
+            with pslink.connect("answer-lost", 0, 1, master=relay.address, timeout=30) as agent:
+                assert relay.cut == 1  # the first registration's answer never came
+                agent.init("w", np.ones(4, np.float32)).wait(10)
+                np.testing.assert_array_equal(agent.pushpull("w", np.full(4, 2.0, np.float32)).wait(10), np.full(4, 2.0))
+                record = service.master.state.jobs["answer-lost"]
+                wait_until(lambda: record.workers[0].token_used, 10, "the worker's first request with its token")
+                with pytest.raises(pslink.errors.AuthError, match="needs its token to register rank 0"):
+                    record.check_credential(None, 0, pid=record.workers[0].pid, host_id=record.workers[0].host_id)
+        finally:
+            relay.close()

@@ -101,10 +101,14 @@ class MasterLink:
         deadline = time.monotonic() + self.connect_timeout
         pause = 0.05
         while True:
+            self.connected()  # pMaster unreachable: said at once, not retried
             try:
                 return self.call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
-            except MembershipError as exc:
-                if exc.details.get("reason") != "connected" or time.monotonic() + pause > deadline:
+            except (MembershipError, PeerError) as exc:
+                # A connection lost under the request (its answer too, maybe) is asked again on a
+                # new one: pMaster lets the same process register again until it used the token.
+                again = isinstance(exc, PeerError) or exc.details.get("reason") == "connected"
+                if not again or time.monotonic() + pause > deadline:
                     raise
                 log.info("agent %s: %s; asking again in %.2f s", self.seat, exc.message, pause)
                 time.sleep(pause)  # a backoff between attempts, not what correctness rests on

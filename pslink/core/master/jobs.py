@@ -4,6 +4,7 @@ where their parts live, Aggregators; and the validation of a job's settings."""
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import math
 from typing import Any
 
@@ -13,7 +14,7 @@ from pslink.core.checkpoints import DEFAULT_EVERY, check_url
 from pslink.core.partition import DEFAULT_PARTITION_BYTES
 from pslink.core.wire.protocol import DTYPES
 from pslink.core.master.job_control import check_service_level
-from pslink.errors import ConfigError, QuotaError, error_to_wire
+from pslink.errors import AuthError, ConfigError, QuotaError, error_to_wire
 
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
@@ -124,6 +125,10 @@ class WorkerInfo:
     left: bool = False
     disconnected_at: float | None = None  # its connection closed then (removed after a grace period)
     restored: bool = False  # loaded after a pMaster restart: its worker re-registers to claim it
+    # It sent the job's token since it registered, so it got pMaster's answer. Until then the
+    # same process may register again without it: the answer (the token) may have been lost
+    # with its connection (found by the chaos run with control faults).
+    token_used: bool = False
 
 
 @dataclasses.dataclass
@@ -166,6 +171,26 @@ class JobRecord:
     def started(self) -> bool:
         """Keys exist: a rank added now joins rounds already under way."""
         return bool(self.keys)
+
+    def check_credential(self, token: bytes | None, rank: int, first_join: bool = True, pid: int = 0,
+                         host_id: str = "") -> None:
+        """A worker's registration: with the job's token, or without it for a rank's first join
+        (trust on first use, where the service allows it), or for the same process again while
+        it never used the token (its registration's answer was lost with the connection)."""
+        if token is None:
+            current = self.workers.get(rank)
+            answer_lost = (current is not None and not current.token_used and pid != 0
+                           and (current.pid, current.host_id) == (pid, host_id) and not self.preregistered)
+            if (self.preregistered or rank in self.joined or not first_join) and not answer_lost:
+                raise AuthError(
+                    f"job {self.job!r} needs its token to register rank {rank} (set PSLINK_TOKEN or "
+                    "pass token=); if an earlier run of the job crashed, it ends once its workers have "
+                    "been silent for the heartbeat timeout",
+                    job=self.job,
+                )
+            return
+        if not hmac.compare_digest(token, self.token):
+            raise AuthError(f"wrong token for job {self.job!r} (rank {rank}); refused", job=self.job)
 
     def extra(self) -> dict:
         """Settings and membership beyond the stored columns (persisted as JSON)."""

@@ -158,7 +158,7 @@ class MasterState:
                 )
             record = self._new_job(job, num_workers, config, preregistered=False)
         else:
-            self._check_credential(record, token, rank, first_join)
+            record.check_credential(token, rank, first_join, pid, host_id or host)
             if num_workers != record.num_workers and record.max_workers == record.num_workers:
                 raise MembershipError(
                     f"job {job!r} has {record.num_workers} workers; rank {rank} says {num_workers}", job=job
@@ -208,7 +208,7 @@ class MasterState:
         record = self.jobs.get(job)
         if record is None or token is None:
             return False  # register_worker refuses or creates the job, saying why
-        self._check_credential(record, token, rank)
+        record.check_credential(token, rank)
         if rank not in record.membership:
             return False
         current = record.workers.get(rank)
@@ -230,19 +230,6 @@ class MasterState:
         self._maybe_idle(record, since)
         return True
 
-    def _check_credential(self, record: JobRecord, token: bytes | None, rank: int, first_join: bool = True) -> None:
-        if token is None:
-            if record.preregistered or rank in record.joined or not first_join:
-                raise AuthError(
-                    f"job {record.job!r} needs its token to register rank {rank} (set PSLINK_TOKEN or "
-                    "pass token=); if an earlier run of the job crashed, it ends once its workers have "
-                    "been silent for the heartbeat timeout",
-                    job=record.job,
-                )
-            return
-        if not hmac.compare_digest(token, record.token):
-            raise AuthError(f"wrong token for job {record.job!r} (rank {rank}); refused", job=record.job)
-
     def authorize(self, job: str, token: bytes, rank: int) -> JobRecord:
         record = self.jobs.get(job)
         if record is None:
@@ -253,6 +240,9 @@ class MasterState:
             why = record.removed.get(rank)
             raise MembershipError(f"rank {rank} is not a member of job {job!r}"
                                   + (f" (removed: {why}; register again to rejoin)" if why else ""), job=job)
+        worker = record.workers.get(rank)
+        if worker is not None:
+            worker.token_used = True
         return record
 
     def heartbeat(self, record: JobRecord, rank: int, iterations: list[float] | None = None,
