@@ -183,3 +183,30 @@ def test_a_source_given_a_replica_of_the_part_it_handed_over_no_longer_reports_t
     assert ident in c.core.moved and ident not in c.core.tasks  # reported as handed over (landed)
     c.core.assign(jobinfo(workers=1), [dict(spec(), replica=True)])  # later: this holds its replica
     assert ident in c.core.replicas and ident not in c.core.moved
+
+
+def test_a_replica_given_to_an_aggregator_waiting_for_the_parts_copy_takes_the_waiting_task_s_place():
+    """Found by the chaos run with control faults: agg-3 waited for the copy of a part from a
+    source that died before it handed the part over; the failover promoted the part's replica
+    elsewhere and gave agg-3 the new replica. agg-3 ignored it (it "served" the part: the
+    waiting task), so the new primary's rounds never reached a replica ("still does not know
+    it holds it", for good). Now the ASSIGN ends the given-up move first."""
+    from pslink.core.aggregator import failures
+
+    c, replica = replicated_source({"type": "sgd", "lr": 0.1})
+    t = c.task
+    ident = (t.job.job, t.key, t.part)
+    info = {"job": t.job.job, "token": t.job.token, "membership": t.job.membership.to_wire(), "mode": "optimizer",
+            "optimizer": t.job.optimizer.to_wire(), "sync": "bsp"}
+    target = replica  # (any core: one that waits for the part's copy)
+    target.replicas.pop(ident)
+    target.assign(info, [dict(spec(), incoming=True, **{"from": "agg-1"})])
+    assert target.tasks[ident].incoming
+    given = [dict(spec(), replica=True)]
+    assert failures.end_moves_given_up(target.tasks, t.job.job, [dict(spec(), replica=True, drop=True)], "agg-3") == []
+    assert ident in target.tasks  # a dropped replica, or any other ASSIGN, leaves the move alone
+    assert failures.end_moves_given_up(target.tasks, t.job.job, given, "agg-3") == []  # nothing waited on it
+    target.assign(info, given)
+    assert ident not in target.tasks and ident in target.replicas
+    init_replicated(c, target, np.arange(6, dtype=np.float32))  # the primary's next round reaches it
+    assert target.replicas[ident]["closed"] == 0

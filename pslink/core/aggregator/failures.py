@@ -93,3 +93,22 @@ def fence(tasks: dict, parts: list, name: str) -> tuple[set, list[Reply]]:
                 f"aggregator {name} was failed over while away; {task.name} is served elsewhere now: ask pMaster",
                 agg=name))
     return idents, replies
+
+
+def end_moves_given_up(tasks: dict, job_id: str, specs: list[dict], name: str) -> list[Reply]:
+    """pMaster gives this Aggregator a replica of a part it waits for a copy of (an ASSIGN's
+    ``specs``): that move is over, for pMaster never makes a move's target the part's replica
+    (its source died before it handed the part over, and the failover placed the part
+    elsewhere). The waiting task goes, so that the replica takes its place (kept beside it, the
+    replica was ignored and never got a round: found by the chaos run with control faults),
+    and what waited on it is told to ask pMaster."""
+    replies = []
+    for spec in specs:
+        ident = (job_id, spec.get("key"), spec.get("part"))
+        task = tasks.get(ident)
+        if spec.get("replica") and not spec.get("drop") and task is not None and task.incoming:
+            del tasks[ident]
+            replies += fail_waiters(task, FencedError(
+                f"aggregator {name} no longer waits for {task.name}: its move was given up; ask pMaster", agg=name))
+    return replies
+

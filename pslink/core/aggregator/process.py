@@ -521,6 +521,7 @@ class Aggregator:
     def _on_control(self, peer: RpcPeer, req: dict) -> None:
         op = req["op"]
         if op == Op.ASSIGN:
+            self._send_all(failures.end_moves_given_up(self.core.tasks, req["jobinfo"]["job"], req["tasks"], self.name))
             self._send_all(self.core.moves.promote_placed(req["jobinfo"]["job"], req["tasks"]))
             for task in self.core.assign(req["jobinfo"], req["tasks"]):
                 self.master.fenced_parts.discard((task.job.job, task.key, task.part))  # placed here again
