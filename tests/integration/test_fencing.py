@@ -292,8 +292,8 @@ def test_a_worker_whose_registration_answer_was_lost_registers_again_and_trains(
     """Found by the chaos run with control faults: pMaster registered a worker, and its answer
     (with the job's token) was lost with the connection; the worker failed at once with a
     PeerError, and had it asked again without the token it would have been refused. Now the
-    Agent asks again on a new connection, and pMaster lets the same process register again
-    until it has used the token; another process may not."""
+    Agent asks again on a new connection, and pMaster lets the same Agent register again
+    until it has used the token; another may not."""
     from tests.helpers import FirstAnswerLost
 
     with Service(aggregators=1) as service:
@@ -306,6 +306,6 @@ def test_a_worker_whose_registration_answer_was_lost_registers_again_and_trains(
                 record = service.master.state.jobs["answer-lost"]
                 wait_until(lambda: record.workers[0].token_used, 10, "the worker's first request with its token")
                 with pytest.raises(pslink.errors.AuthError, match="needs its token to register rank 0"):
-                    record.check_credential(None, 0, pid=record.workers[0].pid, host_id=record.workers[0].host_id)
+                    record.check_credential(None, 0, agent=record.workers[0].agent)
         finally:
             relay.close()

@@ -83,22 +83,23 @@ def test_registration_rules(state):
         state.register_worker("mnist", 1, 2, token=job.token, config={"sync": "asp"})
 
 
-def test_the_same_process_may_register_again_without_the_token_until_it_used_it(state):
-    """Its registration's answer (the token) may have been lost with the connection."""
-    job = state.register_worker("lost", 0, 1, token=None, pid=41, host_id="h1")
+def test_the_same_agent_may_register_again_without_the_token_until_it_used_it(state):
+    """Its registration's answer (the token) may have been lost with the connection. Another
+    Agent, even of the same process (a second store for the same rank), may not."""
+    job = state.register_worker("lost", 0, 1, token=None, pid=41, host_id="h1", agent="a1")
     state.worker_disconnected("lost", 0)
-    for pid, host_id in ((42, "h1"), (41, "h2"), (0, "")):  # another process: the token, as before
+    for agent in ("a2", ""):  # another Agent (of the same process, or not saying): the token, as before
         with pytest.raises(AuthError, match="needs its token to register rank 0"):
-            state.register_worker("lost", 0, 1, token=None, pid=pid, host_id=host_id)
-    assert state.register_worker("lost", 0, 1, token=None, pid=41, host_id="h1") is job  # the same one
+            state.register_worker("lost", 0, 1, token=None, pid=41, host_id="h1", agent=agent)
+    assert state.register_worker("lost", 0, 1, token=None, pid=41, host_id="h1", agent="a1") is job  # the same
     state.authorize("lost", job.token, 0)  # it got the answer: it sent the token
     with pytest.raises(AuthError, match="needs its token to register rank 0"):
-        state.register_worker("lost", 0, 1, token=None, pid=41, host_id="h1")
+        state.register_worker("lost", 0, 1, token=None, pid=41, host_id="h1", agent="a1")
     bert = state.register_job("bert", 1)
-    state.register_worker("bert", 0, 1, token=bert.token, pid=41, host_id="h1")
+    state.register_worker("bert", 0, 1, token=bert.token, pid=41, host_id="h1", agent="a1")
     state.worker_disconnected("bert", 0)
     with pytest.raises(AuthError, match="needs its token"):  # an operator's job: never without it
-        state.register_worker("bert", 0, 1, token=None, pid=41, host_id="h1")
+        state.register_worker("bert", 0, 1, token=None, pid=41, host_id="h1", agent="a1")
 
 
 def test_preregistered_job_always_needs_the_token(state):

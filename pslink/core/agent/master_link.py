@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from typing import Callable
@@ -35,6 +36,8 @@ class MasterLink:
                  handles: Handles, *, connect_timeout: float, timeout: float, heartbeat_interval: float,
                  take_iterations: Callable[[], tuple], on_back: Callable[[dict], None], closed: Callable[[], bool]):
         self.seat = seat
+        # This Agent, among its process's: a registration it asks again (its answer lost) is its own.
+        self.incarnation = secrets.token_hex(8)
         self.address = address
         self.transports, self.reactor, self.limits, self.handles = transports, reactor, limits, handles
         self.connect_timeout = connect_timeout
@@ -86,7 +89,7 @@ class MasterLink:
     def _identity(self) -> dict:
         seat = self.seat
         return dict(job=seat.job, rank=seat.rank, num_workers=seat.num_workers, pid=os.getpid(),
-                    host=hosts.host_name(), host_id=seat.host_id)
+                    host=hosts.host_name(), host_id=seat.host_id, agent=self.incarnation)
 
     def register(self, config: dict, token: bytes | None, rejoin: bool = False) -> dict:
         """Register the worker. A rank pMaster still sees connected is asked for again, for up
@@ -106,7 +109,7 @@ class MasterLink:
                 return self.call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
             except (MembershipError, PeerError) as exc:
                 # A connection lost under the request (its answer too, maybe) is asked again on a
-                # new one: pMaster lets the same process register again until it used the token.
+                # new one: pMaster lets the same Agent register again until it used the token.
                 again = isinstance(exc, PeerError) or exc.details.get("reason") == "connected"
                 if not again or time.monotonic() + pause > deadline:
                     raise

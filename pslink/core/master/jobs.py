@@ -125,9 +125,10 @@ class WorkerInfo:
     left: bool = False
     disconnected_at: float | None = None  # its connection closed then (removed after a grace period)
     restored: bool = False  # loaded after a pMaster restart: its worker re-registers to claim it
+    agent: str = ""  # the registering Agent's incarnation (one of several Agents of a process)
     # It sent the job's token since it registered, so it got pMaster's answer. Until then the
-    # same process may register again without it: the answer (the token) may have been lost
-    # with its connection (found by the chaos run with control faults).
+    # same Agent may register again without it: the answer (the token) may have been lost with
+    # its connection (found by the chaos run with control faults).
     token_used: bool = False
 
 
@@ -172,15 +173,15 @@ class JobRecord:
         """Keys exist: a rank added now joins rounds already under way."""
         return bool(self.keys)
 
-    def check_credential(self, token: bytes | None, rank: int, first_join: bool = True, pid: int = 0,
-                         host_id: str = "") -> None:
+    def check_credential(self, token: bytes | None, rank: int, first_join: bool = True, agent: str = "") -> None:
         """A worker's registration: with the job's token, or without it for a rank's first join
-        (trust on first use, where the service allows it), or for the same process again while
-        it never used the token (its registration's answer was lost with the connection)."""
+        (trust on first use, where the service allows it), or for the same Agent (``agent``, its
+        incarnation) again while it never used the token (its registration's answer was lost
+        with the connection)."""
         if token is None:
             current = self.workers.get(rank)
-            answer_lost = (current is not None and not current.token_used and pid != 0
-                           and (current.pid, current.host_id) == (pid, host_id) and not self.preregistered)
+            answer_lost = (current is not None and not current.token_used and bool(agent)
+                           and current.agent == agent and not self.preregistered)
             if (self.preregistered or rank in self.joined or not first_join) and not answer_lost:
                 raise AuthError(
                     f"job {self.job!r} needs its token to register rank {rank} (set PSLINK_TOKEN or "

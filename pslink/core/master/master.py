@@ -334,7 +334,7 @@ class Master:
             self._announce_membership()
         record = self.state.register_worker(
             req["job"], rank, req["num_workers"], req.get("tok"), req.get("config"), pid=pid, host=host, host_id=host_id,
-            first_join=self.gate.first_join(peer),
+            first_join=self.gate.first_join(peer), agent=req.get("agent", ""),
         )
         self.store.save_job(record)
         for other in list(self.endpoint.peers.values()):

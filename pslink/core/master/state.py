@@ -139,6 +139,7 @@ class MasterState:
         host: str = "",
         host_id: str = "",
         first_join: bool = True,
+        agent: str = "",
     ) -> JobRecord:
         """Add a worker to its job, creating the job on first use (see the module's notes).
         ``first_join``: whether a rank may join without the token once (trust on first use); a
@@ -158,7 +159,7 @@ class MasterState:
                 )
             record = self._new_job(job, num_workers, config, preregistered=False)
         else:
-            record.check_credential(token, rank, first_join, pid, host_id or host)
+            record.check_credential(token, rank, first_join, agent)
             if num_workers != record.num_workers and record.max_workers == record.num_workers:
                 raise MembershipError(
                     f"job {job!r} has {record.num_workers} workers; rank {rank} says {num_workers}", job=job
@@ -182,7 +183,7 @@ class MasterState:
                 f"rank {rank} of job {job!r} is already connected (pid {current.pid} on {current.host or '?'})",
                 job=job, reason="connected",  # a replacement may retry: pMaster may not have seen the old go yet
             )
-        record.workers[rank] = WorkerInfo(rank, pid=pid, host=host, host_id=host_id, last_seen=self.clock())
+        record.workers[rank] = WorkerInfo(rank, pid=pid, host=host, host_id=host_id, last_seen=self.clock(), agent=agent)
         record.joined.add(rank)
         record.idle_since = None
         record.late = False

@@ -302,10 +302,9 @@ SCHEMAS: dict[Op, Schema] = {
     Op.ERROR: Schema({"id": _uint, "code": _small_str, "msg": _text}, {"details": _map}),
     Op.REGISTER_JOB: Schema({"id": _uint, "job": _small_str, "num_workers": _uint},
                             {"config": _map, "cred": _small_str, "tok": _token, "quota": _map}),
-    Op.REGISTER_WORKER: Schema(
-        {"id": _uint, "job": _small_str, "rank": _uint, "num_workers": _uint},
-        {"tok": _token, "config": _map, "pid": _uint, "host": _text, "host_id": _small_str, "rejoin": _bool},
-    ),
+    Op.REGISTER_WORKER: Schema({"id": _uint, "job": _small_str, "rank": _uint, "num_workers": _uint},
+                               {"tok": _token, "config": _map, "pid": _uint, "host": _text, "host_id": _small_str,
+                                "rejoin": _bool, "agent": _small_str}),  # agent: the Agent's incarnation
     Op.LOOKUP: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "items": _list}),
     Op.SET_OPTIMIZER: Schema(
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "optimizer": _map}
