@@ -438,10 +438,14 @@ class Chaos:
                 gaps = [b - a for a, b in zip(ends, ends[1:]) if b >= fault["at"] and a < until]
                 if gaps:
                     pauses[fault["kind"]] = max(pauses.get(fault["kind"], 0.0), max(gaps))
+        mended: dict[str, float] = {}  # kind -> the longest until every part was whole again
+        for fault in self.schedule:
+            mended[fault["kind"]] = max(mended.get(fault["kind"], 0.0), fault["replicated_s"])
         memory = self.memory_growth()
         return {"benchmark": "chaos", "seed": self.seed, "jobs": jobs, "errors": self.errors,
                 "schedule": [{k: v for k, v in f.items() if k != "at"} for f in self.schedule],
-                "longest_pause_s": {k: round(v, 2) for k, v in pauses.items()}, "memory": memory}
+                "longest_pause_s": {k: round(v, 2) for k, v in pauses.items()}, "longest_mend_s": mended,
+                "memory": memory}
 
     def log_excerpt(self, lines: int = 80) -> str:
         """The service's last warnings and errors (pMaster's and its Aggregators'): why a run failed."""
@@ -536,6 +540,8 @@ def main(argv=None) -> int:
     for error in report["errors"]:
         print(f"error: {error}")
     print(f"longest pause per fault kind: {report['longest_pause_s']}")
+    print(f"longest until every part was served and had a replica with a round in it, per fault kind: "
+          f"{report['longest_mend_s']}")
     for process, figures in report["memory"].items():
         print(f"{process}: {figures['before_mb']} MB -> {figures['after_mb']} MB ({figures['growth']:+.1%}; tensors "
               f"held {figures['held_before_mb']} -> {figures['held_after_mb']} MB, the rest "
