@@ -221,11 +221,12 @@ class DelayRelay:
 
 class FirstAnswerLost(DelayRelay):
     """A relay (no delay) whose first connection closes, both ways, instead of passing on the
-    first bytes the far end answers: a request that reached pMaster and whose answer was lost
-    with the connection. Later connections pass everything; ``cut`` counts the lost answers."""
+    ``answer``-th answer of the far end (1: the first bytes it sends): a request that reached
+    pMaster and whose answer was lost with the connection. Later connections pass everything;
+    ``cut`` counts the lost answers. (Each answer comes alone: the near end waits for it.)"""
 
-    def __init__(self, target: str):
-        self.cut = 0
+    def __init__(self, target: str, answer: int = 1):
+        self.cut, self.answer = 0, answer
         super().__init__(target, 0.0)
 
     def _pump(self, source, sink) -> None:
@@ -233,6 +234,8 @@ class FirstAnswerLost(DelayRelay):
             super()._pump(source, sink)
             return
         try:
+            for _ in range(self.answer - 1):
+                sink.sendall(source.recv(1 << 16))
             if source.recv(1 << 16):
                 self.cut += 1
         except OSError:

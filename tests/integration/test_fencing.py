@@ -309,3 +309,24 @@ def test_a_worker_whose_registration_answer_was_lost_registers_again_and_trains(
                     record.check_credential(None, 0, agent=record.workers[0].agent)
         finally:
             relay.close()
+
+
+def test_a_key_lookup_whose_answer_was_lost_is_asked_again(caplog):
+    """Found by the chaos run with control faults: the answer to a worker's LOOKUP (where its
+    keys live) was lost with the connection, and init_many failed with a PeerError. A key
+    declared again is the same key, so the Agent asks again on a new connection."""
+    from tests.helpers import FirstAnswerLost
+
+    with Service(aggregators=1) as service:
+        relay = FirstAnswerLost(service.address, answer=2)  # the registration's comes through
+        try:
+            with caplog.at_level("INFO", logger="pslink.core.agent"), \
+                    pslink.connect("lookup-lost", 0, 1, master=relay.address, timeout=30) as agent:
+                agent.init_many(["a", "b"], [np.ones(4, np.float32)] * 2).wait(10)
+                assert relay.cut == 1
+                assert any("LOOKUP" in r.getMessage() and "asking again" in r.getMessage() for r in caplog.records)
+                got = agent.pushpull_many(["a", "b"], [np.full(4, 2.0, np.float32)] * 2).wait(10)
+                for value in got:
+                    np.testing.assert_array_equal(value, np.full(4, 2.0))
+        finally:
+            relay.close()

@@ -86,6 +86,23 @@ class MasterLink:
         self.connected().call(op, answered, timeout=timeout, **fields)
         return handle.wait(timeout + 1.0)
 
+    def call_again_if_cut(self, op: Op, **fields) -> dict:
+        """A request pMaster may see twice to no harm (LOOKUP: a key declared again is the same
+        key), asked again on a new connection when the connection is lost under it (its answer
+        too, maybe: found by the chaos run with control faults) or pMaster is down (restarting),
+        within the job's timeout."""
+        deadline = time.monotonic() + self.timeout
+        pause = 0.05
+        while True:
+            try:
+                return self.call(op, **fields)
+            except PeerError as exc:
+                if time.monotonic() + pause > deadline:
+                    raise
+                log.info("agent %s: %s: %s; asking again in %.2f s", self.seat, op.name, exc.message, pause)
+                time.sleep(pause)  # a backoff between attempts, not what correctness rests on
+                pause = min(2 * pause, 1.0)
+
     def _identity(self) -> dict:
         seat = self.seat
         return dict(job=seat.job, rank=seat.rank, num_workers=seat.num_workers, pid=os.getpid(),

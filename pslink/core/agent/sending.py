@@ -241,7 +241,7 @@ class Sender:
                     item.update(shape=[int(d) for d in shape], dtype=dtype)
                 missing.append(item)
         if missing:
-            body = self.master.call(Op.LOOKUP, items=missing)
+            body = self.master.call_again_if_cut(Op.LOOKUP, items=missing)
             for spec in body["keys"]:
                 self.keys.setdefault(spec["key"], KeyInfo(spec))
             infos = [self.keys[k] for k in keys]
