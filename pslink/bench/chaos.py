@@ -229,7 +229,9 @@ class Chaos:
     # -- faults ------------------------------------------------------------------------------------
 
     def kill_aggregator(self) -> dict:
-        alive = self.alive_aggregators() or {}
+        seen: list = []  # (a status may fail to come once: pMaster busy, or its connection cut)
+        wait_for(lambda: seen.append(self.alive_aggregators()) or seen[-1], 30, "pMaster's status")
+        alive = seen[-1]
         name = self.rng.choice(sorted(alive))
         os.kill(alive[name], signal.SIGKILL)
         at = time.monotonic()
