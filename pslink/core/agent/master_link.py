@@ -91,13 +91,19 @@ class MasterLink:
         key), asked again on a new connection when the connection is lost under it (its answer
         too, maybe: found by the chaos run with control faults) or pMaster is down (restarting),
         within the job's timeout."""
-        deadline = time.monotonic() + self.timeout
+        return self._ask_while(lambda exc: isinstance(exc, PeerError), time.monotonic() + self.timeout, op, **fields)
+
+    def _ask_while(self, again: Callable[[PslinkError], bool], deadline: float, op: Op,
+                   before: Callable[[], object] = lambda: None, **fields) -> dict:
+        """``op``, asked again (50 ms apart, doubling to 1 s) while it fails with an error that
+        ``again`` accepts, until ``deadline``; ``before`` each try (an error there ends it)."""
         pause = 0.05
         while True:
+            before()
             try:
                 return self.call(op, **fields)
-            except PeerError as exc:
-                if time.monotonic() + pause > deadline:
+            except PslinkError as exc:
+                if not again(exc) or time.monotonic() + pause > deadline:
                     raise
                 log.info("agent %s: %s: %s; asking again in %.2f s", self.seat, op.name, exc.message, pause)
                 time.sleep(pause)  # a backoff between attempts, not what correctness rests on
@@ -118,21 +124,13 @@ class MasterLink:
             fields["tok"] = token
         if rejoin:
             fields["rejoin"] = True  # out of the job and back in as a newcomer, in one step
-        deadline = time.monotonic() + self.connect_timeout
-        pause = 0.05
-        while True:
-            self.connected()  # pMaster unreachable: said at once, not retried
-            try:
-                return self.call(Op.REGISTER_WORKER, timeout=self.connect_timeout, **fields)
-            except (MembershipError, PeerError) as exc:
-                # A connection lost under the request (its answer too, maybe) is asked again on a
-                # new one: pMaster lets the same Agent register again until it used the token.
-                again = isinstance(exc, PeerError) or exc.details.get("reason") == "connected"
-                if not again or time.monotonic() + pause > deadline:
-                    raise
-                log.info("agent %s: %s; asking again in %.2f s", self.seat, exc.message, pause)
-                time.sleep(pause)  # a backoff between attempts, not what correctness rests on
-                pause = min(2 * pause, 1.0)
+        # A connection lost under the request (its answer too, maybe) is asked again on a new
+        # one: pMaster lets the same Agent register again until it used the token. pMaster
+        # unreachable is said at once (``before``), not asked again.
+        again = (lambda exc: isinstance(exc, PeerError)
+                 or isinstance(exc, MembershipError) and exc.details.get("reason") == "connected")
+        return self._ask_while(again, time.monotonic() + self.connect_timeout, Op.REGISTER_WORKER,
+                               before=self.connected, timeout=self.connect_timeout, **fields)
 
     @staticmethod
     def _refuse(peer: RpcPeer, req: dict) -> None:
