@@ -28,10 +28,28 @@ def service(aggregators: int, transports: Transports, **control) -> Service:
 
 
 def wait_until(predicate, timeout, what):
+    """``what``: what is awaited, or a function saying it (with what was seen, at the timeout)."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
         time.sleep(0.02)
+
+
+def settled_on(control, job: str) -> str | None:
+    """The one Aggregator pMaster's plan holds all of ``job``'s parts on, with none of them moving."""
+    if job in control.moving_jobs():
+        return None
+    parts = list(control.jobs[job].parts)
+    places = {plan.where.get(i) for plan in list(control.clusters.values()) for i in parts} - {None}
+    return places.pop() if len(places) == 1 else None
+
+
+def guard_view(control, job: str) -> dict:
+    """What the performance guard judges ``job`` by: for a timeout's message."""
+    j = control.jobs[job]
+    return {"phase": j.phase, "standalone": j.standalone, "window": list(j.window), "work": list(j.work)[-8:],
+            "work_baseline": j.work_baseline, "relieved": j.relieved, "reverts": j.reverts,
+            "loads": dict(control.loads)}
 
 
 class Trainer(threading.Thread):
@@ -125,9 +143,14 @@ def test_tasks_leave_a_cpu_starved_aggregator_for_one_with_room(transports):
     trainer.start()
     try:
         wait_until(lambda: control.jobs["starved"].phase == "packed", 30, "profiling to end")
+        # Packing may still be moving its parts: slowed before they land, the Aggregator they
+        # leave would be left by packing alone, and the test would prove nothing of the guard.
+        wait_until(lambda: settled_on(control, "starved") is not None
+                   and trainer.places() == {settled_on(control, "starved")}, 30, "packing's moves to land")
         (first,) = trainer.places()
         svc.provider.aggregators[first].slowdown(0.05, busy=True)  # burns CPU: its load rises
-        wait_until(lambda: trainer.places() and first not in trainer.places(), 40, "tasks to leave it")
+        wait_until(lambda: trainer.places() and first not in trainer.places(), 40,
+                   lambda: f"tasks to leave it (the guard saw {guard_view(control, 'starved')})")
         assert control.jobs["starved"].reverts == 0  # moved within the pool, no new Aggregator
         assert control.aggregator_count() == 2
     finally:

@@ -195,6 +195,38 @@ def test_a_job_whose_own_work_grew_is_re_profiled_not_reverted():
     assert any(isinstance(a, Allocate) and "revert job j" in a.reason for a in actions)
 
 
+def test_a_job_whose_own_work_grew_while_its_aggregator_slowed_it_is_judged_in_that_window():
+    """Found in CI: a CPU-starved Aggregator also slowed the worker on its host, so each window
+    showed a work change (re-profiled) and the window was never judged: the job stayed on the
+    starved Aggregator. The window is now judged against the re-profiled standalone at once."""
+    control = plane(min_aggregators=1)
+    control.aggregator_added("agg-0")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    assert control.iterations_reported("j", [0.05] * 3, [0.04] * 3) == []
+    # its work grew by 0.05 s, its iterations by 0.25 s: three times its new standalone of 0.1 s
+    actions = control.iterations_reported("j", [0.3] * 4, [0.09] * 4)
+    assert control.jobs["j"].standalone == pytest.approx(0.1)
+    assert any(isinstance(a, Allocate) and "revert job j" in a.reason for a in actions)
+
+
+def test_work_figures_that_jitter_around_their_profile_are_not_a_change_of_work():
+    control = plane(min_aggregators=1)
+    control.aggregator_added("agg-0")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control.iterations_reported("j", [0.05] * 3, [0.04] * 3)
+    # median 0.045 s (5 ms above the profile's), but the figures themselves spread by 20 ms
+    assert control.iterations_reported("j", [0.05] * 4, [0.02, 0.06, 0.03, 0.07]) == []
+    job = control.jobs["j"]
+    assert job.standalone == pytest.approx(0.05) and job.work_baseline == pytest.approx(0.04)
+    # the same median shift from steady figures is a change of its own work
+    control.iterations_reported("j", [0.055] * 4, [0.045] * 4)
+    assert job.work_baseline == pytest.approx(0.045) and job.standalone == pytest.approx(0.055)
+
+
 def test_without_work_reported_a_job_is_judged_on_its_iterations_whole():
     """DDP's hook waits inside torch, not in the Agent: no work is reported, and the guard
     reverts a job twice as slow, as before."""

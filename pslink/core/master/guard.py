@@ -10,7 +10,7 @@ its own (at most ``max_reverts`` times), once the revert pays for its moves (a s
 its place: :meth:`JobControl.revert_pays`). While its tasks move, and in the report right after, it
 is not judged: each window is measured on one placement, the one it is judged for. A job whose
 own work per iteration changed (its Agents report it) is re-profiled: its standalone iteration
-moves by that change, and the guard judges the placement against that.
+moves by that change, and the guard judges the placement against that, from the same window on.
 """
 
 from __future__ import annotations
@@ -56,10 +56,12 @@ class Guard:
             # The worker's own work per iteration changed (a bigger batch, another phase of the
             # job): its iterations changed by that much whatever its placement, so that is its
             # standalone speed now (re-profiled, not reverted or moved for what it did itself).
+            # This window is judged against it at once: only a slowdown beyond the job's own
+            # change is the guard's business. (Judging only the next window let a job whose work
+            # kept changing escape the guard: CI saw a CPU-starved Aggregator, which also slowed
+            # the worker beside it, never relieved in 40 s, re-profiled every window.)
             control.standalone = max(control.standalone + change, 1e-9)
             control.work_baseline += change
-            control.window.clear()
-            return []
         if control.grown:
             # Its iterations now include keys it declared after its profile: however much slower
             # they are, the job did that, not its neighbours (the guard would otherwise revert

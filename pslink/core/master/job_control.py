@@ -71,11 +71,18 @@ class JobControl:
     def own_work_change(self, window: int) -> float | None:
         """How much the job's own work per iteration changed since its baseline (seconds, the
         median of its last ``window`` figures against the baseline's), if it changed by more than
-        ``WORK_CHANGE`` of its standalone iteration and its noise; None otherwise or unknown."""
+        ``WORK_CHANGE`` of its standalone iteration, its iterations' noise and its work figures' own
+        jitter; None otherwise or unknown."""
         if self.work_baseline is None or not self.standalone or len(self.work) < window:
             return None
-        change = statistics.median(list(self.work)[-window:]) - self.work_baseline
-        if abs(change) <= self.standalone * max(WORK_CHANGE, self.noise_margin()):
+        recent = list(self.work)[-window:]
+        middle = statistics.median(recent)
+        change = middle - self.work_baseline
+        # The work figures' own spread, as it shows in a difference of two medians of ``window``
+        # figures each: a worker sharing a busy host jitters, and a jitter is not a change.
+        spread = 1.4826 * statistics.median(abs(w - middle) for w in recent)
+        jitter = NOISE_SIGMAS * 1.2533 * spread * (2.0 / window) ** 0.5
+        if abs(change) <= max(self.standalone * max(WORK_CHANGE, self.noise_margin()), jitter):
             return None
         return change
 
