@@ -288,6 +288,53 @@ def test_an_agent_sent_to_a_replica_holder_asks_pmaster_again_instead_of_failing
         transports.close()
 
 
+def test_an_agent_sent_to_a_replica_holder_while_pmaster_is_down_waits_for_pmaster(tmp_path, caplog):
+    """Found by the chaos run with control faults: pMaster was killed mid-failover, and an Agent
+    sent to the replica it had picked (not promoted yet) could not reach pMaster. It told the
+    holder "pMaster is down" and sent the request there again, as for an Aggregator past its
+    lease; a replica cannot serve either way, so the request used its tries up in milliseconds
+    and the job failed. Now it waits for pMaster to say where the part is."""
+    import logging
+
+    from pslink.core.master import Master
+    from pslink.core.service.providers import ThreadProvider
+
+    caplog.set_level(logging.INFO, logger="pslink.core.agent.agent")
+    transports = Transports()
+    state_dir = str(tmp_path / "state")
+    master = Master("tcp://127.0.0.1:0", state_dir=state_dir, transports=transports, aggregator_timeout=60.0).start()
+    address = master.address
+    provider = ThreadProvider(address, transports, reconnect_interval=0.2)
+    agent = None
+    try:
+        assert master.wait_for_aggregators(provider.start(2), 20)
+        agent = pslink.connect("down-replica", 0, 1, master=address, transports=transports, replication=1,
+                               timeout=30, heartbeat_interval=0.1)
+        agent.init("k", np.zeros(100, np.float32)).wait()
+        g = np.arange(100, dtype=np.float32)
+        np.testing.assert_array_equal(agent.pushpull("k", g).wait(), g)
+        placed = master.state.jobs["down-replica"].keys["k"].parts[0]
+        primary, holder = placed.aggregator, placed.replicas[0]
+        holder_address = master.state.aggregators[holder].address
+        master.stop()
+        wait_until(lambda: agent._master.peer is None, 10, "the Agent to see pMaster go")
+        part = agent._keys["k"].parts[0]
+        part.move(holder, holder_address)  # where an answer of a pMaster killed mid-failover sends it
+        handle = agent.pushpull("k", g + 1)
+        wait_until(lambda: handle.done() or any("pMaster is unreachable" in r.message for r in caplog.records), 20,
+                   "the Agent to ask pMaster where the part is")
+        assert not handle.done(), f"it failed instead of waiting for pMaster: {handle.exception()}"
+        master = Master(address, state_dir=state_dir, transports=transports, aggregator_timeout=60.0).start()
+        np.testing.assert_array_equal(handle.wait(20), g + 1)
+        assert part.aggregator == primary
+    finally:
+        if agent is not None:
+            agent.close()
+        master.stop(shutdown_aggregators=True)
+        provider.stop_all()
+        transports.close()
+
+
 def test_a_worker_whose_registration_answer_was_lost_registers_again_and_trains():
     """Found by the chaos run with control faults: pMaster registered a worker, and its answer
     (with the job's token) was lost with the connection; the worker failed at once with a

@@ -558,13 +558,15 @@ class Agent:
         self._handles.complete(request.handle, error)
 
     def _fenced(self, rid: int, request: PartRequest, error: FencedError) -> None:
-        """The Aggregator has not heard from pMaster for its lease. pMaster says where the part
-        is now; if this Agent cannot reach pMaster either, pMaster is down (nobody fails the
-        Aggregator over then): tell the Aggregator so, and send the request there again."""
+        """The Aggregator's lease ran out, or it holds only a replica: pMaster says where the
+        part is. If pMaster is unreachable and the lease is the reason, pMaster is down (nobody
+        fails the Aggregator over): tell the Aggregator so, and send the request there again. A
+        replica not promoted never serves: sent back to it, the request used its tries up in
+        milliseconds (chaos run, pMaster killed mid-failover); it waits for pMaster instead."""
         request.moves += 1
         self._requests.put_back(rid, request)
         master = self._master.peer
-        if master is not None and not master.conn.closed:
+        if master is not None and not master.conn.closed or not error.details.get("lease"):
             # (Again and again: a promotion not done yet; the tries span seconds, not a burst.)
             self._reactor.call_later(fenced_pause(request.moves), self._failover.link_lost, request.link, error, [rid])
             return

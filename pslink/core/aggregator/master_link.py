@@ -177,7 +177,8 @@ class MasterLink:
         self.refused += 1
         self.renew()
         return FencedError(f"aggregator {self.name()} has not heard from pMaster for {now - self.lease_until + self.lease:.1f} s "
-                           "(its lease ran out): its parts may be served elsewhere now; ask pMaster", agg=self.name())
+                           "(its lease ran out): its parts may be served elsewhere now; ask pMaster", agg=self.name(),
+                           lease=True)
 
     def master_down(self, now: float) -> None:
         """An Agent cannot reach pMaster either: pMaster is down, nobody fails this one over."""
