@@ -266,15 +266,15 @@ class World:
         agent = self.agent
         if self.checked_agent is agent:
             return
-        self.checked_agent = agent
-        if agent.late:
-            return
         # The job's keys are not empty once it trains; this process's own use of them shows that it
         # took part already (an elastic run started after other collectives): it is no newcomer.
-        if not agent.keys_known and agent.job_keys():
+        if not agent.late and not agent.keys_known and agent.job_keys():
             log.info("pslink elastic: rank %d takes over from a worker that left; registering anew", agent.rank)
             self.session.reconnect()
-            self.checked_agent = self.session.agent
+            agent = self.session.agent
+        # Only once checked: a check that failed (pMaster out of reach) is made again at the next
+        # reset, else the process would go on as the dead worker, whose rounds the others wait in.
+        self.checked_agent = agent
 
     def _settle(self) -> tuple[list[int], int]:
         """Barriers until two releases in a row agree: nobody pushes between releases, so late

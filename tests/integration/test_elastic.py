@@ -355,3 +355,34 @@ def test_a_rank_truly_in_use_is_still_refused_after_the_retries(cluster, monkeyp
             connect(cluster, "taken", 0, 1, connect_timeout=0.5, token=a.token)
     finally:
         a.close()
+
+
+def test_a_barrier_whose_release_was_lost_with_the_connection_is_answered_when_asked_again(cluster):
+    """Found by the chaos run with control faults (an elastic join): a barrier's release was lost
+    with its connection. Asked again as a new entry, the worker would wait at a barrier the
+    others had left, and they for it. A BARRIER now says how often its worker passed that
+    barrier: asked again, the lost release is the answer; the next barrier is a new one."""
+    from tests.helpers import FirstAnswerLost
+
+    service, transports = cluster
+    relay = FirstAnswerLost(service.address, answer=2)  # the registration's answer comes through
+    a = connect(cluster, "barrier-lost", 0, 2)
+    b = pslink.connect("barrier-lost", 1, 2, master=relay.address, transports=transports, timeout=20.0, **FAST)
+    try:
+        released = {}
+        thread = threading.Thread(target=lambda: released.setdefault("a", a.barrier("sync", timeout=20)))
+        thread.start()
+        assert b.barrier("sync", timeout=20)["ranks"] == [0, 1]
+        assert relay.cut == 1  # its release was lost: answered when asked again
+        thread.join(20)
+        assert released["a"]["ranks"] == [0, 1]
+        # the next pass is a barrier of its own: it waits for both again
+        second = threading.Thread(target=lambda: released.setdefault("a2", a.barrier("sync", timeout=20)))
+        second.start()
+        assert b.barrier("sync", timeout=20)["ranks"] == [0, 1]
+        second.join(20)
+        assert released["a2"]["ranks"] == [0, 1]
+    finally:
+        for agent in (a, b):
+            agent.close()
+        relay.close()

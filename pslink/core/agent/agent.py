@@ -327,7 +327,9 @@ class Agent:
     def barrier(self, name: str = "barrier", timeout: float | None = None) -> dict:
         """Wait until every member of the job reached the barrier of this name (a member that
         leaves meanwhile is not waited for). Returns the members it released: ``{"ranks", "epoch"}``."""
-        body = self._master.call(Op.BARRIER, timeout=timeout, name=name)
+        passed = self.seat.barriers_passed.get(name, 0)
+        body = self._master.call_again_if_cut(Op.BARRIER, timeout=timeout, name=name, n=passed)
+        self.seat.barriers_passed[name] = passed + 1
         self.seat.update_members(body)
         return body
 
@@ -373,7 +375,7 @@ class Agent:
 
     def job_keys(self) -> list:
         """Every key the job has declared, with where its parts live (pMaster's view)."""
-        return self._master.call(Op.JOB_KEYS)["keys"]
+        return self._master.call_again_if_cut(Op.JOB_KEYS)["keys"]
 
     def close(self, leave: bool = True) -> None:
         """Leave the job (the job ends once every worker left) and release everything. With

@@ -86,12 +86,15 @@ class MasterLink:
         self.connected().call(op, answered, timeout=timeout, **fields)
         return handle.wait(timeout + 1.0)
 
-    def call_again_if_cut(self, op: Op, **fields) -> dict:
+    def call_again_if_cut(self, op: Op, timeout: float | None = None, **fields) -> dict:
         """A request pMaster may see twice to no harm (LOOKUP: a key declared again is the same
-        key), asked again on a new connection when the connection is lost under it (its answer
-        too, maybe: found by the chaos run with control faults) or pMaster is down (restarting),
-        within the job's timeout."""
-        return self._ask_while(lambda exc: isinstance(exc, PeerError), time.monotonic() + self.timeout, op, **fields)
+        key; JOB_KEYS, a read; BARRIER, which says how often this worker passed it), asked again
+        on a new connection when the connection is lost under it (its answer too, maybe: found
+        by the chaos run with control faults) or pMaster is down (restarting), within
+        ``timeout`` (the job's by default)."""
+        timeout = self.timeout if timeout is None else timeout
+        return self._ask_while(lambda exc: isinstance(exc, PeerError), time.monotonic() + timeout, op,
+                               timeout=timeout, **fields)
 
     def _ask_while(self, again: Callable[[PslinkError], bool], deadline: float, op: Op,
                    before: Callable[[], object] = lambda: None, **fields) -> dict:

@@ -168,7 +168,7 @@ class TaskRequests:
     def join_all(self, timeout: float | None = None) -> list:
         """Come into every key the job has (a worker added to a running job, before it trains:
         so it takes part in the very next round of each). Returns the keys."""
-        body = self.master.call(Op.JOB_KEYS)
+        body = self.master.call_again_if_cut(Op.JOB_KEYS)
         for spec in body["keys"]:
             self.keys.setdefault(spec["key"], KeyInfo(spec))
         self.seat.update_members(body.get("membership"))
@@ -178,7 +178,7 @@ class TaskRequests:
 
     def membership(self) -> dict:
         """The job's members now, from pMaster: ``{"ranks": [...], "epoch": n}``."""
-        body = self.master.call(Op.JOB_KEYS, keys=False)
+        body = self.master.call_again_if_cut(Op.JOB_KEYS, keys=False)
         self.seat.update_members(body.get("membership"))
         return dict(self.seat.members)
 

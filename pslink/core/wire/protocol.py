@@ -314,7 +314,7 @@ SCHEMAS: dict[Op, Schema] = {
     Op.HOST_LEADER: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "leader": _uint},
                            {"address": _text, "host_id": _small_str}),
     Op.BARRIER: Schema(
-        {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "name": _small_str}
+        {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "name": _small_str}, {"n": _uint}
     ),
     Op.LEAVE: Schema({"id": _uint, "job": _small_str, "tok": _token, "rank": _uint}),
     Op.STATUS: Schema({"id": _uint}, {"cred": _small_str}),
