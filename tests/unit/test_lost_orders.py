@@ -210,3 +210,69 @@ def test_a_replica_given_to_an_aggregator_waiting_for_the_parts_copy_takes_the_w
     assert ident not in target.tasks and ident in target.replicas
     init_replicated(c, target, np.arange(6, dtype=np.float32))  # the primary's next round reaches it
     assert target.replicas[ident]["closed"] == 0
+
+
+def test_a_replica_given_to_the_source_of_a_hand_over_whose_copy_is_unacknowledged_is_kept():
+    """The source of a move holds the task (handed over, its copy not acknowledged yet) when the
+    move's end reaches pMaster another way and pMaster makes it the part's replica: the replica
+    was ignored (the task was taken for one served here) and no round ever reached it. It is
+    kept beside the leaving task now, and the rounds reach it once the task is gone."""
+    from pslink.core.aggregator.tasks import CopyOut
+    from tests.unit.test_aggregator_core import Cluster, copy, jobinfo, migrate
+
+    c = Cluster(workers=1, needs_init=False)
+    ident = (c.task.job.job, c.task.key, c.task.part)
+    target, _ = migrate(c)
+    _, outputs = c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
+    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
+    assert c.core.tasks[ident].moved_to is not None  # handed over, the copy on its way
+    c.core.assign(jobinfo(workers=1), [dict(spec(), replica=True)])
+    assert ident in c.core.replicas
+    copy(out, target)
+    c.core.moves.copy_done(ident)
+    assert ident not in c.core.tasks and ident in c.core.replicas
+    c.core.moves.replica_update({"job": ident[0], "key": ident[1], "part": ident[2]}, {"closed": 1}, [])
+    assert c.core.moves.replicas_with_state() == [list(ident)]
+
+
+def test_a_replica_no_round_reaches_gets_its_orders_again():
+    """Found in CI under lost control messages with nothing killed: agg-0 held two replicas no
+    round reached for 60 s. pMaster only logged an order that failed, and nothing sent it again.
+    Now a counted replica whose holder's heartbeats report no round in it for a while (its
+    primary connected) gets its orders again: the holder's, then the primary's."""
+    from pslink.core.master import replicas as replicas_module
+
+    master, peers, agent, promote = _failing_over()
+    try:
+        peers["agg-1"].callbacks[promote]({"op": Op.REPLY}, None)  # agg-1 serves w now; agg-2 holds its replica
+        part = master.state.jobs["j"].keys["w"].parts[0]
+        assert part.aggregator == "agg-1" and part.replicas == ["agg-2"]
+        now = [master.state.clock()]
+        master.state.clock = lambda: now[0]
+        ident = ("j", "w", 0)
+        peers["agg-2"].info.update(role="aggregator", name="agg-2")
+
+        def heartbeat(reached):
+            master._aggregator_heartbeat(peers["agg-2"], {"id": 0, "stats": {"replicas_with_state": reached}})
+
+        def assigns(name):
+            return [fields for op, fields in peers[name].calls if op == Op.ASSIGN]
+
+        before = len(assigns("agg-2")), len(assigns("agg-1"))
+        heartbeat([])
+        now[0] += replicas_module.UNREACHED_PATIENCE - 0.1
+        heartbeat([])
+        assert (len(assigns("agg-2")), len(assigns("agg-1"))) == before  # not yet
+        now[0] += 0.2
+        heartbeat([])
+        (told,) = assigns("agg-2")[before[0]:]
+        assert told["tasks"][0]["replica"] and told["tasks"][0]["key"] == "w"
+        peers["agg-2"].callbacks[-1]({"op": Op.REPLY}, None)  # the holder took it: now the primary
+        (listed,) = assigns("agg-1")[before[1]:]
+        assert [r[0] for r in listed["tasks"][0]["replicas"]] == ["agg-2"]
+        heartbeat([list(ident)])  # a round reached it: no more orders
+        now[0] += 10 * replicas_module.UNREACHED_PATIENCE
+        heartbeat([list(ident)])
+        assert len(assigns("agg-2")) == before[0] + 1
+    finally:
+        master.stop()

@@ -128,7 +128,7 @@ class AggregatorCore:
             if spec.get("replica"):
                 if spec.get("drop"):
                     self.replicas.pop(ident, None)
-                elif ident not in self.tasks:
+                elif ident not in self.tasks or self.tasks[ident].moved_to is not None:  # (or handed over)
                     self.replicas.setdefault(ident, {"spec": {k: v for k, v in spec.items() if k != "replica"}})
                     # A hand-over from here is over (pMaster stored it): not one to report again.
                     self.moved.pop(ident, None)

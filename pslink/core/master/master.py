@@ -439,6 +439,7 @@ class Master:
         if peer.info.get("role") == "aggregator":
             self.state.aggregator_heartbeat(peer.info["name"], req["stats"])
             self.replicas.dropped(peer.info["name"], req["stats"].get("dropped_replicas") or ())
+            self.replicas.unreached(peer.info["name"])
             if req["id"]:
                 peer.reply(req)  # renews its lease (pslink.core.aggregator.master_link)
 
