@@ -41,6 +41,17 @@ def declare(control, job, keys, nbytes=1000):
     return [control.place_part(job, key, 0, nbytes)[0] for key in keys]
 
 
+
+def one_worker_job_of_two_keys():
+    """A control plane with one Aggregator and job ``j`` (one worker, two keys, costs measured),
+    profiling: its next iterations are its profile."""
+    control = plane(min_aggregators=1)
+    control.aggregator_added("agg-0")
+    start(control, control.job_arrived("j", workers=1, servers=1))
+    declare(control, "j", range(2))
+    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    return control
+
 def test_a_new_job_is_profiled_alone_on_as_many_aggregators_as_it_asks_for():
     control = plane()
     control.aggregator_added("agg-0")
@@ -89,11 +100,7 @@ def test_two_jobs_are_packed_onto_one_aggregator_when_they_fit():
 
 
 def test_the_guard_reverts_a_slowed_job_onto_a_new_aggregator():
-    control = plane(min_aggregators=1)
-    control.aggregator_added("agg-0")
-    start(control, control.job_arrived("j", workers=1, servers=1))
-    declare(control, "j", range(2))
-    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control = one_worker_job_of_two_keys()
     control.iterations_reported("j", [0.05] * 3)
     assert control.iterations_reported("j", [0.052] * 4) == []  # 4% slower: within the limit
     actions = control.iterations_reported("j", [0.1] * 4)  # 50% slower, for the whole window
@@ -155,11 +162,7 @@ def test_a_revert_waits_until_it_pays_for_its_moves():
 
 
 def test_a_job_slowed_by_keys_it_declared_after_its_profile_is_judged_anew_not_reverted():
-    control = plane(min_aggregators=1)
-    control.aggregator_added("agg-0")
-    start(control, control.job_arrived("j", workers=1, servers=1))
-    declare(control, "j", range(2))
-    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control = one_worker_job_of_two_keys()
     control.iterations_reported("j", [0.05] * 3)
     assert control.iterations_reported("j", [0.05] * 2) == []
     declare(control, "j", [2, 3], nbytes=4000)  # more values to aggregate (ps-lite: a longer length)
@@ -178,11 +181,7 @@ def test_a_job_whose_own_work_grew_is_re_profiled_not_reverted():
     batch, an evaluation phase) as slowed by its neighbours and reverted it. Its Agent now
     reports the work in each iteration (its duration less the waits): the standalone speed
     moves by the work's change, and only a slowdown beyond that is the guard's business."""
-    control = plane(min_aggregators=1)
-    control.aggregator_added("agg-0")
-    start(control, control.job_arrived("j", workers=1, servers=1))
-    declare(control, "j", range(2))
-    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control = one_worker_job_of_two_keys()
     assert control.iterations_reported("j", [0.05] * 3, [0.04] * 3) == []  # profiled: 0.04 s of own work
     assert control.jobs["j"].work_baseline == 0.04
     # Twice as slow, all of it the job's own work (0.04 -> 0.09 s): re-profiled, not moved
@@ -199,11 +198,7 @@ def test_a_job_whose_own_work_grew_while_its_aggregator_slowed_it_is_judged_in_t
     """Found in CI: a CPU-starved Aggregator also slowed the worker on its host, so each window
     showed a work change (re-profiled) and the window was never judged: the job stayed on the
     starved Aggregator. The window is now judged against the re-profiled standalone at once."""
-    control = plane(min_aggregators=1)
-    control.aggregator_added("agg-0")
-    start(control, control.job_arrived("j", workers=1, servers=1))
-    declare(control, "j", range(2))
-    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control = one_worker_job_of_two_keys()
     assert control.iterations_reported("j", [0.05] * 3, [0.04] * 3) == []
     # its work grew by 0.05 s, its iterations by 0.25 s: three times its new standalone of 0.1 s
     actions = control.iterations_reported("j", [0.3] * 4, [0.09] * 4)
@@ -212,11 +207,7 @@ def test_a_job_whose_own_work_grew_while_its_aggregator_slowed_it_is_judged_in_t
 
 
 def test_work_figures_that_jitter_around_their_profile_are_not_a_change_of_work():
-    control = plane(min_aggregators=1)
-    control.aggregator_added("agg-0")
-    start(control, control.job_arrived("j", workers=1, servers=1))
-    declare(control, "j", range(2))
-    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control = one_worker_job_of_two_keys()
     control.iterations_reported("j", [0.05] * 3, [0.04] * 3)
     # median 0.045 s (5 ms above the profile's), but the figures themselves spread by 20 ms
     assert control.iterations_reported("j", [0.05] * 4, [0.02, 0.06, 0.03, 0.07]) == []
@@ -230,11 +221,7 @@ def test_work_figures_that_jitter_around_their_profile_are_not_a_change_of_work(
 def test_without_work_reported_a_job_is_judged_on_its_iterations_whole():
     """DDP's hook waits inside torch, not in the Agent: no work is reported, and the guard
     reverts a job twice as slow, as before."""
-    control = plane(min_aggregators=1)
-    control.aggregator_added("agg-0")
-    start(control, control.job_arrived("j", workers=1, servers=1))
-    declare(control, "j", range(2))
-    control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
+    control = one_worker_job_of_two_keys()
     control.iterations_reported("j", [0.05] * 3)
     assert control.jobs["j"].work_baseline is None
     control.iterations_reported("j", [0.1] * 2, [0.09] * 2)  # work reported only later: not compared

@@ -162,6 +162,18 @@ def test_a_drain_whose_moves_fail_keeps_the_aggregator_and_its_parts():
         master.stop()
 
 
+def handing_over():
+    """An Aggregator's core that handed its part over at round 1's end, its copy not sent yet:
+    (the cluster, the part, the move's target, the copy)."""
+    from pslink.core.aggregator.tasks import CopyOut
+    from tests.unit.test_aggregator_core import Cluster, migrate
+
+    c = Cluster(workers=1, needs_init=False)
+    target, _ = migrate(c)
+    _, outputs = c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
+    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
+    return c, (c.task.job.job, c.task.key, c.task.part), target, out
+
 def test_a_source_given_a_replica_of_the_part_it_handed_over_no_longer_reports_the_hand_over():
     """Found by the CI chaos test killing pMaster at named points: an Aggregator that had handed a
     part over long before, and held its replica since, reported that old hand-over at every
@@ -170,14 +182,9 @@ def test_a_source_given_a_replica_of_the_part_it_handed_over_no_longer_reports_t
     the old target, which held only a replica with no round in it, and promoted that: the job
     failed (``its replica ... had not received any of its rounds``). A replica placed here
     means pMaster stored the hand-over's end: the forwarding address goes."""
-    from pslink.core.aggregator.tasks import CopyOut
-    from tests.unit.test_aggregator_core import Cluster, copy, jobinfo, migrate
+    from tests.unit.test_aggregator_core import copy, jobinfo
 
-    c = Cluster(workers=1, needs_init=False)
-    ident = (c.task.job.job, c.task.key, c.task.part)
-    target, _ = migrate(c)
-    _, outputs = c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
-    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
+    c, ident, target, out = handing_over()
     copy(out, target)
     c.core.moves.copy_done(ident)
     assert ident in c.core.moved and ident not in c.core.tasks  # reported as handed over (landed)
@@ -217,14 +224,9 @@ def test_a_replica_given_to_the_source_of_a_hand_over_whose_copy_is_unacknowledg
     move's end reaches pMaster another way and pMaster makes it the part's replica: the replica
     was ignored (the task was taken for one served here) and no round ever reached it. It is
     kept beside the leaving task now, and the rounds reach it once the task is gone."""
-    from pslink.core.aggregator.tasks import CopyOut
-    from tests.unit.test_aggregator_core import Cluster, copy, jobinfo, migrate
+    from tests.unit.test_aggregator_core import copy, jobinfo
 
-    c = Cluster(workers=1, needs_init=False)
-    ident = (c.task.job.job, c.task.key, c.task.part)
-    target, _ = migrate(c)
-    _, outputs = c.send(Op.PUSHPULL, 0, 1, np.full(6, 1.0))
-    (out,) = [o for o in outputs if isinstance(o, CopyOut)]
+    c, ident, target, out = handing_over()
     assert c.core.tasks[ident].moved_to is not None  # handed over, the copy on its way
     c.core.assign(jobinfo(workers=1), [dict(spec(), replica=True)])
     assert ident in c.core.replicas
