@@ -229,9 +229,13 @@ class Chaos:
     # -- faults ------------------------------------------------------------------------------------
 
     def kill_aggregator(self) -> dict:
-        seen: list = []  # (a status may fail to come once: pMaster busy, or its connection cut)
-        wait_for(lambda: seen.append(self.alive_aggregators()) or seen[-1], 30, "pMaster's status")
-        alive = seen[-1]
+        alive: dict = {}
+
+        def status_came() -> bool:  # (a status may fail to come once: pMaster busy, or its connection cut)
+            alive.update(self.alive_aggregators() or {})
+            return bool(alive)
+
+        wait_for(status_came, 30, "pMaster's status")
         name = self.rng.choice(sorted(alive))
         os.kill(alive[name], signal.SIGKILL)
         at = time.monotonic()

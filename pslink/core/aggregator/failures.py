@@ -79,7 +79,7 @@ def forget_origin(tasks: Iterable[Task], origin: Any) -> None:
                 del task.pulls[r]
 
 
-def fence(tasks: dict, parts: list, name: str) -> tuple[set, list[Reply]]:
+def fence(tasks: dict, parts: list, name: str, why: str = "was failed over while away") -> tuple[set, list[Reply]]:
     """pMaster placed ``parts`` ([job, key, part], ...) elsewhere while this Aggregator was away
     (frozen, or cut off): drop them. Returns their idents (requests for them are refused from now
     on, so that their Agents ask pMaster) and the answers to what waited on them."""
@@ -90,8 +90,7 @@ def fence(tasks: dict, parts: list, name: str) -> tuple[set, list[Reply]]:
         task = tasks.pop(ident, None)
         if task is not None:
             replies += fail_waiters(task, FencedError(
-                f"aggregator {name} was failed over while away; {task.name} is served elsewhere now: ask pMaster",
-                agg=name))
+                f"aggregator {name} {why}; {task.name} is served elsewhere now: ask pMaster", agg=name))
     return idents, replies
 
 
@@ -102,13 +101,8 @@ def end_moves_given_up(tasks: dict, job_id: str, specs: list[dict], name: str) -
     elsewhere). The waiting task goes, so that the replica takes its place (kept beside it, the
     replica was ignored and never got a round: found by the chaos run with control faults),
     and what waited on it is told to ask pMaster."""
-    replies = []
-    for spec in specs:
-        ident = (job_id, spec.get("key"), spec.get("part"))
-        task = tasks.get(ident)
-        if spec.get("replica") and not spec.get("drop") and task is not None and task.incoming:
-            del tasks[ident]
-            replies += fail_waiters(task, FencedError(
-                f"aggregator {name} no longer waits for {task.name}: its move was given up; ask pMaster", agg=name))
-    return replies
+    replicas = [(job_id, spec.get("key"), spec.get("part")) for spec in specs
+                if spec.get("replica") and not spec.get("drop")]
+    given_up = [ident for ident in replicas if ident in tasks and tasks[ident].incoming]
+    return fence(tasks, given_up, name, why="waited for a move's copy that was given up")[1]
 
