@@ -278,3 +278,26 @@ def test_a_replica_no_round_reaches_gets_its_orders_again():
         assert len(assigns("agg-2")) == before[0] + 1
     finally:
         master.stop()
+
+
+def test_a_move_target_back_before_the_move_was_routed_keeps_the_part_it_waits_for():
+    """Found by the chaos run with control faults: a move's target, told of the move (its
+    ASSIGN answered), lost its connection and registered again before pMaster heard that the
+    source handed the part over. pMaster still placed the part on the source, took the target's
+    waiting task for a stale one and had it dropped: the copy found no task ("expects no
+    copy"), the source gave it up, and the workers it had sent to the target found nothing
+    (the job failed). A running move's target keeps its task now."""
+    from pslink.core.master.actions import Migrate
+
+    master, peers, agent, promote = _failing_over(names=("agg-0", "agg-1", "agg-2", "agg-3"))
+    try:
+        peers["agg-1"].callbacks[promote]({"op": Op.REPLY}, None)  # agg-1 serves w now
+        peers["agg-3"] = master.links.peers["agg-3"] = type(peers["agg-1"])()
+        ident = ("j", "w", 0)
+        master.mover.migrate([Migrate(ident, "agg-1", "agg-3", "test")])
+        assert master.mover.incoming().get(ident) == "agg-3"
+        assert master.state.jobs["j"].keys["w"].parts[0].aggregator == "agg-1"  # not routed yet
+        assert master.joining._fenced("agg-3", {"tasks": [list(ident)]}) == []
+        assert master.joining._fenced("agg-2", {"tasks": [list(ident)]}) == [list(ident)]  # not its move
+    finally:
+        master.stop()

@@ -33,15 +33,17 @@ class Joining:
     Aggregators it starts (a nameless one that joins gets another name, which it reserves);
     ``joined(peer, record, request)`` takes an admitted Aggregator into the pool; ``carry_out()``
     carries out what the control plane decided meanwhile; ``resume_moves(source, entries)`` goes
-    on with hand-overs a restarted pMaster had not stored."""
+    on with hand-overs a restarted pMaster had not stored; ``incoming()``: the parts moving now,
+    and their targets."""
 
     def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks, *,
                  host_id: str, dial_back_timeout: float, provider: Callable,
                  joined: Callable[[RpcPeer, AggregatorRecord, dict], None], carry_out: Callable[[], None],
-                 resume_moves: Callable[[str, list], None]):
+                 resume_moves: Callable[[str, list], None], incoming: Callable[[], dict] = dict):
         self.state, self.store, self.reactor, self.links = state, store, reactor, links
         self.host_id, self.dial_back_timeout = host_id, dial_back_timeout
         self.provider, self.joined, self.carry_out, self.resume_moves = provider, joined, carry_out, resume_moves
+        self.incoming = incoming
 
     def register(self, peer: RpcPeer, req: dict) -> None:
         """Admit an Aggregator under a name no live one has (a second process with a live one's
@@ -121,7 +123,7 @@ class Joining:
         self._adopt_hand_overs(name, req.get("moved") or [])
         arrived = {tuple(e[:3]): e[3] for e in req.get("arrived") or ()
                    if self.state.reported_part(e) and len(e) == 4 and isinstance(e[3], str)}
-        fenced = []
+        fenced, incoming = [], self.incoming()
         for entry in req.get("tasks") or ():
             found = self.state.reported_part(entry)
             if found is None and self.state.forgotten_part(entry):
@@ -130,6 +132,11 @@ class Joining:
             if found is None or found[1].parts[found[2]].aggregator == name:
                 continue
             source, ident = found[1].parts[found[2]].aggregator, tuple(entry[:3])
+            if incoming.get(ident) == name:
+                # A running move's target, back after its connection was cut before the move was
+                # routed: it waits for the copy. (Fenced, the copy found no task, the source gave
+                # it up, and the workers it sent there found none: the chaos run with control faults.)
+                continue
             if arrived.get(ident) == source and source not in self.links.peers and source in self.state.aggregators:
                 self.state.move_claims[ident] = (name, source)  # the source will say
                 log.info("pMaster: %s holds %s from a move off %s that was not stored; waiting for %s to say",

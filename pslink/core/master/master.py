@@ -126,7 +126,8 @@ class Master:
                                  probe=Prober(self.transports, self.reactor, limits).probe)
         self.joining = Joining(self.state, self.store, self.reactor, self.links, host_id=self.host_id,
                                dial_back_timeout=dial_back_timeout, provider=lambda: self.provider,
-                               joined=self._aggregator_joined, carry_out=self._carry_out, resume_moves=self.mover.resume)
+                               joined=self._aggregator_joined, carry_out=self._carry_out, resume_moves=self.mover.resume,
+                               incoming=self.mover.incoming)
         self._thread: ReactorThread | None = None
         self._registered = threading.Condition()
         self._joined: set[RpcPeer] = set()  # Aggregators' links, once taken into the pool (aggregator_alive)
