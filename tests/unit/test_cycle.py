@@ -69,3 +69,31 @@ def test_the_aggregator_defers_a_complete_round_to_its_slot():
     assert isinstance(later, CloseLater) and later.when == 1.0  # 0.8 left, 0.85 owed to j2
     assert core.close_due(task) != [] and task.closed == 2
     np.testing.assert_array_equal(task.value, np.full(4, 2.0))
+
+
+def test_a_round_whose_slot_came_while_its_replicas_were_caught_up_closes_once_they_were():
+    """Found by the CI chaos test with control faults: a complete round waited for its slot; when
+    the slot came, a catch-up of the part's new replica was under way, so it did not close, and
+    the slot stayed marked as awaited: no later try closed it, and the job waited 90 s."""
+    clock = Clock()
+    core = AggregatorCore("agg", summer=Summer(threads=1), clock=clock)
+    info = {"job": "j1", "token": b"t", "membership": {"ranks": [0]}, "mode": "sum"}
+    spec = {"key": "a", "part": 0, "shape": [4], "span": [0, 4], "dtype": "float32", "needs_init": False}
+    (task,) = core.assign(info, [spec])
+    core.set_schedule(1.0, {A: (1, 0.1), B: (1, 0.85)})
+
+    def pushpull(rnd, value):
+        buffer = core.receive_buffer(task)
+        buffer[:] = value
+        return core.handle(task, Request("w", rnd, Op.PUSHPULL, 0, rnd, buffer))
+
+    pushpull(1, 1.0)
+    clock.now = 0.2
+    (later,) = pushpull(2, 2.0)
+    assert isinstance(later, CloseLater)
+    task.replicating = task.closed  # a new replica's catch-up (of round 1) is on its way
+    clock.now = later.when
+    assert core.close_due(task) == [] and task.closed == 1  # its slot: it waits for the catch-up
+    task.replicating = None  # (as moves.replicated() does, then it tries to close)
+    replies = core.moves.close_ready(task)
+    assert task.closed == 2 and any(isinstance(r, Reply) and r.round == 2 for r in replies)

@@ -424,6 +424,9 @@ class AggregatorCore:
             return self._close_ready(task)
         if task.close_at is None:
             return []
+        # Its slot is now: if the round cannot close yet (a replicas' catch-up under way), the next
+        # try asks for a slot afresh (kept, it read as still awaited and the round never closed)
+        task.close_at = None
         return self._close_ready(task, admitted=True)
 
     def _close_ready(self, task: Task, admitted: bool = False) -> list:
