@@ -241,7 +241,7 @@ def test_a_replica_no_round_reaches_gets_its_orders_again():
     """Found in CI under lost control messages with nothing killed: agg-0 held two replicas no
     round reached for 60 s. pMaster only logged an order that failed, and nothing sent it again.
     Now a counted replica whose holder's heartbeats report no round in it for a while (its
-    primary connected) gets its orders again: the holder's, then the primary's."""
+    primary connected) gets its orders again, at pMaster's sweep: the holder's, then the primary's."""
     from pslink.core.master import replicas as replicas_module
 
     master, peers, agent, promote = _failing_over()
@@ -254,8 +254,9 @@ def test_a_replica_no_round_reaches_gets_its_orders_again():
         ident = ("j", "w", 0)
         peers["agg-2"].info.update(role="aggregator", name="agg-2")
 
-        def heartbeat(reached):
+        def heartbeat(reached):  # then pMaster's sweep
             master._aggregator_heartbeat(peers["agg-2"], {"id": 0, "stats": {"replicas_with_state": reached}})
+            master.replicas.unreached()
 
         def assigns(name):
             return [fields for op, fields in peers[name].calls if op == Op.ASSIGN]

@@ -440,7 +440,6 @@ class Master:
         if peer.info.get("role") == "aggregator":
             self.state.aggregator_heartbeat(peer.info["name"], req["stats"])
             self.replicas.dropped(peer.info["name"], req["stats"].get("dropped_replicas") or ())
-            self.replicas.unreached(peer.info["name"])
             if req["id"]:
                 peer.reply(req)  # renews its lease (pslink.core.aggregator.master_link)
 
@@ -476,6 +475,7 @@ class Master:
                 self._end_job(record)
             for name in silent:
                 self.failover.silent(name)
+            self.replicas.unreached()
             self._carry_out()
             self.observing.tick()
         finally:

@@ -36,7 +36,7 @@ class Replicas:
                  incoming: Callable[[], dict] = dict):
         self.state, self.store, self.links = state, store, links
         self.incoming = incoming  # parts moving now -> their targets (no replica goes there)
-        self._unreached: dict[str, dict[tuple, list]] = {}  # holder -> part -> [since, orders sent again]
+        self._unreached: dict[tuple, list] = {}  # (holder, part) -> [since, orders sent again]
 
     def _not_for(self, record, spec, part) -> set:
         """Who may not hold ``part``'s replicas: its primary, its replicas, its move's target."""
@@ -62,36 +62,35 @@ class Replicas:
                         self.top_up(record, spec, part)
                         self.separate(record, spec, part)
 
-    def unreached(self, holder: str) -> None:
-        """``holder``'s heartbeat: a replica pMaster counts there that no round reached for
-        :data:`UNREACHED_PATIENCE`, its primary connected, gets its orders again (the holder's,
-        then the primary's list of replicas), and again each such spell. An order lost with its
-        connection, or refused, otherwise left a replica no round ever reached: found in CI
-        under lost control messages with nothing killed (the next failover would promote it)."""
-        record = self.state.aggregators.get(holder)
-        if record is None:
-            self._unreached.pop(holder, None)
-            return
-        reached = record.stats.get("replicas_with_state", ())
-        now, due, seen = self.state.clock(), self._unreached.setdefault(holder, {}), set()
+    def unreached(self) -> None:
+        """pMaster's sweep: a replica it counts that no round reached (its holder's heartbeats
+        say) for :data:`UNREACHED_PATIENCE`, its primary connected, gets its orders again (the
+        holder's, then the primary's list of replicas), and again each such spell. An order
+        lost with its connection, or refused, otherwise left a replica no round ever reached:
+        found in CI under lost control messages with nothing killed (the next failover would
+        promote it). One walk over the parts, whatever the number of Aggregators."""
+        now, seen = self.state.clock(), set()
+        reached = {name: record.stats.get("replicas_with_state", ()) for name, record in self.state.aggregators.items()}
         for job in list(self.state.jobs.values()):
             for spec in list(job.keys.values()):
                 for part in spec.parts if spec.ready else ():
                     ident = (job.job, spec.key, part.part)
-                    if holder not in part.replicas or ident in reached or self.links.get(part.aggregator) is None:
-                        continue
-                    seen.add(ident)
-                    since = due.setdefault(ident, [now, 0])
-                    if now - since[0] < UNREACHED_PATIENCE:
-                        continue
-                    since[:] = [now, since[1] + 1]
-                    (log.info if since[1] == 1 else log.debug)(
-                        "pMaster: no round reached %s's replica of key %r part %d of job %s for %.0f s; telling %s "
-                        "and %s again", holder, spec.key, part.part, job.job, UNREACHED_PATIENCE, holder,
-                        part.aggregator)
-                    give_replicas(self.links, job, spec, part, [holder])
-        for ident in [i for i in due if i not in seen]:
-            del due[ident]
+                    for holder in part.replicas:
+                        if holder not in reached or ident in reached[holder] or self.links.get(holder) is None \
+                                or self.links.get(part.aggregator) is None:
+                            continue
+                        seen.add((holder, ident))
+                        since = self._unreached.setdefault((holder, ident), [now, 0])
+                        if now - since[0] < UNREACHED_PATIENCE:
+                            continue
+                        since[:] = [now, since[1] + 1]
+                        (log.info if since[1] == 1 else log.debug)(
+                            "pMaster: no round reached %s's replica of key %r part %d of job %s for %.0f s; telling "
+                            "%s and %s again", holder, spec.key, part.part, job.job, UNREACHED_PATIENCE, holder,
+                            part.aggregator)
+                        give_replicas(self.links, job, spec, part, [holder])
+        for gone in [k for k in self._unreached if k not in seen]:
+            del self._unreached[gone]
 
     def top_up(self, record, spec, part, avoid: frozenset = frozenset()) -> bool:
         """A part with fewer replicas than its job's replication (a move onto the Aggregator that
