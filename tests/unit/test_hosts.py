@@ -169,6 +169,25 @@ def test_a_provider_never_reuses_a_name_pmaster_gave_a_joined_aggregator():
     assert again.name not in started + [joined.name]
 
 
+
+def test_an_aggregator_a_previous_pmaster_named_is_never_given_its_name_again():
+    """Found by the chaos test with control faults: pMaster named a replacement agg-1 and was
+    killed before it registered; agg-1 registered with the restarted one, whose provider had not
+    started it and named the next new Aggregator agg-1 again: that one never came, and the pool
+    stayed below its floor when the next Aggregator died."""
+    from pslink.core.master import Master
+    from tests.helpers import RecordingPeer
+
+    provider = _Names()
+    master = Master("inproc://pmaster-names", provider=provider)
+    try:
+        peer = RecordingPeer()
+        master.joining._admit(peer, {"address": "tcp://127.0.0.1:9501", "agg": "agg-1"})
+        assert master.state.aggregators["agg-1"]
+        assert "agg-1" not in provider.start(3)
+    finally:
+        master.stop()
+
 def test_a_state_file_of_the_previous_schema_is_migrated(tmp_path):
     path = tmp_path / "pmaster.sqlite"
     db = sqlite3.connect(path)
