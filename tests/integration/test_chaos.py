@@ -71,3 +71,25 @@ def test_a_short_chaos_run_killing_pmaster_at_named_points_loses_and_doubles_no_
     for job, figures in report["jobs"].items():
         assert figures.get("exact"), f"{job}: {figures}"
 
+
+@pytest.mark.timeout(360)
+def test_a_short_chaos_run_with_control_messages_lost_repeated_and_held_loses_and_doubles_no_round(tmp_path):
+    # Every control message of the service's processes may be lost with its connection,
+    # repeated or held back (PSLINK_FAULTS ctl_*), while pMaster is killed (plainly and at the
+    # named points) and Aggregators are killed. Each fault comes once the last one is mended:
+    # every part served by a live Aggregator, with a replica a round reached (the harness waits).
+    run = chaos.Chaos(seed=1, jobs=2, workers=2, aggregators=3, workdir=str(tmp_path), elastic=False,
+                      control_faults="ctl_drop=0.01,ctl_dup=0.05,ctl_delay=0.05,delay_ms=50")
+    try:
+        report = run.run(seconds=0, warmup=2.0, gap=(2.0, 3.0), pmaster_share=0.3, worker_share=0.0,
+                         partition_share=0.0, point_share=0.3, faults=6)
+    finally:
+        run.close()
+    assert not report["errors"], "\n".join(report["errors"]) + "\nthe service said:\n" + run.log_excerpt()
+    kinds = [fault["kind"] for fault in report["schedule"]]
+    assert {"aggregator", "pmaster", "pmaster-point"} <= set(kinds), kinds
+    with open(tmp_path / "service.log", errors="replace") as log:
+        cut = sum("(PSLINK_FAULTS ctl_drop)" in line for line in log)
+    assert cut > 0, "no control connection was cut: the run did not test what it says"
+    for job, figures in report["jobs"].items():
+        assert figures.get("exact"), f"{job}: {figures}"
