@@ -327,9 +327,7 @@ class Agent:
     def barrier(self, name: str = "barrier", timeout: float | None = None) -> dict:
         """Wait until every member of the job reached the barrier of this name (a member that
         leaves meanwhile is not waited for). Returns the members it released: ``{"ranks", "epoch"}``."""
-        passed = self.seat.barriers_passed.get(name, 0)
-        body = self._master.call_again_if_cut(Op.BARRIER, timeout=timeout, name=name, n=passed)
-        self.seat.barriers_passed[name] = passed + 1
+        body = self._master.barrier(name, timeout)
         self.seat.update_members(body)
         return body
 

@@ -15,14 +15,11 @@ class Seat:
     """This worker's place in its job: who it is, the job's token (pMaster gives it at
     registration) and the members as last heard. One object the Agent's collaborators share."""
 
-    __slots__ = ("job", "rank", "num_workers", "token", "host_id", "members", "barriers_passed")
+    __slots__ = ("job", "rank", "num_workers", "token", "host_id", "members")
 
     def __init__(self, job: str, rank: int, num_workers: int, token: bytes, host_id: str):
         self.job, self.rank, self.num_workers, self.token, self.host_id = job, rank, num_workers, token, host_id
         self.members: dict = {}  # {"ranks": [...], "epoch": n}, as pMaster last said
-        # barrier name -> its releases this worker got: a BARRIER says it, so that pMaster answers
-        # one asked again (its release lost with the connection) with that release
-        self.barriers_passed: dict[str, int] = {}
 
     def fields(self) -> dict:
         """The fields every request to pMaster about the job carries."""

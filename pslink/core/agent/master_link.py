@@ -50,6 +50,7 @@ class MasterLink:
         self.peer: RpcPeer | None = None
         self._lock = threading.Lock()
         self._reconnecting = False
+        self._barriers_passed: dict[str, int] = {}  # barrier name -> the releases this Agent got
 
     def start_heartbeats(self) -> None:
         self.reactor.call_later(self.heartbeat_interval, self._heartbeat)
@@ -95,6 +96,15 @@ class MasterLink:
         timeout = self.timeout if timeout is None else timeout
         return self._ask_while(lambda exc: isinstance(exc, PeerError), time.monotonic() + timeout, op,
                                timeout=timeout, **fields)
+
+    def barrier(self, name: str, timeout: float | None) -> dict:
+        """BARRIER ``name``, saying how often this Agent passed it: asked again after a cut, its
+        release lost with the connection is the answer (not a new entry at a barrier the others
+        have left)."""
+        passed = self._barriers_passed.get(name, 0)
+        body = self.call_again_if_cut(Op.BARRIER, timeout=timeout, name=name, n=passed)
+        self._barriers_passed[name] = passed + 1
+        return body
 
     def _ask_while(self, again: Callable[[PslinkError], bool], deadline: float, op: Op,
                    before: Callable[[], object] = lambda: None, **fields) -> dict:
