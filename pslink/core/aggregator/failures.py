@@ -94,6 +94,12 @@ def fence(tasks: dict, parts: list, name: str, why: str = "was failed over while
     return idents, replies
 
 
+def replicas_ordered(job_id: str, specs: list[dict]) -> list[tuple]:
+    """The parts (job, key, part) an ASSIGN's ``specs`` make this Aggregator a replica of (drops aside)."""
+    return [(job_id, spec.get("key"), spec.get("part")) for spec in specs
+            if spec.get("replica") and not spec.get("drop")]
+
+
 def end_moves_given_up(tasks: dict, job_id: str, specs: list[dict], name: str) -> list[Reply]:
     """pMaster gives this Aggregator a replica of a part it waits for a copy of (an ASSIGN's
     ``specs``): that move is over, for pMaster never makes a move's target the part's replica
@@ -101,8 +107,6 @@ def end_moves_given_up(tasks: dict, job_id: str, specs: list[dict], name: str) -
     elsewhere). The waiting task goes, so that the replica takes its place (kept beside it, the
     replica was ignored and never got a round: found by the chaos run with control faults),
     and what waited on it is told to ask pMaster."""
-    replicas = [(job_id, spec.get("key"), spec.get("part")) for spec in specs
-                if spec.get("replica") and not spec.get("drop")]
-    given_up = [ident for ident in replicas if ident in tasks and tasks[ident].incoming]
+    given_up = [ident for ident in replicas_ordered(job_id, specs) if ident in tasks and tasks[ident].incoming]
     return fence(tasks, given_up, name, why="waited for a move's copy that was given up")[1]
 

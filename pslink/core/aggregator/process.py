@@ -523,12 +523,12 @@ class Aggregator:
         if op == Op.ASSIGN:
             job = req["jobinfo"]["job"]
             self._send_all(failures.end_moves_given_up(self.core.tasks, job, req["tasks"], self.name))
-            for spec in req["tasks"]:  # (seen if pMaster re-sends it: Replicas.unreached)
-                task = self.core.tasks.get((job, spec.get("key"), spec.get("part")))
-                if spec.get("replica") and not spec.get("drop") and task is not None and task.moved_to is None:
+            for ident in failures.replicas_ordered(job, req["tasks"]):  # (pMaster re-sends: Replicas.unreached)
+                task = self.core.tasks.get(ident)
+                if task is not None and task.moved_to is None:
                     log.warning("aggregator %s: pMaster gives it a replica of %s, which it serves; kept serving",
                                 self.name, task.name)
-            self._send_all(self.core.moves.promote_placed(req["jobinfo"]["job"], req["tasks"]))
+            self._send_all(self.core.moves.promote_placed(job, req["tasks"]))
             for task in self.core.assign(req["jobinfo"], req["tasks"]):
                 self.master.fenced_parts.discard((task.job.job, task.key, task.part))  # placed here again
                 if task.poisoned is not None:
