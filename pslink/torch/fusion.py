@@ -5,16 +5,22 @@ and each costs the worker, the wire and the shared Aggregators a fixed price wha
 Horovod copies such tensors into a fusion buffer and reduces the buffer; DDP does the same with
 its buckets. Here the buckets are fixed when the optimizer is made, the same on every rank: the
 parameters in reverse order (the order backward produces their gradients), a bucket closed when
-the next one would take it past the fusion threshold (``PSLINK_FUSION_BYTES``, the Agent's, 16 MiB
-by default) or has another dtype or device. Horovod's ``groups`` (explicit lists of parameters)
-and ``num_groups`` (that many equal groups) choose the buckets instead. After a step each
-parameter's ``.grad`` is a view of its place in its bucket (as DDP's ``gradient_as_bucket_view``).
-``optimizer.zero_grad()`` (``set_to_none``, the default) drops those views: backward writes fresh
-gradients, each copied into its bucket place once final (as DDP copies into its buckets), which
-spares a pass zeroing the buckets and a read per gradient; with ``set_to_none=False`` the bucket is
-zeroed in place and backward accumulates into it. The bucket is push-pulled, under a key named by
-its parameters' names, once backward has finished its last gradient, and the averages land in
-the ``.grad`` tensors.
+the next one would take it past the fusion threshold (``PSLINK_FUSION_BYTES``, the Agent's,
+16 MiB by default) or has another dtype or device, or once it holds a third of the model (but
+at least :data:`LEAST_SHARE`): a bucket is sent once its last gradient is final, so only the last
+one's exchange waits after backward, and a model smaller than the threshold in one bucket would
+wait for all of it (measured, 500 tensors of 8 MiB in all: 3 buckets a step 1-1.3 ms shorter
+than 1). Horovod's ``groups`` (explicit lists of parameters) and ``num_groups`` (that many
+equal groups) choose the buckets instead. Each parameter's ``.grad`` is a view of its place in its
+bucket (as DDP's ``gradient_as_bucket_view``): backward accumulates into the bucket and the
+averages land where the optimizer reads them. ``optimizer.zero_grad()`` zeroes the buckets in
+place, with ``set_to_none`` too (the one place this differs from Horovod, whose gradients go to
+None): letting backward write fresh gradients and copying each into its bucket cost a copy, an
+allocation and a ``.grad`` assignment per gradient, about 1 ms a step for 500 of them (measured;
+docs/benchmarks.md). A gradient that is not its bucket place (``.grad`` replaced, say by
+``model.zero_grad()``) is copied there once final, and ``.grad`` made the view again after the
+exchange. The bucket is push-pulled, under a key named by its parameters' names, once backward
+has finished its last gradient.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ class Bucket:
         self.views = [view.view_as(param) for view, param in zip(self.views, params)]
         digest = hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
         self.key = service_key("grad", f"fused.{len(names)}.{digest}")
-        self.waiting = {id(p) for p in params}
+        self._all = frozenset(id(p) for p in params)
+        self.waiting = set(self._all)
+        self.stale = False  # some .grad is not its bucket place: scatter() points it back
 
     def describe(self) -> str:
         shown = ", ".join(repr(n) for n in self.names[:4]) + (", ..." if len(self.names) > 4 else "")
@@ -71,23 +79,41 @@ class Bucket:
         """``param``'s gradient is final (None: zeros, for one unused or gathered sparse apart);
         True once every parameter's is. A gradient that is not its bucket place (``.grad`` was
         replaced, say by ``model.zero_grad()``) is copied there."""
-        i = self.index[id(param)]
-        view = self.views[i]
-        if grad is None:
-            view.zero_()
-        elif grad is not view:
-            view.copy_(grad)
-        self.waiting.discard(id(param))
-        return not self.waiting
+        ident = id(param)
+        view = self.views[self.index[ident]]
+        if grad is not view:
+            self.stale = True
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+        waiting = self.waiting
+        waiting.discard(ident)
+        return not waiting
 
     def scatter(self, sparse: set) -> None:
-        """The averages are in the bucket: each dense parameter's ``.grad`` is its place there."""
+        """The averages are in the bucket: each dense parameter's ``.grad`` is its place there
+        (nothing to do when every gradient was: the usual step)."""
+        if not self.stale:
+            return
         for param, view in zip(self.params, self.views):
             if param not in sparse and param.grad is not view:
                 param.grad = view
 
     def reset(self) -> None:
-        self.waiting = {id(p) for p in self.params}
+        self.waiting = set(self._all)
+        self.stale = False
+
+
+LEAST_SHARE = 1 << 20  # below this, more buckets cost more in fixed costs than the overlap gains
+
+
+def bucket_share(threshold: int, total: int) -> int:
+    """A bucket closes once it holds this much (or before the next gradient would take it past
+    the threshold): a third of the model's ``total`` bytes, so that two thirds of the exchange
+    overlap backward and the thirds come out about even, but never under :data:`LEAST_SHARE` nor
+    over the threshold."""
+    return min(threshold, max(-(-total // 3), LEAST_SHARE))
 
 
 def plan(params: list[torch.Tensor], names: dict, threshold: int, groups=None, num_groups: int = 0) -> list[Bucket]:
@@ -113,6 +139,7 @@ def plan(params: list[torch.Tensor], names: dict, threshold: int, groups=None, n
         size = -(-len(params) // num_groups)
         chosen = [params[i : i + size] for i in range(0, len(params), size)]
     elif threshold:
+        share = bucket_share(threshold, sum(p.numel() * p.element_size() for p in params))
         chosen, current, nbytes = [], [], 0
         for param in reversed(params):  # backward yields the last layers' gradients first
             size = param.numel() * param.element_size()
@@ -123,6 +150,9 @@ def plan(params: list[torch.Tensor], names: dict, threshold: int, groups=None, n
             if size < threshold:
                 current.append(param)
                 nbytes += size
+                if nbytes >= share:
+                    chosen.append(current)
+                    current, nbytes = [], 0
         if current:
             chosen.append(current)
     else:

@@ -39,7 +39,8 @@ class _GradientSync:
         self.names = _parameter_names(optimizer, named_parameters)
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         # Keyed by id(param): a tensor's __hash__ is a Python call, and the hooks run 2 per parameter a step.
-        self.delay = {id(p): self.passes for p in self.params}
+        self._param_ids = [id(p) for p in self.params]
+        self.delay = dict.fromkeys(self._param_ids, self.passes)
         self.works: dict[torch.Tensor, tuple[Work, torch.Tensor]] = {}
         self.buckets = plan(self.params, self.names, session.agent.fusion_bytes, groups, num_groups)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -70,17 +71,21 @@ class _GradientSync:
             )
         self.delay[ident] = left
         if left == 0:
-            if param.grad.is_sparse and not self.sparse_as_dense:
+            grad = param.grad  # (read once: each read of .grad is a call into torch)
+            bucket = self.bucket_of.get(ident)
+            if grad.is_sparse and not self.sparse_as_dense:
                 self.sparse.add(param)  # gathered in synchronize(), in parameter order on every rank
-                self.fill(param, None)  # zeros in its bucket's place, on every rank alike
-            elif ident in self.bucket_of:
-                self.fill(param, param.grad.to_dense() if param.grad.is_sparse else param.grad)
+                if bucket is not None:
+                    self.fill(param, None, bucket)  # zeros in its bucket's place, on every rank alike
+            elif bucket is not None:
+                self.fill(param, grad.to_dense() if grad.is_sparse else grad, bucket)
             else:
-                self.works[param] = self.push(param, param.grad)
+                self.works[param] = self.push(param, grad)
 
-    def fill(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    def fill(self, param: torch.Tensor, grad: torch.Tensor | None, bucket: Bucket | None = None) -> None:
         """Into its bucket (if it has one), which is push-pulled once it is full."""
-        bucket = self.bucket_of.get(id(param))
+        if bucket is None:
+            bucket = self.bucket_of.get(id(param))
         if bucket is not None and bucket.fill(param, grad):
             self.bucket_works.append((self.start(bucket.key, bucket.describe(), bucket.flat)[0], bucket))
 
@@ -153,7 +158,7 @@ class _GradientSync:
         self.bucket_works.clear()
         for bucket in self.buckets:
             bucket.reset()
-        self.delay = {id(p): self.passes for p in self.params}
+        self.delay = dict.fromkeys(self._param_ids, self.passes)
 
     def _gather_sparse(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """A sparse gradient (an ``nn.Embedding(sparse=True)``'s) over the ranks, as Horovod's
@@ -260,19 +265,22 @@ def _distributed_class(base: type) -> type:
                 "optimizer.synchronize(): the gradients are still being averaged"
             )
         buckets = self._pslink.buckets
-        if not buckets or set_to_none:
-            # Bucketed gradients too: backward then writes fresh ones, which fill() copies into
-            # the bucket (as DDP copies into its buckets), instead of adding into zeroed views:
-            # no pass to zero the buckets, one read less per gradient.
+        if not buckets:
             base.zero_grad(self, set_to_none)
             return
+        # Bucketed gradients are zeroed in place, set_to_none or not: they stay views of their
+        # bucket and backward adds into them (pslink.torch.fusion says why). The rest as asked.
+        bucketed = self._pslink.bucket_of
         for group in self.param_groups:
             for param in group["params"]:
-                if param.grad is not None and id(param) not in self._pslink.bucket_of:
-                    param.grad.detach_()
-                    param.grad.zero_()
+                if param.grad is not None and id(param) not in bucketed:
+                    if set_to_none:
+                        param.grad = None
+                    else:
+                        param.grad.detach_()
+                        param.grad.zero_()
         for bucket in buckets:
-            bucket.zero()  # views of the bucket, zeroed in place
+            bucket.zero()
 
     return type(base.__name__, (base,), {"__init__": __init__, "synchronize": synchronize,
                                          "skip_synchronize": skip_synchronize, "step": step, "zero_grad": zero_grad,

@@ -575,29 +575,52 @@ def test_fused_gradients_train_bit_for_bit_as_unfused_ones(service):
                 assert torch.equal(a, b), name
 
 
-def test_zeroing_bucketed_gradients_to_none_or_in_place_trains_alike(service):
-    """zero_grad() (set_to_none) lets backward write fresh gradients, copied into the bucket as
-    each is final; zero_grad(set_to_none=False) zeroes the bucket and backward accumulates into
-    it: the same weights, bit for bit, and after each step every .grad is its bucket place."""
+def test_buckets_hold_at_most_a_third_of_a_model_above_a_mebibyte():
+    """So that backward overlaps most of the exchange: the threshold caps a bucket, and so does a
+    third of the model, but not below 1 MiB (a small model stays one bucket)."""
+    from pslink.torch.fusion import plan
+
+    def buckets(count: int, nbytes: int, threshold: int) -> list[int]:
+        params = [torch.nn.Parameter(torch.zeros(nbytes // 4)) for _ in range(count)]
+        names = {p: f"p{i}" for i, p in enumerate(params)}
+        return [len(b.params) for b in plan(params, names, threshold)]
+
+    assert buckets(12, 256 << 10, 16 << 20) == [4, 4, 4]  # 3 MiB: thirds of 1 MiB
+    assert buckets(24, 256 << 10, 16 << 20) == [8, 8, 8]  # 6 MiB: thirds of 2 MiB
+    assert buckets(12, 256 << 10, 512 << 10) == [2] * 6  # the threshold is lower
+    assert buckets(3, 256 << 10, 16 << 20) == [3]  # 768 KiB: one bucket of up to 1 MiB
+
+
+def test_bucketed_gradients_stay_bucket_views_and_replaced_ones_are_copied_in_alike(service):
+    """optimizer.zero_grad(), with set_to_none or without, zeroes the bucket in place (each .grad
+    stays its bucket place, so backward adds into it); model.zero_grad() sets the gradients to
+    None, backward writes fresh ones, copied into the bucket as each is final. The same weights,
+    bit for bit, and after each step every .grad is its bucket place again."""
     def body(s):
         results = {}
-        for set_to_none in (True, False):
+        for how in ("optimizer", "in place", "module"):
             model = make_model()
             optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                              named_parameters=model.named_parameters(), session=s)
             (bucket,) = optimizer._pslink.buckets
             for step in range(4):
-                optimizer.zero_grad(set_to_none=set_to_none)
-                assert all((p.grad is None) == set_to_none for p in model.parameters())
+                if how == "module":
+                    model.zero_grad()
+                    assert all(p.grad is None for p in model.parameters())
+                else:
+                    optimizer.zero_grad(set_to_none=how == "optimizer")
+                    assert all(p.grad is view for p, view in zip(bucket.params, bucket.views))
+                    assert not bucket.flat.any()
                 loss_of(model, *data(step, s.rank)).backward()
                 optimizer.step()
                 assert all(p.grad is view for p, view in zip(bucket.params, bucket.views))
-            results[set_to_none] = [p.detach().clone() for p in model.parameters()]
+            results[how] = [p.detach().clone() for p in model.parameters()]
         return results
 
     for results in on_ranks(service, 2, body):
-        for a, b in zip(results[True], results[False], strict=True):
-            assert torch.equal(a, b)
+        for how in ("in place", "module"):
+            for a, b in zip(results[how], results["optimizer"], strict=True):
+                assert torch.equal(a, b), how
 
 
 def test_backward_passes_per_step_sum_op_and_predivide(service):
