@@ -285,3 +285,29 @@ def test_the_default_slicer_cuts_by_server_key_ranges():
     assert [s[0] for s in only_low] == [True, False]
     with pytest.raises(ConfigError, match="beyond the last server's key range"):
         default_slicer(KVPairs(np.array([K_MAX_KEY - 1], np.uint64), vals[:1]), ranges)
+
+
+def test_a_pull_answered_with_other_keys_than_asked_is_refused_naming_the_server():
+    """KVWorker checks each server's answer against the keys it asked that server for (one
+    slice or several), before anything lands in the caller's buffer."""
+    from types import SimpleNamespace
+
+    from pslink.pslite.kv_worker import KVWorker, _KVRequest, _Slice
+
+    worker = SimpleNamespace(app_id=0, customer_id=0, dtype=np.dtype(np.float32))
+
+    def answered(*slices) -> None:
+        request = _KVRequest(7, None, "pull", worker, np.array([3, 5, 9], wire.KEY_DTYPE), True,
+                             np.zeros(3, np.float32), None)
+        for target, start, keys in slices:
+            sl = request.slices[target] = _Slice(target, start, len(keys))
+            sl.keys, sl.vals = np.array(keys, wire.KEY_DTYPE), np.arange(len(keys), dtype=np.float32) + start
+        KVWorker._assemble(worker, request)
+        return request.vals_out
+
+    assert list(answered((8, 0, [3, 5, 9]))) == [0, 1, 2]
+    assert list(answered((10, 1, [5, 9]), (8, 0, [3]))) == [0, 1, 2]
+    with pytest.raises(ProtocolError, match="server node 8 answered 3 key.*other keys"):
+        answered((8, 0, [3, 5, 8]))
+    with pytest.raises(ProtocolError, match="server node 10 answered"):
+        answered((8, 0, [3]), (10, 1, [5, 7]))
