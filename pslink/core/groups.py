@@ -129,6 +129,7 @@ class GroupSync:
         self.leads = agent.rank == 0
         self.meeting = None  # where the leaders average the groups' weights (leaders only)
         self.members: list[int] = []
+        self.synced_with: set[int] = set()  # groups that took part in a sync with this one (leaders)
         self.sizes: dict[int, int] = {}  # each group's workers, as the last sync told
         self._flag = np.zeros(3, np.float32)  # [sync now, newcomers, the leader's step]
         self._told = np.zeros(1 + max_groups, np.float32)  # at a sync: [rank that may move + 1, sizes...]
@@ -204,7 +205,11 @@ class GroupSync:
         if not self.leads:
             return self._flag_value(False)
         members = self.meeting.members()
-        joined = sorted(set(members) - set(self.members))
+        # A group that synced with this one already is no newcomer, though this leader may not
+        # have listed it before: a founder slow to announce itself (its store file written after
+        # this leader first looked) was taken for a join, and this group's syncs went a step
+        # ahead of the others' (found by the suite on a loaded machine).
+        joined = sorted(set(members) - set(self.members) - self.synced_with)
         if joined and self.schedule.done:  # (before the first sync, every group there starts together)
             what = self.schedule.joined(self.steps)
             self.moves.append((*what, self.steps))
@@ -237,6 +242,7 @@ class GroupSync:
             if average:  # the average over the groups there now
                 ranks = self.agent.membership()["ranks"]
                 sizes = self.meeting.average(names, arrays, len(ranks))
+                self.synced_with.update(sizes)
                 told[0] = 1 + max(ranks) if len(ranks) > 1 else 0  # one worker a sync may move (never the leader)
                 for group, size in sizes.items():
                     told[1 + group] = size

@@ -192,6 +192,42 @@ def grouped_sgd_reference(steps: int, every: int, founders: dict, moves: list) -
     return weights
 
 
+def test_a_founding_group_that_announces_itself_late_is_not_taken_for_a_new_one(cluster, tmp_path):
+    # Group 1's leader comes to the store only after group 0's leader first listed its members:
+    # the first sync waits for it (a founder), and from then on it is no newcomer, so group 0's
+    # syncs stay on the common schedule (they went a step ahead, as for a group that joins, and
+    # the groups averaged different steps: found by the suite on a loaded machine).
+    service, transports = cluster
+    job, steps, every = "late-bonjour", 6, 2
+    listed = threading.Event()
+
+    def worker(group):
+        agent = connect(service, transports, f"{job}.g{group}", 0, 1)
+        if group == 1:
+            assert listed.wait(30), "group 0's leader never listed the groups"
+        groups = GroupSync(agent, job, group, 2, every, store=str(tmp_path))
+        if group == 0:
+            listed.set()
+        try:
+            w = np.full(50, 0.5, np.float32)
+            agent.init("w", w).wait()
+            while groups.steps < steps:
+                g = exact_gradient(group, groups.steps + 1)
+                agent.pushpull("w", g, g, average=True).wait()
+                w -= np.float32(0.5) * g
+                groups.step({"w": w})
+            return groups.moves, w
+        finally:
+            groups.close()
+            agent.close()
+
+    results = run_workers(2, worker)
+    assert [moves for moves, _ in results] == [[], []]
+    expected = grouped_sgd_reference(steps, every, {0: [0], 1: [1]}, [])
+    for group, (_, w) in enumerate(results):
+        np.testing.assert_array_equal(w, expected[group], err_msg=f"group {group}")
+
+
 @pytest.mark.parametrize("meeting", ["pool", "store"])
 def test_a_worker_moves_to_the_lighter_group_and_loses_no_round(cluster, meeting, tmp_path):
     # Groups of 3 and 1 workers, one service (equal RTTs): at the first sync (step 2) group 0's
