@@ -76,17 +76,15 @@ class _GradientSync:
             if grad.is_sparse and not self.sparse_as_dense:
                 self.sparse.add(param)  # gathered in synchronize(), in parameter order on every rank
                 if bucket is not None:
-                    self.fill(param, None, bucket)  # zeros in its bucket's place, on every rank alike
+                    self.fill(bucket, param, None)  # zeros in its bucket's place, on every rank alike
             elif bucket is not None:
-                self.fill(param, grad.to_dense() if grad.is_sparse else grad, bucket)
+                self.fill(bucket, param, grad.to_dense() if grad.is_sparse else grad)
             else:
                 self.works[param] = self.push(param, grad)
 
-    def fill(self, param: torch.Tensor, grad: torch.Tensor | None, bucket: Bucket | None = None) -> None:
-        """Into its bucket (if it has one), which is push-pulled once it is full."""
-        if bucket is None:
-            bucket = self.bucket_of.get(id(param))
-        if bucket is not None and bucket.fill(param, grad):
+    def fill(self, bucket: Bucket, param: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Into ``param``'s bucket, which is push-pulled once it is full."""
+        if bucket.fill(param, grad):
             self.bucket_works.append((self.start(bucket.key, bucket.describe(), bucket.flat)[0], bucket))
 
     def push(self, param: torch.Tensor, grad: torch.Tensor) -> tuple[Work, torch.Tensor]:
@@ -128,7 +126,7 @@ class _GradientSync:
             bucket = self.bucket_of.get(id(param))
             if bucket is not None:
                 if id(param) in bucket.waiting:
-                    self.fill(param, param.grad)  # None (unused): zeros
+                    self.fill(bucket, param, param.grad)  # None (unused): zeros
             elif param not in self.works and param not in self.sparse:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
