@@ -83,6 +83,8 @@ def test_whole_messages_in_one_read_arrive_whole():
 @pytest.mark.parametrize("garbage, match", [
     (b"PL\x01\x01\x10\x00\x00\x00" + (2000).to_bytes(8, "little") + b"h" * 16, "payload of 2000 bytes exceeds"),
     (b"PL\x01\x01\x00\x02\x00\x00" + (1).to_bytes(8, "little") + b"h" * 512, "header of 512 bytes exceeds"),
+    # two payloads (a ps-lite message's keys and values), each under the limit, together over it
+    (b"PL\x01\x02\x10\x00\x00\x00" + (600).to_bytes(8, "little") * 2 + b"h" * 16, "payload of 1200 bytes exceeds"),
 ])
 def test_limits_hold_for_whole_messages_in_one_read(garbage, match):
     reactor, conn, theirs, sink = make(Limits(max_header_bytes=256, max_message_bytes=1000))
@@ -91,6 +93,24 @@ def test_limits_hold_for_whole_messages_in_one_read(garbage, match):
     exc = sink.closed.get(timeout=1)
     assert isinstance(exc, ProtocolError) and match in str(exc)
     reactor.close()
+
+
+def test_keys_and_values_sent_as_two_payloads_arrive_whole_even_when_one_is_empty():
+    # send() packs a message of two payloads (every ps-lite KV message) in a shape of its own.
+    reactor, conn, theirs, sink = make()
+    peer_reactor = Reactor()
+    peer_sink = Sink()
+    with peer_reactor._drive_lock:
+        peer = TcpConnection(theirs, peer_reactor, peer_sink, Limits(), peer="sender", on_driver_thread=True)
+    keys, values = np.arange(3, dtype=np.uint64), np.linspace(0, 1, 1024, dtype=np.float32)
+    for frames in ([b"kv", keys, values], [b"no keys", b"", values], [b"no values", keys, np.empty(0, np.float32)],
+                   [b"neither", b"", b""]):
+        peer.send(frames)
+    pump(reactor)
+    assert sink.messages == [(b"kv", [keys.tobytes(), values.tobytes()]), (b"no keys", [b"", values.tobytes()]),
+                             (b"no values", [keys.tobytes(), b""]), (b"neither", [b"", b""])]
+    reactor.close()
+    peer_reactor.close()
 
 
 class Echo(Sink):

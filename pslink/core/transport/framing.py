@@ -26,6 +26,9 @@ PREFIX = struct.Struct("<2sBBI")
 SIZE = struct.Struct("<Q")
 _PREFIX0 = struct.Struct("<2sBBI")  # the common shapes, packed in one call
 _PREFIX1 = struct.Struct("<2sBBIQ")
+_PREFIX2 = struct.Struct("<2sBBIQQ")  # keys and values: every ps-lite KV message
+# The sizes that follow PREFIX in the shapes above, by payload count (the reader's fast path).
+_SIZES_OF = (None, struct.Struct("<Q"), struct.Struct("<QQ"))
 
 
 def frame_prefix(header: bytes, payloads: Sequence) -> bytes:
@@ -34,6 +37,9 @@ def frame_prefix(header: bytes, payloads: Sequence) -> bytes:
         return _PREFIX0.pack(MAGIC, FRAMING_VERSION, 0, len(header))
     if len(payloads) == 1:
         return _PREFIX1.pack(MAGIC, FRAMING_VERSION, 1, len(header), memoryview(payloads[0]).nbytes)
+    if len(payloads) == 2:
+        return _PREFIX2.pack(MAGIC, FRAMING_VERSION, 2, len(header), memoryview(payloads[0]).nbytes,
+                             memoryview(payloads[1]).nbytes)
     sizes = [memoryview(p).nbytes for p in payloads]
     return PREFIX.pack(MAGIC, FRAMING_VERSION, len(sizes), len(header)) + b"".join(
         SIZE.pack(s) for s in sizes

@@ -31,6 +31,8 @@ from pslink.core.transport.framing import (
     _LOCATION,
     _PREFIX0,
     _PREFIX1,
+    _PREFIX2,
+    _SIZES_OF,
     FRAMING_RING,
     FRAMING_RING_OPEN,
     FRAMING_VERSION,
@@ -166,6 +168,22 @@ class TcpConnection(Connection):
                 return
             head = _PREFIX1.pack(MAGIC, FRAMING_VERSION, 1, len(header), size) + header
             parts = [head, payload] if size else [head]
+        elif count == 3:  # keys and values, as every ps-lite KV message: the same, for two
+            keys, values = frames[1], frames[2]
+            if type(keys) is not bytes:
+                keys = memoryview(keys).cast("B")
+            if type(values) is not bytes:
+                values = memoryview(values).cast("B")
+            key_bytes, value_bytes = len(keys), len(values)
+            if (self.rings is not None and self.rings.allowed
+                    and (key_bytes >= MIN_PAYLOAD or value_bytes >= MIN_PAYLOAD)):
+                self.rings.send(header, [keys, values])
+                return
+            head = _PREFIX2.pack(MAGIC, FRAMING_VERSION, 2, len(header), key_bytes, value_bytes) + header
+            if key_bytes and value_bytes:
+                parts = [head, keys, values]
+            else:  # an empty part in the write queue would make sendmsg return 0 forever
+                parts = [head, *(p for p in (keys, values) if len(p))]
         else:
             payloads = [p if type(p) is bytes else memoryview(p).cast("B") for p in frames[1:]]
             if self.rings is not None and self.rings.allowed and any(len(p) >= MIN_PAYLOAD for p in payloads):
@@ -348,18 +366,19 @@ class TcpConnection(Connection):
             if stage == _PREFIX:
                 if avail < PREFIX.size:
                     break
-                if avail >= _PREFIX1.size:
-                    magic, version, nframes, hlen, size = _PREFIX1.unpack_from(self._rbuf, self._rpos)
-                    if (nframes == 1 and magic == MAGIC and version == FRAMING_VERSION and avail >= _PREFIX1.size + hlen
-                            and size <= self.limits.max_message_bytes and hlen <= self.limits.max_header_bytes):
-                        # A whole tensor message's prefix and header are here (the common case of
-                        # a small request or reply): past all three stages at once.
-                        start = self._rpos + _PREFIX1.size
+                magic, version, nframes, hlen = PREFIX.unpack_from(self._rbuf, self._rpos)
+                if (0 < nframes <= 2 and version == FRAMING_VERSION and magic == MAGIC
+                        and avail >= PREFIX.size + 8 * nframes + hlen and hlen <= self.limits.max_header_bytes):
+                    # A whole message's prefix and header are here, with one payload (a tensor) or
+                    # two (a ps-lite KV message's keys and values): the common case of a small
+                    # request or reply, past all three stages at once.
+                    sizes = _SIZES_OF[nframes].unpack_from(self._rbuf, self._rpos + PREFIX.size)
+                    if sum(sizes) <= self.limits.max_message_bytes:
+                        start = self._rpos + PREFIX.size + 8 * nframes
                         self._rpos = start + hlen
-                        self._sizes = (size,)
+                        self._sizes = sizes
                         self._begin_payloads(bytes(rmv[start : start + hlen]))
                         continue
-                magic, version, nframes, hlen = PREFIX.unpack_from(self._rbuf, self._rpos)
                 if magic != MAGIC:
                     raise ProtocolError(
                         f"bad frame from {self.peer}: expected magic {MAGIC!r}, got "
