@@ -29,6 +29,8 @@ ENV_SHM_WAIT_MS = "PSLINK_SHM_WAIT_MS"
 ENV_FUSION_BYTES = "PSLINK_FUSION_BYTES"
 ENV_FUSION_CYCLE_MS = "PSLINK_FUSION_CYCLE_MS"
 DEFAULT_FUSION_BYTES = 16 << 20
+ENV_LINK_WINDOW = "PSLINK_LINK_WINDOW"
+DEFAULT_LINK_WINDOW = 3
 DEFAULT_FUSION_CYCLE_MS = 1.0
 
 DEFAULT_MASTER = "tcp://127.0.0.1:7770"
@@ -138,6 +140,14 @@ def resolve_connect(job, rank, num_workers, master, options: dict, known, enviro
     options["timeout"] = resolve_float(options.get("timeout"), "timeout", ENV_TIMEOUT, DEFAULT_TIMEOUT,
                                        environ=environ)
     return job, rank, num_workers, master, options
+
+
+def link_window(environ=os.environ) -> int:
+    """How many large requests (of FUSE_BELOW bytes or more) an Agent keeps in flight on one
+    network link to an Aggregator (``PSLINK_LINK_WINDOW``, default 3; 0: no limit); the rest wait
+    for answers, in order (pslink.core.agent.requests). Same-host links are never limited."""
+    value = _number(ENV_LINK_WINDOW, int, "a whole number of requests", 0, 1 << 20, environ)
+    return DEFAULT_LINK_WINDOW if value is None else value
 
 
 def fusion_settings(fusion_bytes: int | None = None, cycle_ms: float | None = None,

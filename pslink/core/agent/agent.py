@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pslink.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, fusion_settings, host_reduce_settings, resolve_token
+from pslink.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, fusion_settings, host_reduce_settings, link_window, resolve_token
 from pslink.core import hosts
 from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
@@ -134,7 +134,7 @@ class Agent:
         self._requests = Requests(self.seat, self.transports, self._reactor, self, limits, self._handles,
                                   connect_timeout=connect_timeout, peer_timeout=peer_timeout,
                                   probe_interval=probe_interval, resend_timeout=resend_timeout, faults=self.faults,
-                                  clock=clock, fusion_bytes=fusion[0], fusion_cycle=fusion[1])
+                                  clock=clock, fusion_bytes=fusion[0], fusion_cycle=fusion[1], link_window=link_window())
         if fusion[0]:  # with fusion off nothing waits in an outbox: no look at every link before each wait
             self._handles.before_wait = self._requests.flush
         self._iterations = Iterations(clock, self._timeline, self._lock)  # durations for pMaster; the timeline's steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any
 
@@ -83,7 +84,7 @@ class Link:
     """The connection to one Aggregator and the requests waiting on it."""
 
     __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending", "error", "outbox", "outbox_bytes",
-                 "flush_due")
+                 "flush_due", "window", "in_window", "held")
 
     def __init__(self, name: str, address: str, conn: Connection | None, now: float, error: str | None = None):
         self.name, self.address, self.conn = name, address, conn
@@ -95,6 +96,11 @@ class Link:
         self.outbox: list[tuple[int, list]] = []
         self.outbox_bytes = 0
         self.flush_due = False  # a cycle timer will send the outbox
+        # Large requests in flight on a network link, at most ``window`` (0: no limit; see
+        # pslink.core.agent.requests); the ones past it wait in ``held``, in order.
+        self.window = 0
+        self.in_window = 0
+        self.held: collections.deque = collections.deque()
 
 
 class PartRequest:
@@ -102,7 +108,7 @@ class PartRequest:
     that migrated answers with its new place)."""
 
     __slots__ = ("handle", "link", "nbytes", "dest", "array", "average", "op", "info", "part", "round",
-                 "payload", "flat_out", "moves", "covers", "frames", "sent")
+                 "payload", "flat_out", "moves", "covers", "frames", "sent", "window_link", "held")
 
     def __init__(self, handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out, moves,
                  covers=None):
@@ -113,6 +119,8 @@ class PartRequest:
         self.covers = covers  # the ranks a host's leader pushes for (pslink.core.agent.host_reduce)
         self.frames: list | None = None  # what was sent: sent again as it is (same id) if no answer comes
         self.sent = 0.0
+        self.window_link: Link | None = None  # the link whose window this request counts in
+        self.held = False  # ... waiting there for room, not sent yet
 
 
 MAX_MOVES = 8  # a request that keeps meeting "moved" answers gives up with the last one
