@@ -96,9 +96,9 @@ class TcpConnection(Connection):
                 pass  # the system's cap (net.core.wmem_max) applies
         self.sock = sock
         self._tls = isinstance(sock, TlsSocket)  # OpenSSL may hold decrypted bytes the poll cannot see
-        # SO_RCVLOWAT counts ciphertext under TLS, and OpenSSL reads whole records: plain TCP only.
-        self._tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and not self._tls
         self.over_network = sock.family in (socket.AF_INET, socket.AF_INET6)  # not a same-host Unix socket
+        # SO_RCVLOWAT counts ciphertext under TLS, and OpenSSL reads whole records: plain TCP only.
+        self._tcp = self.over_network and not self._tls
         self._lowat = 1  # SO_RCVLOWAT now (TCP: raised while a large payload trickles in)
         self.fd = sock.fileno()
         self.reactor = reactor
