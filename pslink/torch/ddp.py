@@ -14,7 +14,6 @@ still on the wire.
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations as objects.
 
-import atexit
 import heapq
 import itertools
 import os
@@ -43,21 +42,26 @@ class HookState:
     """What :func:`comm_hook` needs: the Agent, the name that scopes this model's keys, the
     bucket layouts seen so far, staging buffers and the deadlines of buckets in flight."""
 
-    __slots__ = ("agent", "name", "timeout", "_own_agent", "_layouts", "_generations", "_staging",
-                 "_deadlines", "__weakref__")
+    __slots__ = ("agent", "name", "timeout", "_layouts", "_generations", "_staging", "_deadlines", "_release",
+                 "__weakref__")
 
     def __init__(self, agent: Agent, name: str = "ddp", timeout: float | None = None, own_agent: bool = False):
         _check_name(name)
         self.agent = agent
         self.name = name
         self.timeout = agent.timeout if timeout is None else float(timeout)
-        self._own_agent = own_agent
         # bucket index -> (numel, dtype) last seen, and how often that layout changed
         self._layouts: dict[int, tuple[int, torch.dtype]] = {}
         self._generations: dict[int, int] = {}
         self._staging = StagingPool()
         self._deadlines = _Deadlines()
         _SHARED.named(self)
+        # An Agent that connect() joined for this state leaves the job when the state is closed,
+        # or collected (a DDP model deleted without close()), or at the latest at exit: never
+        # later, when its threads would complete bucket futures, whose callbacks run Python, while
+        # the interpreter shuts down (a thread that then takes the GIL is ended inside torch's
+        # C++ frames: "terminate called without an active exception", SIGABRT).
+        self._release = weakref.finalize(self, _SHARED.release, agent) if own_agent else None
 
     def __repr__(self) -> str:
         agent = self.agent
@@ -91,9 +95,8 @@ class HookState:
         """Release the staging buffers; leave the job if :func:`connect` joined it."""
         self._deadlines.close()
         self._staging.clear()
-        if self._own_agent:
-            self._own_agent = False
-            _SHARED.release(self.agent)
+        if self._release is not None:
+            self._release()  # (a finalizer runs once)
 
     def __enter__(self) -> "HookState":
         return self
@@ -164,8 +167,6 @@ def connect(
         if own:
             _SHARED.release(agent)
         raise
-    if own:
-        _close_at_exit(state)
     return state
 
 
@@ -301,17 +302,6 @@ def _fallback(value: int | None, pslink_variable: str, torchrun_variable: str, f
         return from_dist()
     raw = os.environ.get(torchrun_variable)
     return int(raw) if raw and raw.isdigit() else None
-
-
-def _close_at_exit(state: HookState) -> None:
-    ref = weakref.ref(state)
-
-    def close() -> None:
-        live = ref()
-        if live is not None:
-            live.close()
-
-    atexit.register(close)
 
 
 class _Pending:

@@ -189,6 +189,23 @@ def test_a_bucket_nobody_else_pushes_fails_after_the_timeout(process_group, clus
     agent.close()
 
 
+def test_a_ddp_model_deleted_without_close_leaves_the_job_when_its_state_is_collected(process_group, cluster):
+    # Left open, its Agent would complete the bucket futures still in flight from its own thread,
+    # maybe while the interpreter shuts down: a worker died so with SIGABRT ("terminate called
+    # without an active exception"). Now the Agent leaves the job with the state.
+    service, transports = cluster
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    state = pslink.torch.connect(job="forgotten", rank=0, num_workers=1, master=service.address,
+                                 transports=transports)
+    agent = state.agent
+    ddp.register_comm_hook(state, pslink.torch.comm_hook)
+    del state
+    assert not agent.closed
+    del ddp
+    gc.collect()
+    assert agent.closed
+
+
 class FakeBucket:
     """The part of dist.GradBucket that keys depend on."""
 
