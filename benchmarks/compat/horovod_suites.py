@@ -38,7 +38,7 @@ def environment() -> dict:
 
 def collect(path: Path, keyword: str | None) -> list[str]:
     """The test ids of one file (collected in one process, with the shim on the path)."""
-    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", str(path)] + (["-k", keyword] if keyword else [])
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "--rootdir", str(path.parent), str(path)] + (["-k", keyword] if keyword else [])
     out = subprocess.run(command, capture_output=True, text=True, env=environment(), cwd=path.parent).stdout
     return [line.strip() for line in out.splitlines() if "::" in line and not line.startswith(" ")]
 
@@ -46,7 +46,7 @@ def collect(path: Path, keyword: str | None) -> list[str]:
 def run_one(test_id: str, cwd: Path, timeout: float) -> tuple[str, str]:
     """(outcome, output) of one test as 2 ranks: passed, failed, skipped or hung."""
     command = [sys.executable, "-m", "pslink.cli", "launch", "-n", "2", sys.executable, "-m", "pytest", "-q",
-               "-p", "no:cacheprovider", test_id]
+               "-p", "no:cacheprovider", "--rootdir", str(cwd), test_id]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
                             env=environment(), stdin=subprocess.DEVNULL)
     try:
