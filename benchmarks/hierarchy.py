@@ -84,7 +84,7 @@ def role_worker(args) -> None:
 def role_digits(args) -> None:
     """One worker of the digits demo, flat or in a group (``--group``); prints its result."""
     import pslink
-    from pslink.core.groups import GroupSync
+    from pslink.core.worker.groups import GroupSync
     from pslink.demo.digits import train
 
     grouped = args.group is not None

@@ -538,8 +538,7 @@ def launch_command(
 
 def _group_env(sync: str | None, groups: int | None) -> dict | None:
     """The workers' environment with ``--sync`` / ``--groups`` (None: the launcher's own)."""
-    from pslink.config import ENV_GROUPS, ENV_SYNC
-    from pslink.core.groups import parse_local_sync
+    from pslink.config import ENV_GROUPS, ENV_SYNC, parse_local_sync
 
     if sync is None and groups is None:
         return None

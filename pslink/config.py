@@ -226,10 +226,23 @@ ENV_SYNC_STORE = "PSLINK_SYNC_STORE"
 ENV_SYNC_GROUP = "PSLINK_SYNC_GROUP"
 
 
+def parse_local_sync(sync: str) -> int:
+    """``"local:T"`` -> T (the local steps between global syncs)."""
+    kind, _, every = sync.partition(":")
+    try:
+        value = int(every)
+    except ValueError:
+        value = 0
+    if kind != "local" or value < 1:
+        raise ConfigError(f"sync {sync!r}: groups with delayed global sync are written 'local:T', T >= 1 local "
+                          "steps between global syncs")
+    return value
+
+
 def local_sync_settings(sync: str | None, groups: int | None, store: str | None, job: str, rank: int,
                         num_workers: int, environ=os.environ,
                         label: str | None = None) -> tuple[int, int | str, str | None] | None:
-    """Groups with delayed global sync (pslink.core.groups): ``(every, groups, store)`` when the
+    """Groups with delayed global sync (pslink.core.worker.groups): ``(every, groups, store)`` when the
     job asks for them (``sync="local:T"``, or PSLINK_SYNC=local:T for the launched job and rank),
     else None. ``groups`` (PSLINK_GROUPS) splits the ranks into that many groups of consecutive
     ranks; by default one per host, as the launcher numbers them (``pslink launch --nnodes``:
@@ -237,8 +250,6 @@ def local_sync_settings(sync: str | None, groups: int | None, store: str | None,
     name instead (the workers of one label form a group, of any size); it is then returned in
     ``groups``' place. ``store`` (PSLINK_SYNC_STORE): a directory or fsspec URL the groups meet
     in instead of the pool."""
-    from pslink.core.groups import parse_local_sync
-
     launched = _env(ENV_JOB, environ) in (None, job) and _env(ENV_RANK, environ) in (None, str(rank))
     if sync is None and launched and _env(ENV_SYNC, environ):
         sync = _env(ENV_SYNC, environ)  # only groups come from the environment: checked as local:T

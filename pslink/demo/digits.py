@@ -85,7 +85,7 @@ def train(agent: pslink.Agent, epochs: int = 15, batch_size: int = 32, hidden: i
           progress: bool = True, seed: int = 0, groups=None, shard: tuple[int, int] | None = None) -> dict:
     """Train with ``agent``'s job; returns the test accuracy and a checksum of the weights
     (equal on every worker, since all apply the same averaged updates). With ``groups`` (a
-    :class:`~pslink.core.groups.GroupSync`; ``agent`` is then the group's own job) the weights
+    :class:`~pslink.core.worker.groups.GroupSync`; ``agent`` is then the group's own job) the weights
     are averaged over the groups every T steps; ``shard``: (this worker's index, workers) over
     the whole data set (default: the agent's rank and workers)."""
     x_train, y_train, x_test, y_test = load_data(seed)

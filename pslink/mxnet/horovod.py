@@ -26,8 +26,8 @@ import mxnet as mx
 import numpy as np
 
 import pslink
-from pslink.core import collectives, process_sets
-from pslink.core.collectives import (Adasum, Average, Max, Min, Product, Sum, Zeros, ccl_built,  # noqa: F401
+from pslink.core.worker import collectives, process_sets
+from pslink.core.worker.collectives import (Adasum, Average, Max, Min, Product, Sum, Zeros, ccl_built,  # noqa: F401
                                      ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                      mpi_threads_supported, nccl_built, reduce_op, rocm_built)
 from pslink.errors import ConfigError
@@ -201,7 +201,7 @@ class Session:
     # -- join: uneven data (as pslink.torch's Session.join) -------------------------------------
 
     def join_round(self, trainer_index: int | None):
-        """This rank's part of one join round (:func:`pslink.core.collectives.join_vector`),
+        """This rank's part of one join round (:func:`pslink.core.worker.collectives.join_vector`),
         started: (handle, vector)."""
         vector = collectives.join_vector(self.size, self.rank, trainer_index)
         return self.agent.pushpull("mx.join", vector, out=vector), vector

@@ -26,7 +26,7 @@ import numpy as np
 from mxnet.kvstore import KVStore, KVStoreBase
 
 import pslink
-from pslink.core.groups import GroupAgent
+from pslink.core.worker.groups import GroupAgent
 from pslink.errors import AuthError, MembershipError, PslinkError
 from pslink.mxnet import sparse
 from pslink.mxnet.errors import KVStoreError, translate

@@ -5,7 +5,7 @@ for one device unless the name contains "dist": ``Trainer(..., kvstore='pslink')
 train alone, silently. For pslink's names we create the store first and hand MXNet the
 instance, which it always uses; every other name goes through unchanged.
 
-With groups (``sync="local:T"``, pslink.core.groups) every Trainer's step and update end with the
+With groups (``sync="local:T"``, pslink.core.worker.groups) every Trainer's step and update end with the
 groups' sync of its parameters: :func:`install_group_sync`.
 
 Sparse training needs nothing here: gluon's Trainer takes only MXNet's own ``KVStore`` class for
@@ -19,7 +19,7 @@ import importlib
 
 import mxnet as mx
 
-from pslink.core.groups import GroupAgent
+from pslink.core.worker.groups import GroupAgent
 
 # The modules that imported _create_kvstore by name (so each holds its own reference).
 _USERS = ("mxnet.model", "mxnet.gluon.trainer", "mxnet.module.module")
@@ -47,7 +47,7 @@ def install_kvstore_names(names) -> None:
 def install_group_sync() -> None:
     """End gluon.Trainer's ``step`` and ``update`` with the groups' sync of the Trainer's
     parameters when its workers form groups (its pslink store's, or the Horovod API's, Agent is
-    a :class:`~pslink.core.groups.GroupAgent`); nothing otherwise (idempotent)."""
+    a :class:`~pslink.core.worker.groups.GroupAgent`); nothing otherwise (idempotent)."""
     trainer = mx.gluon.Trainer
     for name in ("step", "update"):
         original = getattr(trainer, name)

@@ -390,7 +390,7 @@ class Node:
                 self.require_ready("service mode")
                 if self.role != "worker" or self.mode != "service":
                     raise ConfigError(f"the {self.describe()} has no Agent: only workers in service mode use one")
-                from pslink.core.agent import connect
+                from pslink.core.worker.connect import connect
 
                 config = self.config
                 self._agent = connect(config.job, self.rank, config.num_workers, config.master, token=config.token,

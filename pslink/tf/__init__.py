@@ -13,7 +13,7 @@ Horovod users change the import (``import pslink.tf as hvd``): ``init``, ``rank`
 ``pslink.tf.keras``:
 ``DistributedOptimizer`` and the callbacks ``BroadcastGlobalVariablesCallback`` and
 ``MetricAverageCallback`` (the names offered are checked against
-``pslink.core.collectives.HOROVOD_NAMES``). Run the script with ``pslink launch -n N python train.py``.
+``pslink.core.worker.collectives.HOROVOD_NAMES``). Run the script with ``pslink launch -n N python train.py``.
 Tested with TensorFlow 2.17 and Keras 3 (see docs/tf.md).
 """
 
@@ -25,7 +25,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         f"(TensorFlow 2.17.1, the version tested) ({_exc})"
     ) from None
 
-from pslink.core.collectives import (
+from pslink.core.worker.collectives import (
     Adasum,
     Average,
     Max,

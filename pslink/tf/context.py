@@ -15,7 +15,7 @@ import threading
 import tensorflow as tf
 
 import pslink
-from pslink.core import collectives
+from pslink.core.worker import collectives
 from pslink.core.agent import Agent
 from pslink.errors import ConfigError, PeerError
 from pslink.tf.exchange import Exchange
@@ -94,7 +94,7 @@ def init_for(what: str, agent: Agent | None, options: dict) -> Agent:
             if owned:
                 agent.close()  # leave the job we just joined
             raise
-        # Elastic recovery registers this rank again the same way (pslink.core.elastic.register_again).
+        # Elastic recovery registers this rank again the same way (pslink.core.worker.elastic.register_again).
         again = (lambda token, rejoin=False: connect(what, **dict(options, token=token, rejoin=rejoin))) if owned \
             else None
         _process.exchange = Exchange(agent, again)

@@ -16,7 +16,7 @@
     train(state)
 
 Run it with ``pslink launch --min-np A --max-np B``. The machinery is the one PyTorch's elastic
-jobs use (:mod:`pslink.core.elastic`, described in :mod:`pslink.torch.elastic`): at a commit every
+jobs use (:mod:`pslink.core.worker.elastic`, described in :mod:`pslink.torch.elastic`): at a commit every
 worker learns at once whether the workers changed; then they settle, agree on the new world (ranks
 renumbered, ``hvd.rank()`` and ``hvd.size()`` follow), and the worker with the most commits
 gives its variables, its optimizer's state and the attributes to the others; a worker that joins
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pslink.core.elastic import HostsUpdatedInterrupt, ObjectState, State, run_elastic, sync_name
+from pslink.core.worker.elastic import HostsUpdatedInterrupt, ObjectState, State, run_elastic, sync_name
 from pslink.errors import ConfigError
 from pslink.tf import context
 

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from pslink.core import collectives, elastic
+from pslink.core.worker import collectives, elastic
 from pslink.core.agent import Agent
-from pslink.core.collectives import service_key
+from pslink.core.worker.collectives import service_key
 from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
 from pslink.tf import _internals
 
@@ -102,7 +102,7 @@ class Exchange:
     def __repr__(self) -> str:
         return f"<Exchange job={self.agent.job!r} rank={self.rank}/{self.num_workers}>"
 
-    # -- the world, for elastic training (pslink.core.elastic drives these) -------------------
+    # -- the world, for elastic training (pslink.core.worker.elastic drives these) -------------------
 
     @property
     def size(self) -> int:
@@ -114,7 +114,7 @@ class Exchange:
 
     @property
     def capacity(self) -> int:
-        """The most workers the job may have (:func:`pslink.core.elastic.capacity`)."""
+        """The most workers the job may have (:func:`pslink.core.worker.elastic.capacity`)."""
         return elastic.capacity(self.agent, self.num_workers)
 
     def set_world(self, ranks: list[int], generation: int) -> None:
@@ -128,7 +128,7 @@ class Exchange:
         self._checked.clear()
 
     def reconnect(self) -> Agent:
-        """Register this rank again (:func:`pslink.core.elastic.register_again`); returns the new Agent."""
+        """Register this rank again (:func:`pslink.core.worker.elastic.register_again`); returns the new Agent."""
 
         self.agent = elastic.register_again(self.agent, self._connect)
         return self.agent
@@ -178,7 +178,7 @@ class Exchange:
         return self.steppers.setdefault(keys, len(self.steppers))
 
     def _join_round(self, stepper: int | None):
-        """This worker's part of a join round (:func:`pslink.core.collectives.join_vector`),
+        """This worker's part of a join round (:func:`pslink.core.worker.collectives.join_vector`),
         started: (handle, vector)."""
         vector = collectives.join_vector(self.capacity, self.rank, stepper)
         return self.agent.pushpull("tf.join", vector, out=vector), vector
@@ -210,7 +210,7 @@ class Exchange:
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         carried = [self._carry(t, key, summing=False) for t, key in zip(tensors, keys)]
         # Summed as integers of the element's width: the root's value and zeros give its bits
-        # exactly (a float sum turns -0.0 into 0.0), as pslink.core.collectives does.
+        # exactly (a float sum turns -0.0 into 0.0), as pslink.core.worker.collectives does.
         bits = [t if t.dtype.is_integer else tf.bitcast(t, _INT_OF_WIDTH[t.dtype.size]) for t in carried]
         if self.rank != root:
             bits = [tf.zeros_like(t) for t in bits]

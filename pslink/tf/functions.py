@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from pslink.core import collectives
+from pslink.core.worker import collectives
 from pslink.errors import ConfigError
 from pslink.tf import context
 from pslink.tf.ops import broadcast_object

@@ -1,4 +1,4 @@
-"""Groups with delayed global sync (``sync="local:T"``, :mod:`pslink.core.groups`) for TensorFlow:
+"""Groups with delayed global sync (``sync="local:T"``, :mod:`pslink.core.worker.groups`) for TensorFlow:
 after each step, the variables go to the groups' sync, which averages them every T steps.
 ParameterServiceStrategy does it after each ``run``; the Keras DistributedOptimizer after each
 ``apply`` (a step of ``model.fit`` or of a custom loop)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from pslink.core.groups import GroupAgent
+from pslink.core.worker.groups import GroupAgent
 
 
 @tf.autograph.experimental.do_not_convert

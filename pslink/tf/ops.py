@@ -25,8 +25,8 @@ from typing import Self
 
 import tensorflow as tf
 
-from pslink.core import collectives
-from pslink.core.collectives import Average
+from pslink.core.worker import collectives
+from pslink.core.worker.collectives import Average
 from pslink.errors import ConfigError
 from pslink.tf import context
 from pslink.tf.exchange import Exchange, SiteKeys, describe, service_key, unique_names, variable_name

@@ -1,4 +1,4 @@
-"""Horovod's process sets for ``pslink.tf`` (:mod:`pslink.core.process_sets`, as ``pslink.torch``
+"""Horovod's process sets for ``pslink.tf`` (:mod:`pslink.core.worker.process_sets`, as ``pslink.torch``
 and ``pslink.mxnet.horovod`` have them): a set is a job of its own on the service, with an
 :class:`~pslink.tf.exchange.Exchange` of its own; ``process_set=`` on a collective runs it there.
 
@@ -11,13 +11,13 @@ and ``pslink.mxnet.horovod`` have them): a set is a job of its own on the servic
 
 from __future__ import annotations
 
-from pslink.core import process_sets
+from pslink.core.worker import process_sets
 from pslink.tf import context
 from pslink.tf.exchange import Exchange
 
 
 class _World:
-    """An Exchange as :mod:`pslink.core.process_sets` sees a session."""
+    """An Exchange as :mod:`pslink.core.worker.process_sets` sees a session."""
 
     def __init__(self, exchange: Exchange):
         self.exchange, self.agent = exchange, exchange.agent

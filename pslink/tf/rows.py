@@ -1,7 +1,7 @@
 """Horovod's row collectives for TensorFlow tensors: ``reducescatter``, ``alltoall`` and the grouped
 gathers, on :func:`~pslink.tf.ops.allreduce` and :func:`~pslink.tf.ops.allgather` (as
 ``pslink.torch`` and ``pslink.mxnet.horovod`` build them, with the split rules of
-:mod:`pslink.core.collectives`). Each works eagerly and inside a ``tf.function``: the shares are
+:mod:`pslink.core.worker.collectives`). Each works eagerly and inside a ``tf.function``: the shares are
 computed with TensorFlow ops, so the first dimension may be unknown while tracing. Eagerly, a
 bad argument is refused at the call with a message naming it; traced, TensorFlow's assertions
 name it when the function runs.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from pslink.core import collectives
-from pslink.core.collectives import Average, Sum
+from pslink.core.worker import collectives
+from pslink.core.worker.collectives import Average, Sum
 from pslink.errors import ConfigError
 from pslink.tf.ops import allgather, allreduce, tensor_list
 from pslink.tf.process_sets import exchange_of

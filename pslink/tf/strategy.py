@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from pslink.core.agent import Agent
-from pslink.core.groups import GroupAgent
+from pslink.core.worker.groups import GroupAgent
 from pslink.errors import ConfigError
 from pslink.tf import _internals, context
 from pslink.tf.exchange import Exchange, SiteKeys, describe_variables

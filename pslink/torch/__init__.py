@@ -85,7 +85,7 @@ from pslink.torch.horovod import (  # noqa: E402
 from pslink.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402
 from pslink.torch.embedding import Embedding, EmbeddingBag  # noqa: E402  (tables on the service)
 from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work, WorkGroup  # noqa: E402
-from pslink.core.collectives import Max, Min, Product  # noqa: E402
+from pslink.core.worker.collectives import Max, Min, Product  # noqa: E402
 from pslink.torch.process_sets import ProcessSet, global_process_set  # noqa: E402
 from pslink.errors import PslinkError as HorovodInternalError  # noqa: E402  (a RuntimeError, as Horovod's)
 from pslink.torch import elastic  # noqa: E402  (hvd.elastic.run, hvd.elastic.TorchState)

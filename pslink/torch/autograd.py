@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pslink.core.collectives import ELEMENTWISE, Average
+from pslink.core.worker.collectives import ELEMENTWISE, Average
 from pslink.errors import ConfigError
 
 

@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from pslink.config import ENV_JOB
 from pslink.core.agent import Agent
-from pslink.core.agent import connect as connect_agent
-from pslink.core.collectives import bits_of
+from pslink.core.worker.connect import connect as connect_agent
+from pslink.core.worker.collectives import bits_of
 from pslink.errors import PslinkError, PslinkTimeoutError
 from pslink.torch.backend_parts import (Collective, Pairs, PslinkBackendError, Work, all_of, dtype_code,
                                         numpy_of, single, tensor_of, then_finish)

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from pslink.core.agent import Agent
-from pslink.core.agent import connect as connect_agent
-from pslink.core.collectives import bits_of
+from pslink.core.worker.connect import connect as connect_agent
+from pslink.core.worker.collectives import bits_of
 from pslink.errors import PslinkError
 from pslink.torch.ddp import _Pending
 

@@ -28,9 +28,9 @@ import torch.distributed as dist
 import pslink
 from pslink.config import ENV_NUM_WORKERS, ENV_RANK, resolve_connect
 from pslink.core.agent import Agent
-from pslink.core.agent.connect import AGENT_OPTIONS
-from pslink.core.collectives import service_key
-from pslink.core.groups import whole_job
+from pslink.core.worker.connect import AGENT_OPTIONS
+from pslink.core.worker.collectives import service_key
+from pslink.core.worker.groups import whole_job
 from pslink.errors import ConfigError, PeerError, PslinkError, PslinkTimeoutError
 from pslink.torch import local_sync
 from pslink.torch.tensors import StagingPool, explain_mismatch

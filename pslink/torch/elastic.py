@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import torch
 
-from pslink.core.elastic import HostsUpdatedInterrupt, ObjectState, State, run_elastic, sync_name
+from pslink.core.worker.elastic import HostsUpdatedInterrupt, ObjectState, State, run_elastic, sync_name
 from pslink.torch.session import Session
 
 __all__ = ["HostsUpdatedInterrupt", "State", "ObjectState", "TorchState", "run"]

@@ -29,7 +29,7 @@ import hashlib
 
 import torch
 
-from pslink.core.collectives import service_key
+from pslink.core.worker.collectives import service_key
 from pslink.errors import ConfigError
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 import pslink
-from pslink.core import collectives
-from pslink.core.collectives import (  # noqa: F401  (Horovod's build reports, re-exported)
+from pslink.core.worker import collectives
+from pslink.core.worker.collectives import (  # noqa: F401  (Horovod's build reports, re-exported)
     ccl_built,
     ddl_built,
     gloo_built,

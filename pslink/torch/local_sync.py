@@ -1,5 +1,5 @@
 """Groups with delayed global sync for every torch adapter: after each optimizer step, a worker of
-a job connected with ``sync="local:T"`` (:class:`~pslink.core.groups.GroupAgent`) hands the
+a job connected with ``sync="local:T"`` (:class:`~pslink.core.worker.groups.GroupAgent`) hands the
 optimizer's parameters to its global sync, which averages them over the groups every T steps.
 
 One mechanism for the DDP hook and the Horovod API: torch's global optimizer step hooks, so no
@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from pslink.core.groups import GroupAgent
+from pslink.core.worker.groups import GroupAgent
 from pslink.errors import ConfigError
 
 _lock = threading.Lock()

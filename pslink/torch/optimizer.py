@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from pslink.core.collectives import service_key
+from pslink.core.worker.collectives import service_key
 from pslink.errors import ConfigError, PslinkError
 from pslink.torch.fusion import Bucket, plan
 from pslink.torch.session import Average, Compression, ReduceOp, Session, Sum, Work, reduce_op

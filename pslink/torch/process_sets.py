@@ -1,10 +1,10 @@
-"""Horovod's process sets for ``pslink.torch`` (:mod:`pslink.core.process_sets`, shared with
+"""Horovod's process sets for ``pslink.torch`` (:mod:`pslink.core.worker.process_sets`, shared with
 ``pslink.mxnet.horovod``): this adapter's ProcessSet, its ``global_process_set``, and the
 ProcessSets a torch Session keeps."""
 
 from __future__ import annotations
 
-from pslink.core import process_sets
+from pslink.core.worker import process_sets
 
 
 class ProcessSet(process_sets.ProcessSet):

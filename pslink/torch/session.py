@@ -2,7 +2,7 @@
 Horovod-compatible module (``import pslink.torch as hvd``).
 
 Every operation is one or two push-pulls of a named key in ``sum`` mode, as
-:mod:`pslink.core.collectives` (shared with the TensorFlow adapter) describes; this module turns
+:mod:`pslink.core.worker.collectives` (shared with the TensorFlow adapter) describes; this module turns
 tensors into host arrays and back. None of it needs ``torch.distributed``. Keys come from names,
 so ranks need not create tensors in the same order, only use each name in the same sequence of
 calls (as with Horovod).
@@ -16,11 +16,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pslink.core import collectives, elastic
+from pslink.core.worker import collectives, elastic
 from pslink.torch import local_sync
 from pslink.torch.process_sets import ProcessSets
 from pslink.core.agent import Agent
-from pslink.core.collectives import Adasum, Average, ReduceOp, Sum, Zeros, reduce_op
+from pslink.core.worker.collectives import Adasum, Average, ReduceOp, Sum, Zeros, reduce_op
 from pslink.errors import ConfigError, PslinkError
 from pslink.torch.tensors import HostView, StagingPool, explain_mismatch, wire_dtype
 
@@ -123,7 +123,7 @@ class Session:
 
     @property
     def capacity(self) -> int:
-        """The most workers the job may have (:func:`pslink.core.elastic.capacity`)."""
+        """The most workers the job may have (:func:`pslink.core.worker.elastic.capacity`)."""
         return elastic.capacity(self.agent, self.size)
 
     def set_world(self, ranks: list[int], generation: int) -> None:
@@ -144,7 +144,7 @@ class Session:
 
     def reconnect(self) -> Agent:
         """Register this rank again with a new Agent, which comes into the running job as a late
-        worker, and close the old one (:func:`pslink.core.elastic.register_again`). Returns the
+        worker, and close the old one (:func:`pslink.core.worker.elastic.register_again`). Returns the
         new Agent."""
         self.agent = elastic.register_again(self.agent, self._connect)
         if self.agent.mode != "sum":

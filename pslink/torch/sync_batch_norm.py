@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pslink.core.collectives import Sum
+from pslink.core.worker.collectives import Sum
 from pslink.errors import ConfigError
 from pslink.torch import autograd
 from pslink.torch.session import Compression

@@ -1,4 +1,4 @@
-"""Groups with delayed global sync (pslink.core.groups, dSyncPS): 2 groups of 2 workers on
+"""Groups with delayed global sync (pslink.core.worker.groups, dSyncPS): 2 groups of 2 workers on
 threads, each group its own job on the pool, the groups' leaders a global job."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pslink
-from pslink.core.groups import GroupSync
+from pslink.core.worker.groups import GroupSync
 from tests.helpers import DelayRelay, run_workers
 
 
@@ -235,7 +235,7 @@ def test_a_worker_moves_to_the_lighter_group_and_loses_no_round(cluster, meeting
     # it leaves group 0, comes into group 1 at whatever step group 1 is at, with its weights.
     # Then 2 and 2: nobody moves again. Every worker ends with the weights of plain SGD
     # with those memberships, step for step (no round of either group lost or doubled).
-    from pslink.core.group_choice import GroupChoice
+    from pslink.core.worker.group_choice import GroupChoice
 
     service, transports = cluster
     job, steps, every = f"moving-{meeting}", 12, 2
@@ -286,7 +286,7 @@ def test_a_worker_moves_to_the_lighter_group_and_loses_no_round(cluster, meeting
 
 
 def test_the_rtt_to_a_service_is_measured_through_its_link(cluster):
-    from pslink.core.group_choice import probe_rtt
+    from pslink.core.worker.group_choice import probe_rtt
 
     service, transports = cluster
     relay = DelayRelay(service.address, 0.030)
@@ -303,7 +303,7 @@ def test_a_far_group_weighs_as_its_rtt_says(cluster, far_group, mover):
     # directly (under the 1 ms floor). Groups of 3 (group 0) and 1, group 1 far: moving would
     # lighten the load 3 -> 2 but cost 30x the RTT: nobody moves. Groups of 2 and 2, group 0
     # far: its highest rank moves to the near group though it then has 3 workers.
-    from pslink.core.group_choice import GroupChoice
+    from pslink.core.worker.group_choice import GroupChoice
 
     service, transports = cluster
     job = f"far-{far_group}"

@@ -195,7 +195,7 @@ def test_join_lets_a_rank_out_of_data_mirror_the_others_steps_with_zeros(cluster
 
 
 def test_process_sets_reduce_among_their_ranks(cluster):
-    """Horovod's process sets (pslink.core.process_sets, as pslink.torch's): every rank adds every
+    """Horovod's process sets (pslink.core.worker.process_sets, as pslink.torch's): every rank adds every
     set in the same order; a set's collectives count its ranks only; a rank outside a set may not
     use it; a removed set is gone; the job itself is untouched."""
     def body(s):

@@ -1,5 +1,5 @@
 """Horovod's gathers, object collectives and barrier in pslink.tf (the shared collectives of
-pslink.core.collectives), between two TensorFlow worker processes on a real service."""
+pslink.core.worker.collectives), between two TensorFlow worker processes on a real service."""
 
 from __future__ import annotations
 

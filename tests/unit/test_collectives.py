@@ -10,8 +10,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from pslink.core import collectives
-from pslink.core.collectives import HOROVOD_GAPS, HOROVOD_MODULE_NAMES, HOROVOD_NAMES, MAX_KEY_LENGTH, Zeros, service_key
+from pslink.core.worker import collectives
+from pslink.core.worker.collectives import HOROVOD_GAPS, HOROVOD_MODULE_NAMES, HOROVOD_NAMES, MAX_KEY_LENGTH, Zeros, service_key
 from pslink.errors import ConfigError
 
 

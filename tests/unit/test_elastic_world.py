@@ -1,10 +1,10 @@
-"""The elastic World's check of a fresh process (pslink.core.elastic), with a fake session."""
+"""The elastic World's check of a fresh process (pslink.core.worker.elastic), with a fake session."""
 
 from __future__ import annotations
 
 import pytest
 
-from pslink.core.elastic import World
+from pslink.core.worker.elastic import World
 from pslink.errors import PeerError
 
 

@@ -1,10 +1,10 @@
-"""The load x RTT rule that moves workers between groups (pslink.core.group_choice, dSyncPS 3.2.4)."""
+"""The load x RTT rule that moves workers between groups (pslink.core.worker.group_choice, dSyncPS 3.2.4)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pslink.core.group_choice import GroupChoice
+from pslink.core.worker.group_choice import GroupChoice
 from pslink.errors import ConfigError
 
 

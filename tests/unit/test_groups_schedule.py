@@ -1,4 +1,4 @@
-"""dSyncPS's schedule of global syncs (pslink.core.groups.SyncSchedule), its join rule, and how
+"""dSyncPS's schedule of global syncs (pslink.core.worker.groups.SyncSchedule), its join rule, and how
 connect() reads groups (sync="local:T")."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from pslink.core.groups import SyncSchedule, parse_local_sync
+from pslink.config import parse_local_sync
+from pslink.core.worker.groups import SyncSchedule
 from pslink.errors import ConfigError
 
 

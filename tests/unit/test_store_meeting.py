@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from pslink.core.meeting import StoreMeeting
+from pslink.core.worker.meeting import StoreMeeting
 
 
 def wait_for_file(path: str, timeout: float = 10.0) -> None:

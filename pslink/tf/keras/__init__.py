@@ -11,7 +11,7 @@
 Use these without ``ParameterServiceStrategy`` (which reduces gradients itself).
 """
 
-from pslink.core.collectives import (
+from pslink.core.worker.collectives import (
     Adasum,
     Average,
     Max,

@@ -1,11 +1,14 @@
-"""``pslink.connect``: one call to join a job, with every setting named once across adapters."""
+"""``pslink.connect``: one call to join a job, with every setting named once across adapters,
+and the job's token shared with an elastic launcher."""
 
 from __future__ import annotations
 
 import inspect
+import os
 
 from pslink.config import local_sync_settings, resolve_connect
 from pslink.core.agent.agent import Agent
+from pslink.core.worker.groups import GroupAgent
 from pslink.errors import ConfigError
 
 
@@ -35,7 +38,7 @@ def connect(
     free an Aggregator),
     ``gradient_compression`` (``{"type": "2bit", "threshold": 0.5}``: pushes quantized to 2 bits
     a value, MXNet's 2-bit compression; see ``Agent.set_gradient_compression``),
-    ``sync="local:T"`` makes the workers groups (dSyncPS, :class:`~pslink.core.groups.GroupAgent`):
+    ``sync="local:T"`` makes the workers groups (dSyncPS, :class:`~pslink.core.worker.groups.GroupAgent`):
     each group trains BSP on its own, and the groups average their weights every T local steps;
     ``groups`` (N groups of consecutive ranks; default one per host the launcher started) or
     ``sync_group`` (this worker's group by label) and ``sync_store`` (a directory or fsspec URL to
@@ -45,7 +48,19 @@ def connect(
     ``close(leave=False)``), ``partition_bytes``, ``timeout``, ``peer_timeout`` and the other
     :class:`Agent` settings. Job settings are fixed by the worker that creates the job. A name
     that is not one of these is a ConfigError naming the one meant (``size`` -> ``num_workers``).
+
+    Under an elastic ``pslink launch`` (which sets ``PSLINK_TOKEN_FILE``), the job's token is
+    written there once, so that the launcher can start a replacement under the rank of a
+    worker that died (pMaster asks a rank that was in the job for the token).
     """
+    agent = _connect(job, rank, num_workers, master, options)
+    path = os.environ.get(ENV_TOKEN_FILE)
+    if path:
+        share_token(path, agent.token)
+    return agent
+
+
+def _connect(job, rank, num_workers, master, options: dict) -> Agent:
     job, rank, num_workers, master, options = resolve_connect(job, rank, num_workers, master, options,
                                                               AGENT_OPTIONS)
     groups, store, label = options.pop("groups", None), options.pop("sync_store", None), options.pop("sync_group", None)
@@ -55,11 +70,24 @@ def connect(
             raise ConfigError(f"job {job!r}: groups=, sync_group= and sync_store= go with sync='local:T' (groups with "
                               f"delayed global sync), not with sync={options.get('sync') or 'bsp'!r}")
         return Agent(job, rank, num_workers, master, **options)
-    from pslink.core.groups import GroupAgent
-
     options.pop("sync", None)
     every, groups, store = local
     return GroupAgent(job, rank, num_workers, master, every=every, groups=groups, store=store, **options)
+
+
+ENV_TOKEN_FILE = "PSLINK_TOKEN_FILE"
+
+
+def share_token(path: str, token: bytes) -> None:
+    """Write ``token`` (hex) to ``path`` unless it is there already: whole or not at all, so an
+    elastic launcher never reads half a token."""
+    if os.path.exists(path):
+        return
+    tmp = f"{path}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token.hex())
+    os.replace(tmp, path)
 
 
 #: What :func:`connect` passes on to :class:`Agent` besides job, rank, num_workers and master.

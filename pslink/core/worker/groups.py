@@ -21,8 +21,8 @@ it was due now and had not begun, the ``i+1``-th *advanced* to the next step if 
 done). A group that leaves (its leader's Agent closes or dies) is dropped from the global job by
 pMaster, and the others' syncs go on without it.
 
-The groups meet through the pool (:class:`~pslink.core.meeting.PoolMeeting`) or through shared
-storage, a directory or any fsspec URL (:class:`~pslink.core.meeting.StoreMeeting`, ``store=``).
+The groups meet through the pool (:class:`~pslink.core.worker.meeting.PoolMeeting`) or through shared
+storage, a directory or any fsspec URL (:class:`~pslink.core.worker.meeting.StoreMeeting`, ``store=``).
 
 Each step the group's workers agree whether this step syncs (a one-value pushpull on the group's
 job: the leader decides), so that they stay in lockstep; the averaged weights reach the group's
@@ -36,25 +36,13 @@ import logging
 import numpy as np
 
 from pslink.core.agent.agent import Agent
-from pslink.core.meeting import PoolMeeting, StoreMeeting
+from pslink.core.worker.meeting import PoolMeeting, StoreMeeting
+
 from pslink.errors import ConfigError
 
-log = logging.getLogger("pslink.core.groups")
+log = logging.getLogger("pslink.core.worker.groups")
 _FLAG = "__dsync/flag"  # the group's per-step round: [sync now (1) or not (0), newcomers, the leader's step]
 _TOLD = "__dsync/told"  # with the weights at a sync: [the rank that may move + 1, each group's workers]
-
-
-def parse_local_sync(sync: str) -> int:
-    """``"local:T"`` -> T (the local steps between global syncs)."""
-    kind, _, every = sync.partition(":")
-    try:
-        value = int(every)
-    except ValueError:
-        value = 0
-    if kind != "local" or value < 1:
-        raise ConfigError(f"sync {sync!r}: groups with delayed global sync are written 'local:T', T >= 1 local "
-                          "steps between global syncs")
-    return value
 
 
 class SyncSchedule:
@@ -97,11 +85,11 @@ class GroupSync:
     of the global job, when the groups use services of their own (one per site: each group's
     rounds stay on its site, only the global syncs cross); default the group's. ``store``: a
     directory or fsspec URL the groups meet in instead of the pool (dSyncPS's shared storage:
-    :class:`~pslink.core.meeting.StoreMeeting`).
+    :class:`~pslink.core.worker.meeting.StoreMeeting`).
 
     Moving between groups (dSyncPS's load balancing): with ``connect`` (``group -> Agent``, a new
     Agent of that group's job, elastic, at a rank of this worker's that no founder has) and
-    ``choice`` (a :class:`~pslink.core.group_choice.GroupChoice`), at each global sync one worker
+    ``choice`` (a :class:`~pslink.core.worker.group_choice.GroupChoice`), at each global sync one worker
     of each group (its highest rank, never the leader) scores the groups by load x RTT (the RTT to
     ``sites[group]``, each group's service address; default: all on one service) and moves to a
     group 20% better: it leaves its group, comes into the other one as a late member
@@ -275,7 +263,7 @@ class GroupSync:
 
     def _rtts(self) -> dict[int, float]:
         """RTT to each group's service, measured once per distinct address (all alike on one)."""
-        from pslink.core.group_choice import probe_rtt
+        from pslink.core.worker.group_choice import probe_rtt
 
         addresses = {group: self.sites.get(group, self.agent.master_address) for group in self.sizes}
         if len(set(addresses.values())) < 2:
@@ -300,7 +288,7 @@ def label_groups(job: str, rank: int, num_workers: int, master: str, label: str,
     """Groups by label: every worker's label, gathered in a short job ``<job>.groups`` of the
     whole job's workers. Returns ``(group, rank in it, its size, number of groups)``: the groups
     numbered in the order of their lowest rank, ranks within a group in the job's rank order."""
-    from pslink.core.collectives import gather_rows
+    from pslink.core.worker.collectives import gather_rows
 
     timeout = options.get("timeout")
     meeting = Agent(f"{job}.groups", rank, num_workers, master, **dict(options, mode="sum"))
@@ -338,7 +326,7 @@ class GroupAgent(Agent):
                               "workers step (mode 'sum'); an optimizer on the Aggregators is not for them")
         if options.get("max_workers") not in (None, num_workers):
             raise ConfigError(f"job {job!r}: groups with delayed global sync take a fixed number of workers "
-                              "(max_workers); groups join as jobs of their own (pslink.core.groups.GroupSync)")
+                              "(max_workers); groups join as jobs of their own (pslink.core.worker.groups.GroupSync)")
         options.pop("max_workers", None)
         if isinstance(groups, str):
             group, group_rank, size, groups = label_groups(job, rank, num_workers, master, groups, options)

@@ -1,4 +1,4 @@
-"""Where the groups of a job with delayed global sync (:mod:`pslink.core.groups`) average their
+"""Where the groups of a job with delayed global sync (:mod:`pslink.core.worker.groups`) average their
 weights: through the pool (:class:`PoolMeeting`: a job of the groups' leaders) or through shared
 storage (:class:`StoreMeeting`: a directory or any fsspec URL, as dSyncPS syncs through a
 distributed store). Both answer the same three questions: which groups are there, did this one
@@ -15,7 +15,7 @@ import numpy as np
 
 from pslink.errors import ConfigError
 
-log = logging.getLogger("pslink.core.groups")
+log = logging.getLogger("pslink.core.worker.groups")
 POLL = 0.01  # how often a store is looked at while a sync waits for the other groups' files
 _SIZES = "__dsync/sizes"  # the groups' workers, one slot per group (moving between groups: group_choice)
 

@@ -330,7 +330,7 @@ def exit_on_sigterm():
 
 def reconnector(agent) -> Callable[..., Any]:
     """How to register ``agent``'s rank again: the same job, service and settings."""
-    from pslink.core.agent import connect
+    from pslink.core.worker.connect import connect
 
     options = dict(mode=agent.mode, timeout=agent.timeout)
     max_workers = agent.settings.get("max_workers")

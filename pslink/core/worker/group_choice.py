@@ -1,4 +1,4 @@
-"""Which group a worker of a job with delayed global sync (:mod:`pslink.core.groups`) should
+"""Which group a worker of a job with delayed global sync (:mod:`pslink.core.worker.groups`) should
 train in: dSyncPS's load balancing (``../shared/papers/003``, 3.2.4), done by the workers. A
 worker scores each group by the product of its *load* and the *RTT* to the group's service,
 and moves when another group's score is ``margin`` (20%) below its own group's: the margin keeps
