@@ -175,6 +175,21 @@ ENV_LOCAL_RANK = "PSLINK_LOCAL_RANK"
 ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
 
 
+def local_place(environ=os.environ) -> tuple[int | None, int | None]:
+    """This worker's (local rank, local size) on its host, as the launcher said (``pslink
+    launch``: PSLINK_LOCAL_RANK and PSLINK_LOCAL_SIZE; torchrun: LOCAL_RANK and
+    LOCAL_WORLD_SIZE), or (None, None): nothing said, every worker on one host."""
+    place = []
+    for ours, alias in ((ENV_LOCAL_RANK, "LOCAL_RANK"), (ENV_LOCAL_SIZE, "LOCAL_WORLD_SIZE")):
+        variable = ours if _env(ours, environ) is not None else alias
+        place.append(_number(variable, int, "an integer", 0, 1 << 20, environ) if _env(variable, environ) else None)
+    if None in place:
+        return None, None
+    if not 0 <= place[0] < place[1]:
+        raise ConfigError(f"local rank {place[0]} is not in [0, {place[1]}) ({ENV_LOCAL_RANK}, {ENV_LOCAL_SIZE})")
+    return place[0], place[1]
+
+
 def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local_size: int | None,
                          job: str | None = None, rank: int | None = None, num_workers: int | None = None,
                          elastic: bool = False, environ=os.environ) -> tuple[int, int] | None:

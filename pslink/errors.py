@@ -63,6 +63,15 @@ class ShapeMismatchError(PslinkError, ValueError):
     code = "shape_mismatch"
 
 
+class MismatchError(PslinkError):
+    """The ranks' calls of one collective disagree (operation, dtype, shape, root rank,
+    reduction or scale factors), or a collective cannot run while ranks have joined: raised on
+    every rank, naming each rank's call (Horovod's coordinator refuses such requests the same
+    way)."""
+
+    code = "mismatch"
+
+
 class AbortedError(PslinkError):
     """The key was aborted, for example because another worker pushed a bad shape."""
 
@@ -124,6 +133,7 @@ _BY_CODE = {
         UnknownJobError,
         KeyStateError,
         ShapeMismatchError,
+        MismatchError,
         QuotaError,
         AbortedError,
         MembershipError,

@@ -13,6 +13,15 @@ with a timeout; a test passes when both ranks pass it.
 Prints, per file, the tests passed, failed, hung and skipped, and the pass rate among those not
 skipped (the issue's target: >= 90% per file); with ``--out DIR`` a JSON summary and each failed
 test's output. Runs by hand, not in CI (our own tests cover each behaviour there).
+
+The baseline, the same tests the same way through real Horovod: ``--horovodrun PYTHON`` names the
+python of a virtual environment with Horovod built (over Gloo, e.g. 0.28.1 from its sdist with
+HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=GLOO, and torch etc. installed there). That python
+collects the tests, without the shim on the path, and each runs under
+``PYTHON -m horovod.runner.launch --gloo -np 2 -H localhost:2`` instead of ``pslink launch``:
+
+    python benchmarks/compat/horovod_suites.py --horovod ~/src/horovod --horovodrun ~/hvd-venv/bin/python \
+        --files test_torch.py --out results/horovod_baseline_torch
 """
 
 from __future__ import annotations
@@ -23,43 +32,71 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 SHIM = Path(__file__).with_name("horovod_shim")
 REPO = Path(__file__).resolve().parents[2]
 FILES = ("test_torch.py", "test_tensorflow.py", "test_tensorflow_keras.py", "test_mxnet1.py", "test_mxnet2.py")
-SUMMARY = re.compile(r"\[rank(\d+)\]: .*?(\d+ (passed|failed|skipped|error))")
 
 
-def environment() -> dict:
+@dataclass(frozen=True)
+class Launcher:
+    """What runs the tests: the python that collects them and that each rank runs pytest with, the
+    command line that starts 2 ranks (the ranks' own command follows it), their environment, and
+    the pattern of a rank's pytest summary line (rank, count and kind) in the launcher's output."""
+
+    name: str
+    python: str
+    command: list[str]
+    env: dict
+    summary: re.Pattern
+
+
+def pslink_launcher() -> Launcher:
+    """pslink's adapters: ``pslink launch -n 2`` with the shim (a package named horovod) first on the path."""
     paths = [str(SHIM), str(REPO), os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), TF_CPP_MIN_LOG_LEVEL="2")
+    return Launcher("pslink", sys.executable, [sys.executable, "-m", "pslink.cli", "launch", "-n", "2"], env,
+                    re.compile(r"\[rank(\d+)\]: .*?(\d+ (passed|failed|skipped|error))"))
 
 
-def collect(path: Path, keyword: str | None) -> list[str]:
-    """The test ids of one file (collected in one process, with the shim on the path)."""
-    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "--rootdir", str(path.parent), str(path)] + (["-k", keyword] if keyword else [])
-    out = subprocess.run(command, capture_output=True, text=True, env=environment(), cwd=path.parent).stdout
+def horovod_launcher(python: str) -> Launcher:
+    """Real Horovod, the baseline: horovodrun over Gloo from the venv of ``python``, no shim on the path.
+    horovodrun prefixes each line a rank writes with ``[RANK]<stdout>:`` (or ``<stderr>``)."""
+    return Launcher(f"horovodrun ({python})", python,
+                    [python, "-m", "horovod.runner.launch", "--gloo", "-np", "2", "-H", "localhost:2"],
+                    dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                    re.compile(r"^\[(\d+)\]<stdout>:.*?(\d+ (passed|failed|skipped|error))", re.MULTILINE))
+
+
+def collect(path: Path, keyword: str | None, launcher: Launcher) -> list[str]:
+    """The test ids of one file (collected in one process, with the launcher's python and environment)."""
+    command = [launcher.python, "-m", "pytest", "--collect-only", "-q", "--rootdir", str(path.parent), str(path)] + (["-k", keyword] if keyword else [])
+    out = subprocess.run(command, check=False, capture_output=True, text=True, env=launcher.env,
+                         cwd=path.parent).stdout
     return [line.strip() for line in out.splitlines() if "::" in line and not line.startswith(" ")]
 
 
-def run_one(test_id: str, cwd: Path, timeout: float) -> tuple[str, str]:
+def run_one(test_id: str, cwd: Path, timeout: float, launcher: Launcher) -> tuple[str, str]:
     """(outcome, output) of one test as 2 ranks: passed, failed, skipped or hung."""
-    command = [sys.executable, "-m", "pslink.cli", "launch", "-n", "2", sys.executable, "-m", "pytest", "-q",
-               "-p", "no:cacheprovider", "--rootdir", str(cwd), test_id]
+    command = launcher.command + [launcher.python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  "--rootdir", str(cwd), test_id]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                            env=environment(), stdin=subprocess.DEVNULL)
+                            env=launcher.env, stdin=subprocess.DEVNULL)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.terminate()  # the launcher stops its workers (and its service) on SIGTERM
+        # pslink's launcher stops its workers (and its service) on SIGTERM; horovodrun's per-rank
+        # middlemen kill their rank when horovodrun exits
+        proc.terminate()
         try:
             output, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             output, _ = proc.communicate()
         return "hung", output
-    said = {int(rank): kind for rank, _, kind in SUMMARY.findall(output)}
+    said = {int(rank): kind for rank, _, kind in launcher.summary.findall(output)}
     if said.get(0) == "passed" and said.get(1) == "passed" and proc.returncode == 0:
         return "passed", output
     if "skipped" in said.values() and not {"failed", "error"} & set(said.values()):
@@ -74,6 +111,8 @@ def main(argv=None) -> int:
     parser.add_argument("-k", dest="keyword", help="only the tests pytest -k selects")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one test may take")
     parser.add_argument("--out", help="a directory for the JSON summary and the failed tests' output")
+    parser.add_argument("--horovodrun", metavar="PYTHON",
+                        help="the baseline: run through real Horovod, the python of a venv with it built")
     args = parser.parse_args(argv)
     parallel = Path(args.horovod).expanduser() / "test" / "parallel"
     if not parallel.is_dir():
@@ -81,7 +120,8 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"horovod": str(parallel.parent.parent), "files": {}}
+    launcher = horovod_launcher(args.horovodrun) if args.horovodrun else pslink_launcher()
+    summary: dict = {"horovod": str(parallel.parent.parent), "launcher": launcher.name, "files": {}}
     for name in args.files.split(","):
         path = parallel / name
         if not path.exists():
@@ -89,8 +129,8 @@ def main(argv=None) -> int:
             continue
         counts = {"passed": 0, "failed": 0, "hung": 0, "skipped": 0}
         failed = []
-        for test_id in collect(path, args.keyword):
-            outcome, output = run_one(test_id, parallel, args.timeout)
+        for test_id in collect(path, args.keyword, launcher):
+            outcome, output = run_one(test_id, parallel, args.timeout, launcher)
             counts[outcome] += 1
             print(f"{outcome:8} {test_id}", flush=True)
             if outcome in ("failed", "hung"):

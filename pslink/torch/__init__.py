@@ -57,6 +57,7 @@ from pslink.torch.horovod import (  # noqa: E402
     grouped_reducescatter,
     grouped_reducescatter_async,
     init,
+    is_homogeneous,
     is_initialized,
     join,
     local_rank,
@@ -84,9 +85,11 @@ from pslink.torch.horovod import (  # noqa: E402
 )
 from pslink.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402
 from pslink.torch.embedding import Embedding, EmbeddingBag  # noqa: E402  (tables on the service)
-from pslink.torch.session import Adasum, Average, Compression, ReduceOp, Session, Sum, Work, WorkGroup  # noqa: E402
-from pslink.core.worker.collectives import Max, Min, Product  # noqa: E402
-from pslink.torch.process_sets import ProcessSet, global_process_set  # noqa: E402
+from pslink.core.worker.reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: E402
+from pslink.core.worker.session import Session  # noqa: E402
+from pslink.torch.collectives import Compression, Work  # noqa: E402
+from pslink.core.worker.process_sets import ProcessSet  # noqa: E402
+from pslink.torch.world import global_process_set  # noqa: E402
 from pslink.errors import PslinkError as HorovodInternalError  # noqa: E402  (a RuntimeError, as Horovod's)
 from pslink.torch import elastic  # noqa: E402  (hvd.elastic.run, hvd.elastic.TorchState)
 from pslink.torch import backend as _backend  # noqa: E402
@@ -117,7 +120,6 @@ __all__ = [
     "Session",
     "Sum",
     "Work",
-    "WorkGroup",
     "add_process_set",
     "allgather",
     "allgather_async",
@@ -152,6 +154,7 @@ __all__ = [
     "gloo_built",
     "gloo_enabled",
     "init",
+    "is_homogeneous",
     "is_initialized",
     "join",
     "local_rank",

@@ -55,7 +55,8 @@ from typing import Any, Callable
 import torch
 
 from pslink.core.worker.elastic import HostsUpdatedInterrupt, ObjectState, State, run_elastic, sync_name
-from pslink.torch.session import Session
+from pslink.torch import collectives
+from pslink.torch.world import current_session
 
 __all__ = ["HostsUpdatedInterrupt", "State", "ObjectState", "TorchState", "run"]
 
@@ -90,12 +91,12 @@ class TorchState(State):
 
     def sync(self, root_rank: int = 0) -> None:
         """Give every worker ``root_rank``'s model, optimizer state and attributes."""
-        session = self._elastic_session() if self._world is not None else _session()
+        session = self._elastic_session() if self._world is not None else current_session()
         root = session.rank == root_rank
         if self.model is not None:
             named = [(sync_name(session, f"model/{name}"), tensor) for name, tensor in self.model.state_dict().items()]
             with torch.no_grad():
-                session.broadcast_parameters(named, root_rank)
+                collectives.broadcast_parameters(session, named, root_rank, what=sync_name(session, "model"))
         if self.optimizer is not None:
             _abandon(self.optimizer)
             state = session.broadcast_object(self.optimizer.state_dict() if root else None, root_rank,
@@ -115,13 +116,7 @@ def _abandon(optimizer) -> None:
         sync.abandon()
 
 
-def _session() -> Session:
-    from pslink.torch.horovod import current_session
-
-    return current_session()
-
-
 def run(func: Callable) -> Callable:
     """Decorate ``train(state, ...)``: the first call and every membership change sync the
     state; a failure restores the last commit. See the module's notes."""
-    return run_elastic(func, _session, "pslink.torch.elastic (TorchState, ObjectState)")
+    return run_elastic(func, current_session, "pslink.torch.elastic (TorchState, ObjectState)")

@@ -38,11 +38,11 @@ def _agent_for(agent) -> Agent:
         if not isinstance(found, Agent):
             raise ConfigError(f"agent must be a pslink Agent, a DDP hook state or a Horovod session, got {agent!r}")
         return found
-    from pslink.torch import horovod
     from pslink.torch.ddp import _backend_agent, connect
+    from pslink.torch.world import holder
 
-    if horovod._holder.session is not None:
-        return horovod._holder.session.agent
+    if holder.session is not None:
+        return holder.session.agent
     return _backend_agent() or connect().agent
 
 

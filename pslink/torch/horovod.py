@@ -2,19 +2,19 @@
 
 ``import pslink.torch as hvd`` in place of ``import horovod.torch as hvd``; run the script with
 ``pslink launch -n N python train.py`` (as with ``horovodrun``). ``init()`` joins the job that
-the launcher's environment names; everything else works on the session it made.
+the launcher's environment names; everything else works on the Session it made
+(:mod:`pslink.core.worker.session`, where what Horovod means is written once for every
+framework). This module converts tensors (:mod:`pslink.torch.collectives`) and makes the
+collectives differentiable (:mod:`pslink.torch.autograd`).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-import pslink
-from pslink.core.worker import collectives
-from pslink.core.worker.collectives import (  # noqa: F401  (Horovod's build reports, re-exported)
+from pslink.core.worker.horovod import (  # noqa: F401  (Horovod's build reports, re-exported)
     ccl_built,
     ddl_built,
     gloo_built,
@@ -25,373 +25,371 @@ from pslink.core.worker.collectives import (  # noqa: F401  (Horovod's build rep
     nccl_built,
     rocm_built,
 )
-from pslink.errors import ConfigError, PeerError
+from pslink.core.worker.process_sets import ProcessSet
+from pslink.core.worker.reduction import Average, ReduceOp, reduce_op
+from pslink.errors import ConfigError
+from pslink.torch import autograd, collectives, local_sync
+from pslink.torch.collectives import Compression, Work
 from pslink.torch.optimizer import DistributedOptimizer as _wrap_optimizer
-from pslink.torch import autograd
-from pslink.torch.process_sets import ProcessSet, global_process_set
-from pslink.torch.session import Average, Compression, ReduceOp, Session, Work, WorkGroup, reduce_op, tensor_list
-
-ENV_LOCAL_RANK = "PSLINK_LOCAL_RANK"
-ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
-
-_holder = collectives.SessionHolder("pslink.torch")
+from pslink.torch.world import current_session, global_process_set, holder
 
 
-def init(comm=None, *, job: str | None = None, rank: int | None = None, num_workers: int | None = None,
-         master: str | None = None, **options: Any) -> None:
+def init(comm=None, process_sets=None, *, job: str | None = None, rank: int | None = None,
+         num_workers: int | None = None, master: str | None = None, **options: Any) -> None:
     """Join the job (job, rank, num_workers and master from ``pslink launch``'s environment, or as
     arguments, as :func:`pslink.connect` names them). Calling it again while initialized does
-    nothing, as in Horovod."""
-    if _holder.session is not None:
-        return
+    nothing, as in Horovod; after :func:`shutdown` it joins again. ``process_sets``: sets to add
+    at once (a list of ProcessSets or of rank lists), as Horovod's ``init(process_sets=...)``."""
     if comm is not None:
-        raise ConfigError("pslink.torch.init: MPI communicators and process sets are not supported; call init()")
-    if options.get("mode", "sum") != "sum" or "optimizer" in options:
-        raise ConfigError("pslink.torch reduces on the service in mode 'sum'; the optimizer steps locally")
-    options["mode"] = "sum"
-    try:
-        agent = pslink.connect(job, rank, num_workers, master, **options)
-    except PeerError as exc:
-        raise PeerError(f"pslink.torch.init: no parameter service reachable: {exc.message}. Run the script "
-                        "under `pslink launch -n N`, or start `pslink service up` and set PSLINK_MASTER",
-                        **exc.details) from None
-    except ConfigError as exc:
-        raise ConfigError(f"pslink.torch.init: {exc.message}. Run the script under `pslink launch -n N "
-                          "python script.py`, which sets PSLINK_JOB, PSLINK_RANK and PSLINK_NUM_WORKERS") from None
-
-    def connect_again(token: bytes, rejoin: bool = False):
-        """The same registration, with the job's token (elastic recovery: a new Agent)."""
-        return pslink.connect(job, rank, num_workers, master, **dict(options, token=token, rejoin=rejoin))
-
-    _holder.session = Session(agent, _env_int(ENV_LOCAL_RANK), _env_int(ENV_LOCAL_SIZE), connect=connect_again)
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+        raise ConfigError("pslink.torch.init: MPI communicators are not supported; call init()")
+    initialized = holder.is_initialized()
+    session = holder.init(job, rank, num_workers, master, **options)
+    if not initialized:
+        local_sync.watch(session.agent)  # sync="local:T": each optimizer step ends with the groups' sync
+        for process_set in process_sets or ():
+            session.process_sets.add(process_set)
 
 
 def shutdown() -> None:
     """Leave the job and release the session (``init()`` may be called again)."""
-    _holder.shutdown()
-
-
-def _session_of(process_set) -> Session:
-    """The Session a collective of ``process_set`` runs on."""
-    world = current_session()
-    return world.process_sets.session_for(world, process_set)
-
-
-def add_process_set(process_set) -> ProcessSet:
-    """Make a process set of these ranks (a list, or a ProcessSet): every rank calls it, in the
-    same order for every set; the ranks in it then reduce among themselves."""
-    world = current_session()
-    return world.process_sets.add(world, process_set)
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Forget a process set (its ranks leave its job); False if it was not added."""
-    return current_session().process_sets.remove(process_set)
-
-
-def current_session() -> Session:
-    return _holder.current()
+    holder.shutdown()
 
 
 def is_initialized() -> bool:
-    return _holder.session is not None
+    return holder.is_initialized()
 
 
-def rank() -> int:
-    return current_session().rank
+class Horovod:
+    """Horovod's API (``horovod.torch``'s functions) over the Session ``current()`` gives: the
+    module's functions are the methods of one of these, bound to the session ``init()`` made;
+    a test or a library may hold its own over any Session."""
 
+    def __init__(self, current):
+        self._current = current
 
-def size() -> int:
-    return current_session().size
+    def _session_of(self, process_set):
+        """The Session a collective of ``process_set`` runs on (this one's for the global set)."""
+        return self._current().process_sets.session_for(process_set)
 
+    def add_process_set(self, process_set) -> ProcessSet:
+        """Make a process set of these ranks (a list, or a ProcessSet): every rank calls it, in the
+        same order for every set; the ranks in it then reduce among themselves."""
+        return self._current().process_sets.add(process_set)
 
-def local_rank() -> int:
-    return current_session().local_rank
+    def remove_process_set(self, process_set: ProcessSet) -> bool:
+        """Forget a process set (its ranks leave its job); False if it was not added."""
+        return self._current().process_sets.remove(process_set)
 
+    def rank(self) -> int:
+        return self._current().rank
 
-def local_size() -> int:
-    return current_session().local_size
+    def size(self) -> int:
+        return self._current().size
 
+    def local_rank(self) -> int:
+        return self._current().local_rank
 
-def cross_rank() -> int:
-    session = current_session()
-    return collectives.cross_rank(session.rank, session.local_size)
+    def local_size(self) -> int:
+        return self._current().local_size
 
+    def cross_rank(self) -> int:
+        return self._current().cross_rank
 
-def cross_size() -> int:
-    session = current_session()
-    return collectives.cross_size(session.size, session.local_size)
+    def cross_size(self) -> int:
+        return self._current().cross_size
 
+    def is_homogeneous(self) -> bool:
+        return self._current().is_homogeneous()
 
-def cuda_built() -> bool:
-    return torch.cuda.is_available()
+    def cuda_built(self) -> bool:
+        return torch.cuda.is_available()
 
+    # -- allreduce and push_pull ---------------------------------------------------------------------
 
-# -- allreduce and push_pull ---------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                  compression=Compression.none, op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
+        """A new tensor: ``tensor`` averaged (default) or summed over all ranks (differentiable)."""
+        return autograd.allreduce(self._session_of(process_set), tensor, name, reduce_op(op, average), compression,
+                                  prescale_factor, postscale_factor)
 
+    def allreduce_(self, tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                   op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                   process_set: ProcessSet = global_process_set) -> torch.Tensor:
+        """Average (or sum) ``tensor`` over all ranks in place; returns it."""
+        return self.synchronize(self.allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                            process_set=process_set))
 
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression=Compression.none, op: ReduceOp | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """A new tensor: ``tensor`` averaged (default) or summed over all ranks (differentiable)."""
-    return autograd.allreduce(_session_of(process_set), tensor, name, reduce_op(op, average, elementwise=True),
-                              compression, prescale_factor, postscale_factor)
+    def allreduce_async(self, tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                        op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> Work:
+        """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
+        return collectives.allreduce_async(self._session_of(process_set), tensor, name, reduce_op(op, average),
+                                           prescale_factor, postscale_factor)
 
+    def allreduce_async_(self, tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                         op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                         process_set: ProcessSet = global_process_set) -> Work:
+        """Start :func:`allreduce_`; ``synchronize(handle)`` returns ``tensor``."""
+        return collectives.allreduce_async_(self._session_of(process_set), tensor, name, reduce_op(op, average),
+                                            prescale_factor, postscale_factor)
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-               op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Average (or sum) ``tensor`` over all ranks in place; returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set=process_set))
+    def push_pull(self, tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
+                  priority: int = 0, compression=Compression.none) -> torch.Tensor:
+        """BytePS's name for :func:`allreduce` (``version`` and ``priority`` are accepted and unused)."""
+        return self.allreduce(tensor, average=average, name=name, compression=compression)
 
+    def push_pull_async(self, tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
+                        priority: int = 0) -> Work:
+        return self.allreduce_async(tensor, average=average, name=name)
 
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> Work:
-    """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
-    return _session_of(process_set).allreduce_async(tensor, name, reduce_op(op, average, elementwise=True),
+    def push_pull_inplace(self, tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
+                          priority: int = 0) -> torch.Tensor:
+        return self.allreduce_(tensor, average=average, name=name)
+
+    def push_pull_async_inplace(self, tensor: torch.Tensor, average: bool = True, name: str | None = None,
+                                version: int = 0,
+                                priority: int = 0) -> Work:
+        return self.allreduce_async_(tensor, average=average, name=name)
+
+    def grouped_allreduce(self, tensors, average: bool | None = None, name: str | None = None,
+                          compression=Compression.none,
+                          op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+        """New tensors: each of ``tensors`` reduced over all ranks, as one group (differentiable)."""
+        tensors = collectives.tensor_list(tensors, "grouped_allreduce")
+        compressed = [compression.compress(t) for t in tensors]
+        reduced = autograd.grouped_allreduce(self._session_of(process_set), [c for c, _ in compressed], name,
+                                             reduce_op(op, average), prescale_factor, postscale_factor)
+        return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
+
+    def grouped_allreduce_(self, tensors, average: bool | None = None, name: str | None = None,
+                           op: ReduceOp | None = None,
+                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                           process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+        """Each of ``tensors`` reduced over all ranks in place, as one group; returns them."""
+        return self.synchronize(self.grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                              postscale_factor,
+                                                    process_set=process_set))
+
+    def grouped_allreduce_async(self, tensors, average: bool | None = None, name: str | None = None,
+                                op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Work:
+        """Start :func:`grouped_allreduce`; ``synchronize(handle)`` returns the new tensors."""
+        return collectives.grouped_allreduce_async(self._session_of(process_set), tensors, name, reduce_op(op, average),
+                                                   prescale_factor, postscale_factor)
+
+    def grouped_allreduce_async_(self, tensors, average: bool | None = None, name: str | None = None,
+                                 op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                                 postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Work:
+        """Start :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``."""
+        return collectives.grouped_allreduce_async_(self._session_of(process_set), tensors, name,
+                                                    reduce_op(op, average),
                                                     prescale_factor, postscale_factor)
 
-
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> Work:
-    """Start :func:`allreduce_`; ``synchronize(handle)`` returns ``tensor``."""
-    return _session_of(process_set).allreduce_async_(tensor, name, reduce_op(op, average, elementwise=True),
-                                                     prescale_factor, postscale_factor)
-
-
-def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
-              priority: int = 0, compression=Compression.none) -> torch.Tensor:
-    """BytePS's name for :func:`allreduce` (``version`` and ``priority`` are accepted and unused)."""
-    return allreduce(tensor, average=average, name=name, compression=compression)
-
-
-def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
-                    priority: int = 0) -> Work:
-    return allreduce_async(tensor, average=average, name=name)
-
-
-def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
-                      priority: int = 0) -> torch.Tensor:
-    return allreduce_(tensor, average=average, name=name)
-
-
-def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0,
-                            priority: int = 0) -> Work:
-    return allreduce_async_(tensor, average=average, name=name)
-
-
-def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None, compression=Compression.none,
-                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """New tensors: each of ``tensors`` reduced over all ranks, as one group."""
-    if compression is not Compression.none:
-        return [allreduce(t, average, None if name is None else f"{name}.{i}", compression, op, prescale_factor,
-                          postscale_factor, process_set=process_set) for i, t in enumerate(tensors)]
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                                               process_set=process_set))
-
-
-def grouped_allreduce_(tensors, average: bool | None = None, name: str | None = None, op: ReduceOp | None = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Each of ``tensors`` reduced over all ranks in place, as one group; returns them."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set=process_set))
-
-
-def grouped_allreduce_async(tensors, average: bool | None = None, name: str | None = None,
-                            op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> WorkGroup:
-    """Start :func:`grouped_allreduce`; ``synchronize(handle)`` returns the new tensors."""
-    copies = [t.detach().clone() for t in tensor_list(tensors, "grouped_allreduce")]
-    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor,
-                                    process_set=process_set)
-
-
-def grouped_allreduce_async_(tensors, average: bool | None = None, name: str | None = None,
-                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> WorkGroup:
-    """Start :func:`grouped_allreduce_`; ``synchronize(handle)`` returns ``tensors``."""
-    return _session_of(process_set).grouped_allreduce_async_(tensors, name,
-                                                             reduce_op(op, average, elementwise=True),
-                                                             prescale_factor, postscale_factor)
-
-
-def synchronize(handle: Work | WorkGroup) -> Any:
-    """Wait for an ``*_async`` operation; returns its output tensor (a list, for a group)."""
-    if not isinstance(handle, (Work, WorkGroup)):
-        raise ConfigError(f"synchronize() takes what an *_async function returned, got {handle!r}")
-    return handle.wait(current_session().timeout)
-
-
-def poll(handle: Work) -> bool:
-    """Whether ``synchronize(handle)`` would return at once."""
-    return handle.done()
-
-
-# -- broadcast, allgather ------------------------------------------------------------------------
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """A new tensor holding root_rank's ``tensor`` (differentiable)."""
-    return autograd.broadcast(_session_of(process_set), tensor, root_rank, name)
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Overwrite ``tensor`` with root_rank's, in place; returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set=process_set))
-
-
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Work:
-    return _session_of(process_set).broadcast_async(tensor, root_rank, name)
-
-
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Work:
-    return _session_of(process_set).broadcast_async_(tensor, root_rank, name)
-
-
-def broadcast_parameters(params, root_rank: int) -> None:
-    """Overwrite ``params`` (``model.state_dict()`` or ``model.named_parameters()``) with
-    root_rank's, in place, keyed by name."""
-    current_session().broadcast_parameters(params, root_rank)
-
-
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Give every rank root_rank's optimizer state and hyperparameters."""
-    current_session().broadcast_optimizer_state(optimizer, root_rank)
-
-
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """root_rank's ``obj`` (any picklable object) on every rank."""
-    return _session_of(process_set).broadcast_object(obj, root_rank, name)
-
-
-def allgather(tensor: torch.Tensor, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along the first dimension, in rank order (differentiable)."""
-    return autograd.allgather(_session_of(process_set), tensor, name)
-
-
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Work:
-    """Start :func:`allgather`; ``synchronize(handle)`` returns the gathered tensor."""
-    return _session_of(process_set).allgather_async(tensor, name)
-
-
-def grouped_allgather(tensors, name: str | None = None,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """:func:`allgather` of each of ``tensors``, as one group."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set=process_set))
-
-
-def grouped_allgather_async(tensors, name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> WorkGroup:
-    return _session_of(process_set).grouped_allgather_async(tensors, name)
-
-
-def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
-                           process_set: ProcessSet = global_process_set) -> Work:
-    """Start Horovod's sparse allreduce of a sparse ``tensor``; ``synchronize`` returns it."""
-    result = _session_of(process_set).sparse_allreduce(tensor, name, reduce_op(op))
-    return Work.finished(result, f"sparse_allreduce {name!r}")
-
-
-def reducescatter(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
-    """``tensor`` reduced over all ranks (Average or Sum), this rank's share of its rows;
-    ``prescale_factor`` multiplies ``tensor`` before, ``postscale_factor`` the share after."""
-    return _session_of(process_set).reducescatter(tensor, name, reduce_op(op), prescale_factor, postscale_factor)
-
-
-def reducescatter_async(tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
-                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Work:
-    result = reducescatter(tensor, op, name, process_set, prescale_factor, postscale_factor)
-    return Work.finished(result, f"reducescatter {name!r}")
-
-
-def grouped_reducescatter(tensors, op: ReduceOp | None = None, name: str | None = None,
-                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list:
-    """:func:`reducescatter` of each tensor of ``tensors`` (their requests travel together);
-    ``name`` is the group's, each tensor's is ``name.i``."""
-    return _session_of(process_set).grouped_reducescatter(tensors, name, reduce_op(op), prescale_factor,
-                                                          postscale_factor)
-
-
-def grouped_reducescatter_async(tensors, op: ReduceOp | None = None, name: str | None = None,
-                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Work:
-    result = grouped_reducescatter(tensors, op, name, process_set, prescale_factor, postscale_factor)
-    return Work.finished(result, f"grouped_reducescatter {name!r}")
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's: record this worker's requests to a Chrome trace at ``file_path`` from now on
-    (rank 0 writes ``file_path``, rank R ``file_path.rankR``; see docs/visibility.md);
-    ``mark_cycles`` marks where each iteration starts."""
-    current_session().agent.start_timeline(file_path, mark_cycles)
-
-
-def stop_timeline() -> None:
-    """Stop recording the timeline and close its file."""
-    current_session().agent.stop_timeline()
-
-
-def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process_set: ProcessSet = global_process_set):
-    """Rank i gets ``splits[i]`` rows of every rank's ``tensor`` (even shares by default), in
-    rank order; with ``splits``, also how many rows came from each rank (as Horovod returns)."""
-    return _session_of(process_set).alltoall(tensor, splits, name)
-
-
-def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> Work:
-    result = alltoall(tensor, splits, name, process_set=process_set)
-    return Work.finished(result, f"alltoall {name!r}")
-
-
-def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-    """Every rank's ``obj``, as a list in rank order."""
-    return _session_of(process_set).allgather_object(obj, name)
-
-
-def join(device: int = -1) -> int:
-    """This rank is out of data: mirror the others' optimizer steps with zero gradients until
-    every rank joined; returns the rank that joined last."""
-    return current_session().join()
-
-
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    _session_of(process_set).barrier()
-
-
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
-                         backward_passes_per_step: int = 1, op: ReduceOp = Average,
-                         gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                         sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks (of
-    ``process_set``; see :func:`pslink.torch.optimizer.DistributedOptimizer`)."""
-    return _wrap_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
-                           gradient_predivide_factor, num_groups, groups, sparse_as_dense,
-                           session=_session_of(process_set))
+    def synchronize(self, handle: Work) -> Any:
+        """Wait for an ``*_async`` operation; returns its output tensor (a list, for a group)."""
+        if not isinstance(handle, Work):
+            raise ConfigError(f"synchronize() takes what an *_async function returned, got {handle!r}")
+        return handle.wait(self._current().timeout)
+
+    def poll(self, handle: Work) -> bool:
+        """Whether ``synchronize(handle)`` would return at once."""
+        if not isinstance(handle, Work):
+            raise ConfigError(f"poll() takes what an *_async function returned, got {handle!r}")
+        return handle.done()
+
+    # -- broadcast, allgather ------------------------------------------------------------------------
+
+    def broadcast(self, tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
+        """A new tensor holding root_rank's ``tensor`` (differentiable)."""
+        return autograd.broadcast(self._session_of(process_set), tensor, root_rank, name)
+
+    def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> torch.Tensor:
+        """Overwrite ``tensor`` with root_rank's, in place; returns it."""
+        return self.synchronize(self.broadcast_async_(tensor, root_rank, name, process_set=process_set))
+
+    def broadcast_async(self, tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                        process_set: ProcessSet = global_process_set) -> Work:
+        return collectives.broadcast_async(self._session_of(process_set), tensor, root_rank, name)
+
+    def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                         process_set: ProcessSet = global_process_set) -> Work:
+        return collectives.broadcast_async_(self._session_of(process_set), tensor, root_rank, name)
+
+    def broadcast_parameters(self, params, root_rank: int, process_set: ProcessSet = global_process_set) -> None:
+        """Overwrite ``params`` (``model.state_dict()`` or ``model.named_parameters()``) with
+        root_rank's, in place, keyed by name."""
+        with torch.no_grad():
+            collectives.broadcast_parameters(self._session_of(process_set), params, root_rank)
+
+    def broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer, root_rank: int, model=None,
+                                  process_set: ProcessSet = global_process_set) -> None:
+        """Give every rank root_rank's optimizer state and hyperparameters."""
+        collectives.broadcast_optimizer_state(self._session_of(process_set), optimizer, root_rank)
+
+    def broadcast_object(self, obj: Any = None, root_rank: int = 0, name: str | None = None,
+                         process_set: ProcessSet = global_process_set) -> Any:
+        """root_rank's ``obj`` (any picklable object) on every rank."""
+        return self._session_of(process_set).broadcast_object(obj, root_rank, name)
+
+    def allgather(self, tensor: torch.Tensor, name: str | None = None,
+                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along the first dimension, in rank order (differentiable)."""
+        return autograd.allgather(self._session_of(process_set), tensor, name)
+
+    def allgather_async(self, tensor: torch.Tensor, name: str | None = None,
+                        process_set: ProcessSet = global_process_set) -> Work:
+        """Start :func:`allgather`; ``synchronize(handle)`` returns the gathered tensor."""
+        return collectives.allgather_async(self._session_of(process_set), tensor, name)
+
+    def grouped_allgather(self, tensors, name: str | None = None,
+                          process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+        """:func:`allgather` of each of ``tensors``, as one group (differentiable)."""
+        return autograd.grouped_allgather(self._session_of(process_set), tensors, name)
+
+    def grouped_allgather_async(self, tensors, name: str | None = None,
+                                process_set: ProcessSet = global_process_set) -> Work:
+        return collectives.grouped_allgather_async(self._session_of(process_set), tensors, name)
+
+    def sparse_allreduce_async(self, tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
+                               process_set: ProcessSet = global_process_set) -> Work:
+        """Start Horovod's sparse allreduce of a sparse ``tensor``; ``synchronize(handle)`` or
+        ``handle()`` returns it."""
+        return collectives.sparse_allreduce_async(self._session_of(process_set), tensor, name, reduce_op(op))
+
+    def reducescatter(self, tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
+                      process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, compression=Compression.none) -> torch.Tensor:
+        """``tensor`` reduced over all ranks (Average or Sum), this rank's share of its rows;
+        ``prescale_factor`` multiplies ``tensor`` before, ``postscale_factor`` the share after
+        (differentiable)."""
+        compressed, ctx = compression.compress(tensor)
+        share = autograd.reducescatter(self._session_of(process_set), compressed, name, reduce_op(op), prescale_factor,
+                                       postscale_factor)
+        return compression.decompress(share, ctx)
+
+    def reducescatter_async(self, tensor: torch.Tensor, op: ReduceOp | None = None, name: str | None = None,
+                            process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> Work:
+        return collectives.reducescatter_async(self._session_of(process_set), tensor, name, reduce_op(op),
+                                               prescale_factor,
+                                               postscale_factor)
+
+    def grouped_reducescatter(self, tensors, op: ReduceOp | None = None, name: str | None = None,
+                              process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                              postscale_factor: float = 1.0, compression=Compression.none) -> list:
+        """:func:`reducescatter` of each tensor of ``tensors`` (their requests travel together);
+        ``name`` is the group's, each tensor's is ``name.i`` (differentiable)."""
+        tensors = collectives.tensor_list(tensors, "grouped_reducescatter")
+        compressed = [compression.compress(t) for t in tensors]
+        shares = autograd.grouped_reducescatter(self._session_of(process_set), [c for c, _ in compressed], name,
+                                                reduce_op(op), prescale_factor, postscale_factor)
+        return [compression.decompress(s, ctx) for s, (_, ctx) in zip(shares, compressed)]
+
+    def grouped_reducescatter_async(self, tensors, op: ReduceOp | None = None, name: str | None = None,
+                                    process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                    postscale_factor: float = 1.0) -> Work:
+        return collectives.grouped_reducescatter_async(self._session_of(process_set), tensors, name, reduce_op(op),
+                                                       prescale_factor, postscale_factor)
+
+    def alltoall(self, tensor: torch.Tensor, splits=None, name: str | None = None,
+                 process_set: ProcessSet = global_process_set):
+        """Rank i gets ``splits[i]`` rows of every rank's ``tensor`` (even shares by default), in
+        rank order; with ``splits``, also how many rows came from each rank, as Horovod returns
+        (differentiable)."""
+        received, received_splits = autograd.alltoall(self._session_of(process_set), tensor, splits, name)
+        return received if splits is None else (received, received_splits)
+
+    def alltoall_async(self, tensor: torch.Tensor, splits=None, name: str | None = None,
+                       process_set: ProcessSet = global_process_set) -> Work:
+        """Start :func:`alltoall`; ``synchronize(handle)`` returns (received, received splits)."""
+        return collectives.alltoall_async(self._session_of(process_set), tensor, splits, name)
+
+    def allgather_object(self, obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+        """Every rank's ``obj``, as a list in rank order."""
+        return self._session_of(process_set).allgather_object(obj, name)
+
+    def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
+        """Horovod's: record this worker's requests to a Chrome trace at ``file_path`` from now on
+        (rank 0 writes ``file_path``, rank R ``file_path.rankR``; see docs/visibility.md);
+        ``mark_cycles`` marks where each iteration starts."""
+        self._current().agent.start_timeline(file_path, mark_cycles)
+
+    def stop_timeline(self) -> None:
+        """Stop recording the timeline and close its file."""
+        self._current().agent.stop_timeline()
+
+    def join(self, device: int = -1) -> int:
+        """This rank is out of data: take part in the others' allreduces and optimizer steps with
+        zeros until every rank joined; returns the rank that joined last."""
+        return self._current().join()
+
+    def barrier(self, process_set: ProcessSet = global_process_set) -> None:
+        self._session_of(process_set).barrier()
+
+    def DistributedOptimizer(self, optimizer: torch.optim.Optimizer, named_parameters=None,
+                             compression=Compression.none,
+                             backward_passes_per_step: int = 1, op: ReduceOp = Average,
+                             gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                             sparse_as_dense: bool = False,
+                             process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+        """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks (of
+        ``process_set``; see :func:`pslink.torch.optimizer.DistributedOptimizer`)."""
+        return _wrap_optimizer(self._session_of(process_set), optimizer, named_parameters, compression,
+                               backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
+                               sparse_as_dense)
+
+
+# The module's functions: the API over the session init() made.
+_api = Horovod(current_session)
+add_process_set = _api.add_process_set
+remove_process_set = _api.remove_process_set
+rank = _api.rank
+size = _api.size
+local_rank = _api.local_rank
+local_size = _api.local_size
+cross_rank = _api.cross_rank
+cross_size = _api.cross_size
+is_homogeneous = _api.is_homogeneous
+cuda_built = _api.cuda_built
+allreduce = _api.allreduce
+allreduce_ = _api.allreduce_
+allreduce_async = _api.allreduce_async
+allreduce_async_ = _api.allreduce_async_
+push_pull = _api.push_pull
+push_pull_async = _api.push_pull_async
+push_pull_inplace = _api.push_pull_inplace
+push_pull_async_inplace = _api.push_pull_async_inplace
+grouped_allreduce = _api.grouped_allreduce
+grouped_allreduce_ = _api.grouped_allreduce_
+grouped_allreduce_async = _api.grouped_allreduce_async
+grouped_allreduce_async_ = _api.grouped_allreduce_async_
+synchronize = _api.synchronize
+poll = _api.poll
+broadcast = _api.broadcast
+broadcast_ = _api.broadcast_
+broadcast_async = _api.broadcast_async
+broadcast_async_ = _api.broadcast_async_
+broadcast_parameters = _api.broadcast_parameters
+broadcast_optimizer_state = _api.broadcast_optimizer_state
+broadcast_object = _api.broadcast_object
+allgather = _api.allgather
+allgather_async = _api.allgather_async
+grouped_allgather = _api.grouped_allgather
+grouped_allgather_async = _api.grouped_allgather_async
+sparse_allreduce_async = _api.sparse_allreduce_async
+reducescatter = _api.reducescatter
+reducescatter_async = _api.reducescatter_async
+grouped_reducescatter = _api.grouped_reducescatter
+grouped_reducescatter_async = _api.grouped_reducescatter_async
+alltoall = _api.alltoall
+alltoall_async = _api.alltoall_async
+allgather_object = _api.allgather_object
+start_timeline = _api.start_timeline
+stop_timeline = _api.stop_timeline
+join = _api.join
+barrier = _api.barrier
+DistributedOptimizer = _api.DistributedOptimizer

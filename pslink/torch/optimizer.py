@@ -10,12 +10,32 @@ import warnings
 import torch
 
 from pslink.core.worker.collectives import service_key
+from pslink.core.worker.reduction import Average, ReduceOp, Sum, reduce_op
+from pslink.core.worker.session import Session
 from pslink.errors import ConfigError, PslinkError
+from pslink.torch import collectives
+from pslink.torch.collectives import Compression
 from pslink.torch.fusion import Bucket, plan
-from pslink.torch.session import Average, Compression, ReduceOp, Session, Sum, Work, reduce_op
-from pslink.torch.tensors import StagingPool, explain_mismatch
+from pslink.torch.tensors import HostView, StagingPool, explain_mismatch
 
 _HINT = "do all ranks build the same model?"
+
+
+class _GradientWork:
+    """A gradient's push-pull in flight: ``wait()`` leaves the average in the gradient."""
+
+    __slots__ = ("handle", "view", "finish", "what")
+
+    def __init__(self, handle, view: HostView, finish, what: str):
+        self.handle, self.view, self.finish, self.what = handle, view, finish, what
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        try:
+            self.handle.wait(timeout)
+        except PslinkError as exc:
+            raise explain_mismatch(exc, self.what, _HINT) from None
+        self.view.finish()
+        return self.finish()
 
 
 class _GradientSync:
@@ -41,19 +61,18 @@ class _GradientSync:
         # Keyed by id(param): a tensor's __hash__ is a Python call, and the hooks run 2 per parameter a step.
         self._param_ids = [id(p) for p in self.params]
         self.delay = dict.fromkeys(self._param_ids, self.passes)
-        self.works: dict[torch.Tensor, tuple[Work, torch.Tensor]] = {}
+        self.works: dict[torch.Tensor, tuple[_GradientWork, torch.Tensor]] = {}
         self.buckets = plan(self.params, self.names, session.agent.fusion_bytes, groups, num_groups)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for bucket in self.buckets:
             bucket.attach()
-        self.bucket_works: list[tuple[Work, Bucket]] = []
+        self.bucket_works: list[tuple[_GradientWork, Bucket]] = []
         self.sparse_as_dense = sparse_as_dense
         self.sparse: set[torch.Tensor] = set()  # params whose sparse gradient is gathered at synchronize()
         self.staging = StagingPool()
         self.skip = False
         self.synchronized = False
-        self.index = len(session.optimizers)
-        session.optimizers.append(optimizer)
+        self.index = session.register_stepper(self.contribute_zeros, self.abandon)
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
 
     def _on_gradient(self, param: torch.Tensor) -> None:
@@ -87,7 +106,7 @@ class _GradientSync:
         if bucket.fill(param, grad):
             self.bucket_works.append((self.start(bucket.key, bucket.describe(), bucket.flat)[0], bucket))
 
-    def push(self, param: torch.Tensor, grad: torch.Tensor) -> tuple[Work, torch.Tensor]:
+    def push(self, param: torch.Tensor, grad: torch.Tensor) -> tuple[_GradientWork, torch.Tensor]:
         """Start averaging ``grad`` (param's gradient, or zeros while joined) over the ranks."""
         name = self.names[param]
         key = service_key("grad", name)
@@ -96,7 +115,7 @@ class _GradientSync:
             param.grad = grad
         return self.start(key, f"the gradient of parameter {name!r} (key {key!r}, shape {tuple(grad.shape)})", grad)
 
-    def start(self, key: str, what: str, grad: torch.Tensor) -> tuple[Work, torch.Tensor]:
+    def start(self, key: str, what: str, grad: torch.Tensor) -> tuple[_GradientWork, torch.Tensor]:
         """Push-pull ``grad`` under ``key``; the Work leaves the average in ``grad``."""
         grad = grad.detach()
         if self.predivide != 1.0:
@@ -117,7 +136,7 @@ class _GradientSync:
                 grad.mul_(predivide)
             return grad
 
-        return Work(handle, [view], finish, what, _HINT), grad
+        return _GradientWork(handle, view, finish, what), grad
 
     def synchronize(self) -> None:
         """Push what backward did not (unused parameters, fewer passes than configured), then
@@ -131,14 +150,14 @@ class _GradientSync:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 self.works[param] = self.push(param, param.grad)
-        join = self.session.join_round_async(self.index)
+        step = self.session.step(self.index)  # a joined rank learns from it to push zeros with us
         try:
             for work, _ in self.works.values():
                 work.wait(self.session.timeout)
             for work, bucket in self.bucket_works:
                 work.wait(self.session.timeout)
                 bucket.scatter(self.sparse)
-            join.wait(self.session.timeout)
+            step.wait(self.session.timeout)
             for param in [p for p in self.params if p in self.sparse]:
                 param.grad = self._gather_sparse(param, param.grad)
         finally:
@@ -164,7 +183,9 @@ class _GradientSync:
         optimizer (SparseAdam, Adagrad, SGD) takes it as it is."""
         name = self.names[param]
         try:
-            return self.session.sparse_allreduce(grad, f"sparse.{name}", Average if self.average else Sum)
+            work = collectives.sparse_allreduce_async(self.session, grad, f"sparse.{name}",
+                                                      Average if self.average else Sum)
+            return work.wait(self.session.timeout)
         except PslinkError as exc:
             raise explain_mismatch(exc, f"sparse gradient of {name!r}", _HINT) from None
 
@@ -280,15 +301,21 @@ def _distributed_class(base: type) -> type:
         for bucket in buckets:
             bucket.zero()
 
+    def _pslink_base_step(self, closure=None):
+        """The wrapped optimizer's own step, without reducing (broadcast_optimizer_state makes
+        the state with it, as Horovod does)."""
+        return base.step(self, closure)
+
     return type(base.__name__, (base,), {"__init__": __init__, "synchronize": synchronize,
                                          "skip_synchronize": skip_synchronize, "step": step, "zero_grad": zero_grad,
+                                         "_pslink_base_step": _pslink_base_step,
                                          "__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
-                         backward_passes_per_step: int = 1, op: ReduceOp = Average,
+def DistributedOptimizer(session: Session, optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression=Compression.none, backward_passes_per_step: int = 1, op: ReduceOp = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                         sparse_as_dense: bool = False, *, session: Session | None = None) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged (``op=Average``) or summed over the ranks.
 
     Each gradient is push-pulled under its parameter's name as soon as backward produced it, the
@@ -299,10 +326,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     at ``step()`` as Horovod's sparse all-reduce does (``sparse_as_dense``: sent dense instead).
     The result is an instance of a subclass of the optimizer's class.
     """
-    if session is None:
-        from pslink.torch.horovod import current_session
-
-        session = current_session()
     op = reduce_op(op)
     cls = _distributed_class(optimizer.__class__)
     return cls(optimizer.param_groups, session, named_parameters, compression, backward_passes_per_step, op,

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pslink.core.worker.collectives import Sum
+from pslink.core.worker.reduction import Sum
 from pslink.errors import ConfigError
 from pslink.torch import autograd
-from pslink.torch.session import Compression
+from pslink.torch.collectives import Compression
+from pslink.torch.world import current_session
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -46,8 +47,6 @@ class SyncBatchNorm(_BatchNorm):
                                 self.eps)
         session = self._pslink_session
         if session is None:
-            from pslink.torch.horovod import current_session
-
             session = current_session()
         if session.size == 1:
             factor = self._momentum_factor()

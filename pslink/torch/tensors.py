@@ -46,7 +46,9 @@ class HostView:
 
     __slots__ = ("tensor", "staging", "array")
 
-    def __init__(self, tensor: torch.Tensor, what: str, staging: torch.Tensor | None = None):
+    def __init__(self, tensor: torch.Tensor, what: str, staging: torch.Tensor | None = None, fill: bool = True):
+        """``fill``: copy the tensor's values into a staging buffer (False for a tensor that
+        only receives a result)."""
         self.tensor = tensor
         wire = wire_dtype(tensor.dtype, what)
         if tensor.device.type == "cpu" and tensor.dtype == wire and tensor.is_contiguous():
@@ -55,8 +57,9 @@ class HostView:
             return
         if staging is None or staging.shape != tensor.shape or staging.dtype != wire:
             staging = new_staging(tensor.shape, wire, pinned=tensor.is_cuda)
-        # A blocking copy: for CUDA it waits for the kernels that produced the tensor.
-        staging.copy_(tensor.detach())
+        if fill:
+            # A blocking copy: for CUDA it waits for the kernels that produced the tensor.
+            staging.copy_(tensor.detach())
         self.staging = staging
         self.array = staging.numpy()
 

@@ -267,6 +267,13 @@ class Agent:
         """Push ``array`` and pull that round's result into ``out`` (may be ``array`` itself)."""
         return self._submit(Op.PUSHPULL, [key], [array], [out], average)
 
+    def cancel(self, handle: Handle, error: PslinkError) -> None:
+        """Fail ``handle`` now with ``error``. Its requests stay where they are; an answer that
+        still comes changes nothing. For a caller that learned by other means that the request
+        cannot succeed (the worker layer's board, when the ranks' calls disagree)."""
+        if not handle.done():
+            self._handles.complete(handle, error)
+
     def table(self, name: str, width: int, dtype: str = "float32", **options) -> Table:
         """The sparse table ``name`` of rows of ``width`` (declared on first use; every worker calls
         it alike): ``shards``, ``init`` ("zeros", ["uniform", low, high], ["normal", mean, std]),

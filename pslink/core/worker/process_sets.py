@@ -1,51 +1,58 @@
-"""Horovod's process sets: collectives among some of the ranks, for every adapter that offers
-Horovod's API (``pslink.torch``, ``pslink.mxnet.horovod``: each subclasses :class:`ProcessSet`
-to find its current session, and makes :class:`ProcessSets` with its own Session class).
+"""Horovod's process sets: collectives among some of the ranks, for every adapter.
 
-A process set is a job of its own on the service (as each ``torch.distributed`` group is: see
-:mod:`pslink.torch.backend`): its ranks, renumbered from 0 in the order of their global ranks,
-register ``<job>.ps<id>`` (its first rank creates it; the others learn its token from the first
-through the job), so its keys and rounds count only its members.
-As in Horovod, every rank calls ``add_process_set`` for every set, in the same order (that
-order numbers the sets); a rank outside a set gets the set's object but cannot use it.
+A process set is a job of its own on the service (as each ``torch.distributed`` group is): its
+ranks, renumbered from 0 in the order of their global ranks, register ``<job>.ps<id>`` (its
+first rank creates it; the others learn its token from the first through the world), so its
+keys, rounds and board count only its members. As in Horovod, every rank calls
+``add_process_set`` for every set, in the same order (that order numbers the sets); a rank
+outside a set gets the set's object but cannot use it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-import pslink
+from pslink.core.worker.connect import connect
 from pslink.errors import ConfigError
 
 
 class ProcessSet:
-    """Some ranks of the job (Horovod's ``ProcessSet``); ``ranks=None``: all of them (each
-    adapter's ``global_process_set``). ``current()`` gives the adapter's session (subclasses)."""
-
-    @staticmethod
-    def current():
-        raise ConfigError("this process set belongs to no adapter; use the adapter's ProcessSet")
+    """Some ranks of the job (Horovod's ``ProcessSet``); ``ranks=None``: all of them. An
+    adapter's ``global_process_set`` is :meth:`of_world` of its current session."""
 
     def __init__(self, ranks: Iterable[int] | None = None):
         self.ranks = None if ranks is None else sorted({_rank(r) for r in ranks})
         if self.ranks is not None and not self.ranks:
             raise ConfigError("a process set needs at least one rank")
         self.process_set_id: int | None = 0 if ranks is None else None
-        self.session = None  # this rank's Session of the set's job, while it is added and includes this rank
-        self._global = None  # the Session the set was added from
+        self.session: Any = None  # this rank's Session of the set's job, while it is added and includes this rank
+        self._world: Any = None  # the Session the set was added from
+        self._current: Callable[[], Any] | None = None  # the adapter's current session (the global set)
 
-    def _world(self):
-        return self._global or self.current()
+    @classmethod
+    def of_world(cls, current: Callable[[], Any]) -> "ProcessSet":
+        """Every rank of whatever session ``current()`` gives (an adapter's global process set)."""
+        process_set = cls()
+        process_set._current = current
+        return process_set
+
+    def _session_world(self):
+        if self._world is not None:
+            return self._world
+        if self._current is not None:
+            return self._current()
+        raise ConfigError(f"{self!r} is not added: call add_process_set first")
 
     def included(self) -> bool:
-        return self.ranks is None or self._world().rank in self.ranks
+        return self.ranks is None or self._session_world().rank in self.ranks
 
     def size(self) -> int:
-        return self._world().size if self.ranks is None else len(self.ranks)
+        return self._session_world().size if self.ranks is None else len(self.ranks)
 
     def rank(self) -> int:
         """This rank's number in the set (-1 outside it)."""
-        world = self._world()
+        world = self._session_world()
         if self.ranks is None:
             return world.rank
         return self.ranks.index(world.rank) if world.rank in self.ranks else -1
@@ -55,17 +62,18 @@ class ProcessSet:
 
 
 class ProcessSets:
-    """A Session's added process sets: ``kind`` is the adapter's ProcessSet class (a list of ranks
-    given to ``add`` becomes one), ``make_session(agent)`` the adapter's Session over a set's job."""
+    """The process sets added from one Session (``world``); a set's Session is of the world's
+    class, over the set's own job."""
 
-    def __init__(self, kind: type[ProcessSet], make_session: Callable):
-        self.kind, self.make_session = kind, make_session
+    def __init__(self, world):
+        self.world = world
         self.added: dict[int, ProcessSet] = {}
         self.next_id = 1
 
-    def add(self, world, process_set) -> ProcessSet:
+    def add(self, process_set) -> ProcessSet:
+        world = self.world
         if not isinstance(process_set, ProcessSet):
-            process_set = self.kind(process_set)
+            process_set = ProcessSet(process_set)
         if process_set.process_set_id is not None:
             raise ConfigError(f"{process_set!r} is added already")
         if process_set.ranks[-1] >= world.size:
@@ -73,23 +81,24 @@ class ProcessSets:
         same = [s for s in self.added.values() if s.ranks == process_set.ranks]
         if same:
             raise ConfigError(f"a process set of ranks {process_set.ranks} exists already ({same[0]!r})")
-        process_set.process_set_id, self.next_id = self.next_id, self.next_id + 1
-        process_set._global = world
+        set_id, self.next_id = self.next_id, self.next_id + 1
         # The set's first rank creates its job (a job is created by a worker that joins it
         # without a token); the job's token reaches the other members through the world.
         agent, leader = world.agent, process_set.ranks[0]
-        job, members = f"{agent.job}.ps{process_set.process_set_id}", len(process_set.ranks)
+        job, members = f"{agent.job}.ps{set_id}", len(process_set.ranks)
         options = dict(mode="sum", timeout=agent.timeout, transports=agent.transports)
         sub = None
         if world.rank == leader:
-            sub = pslink.connect(job, 0, members, agent.master_address, **options)
+            sub = connect(job, 0, members, agent.master_address, **options)
         token = world.broadcast_object(sub.token if sub is not None else None, leader, f"{job}.token")
         if world.rank in process_set.ranks and sub is None:
-            sub = pslink.connect(job, process_set.ranks.index(world.rank), members, agent.master_address,
-                                 token=token, **options)
+            sub = connect(job, process_set.ranks.index(world.rank), members, agent.master_address, token=token,
+                          **options)
+        process_set.process_set_id = set_id
+        process_set._world = world
         if sub is not None:
-            process_set.session = self.make_session(sub)
-        self.added[process_set.process_set_id] = process_set
+            process_set.session = type(world)(sub)
+        self.added[set_id] = process_set
         return process_set
 
     def remove(self, process_set: ProcessSet) -> bool:
@@ -100,18 +109,19 @@ class ProcessSets:
             process_set.session.close()
             process_set.session = None
         process_set.process_set_id = None
+        process_set._world = None
         return True
 
-    def session_for(self, world, process_set):
-        """The Session a collective of ``process_set`` runs on (the world's for the global set)."""
+    def session_for(self, process_set):
+        """The Session a collective of ``process_set`` runs on (the world's for None or a global set)."""
         if process_set is None or isinstance(process_set, ProcessSet) and process_set.ranks is None:
-            return world
-        if not isinstance(process_set, self.kind):
+            return self.world
+        if not isinstance(process_set, ProcessSet):
             raise ConfigError(f"process_set must be a ProcessSet, got {process_set!r}")
-        if process_set.process_set_id not in self.added or self.added[process_set.process_set_id] is not process_set:
+        if self.added.get(process_set.process_set_id) is not process_set:
             raise ConfigError(f"{process_set!r} is not added (add_process_set) or was removed")
         if process_set.session is None:
-            raise ConfigError(f"rank {world.rank} is not in {process_set!r}; only its ranks call its collectives")
+            raise ConfigError(f"rank {self.world.rank} is not in {process_set!r}; only its ranks call its collectives")
         return process_set.session
 
     def close(self) -> None:

@@ -1,0 +1,222 @@
+"""The board: what each rank's collective calls were, shared round by round (pure: no I/O).
+
+Horovod's coordinator sees every rank's request before it runs an operation: it refuses
+requests that disagree (another dtype, shape, root rank, reduction, scale factor, operation
+under one name), and it lets a rank that called ``join()`` take part in the others'
+allreduces with zeros. pslink has no coordinator: ranks meet on the service's keys. The board
+gives every rank the same view instead. Each collective call (and each ``DistributedOptimizer``
+step) makes one round of the session's board key, a push-pull in which the rank writes one
+row, its :class:`Call`, and zeros elsewhere: the sum is every rank's row. The n-th board round
+pairs the n-th calls of the ranks, whatever they are; a call is matched with the other ranks'
+calls of the same name by occurrence (the third call of ``"x"`` on rank 0 with the third on
+rank 1), as the service matches push rounds. Every rank reads the same sums, so every rank
+reaches the same verdicts at the same round:
+
+- **Checks.** Once every rank that has not joined announced an occurrence, its calls are
+  compared; a disagreement is a :class:`~pslink.errors.MismatchError` naming each rank's call,
+  the same on every rank. (The keys a call uses name its dtype, root rank and reduction, so
+  calls that disagree in them meet on different keys and wait there: the verdict ends the wait.)
+- **Join.** A rank in ``join()`` keeps making board rounds, with its row saying it joined.
+  When a call of the others is decided while ranks have joined, an allreduce is mirrored by
+  the joined ranks (they push zeros to its key: the average still divides by every rank, as
+  Horovod's), a ``DistributedOptimizer`` step by their optimizer's zeros, and any other
+  collective is an error on the ranks that called it (Horovod supports only allreduce then).
+  When every rank has joined, each returns the rank that joined last (the highest of those
+  that joined in the same round).
+
+Board rounds cost one small push-pull per call, sent with the call's own requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import numpy as np
+
+from pslink.core.wire.protocol import DTYPES
+from pslink.errors import MismatchError
+
+MAX_DIMS = 8
+MAX_NAME_BYTES = 256  # the service's limit on string keys; names are keys' stems
+
+# kinds of calls
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, STEP, NOTHING = range(1, 8)
+KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", ALLTOALL: "alltoall",
+              REDUCESCATTER: "reducescatter", STEP: "optimizer step", NOTHING: "nothing"}
+_DTYPE_CODES = {name: i + 1 for i, name in enumerate(DTYPES)}
+_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
+
+# a row: flags, joined-at round, kind, dtype, ndim, dims..., op, root + 1, prescale bits,
+# postscale bits, name length, name bytes
+_FLAGS, _JOINED_AT, _KIND, _DTYPE, _NDIM = range(5)
+_DIMS = 5
+_OP = _DIMS + MAX_DIMS
+_ROOT = _OP + 1
+_PRESCALE = _ROOT + 1
+_POSTSCALE = _PRESCALE + 1
+_NAME_LEN = _POSTSCALE + 1
+_NAME = _NAME_LEN + 1
+WIDTH = _NAME + MAX_NAME_BYTES // 8
+_HAS_CALL, _JOINED = 1, 2
+_OPS = ("average", "sum", "adasum", "min", "max", "product")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One rank's collective call as the others see it. ``shape``: what must agree (the whole
+    shape for an allreduce or broadcast, the dimensions after the first for a gather); ``key``
+    is what a joined rank pushes zeros to (an allreduce's data key), ``name`` what calls are
+    matched by. ``op`` is the reduction's name, ``root`` a broadcast's root rank, ``step``
+    the optimizer's number for a STEP."""
+
+    kind: int
+    name: str
+    dtype: str = ""
+    shape: tuple = ()
+    op: str = ""
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+
+    def describe(self) -> str:
+        parts = [KIND_NAMES[self.kind]]
+        if self.dtype:
+            parts.append(f"{self.dtype} {self.shape}")
+        if self.op:
+            parts.append(f"op={self.op}")
+        if self.root >= 0:
+            parts.append(f"root_rank={self.root}")
+        if self.prescale != 1.0 or self.postscale != 1.0:
+            parts.append(f"prescale_factor={self.prescale:g} postscale_factor={self.postscale:g}")
+        return " ".join(parts)
+
+
+def encode(call: Call | None, joined_at: int = 0) -> np.ndarray:
+    """One rank's row for a board round (``joined_at``: the round it joined in, 0 if it has not)."""
+    row = np.zeros(WIDTH, np.int64)
+    if joined_at:
+        row[_FLAGS] |= _JOINED
+        row[_JOINED_AT] = joined_at
+    if call is None:
+        return row
+    name = call.name.encode()
+    if len(name) > MAX_NAME_BYTES:
+        raise ValueError(f"a call's name is at most {MAX_NAME_BYTES} bytes, got {len(name)}")
+    if len(call.shape) > MAX_DIMS:
+        raise ValueError(f"a call's shape has at most {MAX_DIMS} dimensions, got {call.shape}")
+    row[_FLAGS] |= _HAS_CALL
+    row[_KIND] = call.kind
+    row[_DTYPE] = _DTYPE_CODES.get(call.dtype, 0)
+    row[_NDIM] = len(call.shape)
+    row[_DIMS : _DIMS + len(call.shape)] = call.shape
+    row[_OP] = _OPS.index(call.op) + 1 if call.op else 0
+    row[_ROOT] = call.root + 1
+    row[_PRESCALE], row[_POSTSCALE] = struct.unpack("<2q", struct.pack("<2d", call.prescale, call.postscale))
+    row[_NAME_LEN] = len(name)
+    padded = name.ljust(MAX_NAME_BYTES, b"\0")
+    row[_NAME:] = np.frombuffer(padded, np.int64)
+    return row
+
+
+def decode(row: np.ndarray) -> tuple[Call | None, int]:
+    """(the row's call or None, the round its rank joined in or 0)."""
+    joined_at = int(row[_JOINED_AT]) if row[_FLAGS] & _JOINED else 0
+    if not row[_FLAGS] & _HAS_CALL:
+        return None, joined_at
+    ndim = int(row[_NDIM])
+    name = row[_NAME:].tobytes()[: int(row[_NAME_LEN])].decode(errors="replace")
+    prescale, postscale = struct.unpack("<2d", struct.pack("<2q", int(row[_PRESCALE]), int(row[_POSTSCALE])))
+    op = int(row[_OP])
+    call = Call(kind=int(row[_KIND]), name=name, dtype=_DTYPE_NAMES.get(int(row[_DTYPE]), ""),
+                shape=tuple(int(d) for d in row[_DIMS : _DIMS + ndim]), op=_OPS[op - 1] if op else "",
+                root=int(row[_ROOT]) - 1, prescale=prescale, postscale=postscale)
+    return call, joined_at
+
+
+@dataclasses.dataclass
+class Decided:
+    """An occurrence of a name every rank that has not joined called: ``error`` if their calls
+    disagree (or it cannot run while ranks have joined), ``mirror`` when this rank has joined
+    and must take part with zeros (an allreduce or an optimizer step)."""
+
+    name: str
+    occurrence: int
+    call: Call  # the lowest calling rank's
+    error: MismatchError | None = None
+    mirror: bool = False
+    absent: tuple = ()  # joined ranks that did not call it (their next call of the name is the next occurrence)
+
+
+@dataclasses.dataclass
+class JoinDone:
+    """Every rank has joined: ``last`` is the rank that joined last."""
+
+    last: int
+
+
+class Board:
+    """One rank's reading of its session's board rounds, in order (:meth:`read`), into verdicts.
+
+    ``rank`` and ``size``: this rank's place in the session's world (the rows of a round are
+    the world's ranks)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.rounds = 0  # board rounds read
+        self.joined_at = np.zeros(size, np.int64)  # per rank: the round it joined in (0: it has not)
+        self._seen: list[dict[str, int]] = [{} for _ in range(size)]  # per rank: calls per name so far
+        self._open: dict[tuple[str, int], dict[int, Call]] = {}  # (name, occurrence) -> rank -> call
+
+    @property
+    def joined(self) -> list[int]:
+        return [int(r) for r in np.flatnonzero(self.joined_at)]
+
+    def read(self, rows: np.ndarray) -> tuple[list[Decided], JoinDone | None]:
+        """One board round's sum (a row per rank), in round order: the occurrences it decides
+        and, if every rank has joined now, when join ends (the joined marks are then cleared)."""
+        self.rounds += 1
+        for rank in range(self.size):
+            call, joined_at = decode(rows[rank])
+            if joined_at and not self.joined_at[rank]:
+                self.joined_at[rank] = joined_at
+            if call is not None:
+                occurrence = self._seen[rank].get(call.name, 0) + 1
+                self._seen[rank][call.name] = occurrence
+                self._open.setdefault((call.name, occurrence), {})[rank] = call
+        decided = self._decide()
+        if self.joined_at.all():
+            last = max(range(self.size), key=lambda r: (int(self.joined_at[r]), r))
+            self.joined_at[:] = 0
+            return decided, JoinDone(last)
+        return decided, None
+
+    def _decide(self) -> list[Decided]:
+        joined = set(self.joined)
+        decided = []
+        for (name, occurrence), calls in list(self._open.items()):
+            if len(calls.keys() | joined) < self.size:
+                continue
+            del self._open[(name, occurrence)]
+            absent = tuple(sorted(joined - calls.keys()))
+            for rank in absent:
+                self._seen[rank][name] = max(self._seen[rank].get(name, 0), occurrence)
+            first = calls[min(calls)]
+            verdict = Decided(name, occurrence, first, absent=absent)
+            differing = {r: c for r, c in calls.items() if c != first}
+            if differing:
+                listing = "; ".join(f"rank {r}: {c.describe()}" for r, c in sorted(calls.items()))
+                verdict.error = MismatchError(
+                    f"the ranks' calls of {name!r} (occurrence {occurrence}) disagree: {listing}",
+                    name=name, ranks=sorted(calls), calls=[calls[r].describe() for r in sorted(calls)])
+            elif joined - calls.keys():
+                if first.kind in (ALLREDUCE, STEP):
+                    verdict.mirror = self.rank in joined and self.rank not in calls
+                else:
+                    absent = sorted(joined - calls.keys())
+                    verdict.error = MismatchError(
+                        f"{KIND_NAMES[first.kind]} {name!r} cannot run while rank(s) {absent} have joined: only "
+                        "allreduce (and DistributedOptimizer steps) take part in join(), as in Horovod",
+                        name=name, ranks=absent)
+            decided.append(verdict)
+        return decided

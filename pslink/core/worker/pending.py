@@ -1,0 +1,213 @@
+"""Operations in flight: what a Session's collectives return (Horovod's handles).
+
+A collective is a generator of steps: it yields each Agent handle it waits for and is resumed
+with that handle's result (an allgather: the shapes round, then the rows; an allreduce: one
+push-pull, then its finishing arithmetic). :class:`Pending` runs it:
+
+- ``wait()`` (Horovod's ``synchronize``) drives it to the end on the caller's thread, which
+  also drives the Agent's I/O while it waits (the fastest way to an answer);
+- ``done()`` (Horovod's ``poll``) says whether the result is at hand, taking any step that is
+  ready without blocking;
+- when nobody waits, the session's :class:`Progress` thread takes the next step as soon as a
+  handle completes, so a rank that polls rarely (or waits on something else) never holds the
+  other ranks' rounds up: the next step's requests go out in the background, as Horovod's
+  background thread sends them.
+
+A failure of any step, or :meth:`Pending.fail` (the board found that the ranks' calls
+disagree), ends the operation with that error on every later ``wait()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+from pslink.errors import PslinkError
+
+log = logging.getLogger("pslink.core.worker")
+
+Steps = Generator[Any, Any, Any]
+
+
+class Pending:
+    """One collective in flight. ``steps`` yields Agent handles (see the module); ``what`` names
+    it in errors; ``cancel(handle, error)`` fails a handle at once (the Agent's), ``progress``
+    takes steps in the background; ``finish()`` runs when the operation ended, ok or not."""
+
+    __slots__ = ("what", "_steps", "_handle", "_result", "_error", "_ended", "_failed", "_lock", "_cancel",
+                 "_progress", "_finish")
+
+    def __init__(self, what: str, steps: Steps, cancel: Callable, progress: "Progress",
+                 finish: Callable[[], None] | None = None):
+        self.what = what
+        self._steps = steps
+        self._handle = None
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._ended = False
+        self._failed: PslinkError | None = None  # set by fail(): the next step meets it
+        self._lock = threading.RLock()
+        self._cancel = cancel
+        self._progress = progress
+        self._finish = finish
+        with self._lock:
+            self._step(None, None)
+
+    @classmethod
+    def finished(cls, what: str, result: Any) -> "Pending":
+        """An operation with nothing to wait for (its result at hand)."""
+        def steps():
+            return result
+            yield  # a generator that ends at once
+
+        return cls(what, steps(), None, None)
+
+    # -- what callers use -------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return (or raise) at once; takes the steps that are ready
+        (never blocks: while another thread waits on it, that thread takes them)."""
+        if not self._lock.acquire(blocking=False):
+            return self._ended
+        try:
+            while not self._ended and self._handle.done():
+                self._resume()
+            return self._ended
+        finally:
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The result (raises the operation's error); ``timeout`` bounds each Agent wait (a
+        timeout raises, and the operation stays in flight)."""
+        with self._lock:
+            while not self._ended:
+                handle = self._handle
+                try:
+                    handle.wait(timeout)
+                except PslinkError:
+                    if not handle.done():
+                        raise  # timed out: still in flight
+                self._resume()
+            if self._error is not None:
+                raise self._error
+            return self._result
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._ended else None
+
+    def fail(self, error: PslinkError) -> None:
+        """End the operation with ``error`` (from any thread): whoever waits wakes and raises it."""
+        self._failed = error
+        handle = self._handle
+        if not self._ended and handle is not None and self._cancel is not None:
+            self._cancel(handle, error)  # wakes a waiter, whose step then meets the error
+
+    # -- taking steps -----------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        """The current handle is done: resume the steps with its result or error."""
+        handle = self._handle
+        error = self._failed or handle.exception()
+        if error is not None:
+            self._step(None, error)
+        else:
+            self._step(handle.wait(0), None)
+
+    def _step(self, value: Any, error: BaseException | None) -> None:
+        try:
+            handle = self._steps.throw(error) if error is not None else self._steps.send(value)
+        except StopIteration as stop:
+            self._end(stop.value, None)
+            return
+        except BaseException as exc:  # the operation's own error, as it worded it
+            self._end(None, exc)
+            return
+        self._handle = handle
+        if self._progress is not None:
+            handle.add_done_callback(self._ready)
+
+    def _end(self, result: Any, error: BaseException | None) -> None:
+        self._result, self._error, self._ended, self._handle = result, error, True, None
+        if self._finish is not None:
+            self._finish()
+
+    def _ready(self, handle) -> None:
+        """A handle completed (on the Agent's driving thread): the next step is the progress
+        thread's, unless a waiter takes it first."""
+        if handle is self._handle:
+            self._progress.schedule(self)
+
+    def advance(self) -> None:
+        """Take the steps that are ready (the progress thread's call); never blocks on a waiter."""
+        if not self._lock.acquire(blocking=False):
+            return  # a waiter holds it: it takes the steps itself
+        try:
+            while not self._ended and self._handle.done():
+                self._resume()
+        finally:
+            self._lock.release()
+
+    def __repr__(self) -> str:
+        return f"<Pending {self.what} {'done' if self._ended else 'in flight'}>"
+
+
+class PendingGroup:
+    """Operations started together (Horovod's ``grouped_*``): ``wait()`` gives their results, a
+    list in the order given."""
+
+    __slots__ = ("items", "what")
+
+    def __init__(self, items: list, what: str = "group"):
+        self.items = items
+        self.what = what
+
+    def done(self) -> bool:
+        return all(item.done() for item in self.items)
+
+    def wait(self, timeout: float | None = None) -> list:
+        return [item.wait(timeout) for item in self.items]
+
+    def __repr__(self) -> str:
+        return f"<PendingGroup of {len(self.items)}>"
+
+
+class Progress:
+    """A thread that takes ready steps of operations nobody waits for (started on first use)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def schedule(self, pending: Pending) -> None:
+        if self._closed:
+            return
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+        self._queue.put(pending)
+
+    def _run(self) -> None:
+        while True:
+            pending = self._queue.get()
+            if pending is None:
+                return
+            try:
+                pending.advance()
+            except Exception:  # a step's error belongs to its operation; this is a bug's last net
+                log.exception("pslink: taking a step of %r failed", pending)
+
+    def close(self) -> None:
+        self._closed = True
+        thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)

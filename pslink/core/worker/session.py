@@ -1,0 +1,777 @@
+"""The Session: what Horovod means, once, for every adapter (numpy arrays in and out).
+
+A Session is one worker's collectives over an :class:`~pslink.core.agent.Agent` of a job in
+``sum`` mode. Every collective is push-pulls of named keys (:mod:`pslink.core.worker.collectives`
+says how each reduces to sums); the Session owns everything around them that Horovod defines:
+
+- **names**: a call's name keys it on the service, so ranks need not call in the same order,
+  only use each name in the same sequence; unnamed calls are numbered per kind (the n-th
+  unnamed allreduce of every rank is one operation), within the world's generation (elastic);
+- **reductions**: Average, Sum, Min, Max, Product and Adasum, prescale and postscale factors
+  (:mod:`pslink.core.worker.reduction`);
+- **the collectives**: allreduce, grouped allreduce, broadcast, allgather, reducescatter,
+  alltoall, objects, barrier, each asynchronous (a :class:`~pslink.core.worker.pending.Pending`
+  with ``done()`` and ``wait()``, Horovod's poll and synchronize);
+- **the checks Horovod makes at the call**: a name already in flight is a ConfigError (a
+  ValueError) on the calling rank; calls that disagree (dtype, shape, root rank, reduction,
+  scale factors) fail on every rank with a :class:`~pslink.errors.MismatchError` naming each
+  rank's call (:mod:`pslink.core.worker.board`); a shape or dtype that differs from the key's
+  is the service's ShapeMismatchError, on every rank;
+- **join** (uneven data), the world's **rank, size, local rank and size** (and their renumbering
+  by elastic resets).
+
+Adapters convert their tensors to host arrays (views of the tensor's memory where they can),
+call a Session, and convert back; they add autograd and registration, nothing of this.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pslink.core.wire.protocol import DTYPES
+from pslink.core.worker import board as boards
+from pslink.core.worker import collectives
+from pslink.core.worker.board import Board, Call, Decided, JoinDone
+from pslink.core.worker.collectives import Zeros, bits_of, service_key
+from pslink.core.worker.pending import Pending, PendingGroup, Progress
+from pslink.core.worker.process_sets import ProcessSets
+from pslink.core.worker.reduction import (GATHERED, Adasum, Average, ReduceOp, Sum, check_factor, reduce_op,
+                                          reduce_rows, scale, service_averages)
+from pslink.errors import ConfigError, MismatchError, PslinkError
+
+log = logging.getLogger("pslink.core.worker")
+
+UNNAMED_KINDS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall", "sparse_allreduce")
+BOARD_WINDOW = 32  # board rounds a rank may have in flight (the service refuses pushes 64 rounds ahead)
+_UNNAMED = re.compile(r"^(\w+)\.noname\.(?:g(\d+)\.)?(\d+)$")
+_ENDED = object()  # a call of this rank that ended before the board decided it
+
+
+class Session:
+    """One worker's Horovod collectives over ``agent`` (mode ``sum``).
+
+    ``local_rank`` / ``local_size``: this worker's place among the job's workers on its host
+    (None: the launcher's environment said nothing, so every worker is on one host: the world's
+    rank and size, which then follow elastic resets). ``reconnect(token, rejoin=...)`` makes a
+    new Agent for this rank of the same job (elastic recovery; :func:`pslink.core.worker.elastic.register_again`)."""
+
+    def __init__(self, agent, local_rank: int | None = None, local_size: int | None = None,
+                 reconnect: Callable | None = None):
+        self._check_mode(agent)
+        self.agent = agent
+        self.timeout = agent.timeout
+        self._reconnect = reconnect
+        self._zeros = Zeros()
+        self._progress = Progress(f"pslink-progress-{agent.job}-{agent.rank}")
+        self._lock = threading.RLock()  # the board's order, names in flight, the calls' verdicts
+        self.steppers: list[Callable[[], None]] = []  # optimizers' zero contributions, in creation order (join)
+        self._abandons: list[Callable[[], None]] = []  # optimizers' "forget what is in flight"
+        self.process_sets = ProcessSets(self)
+        self._local_given = (local_rank, local_size)
+        members = (agent.settings.get("membership") or {}).get("ranks") or list(range(agent.num_workers))
+        self.set_world(sorted(set(members) | {agent.rank}), 0)
+
+    @staticmethod
+    def _check_mode(agent) -> None:
+        if agent.mode != "sum":
+            raise ConfigError(f"Horovod's collectives need a job in mode 'sum' (the service sums, the optimizer "
+                              f"steps on the workers); job {agent.job!r} is in mode {agent.mode!r}")
+
+    # -- the world --------------------------------------------------------------------------------
+
+    def set_world(self, ranks: list[int], generation: int) -> None:
+        """Take ``ranks`` (the job's service ranks, every member agreeing) as the world: ``rank``
+        becomes this worker's position among them and ``size`` their number, as Horovod renumbers
+        ranks after a reset. ``generation`` (agreed too) keeps unnamed calls and the board of
+        different worlds on different keys: a newcomer's counters start from zero."""
+        if self.agent.rank not in ranks:
+            raise ConfigError(f"rank {self.agent.rank} of job {self.agent.job!r} is not in the world {ranks}")
+        with self._lock:
+            self.ranks = list(ranks)
+            self.rank = self.ranks.index(self.agent.rank)
+            self.size = len(self.ranks)
+            self.generation = generation
+            given_rank, given_size = self._local_given
+            self.local_rank = self.rank if given_rank is None else given_rank
+            self.local_size = self.size if given_size is None else given_size
+            self._unnamed = dict.fromkeys(UNNAMED_KINDS, 0)  # the next unnamed call's number, per kind
+            self._in_flight: set[str] = set()
+            self._board = Board(self.rank, self.size)
+            self._board_key = service_key("hvd", f"board.g{generation}" if generation else "board")
+            self._board_sent = 0
+            self._board_answers: dict[int, np.ndarray | PslinkError] = {}
+            self._board_handles: collections.deque = collections.deque()  # (round, handle) not yet read
+            self._counts: dict[str, int] = {}  # this rank's calls per name
+            self._calls: dict[tuple[str, int], Any] = {}  # this rank's undecided calls -> Pending, None or _ENDED
+            self._early: dict[tuple[str, int], PslinkError] = {}  # verdicts that came before their Pending
+            self._deferred: list[PslinkError] = []  # verdicts on calls that had ended: raised at the next call
+            self._mirrors: collections.deque[Decided] = collections.deque()  # for this rank while it is joined
+            self._joined_at = 0
+            self._join_done: JoinDone | None = None
+
+    @property
+    def capacity(self) -> int:
+        """The most workers the job may have (its ``max_workers``, else as many as it has or had):
+        sizes the keys whose shape would otherwise follow the number of workers, so that they
+        keep it when that number changes."""
+        return max(int(self.agent.settings.get("max_workers") or 0), self.agent.num_workers, self.size)
+
+    @property
+    def cross_rank(self) -> int:
+        """The index of this rank's machine, as Horovod numbers them (``local_size`` ranks each)."""
+        return self.rank // max(self.local_size, 1)
+
+    @property
+    def cross_size(self) -> int:
+        return max(self.size // max(self.local_size, 1), 1)
+
+    def is_homogeneous(self) -> bool:
+        """Whether every machine runs ``local_size`` of the ranks (as cross_rank assumes)."""
+        return self.local_size >= 1 and self.size % self.local_size == 0
+
+    def reconnect(self):
+        """Register this rank again with a new Agent (a late worker of the running job) and close
+        the old one (:func:`pslink.core.worker.elastic.register_again`). Returns the new Agent."""
+        from pslink.core.worker.elastic import register_again  # elastic drives sessions: it imports this module
+
+        agent = register_again(self.agent, self._reconnect)
+        self._check_mode(agent)
+        self.agent, self.timeout = agent, agent.timeout
+        return agent
+
+    def abandon(self) -> None:
+        """Forget what is in flight (elastic recovery: those rounds were given up)."""
+        with self._lock:
+            self._in_flight.clear()
+        for abandon in self._abandons:
+            abandon()
+
+    def close(self) -> None:
+        self.process_sets.close()
+        self._progress.close()
+        self._zeros.clear()
+        self.agent.close()
+
+    # -- names ------------------------------------------------------------------------------------
+
+    def name(self, kind: str, name: str | None) -> str:
+        """``name`` checked, or the next unnamed name of ``kind`` (the n-th unnamed call of a
+        kind is the same operation on every rank, as in Horovod)."""
+        if name is None:
+            with self._lock:
+                number = self._unnamed[kind]
+                self._unnamed[kind] = number + 1
+            return f"{kind}.noname.g{self.generation}.{number}" if self.generation else f"{kind}.noname.{number}"
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
+        return name
+
+    def group_names(self, kind: str, name: str | None, count: int) -> list:
+        """A group's names: ``name.i`` each, or None each (unnamed: numbered one by one)."""
+        if name is None:
+            return [None] * count
+        name = self.name(kind, name)
+        return [f"{name}.{i}" for i in range(count)]
+
+    def _claim(self, name: str, what: str) -> None:
+        """Horovod's rule: one operation per name in flight at a time."""
+        if name in self._in_flight:
+            raise ConfigError(f"{what}: an operation named {name!r} is in flight on rank {self.rank}; synchronize it "
+                              "before starting another under its name, or give each its own name")
+        self._in_flight.add(name)
+
+    # -- the board ----------------------------------------------------------------------------------
+
+    def _announce(self, call: Call | None) -> tuple[tuple[str, int] | None, Any]:
+        """This rank's next board round, with ``call`` in its row (None: a joined rank's round);
+        returns the call's (name, occurrence) and the round's handle. Raises a verdict on an
+        earlier call that came too late for it (so a disagreement never passes silently)."""
+        with self._lock:
+            if self._deferred:
+                raise self._deferred.pop(0)
+            entry = None
+            if call is not None:
+                occurrence = self._counts.get(call.name, 0) + 1
+                self._counts[call.name] = occurrence
+                entry = (call.name, occurrence)
+                self._calls[entry] = None
+            self._board_sent += 1
+            round_ = self._board_sent
+            rows = np.zeros((self.size, boards.WIDTH), np.int64)
+            rows[self.rank] = boards.encode(call, self._joined_at)
+            handle = self.agent.pushpull(self._board_key, rows, out=rows)
+            self._board_handles.append((round_, handle))
+            board = self._board
+        handle.add_done_callback(lambda h: self._board_answer(board, round_, h, rows))
+        self._board_backpressure()
+        return entry, handle
+
+    def _board_backpressure(self) -> None:
+        """Wait for this rank's oldest board rounds while too many are in flight (the other ranks
+        make theirs as they make the same calls)."""
+        while True:
+            with self._lock:
+                if len(self._board_handles) <= BOARD_WINDOW:
+                    return
+                _, handle = self._board_handles[0]
+            try:
+                handle.wait(self.timeout)
+            except PslinkError:
+                pass  # its answer (an error too) is read by the callback
+            self._read_board()
+
+    def _board_answer(self, board: Board, round_: int, handle, rows: np.ndarray) -> None:
+        """A board round is answered (on the Agent's driving thread)."""
+        error = handle.exception()
+        with self._lock:
+            if board is not self._board:
+                return  # a round of a world before this one
+            self._board_answers[round_] = error if error is not None else rows
+        self._read_board()
+
+    def _read_board(self) -> None:
+        """Read the answered board rounds in order; act on their verdicts."""
+        failures = []
+        with self._lock:
+            while self._board.rounds + 1 in self._board_answers:
+                round_ = self._board.rounds + 1
+                answer = self._board_answers.pop(round_)
+                while self._board_handles and self._board_handles[0][0] <= round_:
+                    self._board_handles.popleft()
+                if isinstance(answer, PslinkError):
+                    # A board round that failed (the job's workers changed, the service lost it):
+                    # no verdicts from it; reading goes on with the next.
+                    log.debug("pslink: board round %d of job %s failed: %s", round_, self.agent.job, answer)
+                    self._board.rounds += 1
+                    continue
+                decided, done = self._board.read(answer)
+                for verdict in decided:
+                    failures.extend(self._verdict(verdict))
+                if done is not None:
+                    self._join_done = done
+        for pending, error in failures:
+            pending.fail(error)
+
+    def _verdict(self, verdict: Decided) -> list:
+        """Act on one decided occurrence (under the lock); returns (pending, error) to fail."""
+        entry = (verdict.name, verdict.occurrence)
+        if self.rank in verdict.absent:
+            # Joined while the others called it: this rank's next call of the name (and of its
+            # kind, unnamed) is the next one, as on the ranks that called it.
+            self._counts[verdict.name] = max(self._counts.get(verdict.name, 0), verdict.occurrence)
+            self._follow_unnamed(verdict.name)
+        if verdict.mirror:
+            self._mirrors.append(verdict)
+        mine = self._calls.pop(entry, None) if entry in self._calls else _MISSING
+        if verdict.error is None or mine is _MISSING:
+            return []
+        if mine is None:
+            self._early[entry] = verdict.error
+        elif mine is _ENDED:
+            self._deferred.append(verdict.error)
+        else:
+            return [(mine, verdict.error)]
+        return []
+
+    def _pending(self, what: str, steps, entry: tuple[str, int] | None, claimed: str | None = None) -> Pending:
+        """Run ``steps`` as this rank's call ``entry`` (its board verdict may fail it)."""
+        def finish():
+            with self._lock:
+                if claimed is not None:
+                    self._in_flight.discard(claimed)
+                if entry is not None and entry in self._calls:
+                    self._calls[entry] = _ENDED
+
+        pending = Pending(what, steps, self.agent.cancel, self._progress, finish)
+        if entry is not None:
+            with self._lock:
+                early = self._early.pop(entry, None)
+                if entry in self._calls and self._calls[entry] is None:
+                    self._calls[entry] = pending
+            if early is not None:
+                pending.fail(early)
+        return pending
+
+    # -- allreduce --------------------------------------------------------------------------------
+
+    def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, name: str | None = None,
+                  op: ReduceOp = Average, prescale: float = 1.0, postscale: float = 1.0) -> Pending:
+        """``array`` reduced over the ranks by ``op`` into ``out`` (a new array if None; ``array``
+        itself for in place). ``prescale`` multiplies each rank's array first, ``postscale`` the
+        result. The Pending's result is ``out``."""
+        op = reduce_op(op)
+        name = self.name("allreduce", name)
+        what = f"allreduce {name!r}"
+        array = host_array(array, what)
+        out = out_array(array, out, what)
+        prescale = check_factor(prescale, f"{what}: prescale_factor")
+        postscale = check_factor(postscale, f"{what}: postscale_factor")
+        if op in GATHERED:
+            return self._gathered_allreduce(array, out, name, op, prescale, postscale)
+        key = service_key("allreduce", op.value, name)
+        with self._lock:
+            self._claim(name, what)
+        try:
+            entry, _ = self._announce(Call(boards.ALLREDUCE, name, array.dtype.name, array.shape, op.value, -1,
+                                           prescale, postscale))
+            averaged = service_averages(op, array.dtype)
+            source = scale(array, prescale, out) if prescale != 1.0 else array
+            handle = self._send(what, key, source, out, averaged) if array.size else None
+        except BaseException:
+            with self._lock:
+                self._in_flight.discard(name)
+            raise
+
+        def steps():
+            if handle is not None:
+                yield handle
+            if op is Average and not averaged:
+                scale(out, postscale / self.size)
+            elif postscale != 1.0:
+                scale(out, postscale)
+            return out
+
+        return self._pending(what, steps(), entry, claimed=name)
+
+    def grouped_allreduce(self, arrays: Sequence[np.ndarray], outs: Sequence | None = None, name: str | None = None,
+                          op: ReduceOp = Average, prescale: float = 1.0, postscale: float = 1.0) -> PendingGroup:
+        """Horovod's grouped allreduce: each array reduced (into ``outs``), started together
+        (their small requests travel fused); ``name`` is the group's, each array's ``name.i``."""
+        arrays = list(arrays)
+        if not arrays:
+            raise ConfigError("grouped_allreduce takes a non-empty list of tensors")
+        outs = list(outs) if outs is not None else [None] * len(arrays)
+        names = self.group_names("allreduce", name, len(arrays))
+        return PendingGroup([self.allreduce(a, o, n, op, prescale, postscale) for a, o, n in zip(arrays, outs, names)],
+                            f"grouped_allreduce {name!r}")
+
+    def _gathered_allreduce(self, array: np.ndarray, out: np.ndarray, name: str, op: ReduceOp, prescale: float,
+                            postscale: float) -> Pending:
+        """Min, Max, Product, Adasum: every rank's (prescaled) array gathered in rank order and
+        reduced alike on each."""
+        if op is Adasum and array.dtype.kind != "f":
+            raise ConfigError(f"allreduce {name!r}: Adasum reduces floating-point tensors, got {array.dtype}")
+        source = scale(array, prescale, np.empty_like(array)) if prescale != 1.0 else array
+        gather = self.allgather(source.reshape(1, -1), f"{name}.{op.value}", kind=boards.ALLREDUCE,
+                                call_name=name, op=op.value, factors=(prescale, postscale))
+
+        def steps():
+            rows, _ = yield from gather.steps()
+            np.copyto(out, reduce_rows(rows, op).reshape(out.shape))
+            if postscale != 1.0:
+                scale(out, postscale)
+            return out
+
+        return self._pending(f"allreduce {name!r} (op={op.name.title()})", steps(), gather.entry)
+
+    def _send(self, what: str, key, array: np.ndarray, out: np.ndarray, average: bool = False):
+        """One push-pull of ``key``; an error found before sending (a shape the service knows
+        otherwise) names ``what``."""
+        try:
+            return self.agent.pushpull(key, array, out=out, average=average)
+        except PslinkError as exc:
+            raise reworded(exc, what) from None
+
+    # -- broadcast --------------------------------------------------------------------------------
+
+    def check_root(self, root: Any, what: str) -> int:
+        return collectives.check_root(root, self.size, what)
+
+    def broadcast(self, array: np.ndarray, root: int, out: np.ndarray | None = None,
+                  name: str | None = None) -> Pending:
+        """``root``'s ``array`` on every rank, bit for bit, into ``out`` (``array`` for in place)."""
+        name = self.name("broadcast", name)
+        what = f"broadcast {name!r}"
+        root = self.check_root(root, what)
+        array = host_array(array, what)
+        out = out_array(array, out, what)
+        return self._broadcast([(name, array, out)], root, what, name)
+
+    def broadcast_many(self, named: Sequence[tuple[str, np.ndarray, np.ndarray]], root: int, what: str,
+                       name: str) -> Pending:
+        """Several arrays (name, array, out) broadcast in one request, as one call ``name``
+        (``broadcast_parameters``)."""
+        root = self.check_root(root, what)
+        return self._broadcast([(n, host_array(a, f"{what}: {n!r}"), o) for n, a, o in named], root, what,
+                               self.name("broadcast", name))
+
+    def _broadcast(self, items: list, root: int, what: str, name: str) -> Pending:
+        shape = items[0][1].shape if len(items) == 1 else (len(items),)
+        dtype = items[0][1].dtype.name if len(items) == 1 else ""
+        with self._lock:
+            self._claim(name, what)
+        try:
+            entry, _ = self._announce(Call(boards.BROADCAST, name, dtype, shape, "", root))
+            keys, pushes, outs = [], [], []
+            for item_name, array, out in items:
+                if out is not array and self.rank == root:
+                    np.copyto(out, array)  # the root sends its value from out (and gets it back there)
+                if not array.size:
+                    continue
+                # The key names the dtype and root: ranks that disagree on them wait on different
+                # keys (the board's verdict ends the wait) instead of summing two roots' values.
+                keys.append(service_key("broadcast", item_name, array.dtype.name, f"root{root}"))
+                bits = bits_of(out)
+                outs.append(bits)
+                pushes.append(bits if self.rank == root else self._zeros.like(bits))
+            handle = self._send_many(what, keys, pushes, outs) if keys else None
+        except BaseException:
+            with self._lock:
+                self._in_flight.discard(name)
+            raise
+        result = items[0][2] if len(items) == 1 else [out for _, _, out in items]
+
+        def steps():
+            if handle is not None:
+                yield handle
+            return result
+
+        return self._pending(what, steps(), entry, claimed=name)
+
+    def _send_many(self, what: str, keys: list, arrays: list, outs: list, average: bool = False):
+        if len(keys) == 1:
+            return self._send(what, keys[0], arrays[0], outs[0], average)
+        try:
+            return self.agent.pushpull_many(keys, arrays, outs=outs, average=average)
+        except PslinkError as exc:
+            raise reworded(exc, what) from None
+
+    # -- allgather ----------------------------------------------------------------------------------
+
+    def allgather(self, array: np.ndarray, name: str | None = None, *, kind: int = boards.ALLGATHER,
+                  call_name: str | None = None, op: str = "", factors: tuple = (1.0, 1.0)) -> "Gather":
+        """Every rank's ``array`` concatenated along the first dimension, in rank order (ranks may
+        bring different numbers of rows; the other dimensions and the dtype must agree). The
+        Pending's result is ``(gathered, rows per rank)``. (``kind``, ``call_name``, ``op`` and
+        ``factors``: the call the board checks, when a gather serves another collective.)"""
+        name = name if call_name is not None else self.name("allgather", name)
+        what = f"allgather {name!r}"
+        array = host_array(array, what)
+        if array.ndim == 0:
+            array = array.reshape(1)
+        if array.ndim > collectives.MAX_GATHER_DIMS:
+            raise ConfigError(f"{what}: at most {collectives.MAX_GATHER_DIMS} dimensions, got {array.ndim}")
+        call = Call(kind, call_name or name, array.dtype.name, array.shape[1:] if kind == boards.ALLGATHER else
+                    array.shape, op, -1, *factors)
+        with self._lock:
+            self._claim(name, what)
+        try:
+            entry, _ = self._announce(call)
+        except BaseException:
+            with self._lock:
+                self._in_flight.discard(name)
+            raise
+        return Gather(self, array, name, what, entry)
+
+    def grouped_allgather(self, arrays: Sequence[np.ndarray], name: str | None = None) -> PendingGroup:
+        arrays = list(arrays)
+        if not arrays:
+            raise ConfigError("grouped_allgather takes a non-empty list of tensors")
+        names = self.group_names("allgather", name, len(arrays))
+        return PendingGroup([self.allgather(a, n).pending() for a, n in zip(arrays, names)],
+                            f"grouped_allgather {name!r}")
+
+    # -- reducescatter ------------------------------------------------------------------------------
+
+    def reducescatter(self, array: np.ndarray, name: str | None = None, op: ReduceOp = Average,
+                      prescale: float = 1.0, postscale: float = 1.0) -> Pending:
+        """Horovod's reducescatter: ``array`` (one shape on every rank) reduced over the ranks,
+        this rank's share of its first dimension the result (the first ``rows % size`` ranks get
+        one row more, as Horovod splits)."""
+        op = reduce_op(op)
+        name = self.name("reducescatter", name)
+        what = f"reducescatter {name!r}"
+        if op not in (Average, Sum):
+            raise ConfigError(f"{what} reduces with op=Average or Sum, got op={op.name.title()}")
+        array = host_array(array, what)
+        if array.ndim == 0:
+            raise ConfigError(f"{what} needs a tensor of at least one dimension (its rows are scattered)")
+        prescale = check_factor(prescale, f"{what}: prescale_factor")
+        postscale = check_factor(postscale, f"{what}: postscale_factor")
+        with self._lock:
+            self._claim(name, what)
+        try:
+            entry, _ = self._announce(Call(boards.REDUCESCATTER, name, array.dtype.name, array.shape, op.value, -1,
+                                           prescale, postscale))
+            summed = np.empty_like(array)
+            averaged = service_averages(op, array.dtype)
+            source = scale(array, prescale, summed) if prescale != 1.0 else array
+            key = service_key("reducescatter", op.value, name)
+            handle = self._send(what, key, source, summed, averaged) if array.size else None
+        except BaseException:
+            with self._lock:
+                self._in_flight.discard(name)
+            raise
+        start, rows = collectives.scatter_share(array.shape[0], self.size, self.rank)
+
+        def steps():
+            if handle is not None:
+                yield handle
+            share = summed[start : start + rows].copy()
+            if op is Average and not averaged:
+                scale(share, postscale / self.size)
+            elif postscale != 1.0:
+                scale(share, postscale)
+            return share
+
+        return self._pending(what, steps(), entry, claimed=name)
+
+    def grouped_reducescatter(self, arrays: Sequence[np.ndarray], name: str | None = None, op: ReduceOp = Average,
+                              prescale: float = 1.0, postscale: float = 1.0) -> PendingGroup:
+        arrays = list(arrays)
+        if not arrays:
+            raise ConfigError("grouped_reducescatter takes a non-empty list of tensors")
+        names = self.group_names("reducescatter", name, len(arrays))
+        return PendingGroup([self.reducescatter(a, n, op, prescale, postscale) for a, n in zip(arrays, names)],
+                            f"grouped_reducescatter {name!r}")
+
+    # -- alltoall -----------------------------------------------------------------------------------
+
+    def alltoall(self, array: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None) -> Pending:
+        """Horovod's alltoall: rank i gets ``splits[i]`` rows of every rank's ``array`` (equal
+        shares of the first dimension when ``splits`` is None), concatenated in rank order. The
+        Pending's result is ``(received, rows received from each rank)``."""
+        name = self.name("alltoall", name)
+        what = f"alltoall {name!r}"
+        array = host_array(array, what)
+        if array.ndim == 0:
+            raise ConfigError(f"{what} needs a tensor of at least one dimension (its rows are sent)")
+        splits = collectives.alltoall_splits(name, array.shape[0], self.size, splits)
+        # Every rank's rows and splits in one gather (its shapes round carries the splits): each
+        # rank takes its pieces of every rank's rows.
+        gather = self.allgather(array, name, kind=boards.ALLTOALL, call_name=name)
+        gather.extra = np.array(splits, np.int64)
+
+        def steps():
+            everything, _ = yield from gather.steps()
+            table = gather.extras.tolist()
+            pieces = [everything[start : start + rows] for start, rows in collectives.alltoall_pieces(table, self.rank)]
+            received = np.concatenate(pieces) if pieces else np.empty((0,) + array.shape[1:], array.dtype)
+            return received, np.array([sent[self.rank] for sent in table], np.int32)
+
+        return self._pending(what, steps(), gather.entry)
+
+    # -- objects --------------------------------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any = None, root: int = 0, name: str | None = None) -> Any:
+        """``root``'s ``obj`` on every rank (pickled on the root, unpickled on the others)."""
+        name = name or "broadcast_object"
+        what = f"broadcast_object {name!r}"
+        root = self.check_root(root, what)
+        payload = collectives.object_bytes(obj) if self.rank == root else np.zeros(0, np.uint8)
+        length = np.array([payload.size], np.int64)
+        self.broadcast(length, root, out=length, name=f"{name}.length").wait(self.timeout)
+        data = payload if self.rank == root else np.empty(int(length[0]), np.uint8)
+        data = self.broadcast(data, root, name=f"{name}.{int(length[0])}").wait(self.timeout)
+        return obj if self.rank == root else collectives.object_from(data)
+
+    def allgather_object(self, obj: Any, name: str | None = None) -> list:
+        """Every rank's ``obj``, as a list in rank order."""
+        name = self.name("allgather", name) + ".object"
+        gathered, rows = self.allgather(collectives.object_bytes(obj), name).pending().wait(self.timeout)
+        bounds = np.concatenate([[0], np.cumsum(rows)])
+        return [collectives.object_from(gathered[bounds[r] : bounds[r + 1]]) for r in range(self.size)]
+
+    # -- barrier and join ----------------------------------------------------------------------------
+
+    def barrier(self, name: str = "barrier") -> None:
+        """Wait until every rank of the world reached the barrier of this name."""
+        self.agent.barrier(f"hvd/{name}", timeout=self.timeout)
+
+    def register_stepper(self, contribute_zeros: Callable[[], None],
+                         abandon: Callable[[], None] | None = None) -> int:
+        """An optimizer that averages gradients: ``contribute_zeros()`` pushes one step's worth of
+        zero gradients (what a joined rank does while the others step), ``abandon()`` forgets
+        its gradients in flight (elastic recovery). Returns its number; every rank must create
+        the same optimizers in the same order."""
+        self.steppers.append(contribute_zeros)
+        if abandon is not None:
+            self._abandons.append(abandon)
+        return len(self.steppers) - 1
+
+    def step(self, index: int) -> Pending:
+        """Optimizer ``index`` steps (its gradients are in flight): the board round that tells a
+        joined rank to mirror it. Wait on it with the gradients."""
+        entry, handle = self._announce(Call(boards.STEP, f"optimizer.{index}"))
+
+        def steps():
+            yield handle
+            return None
+
+        return self._pending(f"optimizer #{index} step", steps(), entry)
+
+    def join(self) -> int:
+        """This rank ran out of data: until every rank did, take part in the others' allreduces
+        and optimizer steps with zeros (averages still divide by every rank, as in Horovod);
+        their other collectives fail on their ranks. Returns the rank that joined last (the
+        highest, if several joined in the same round)."""
+        with self._lock:
+            self._joined_at = self._board_sent + 1
+            self._join_done = None
+        mirrored: list = []
+        try:
+            while True:
+                self._announce(None)
+                self._wait_board()
+                while self._mirrors:
+                    mirrored.extend(self._mirror(self._mirrors.popleft()))
+                with self._lock:
+                    done = self._join_done
+                if done is not None:
+                    break
+            for handle, _ in mirrored:
+                handle.wait(self.timeout)
+        finally:
+            with self._lock:
+                self._joined_at = 0
+                self._join_done = None
+        return done.last
+
+    def _wait_board(self) -> None:
+        """Until every board round this rank sent is read."""
+        while True:
+            with self._lock:
+                if self._board.rounds >= self._board_sent:
+                    return
+                _, handle = self._board_handles[0] if self._board_handles else (None, None)
+            if handle is not None:
+                try:
+                    handle.wait(self.timeout)
+                except PslinkError:
+                    if not handle.done():
+                        raise
+            self._read_board()
+
+    def _mirror(self, verdict: Decided) -> list:
+        """Take part, with zeros, in a call of the others while this rank is joined."""
+        call = verdict.call
+        if call.kind == boards.STEP:
+            index = int(call.name.rpartition(".")[2])
+            if not 0 <= index < len(self.steppers):
+                raise ConfigError(f"join: the other ranks stepped optimizer #{index}, but rank {self.rank} has "
+                                  f"{len(self.steppers)} distributed optimizer(s): every rank must create the "
+                                  "same ones")
+            self.steppers[index]()
+            return []
+        zeros = np.zeros(call.shape, DTYPES[call.dtype])
+        if not zeros.size:
+            return []
+        key = service_key("allreduce", call.op, call.name)
+        return [(self.agent.pushpull(key, zeros, out=zeros), zeros)]  # zeros stay alive until answered
+
+    def _follow_unnamed(self, name: str) -> None:
+        """A joined rank that mirrors an unnamed call counts it, so its own next unnamed call
+        has the others' number."""
+        match = _UNNAMED.match(name)
+        if match and int(match.group(2) or 0) == self.generation and match.group(1) in self._unnamed:
+            with self._lock:
+                kind = match.group(1)
+                self._unnamed[kind] = max(self._unnamed[kind], int(match.group(3)) + 1)
+
+    # -- for the elastic World ------------------------------------------------------------------------
+
+    def round(self, what: str) -> Callable[[Any, np.ndarray, np.ndarray], np.ndarray]:
+        """One synchronous push-pull round of a key (elastic state sync), errors naming ``what``."""
+        def pushpull(key, array: np.ndarray, out: np.ndarray) -> np.ndarray:
+            try:
+                return self.agent.pushpull(key, array, out=out).wait(self.timeout)
+            except PslinkError as exc:
+                raise reworded(exc, what) from None
+
+        return pushpull
+
+
+_MISSING = object()
+
+
+class Gather:
+    """An allgather under way: a shapes round (every rank's dimensions, dtype and ``extra``
+    values, such as alltoall's splits), then the rows. :meth:`steps` is its generator (other
+    collectives build on it with ``yield from``); :meth:`pending` runs it on its own."""
+
+    def __init__(self, session: Session, array: np.ndarray, name: str, what: str, entry):
+        self.session, self.array, self.name, self.what, self.entry = session, array, name, what, entry
+        self.extra: np.ndarray = np.zeros(0, np.int64)
+        self.extras: np.ndarray | None = None  # every rank's extra values, once the shapes round is in
+
+    def pending(self) -> Pending:
+        return self.session._pending(self.what, self.steps(), self.entry)
+
+    def steps(self):
+        """The gather's steps; the name it claimed is released when they end."""
+        session, array, name, what = self.session, self.array, self.name, self.what
+        try:
+            capacity = session.capacity
+            width = 2 + collectives.MAX_GATHER_DIMS + self.extra.size
+            row = np.zeros((capacity, width), np.int64)
+            mine = row[session.rank]
+            mine[0], mine[1] = array.ndim, collectives.dtype_code(array.dtype)
+            mine[2 : 2 + array.ndim] = array.shape
+            mine[2 + collectives.MAX_GATHER_DIMS :] = self.extra
+            # The shapes key does not name the dtype or the extra values' count: ranks that
+            # disagree meet there and learn it together.
+            shapes_key = service_key("allgather", name, "shapes", width)
+            described = yield session._send(what, shapes_key, row, row)
+            described = described[: session.size]
+            dims = [tuple(int(d) for d in r[2 : 2 + int(r[0])]) for r in described]
+            dtypes = [collectives.dtype_of(int(r[1])) for r in described]
+            if any(d[1:] != dims[0][1:] for d in dims) or any(t != dtypes[0] for t in dtypes):
+                listing = ", ".join(f"rank {r} has {t} {d}" for r, (t, d) in enumerate(zip(dtypes, dims)))
+                raise MismatchError(f"{what}: the ranks' tensors must agree in dtype and in every dimension but the "
+                                    f"first: {listing}", name=name, shapes=[list(d) for d in dims], dtypes=dtypes)
+            self.extras = described[:, 2 + collectives.MAX_GATHER_DIMS :]
+            rows = np.array([d[0] for d in dims], np.int64)
+            total = int(rows.sum())
+            start = int(rows[: session.rank].sum())
+            buffer = np.zeros((total,) + array.shape[1:], array.dtype)
+            buffer[start : start + array.shape[0]] = array
+            if buffer.size:
+                dims_text = "x".join(str(d) for d in buffer.shape)
+                data_key = service_key("allgather", name, array.dtype.name, dims_text)
+                bits = bits_of(buffer)
+                yield session._send(what, data_key, bits, bits)
+            return buffer, rows
+        finally:
+            with session._lock:
+                session._in_flight.discard(name)
+
+
+def host_array(array: Any, what: str) -> np.ndarray:
+    """``array`` as a C-contiguous numpy array of a dtype the service carries; ConfigError
+    naming ``what`` otherwise."""
+    if not isinstance(array, np.ndarray):
+        array = np.asarray(array)
+    if array.dtype.name not in DTYPES:
+        raise ConfigError(f"{what}: dtype {array.dtype} cannot go through pslink; supported: {', '.join(DTYPES)}")
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array
+
+
+def out_array(array: np.ndarray, out: np.ndarray | None, what: str) -> np.ndarray:
+    """Where a result goes: ``out`` checked (writable, contiguous, ``array``'s shape and dtype),
+    or a new array."""
+    if out is None:
+        return np.empty_like(array)
+    if out is array:
+        if not array.flags.writeable:
+            raise ConfigError(f"{what}: the tensor is read-only and cannot take the result in place")
+        return out
+    if out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ConfigError(f"{what}: the result's array must be a writable C-contiguous {array.dtype} {array.shape}, "
+                          f"got {out.dtype} {out.shape}")
+    return out
+
+
+def reworded(error: PslinkError, what: str) -> PslinkError:
+    """``error`` of the same class, its message led by ``what``."""
+    if error.message.startswith(what):
+        return error
+    return type(error)(f"{what}: {error.message}", **error.details)
