@@ -47,6 +47,9 @@ class _GradientSync:
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
                 or backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        if op not in (Average, Sum):
+            raise ConfigError(f"DistributedOptimizer reduces gradients with op=Average or Sum, got "
+                              f"op={op.name.title()} (Adasum is not offered for gradients)")
         if gradient_predivide_factor != 1.0 and op is not Average:
             raise ConfigError("gradient_predivide_factor needs op=Average")
         if not gradient_predivide_factor > 0:

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 import pslink  # noqa: E402
 import pslink.torch  # noqa: E402
 from pslink.core.transport import Transports  # noqa: E402
-from pslink.torch.session import Session  # noqa: E402
+from pslink.core.worker.session import Session  # noqa: E402
+from pslink.torch.horovod import Horovod  # noqa: E402
 from pslink.torch.tensors import HostView  # noqa: E402
 from tests.helpers import run_workers, start_cluster  # noqa: E402
 
@@ -45,10 +46,11 @@ def test_allreduce_and_broadcast_of_cuda_tensors(cluster):
         agent = pslink.connect("cuda", rank, 2, master=service.address, transports=transports, mode="sum",
                                timeout=30.0)
         session = Session(agent)
+        api = Horovod(lambda: session)
         try:
-            average = session.allreduce(torch.full((1000,), float(rank + 1), device="cuda"), name="x")
+            average = api.allreduce(torch.full((1000,), float(rank + 1), device="cuda"), name="x")
             weights = torch.full((3,), float(rank), device="cuda", dtype=torch.bfloat16)
-            session.broadcast_async_(weights, root_rank=1, name="w").wait()
+            api.broadcast_async_(weights, root_rank=1, name="w").wait()
             return average, weights
         finally:
             session.close()

@@ -95,8 +95,8 @@ def test_padding_rows_read_as_zeros_and_bad_indices_are_named(cluster):
 def test_horovods_optimizer_gathers_sparse_gradients_and_sparse_adam_steps_as_one_process(cluster):
     """nn.Embedding(sparse=True) under pslink.torch.DistributedOptimizer: each rank's sparse
     gradient is gathered (never densified, so SparseAdam takes it) and averaged."""
+    from pslink.core.worker.session import Session
     from pslink.torch.optimizer import DistributedOptimizer
-    from pslink.torch.session import Session
 
     service, transports = cluster
 
@@ -111,8 +111,8 @@ def test_horovods_optimizer_gathers_sparse_gradients_and_sparse_adam_steps_as_on
             module = torch.nn.Embedding(VOCAB, DIM, sparse=True)
             with torch.no_grad():
                 module.weight.copy_(initial)
-            optimizer = DistributedOptimizer(torch.optim.SparseAdam(module.parameters(), lr=0.1),
-                                             named_parameters=module.named_parameters(), session=Session(agent))
+            optimizer = DistributedOptimizer(Session(agent), torch.optim.SparseAdam(module.parameters(), lr=0.1),
+                                             named_parameters=module.named_parameters())
             for step in range(STEPS):
                 optimizer.zero_grad()
                 ids, target = batch(rank, step)

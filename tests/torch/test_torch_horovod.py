@@ -16,8 +16,8 @@ import pslink.torch as hvd  # noqa: E402
 from pslink.core.observe import timeline as pslink_timeline  # noqa: E402
 from pslink.core.transport import Transports  # noqa: E402
 from pslink.errors import ConfigError, PeerError, ShapeMismatchError  # noqa: E402
-from pslink.torch.optimizer import DistributedOptimizer  # noqa: E402
-from pslink.torch.session import Session  # noqa: E402
+from pslink.core.worker.session import Session  # noqa: E402
+from pslink.torch.horovod import Horovod  # noqa: E402
 from tests.helpers import run_workers, start_cluster  # noqa: E402
 
 _jobs = itertools.count()
@@ -33,7 +33,8 @@ def service():
 
 
 def on_ranks(service, size: int, fn, timeout: float = 60.0) -> list:
-    """Run ``fn(session)`` for ranks 0..size-1 of a fresh job, each on its own thread."""
+    """Run ``fn(api)`` for ranks 0..size-1 of a fresh job, each on its own thread: ``api`` is
+    Horovod's API over that rank's own Session (``api.session``)."""
     cluster, transports = service
     job = f"hvd-{next(_jobs)}"
 
@@ -41,8 +42,10 @@ def on_ranks(service, size: int, fn, timeout: float = 60.0) -> list:
         agent = pslink.connect(job, rank, size, master=cluster.address, transports=transports, timeout=30.0,
                                mode="sum")
         session = Session(agent)
+        api = Horovod(lambda: session)
+        api.session = session
         try:
-            return fn(session)
+            return fn(api)
         finally:
             session.close()
 
@@ -54,7 +57,7 @@ def on_ranks(service, size: int, fn, timeout: float = 60.0) -> list:
 
 def test_allreduce_averages_sums_and_keeps_the_input(service):
     def body(s):
-        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (s.rank + 1)
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (s.rank() + 1)
         average = s.allreduce(x, name="x")
         total = s.allreduce(x, name="x-sum", op=hvd.Sum)
         return x, average, total
@@ -68,7 +71,7 @@ def test_allreduce_averages_sums_and_keeps_the_input(service):
 
 def test_allreduce_handles_dtypes_scalars_views_and_scale_factors(service):
     def body(s):
-        r = s.rank + 1
+        r = s.rank() + 1
         bf16 = s.allreduce(torch.full((4,), float(r), dtype=torch.bfloat16), name="bf16", op=hvd.Sum)
         ints = s.allreduce(torch.tensor([3, 7]) * r, name="ints")  # average of integers truncates
         scalar = s.allreduce(torch.tensor(float(r)), name="scalar")
@@ -95,7 +98,7 @@ def test_min_max_product_and_integer_scale_factors(service):
     """Horovod's other ReduceOps, equal on every rank (reduced from rows gathered in rank order),
     and pre/postscale of integer tensors (truncated toward zero, the dtype kept)."""
     def body(s):
-        r = s.rank + 1
+        r = s.rank() + 1
         x = torch.tensor([[1.5 * r, -r], [4.0 / r, 2.0]])
         low = s.allreduce(x, name="min", op=hvd.Min)
         high = s.allreduce(x, name="max", op=hvd.Max)
@@ -116,7 +119,7 @@ def test_min_max_product_and_integer_scale_factors(service):
 
 def test_grouped_allreduce_and_allgather_and_allgather_async(service):
     def body(s):
-        r = s.rank + 1
+        r = s.rank() + 1
         tensors = [torch.full((3,), float(r)), torch.arange(4) * r, torch.tensor(2.0 * r)]
         averaged = s.grouped_allreduce_async_([t.clone() for t in tensors], name="group").wait()
         summed = s.grouped_allreduce_async_([t.clone() for t in tensors], op=hvd.Sum).wait()  # unnamed: by position
@@ -137,12 +140,12 @@ def test_a_name_in_flight_is_refused_until_it_is_done(service):
     tried = threading.Event()  # rank 1 pushes only once rank 0 tried again: rank 0's first cannot be done by then
 
     def body(s):
-        if s.rank == 1:
+        if s.rank() == 1:
             assert tried.wait(30)
         first = s.allreduce_async_(torch.ones(2), name="busy", op=hvd.Sum)
-        if s.rank == 0:
+        if s.rank() == 0:
             try:
-                with pytest.raises(ConfigError, match="allreduce 'busy' is already in flight on rank 0"):
+                with pytest.raises(ConfigError, match="an operation named 'busy' is in flight on rank 0"):
                     s.allreduce_async_(torch.ones(2), name="busy")
             finally:
                 tried.set()
@@ -159,16 +162,16 @@ def test_collectives_are_differentiable_as_horovods(service):
     from pslink.torch import autograd
 
     def body(s):
-        r = s.rank + 1
+        r = s.rank() + 1
         x = torch.full((2,), float(r), requires_grad=True)
-        summed = autograd.allreduce(s, x, "d-sum", hvd.Sum, hvd.Compression.none, 1.0, 1.0)
+        summed = autograd.allreduce(s.session, x, "d-sum", hvd.Sum, hvd.Compression.none, 1.0, 1.0)
         (summed * r).sum().backward()  # d/dx_r of sum_k k * (x_1 + x_2): the sum of the weights, 3
         g = torch.ones(r, 2, requires_grad=True)
-        gathered = autograd.allgather(s, g, "d-gather")  # 3 rows: rank 0's one, rank 1's two
+        gathered = autograd.allgather(s.session, g, "d-gather")  # 3 rows: rank 0's one, rank 1's two
         (gathered * torch.arange(3.0).reshape(3, 1) * r).sum().backward()
         b = torch.full((3,), float(r), requires_grad=True)
-        (autograd.broadcast(s, b, 1, "d-bcast") * r).sum().backward()
-        plain = autograd.allreduce(s, torch.ones(1), "d-plain", hvd.Sum, hvd.Compression.none, 1.0, 1.0)
+        (autograd.broadcast(s.session, b, 1, "d-bcast") * r).sum().backward()
+        plain = autograd.allreduce(s.session, torch.ones(1), "d-plain", hvd.Sum, hvd.Compression.none, 1.0, 1.0)
         return summed.grad_fn is not None, x.grad, g.grad, b.grad, plain.grad_fn
 
     results = on_ranks(service, 2, body)
@@ -183,9 +186,9 @@ def test_collectives_are_differentiable_as_horovods(service):
 
 def test_reducescatter_and_alltoall_as_horovod_splits(service):
     def body(s):
-        r = s.rank
+        r = s.rank()
         x = torch.arange(10.0).reshape(5, 2) * (r + 1)  # 5 rows over 3 ranks: 2, 2, 1
-        mine = s.reducescatter(x, "rs", op=hvd.Sum)
+        mine = s.reducescatter(x, name="rs", op=hvd.Sum)
         mean = s.reducescatter(x)  # unnamed: matched by position
         even = s.alltoall(torch.arange(6) + 10 * r)  # two elements to each rank; unnamed
         rows = torch.arange(4 * 2).reshape(4, 2) + 100 * r
@@ -213,16 +216,17 @@ def test_reducescatter_and_alltoall_as_horovod_splits(service):
 
 def test_grouped_reducescatter_scales_and_shares_rows_as_the_single_one(service):
     def body(s):
-        r = s.rank + 1
+        r = s.rank() + 1
         a = torch.arange(6.0).reshape(3, 2) * r  # 3 rows over 2 ranks: 2, 1
         b = torch.tensor([10, 20, 30, 40]) * r  # integers: scaled through float64, rounded back
-        grouped = s.grouped_reducescatter([a, b], "group", op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
-        single = s.reducescatter(a, "single", op=hvd.Sum, prescale_factor=3.0)
+        grouped = s.grouped_reducescatter([a, b], name="group", op=hvd.Sum, prescale_factor=2.0,
+                                          postscale_factor=0.5)
+        single = s.reducescatter(a, name="single", op=hvd.Sum, prescale_factor=3.0)
         unnamed = s.grouped_reducescatter([a, b])  # averages, matched by position
-        with pytest.raises(ConfigError, match="grouped_reducescatter takes op=Average or Sum"):
-            s.grouped_reducescatter([a], "bad", op=hvd.Max)
+        with pytest.raises(ConfigError, match="op=Average or Sum"):
+            s.grouped_reducescatter([a], name="bad", op=hvd.Max)
         with pytest.raises(ConfigError, match="at least one dimension"):
-            s.grouped_reducescatter([torch.tensor(1.0)], "scalar")
+            s.grouped_reducescatter([torch.tensor(1.0)], name="scalar")
         return grouped, single, unnamed
 
     full_a = torch.arange(6.0).reshape(3, 2) * 3  # (1 + 2) x
@@ -245,12 +249,12 @@ def test_sync_batch_norm_normalizes_with_the_whole_jobs_batch_as_batch_norm_on_i
     upstream = [torch.randn(3, 4), torch.randn(5, 4)]
 
     def body(s):
-        bn = hvd.SyncBatchNorm(4, momentum=0.1, session=s)
-        x = inputs[s.rank].clone().requires_grad_(True)
+        bn = hvd.SyncBatchNorm(4, momentum=0.1, session=s.session)
+        x = inputs[s.rank()].clone().requires_grad_(True)
         out = bn(x)
-        (out * upstream[s.rank]).sum().backward()
+        (out * upstream[s.rank()]).sum().backward()
         bn.eval()
-        evaluated = bn(inputs[s.rank])  # the running statistics: no collective
+        evaluated = bn(inputs[s.rank()])  # the running statistics: no collective
         return out.detach(), x.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var, evaluated
 
     results = on_ranks(service, 2, body)
@@ -272,7 +276,7 @@ def test_sync_batch_norm_normalizes_with_the_whole_jobs_batch_as_batch_norm_on_i
 
 def test_sync_batch_norm_refuses_inputs_it_cannot_normalize(service):
     def body(s):
-        bn = hvd.SyncBatchNorm(3, session=s)
+        bn = hvd.SyncBatchNorm(3, session=s.session)
         with pytest.raises(ConfigError, match="dimension 1 must be 3"):
             bn(torch.ones(2, 4))
         with pytest.raises(ConfigError, match="at least 2D"):
@@ -287,12 +291,12 @@ def test_a_timeline_started_and_stopped_at_run_time_records_what_ran_between(ser
 
     def body(s):
         s.allreduce(torch.ones(2), name="before")
-        written = s.agent.start_timeline(path, mark_cycles=True)
+        written = s.session.agent.start_timeline(path, mark_cycles=True)
         for _ in range(3):  # the same key three times: three iterations, two marked starts
             s.allreduce(torch.ones(2), name="traced")
-        s.agent.stop_timeline()
+        s.session.agent.stop_timeline()
         s.allreduce(torch.ones(2), name="after")
-        s.agent.stop_timeline()  # nothing recorded: nothing to do
+        s.session.agent.stop_timeline()  # nothing recorded: nothing to do
         return written
 
     written = on_ranks(service, 2, body)
@@ -306,7 +310,7 @@ def test_a_timeline_started_and_stopped_at_run_time_records_what_ran_between(ser
 
     def empty(s):
         with pytest.raises(ConfigError, match="file path"):
-            s.agent.start_timeline("")
+            s.session.agent.start_timeline("")
         return True
 
     assert on_ranks(service, 1, empty) == [True]
@@ -314,11 +318,11 @@ def test_a_timeline_started_and_stopped_at_run_time_records_what_ran_between(ser
 
 def test_sparse_allreduce_gathers_indices_and_averages_values(service):
     def body(s):
-        r = s.rank + 1
+        r = s.rank() + 1
         sparse = torch.sparse_coo_tensor(torch.tensor([[r, 3]]), torch.tensor([1.0 * r, 10.0]), (5,))
-        averaged = s.sparse_allreduce(sparse, "emb")
+        averaged = s.sparse_allreduce_async(sparse, "emb").wait()
         with pytest.raises(ConfigError, match="sparse_allreduce takes a sparse tensor"):
-            s.sparse_allreduce(torch.ones(2), "dense")
+            s.sparse_allreduce_async(torch.ones(2), "dense")
         return averaged
 
     for averaged in on_ranks(service, 2, body):
@@ -330,8 +334,7 @@ def test_sparse_allreduce_gathers_indices_and_averages_values(service):
 def test_parameter_names_and_the_warning_for_a_step_after_synchronize(service):
     def body(s):  # one rank: warnings are captured process-wide, not per thread
         model = make_model()
-        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                         session=s)
+        optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
         loss_of(model, *data(0, 0)).backward()
         optimizer.synchronize()
         with pytest.warns(UserWarning, match="skip_synchronize"):
@@ -350,29 +353,27 @@ def test_parameter_names_and_the_warning_for_a_step_after_synchronize(service):
 def test_process_sets_reduce_among_their_ranks(service):
     """Horovod's process sets: every rank adds every set in the same order; a set's collectives
     count its ranks only; a rank outside a set may not use it; a removed set is gone."""
-    from pslink.torch.process_sets import ProcessSet, global_process_set
-
     def body(s):
-        sets = s.process_sets
-        evens = sets.add(s, [2, 0])  # ranks 0 and 2, numbered 0 and 1 inside
-        pair = sets.add(s, ProcessSet([1, 2]))
+        evens = s.add_process_set([2, 0])  # ranks 0 and 2, numbered 0 and 1 inside
+        pair = s.add_process_set(hvd.ProcessSet([1, 2]))
         with pytest.raises(ConfigError, match="exists already"):
-            sets.add(s, [0, 2])
+            s.add_process_set([0, 2])
         with pytest.raises(ConfigError, match="beyond the job's 3"):
-            sets.add(s, [0, 5])
+            s.add_process_set([0, 5])
         out = {"ids": (evens.process_set_id, pair.process_set_id), "sizes": (evens.size(), pair.size()),
-               "ranks": (evens.rank(), pair.rank()), "world": sets.session_for(s, global_process_set) is s}
-        x = torch.full((2,), float(s.rank + 1))
+               "ranks": (evens.rank(), pair.rank()),
+               "world": s.session.process_sets.session_for(hvd.global_process_set) is s.session}
+        x = torch.full((2,), float(s.rank() + 1))
         for label, ps in (("evens", evens), ("pair", pair)):
             if ps.included():
-                out[label] = sets.session_for(s, ps).allreduce(x, "x", op=hvd.Sum).tolist()
+                out[label] = s.allreduce(x, name="x", op=hvd.Sum, process_set=ps).tolist()
             else:
-                with pytest.raises(ConfigError, match=f"rank {s.rank} is not in ProcessSet"):
-                    sets.session_for(s, ps)
-        assert sets.remove(evens) and not sets.remove(evens)
+                with pytest.raises(ConfigError, match=f"rank {s.rank()} is not in ProcessSet"):
+                    s.allreduce(x, name="x", op=hvd.Sum, process_set=ps)
+        assert s.remove_process_set(evens) and not s.remove_process_set(evens)
         with pytest.raises(ConfigError, match="is not added"):
-            sets.session_for(s, evens)
-        out["world_sum"] = s.allreduce(x, "after", op=hvd.Sum).tolist()  # the job itself is untouched
+            s.allreduce(x, name="x", process_set=evens)
+        out["world_sum"] = s.allreduce(x, name="after", op=hvd.Sum).tolist()  # the job itself is untouched
         return out
 
     results = on_ranks(service, 3, body)
@@ -397,7 +398,7 @@ def test_grouped_calls_refuse_what_is_not_a_list_of_tensors(service):
 
 def test_async_allreduce_and_unnamed_calls_match_by_position(service):
     def body(s):
-        works = [s.allreduce_async(torch.full((5,), float(s.rank + i))) for i in range(4)]
+        works = [s.allreduce_async(torch.full((5,), float(s.rank() + i))) for i in range(4)]
         return [w.wait() for w in works]
 
     for results in on_ranks(service, 2, body):
@@ -408,7 +409,7 @@ def test_async_allreduce_and_unnamed_calls_match_by_position(service):
 def test_allreduce_shapes_that_differ_fail_on_both_ranks_naming_them(service):
     def body(s):
         with pytest.raises(ShapeMismatchError) as info:
-            s.allreduce(torch.zeros(3 + s.rank), name="loss")
+            s.allreduce(torch.zeros(3 + s.rank()), name="loss")
         return info.value.message
 
     for message in on_ranks(service, 2, body):
@@ -419,7 +420,7 @@ def test_allreduce_shapes_that_differ_fail_on_both_ranks_naming_them(service):
 def test_allreduce_dtypes_that_differ_fail_naming_both_dtypes(service):
     def body(s):
         with pytest.raises(ShapeMismatchError) as info:
-            s.allreduce(torch.zeros(3, dtype=torch.float32 if s.rank == 0 else torch.int64), name="typed")
+            s.allreduce(torch.zeros(3, dtype=torch.float32 if s.rank() == 0 else torch.int64), name="typed")
         return info.value.message
 
     for message in on_ranks(service, 2, body):
@@ -432,11 +433,11 @@ def test_allreduce_dtypes_that_differ_fail_naming_both_dtypes(service):
 
 def test_broadcast_from_any_root_in_place(service):
     def body(s):
-        t = torch.arange(4, dtype=torch.int64) * (s.rank + 1)
+        t = torch.arange(4, dtype=torch.int64) * (s.rank() + 1)
         s.broadcast_async_(t, root_rank=1, name="t").wait()
-        flags = torch.tensor([s.rank == 0, s.rank == 1, True])
+        flags = torch.tensor([s.rank() == 0, s.rank() == 1, True])
         s.broadcast_async_(flags, root_rank=0, name="flags").wait()
-        copy = s.broadcast_async(torch.full((2,), float(s.rank)), root_rank=2, name="copy").wait()
+        copy = s.broadcast_async(torch.full((2,), float(s.rank())), root_rank=2, name="copy").wait()
         return t, flags, copy
 
     for t, flags, copy in on_ranks(service, 3, body):
@@ -450,10 +451,10 @@ def test_broadcast_parameters_and_optimizer_state_make_every_rank_root_s(service
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
         with torch.no_grad():  # different weights everywhere
             for p in model.parameters():
-                p.add_(s.rank)
+                p.add_(s.rank())
         model(torch.randn(5, 4))  # BatchNorm buffers (running stats, an int64 counter) move
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.01 * (s.rank + 1))
-        if s.rank == 1:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01 * (s.rank() + 1))
+        if s.rank() == 1:
             model(torch.randn(3, 4)).sum().backward()
             optimizer.step()  # only the root has optimizer state
         s.broadcast_parameters(model.state_dict(), root_rank=1)
@@ -473,10 +474,10 @@ def test_broadcast_parameters_and_optimizer_state_make_every_rank_root_s(service
 
 def test_broadcast_object_allgather_and_allgather_object(service):
     def body(s):
-        obj = s.broadcast_object({"epoch": 7, "rank": s.rank} if s.rank == 0 else None, root_rank=0)
-        rows = torch.full((s.rank + 1, 2), float(s.rank))
+        obj = s.broadcast_object({"epoch": 7, "rank": s.rank()} if s.rank() == 0 else None, root_rank=0)
+        rows = torch.full((s.rank() + 1, 2), float(s.rank()))
         gathered = s.allgather(rows, name="rows")
-        names = s.allgather_object(f"host-{s.rank}")
+        names = s.allgather_object(f"host-{s.rank()}")
         return obj, gathered, names
 
     for obj, gathered, names in on_ranks(service, 3, body):
@@ -488,11 +489,11 @@ def test_broadcast_object_allgather_and_allgather_object(service):
 def test_allgather_with_different_trailing_shapes_fails_on_every_rank(service):
     def body(s):
         with pytest.raises(ShapeMismatchError) as info:
-            s.allgather(torch.zeros(2, 3 + s.rank), name="features")
+            s.allgather(torch.zeros(2, 3 + s.rank()), name="features")
         return info.value.message
 
     for message in on_ranks(service, 2, body):
-        assert "rank 0 has shape (2, 3)" in message and "rank 1 has shape (2, 4)" in message
+        assert "rank 0: allgather (*, 3) float32" in message and "rank 1: allgather (*, 4) float32" in message
 
 
 # -- DistributedOptimizer ---------------------------------------------------------------------------
@@ -523,12 +524,12 @@ def test_distributed_optimizer_equals_one_process_on_the_combined_batch(service)
 
     def body(s):
         model = make_model()
-        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                         named_parameters=model.named_parameters(), session=s)
+        optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters())
         assert isinstance(optimizer, torch.optim.SGD)
         for step in range(steps):
             optimizer.zero_grad()
-            loss_of(model, *data(step, s.rank)).backward()
+            loss_of(model, *data(step, s.rank())).backward()
             optimizer.step()
         return model.state_dict()
 
@@ -557,12 +558,12 @@ def test_fused_gradients_train_bit_for_bit_as_unfused_ones(service):
             model.unused = torch.nn.Parameter(torch.ones(5))
             if options.get("groups") == "weights":
                 options = {"groups": [[model[0].weight, model[2].weight]]}
-            optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                             named_parameters=model.named_parameters(), session=s, **options)
+            optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                             named_parameters=model.named_parameters(), **options)
             buckets = len(optimizer._pslink.buckets)
             for step in range(4):
                 optimizer.zero_grad()
-                loss_of(model, *data(step, s.rank)).backward()
+                loss_of(model, *data(step, s.rank())).backward()
                 optimizer.step()
             results[name] = (buckets, [p.detach().clone() for p in model.parameters()])
         return results
@@ -600,8 +601,8 @@ def test_bucketed_gradients_stay_bucket_views_and_replaced_ones_are_copied_in_al
         results = {}
         for how in ("optimizer", "in place", "module"):
             model = make_model()
-            optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                             named_parameters=model.named_parameters(), session=s)
+            optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                             named_parameters=model.named_parameters())
             (bucket,) = optimizer._pslink.buckets
             for step in range(4):
                 if how == "module":
@@ -611,7 +612,7 @@ def test_bucketed_gradients_stay_bucket_views_and_replaced_ones_are_copied_in_al
                     optimizer.zero_grad(set_to_none=how == "optimizer")
                     assert all(p.grad is view for p, view in zip(bucket.params, bucket.views))
                     assert not bucket.flat.any()
-                loss_of(model, *data(step, s.rank)).backward()
+                loss_of(model, *data(step, s.rank())).backward()
                 optimizer.step()
                 assert all(p.grad is view for p, view in zip(bucket.params, bucket.views))
             results[how] = [p.detach().clone() for p in model.parameters()]
@@ -626,14 +627,14 @@ def test_bucketed_gradients_stay_bucket_views_and_replaced_ones_are_copied_in_al
 def test_backward_passes_per_step_sum_op_and_predivide(service):
     def body(s):
         model = make_model()
-        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                         backward_passes_per_step=2, op=hvd.Sum, session=s)
+        optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         backward_passes_per_step=2, op=hvd.Sum)
         for part in range(2):
-            loss_of(model, *data(part, s.rank)).backward()
+            loss_of(model, *data(part, s.rank())).backward()
         optimizer.step()
         with pytest.raises(ConfigError, match="gradient_predivide_factor"):
-            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                 op=hvd.Sum, gradient_predivide_factor=2.0, session=s)
+            s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                 op=hvd.Sum, gradient_predivide_factor=2.0)
         return model.state_dict()
 
     reference = make_model()
@@ -650,9 +651,9 @@ def test_backward_passes_per_step_sum_op_and_predivide(service):
 def test_gradient_predivide_factor_and_fp16_compression_still_average(service):
     def body(s):
         model = make_model()
-        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                         gradient_predivide_factor=4.0, compression=hvd.Compression.fp16, session=s)
-        loss_of(model, *data(0, s.rank)).backward()
+        optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         gradient_predivide_factor=4.0, compression=hvd.Compression.fp16)
+        loss_of(model, *data(0, s.rank())).backward()
         optimizer.synchronize()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         with optimizer.skip_synchronize():
@@ -673,9 +674,9 @@ def test_a_parameter_unused_on_one_rank_is_averaged_with_zeros(service):
         model = make_model()
         extra = torch.nn.Parameter(torch.ones(3))
         params = list(model.named_parameters()) + [("extra", extra)]
-        optimizer = DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=1.0), params, session=s)
-        loss = loss_of(model, *data(0, s.rank))
-        if s.rank == 0:
+        optimizer = s.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=1.0), params)
+        loss = loss_of(model, *data(0, s.rank()))
+        if s.rank() == 0:
             loss = loss + (extra * 2).sum()  # d/d extra = 2 on rank 0 only
         loss.backward()
         optimizer.step()
@@ -687,11 +688,10 @@ def test_a_parameter_unused_on_one_rank_is_averaged_with_zeros(service):
 
 def test_models_that_differ_fail_naming_the_parameter_and_both_shapes(service):
     def body(s):
-        model = torch.nn.Sequential(torch.nn.Linear(6, 16 + s.rank), torch.nn.Linear(16 + s.rank, 3))
-        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                         session=s)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16 + s.rank()), torch.nn.Linear(16 + s.rank(), 3))
+        optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
         with pytest.raises(ShapeMismatchError) as info:
-            loss_of(model, *data(0, s.rank)).backward()
+            loss_of(model, *data(0, s.rank())).backward()
             optimizer.step()
         return info.value.message
 
@@ -705,20 +705,19 @@ def test_optimizer_misuse_is_a_clear_error(service):
     def body(s):
         model = make_model()
         with pytest.raises(ConfigError, match="not in it"):
-            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=list(model.named_parameters())[:1], session=s)
+            s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=list(model.named_parameters())[:1])
         with pytest.raises(ConfigError, match="repeated"):
-            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 [("w", p) for p in model.parameters()], session=s)
+            s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 [("w", p) for p in model.parameters()])
         with pytest.raises(ConfigError, match="Adasum"):
-            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum, session=s)
-        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                         session=s)
-        loss_of(model, *data(0, s.rank)).backward()
+            s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+        optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        loss_of(model, *data(0, s.rank())).backward()
         with pytest.raises(RuntimeError, match="zero_grad"):
             optimizer.zero_grad()
         with pytest.raises(RuntimeError, match="backward_passes_per_step"):
-            loss_of(model, *data(1, s.rank)).backward()
+            loss_of(model, *data(1, s.rank())).backward()
         optimizer.step()
         return True
 
@@ -729,18 +728,18 @@ def test_without_named_parameters_gradients_are_keyed_by_position_with_a_warning
     def body(s):  # one rank: warnings are captured process-wide, not per thread
         model = make_model()
         with pytest.warns(UserWarning, match="named_parameters"):
-            optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), session=s)
+            optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         loss_of(model, *data(0, 0)).backward()
         optimizer.step()
         # Its four small gradients travel fused, in one bucket named by their positions ...
         [bucket] = optimizer._pslink.buckets
-        fused = (bucket.names, s.agent.key_info(bucket.key)["shape"])
+        fused = (bucket.names, s.session.agent.key_info(bucket.key)["shape"])
         # ... and each under its own key when no fusion is asked for (explicit groups, none).
         with pytest.warns(UserWarning, match="named_parameters"):
-            optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=[], session=s)
+            optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=[])
         loss_of(model, *data(1, 0)).backward()
         optimizer.step()
-        return fused, [s.agent.key_info(f"grad/noname.0.{i}")["shape"] for i in range(4)]
+        return fused, [s.session.agent.key_info(f"grad/noname.0.{i}")["shape"] for i in range(4)]
 
     [(fused, alone)] = on_ranks(service, 1, body)
     assert fused == (["noname.0.3", "noname.0.2", "noname.0.1", "noname.0.0"], (3 + 48 + 16 + 96,))
@@ -752,11 +751,10 @@ def test_join_mirrors_the_remaining_steps_with_zero_gradients(service):
 
     def body(s):
         model = make_model()
-        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                         session=s)
-        for step in range(batches[s.rank]):
+        optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        for step in range(batches[s.rank()]):
             optimizer.zero_grad()
-            loss_of(model, *data(step, s.rank)).backward()
+            loss_of(model, *data(step, s.rank())).backward()
             optimizer.step()
         last = s.join()
         total = s.allreduce(torch.tensor([1.0]), name="after-join", op=hvd.Sum)  # all ranks active again
@@ -804,11 +802,25 @@ def test_the_module_api_needs_init_and_says_how(monkeypatch):
         hvd.rank()
     with pytest.raises(ValueError, match="init"):  # Horovod raises ValueError before init
         hvd.start_timeline("timeline.json")
-    with pytest.raises(ConfigError, match="pslink launch"):
-        hvd.init()
     with pytest.raises(PeerError, match="no parameter service reachable"):
         hvd.init(job="nobody", rank=0, num_workers=1, master="tcp://127.0.0.1:9", connect_timeout=2.0)
     assert not hvd.is_initialized()
+
+
+def test_init_with_no_job_named_anywhere_runs_one_worker_as_horovod_does(monkeypatch):
+    """No launcher and no job named: a job of one worker on a service of the process's own (as
+    Horovod runs as size 1 without horovodrun); shutdown and init again work."""
+    for variable in ("PSLINK_JOB", "PSLINK_RANK", "PSLINK_NUM_WORKERS", "PSLINK_MASTER"):
+        monkeypatch.delenv(variable, raising=False)
+    hvd.init()
+    try:
+        assert (hvd.rank(), hvd.size()) == (0, 1)
+        assert hvd.allreduce(torch.tensor([2.0, 4.0])).tolist() == [2.0, 4.0]
+        hvd.shutdown()
+        hvd.init()
+        assert hvd.allgather(torch.tensor([[1, 2]])).tolist() == [[1, 2]]
+    finally:
+        hvd.shutdown()
 
 
 def test_the_module_api_on_one_rank(service, monkeypatch):

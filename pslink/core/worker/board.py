@@ -35,7 +35,7 @@ import struct
 import numpy as np
 
 from pslink.core.wire.protocol import DTYPES
-from pslink.errors import MismatchError
+from pslink.errors import MismatchError, ShapeMismatchError
 
 MAX_DIMS = 8
 MAX_NAME_BYTES = 256  # the service's limit on string keys; names are keys' stems
@@ -82,7 +82,9 @@ class Call:
     def describe(self) -> str:
         parts = [KIND_NAMES[self.kind]]
         if self.dtype:
-            parts.append(f"{self.dtype} {self.shape}")
+            # A gather's first dimension is each rank's own: only the others must agree.
+            shape = ("*", *self.shape) if self.kind in (ALLGATHER, ALLTOALL) else self.shape
+            parts.append(f"({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}) {self.dtype}")
         if self.op:
             parts.append(f"op={self.op}")
         if self.root >= 0:
@@ -143,7 +145,7 @@ class Decided:
     name: str
     occurrence: int
     call: Call  # the lowest calling rank's
-    error: MismatchError | None = None
+    error: MismatchError | ShapeMismatchError | None = None
     mirror: bool = False
     absent: tuple = ()  # joined ranks that did not call it (their next call of the name is the next occurrence)
 
@@ -206,9 +208,17 @@ class Board:
             differing = {r: c for r, c in calls.items() if c != first}
             if differing:
                 listing = "; ".join(f"rank {r}: {c.describe()}" for r, c in sorted(calls.items()))
-                verdict.error = MismatchError(
+                ranks = sorted(calls)
+                # Tensors that differ in shape or dtype only are the service's ShapeMismatchError
+                # (which the same calls meet there, whichever comes first); anything else the
+                # coordinator's refusal.
+                only_tensors = all(dataclasses.replace(c, shape=first.shape, dtype=first.dtype) == first
+                                   for c in differing.values())
+                kind = ShapeMismatchError if only_tensors else MismatchError
+                verdict.error = kind(
                     f"the ranks' calls of {name!r} (occurrence {occurrence}) disagree: {listing}",
-                    name=name, ranks=sorted(calls), calls=[calls[r].describe() for r in sorted(calls)])
+                    name=name, ranks=ranks, calls=[calls[r].describe() for r in ranks],
+                    shapes=[list(calls[r].shape) for r in ranks], dtypes=[calls[r].dtype for r in ranks])
             elif joined - calls.keys():
                 if first.kind in (ALLREDUCE, STEP):
                     verdict.mirror = self.rank in joined and self.rank not in calls

@@ -35,13 +35,21 @@ Steps = Generator[Any, Any, Any]
 class Pending:
     """One collective in flight. ``steps`` yields Agent handles (see the module); ``what`` names
     it in errors; ``cancel(handle, error)`` fails a handle at once (the Agent's), ``progress``
-    takes steps in the background; ``finish()`` runs when the operation ended, ok or not."""
+    takes steps in the background; ``finish()`` runs when the operation ended, ok or not.
 
-    __slots__ = ("what", "_steps", "_handle", "_result", "_error", "_ended", "_failed", "_lock", "_cancel",
-                 "_progress", "_finish")
+    Steps are taken under a lock that nobody blocks on: a thread that finds it taken leaves a
+    note (``_again``) and the holder takes the new steps too before it lets go. So a handle's
+    callback that fires on the very thread that is taking a step (a handle done already when
+    its callback is attached) never deadlocks, and no ready step is left behind."""
+
+    __slots__ = ("what", "_steps", "_handle", "_result", "_error", "_ended", "_failed", "_lock", "_again",
+                 "_cancel", "_progress", "_finish", "_inline", "_callbacks", "_callbacks_lock")
 
     def __init__(self, what: str, steps: Steps, cancel: Callable, progress: "Progress",
-                 finish: Callable[[], None] | None = None):
+                 finish: Callable[[], None] | None = None, inline: bool = False):
+        """``inline``: the steps after each handle only compute (they send nothing and never
+        block), so the thread that completes a handle takes them at once, without the hop to the
+        progress thread (a single push-pull and its arithmetic)."""
         self.what = what
         self._steps = steps
         self._handle = None
@@ -49,12 +57,17 @@ class Pending:
         self._error: BaseException | None = None
         self._ended = False
         self._failed: PslinkError | None = None  # set by fail(): the next step meets it
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._again = False
         self._cancel = cancel
         self._progress = progress
         self._finish = finish
+        self._inline = inline
+        self._callbacks: list[Callable[["Pending"], None]] | None = []
+        self._callbacks_lock = threading.Lock()
         with self._lock:
             self._step(None, None)
+        self._drain()
 
     @classmethod
     def finished(cls, what: str, result: Any) -> "Pending":
@@ -69,34 +82,47 @@ class Pending:
 
     def done(self) -> bool:
         """Whether :meth:`wait` would return (or raise) at once; takes the steps that are ready
-        (never blocks: while another thread waits on it, that thread takes them)."""
-        if not self._lock.acquire(blocking=False):
-            return self._ended
-        try:
-            while not self._ended and self._handle.done():
-                self._resume()
-            return self._ended
-        finally:
-            self._lock.release()
+        (never blocks)."""
+        self._drain()
+        return self._ended
 
     def wait(self, timeout: float | None = None) -> Any:
         """The result (raises the operation's error); ``timeout`` bounds each Agent wait (a
         timeout raises, and the operation stays in flight)."""
-        with self._lock:
-            while not self._ended:
-                handle = self._handle
-                try:
-                    handle.wait(timeout)
-                except PslinkError:
-                    if not handle.done():
-                        raise  # timed out: still in flight
-                self._resume()
-            if self._error is not None:
-                raise self._error
-            return self._result
+        while True:
+            self._drain()
+            if self._ended:
+                break
+            handle = self._handle
+            if handle is None:
+                continue  # another thread is between two steps
+            try:
+                handle.wait(timeout)
+            except PslinkError:
+                if not handle.done():
+                    raise  # timed out: still in flight
+        if self._error is not None:
+            raise self._error
+        return self._result
 
     def exception(self) -> BaseException | None:
         return self._error if self._ended else None
+
+    def result(self) -> Any:
+        """The result of an operation that ended (raises its error)."""
+        if not self._ended:
+            raise RuntimeError(f"{self.what} is still in flight")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def add_done_callback(self, fn: Callable[["Pending"], None]) -> None:
+        """Call ``fn(pending)`` once it ended (now, if it has): on the thread that ended it."""
+        with self._callbacks_lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def fail(self, error: PslinkError) -> None:
         """End the operation with ``error`` (from any thread): whoever waits wakes and raises it."""
@@ -104,11 +130,32 @@ class Pending:
         handle = self._handle
         if not self._ended and handle is not None and self._cancel is not None:
             self._cancel(handle, error)  # wakes a waiter, whose step then meets the error
+        self._drain()
+
+    def advance(self) -> None:
+        """Take the steps that are ready (the progress thread's call)."""
+        self._drain()
 
     # -- taking steps -----------------------------------------------------------------------------
 
+    def _drain(self) -> None:
+        """Take every ready step, unless another thread is taking them (it then takes these too)."""
+        while True:
+            self._again = True
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
+                self._again = False
+                while not self._ended and self._handle is not None and (self._handle.done() or self._failed):
+                    self._resume()
+            finally:
+                self._lock.release()
+            if not self._again:
+                return
+
     def _resume(self) -> None:
-        """The current handle is done: resume the steps with its result or error."""
+        """The current handle is done (or the operation failed): resume the steps with its
+        result or error."""
         handle = self._handle
         error = self._failed or handle.exception()
         if error is not None:
@@ -122,36 +169,48 @@ class Pending:
         except StopIteration as stop:
             self._end(stop.value, None)
             return
-        except BaseException as exc:  # the operation's own error, as it worded it
+        except PslinkError as exc:  # the service's or the operation's: named for this operation
+            self._end(None, reworded(exc, self.what))
+            return
+        except BaseException as exc:
             self._end(None, exc)
             return
         self._handle = handle
-        if self._progress is not None:
+        if self._progress is not None or self._inline:
             handle.add_done_callback(self._ready)
 
     def _end(self, result: Any, error: BaseException | None) -> None:
-        self._result, self._error, self._ended, self._handle = result, error, True, None
+        self._result, self._error, self._handle = result, error, None
+        self._ended = True
         if self._finish is not None:
             self._finish()
+        with self._callbacks_lock:
+            callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            try:
+                callback(self)
+            except Exception:  # a caller's callback must not break the operation's end
+                log.exception("pslink: a callback of %r failed", self)
 
     def _ready(self, handle) -> None:
-        """A handle completed (on the Agent's driving thread): the next step is the progress
-        thread's, unless a waiter takes it first."""
-        if handle is self._handle:
+        """A handle completed (on the Agent's driving thread): take the next steps here when
+        they only compute, else leave them to the progress thread (or a waiter)."""
+        if handle is not self._handle:
+            return
+        if self._inline:
+            self._drain()
+        else:
             self._progress.schedule(self)
-
-    def advance(self) -> None:
-        """Take the steps that are ready (the progress thread's call); never blocks on a waiter."""
-        if not self._lock.acquire(blocking=False):
-            return  # a waiter holds it: it takes the steps itself
-        try:
-            while not self._ended and self._handle.done():
-                self._resume()
-        finally:
-            self._lock.release()
 
     def __repr__(self) -> str:
         return f"<Pending {self.what} {'done' if self._ended else 'in flight'}>"
+
+
+def reworded(error: PslinkError, what: str) -> PslinkError:
+    """``error`` of the same class, its message led by ``what`` (unless it is already)."""
+    if error.message.startswith(what):
+        return error
+    return type(error)(f"{what}: {error.message}", **error.details)
 
 
 class PendingGroup:

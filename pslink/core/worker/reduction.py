@@ -30,6 +30,10 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    # Not Horovod's: torch.distributed's bitwise reductions (its ``pslink`` backend), of integers.
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
 
 Average = ReduceOp.AVERAGE
@@ -38,8 +42,10 @@ Adasum = ReduceOp.ADASUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Band, Bor, Bxor = ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR
 # Reduced from every rank's array gathered in rank order: the service only sums.
-GATHERED = frozenset({Min, Max, Product, Adasum})
+GATHERED = frozenset({Min, Max, Product, Adasum, Band, Bor, Bxor})
+_BITWISE = {Band: np.bitwise_and, Bor: np.bitwise_or, Bxor: np.bitwise_xor}
 
 
 def reduce_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:
@@ -105,6 +111,10 @@ def reduce_rows(rows: np.ndarray, op: ReduceOp) -> np.ndarray:
         return np.prod(rows, axis=0, dtype=rows.dtype)
     if op is Adasum:
         return adasum(rows)
+    if op in _BITWISE:
+        if rows.dtype.kind not in "iub":
+            raise ConfigError(f"op={op.name} reduces integer tensors, got {rows.dtype}")
+        return _BITWISE[op].reduce(rows, axis=0)
     raise ConfigError(f"reduce_rows takes Min, Max, Product or Adasum, got {op!r}")
 
 

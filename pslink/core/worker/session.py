@@ -40,7 +40,7 @@ from pslink.core.worker import board as boards
 from pslink.core.worker import collectives
 from pslink.core.worker.board import Board, Call, Decided, JoinDone
 from pslink.core.worker.collectives import Zeros, bits_of, service_key
-from pslink.core.worker.pending import Pending, PendingGroup, Progress
+from pslink.core.worker.pending import Pending, PendingGroup, Progress, reworded
 from pslink.core.worker.process_sets import ProcessSets
 from pslink.core.worker.reduction import (GATHERED, Adasum, Average, ReduceOp, Sum, check_factor, reduce_op,
                                           reduce_rows, scale, service_averages)
@@ -48,7 +48,7 @@ from pslink.errors import ConfigError, MismatchError, PslinkError
 
 log = logging.getLogger("pslink.core.worker")
 
-UNNAMED_KINDS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall", "sparse_allreduce")
+UNNAMED_KINDS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall", "sparse_allreduce", "call")
 BOARD_WINDOW = 32  # board rounds a rank may have in flight (the service refuses pushes 64 rounds ahead)
 _UNNAMED = re.compile(r"^(\w+)\.noname\.(?:g(\d+)\.)?(\d+)$")
 _ENDED = object()  # a call of this rank that ended before the board decided it
@@ -63,11 +63,15 @@ class Session:
     new Agent for this rank of the same job (elastic recovery; :func:`pslink.core.worker.elastic.register_again`)."""
 
     def __init__(self, agent, local_rank: int | None = None, local_size: int | None = None,
-                 reconnect: Callable | None = None):
+                 reconnect: Callable | None = None, ordered: bool = False):
         self._check_mode(agent)
         self.agent = agent
         self.timeout = agent.timeout
         self._reconnect = reconnect
+        # ``ordered``: unnamed calls are numbered in one sequence whatever their kind, so the n-th
+        # calls of the ranks are matched (and checked) whatever they are: torch.distributed's
+        # rule (every rank makes the same collectives in the same order), not Horovod's.
+        self._ordered = ordered
         self._zeros = Zeros()
         self._progress = Progress(f"pslink-progress-{agent.job}-{agent.rank}")
         self._lock = threading.RLock()  # the board's order, names in flight, the calls' verdicts
@@ -165,6 +169,7 @@ class Session:
         """``name`` checked, or the next unnamed name of ``kind`` (the n-th unnamed call of a
         kind is the same operation on every rank, as in Horovod)."""
         if name is None:
+            kind = "call" if self._ordered else kind
             with self._lock:
                 number = self._unnamed[kind]
                 self._unnamed[kind] = number + 1
@@ -172,6 +177,19 @@ class Session:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
         return name
+
+    def data_key(self, kind: str, name: str, how: str, dtype: str, shape: tuple, sized: bool = False) -> str:
+        """The service key of a call's data. A named call's key is its name's (with ``how``: the
+        reduction, root rank or step, and the dtype: ranks that disagree in them meet on
+        different keys, and the board's verdict ends their wait). An unnamed call's key is its
+        signature's: the n-th unnamed call of a kind and signature is round n of one key, as the
+        n-th unnamed call is the same operation on every rank, so a training loop's unnamed
+        calls reuse a few keys instead of making one per call on the service. ``sized``: the
+        shape is part of a named key too (a gather's rows differ from call to call)."""
+        dims = "x".join(str(d) for d in shape) or "scalar"
+        if _UNNAMED.match(name) is None:
+            return service_key(kind, name, how, dtype, dims) if sized else service_key(kind, name, how, dtype)
+        return service_key(kind, "noname", f"g{self.generation}", how, dtype, dims)
 
     def group_names(self, kind: str, name: str | None, count: int) -> list:
         """A group's names: ``name.i`` each, or None each (unnamed: numbered one by one)."""
@@ -280,8 +298,10 @@ class Session:
             return [(mine, verdict.error)]
         return []
 
-    def _pending(self, what: str, steps, entry: tuple[str, int] | None, claimed: str | None = None) -> Pending:
-        """Run ``steps`` as this rank's call ``entry`` (its board verdict may fail it)."""
+    def _pending(self, what: str, steps, entry: tuple[str, int] | None, claimed: str | None = None,
+                 inline: bool = False) -> Pending:
+        """Run ``steps`` as this rank's call ``entry`` (its board verdict may fail it);
+        ``inline``: they only compute after their one push-pull (see Pending)."""
         def finish():
             with self._lock:
                 if claimed is not None:
@@ -289,7 +309,7 @@ class Session:
                 if entry is not None and entry in self._calls:
                     self._calls[entry] = _ENDED
 
-        pending = Pending(what, steps, self.agent.cancel, self._progress, finish)
+        pending = Pending(what, steps, self.agent.cancel, self._progress, finish, inline)
         if entry is not None:
             with self._lock:
                 early = self._early.pop(entry, None)
@@ -315,7 +335,7 @@ class Session:
         postscale = check_factor(postscale, f"{what}: postscale_factor")
         if op in GATHERED:
             return self._gathered_allreduce(array, out, name, op, prescale, postscale)
-        key = service_key("allreduce", op.value, name)
+        key = self.data_key("allreduce", name, op.value, array.dtype.name, array.shape)
         with self._lock:
             self._claim(name, what)
         try:
@@ -338,7 +358,7 @@ class Session:
                 scale(out, postscale)
             return out
 
-        return self._pending(what, steps(), entry, claimed=name)
+        return self._pending(what, steps(), entry, claimed=name, inline=True)
 
     def grouped_allreduce(self, arrays: Sequence[np.ndarray], outs: Sequence | None = None, name: str | None = None,
                           op: ReduceOp = Average, prescale: float = 1.0, postscale: float = 1.0) -> PendingGroup:
@@ -417,7 +437,7 @@ class Session:
                     continue
                 # The key names the dtype and root: ranks that disagree on them wait on different
                 # keys (the board's verdict ends the wait) instead of summing two roots' values.
-                keys.append(service_key("broadcast", item_name, array.dtype.name, f"root{root}"))
+                keys.append(self.data_key("broadcast", item_name, f"root{root}", array.dtype.name, array.shape))
                 bits = bits_of(out)
                 outs.append(bits)
                 pushes.append(bits if self.rank == root else self._zeros.like(bits))
@@ -433,7 +453,7 @@ class Session:
                 yield handle
             return result
 
-        return self._pending(what, steps(), entry, claimed=name)
+        return self._pending(what, steps(), entry, claimed=name, inline=True)
 
     def _send_many(self, what: str, keys: list, arrays: list, outs: list, average: bool = False):
         if len(keys) == 1:
@@ -458,8 +478,10 @@ class Session:
             array = array.reshape(1)
         if array.ndim > collectives.MAX_GATHER_DIMS:
             raise ConfigError(f"{what}: at most {collectives.MAX_GATHER_DIMS} dimensions, got {array.ndim}")
-        call = Call(kind, call_name or name, array.dtype.name, array.shape[1:] if kind == boards.ALLGATHER else
-                    array.shape, op, -1, *factors)
+        # A gather's (and alltoall's) rows are each rank's own: only the other dimensions must agree.
+        free_rows = kind in (boards.ALLGATHER, boards.ALLTOALL)
+        call = Call(kind, call_name or name, array.dtype.name, array.shape[1:] if free_rows else array.shape, op, -1,
+                    *factors)
         with self._lock:
             self._claim(name, what)
         try:
@@ -503,7 +525,7 @@ class Session:
             summed = np.empty_like(array)
             averaged = service_averages(op, array.dtype)
             source = scale(array, prescale, summed) if prescale != 1.0 else array
-            key = service_key("reducescatter", op.value, name)
+            key = self.data_key("reducescatter", name, op.value, array.dtype.name, array.shape)
             handle = self._send(what, key, source, summed, averaged) if array.size else None
         except BaseException:
             with self._lock:
@@ -521,7 +543,7 @@ class Session:
                 scale(share, postscale)
             return share
 
-        return self._pending(what, steps(), entry, claimed=name)
+        return self._pending(what, steps(), entry, claimed=name, inline=True)
 
     def grouped_reducescatter(self, arrays: Sequence[np.ndarray], name: str | None = None, op: ReduceOp = Average,
                               prescale: float = 1.0, postscale: float = 1.0) -> PendingGroup:
@@ -605,7 +627,7 @@ class Session:
             yield handle
             return None
 
-        return self._pending(f"optimizer #{index} step", steps(), entry)
+        return self._pending(f"optimizer #{index} step", steps(), entry, inline=True)
 
     def join(self) -> int:
         """This rank ran out of data: until every rank did, take part in the others' allreduces
@@ -663,7 +685,7 @@ class Session:
         zeros = np.zeros(call.shape, DTYPES[call.dtype])
         if not zeros.size:
             return []
-        key = service_key("allreduce", call.op, call.name)
+        key = self.data_key("allreduce", call.name, call.op, call.dtype, call.shape)
         return [(self.agent.pushpull(key, zeros, out=zeros), zeros)]  # zeros stay alive until answered
 
     def _follow_unnamed(self, name: str) -> None:
@@ -717,7 +739,7 @@ class Gather:
             mine[2 + collectives.MAX_GATHER_DIMS :] = self.extra
             # The shapes key does not name the dtype or the extra values' count: ranks that
             # disagree meet there and learn it together.
-            shapes_key = service_key("allgather", name, "shapes", width)
+            shapes_key = session.data_key("allgather", name, "shapes", "int64", row.shape, sized=True)
             described = yield session._send(what, shapes_key, row, row)
             described = described[: session.size]
             dims = [tuple(int(d) for d in r[2 : 2 + int(r[0])]) for r in described]
@@ -733,8 +755,7 @@ class Gather:
             buffer = np.zeros((total,) + array.shape[1:], array.dtype)
             buffer[start : start + array.shape[0]] = array
             if buffer.size:
-                dims_text = "x".join(str(d) for d in buffer.shape)
-                data_key = service_key("allgather", name, array.dtype.name, dims_text)
+                data_key = session.data_key("allgather", name, "rows", array.dtype.name, buffer.shape, sized=True)
                 bits = bits_of(buffer)
                 yield session._send(what, data_key, bits, bits)
             return buffer, rows
@@ -768,10 +789,3 @@ def out_array(array: np.ndarray, out: np.ndarray | None, what: str) -> np.ndarra
         raise ConfigError(f"{what}: the result's array must be a writable C-contiguous {array.dtype} {array.shape}, "
                           f"got {out.dtype} {out.shape}")
     return out
-
-
-def reworded(error: PslinkError, what: str) -> PslinkError:
-    """``error`` of the same class, its message led by ``what``."""
-    if error.message.startswith(what):
-        return error
-    return type(error)(f"{what}: {error.message}", **error.details)
