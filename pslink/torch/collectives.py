@@ -205,7 +205,7 @@ def allgather_async(session: Session, tensor: torch.Tensor, name: str | None = N
     tensor = _tensor(tensor, "allgather")
     source = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
     view = HostView(source, "allgather")
-    pending = session.allgather(view.array, name).pending()
+    pending = session.allgather(view.array, name)
     return Work(pending, lambda result: _host(result[0], tensor))
 
 

@@ -13,13 +13,17 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 from typing import Any
 
 from pslink.config import ENV_JOB, local_place
 from pslink.core.service.service import Service
 from pslink.core.worker.connect import connect
 from pslink.core.worker.session import Session
-from pslink.errors import AuthError, ConfigError, PeerError, UnknownJobError
+from pslink.errors import AuthError, ConfigError, PeerError, PslinkTimeoutError, UnknownJobError
+
+SETTLE_BARRIER = "hvd/init"
+SETTLE_PAUSE = 0.05  # between barriers while ranks are still missing
 
 
 class Holder:
@@ -50,6 +54,8 @@ class Holder:
                 job, rank, num_workers, master = self._alone()
             agent = self._connect(job, rank, num_workers, master, options)
             self._token = agent.token
+            if agent.late:
+                self._settle(agent)
 
             def connect_again(token: bytes, rejoin: bool = False):
                 """The same registration with the job's token (elastic recovery: a new Agent)."""
@@ -75,6 +81,27 @@ class Holder:
         except ConfigError as exc:
             raise ConfigError(f"{self.module}.init: {exc.message}. Run the script under `pslink launch -n N python "
                               "script.py`, which sets PSLINK_JOB, PSLINK_RANK and PSLINK_NUM_WORKERS") from None
+
+    def _settle(self, agent) -> None:
+        """``init()`` again after ``shutdown()``: this rank registered into its job while the job
+        ran (the other ranks may not have initialized again yet). As Horovod's re-init is
+        collective, wait until every rank of the job is a member again, in a barrier that
+        releases twice in a row with all of them (nobody pushes in between), and come into the
+        job's keys: then every rank's next round is the same."""
+        deadline = time.monotonic() + agent.timeout
+        previous = None
+        while True:
+            released = sorted(int(r) for r in agent.barrier(SETTLE_BARRIER, timeout=agent.timeout)["ranks"])
+            agent.join_all(agent.timeout)
+            if len(released) >= agent.num_workers and released == previous:
+                return
+            if time.monotonic() > deadline:
+                raise PslinkTimeoutError(f"{self.module}.init: job {agent.job!r} has ranks {released} of "
+                                         f"{agent.num_workers} after {agent.timeout:g} s: did every rank call init() "
+                                         "again?", job=agent.job)
+            if len(released) < agent.num_workers:
+                time.sleep(SETTLE_PAUSE)  # the others have not registered again yet
+            previous = released
 
     def _alone(self) -> tuple[str, int, int, str]:
         """A job of one worker on a service of this process's own (Horovod without a launcher)."""

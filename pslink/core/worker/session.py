@@ -44,12 +44,13 @@ from pslink.core.worker.pending import Pending, PendingGroup, Progress, reworded
 from pslink.core.worker.process_sets import ProcessSets
 from pslink.core.worker.reduction import (GATHERED, Adasum, Average, ReduceOp, Sum, check_factor, reduce_op,
                                           reduce_rows, scale, service_averages)
-from pslink.errors import ConfigError, MismatchError, PslinkError
+from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
 
 log = logging.getLogger("pslink.core.worker")
 
 UNNAMED_KINDS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall", "sparse_allreduce", "call")
 BOARD_WINDOW = 32  # board rounds a rank may have in flight (the service refuses pushes 64 rounds ahead)
+LATER_SLOTS = 2 * BOARD_WINDOW  # see Session.data_key
 _UNNAMED = re.compile(r"^(\w+)\.noname\.(?:g(\d+)\.)?(\d+)$")
 _ENDED = object()  # a call of this rank that ended before the board decided it
 
@@ -75,6 +76,7 @@ class Session:
         self._zeros = Zeros()
         self._progress = Progress(f"pslink-progress-{agent.job}-{agent.rank}")
         self._lock = threading.RLock()  # the board's order, names in flight, the calls' verdicts
+        self._issuing = threading.RLock()  # one call issued at a time (see _issue)
         self.steppers: list[Callable[[], None]] = []  # optimizers' zero contributions, in creation order (join)
         self._abandons: list[Callable[[], None]] = []  # optimizers' "forget what is in flight"
         self.process_sets = ProcessSets(self)
@@ -178,18 +180,24 @@ class Session:
             raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
         return name
 
-    def data_key(self, kind: str, name: str, how: str, dtype: str, shape: tuple, sized: bool = False) -> str:
+    def data_key(self, kind: str, name: str, how: str, dtype: str, shape: tuple, sized: bool = False,
+                 later: bool = False) -> str:
         """The service key of a call's data. A named call's key is its name's (with ``how``: the
         reduction, root rank or step, and the dtype: ranks that disagree in them meet on
         different keys, and the board's verdict ends their wait). An unnamed call's key is its
         signature's: the n-th unnamed call of a kind and signature is round n of one key, as the
         n-th unnamed call is the same operation on every rank, so a training loop's unnamed
         calls reuse a few keys instead of making one per call on the service. ``sized``: the
-        shape is part of a named key too (a gather's rows differ from call to call)."""
+        shape is part of a named key too (a gather's rows differ from call to call). ``later``:
+        for a request sent after the call's first answer (a gather's rows), whose order among
+        other calls' no lock keeps: its unnamed key also names the call's number modulo
+        :data:`LATER_SLOTS` (more calls than that are never in flight: the board's window)."""
         dims = "x".join(str(d) for d in shape) or "scalar"
-        if _UNNAMED.match(name) is None:
+        match = _UNNAMED.match(name)
+        if match is None:
             return service_key(kind, name, how, dtype, dims) if sized else service_key(kind, name, how, dtype)
-        return service_key(kind, "noname", f"g{self.generation}", how, dtype, dims)
+        slot = (f"s{int(match.group(3)) % LATER_SLOTS}",) if later else ()
+        return service_key(kind, "noname", f"g{self.generation}", how, dtype, dims, *slot)
 
     def group_names(self, kind: str, name: str | None, count: int) -> list:
         """A group's names: ``name.i`` each, or None each (unnamed: numbered one by one)."""
@@ -319,6 +327,43 @@ class Session:
                 pending.fail(early)
         return pending
 
+    # -- issuing ----------------------------------------------------------------------------------
+
+    def _issue(self, kind: str, name: str | None, build: Callable[[str], tuple]) -> Pending:
+        """Issue one call of ``kind``: name it, claim the name, announce it on the board, start
+        it. ``build(name)`` returns (what, its board Call, its steps, inline); the steps' first
+        requests go out before this returns. All under the issue lock, so that one rank's calls
+        reach the service in the order they were named: an unnamed call's key is shared with the
+        other calls of its signature, and its rounds pair with the other ranks' by that order."""
+        with self._issuing:
+            name = self.name(kind, name)
+            what, call, steps, inline = build(name)
+            with self._lock:
+                self._claim(name, what)
+            try:
+                entry, _ = self._announce(call)
+                return self._pending(what, steps, entry, claimed=name, inline=inline)
+            except BaseException:
+                with self._lock:
+                    self._in_flight.discard(name)
+                raise
+
+    def _send(self, what: str, key, array: np.ndarray, out: np.ndarray, average: bool = False):
+        """One push-pull of ``key``; an error found before sending (a shape the service knows
+        otherwise) names ``what``."""
+        try:
+            return self.agent.pushpull(key, array, out=out, average=average)
+        except PslinkError as exc:
+            raise reworded(exc, what) from None
+
+    def _send_many(self, what: str, keys: list, arrays: list, outs: list):
+        if len(keys) == 1:
+            return self._send(what, keys[0], arrays[0], outs[0])
+        try:
+            return self.agent.pushpull_many(keys, arrays, outs=outs)
+        except PslinkError as exc:
+            raise reworded(exc, what) from None
+
     # -- allreduce --------------------------------------------------------------------------------
 
     def allreduce(self, array: np.ndarray, out: np.ndarray | None = None, name: str | None = None,
@@ -327,38 +372,47 @@ class Session:
         itself for in place). ``prescale`` multiplies each rank's array first, ``postscale`` the
         result. The Pending's result is ``out``."""
         op = reduce_op(op)
-        name = self.name("allreduce", name)
-        what = f"allreduce {name!r}"
-        array = host_array(array, what)
-        out = out_array(array, out, what)
-        prescale = check_factor(prescale, f"{what}: prescale_factor")
-        postscale = check_factor(postscale, f"{what}: postscale_factor")
-        if op in GATHERED:
-            return self._gathered_allreduce(array, out, name, op, prescale, postscale)
-        key = self.data_key("allreduce", name, op.value, array.dtype.name, array.shape)
-        with self._lock:
-            self._claim(name, what)
-        try:
-            entry, _ = self._announce(Call(boards.ALLREDUCE, name, array.dtype.name, array.shape, op.value, -1,
-                                           prescale, postscale))
-            averaged = service_averages(op, array.dtype)
+        array = host_array(array, "allreduce")
+        out = out_array(array, out, "allreduce")
+        prescale = check_factor(prescale, "allreduce: prescale_factor")
+        postscale = check_factor(postscale, "allreduce: postscale_factor")
+        if op is Adasum and array.dtype.kind != "f":
+            raise ConfigError(f"allreduce: Adasum reduces floating-point tensors, got {array.dtype}")
+
+        def build(name: str):
+            what = f"allreduce {name!r}"
+            call = Call(boards.ALLREDUCE, name, array.dtype.name, array.shape, op.value, -1, prescale, postscale)
+            if op in GATHERED:
+                return what, call, self._gathered_reduce(array, out, name, op, prescale, postscale), False
+            return what, call, self._summed(array, out, name, what, op, prescale, postscale), True
+
+        return self._issue("allreduce", name, build)
+
+    def _summed(self, array: np.ndarray, out: np.ndarray, name: str, what: str, op: ReduceOp, prescale: float,
+                postscale: float, kind: str = "allreduce"):
+        """The steps of a sum on the service: prescale, one push-pull, the average's division
+        (integers) and postscale."""
+        averaged = service_averages(op, array.dtype)
+        if array.size:
             source = scale(array, prescale, out) if prescale != 1.0 else array
-            handle = self._send(what, key, source, out, averaged) if array.size else None
-        except BaseException:
-            with self._lock:
-                self._in_flight.discard(name)
-            raise
+            key = self.data_key(kind, name, op.value, array.dtype.name, array.shape)
+            yield self._send(what, key, source, out, averaged)
+        if op is Average and not averaged:
+            scale(out, postscale / self.size)
+        elif postscale != 1.0:
+            scale(out, postscale)
+        return out
 
-        def steps():
-            if handle is not None:
-                yield handle
-            if op is Average and not averaged:
-                scale(out, postscale / self.size)
-            elif postscale != 1.0:
-                scale(out, postscale)
-            return out
-
-        return self._pending(what, steps(), entry, claimed=name, inline=True)
+    def _gathered_reduce(self, array: np.ndarray, out: np.ndarray, name: str, op: ReduceOp, prescale: float,
+                         postscale: float):
+        """The steps of Min, Max, Product, Adasum and the bitwise ops: every rank's (prescaled)
+        array gathered in rank order and reduced alike on each."""
+        source = scale(array, prescale, np.empty_like(array)) if prescale != 1.0 else array
+        rows, _ = yield from self._gather(source.reshape(1, -1), name, f"allreduce {name!r}")
+        np.copyto(out, reduce_rows(rows, op).reshape(out.shape))
+        if postscale != 1.0:
+            scale(out, postscale)
+        return out
 
     def grouped_allreduce(self, arrays: Sequence[np.ndarray], outs: Sequence | None = None, name: str | None = None,
                           op: ReduceOp = Average, prescale: float = 1.0, postscale: float = 1.0) -> PendingGroup:
@@ -372,33 +426,6 @@ class Session:
         return PendingGroup([self.allreduce(a, o, n, op, prescale, postscale) for a, o, n in zip(arrays, outs, names)],
                             f"grouped_allreduce {name!r}")
 
-    def _gathered_allreduce(self, array: np.ndarray, out: np.ndarray, name: str, op: ReduceOp, prescale: float,
-                            postscale: float) -> Pending:
-        """Min, Max, Product, Adasum: every rank's (prescaled) array gathered in rank order and
-        reduced alike on each."""
-        if op is Adasum and array.dtype.kind != "f":
-            raise ConfigError(f"allreduce {name!r}: Adasum reduces floating-point tensors, got {array.dtype}")
-        source = scale(array, prescale, np.empty_like(array)) if prescale != 1.0 else array
-        gather = self.allgather(source.reshape(1, -1), f"{name}.{op.value}", kind=boards.ALLREDUCE,
-                                call_name=name, op=op.value, factors=(prescale, postscale))
-
-        def steps():
-            rows, _ = yield from gather.steps()
-            np.copyto(out, reduce_rows(rows, op).reshape(out.shape))
-            if postscale != 1.0:
-                scale(out, postscale)
-            return out
-
-        return self._pending(f"allreduce {name!r} (op={op.name.title()})", steps(), gather.entry)
-
-    def _send(self, what: str, key, array: np.ndarray, out: np.ndarray, average: bool = False):
-        """One push-pull of ``key``; an error found before sending (a shape the service knows
-        otherwise) names ``what``."""
-        try:
-            return self.agent.pushpull(key, array, out=out, average=average)
-        except PslinkError as exc:
-            raise reworded(exc, what) from None
-
     # -- broadcast --------------------------------------------------------------------------------
 
     def check_root(self, root: Any, what: str) -> int:
@@ -407,98 +434,103 @@ class Session:
     def broadcast(self, array: np.ndarray, root: int, out: np.ndarray | None = None,
                   name: str | None = None) -> Pending:
         """``root``'s ``array`` on every rank, bit for bit, into ``out`` (``array`` for in place)."""
-        name = self.name("broadcast", name)
-        what = f"broadcast {name!r}"
-        root = self.check_root(root, what)
-        array = host_array(array, what)
-        out = out_array(array, out, what)
-        return self._broadcast([(name, array, out)], root, what, name)
+        root = self.check_root(root, "broadcast")
+        array = host_array(array, "broadcast")
+        out = out_array(array, out, "broadcast")
+
+        def build(name: str):
+            call = Call(boards.BROADCAST, name, array.dtype.name, array.shape, "", root)
+            return f"broadcast {name!r}", call, self._broadcast_steps([(name, array, out)], root, out), True
+
+        return self._issue("broadcast", name, build)
 
     def broadcast_many(self, named: Sequence[tuple[str, np.ndarray, np.ndarray]], root: int, what: str,
                        name: str) -> Pending:
         """Several arrays (name, array, out) broadcast in one request, as one call ``name``
-        (``broadcast_parameters``)."""
+        (``broadcast_parameters``); the Pending's result is the list of outs."""
         root = self.check_root(root, what)
-        return self._broadcast([(n, host_array(a, f"{what}: {n!r}"), o) for n, a, o in named], root, what,
-                               self.name("broadcast", name))
+        items = [(n, host_array(a, f"{what}: {n!r}"), o) for n, a, o in named]
 
-    def _broadcast(self, items: list, root: int, what: str, name: str) -> Pending:
-        shape = items[0][1].shape if len(items) == 1 else (len(items),)
-        dtype = items[0][1].dtype.name if len(items) == 1 else ""
-        with self._lock:
-            self._claim(name, what)
-        try:
-            entry, _ = self._announce(Call(boards.BROADCAST, name, dtype, shape, "", root))
-            keys, pushes, outs = [], [], []
-            for item_name, array, out in items:
-                if out is not array and self.rank == root:
-                    np.copyto(out, array)  # the root sends its value from out (and gets it back there)
-                if not array.size:
-                    continue
-                # The key names the dtype and root: ranks that disagree on them wait on different
-                # keys (the board's verdict ends the wait) instead of summing two roots' values.
-                keys.append(self.data_key("broadcast", item_name, f"root{root}", array.dtype.name, array.shape))
-                bits = bits_of(out)
-                outs.append(bits)
-                pushes.append(bits if self.rank == root else self._zeros.like(bits))
-            handle = self._send_many(what, keys, pushes, outs) if keys else None
-        except BaseException:
-            with self._lock:
-                self._in_flight.discard(name)
-            raise
-        result = items[0][2] if len(items) == 1 else [out for _, _, out in items]
+        def build(call_name: str):
+            call = Call(boards.BROADCAST, call_name, "", (len(items),), "", root)
+            return what, call, self._broadcast_steps(items, root, [o for _, _, o in items]), True
 
-        def steps():
-            if handle is not None:
-                yield handle
-            return result
+        return self._issue("broadcast", name, build)
 
-        return self._pending(what, steps(), entry, claimed=name, inline=True)
-
-    def _send_many(self, what: str, keys: list, arrays: list, outs: list, average: bool = False):
-        if len(keys) == 1:
-            return self._send(what, keys[0], arrays[0], outs[0], average)
-        try:
-            return self.agent.pushpull_many(keys, arrays, outs=outs, average=average)
-        except PslinkError as exc:
-            raise reworded(exc, what) from None
+    def _broadcast_steps(self, items: list, root: int, result):
+        """One push-pull of every item's key: the root pushes its values (as integers of their
+        width: the sum with zeros is exact, -0.0 included), the others zeros."""
+        keys, pushes, outs = [], [], []
+        for item_name, array, out in items:
+            if out is not array and self.rank == root:
+                np.copyto(out, array)  # the root sends its value from out (and gets it back there)
+            if not array.size:
+                continue
+            # The key names the root and dtype: ranks that disagree on them wait on different
+            # keys (the board's verdict ends the wait) instead of summing two roots' values.
+            keys.append(self.data_key("broadcast", item_name, f"root{root}", array.dtype.name, array.shape))
+            bits = bits_of(out)
+            outs.append(bits)
+            pushes.append(bits if self.rank == root else self._zeros.like(bits))
+        if keys:
+            yield self._send_many(f"broadcast to {len(keys)} key(s)", keys, pushes, outs)
+        return result
 
     # -- allgather ----------------------------------------------------------------------------------
 
-    def allgather(self, array: np.ndarray, name: str | None = None, *, kind: int = boards.ALLGATHER,
-                  call_name: str | None = None, op: str = "", factors: tuple = (1.0, 1.0)) -> "Gather":
+    def allgather(self, array: np.ndarray, name: str | None = None) -> Pending:
         """Every rank's ``array`` concatenated along the first dimension, in rank order (ranks may
         bring different numbers of rows; the other dimensions and the dtype must agree). The
-        Pending's result is ``(gathered, rows per rank)``. (``kind``, ``call_name``, ``op`` and
-        ``factors``: the call the board checks, when a gather serves another collective.)"""
-        name = name if call_name is not None else self.name("allgather", name)
-        what = f"allgather {name!r}"
-        array = host_array(array, what)
-        if array.ndim == 0:
-            array = array.reshape(1)
-        if array.ndim > collectives.MAX_GATHER_DIMS:
-            raise ConfigError(f"{what}: at most {collectives.MAX_GATHER_DIMS} dimensions, got {array.ndim}")
-        # A gather's (and alltoall's) rows are each rank's own: only the other dimensions must agree.
-        free_rows = kind in (boards.ALLGATHER, boards.ALLTOALL)
-        call = Call(kind, call_name or name, array.dtype.name, array.shape[1:] if free_rows else array.shape, op, -1,
-                    *factors)
-        with self._lock:
-            self._claim(name, what)
-        try:
-            entry, _ = self._announce(call)
-        except BaseException:
-            with self._lock:
-                self._in_flight.discard(name)
-            raise
-        return Gather(self, array, name, what, entry)
+        Pending's result is ``(gathered, rows per rank)``."""
+        array = gather_array(host_array(array, "allgather"), "allgather")
+
+        def build(name: str):
+            what = f"allgather {name!r}"
+            call = Call(boards.ALLGATHER, name, array.dtype.name, array.shape[1:])
+            return what, call, self._gather(array, name, what), False
+
+        return self._issue("allgather", name, build)
 
     def grouped_allgather(self, arrays: Sequence[np.ndarray], name: str | None = None) -> PendingGroup:
         arrays = list(arrays)
         if not arrays:
             raise ConfigError("grouped_allgather takes a non-empty list of tensors")
         names = self.group_names("allgather", name, len(arrays))
-        return PendingGroup([self.allgather(a, n).pending() for a, n in zip(arrays, names)],
-                            f"grouped_allgather {name!r}")
+        return PendingGroup([self.allgather(a, n) for a, n in zip(arrays, names)], f"grouped_allgather {name!r}")
+
+    def _gather(self, array: np.ndarray, name: str, what: str, extra: np.ndarray | None = None):
+        """The steps of a gather: a shapes round (every rank's dimensions, dtype and ``extra``
+        values, such as alltoall's splits), then the rows. Returns (gathered, rows per rank),
+        and with ``extra`` every rank's extra values too."""
+        extra = np.zeros(0, np.int64) if extra is None else extra
+        width = 2 + collectives.MAX_GATHER_DIMS + extra.size
+        table = np.zeros((self.capacity, width), np.int64)
+        mine = table[self.rank]
+        mine[0], mine[1] = array.ndim, collectives.dtype_code(array.dtype)
+        mine[2 : 2 + array.ndim] = array.shape
+        mine[2 + collectives.MAX_GATHER_DIMS :] = extra
+        # The shapes key names neither the dtype nor the rows: ranks that disagree meet there and
+        # learn it together.
+        described = yield self._send(what, self.data_key("allgather", name, "shapes", "int64", table.shape,
+                                                         sized=True), table, table)
+        described = described[: self.size]
+        dims = [tuple(int(d) for d in r[2 : 2 + int(r[0])]) for r in described]
+        dtypes = [collectives.dtype_of(int(r[1])) for r in described]
+        if any(d[1:] != dims[0][1:] for d in dims) or any(t != dtypes[0] for t in dtypes):
+            listing = ", ".join(f"rank {r} has {d} {t}" for r, (t, d) in enumerate(zip(dtypes, dims)))
+            raise ShapeMismatchError(f"{what}: the ranks' tensors must agree in dtype and in every dimension but the "
+                                     f"first: {listing}", key=name, shapes=[list(d) for d in dims], dtypes=dtypes)
+        rows = np.array([d[0] for d in dims], np.int64)
+        start = int(rows[: self.rank].sum())
+        buffer = np.zeros((int(rows.sum()),) + array.shape[1:], array.dtype)
+        buffer[start : start + array.shape[0]] = array
+        if buffer.size:
+            bits = bits_of(buffer)
+            key = self.data_key("allgather", name, "rows", array.dtype.name, buffer.shape, sized=True, later=True)
+            yield self._send(what, key, bits, bits)
+        if extra.size:
+            return buffer, rows, described[:, 2 + collectives.MAX_GATHER_DIMS :]
+        return buffer, rows
 
     # -- reducescatter ------------------------------------------------------------------------------
 
@@ -508,42 +540,29 @@ class Session:
         this rank's share of its first dimension the result (the first ``rows % size`` ranks get
         one row more, as Horovod splits)."""
         op = reduce_op(op)
-        name = self.name("reducescatter", name)
-        what = f"reducescatter {name!r}"
         if op not in (Average, Sum):
-            raise ConfigError(f"{what} reduces with op=Average or Sum, got op={op.name.title()}")
-        array = host_array(array, what)
+            raise ConfigError(f"reducescatter reduces with op=Average or Sum, got op={op.name.title()}")
+        array = host_array(array, "reducescatter")
         if array.ndim == 0:
-            raise ConfigError(f"{what} needs a tensor of at least one dimension (its rows are scattered)")
-        prescale = check_factor(prescale, f"{what}: prescale_factor")
-        postscale = check_factor(postscale, f"{what}: postscale_factor")
-        with self._lock:
-            self._claim(name, what)
-        try:
-            entry, _ = self._announce(Call(boards.REDUCESCATTER, name, array.dtype.name, array.shape, op.value, -1,
-                                           prescale, postscale))
-            summed = np.empty_like(array)
-            averaged = service_averages(op, array.dtype)
-            source = scale(array, prescale, summed) if prescale != 1.0 else array
-            key = self.data_key("reducescatter", name, op.value, array.dtype.name, array.shape)
-            handle = self._send(what, key, source, summed, averaged) if array.size else None
-        except BaseException:
-            with self._lock:
-                self._in_flight.discard(name)
-            raise
+            raise ConfigError("reducescatter needs a tensor of at least one dimension (its rows are scattered)")
+        prescale = check_factor(prescale, "reducescatter: prescale_factor")
+        postscale = check_factor(postscale, "reducescatter: postscale_factor")
         start, rows = collectives.scatter_share(array.shape[0], self.size, self.rank)
 
-        def steps():
-            if handle is not None:
-                yield handle
+        def steps(name: str, what: str):
+            summed = yield from self._summed(array, np.empty_like(array), name, what, op, prescale, 1.0,
+                                             kind="reducescatter")
             share = summed[start : start + rows].copy()
-            if op is Average and not averaged:
-                scale(share, postscale / self.size)
-            elif postscale != 1.0:
+            if postscale != 1.0:
                 scale(share, postscale)
             return share
 
-        return self._pending(what, steps(), entry, claimed=name, inline=True)
+        def build(name: str):
+            what = f"reducescatter {name!r}"
+            call = Call(boards.REDUCESCATTER, name, array.dtype.name, array.shape, op.value, -1, prescale, postscale)
+            return what, call, steps(name, what), True
+
+        return self._issue("reducescatter", name, build)
 
     def grouped_reducescatter(self, arrays: Sequence[np.ndarray], name: str | None = None, op: ReduceOp = Average,
                               prescale: float = 1.0, postscale: float = 1.0) -> PendingGroup:
@@ -560,25 +579,25 @@ class Session:
         """Horovod's alltoall: rank i gets ``splits[i]`` rows of every rank's ``array`` (equal
         shares of the first dimension when ``splits`` is None), concatenated in rank order. The
         Pending's result is ``(received, rows received from each rank)``."""
-        name = self.name("alltoall", name)
-        what = f"alltoall {name!r}"
-        array = host_array(array, what)
+        array = host_array(array, "alltoall")
         if array.ndim == 0:
-            raise ConfigError(f"{what} needs a tensor of at least one dimension (its rows are sent)")
-        splits = collectives.alltoall_splits(name, array.shape[0], self.size, splits)
-        # Every rank's rows and splits in one gather (its shapes round carries the splits): each
-        # rank takes its pieces of every rank's rows.
-        gather = self.allgather(array, name, kind=boards.ALLTOALL, call_name=name)
-        gather.extra = np.array(splits, np.int64)
+            raise ConfigError("alltoall needs a tensor of at least one dimension (its rows are sent)")
+        splits = collectives.alltoall_splits("alltoall", array.shape[0], self.size, splits)
 
-        def steps():
-            everything, _ = yield from gather.steps()
-            table = gather.extras.tolist()
+        def steps(name: str, what: str):
+            # Every rank's rows and splits in one gather (its shapes round carries the splits):
+            # each rank takes its pieces of every rank's rows.
+            everything, _, table = yield from self._gather(array, name, what, np.array(splits, np.int64))
+            table = table.tolist()
             pieces = [everything[start : start + rows] for start, rows in collectives.alltoall_pieces(table, self.rank)]
             received = np.concatenate(pieces) if pieces else np.empty((0,) + array.shape[1:], array.dtype)
             return received, np.array([sent[self.rank] for sent in table], np.int32)
 
-        return self._pending(what, steps(), gather.entry)
+        def build(name: str):
+            what = f"alltoall {name!r}"
+            return what, Call(boards.ALLTOALL, name, array.dtype.name, array.shape[1:]), steps(name, what), False
+
+        return self._issue("alltoall", name, build)
 
     # -- objects --------------------------------------------------------------------------------------
 
@@ -596,8 +615,8 @@ class Session:
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list:
         """Every rank's ``obj``, as a list in rank order."""
-        name = self.name("allgather", name) + ".object"
-        gathered, rows = self.allgather(collectives.object_bytes(obj), name).pending().wait(self.timeout)
+        name = None if name is None else f"{name}.object"
+        gathered, rows = self.allgather(collectives.object_bytes(obj), name).wait(self.timeout)
         bounds = np.concatenate([[0], np.cumsum(rows)])
         return [collectives.object_from(gathered[bounds[r] : bounds[r + 1]]) for r in range(self.size)]
 
@@ -713,57 +732,6 @@ class Session:
 _MISSING = object()
 
 
-class Gather:
-    """An allgather under way: a shapes round (every rank's dimensions, dtype and ``extra``
-    values, such as alltoall's splits), then the rows. :meth:`steps` is its generator (other
-    collectives build on it with ``yield from``); :meth:`pending` runs it on its own."""
-
-    def __init__(self, session: Session, array: np.ndarray, name: str, what: str, entry):
-        self.session, self.array, self.name, self.what, self.entry = session, array, name, what, entry
-        self.extra: np.ndarray = np.zeros(0, np.int64)
-        self.extras: np.ndarray | None = None  # every rank's extra values, once the shapes round is in
-
-    def pending(self) -> Pending:
-        return self.session._pending(self.what, self.steps(), self.entry)
-
-    def steps(self):
-        """The gather's steps; the name it claimed is released when they end."""
-        session, array, name, what = self.session, self.array, self.name, self.what
-        try:
-            capacity = session.capacity
-            width = 2 + collectives.MAX_GATHER_DIMS + self.extra.size
-            row = np.zeros((capacity, width), np.int64)
-            mine = row[session.rank]
-            mine[0], mine[1] = array.ndim, collectives.dtype_code(array.dtype)
-            mine[2 : 2 + array.ndim] = array.shape
-            mine[2 + collectives.MAX_GATHER_DIMS :] = self.extra
-            # The shapes key does not name the dtype or the extra values' count: ranks that
-            # disagree meet there and learn it together.
-            shapes_key = session.data_key("allgather", name, "shapes", "int64", row.shape, sized=True)
-            described = yield session._send(what, shapes_key, row, row)
-            described = described[: session.size]
-            dims = [tuple(int(d) for d in r[2 : 2 + int(r[0])]) for r in described]
-            dtypes = [collectives.dtype_of(int(r[1])) for r in described]
-            if any(d[1:] != dims[0][1:] for d in dims) or any(t != dtypes[0] for t in dtypes):
-                listing = ", ".join(f"rank {r} has {t} {d}" for r, (t, d) in enumerate(zip(dtypes, dims)))
-                raise MismatchError(f"{what}: the ranks' tensors must agree in dtype and in every dimension but the "
-                                    f"first: {listing}", name=name, shapes=[list(d) for d in dims], dtypes=dtypes)
-            self.extras = described[:, 2 + collectives.MAX_GATHER_DIMS :]
-            rows = np.array([d[0] for d in dims], np.int64)
-            total = int(rows.sum())
-            start = int(rows[: session.rank].sum())
-            buffer = np.zeros((total,) + array.shape[1:], array.dtype)
-            buffer[start : start + array.shape[0]] = array
-            if buffer.size:
-                data_key = session.data_key("allgather", name, "rows", array.dtype.name, buffer.shape, sized=True)
-                bits = bits_of(buffer)
-                yield session._send(what, data_key, bits, bits)
-            return buffer, rows
-        finally:
-            with session._lock:
-                session._in_flight.discard(name)
-
-
 def host_array(array: Any, what: str) -> np.ndarray:
     """``array`` as a C-contiguous numpy array of a dtype the service carries; ConfigError
     naming ``what`` otherwise."""
@@ -773,6 +741,15 @@ def host_array(array: Any, what: str) -> np.ndarray:
         raise ConfigError(f"{what}: dtype {array.dtype} cannot go through pslink; supported: {', '.join(DTYPES)}")
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
+    return array
+
+
+def gather_array(array: np.ndarray, what: str) -> np.ndarray:
+    """An array to gather: rows along its first dimension (a scalar is one row)."""
+    if array.ndim == 0:
+        array = array.reshape(1)
+    if array.ndim > collectives.MAX_GATHER_DIMS:
+        raise ConfigError(f"{what}: at most {collectives.MAX_GATHER_DIMS} dimensions, got {array.ndim}")
     return array
 
 
