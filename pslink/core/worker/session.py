@@ -498,10 +498,12 @@ class Session:
         names = self.group_names("allgather", name, len(arrays))
         return PendingGroup([self.allgather(a, n) for a, n in zip(arrays, names)], f"grouped_allgather {name!r}")
 
-    def _gather(self, array: np.ndarray, name: str, what: str, extra: np.ndarray | None = None):
+    def _gather(self, array: np.ndarray, name: str, what: str, extra: np.ndarray | None = None,
+                check: Callable[[np.ndarray], None] | None = None):
         """The steps of a gather: a shapes round (every rank's dimensions, dtype and ``extra``
         values, such as alltoall's splits), then the rows. Returns (gathered, rows per rank),
-        and with ``extra`` every rank's extra values too."""
+        and with ``extra`` every rank's extra values too (``check(extras)`` may refuse them
+        before any row is sent: every rank sees the same and raises alike)."""
         extra = np.zeros(0, np.int64) if extra is None else extra
         width = 2 + collectives.MAX_GATHER_DIMS + extra.size
         table = np.zeros((self.capacity, width), np.int64)
@@ -520,6 +522,9 @@ class Session:
             listing = ", ".join(f"rank {r} has {d} {t}" for r, (t, d) in enumerate(zip(dtypes, dims)))
             raise ShapeMismatchError(f"{what}: the ranks' tensors must agree in dtype and in every dimension but the "
                                      f"first: {listing}", key=name, shapes=[list(d) for d in dims], dtypes=dtypes)
+        extras = described[:, 2 + collectives.MAX_GATHER_DIMS :]
+        if check is not None:
+            check(extras)
         rows = np.array([d[0] for d in dims], np.int64)
         start = int(rows[: self.rank].sum())
         buffer = np.zeros((int(rows.sum()),) + array.shape[1:], array.dtype)
@@ -529,7 +534,7 @@ class Session:
             key = self.data_key("allgather", name, "rows", array.dtype.name, buffer.shape, sized=True, later=True)
             yield self._send(what, key, bits, bits)
         if extra.size:
-            return buffer, rows, described[:, 2 + collectives.MAX_GATHER_DIMS :]
+            return buffer, rows, extras
         return buffer, rows
 
     # -- reducescatter ------------------------------------------------------------------------------
@@ -575,23 +580,32 @@ class Session:
 
     # -- alltoall -----------------------------------------------------------------------------------
 
-    def alltoall(self, array: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None) -> Pending:
+    def alltoall(self, array: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None,
+                 expect: Sequence[int] | None = None) -> Pending:
         """Horovod's alltoall: rank i gets ``splits[i]`` rows of every rank's ``array`` (equal
         shares of the first dimension when ``splits`` is None), concatenated in rank order. The
-        Pending's result is ``(received, rows received from each rank)``."""
+        Pending's result is ``(received, rows received from each rank)``. ``expect``: the rows
+        this rank expects from each rank (torch's output splits); every rank checks every rank's
+        splits against them, and a disagreement fails the call on every rank before any row is
+        sent."""
         array = host_array(array, "alltoall")
         if array.ndim == 0:
             raise ConfigError("alltoall needs a tensor of at least one dimension (its rows are sent)")
         splits = collectives.alltoall_splits("alltoall", array.shape[0], self.size, splits)
+        if expect is not None:
+            expect = [int(n) for n in expect]
+            if len(expect) != self.size or min(expect) < 0:
+                raise ConfigError(f"alltoall: expected rows {expect} must be {self.size} counts >= 0")
 
         def steps(name: str, what: str):
-            # Every rank's rows and splits in one gather (its shapes round carries the splits):
-            # each rank takes its pieces of every rank's rows.
-            everything, _, table = yield from self._gather(array, name, what, np.array(splits, np.int64))
-            table = table.tolist()
-            pieces = [everything[start : start + rows] for start, rows in collectives.alltoall_pieces(table, self.rank)]
+            # Every rank's rows and splits in one gather (its shapes round carries the splits, and
+            # the rows each rank expects): each rank takes its pieces of every rank's rows.
+            extra = np.array(splits + (expect if expect is not None else [-1] * self.size), np.int64)
+            everything, _, table = yield from self._gather(array, name, what, extra, check=_expected_rows(what))
+            sends = table[:, : self.size].tolist()
+            pieces = [everything[start : start + rows] for start, rows in collectives.alltoall_pieces(sends, self.rank)]
             received = np.concatenate(pieces) if pieces else np.empty((0,) + array.shape[1:], array.dtype)
-            return received, np.array([sent[self.rank] for sent in table], np.int32)
+            return received, np.array([sent[self.rank] for sent in sends], np.int32)
 
         def build(name: str):
             what = f"alltoall {name!r}"
@@ -742,6 +756,20 @@ def host_array(array: Any, what: str) -> np.ndarray:
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     return array
+
+
+def _expected_rows(what: str) -> Callable[[np.ndarray], None]:
+    """alltoall's check of every rank's (splits sent, rows expected) (``-1``: no expectation)."""
+    def check(table: np.ndarray) -> None:
+        size = table.shape[0]
+        sends, expects = table[:, :size], table[:, size:]
+        bad = [(s, d) for s in range(size) for d in range(size) if expects[d, s] >= 0 and sends[s, d] != expects[d, s]]
+        if bad:
+            raise ShapeMismatchError(f"{what}: the splits do not match: " + "; ".join(
+                f"rank {s} sends {sends[s, d]} rows to rank {d}, which expects {expects[d, s]}" for s, d in bad),
+                sends=sends.tolist(), expects=expects.tolist())
+
+    return check
 
 
 def gather_array(array: np.ndarray, what: str) -> np.ndarray:
