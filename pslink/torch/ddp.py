@@ -14,8 +14,6 @@ still on the wire.
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations as objects.
 
-import heapq
-import itertools
 import os
 import threading
 import time
@@ -31,9 +29,10 @@ from pslink.core.agent import Agent
 from pslink.core.worker.connect import AGENT_OPTIONS
 from pslink.core.worker.collectives import service_key
 from pslink.core.worker.groups import whole_job
-from pslink.errors import ConfigError, PeerError, PslinkError, PslinkTimeoutError
+from pslink.errors import ConfigError, PeerError, PslinkError
 from pslink.torch import local_sync
 from pslink.torch.tensors import StagingPool, explain_mismatch
+from pslink.torch.works import Deadlines, FutureOnce
 
 __all__ = ["HookState", "connect", "comm_hook"]
 
@@ -54,7 +53,7 @@ class HookState:
         self._layouts: dict[int, tuple[int, torch.dtype]] = {}
         self._generations: dict[int, int] = {}
         self._staging = StagingPool()
-        self._deadlines = _Deadlines()
+        self._deadlines = Deadlines()
         _SHARED.named(self)
         # An Agent that connect() joined for this state leaves the job when the state is closed,
         # or collected (a DDP model deleted without close()), or at the latest at exit: never
@@ -262,7 +261,7 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     except PslinkError as exc:
         future.set_exception(explain_mismatch(exc, what, _HINT))
         return result
-    pending = _Pending(future, f"{what} got no average within {state.timeout:g} s (job "
+    pending = FutureOnce(future, f"{what} got no average within {state.timeout:g} s (job "
                                f"{state.agent.job!r}, rank {state.rank}): has another rank died or stalled?")
 
     def done(handle) -> None:
@@ -302,84 +301,3 @@ def _fallback(value: int | None, pslink_variable: str, torchrun_variable: str, f
         return from_dist()
     raw = os.environ.get(torchrun_variable)
     return int(raw) if raw and raw.isdigit() else None
-
-
-class _Pending:
-    """A bucket's future, completed once: by the Agent's answer or by its deadline."""
-
-    __slots__ = ("future", "timeout_message", "_lock", "_done")
-
-    def __init__(self, future: torch.futures.Future, timeout_message: str):
-        self.future = future
-        self.timeout_message = timeout_message
-        self._lock = threading.Lock()
-        self._done = False
-
-    def _claim(self) -> bool:
-        with self._lock:
-            if self._done:
-                return False
-            self._done = True
-            return True
-
-    def succeed(self, tensor: torch.Tensor) -> None:
-        if self._claim():
-            self.future.set_result(tensor)
-
-    def fail(self, error: BaseException) -> None:
-        if self._claim():
-            self.future.set_exception(error)
-
-    def expire(self) -> None:
-        self.fail(PslinkTimeoutError(self.timeout_message))
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-
-class _Deadlines:
-    """Fails buckets whose answer did not come in time. Nobody waits on a bucket's handle (DDP
-    waits on the future, without a timeout), so without this a dead peer would hang training."""
-
-    def __init__(self):
-        self._heap: list = []
-        self._order = itertools.count()
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def add(self, deadline: float, pending: _Pending) -> None:
-        with self._cv:
-            if self._closed:
-                return
-            while self._heap and self._heap[0][2].done:  # answers come about in order: prune here
-                heapq.heappop(self._heap)
-            heapq.heappush(self._heap, (deadline, next(self._order), pending))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pslink-ddp-deadlines", daemon=True)
-                self._thread.start()
-            elif self._heap[0][2] is pending:
-                self._cv.notify()
-
-    def _run(self) -> None:
-        with self._cv:
-            while not self._closed:
-                while self._heap and self._heap[0][2].done:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._cv.wait()
-                    continue
-                deadline, _, pending = self._heap[0]
-                left = deadline - time.monotonic()
-                if left > 0:
-                    self._cv.wait(left)
-                    continue
-                heapq.heappop(self._heap)
-                pending.expire()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._heap.clear()
-            self._cv.notify()

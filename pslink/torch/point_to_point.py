@@ -1,29 +1,22 @@
-"""The pieces of the ``pslink`` torch.distributed backend (:mod:`pslink.torch.backend`): its error,
-works and futures, the integer views collectives move tensors as, and point-to-point messages
-between two ranks (each pair a 2-worker job of its own)."""
+"""Point-to-point messages of the ``pslink`` torch.distributed backend (``send`` / ``recv``):
+each pair of ranks is a 2-worker job of its own, so a send and its receive are one round of two
+pushes and involve no other rank."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
 import zlib
-from typing import TYPE_CHECKING
+import threading
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pslink.core.agent import Agent
-from pslink.core.worker.connect import connect as connect_agent
 from pslink.core.worker.collectives import bits_of
+from pslink.core.worker.connect import connect as connect_agent
 from pslink.errors import PslinkError
-from pslink.torch.ddp import _Pending
-
-if TYPE_CHECKING:
-    from pslink.torch.backend import ProcessGroupPslink
-
-class PslinkBackendError(RuntimeError):
-    """A collective of the pslink backend failed (PyTorch code catches RuntimeError)."""
+from pslink.torch.works import Collective, Deadlines, PslinkBackendError, Work, single
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -37,45 +30,6 @@ _DTYPE_NAMES = {dtype_code(value): str(value).replace("torch.", "") for value in
 def dtype_name(code: int) -> str:
     """The dtype a :func:`dtype_code` stands for."""
     return _DTYPE_NAMES.get(code, f"dtype #{code}")
-
-
-class Collective(_Pending):
-    """A collective's future, completed once: by its answers, or as failed at its deadline (with
-    a RuntimeError, as torch code expects)."""
-
-    __slots__ = ()
-
-    def expire(self) -> None:
-        self.fail(PslinkBackendError(self.timeout_message))
-
-
-class Work(dist._Work):
-    """A collective in flight. ``wait()`` raises the collective's error (a Work made by
-    ``_create_work_from_future`` returns True whatever its future holds); it never blocks past
-    the group's timeout, after which the work fails."""
-
-    def __init__(self, future: torch.futures.Future):
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout=None) -> bool:
-        self._future.wait()  # raises what the future was failed with
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
 
 
 def numpy_of(host: torch.Tensor) -> np.ndarray:
@@ -94,27 +48,13 @@ def tensor_of(bits: np.ndarray, like: torch.Tensor, shape=None) -> torch.Tensor:
     return raw.view(like.dtype).reshape(like.shape if shape is None else shape)
 
 
-def single(items: list, what: str):
-    if len(items) != 1:
-        raise PslinkBackendError(f"{what}: the pslink backend takes one tensor per rank (one device), got {len(items)}")
-    return items[0]
-
-
-def then_finish(work, finish):
-    future = work.get_future().then(lambda f: finish(f.value()))
-    return Work(future)
-
-
-def all_of(works: list, result):
-    futures = torch.futures.collect_all([w.get_future() for w in works])
-    return Work(futures.then(lambda f: [v.value() for v in f.value()] and result))
-
-
 class Pairs:
-    """Point to point for one group: send, recv, each pair of ranks its own 2-worker job."""
+    """Point to point for one group (``job``, this ``rank`` of ``size``): send, recv, each pair
+    of ranks its own 2-worker job; ``deadlines`` fail what is not matched within ``timeout``."""
 
-    def __init__(self, group: "ProcessGroupPslink"):
-        self.group = group
+    def __init__(self, job: str, rank: int, size: int, timeout: float, deadlines: Deadlines):
+        self.job, self.rank, self.size, self.timeout, self.deadlines = job, rank, size, timeout, deadlines
+        self._lock = threading.Lock()
         self.agents: dict[int, Agent] = {}  # peer rank -> the Agent of our pair's job
         self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pslink-p2p")  # in order
 
@@ -127,15 +67,15 @@ class Pairs:
         """The Agent of this rank's pair job with ``peer``: a 2-worker job of its own (the lower
         rank is its rank 0), made on first use by either side, so that a send and its receive
         are one round of two pushes and involve no other rank."""
-        if not 0 <= peer < self.group.size() or peer == self.group.rank():
-            raise PslinkBackendError(f"{what}: peer rank {peer} is not another rank of [0, {self.group.size()})")
-        with self.group._lock:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise PslinkBackendError(f"{what}: peer rank {peer} is not another rank of [0, {self.size})")
+        with self._lock:
             agent = self.agents.get(peer)
             if agent is None:
-                low, high = sorted((self.group.rank(), peer))
+                low, high = sorted((self.rank, peer))
                 try:
-                    agent = connect_agent(f"{self.group.agent.job}.p2p-{low}-{high}", 0 if self.group.rank() == low else 1, 2,
-                                          mode="sum", timeout=self.group.timeout)
+                    agent = connect_agent(f"{self.job}.p2p-{low}-{high}", 0 if self.rank == low else 1, 2, mode="sum",
+                                          timeout=self.timeout)
                 except PslinkError as exc:
                     raise PslinkBackendError(f"{what}: joining the pair's job: {exc.message}") from None
                 self.agents[peer] = agent
@@ -150,13 +90,13 @@ class Pairs:
         exchange's), from a thread of the group's, since the signature's answer arrives on the
         Agent's I/O thread, which must not block."""
         agent = self._pair(peer, what)
-        source, target = (self.group.rank(), peer) if sending else (peer, self.group.rank())
+        source, target = (self.rank, peer) if sending else (peer, self.rank)
         host = tensor.detach().to("cpu").contiguous()
         bits = bits_of(numpy_of(host))
         bits = bits.copy() if sending else np.zeros(bits.shape, bits.dtype)
         future = torch.futures.Future()
-        pending = Collective(future, f"{what} not matched within {self.group.timeout:g} s (job {self.group.agent.job!r}): "
-                                      f"did rank {peer} {'receive' if sending else 'send'} with tag {tag}?")
+        pending = Collective(future, f"{what} not matched within {self.timeout:g} s (job {self.job!r}): did rank "
+                                     f"{peer} {'receive' if sending else 'send'} with tag {tag}?")
         mine = np.array([tensor.numel(), dtype_code(tensor.dtype)], np.int64)
         table = np.zeros((2, 2), np.int64)
         table[0 if sending else 1] = mine
@@ -196,7 +136,7 @@ class Pairs:
                 return
             self.sender.submit(exchange)
 
-        self.group._deadlines.add(time.monotonic() + self.group.timeout, pending)
+        self.deadlines.add(time.monotonic() + self.timeout, pending)
         agent.pushpull(f"{direction}/signature", table, out=table).add_done_callback(matched)
         return Work(future)
 
