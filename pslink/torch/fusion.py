@@ -36,7 +36,7 @@ from pslink.errors import ConfigError
 class Bucket:
     """Some parameters' gradients side by side in one flat tensor."""
 
-    def __init__(self, params: list[torch.Tensor], names: list[str]):
+    def __init__(self, params: list[torch.Tensor], names: list[str], prefix: str = "grad"):
         self.params, self.names = params, names
         self.index = {id(param): i for i, param in enumerate(params)}  # ids: a tensor's hash is slow
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
@@ -44,7 +44,7 @@ class Bucket:
         self.views = list(torch.split(self.flat, [p.numel() for p in params]))
         self.views = [view.view_as(param) for view, param in zip(self.views, params)]
         digest = hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
-        self.key = service_key("grad", f"fused.{len(names)}.{digest}")
+        self.key = service_key(prefix, f"fused.{len(names)}.{digest}")
         self._all = frozenset(id(p) for p in params)
         self.waiting = set(self._all)
         self.stale = False  # some .grad is not its bucket place: scatter() points it back
@@ -116,8 +116,10 @@ def bucket_share(threshold: int, total: int) -> int:
     return min(threshold, max(-(-total // 3), LEAST_SHARE))
 
 
-def plan(params: list[torch.Tensor], names: dict, threshold: int, groups=None, num_groups: int = 0) -> list[Bucket]:
-    """The buckets (of two parameters or more; any other parameter is a key of its own)."""
+def plan(params: list[torch.Tensor], names: dict, threshold: int, groups=None, num_groups: int = 0,
+         prefix: str = "grad") -> list[Bucket]:
+    """The buckets (of two parameters or more; any other parameter is a key of its own), keyed
+    under ``prefix``."""
     if groups is not None:
         if isinstance(groups, int) and not isinstance(groups, bool):
             num_groups, groups = groups, None
@@ -164,5 +166,5 @@ def plan(params: list[torch.Tensor], names: dict, threshold: int, groups=None, n
         if len({(p.dtype, p.device) for p in members}) > 1:
             raise ConfigError(f"a group mixes dtypes or devices ({', '.join(names[p] for p in members[:4])}); "
                               "each group must hold parameters of one dtype on one device")
-        buckets.append(Bucket(members, [names[p] for p in members]))
+        buckets.append(Bucket(members, [names[p] for p in members], prefix))
     return buckets

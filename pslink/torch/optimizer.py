@@ -65,7 +65,11 @@ class _GradientSync:
         self._param_ids = [id(p) for p in self.params]
         self.delay = dict.fromkeys(self._param_ids, self.passes)
         self.works: dict[torch.Tensor, tuple[_GradientWork, torch.Tensor]] = {}
-        self.buckets = plan(self.params, self.names, session.agent.fusion_bytes, groups, num_groups)
+        # Two optimizers may hold parameters of the same names (a GAN's two nets): the second and
+        # later ones key their gradients apart (their numbers are the same on every rank).
+        index = len(session.steppers)
+        self.prefix = "grad" if index == 0 else service_key("grad", f"optimizer{index}")
+        self.buckets = plan(self.params, self.names, session.agent.fusion_bytes, groups, num_groups, self.prefix)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for bucket in self.buckets:
             bucket.attach()
@@ -75,8 +79,11 @@ class _GradientSync:
         self.staging = StagingPool()
         self.skip = False
         self.synchronized = False
-        self.index = session.register_stepper(self.contribute_zeros, self.abandon)
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
+        self.index = session.register_stepper(self.contribute_zeros, self.abandon)
+        if self.index != index:
+            raise ConfigError("DistributedOptimizers of one session are numbered in the order they are made: make "
+                              "them one at a time, in the same order on every rank")
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         """On the autograd thread, once ``param.grad`` holds this backward pass's gradient."""
@@ -112,7 +119,7 @@ class _GradientSync:
     def push(self, param: torch.Tensor, grad: torch.Tensor) -> tuple[_GradientWork, torch.Tensor]:
         """Start averaging ``grad`` (param's gradient, or zeros while joined) over the ranks."""
         name = self.names[param]
-        key = service_key("grad", name)
+        key = service_key(self.prefix, name)
         if grad.is_sparse:
             grad = grad.to_dense()
             param.grad = grad

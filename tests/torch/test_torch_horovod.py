@@ -734,12 +734,13 @@ def test_without_named_parameters_gradients_are_keyed_by_position_with_a_warning
         # Its four small gradients travel fused, in one bucket named by their positions ...
         [bucket] = optimizer._pslink.buckets
         fused = (bucket.names, s.session.agent.key_info(bucket.key)["shape"])
-        # ... and each under its own key when no fusion is asked for (explicit groups, none).
+        # ... and each under its own key when no fusion is asked for (explicit groups, none); this
+        # second optimizer of the session keys its gradients apart from the first one's.
         with pytest.warns(UserWarning, match="named_parameters"):
             optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=[])
         loss_of(model, *data(1, 0)).backward()
         optimizer.step()
-        return fused, [s.session.agent.key_info(f"grad/noname.0.{i}")["shape"] for i in range(4)]
+        return fused, [s.session.agent.key_info(f"grad/optimizer1/noname.0.{i}")["shape"] for i in range(4)]
 
     [(fused, alone)] = on_ranks(service, 1, body)
     assert fused == (["noname.0.3", "noname.0.2", "noname.0.1", "noname.0.0"], (3 + 48 + 16 + 96,))

@@ -215,8 +215,9 @@ class Board:
                 only_tensors = all(dataclasses.replace(c, shape=first.shape, dtype=first.dtype) == first
                                    for c in differing.values())
                 kind = ShapeMismatchError if only_tensors else MismatchError
+                which = f" (its use #{occurrence})" if occurrence > 1 else ""
                 verdict.error = kind(
-                    f"the ranks' calls of {name!r} (occurrence {occurrence}) disagree: {listing}",
+                    f"the ranks' calls of {name!r}{which} disagree: {listing}",
                     name=name, ranks=ranks, calls=[calls[r].describe() for r in ranks],
                     shapes=[list(calls[r].shape) for r in ranks], dtypes=[calls[r].dtype for r in ranks])
             elif joined - calls.keys():

@@ -64,7 +64,7 @@ class Session:
     new Agent for this rank of the same job (elastic recovery; :func:`pslink.core.worker.elastic.register_again`)."""
 
     def __init__(self, agent, local_rank: int | None = None, local_size: int | None = None,
-                 reconnect: Callable | None = None, ordered: bool = False):
+                 reconnect: Callable | None = None, ordered: bool = False, world_ranks: list[int] | None = None):
         self._check_mode(agent)
         self.agent = agent
         self.timeout = agent.timeout
@@ -73,6 +73,9 @@ class Session:
         # calls of the ranks are matched (and checked) whatever they are: torch.distributed's
         # rule (every rank makes the same collectives in the same order), not Horovod's.
         self._ordered = ordered
+        # A process set's session: its members' ranks in the world it was made from, the space
+        # Horovod's root ranks are given in (``broadcast(..., root_rank, process_set=s)``).
+        self._world_ranks = list(world_ranks) if world_ranks is not None else None
         self._zeros = Zeros()
         self._progress = Progress(f"pslink-progress-{agent.job}-{agent.rank}")
         self._lock = threading.RLock()  # the board's order, names in flight, the calls' verdicts
@@ -180,22 +183,21 @@ class Session:
             raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
         return name
 
-    def data_key(self, kind: str, name: str, how: str, dtype: str, shape: tuple, sized: bool = False,
-                 later: bool = False) -> str:
-        """The service key of a call's data. A named call's key is its name's (with ``how``: the
-        reduction, root rank or step, and the dtype: ranks that disagree in them meet on
-        different keys, and the board's verdict ends their wait). An unnamed call's key is its
+    def data_key(self, kind: str, name: str, how: str, dtype: str, shape: tuple, later: bool = False) -> str:
+        """The service key of a call's data. A named call's key is its name's, with ``how`` (the
+        reduction, root rank or step), the dtype and the shape: a name may be used again with
+        another shape (Horovod allows it), and ranks that disagree in any of them meet on
+        different keys, where the board's verdict ends their wait. An unnamed call's key is its
         signature's: the n-th unnamed call of a kind and signature is round n of one key, as the
         n-th unnamed call is the same operation on every rank, so a training loop's unnamed
-        calls reuse a few keys instead of making one per call on the service. ``sized``: the
-        shape is part of a named key too (a gather's rows differ from call to call). ``later``:
+        calls reuse a few keys instead of making one per call on the service. ``later``:
         for a request sent after the call's first answer (a gather's rows), whose order among
         other calls' no lock keeps: its unnamed key also names the call's number modulo
         :data:`LATER_SLOTS` (more calls than that are never in flight: the board's window)."""
         dims = "x".join(str(d) for d in shape) or "scalar"
         match = _UNNAMED.match(name)
         if match is None:
-            return service_key(kind, name, how, dtype, dims) if sized else service_key(kind, name, how, dtype)
+            return service_key(kind, name, how, dtype, dims)
         slot = (f"s{int(match.group(3)) % LATER_SLOTS}",) if later else ()
         return service_key(kind, "noname", f"g{self.generation}", how, dtype, dims, *slot)
 
@@ -429,12 +431,22 @@ class Session:
     # -- broadcast --------------------------------------------------------------------------------
 
     def check_root(self, root: Any, what: str) -> int:
-        return collectives.check_root(root, self.size, what)
+        """``root`` as this session's rank (a process set's root is given as a world rank)."""
+        if self._world_ranks is None:
+            return collectives.check_root(root, self.size, what)
+        if isinstance(root, np.integer):
+            root = int(root)
+        if isinstance(root, bool) or not isinstance(root, int) or root not in self._world_ranks:
+            raise ConfigError(f"{what}: root_rank must be a rank of the process set {self._world_ranks}, got {root!r}")
+        return self._world_ranks.index(root)
 
     def broadcast(self, array: np.ndarray, root: int, out: np.ndarray | None = None,
                   name: str | None = None) -> Pending:
         """``root``'s ``array`` on every rank, bit for bit, into ``out`` (``array`` for in place)."""
-        root = self.check_root(root, "broadcast")
+        return self._broadcast(array, self.check_root(root, "broadcast"), out, name)
+
+    def _broadcast(self, array: np.ndarray, root: int, out: np.ndarray | None, name: str | None) -> Pending:
+        """:meth:`broadcast` from this session's rank ``root``."""
         array = host_array(array, "broadcast")
         out = out_array(array, out, "broadcast")
 
@@ -514,7 +526,7 @@ class Session:
         # The shapes key names neither the dtype nor the rows: ranks that disagree meet there and
         # learn it together.
         described = yield self._send(what, self.data_key("allgather", name, "shapes", "int64", table.shape,
-                                                         sized=True), table, table)
+                                                         ), table, table)
         described = described[: self.size]
         dims = [tuple(int(d) for d in r[2 : 2 + int(r[0])]) for r in described]
         dtypes = [collectives.dtype_of(int(r[1])) for r in described]
@@ -531,7 +543,7 @@ class Session:
         buffer[start : start + array.shape[0]] = array
         if buffer.size:
             bits = bits_of(buffer)
-            key = self.data_key("allgather", name, "rows", array.dtype.name, buffer.shape, sized=True, later=True)
+            key = self.data_key("allgather", name, "rows", array.dtype.name, buffer.shape, later=True)
             yield self._send(what, key, bits, bits)
         if extra.size:
             return buffer, rows, extras
@@ -622,9 +634,9 @@ class Session:
         root = self.check_root(root, what)
         payload = collectives.object_bytes(obj) if self.rank == root else np.zeros(0, np.uint8)
         length = np.array([payload.size], np.int64)
-        self.broadcast(length, root, out=length, name=f"{name}.length").wait(self.timeout)
+        self._broadcast(length, root, length, f"{name}.length").wait(self.timeout)
         data = payload if self.rank == root else np.empty(int(length[0]), np.uint8)
-        data = self.broadcast(data, root, name=f"{name}.{int(length[0])}").wait(self.timeout)
+        data = self._broadcast(data, root, None, f"{name}.data").wait(self.timeout)
         return obj if self.rank == root else collectives.object_from(data)
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list:
