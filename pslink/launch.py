@@ -2,7 +2,7 @@
 
 As ``horovodrun`` or ``torchrun`` do: start an embedded service when none is given, set each
 worker's environment (``PSLINK_MASTER``, ``PSLINK_JOB``, ``PSLINK_RANK``, ``PSLINK_NUM_WORKERS``,
-``PSLINK_LOCAL_RANK``, ``PSLINK_LOCAL_SIZE``), prefix every output line with the worker's rank,
+``PSLINK_LOCAL_RANK``, ``PSLINK_LOCAL_SIZE``, and torchrun's and horovodrun's names for them), prefix every output line with the worker's rank,
 and stop everything when a worker fails (its exit status is returned) or on Ctrl-C.
 
 ``pslink launch --pslite -s NS -n NW prog args`` runs a ps-lite program as ps-lite's local
@@ -156,6 +156,14 @@ class Launch:
             LOCAL_RANK=str(local_rank),
             LOCAL_WORLD_SIZE=str(self.num_workers),
             GROUP_RANK=str(self.node_rank),
+            # horovodrun's names too, for scripts that read them (to shard data before init(),
+            # say): the same numbers pslink.torch / .tf / .mxnet.horovod report.
+            HOROVOD_RANK=str(rank),
+            HOROVOD_SIZE=str(self.world_size),
+            HOROVOD_LOCAL_RANK=str(local_rank),
+            HOROVOD_LOCAL_SIZE=str(self.num_workers),
+            HOROVOD_CROSS_RANK=str(self.node_rank),
+            HOROVOD_CROSS_SIZE=str(self.nnodes),
             MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self._rendezvous_port()),
             PYTHONUNBUFFERED="1",  # lines reach the prefixer as they are printed

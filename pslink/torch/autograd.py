@@ -132,7 +132,8 @@ def grouped_allgather(session: Session, tensors, name) -> list:
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, session, root_rank, name):
-        ctx.session, ctx.root = session, root_rank
+        # The root as the session's own rank (a process set's root is given as a world rank).
+        ctx.session, ctx.root = session, session.check_root(root_rank, "broadcast")
         return _wait(session, collectives.broadcast_async(session, tensor, root_rank, name))
 
     @staticmethod

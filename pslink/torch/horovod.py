@@ -338,7 +338,10 @@ class Horovod:
                              process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
         """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks (of
         ``process_set``; see :func:`pslink.torch.optimizer.DistributedOptimizer`)."""
-        return _wrap_optimizer(self._session_of(process_set), optimizer, named_parameters, compression,
+        # A rank outside the process set steps on its own gradients, as in Horovod.
+        outside = process_set is not None and process_set.ranks is not None and not process_set.included()
+        session = None if outside else self._session_of(process_set)
+        return _wrap_optimizer(session, optimizer, named_parameters, compression,
                                backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
                                sparse_as_dense)
 

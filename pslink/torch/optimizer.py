@@ -322,7 +322,23 @@ def _distributed_class(base: type) -> type:
                                          "__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
-def DistributedOptimizer(session: Session, optimizer: torch.optim.Optimizer, named_parameters=None,
+def _local_class(base: type) -> type:
+    """``base`` with the distributed optimizer's methods, reducing nothing (a rank outside the
+    optimizer's process set)."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: this rank reduces no gradients."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    return type(base.__name__, (base,), {"synchronize": synchronize, "skip_synchronize": skip_synchronize,
+                                         "_pslink_base_step": base.step, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__})
+
+
+def DistributedOptimizer(session: Session | None, optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step: int = 1, op: ReduceOp = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False) -> torch.optim.Optimizer:
@@ -334,9 +350,13 @@ def DistributedOptimizer(session: Session, optimizer: torch.optim.Optimizer, nam
     for them, then steps. ``backward_passes_per_step`` accumulates that many backward passes
     locally first. A sparse gradient (``nn.Embedding(sparse=True)``) is gathered from every rank
     at ``step()`` as Horovod's sparse all-reduce does (``sparse_as_dense``: sent dense instead).
-    The result is an instance of a subclass of the optimizer's class.
+    The result is an instance of a subclass of the optimizer's class. ``session`` None: this rank
+    is not in the process set the optimizer reduces over; as in Horovod, it steps on its own
+    gradients (``synchronize()`` does nothing).
     """
     op = reduce_op(op)
+    if session is None:
+        return _local_class(optimizer.__class__)(optimizer.param_groups)
     cls = _distributed_class(optimizer.__class__)
     return cls(optimizer.param_groups, session, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, sparse_as_dense, groups, num_groups)

@@ -29,6 +29,8 @@ WORKER = textwrap.dedent("""
             env = os.environ
             print(f"torchrun {env['RANK']}/{env['WORLD_SIZE']} local {env['LOCAL_RANK']}/{env['LOCAL_WORLD_SIZE']} "
                   f"at {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+            print(f"horovodrun {env['HOROVOD_RANK']}/{env['HOROVOD_SIZE']} local {env['HOROVOD_LOCAL_RANK']}/"
+                  f"{env['HOROVOD_LOCAL_SIZE']} cross {env['HOROVOD_CROSS_RANK']}/{env['HOROVOD_CROSS_SIZE']}")
     elif mode == "fail":
         if rank == 1:
             print("rank 1 fails now", flush=True)
@@ -66,6 +68,7 @@ def test_workers_get_their_environment_and_prefixed_output(script):
         line = next(line for line in done.stdout.splitlines() if line.startswith(f"[rank{rank}]: torchrun"))
         assert f"torchrun {rank}/3 local {rank}/3 at 127.0.0.1:" in line
         ports.add(int(line.rsplit(":", 1)[1]))
+        assert f"[rank{rank}]: horovodrun {rank}/3 local {rank}/3 cross 0/1" in done.stdout  # and horovodrun's
     assert len(ports) == 1 and 0 < ports.pop() < 65536
 
 

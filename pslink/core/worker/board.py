@@ -59,7 +59,8 @@ _NAME_LEN = _POSTSCALE + 1
 _NAME = _NAME_LEN + 1
 WIDTH = _NAME + MAX_NAME_BYTES // 8
 _HAS_CALL, _JOINED = 1, 2
-_OPS = ("average", "sum", "adasum", "min", "max", "product")
+_OPS = ("average", "sum", "adasum", "min", "max", "product", "band", "bor", "bxor")
+SUMMED_OPS = frozenset({"average", "sum"})  # the reductions the service makes (the others gather rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,14 +221,16 @@ class Board:
                     f"the ranks' calls of {name!r}{which} disagree: {listing}",
                     name=name, ranks=ranks, calls=[calls[r].describe() for r in ranks],
                     shapes=[list(calls[r].shape) for r in ranks], dtypes=[calls[r].dtype for r in ranks])
-            elif joined - calls.keys():
-                if first.kind in (ALLREDUCE, STEP):
-                    verdict.mirror = self.rank in joined and self.rank not in calls
-                else:
-                    absent = sorted(joined - calls.keys())
+            elif absent:
+                # A joined rank takes part in every call, so that each key's rounds stay paired
+                # (with zeros, or a gather's row that says it joined); only summed allreduces and
+                # optimizer steps succeed, as in Horovod, the others fail on the calling ranks.
+                verdict.mirror = self.rank in absent
+                summed = first.kind == STEP or (first.kind == ALLREDUCE and first.op in SUMMED_OPS)
+                if not summed:
                     verdict.error = MismatchError(
-                        f"{KIND_NAMES[first.kind]} {name!r} cannot run while rank(s) {absent} have joined: only "
-                        "allreduce (and DistributedOptimizer steps) take part in join(), as in Horovod",
-                        name=name, ranks=absent)
+                        f"{first.describe()} {name!r} cannot run while rank(s) {list(absent)} have joined: only "
+                        "allreduce of Average or Sum (and DistributedOptimizer steps) take part in join(), as in "
+                        "Horovod", name=name, ranks=list(absent))
             decided.append(verdict)
         return decided

@@ -54,14 +54,17 @@ class Holder:
                 job, rank, num_workers, master = self._alone()
             agent = self._connect(job, rank, num_workers, master, options)
             self._token = agent.token
-            if agent.late:
-                self._settle(agent)
+            try:
+                members = None if agent.settings.get("max_workers") else self._rendezvous(agent)
+            except BaseException:
+                agent.close()
+                raise
 
             def connect_again(token: bytes, rejoin: bool = False):
                 """The same registration with the job's token (elastic recovery: a new Agent)."""
                 return connect(job, rank, num_workers, master, **dict(options, token=token, rejoin=rejoin))
 
-            self.session = Session(agent, *local_place(), reconnect=connect_again)
+            self.session = Session(agent, *local_place(), reconnect=connect_again, members=members)
             return self.session
 
     def _connect(self, job, rank, num_workers, master, options: dict):
@@ -82,19 +85,22 @@ class Holder:
             raise ConfigError(f"{self.module}.init: {exc.message}. Run the script under `pslink launch -n N python "
                               "script.py`, which sets PSLINK_JOB, PSLINK_RANK and PSLINK_NUM_WORKERS") from None
 
-    def _settle(self, agent) -> None:
-        """``init()`` again after ``shutdown()``: this rank registered into its job while the job
-        ran (the other ranks may not have initialized again yet). As Horovod's re-init is
-        collective, wait until every rank of the job is a member again, in a barrier that
-        releases twice in a row with all of them (nobody pushes in between), and come into the
-        job's keys: then every rank's next round is the same."""
+    def _rendezvous(self, agent) -> list[int]:
+        """Horovod's ``init()`` is collective: return once every rank of the job is in it, so
+        that ``size()`` counts them all and no rank runs (or leaves) before the others came.
+        After ``shutdown()`` a rank registers into its job while the job runs, and the other
+        ranks may not have initialized again yet. So: a barrier until it releases twice in a row
+        with every rank (nobody pushes in between), coming into the job's keys meanwhile (a
+        worker that registers into a running job does): then every rank's next round is the
+        same. Returns the ranks. (Not for an elastic job: its World settles it.)"""
         deadline = time.monotonic() + agent.timeout
         previous = None
         while True:
             released = sorted(int(r) for r in agent.barrier(SETTLE_BARRIER, timeout=agent.timeout)["ranks"])
-            agent.join_all(agent.timeout)
+            if agent.late:
+                agent.join_all(agent.timeout)
             if len(released) >= agent.num_workers and released == previous:
-                return
+                return released
             if time.monotonic() > deadline:
                 raise PslinkTimeoutError(f"{self.module}.init: job {agent.job!r} has ranks {released} of "
                                          f"{agent.num_workers} after {agent.timeout:g} s: did every rank call init() "

@@ -44,13 +44,16 @@ from pslink.core.worker.pending import Pending, PendingGroup, Progress, reworded
 from pslink.core.worker.process_sets import ProcessSets
 from pslink.core.worker.reduction import (GATHERED, Adasum, Average, ReduceOp, Sum, check_factor, reduce_op,
                                           reduce_rows, scale, service_averages)
-from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
+from pslink.errors import ConfigError, MismatchError, PslinkError, ShapeMismatchError
 
 log = logging.getLogger("pslink.core.worker")
 
 UNNAMED_KINDS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall", "sparse_allreduce", "call")
 BOARD_WINDOW = 32  # board rounds a rank may have in flight (the service refuses pushes 64 rounds ahead)
 LATER_SLOTS = 2 * BOARD_WINDOW  # see Session.data_key
+# A gather's shapes row: ndim, dtype, the dimensions; a joined rank's row says so instead.
+GATHER_WIDTH = 2 + collectives.MAX_GATHER_DIMS
+JOINED_ROW = -1
 _UNNAMED = re.compile(r"^(\w+)\.noname\.(?:g(\d+)\.)?(\d+)$")
 _ENDED = object()  # a call of this rank that ended before the board decided it
 
@@ -64,7 +67,8 @@ class Session:
     new Agent for this rank of the same job (elastic recovery; :func:`pslink.core.worker.elastic.register_again`)."""
 
     def __init__(self, agent, local_rank: int | None = None, local_size: int | None = None,
-                 reconnect: Callable | None = None, ordered: bool = False, world_ranks: list[int] | None = None):
+                 reconnect: Callable | None = None, ordered: bool = False, world_ranks: list[int] | None = None,
+                 members: list[int] | None = None):
         self._check_mode(agent)
         self.agent = agent
         self.timeout = agent.timeout
@@ -84,7 +88,9 @@ class Session:
         self._abandons: list[Callable[[], None]] = []  # optimizers' "forget what is in flight"
         self.process_sets = ProcessSets(self)
         self._local_given = (local_rank, local_size)
-        members = (agent.settings.get("membership") or {}).get("ranks") or list(range(agent.num_workers))
+        # The world: the members the caller found (Holder.init's rendezvous), else the job's as
+        # its registration said.
+        members = members or (agent.settings.get("membership") or {}).get("ranks") or list(range(agent.num_workers))
         self.set_world(sorted(set(members) | {agent.rank}), 0)
 
     @staticmethod
@@ -517,7 +523,7 @@ class Session:
         and with ``extra`` every rank's extra values too (``check(extras)`` may refuse them
         before any row is sent: every rank sees the same and raises alike)."""
         extra = np.zeros(0, np.int64) if extra is None else extra
-        width = 2 + collectives.MAX_GATHER_DIMS + extra.size
+        width = GATHER_WIDTH + extra.size
         table = np.zeros((self.capacity, width), np.int64)
         mine = table[self.rank]
         mine[0], mine[1] = array.ndim, collectives.dtype_code(array.dtype)
@@ -528,6 +534,11 @@ class Session:
         described = yield self._send(what, self.data_key("allgather", name, "shapes", "int64", table.shape,
                                                          ), table, table)
         described = described[: self.size]
+        joined = [r for r in range(self.size) if described[r, 0] == JOINED_ROW]
+        if joined:
+            raise MismatchError(f"{what} cannot run while rank(s) {joined} have joined: only allreduce of Average or "
+                                "Sum (and DistributedOptimizer steps) take part in join(), as in Horovod",
+                                name=name, ranks=joined)
         dims = [tuple(int(d) for d in r[2 : 2 + int(r[0])]) for r in described]
         dtypes = [collectives.dtype_of(int(r[1])) for r in described]
         if any(d[1:] != dims[0][1:] for d in dims) or any(t != dtypes[0] for t in dtypes):
@@ -727,10 +738,26 @@ class Session:
                                   "same ones")
             self.steppers[index]()
             return []
+        if call.kind in (boards.ALLGATHER, boards.ALLTOALL) or (call.kind == boards.ALLREDUCE
+                                                                 and call.op not in boards.SUMMED_OPS):
+            # A gather's shapes round, with a row that says this rank joined: every calling rank
+            # then fails it at once, and nobody sends its rows.
+            width = GATHER_WIDTH + (2 * self.size if call.kind == boards.ALLTOALL else 0)
+            table = np.zeros((self.capacity, width), np.int64)
+            table[self.rank, 0] = JOINED_ROW
+            key = self.data_key("allgather", call.name, "shapes", "int64", table.shape)
+            return [(self.agent.pushpull(key, table, out=table), table)]
+        if call.kind == boards.BROADCAST and not call.dtype:
+            return []  # broadcast_parameters' batch: its keys are not on the board (it fails, unpaired)
         zeros = np.zeros(call.shape, DTYPES[call.dtype])
         if not zeros.size:
             return []
-        key = self.data_key("allreduce", call.name, call.op, call.dtype, call.shape)
+        if call.kind == boards.BROADCAST:
+            key = self.data_key("broadcast", call.name, f"root{call.root}", call.dtype, call.shape)
+            zeros = collectives.bits_of(zeros)
+        else:
+            kind = "reducescatter" if call.kind == boards.REDUCESCATTER else "allreduce"
+            key = self.data_key(kind, call.name, call.op, call.dtype, call.shape)
         return [(self.agent.pushpull(key, zeros, out=zeros), zeros)]  # zeros stay alive until answered
 
     def _follow_unnamed(self, name: str) -> None:
