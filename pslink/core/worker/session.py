@@ -458,8 +458,10 @@ class Session:
             array = array.reshape(1)
         if array.ndim > collectives.MAX_GATHER_DIMS:
             raise ConfigError(f"{what}: at most {collectives.MAX_GATHER_DIMS} dimensions, got {array.ndim}")
-        call = Call(kind, call_name or name, array.dtype.name, array.shape[1:] if kind == boards.ALLGATHER else
-                    array.shape, op, -1, *factors)
+        # A gather's (and alltoall's) rows are each rank's own: only the other dimensions must agree.
+        free_rows = kind in (boards.ALLGATHER, boards.ALLTOALL)
+        call = Call(kind, call_name or name, array.dtype.name, array.shape[1:] if free_rows else array.shape, op, -1,
+                    *factors)
         with self._lock:
             self._claim(name, what)
         try:
