@@ -97,7 +97,7 @@ class ProcessSets:
         process_set.process_set_id = set_id
         process_set._world = world
         if sub is not None:
-            process_set.session = type(world)(sub)
+            process_set.session = type(world)(sub, set_ranks=process_set.ranks)
         self.added[set_id] = process_set
         return process_set
 

@@ -63,9 +63,12 @@ class Session:
     new Agent for this rank of the same job (elastic recovery; :func:`pslink.core.worker.elastic.register_again`)."""
 
     def __init__(self, agent, local_rank: int | None = None, local_size: int | None = None,
-                 reconnect: Callable | None = None):
+                 reconnect: Callable | None = None, set_ranks: Sequence[int] | None = None):
         self._check_mode(agent)
         self.agent = agent
+        # A process set's Session: the ranks of the whole job its members are (its rank r is
+        # set_ranks[r]). Horovod names a set's broadcast root by that rank (check_root).
+        self.set_ranks = None if set_ranks is None else list(set_ranks)
         self.timeout = agent.timeout
         self._reconnect = reconnect
         self._zeros = Zeros()
@@ -382,7 +385,14 @@ class Session:
     # -- broadcast --------------------------------------------------------------------------------
 
     def check_root(self, root: Any, what: str) -> int:
-        return collectives.check_root(root, self.size, what)
+        """``root`` checked, as a rank of this Session. A process set's root is a rank of the whole
+        job, one of the set's (Horovod's rule: it translates the global root_rank)."""
+        if self.set_ranks is None:
+            return collectives.check_root(root, self.size, what)
+        root = collectives.check_root(root, max(self.set_ranks) + 1, what)
+        if root not in self.set_ranks:
+            raise ConfigError(f"{what}: root_rank {root} is not a rank of the process set {self.set_ranks}")
+        return self.set_ranks.index(root)
 
     def broadcast(self, array: np.ndarray, root: int, out: np.ndarray | None = None,
                   name: str | None = None) -> Pending:
@@ -566,13 +576,13 @@ class Session:
         """``root``'s ``obj`` on every rank (pickled on the root, unpickled on the others)."""
         name = name or "broadcast_object"
         what = f"broadcast_object {name!r}"
-        root = self.check_root(root, what)
-        payload = collectives.object_bytes(obj) if self.rank == root else np.zeros(0, np.uint8)
+        mine = self.check_root(root, what) == self.rank  # (the broadcasts below take root as given)
+        payload = collectives.object_bytes(obj) if mine else np.zeros(0, np.uint8)
         length = np.array([payload.size], np.int64)
         self.broadcast(length, root, out=length, name=f"{name}.length").wait(self.timeout)
-        data = payload if self.rank == root else np.empty(int(length[0]), np.uint8)
+        data = payload if mine else np.empty(int(length[0]), np.uint8)
         data = self.broadcast(data, root, name=f"{name}.{int(length[0])}").wait(self.timeout)
-        return obj if self.rank == root else collectives.object_from(data)
+        return obj if mine else collectives.object_from(data)
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list:
         """Every rank's ``obj``, as a list in rank order."""
