@@ -121,10 +121,11 @@ def grouped_allreduce(session: Session, tensors, name, op, prescale, postscale, 
 def broadcast(session: Session, tensor, root_rank: int, name: str | None, inplace: bool = False) -> mx.nd.NDArray:
     """root_rank's ``tensor`` on every rank: into ``tensor`` (``inplace``) or a new NDArray."""
     tensor = ndarray(tensor, "broadcast")
-    array = host(tensor) if session.rank == root_rank else empty_host(tensor)
+    root = session.check_root(root_rank, "broadcast") == session.rank  # (a set's root is a rank of the job)
+    array = host(tensor) if root else empty_host(tensor)
     out = session.broadcast(array, root_rank, array, name).wait(session.timeout)
     if inplace:
-        return tensor if session.rank == root_rank else copy_into(out, tensor)
+        return tensor if root else copy_into(out, tensor)
     return to_ndarray(out, tensor)
 
 
@@ -138,7 +139,7 @@ def broadcast_named(session: Session, named: list[tuple[str, mx.nd.NDArray]], ro
         raise ConfigError(f"{what}: names must be unique, these repeat: {repeated}")
     if not items:
         return
-    root = session.rank == root_rank
+    root = session.check_root(root_rank, what) == session.rank
     arrays = [host(t) if root else empty_host(t) for _, t in items]
     session.broadcast_many([(n, a, a) for (n, _), a in zip(items, arrays)], root_rank, what,
                            what).wait(session.timeout)

@@ -422,6 +422,11 @@ def test_process_sets_reduce_among_their_ranks(cluster):
             else:
                 with pytest.raises(ConfigError, match=f"rank {h.rank()} is not in ProcessSet"):
                     h.allreduce(x, name="x", process_set=ps)
+        if pair.included():  # a set's root_rank is a rank of the job (Horovod's rule), one of the set's
+            out["from2"] = h.broadcast(x, root_rank=2, name="b", process_set=pair).asnumpy().tolist()
+            out["object"] = h.broadcast_object(f"rank {h.rank()}", root_rank=2, process_set=pair)
+            with pytest.raises(ConfigError, match=r"root_rank 0 is not a rank of the process set \[1, 2\]"):
+                h.broadcast_(x, root_rank=0, process_set=pair)
         assert h.remove_process_set(evens) and not h.remove_process_set(evens)
         with pytest.raises(ConfigError, match="is not added"):
             h.allgather(x, process_set=evens)
@@ -434,6 +439,8 @@ def test_process_sets_reduce_among_their_ranks(cluster):
         assert out["ranks"] == {0: (0, -1), 1: (-1, 0), 2: (1, 1)}[rank]
         assert out.get("evens") == ([4.0, 4.0] if rank in (0, 2) else None)  # 1 + 3
         assert out.get("pair") == ([5.0, 5.0] if rank in (1, 2) else None)  # 2 + 3
+        assert out.get("from2") == ([3.0, 3.0] if rank in (1, 2) else None)
+        assert out.get("object") == ("rank 2" if rank in (1, 2) else None)
         assert out["world_sum"] == [6.0, 6.0]
 
 
