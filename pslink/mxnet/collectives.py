@@ -28,7 +28,7 @@ from pslink.errors import ConfigError
 class Work:
     """A collective in flight: ``wait()`` gives its NDArray result(s)."""
 
-    __slots__ = ("_pending", "_finish")
+    __slots__ = ("_finish", "_pending")
 
     def __init__(self, pending: Pending | PendingGroup, finish: Callable[[Any], Any]):
         self._pending = pending
