@@ -69,8 +69,9 @@ def install_group_sync() -> None:
 def _group_agent(trainer):
     store = getattr(trainer, "_kvstore", None)
     agent = getattr(store, "agent", None)
-    if agent is None and hasattr(trainer, "_session"):  # the Horovod API's DistributedTrainer
-        agent = trainer._session.agent
+    session = getattr(trainer, "_session", None)  # the Horovod API's DistributedTrainer (None: outside its set)
+    if agent is None and session is not None:
+        agent = session.agent
     return agent if isinstance(agent, GroupAgent) else None
 
 

@@ -493,7 +493,10 @@ def test_allgather_with_different_trailing_shapes_fails_on_every_rank(service):
         return info.value.message
 
     for message in on_ranks(service, 2, body):
-        assert "rank 0: allgather (*, 3) float32" in message and "rank 1: allgather (*, 4) float32" in message
+        # The board's verdict or the gather's own shapes round, whichever comes first: both name
+        # each rank's shape.
+        assert "rank 0" in message and "3) float32" in message, message
+        assert "rank 1" in message and "4) float32" in message, message
 
 
 # -- DistributedOptimizer ---------------------------------------------------------------------------
