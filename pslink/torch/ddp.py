@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import pslink
-from pslink.config import ENV_NUM_WORKERS, ENV_RANK, resolve_connect
+from pslink.core.config import ENV_NUM_WORKERS, ENV_RANK, resolve_connect
 from pslink.core.agent import Agent
 from pslink.core.worker.connect import AGENT_OPTIONS
 from pslink.core.worker.collectives import service_key

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pslink.config import DEFAULT_LINK_WINDOW, link_window
+from pslink.core.config import DEFAULT_LINK_WINDOW, link_window
 from pslink.core.agent.keys import PartRequest, Seat
 from pslink.core.agent.requests import Requests
 from pslink.core.wire.fusion import FUSE_BELOW

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pslink.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, fusion_settings, host_reduce_settings, link_window, resolve_token
+from pslink.core.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, fusion_settings, host_reduce_settings, link_window, resolve_token
 from pslink.core import hosts
 from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
