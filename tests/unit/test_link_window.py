@@ -8,7 +8,7 @@ import pytest
 from pslink.core.config import DEFAULT_LINK_WINDOW, link_window
 from pslink.core.agent.keys import PartRequest, Seat
 from pslink.core.agent.requests import Requests
-from pslink.core.wire.fusion import FUSE_BELOW
+from pslink.core.transport.fused import FUSE_BELOW
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits, Op
 from pslink.errors import ConfigError, PeerError

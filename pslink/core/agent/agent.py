@@ -52,7 +52,7 @@ from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.faults import Faults
 from pslink.core.observe.timeline import Timeline, started_path
 from pslink.core.transport import DISCARD, Lent, Transports
-from pslink.core.wire.fusion import Unfused, fused_header, fused_message
+from pslink.core.transport.fused import Unfused, fused_header, fused_message
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode
 from pslink.errors import ClosedError, ConfigError, FencedError, MovedError, ProtocolError, PslinkError, error_from_code

@@ -9,7 +9,7 @@ maybe not noticed yet) is handed to ``on_lost``, the Agent's failover.
 
 Fusion (``fusion_bytes`` > 0): a small data request (below FUSE_BELOW) for an Aggregator that
 already owes this Agent FUSE_AFTER answers (a burst, not a sliding window of a few) waits in the
-link's outbox, and the outbox travels as one FUSED message (pslink.core.wire.fusion) when it
+link's outbox, and the outbox travels as one FUSED message (pslink.core.transport.fused) when it
 holds ``fusion_bytes`` or MAX_FUSED_ITEMS requests, when an answer comes on that link, when a
 thread waits for a handle, or ``fusion_cycle`` seconds after its first request (seen when the
 reactor next runs: within the Driver's idle poll, 2 ms, while requests are in flight), whichever
@@ -40,7 +40,7 @@ from pslink.core.agent.keys import Link, PartRequest, Seat
 from pslink.core.faults import Faults
 from pslink.core.transport import Connection, Handler, Transports
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.fusion import FUSE_BELOW, MAX_FUSED_ITEMS, fuse
+from pslink.core.transport.fused import FUSE_BELOW, MAX_FUSED_ITEMS, fuse
 
 FUSE_AFTER = 8  # requests of ours in flight on a link before the next small one waits to be fused
 from pslink.core.wire.protocol import DATA_OPS, Limits, Op, encode
