@@ -269,7 +269,7 @@ class PslinkSimulation:
         for table in (self._seen, self._speeds, self._loads):
             if placeholder in table:
                 table[name] = table.pop(placeholder)
-        self.control.loads.pop(placeholder, None)
+        self.control.pool.loads.pop(placeholder, None)
         self.control.load_measured(name, self._loads.get(name, 0.0))
         for job in self._speeds.get(name, ()):
             places = self._places[job]
@@ -411,14 +411,14 @@ class PslinkSimulation:
             self._dirty.add(job)
 
     def _plan(self, name: str):
-        return self.control.clusters[self.control.cluster_of[name]].aggregators[name]
+        return self.control.pool.clusters[self.control.pool.cluster_of[name]].aggregators[name]
 
     # -- speeds --------------------------------------------------------------------------------------
 
     def _refresh(self) -> None:
         """Look at every Aggregator whose plan changed; re-time the jobs on it."""
         dirty, self._dirty = self._dirty, set()
-        for plan in self.control.clusters.values():
+        for plan in self.control.pool.clusters.values():
             for name in sorted(plan.take_changed()):  # sorted: the same order in every process
                 agg = plan.aggregators[name]
                 if self._seen.get(name) != agg.version:
@@ -480,7 +480,7 @@ class PslinkSimulation:
         self.busy += load - self._loads.get(name, 0.0)
         self._loads[name] = load
         self.control.load_measured(name, load)  # Aggregators report their load (here: at once)
-        if self.hosts is not None and not self.control.is_placeholder(name):
+        if self.hosts is not None and not self.control.pool.is_placeholder(name):
             self._network_changed(self.hosts.measured(name, self._real_rate(agg)))
         return before.keys() | speeds.keys()
 

@@ -142,11 +142,11 @@ def test_a_drain_whose_moves_fail_keeps_the_aggregator_and_its_parts():
         master.links.peers["agg-1"] = RecordingPeer()  # agg-0's connection is closed
         # What Scaling._drain decides: the part to agg-1, agg-0 out of the plan, then released.
         move = control.move_task(ident, "agg-1", "drain agg-0: idle")
-        control.clusters[control.cluster_of.pop("agg-0")].remove_aggregator("agg-0")
+        control.pool.clusters[control.pool.cluster_of.pop("agg-0")].remove_aggregator("agg-0")
         state.outbox += [move, Release("agg-0", "drained: idle")]
         master._carry_out()
         assert isinstance(move, Migrate) and spec.parts[0].aggregator == "agg-0"
-        assert "agg-0" in state.aggregators and control._where(ident) == "agg-0"  # kept, the plan put back
+        assert "agg-0" in state.aggregators and control.pool.where(ident) == "agg-0"  # kept, the plan put back
         agent = RecordingPeer()
         master.failover.relocate(agent, {"id": 7, "job": "j", "tok": record.token, "rank": 0,
                                          "parts": [["w", 0, "agg-0"]]})

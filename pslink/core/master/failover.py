@@ -217,7 +217,7 @@ class Failover:
         added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
                               record.replication - len(part.replicas),
                               exclude={part.aggregator, source, lost, *part.replicas},
-                              hosts=self.state.control.host_of, away_from=[part.aggregator, *part.replicas])
+                              hosts=self.state.control.pool.host_of, away_from=[part.aggregator, *part.replicas])
         part.replicas += added
         self._promote(lost, Promote(record, spec, part, lost))
         if added:

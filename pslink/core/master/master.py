@@ -18,7 +18,6 @@ from typing import Any
 from pslink.core import hosts
 from pslink.core.master.actions import Allocate, Migrate, Release, batches_of_moves
 from pslink.core.master.barriers import Barriers
-from pslink.core.master.control import ControlPlane
 from pslink.core.credentials import ServiceCredentials
 from pslink.core.master.failover import Failover
 from pslink.core.master.gate import Gate
@@ -91,7 +90,7 @@ class Master:
         self._own_transports = transports is None
         # Without a provider nothing can be started or stopped: the pool stays as it is.
         self.provider = provider
-        self.state = MasterState(clock, ControlPlane(clock=clock, elastic=provider is not None, **(control or {})))
+        self.state = MasterState(clock, {"elastic": provider is not None, **(control or {})})
         self.store = MasterStore(os.path.join(state_dir, STATE_FILE) if state_dir else None)
         self.state.default_quota = checked_quota(quota)  # per job, unless the operator set its own
         self.store.load(self.state)
@@ -215,9 +214,9 @@ class Master:
         """Let pMaster start and stop Aggregators through ``provider`` (it becomes elastic)."""
         self.provider = provider
         control = self.state.control
-        control.elastic = True
+        control.pool.elastic = True
         if min_aggregators is not None:
-            control.min_aggregators = min_aggregators
+            control.pool.min_aggregators = min_aggregators
 
     def aggregator_alive(self, name: str) -> bool:
         record = self.state.aggregators.get(name)
@@ -448,7 +447,7 @@ class Master:
         placeholder = self.pool.allocating.pop(record.name, None)
         self.state.aggregator_joined(record.name, placeholder)
         if req.get("keep"):
-            self.state.control.pinned.add(record.name)  # an operator's (`pslink aggregator`): scaling keeps it
+            self.state.control.pool.pinned.add(record.name)  # an operator's (`pslink aggregator`): scaling keeps it
         self.placing.registered(record.name)
         if placeholder is not None:
             self.placing.assign_deferred(placeholder)

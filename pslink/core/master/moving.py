@@ -121,7 +121,7 @@ class Mover:
             placed = record.keys[key].parts[part]
             if target in placed.replicas:  # it serves the part now; the move's end tops the replicas up
                 placed.replicas.remove(target)
-            if target not in self.state.control.cluster_of:
+            if target not in self.state.control.pool.cluster_of:
                 self.state.control.aggregator_added(target)  # (registers later: as at a restart's load)
             try:  # the plan follows (its Migrate is what already happened: not carried out)
                 self.state.control.move_task((job, key, part), target, "resumed")
@@ -231,7 +231,7 @@ class Mover:
         placed.replicas.remove(target)
         added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
                               record.replication - len(placed.replicas), exclude={target, source, *placed.replicas},
-                              hosts=self.state.control.host_of, away_from=[target, *placed.replicas])
+                              hosts=self.state.control.pool.host_of, away_from=[target, *placed.replicas])
         placed.replicas += added
         for name in added:
             self.links.tell(name, Op.ASSIGN, f"giving {name} a replica of {(record.job, spec.key, part)}",
@@ -321,7 +321,7 @@ class Mover:
             self._plan_back(action.task, action.source)  # (after a move that failed, its own ending did)
 
     def _plan_back(self, task: tuple, source: str) -> None:
-        if source in self.state.control.cluster_of:
+        if source in self.state.control.pool.cluster_of:
             try:
                 self.state.control.move_task(task, source, "migration failed")  # the plan goes back
             except KeyError:

@@ -104,7 +104,7 @@ class KeyPlacing:
     # -- ASSIGN ---------------------------------------------------------------------------------
 
     def assign(self, record: JobRecord, specs: list[KeySpec]) -> None:
-        starting = sorted({p.aggregator for s in specs for p in s.parts if self.state.control.is_placeholder(p.aggregator)})
+        starting = sorted({p.aggregator for s in specs for p in s.parts if self.state.control.pool.is_placeholder(p.aggregator)})
         if starting:
             # Some parts go to Aggregators still starting: assign once they registered.
             self.deferred.setdefault(starting[0], []).append((record, specs))

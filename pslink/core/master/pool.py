@@ -185,7 +185,7 @@ class Pool:
             self._pool_adds.remove(wait)
             wait["timer"].cancel()
             wait["peer"].reply(wait["req"], body={"added": wait["names"],
-                                                  "min_aggregators": self.state.control.min_aggregators})
+                                                  "min_aggregators": self.state.control.pool.min_aggregators})
         if self.resume:
             self.reactor.post(self._resume_removals)
 
@@ -273,12 +273,12 @@ class Pool:
                      name, len(moved))
             return
         removal["peer"].reply(removal["req"], body={"removed": name, "moved": moved, "replicas": replicas,
-                                                    "min_aggregators": self.state.control.min_aggregators})
+                                                    "min_aggregators": self.state.control.pool.min_aggregators})
 
     def removal_failed(self, source: str, task: tuple, target: str, error: PslinkError) -> None:
         """A task leaving a draining Aggregator could not move: it stays in the pool with what it
         still holds (the caller puts the task back in the plan)."""
-        if source not in self.state.control.draining:
+        if source not in self.state.control.pool.draining:
             return
         self.state.control.undrain(source)
         self._release_after.pop(source, None)

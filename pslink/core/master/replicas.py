@@ -101,7 +101,7 @@ class Replicas:
         if need <= 0 or self.links.get(part.aggregator) is None:
             return False
         added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs), need,
-                              exclude={*self._not_for(record, spec, part), *avoid}, hosts=self.state.control.host_of,
+                              exclude={*self._not_for(record, spec, part), *avoid}, hosts=self.state.control.pool.host_of,
                               away_from=[part.aggregator, *part.replicas])
         if not added:
             return False
@@ -143,7 +143,7 @@ class Replicas:
     def separate(self, record, spec, part) -> None:
         """Move the replicas of ``part`` that share its primary's host, if another host can take them."""
         job, key, index = record.job, spec.key, part.part
-        host_of = self.state.control.host_of
+        host_of = self.state.control.pool.host_of
         primary_host = host_of.get(part.aggregator)
         for old in [r for r in part.replicas if host_of.get(r) == primary_host]:
             others = [r for r in part.replicas if r != old]
