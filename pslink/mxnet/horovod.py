@@ -25,11 +25,11 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-import pslink
 from pslink.core.worker import collectives, process_sets
 from pslink.core.worker.collectives import (Adasum, Average, Max, Min, Product, Sum, Zeros, ccl_built,  # noqa: F401
                                      ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                      mpi_threads_supported, nccl_built, reduce_op, rocm_built)
+from pslink.core.worker.connect import connect
 from pslink.errors import ConfigError
 from pslink.errors import PslinkError as HorovodInternalError  # noqa: F401  (a RuntimeError, as Horovod's)
 
@@ -251,7 +251,7 @@ def init(comm=None, *, job: str | None = None, rank: int | None = None, num_work
     if comm is not None:
         raise ConfigError("pslink.mxnet.horovod.init: MPI communicators are not supported; call init()")
     options["mode"] = "sum"
-    _holder.session = Session(pslink.connect(job, rank, num_workers, master, **options))
+    _holder.session = Session(connect(job, rank, num_workers, master, **options))
 
 
 def shutdown() -> None:

@@ -25,7 +25,8 @@ import mxnet as mx
 import numpy as np
 from mxnet.kvstore import KVStore, KVStoreBase
 
-import pslink
+from pslink.core.agent import Agent
+from pslink.core.worker.connect import connect
 from pslink.core.worker.groups import GroupAgent
 from pslink.errors import AuthError, MembershipError, PslinkError
 from pslink.mxnet import sparse
@@ -110,13 +111,13 @@ class PSLinkKVStore(KVStore):
     #: "asp" for the asynchronous store; None joins the job with whatever it runs (BSP by default)
     sync: str | None = None
 
-    def __init__(self, job=None, rank=None, num_workers=None, master=None, *, agent: pslink.Agent | None = None,
+    def __init__(self, job=None, rank=None, num_workers=None, master=None, *, agent: Agent | None = None,
                  **options):
         if agent is None:
             if self.sync is not None:
                 options.setdefault("sync", self.sync)
             try:
-                agent = pslink.connect(job, rank, num_workers, master, **options)
+                agent = connect(job, rank, num_workers, master, **options)
             except (AuthError, MembershipError) as exc:
                 hint = "a worker process uses one pslink kvstore: create it once and pass it to every Trainer"
                 raise translate(exc, "joining the parameter service", hint) from exc
@@ -171,7 +172,7 @@ class PSLinkKVStore(KVStore):
         return self._agent.num_workers
 
     @property
-    def agent(self) -> pslink.Agent:
+    def agent(self) -> Agent:
         """The pslink Agent underneath (its job, mode, sync, key placement)."""
         return self._agent
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-import pslink
 from pslink.core.worker import collectives
 from pslink.core.worker.collectives import (  # noqa: F401  (Horovod's build reports, re-exported)
     ccl_built,
@@ -25,6 +24,7 @@ from pslink.core.worker.collectives import (  # noqa: F401  (Horovod's build rep
     nccl_built,
     rocm_built,
 )
+from pslink.core.worker.connect import connect
 from pslink.errors import ConfigError, PeerError
 from pslink.torch.optimizer import DistributedOptimizer as _wrap_optimizer
 from pslink.torch import autograd
@@ -50,7 +50,7 @@ def init(comm=None, *, job: str | None = None, rank: int | None = None, num_work
         raise ConfigError("pslink.torch reduces on the service in mode 'sum'; the optimizer steps locally")
     options["mode"] = "sum"
     try:
-        agent = pslink.connect(job, rank, num_workers, master, **options)
+        agent = connect(job, rank, num_workers, master, **options)
     except PeerError as exc:
         raise PeerError(f"pslink.torch.init: no parameter service reachable: {exc.message}. Run the script "
                         "under `pslink launch -n N`, or start `pslink service up` and set PSLINK_MASTER",
@@ -61,7 +61,7 @@ def init(comm=None, *, job: str | None = None, rank: int | None = None, num_work
 
     def connect_again(token: bytes, rejoin: bool = False):
         """The same registration, with the job's token (elastic recovery: a new Agent)."""
-        return pslink.connect(job, rank, num_workers, master, **dict(options, token=token, rejoin=rejoin))
+        return connect(job, rank, num_workers, master, **dict(options, token=token, rejoin=rejoin))
 
     _holder.session = Session(agent, _env_int(ENV_LOCAL_RANK), _env_int(ENV_LOCAL_SIZE), connect=connect_again)
 

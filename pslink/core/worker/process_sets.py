@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-import pslink
+from pslink.core.worker.connect import connect
 from pslink.errors import ConfigError
 
 
@@ -82,10 +82,10 @@ class ProcessSets:
         options = dict(mode="sum", timeout=agent.timeout, transports=agent.transports)
         sub = None
         if world.rank == leader:
-            sub = pslink.connect(job, 0, members, agent.master_address, **options)
+            sub = connect(job, 0, members, agent.master_address, **options)
         token = world.broadcast_object(sub.token if sub is not None else None, leader, f"{job}.token")
         if world.rank in process_set.ranks and sub is None:
-            sub = pslink.connect(job, process_set.ranks.index(world.rank), members, agent.master_address,
+            sub = connect(job, process_set.ranks.index(world.rank), members, agent.master_address,
                                  token=token, **options)
         if sub is not None:
             process_set.session = self.make_session(sub)
