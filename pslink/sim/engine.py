@@ -5,12 +5,12 @@ Two policies over the same jobs (:class:`~pslink.sim.workload.SimJob`):
 * **static** (the ps-lite baseline): a job holds its ``servers`` CPUs from submission to its end
   and runs at its standalone speed. Nothing to simulate but the sum of step functions.
 * **pslink**: the live control plane, :class:`pslink.core.master.control.ControlPlane`, with its
-  placement (:mod:`pslink.core.master.placement`), guard and scaling, driven by simulated time. The
+  placement (:mod:`pslink.core.master.packing`), guard and scaling, driven by simulated time. The
   simulator plays the parts pMaster, the Aggregators and the Agents play around it: it starts an
   Aggregator ``startup`` seconds after an ``Allocate`` and then binds it; it reports each job's
   profiled iterations and task costs, later its iteration durations and the Aggregators' loads
   to the guard; it carries out migrations through the migration core pMaster runs
-  (:mod:`pslink.core.master.migrations`): moves are batched and throttled as live ones are, a
+  (:mod:`pslink.core.master.migration_core`): moves are batched and throttled as live ones are, a
   batch's source hands its tasks over at the end of its job's round (one iteration), the batch's
   copy crosses at ``copy_bandwidth`` and stalls the job's next round once by its duration, and a
   move ends once the workers came round to the new place (another iteration); releases of
@@ -38,9 +38,9 @@ from typing import Callable, Iterable
 
 from pslink.core.master.actions import Allocate, Migrate, Release, batches_of_moves
 from pslink.core.master.control import DEFAULT_HEADROOM, DEFAULT_PLACEMENT_SHARE, ControlPlane
-from pslink.core.master.migrations import (DEFAULT_MAX_MIGRATION_BYTES, Begin, Finished, HandOver, Migrated,
+from pslink.core.master.migration_core import (DEFAULT_MAX_MIGRATION_BYTES, Begin, Finished, HandOver, Migrated,
                                            Migrations, Settle)
-from pslink.core.master.placement import LOSS_LIMIT, runs_per_cycle
+from pslink.core.master.packing import LOSS_LIMIT, runs_per_cycle
 from pslink.sim.hosts import HostPool
 from pslink.sim.results import JobOutcome, SimResult, Timeline, outcome_of, relocation_kind, simulate_static
 from pslink.sim.workload import SimJob

@@ -6,7 +6,7 @@ import pytest
 
 from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.control import ControlPlane
-from pslink.core.master.placement import TaskDemand
+from pslink.core.master.packing import TaskDemand
 
 
 class Clock:

@@ -9,10 +9,10 @@ import pytest
 
 from pslink.core import hosts
 from pslink.core.master.control import ControlPlane
-from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
+from pslink.core.master.records import JobRecord, KeySpec, PartSpec
 from pslink.core.master.state import MasterState
 from pslink.core.service.providers.base import Provider
-from pslink.core.master.recovery import pick_replicas, plan_failover, plan_replica_moves
+from pslink.core.master.failover_plan import pick_replicas, plan_failover, plan_replica_moves
 from pslink.core.master.store import MasterStore
 from pslink.errors import ConfigError
 from pslink.launch import Launch, check_nodes

@@ -242,7 +242,7 @@ def test_a_replica_no_round_reaches_gets_its_orders_again():
     round reached for 60 s. pMaster only logged an order that failed, and nothing sent it again.
     Now a counted replica whose holder's heartbeats report no round in it for a while (its
     primary connected) gets its orders again, at pMaster's sweep: the holder's, then the primary's."""
-    from pslink.core.master import replicas as replicas_module
+    from pslink.core.master import replica_hosts as replicas_module
 
     master, peers, agent, promote = _failing_over()
     try:

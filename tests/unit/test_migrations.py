@@ -1,4 +1,4 @@
-"""The migration core (pslink.core.master.migrations): events in, actions out, no I/O. pMaster and
+"""The migration core (pslink.core.master.migration_core): events in, actions out, no I/O. pMaster and
 the simulator drive the very same class."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from pslink.core.master import Master
 from pslink.core.master.actions import Migrate
-from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
+from pslink.core.master.migration_core import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
                                            Routed, Settle)
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op

@@ -7,7 +7,7 @@ import pytest
 
 from pslink.core.master.control import ControlPlane
 from pslink.core.master.nics import Nics
-from pslink.core.master.placement import NewAggregator, Placement, TaskDemand
+from pslink.core.master.packing import NewAggregator, Placement, TaskDemand
 
 
 def test_a_task_goes_only_where_its_hosts_nic_has_room():

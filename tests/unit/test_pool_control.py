@@ -14,7 +14,7 @@ from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.control import ControlPlane
 from pslink.core.master.state import MasterState
 from pslink.core.master.watch import status_of
-from pslink.core.master.recovery import Rereplicate
+from pslink.core.master.failover_plan import Rereplicate
 from pslink.errors import ConfigError, ServiceError
 
 
@@ -182,7 +182,7 @@ def test_a_part_moving_onto_a_lost_aggregator_is_offered_back_to_its_source_firs
     """Its copy was not known to have landed: the source may still be serving the part, and a
     promoted replica would then be a second server. (If the source had handed the part over, it
     refuses, and pMaster promotes the replica: see core/master/failover.py.)"""
-    from pslink.core.master.recovery import Promote
+    from pslink.core.master.failover_plan import Promote
 
     state, record, part = one_replicated_part()
     source, (replica,) = part.aggregator, part.replicas
@@ -197,7 +197,7 @@ def test_a_part_moving_onto_a_lost_aggregator_is_offered_back_to_its_source_firs
 def test_a_part_handed_over_by_a_lost_source_is_not_failed_over_it_waits_for_a_copy_from_a_replica():
     """The source of a move died after pMaster pointed the part at the target: the plan leaves
     the part there (pMaster has a replica send the copy), and the replica stays a replica."""
-    from pslink.core.master.recovery import copy_sources
+    from pslink.core.master.failover_plan import copy_sources
 
     state, record, part = one_replicated_part()
     source, (replica,) = part.aggregator, part.replicas
@@ -214,7 +214,7 @@ def test_a_part_handed_over_by_a_lost_source_is_not_failed_over_it_waits_for_a_c
 def test_copy_sources_put_a_target_that_held_the_replica_first():
     """When the move began the target held the part's replica; pMaster gave that replica's place
     to a newcomer the source never heard of: only the target has the rounds since."""
-    from pslink.core.master.recovery import copy_sources
+    from pslink.core.master.failover_plan import copy_sources
 
     live = {"agg-1", "agg-2", "agg-3"}
     assert copy_sources(["agg-3"], "agg-1", True, live, "agg-0") == ["agg-1", "agg-3"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pslink.core.aggregator.process import Aggregator
 from pslink.core.master import Master
-from pslink.core.master.migrations import Finished, Migrations, Routed
+from pslink.core.master.migration_core import Finished, Migrations, Routed
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op
 from tests.helpers import RecordingPeer

@@ -8,7 +8,7 @@ import pytest
 
 from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.control import ControlPlane
-from pslink.core.master.placement import NewAggregator, Placement, TaskDemand, slowdown
+from pslink.core.master.packing import NewAggregator, Placement, TaskDemand, slowdown
 from pslink.errors import ConfigError
 
 

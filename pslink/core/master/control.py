@@ -13,7 +13,7 @@ A job's life (paper 3.3.1-3.3.2):
    iteration.
 2. **Packing.** After ``profile_iterations`` iterations its standalone iteration duration ``D`` is
    the median measured; once its moves pay (:meth:`JobControl.pack_due`) every task is placed by
-   Pseudocode 1 (:mod:`pslink.core.master.placement`, each job within ``placement_share`` of its own
+   Pseudocode 1 (:mod:`pslink.core.master.packing`, each job within ``placement_share`` of its own
    slowdown limit, its ``slo``, shared Aggregators keeping ``headroom`` free, NICs within
    ``nic_bandwidth``) in the best-fit cluster; moved parts migrate; empty Aggregators go.
 3. **Guard** (:mod:`pslink.core.master.guard`): a packed job slower than ``D`` by more than its
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from pslink.core.master.actions import Allocate, Migrate
 from pslink.core.master import spread
-from pslink.core.master.placement import LOSS_LIMIT, NewAggregator, TaskDemand, runs_per_cycle
+from pslink.core.master.packing import LOSS_LIMIT, NewAggregator, TaskDemand, runs_per_cycle
 from pslink.core.master.job_control import JobControl, check_service_level
 from pslink.core.master.nics import Nics
 from pslink.core.master.guard import Guard

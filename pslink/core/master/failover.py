@@ -2,7 +2,7 @@
 
 An Aggregator whose connection to pMaster closed, and that has not come back within
 ``aggregator_grace`` (or that is silent past ``aggregator_timeout``), is gone: its parts are
-re-homed (:mod:`pslink.core.master.recovery`) and carried out here: PROMOTE a replica, ASSIGN a fresh
+re-homed (:mod:`pslink.core.master.failover_plan`) and carried out here: PROMOTE a replica, ASSIGN a fresh
 part, top up replicas, ABORT keys whose state is lost; a migration off it whose copy had not
 landed gets its copy from a replica (COPY_REPLICA). Agents that lost the Aggregator ask
 (RELOCATE) where their parts live now; the answer waits until the failover is carried out, so
@@ -17,12 +17,12 @@ import logging
 from typing import Callable
 
 from pslink.core import faults
-from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, PartSpec
+from pslink.core.master.records import AggregatorRecord, JobRecord, KeySpec, PartSpec
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.migrations import Move
-from pslink.core.master.moving import Mover
-from pslink.core.master.recovery import Lost, Promote, Recreate, Rereplicate, copy_sources, holdings, pick_replicas
-from pslink.core.master.replicas import give_replicas
+from pslink.core.master.migration_core import Move
+from pslink.core.master.migration_io import Mover
+from pslink.core.master.failover_plan import Lost, Promote, Recreate, Rereplicate, copy_sources, holdings, pick_replicas
+from pslink.core.master.replica_hosts import give_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
@@ -68,7 +68,7 @@ class Failover:
 
     def connection_lost(self, name: str) -> None:
         """Its connection closed: unless it comes back within the grace period, or its process
-        answers at its data port (:mod:`pslink.core.master.liveness`), fail it over."""
+        answers at its data port (:mod:`pslink.core.master.aggregator_probe`), fail it over."""
         self.reactor.call_later(self.grace, self._probe_unless_back, name)
 
     def _away(self, name: str, record: AggregatorRecord | None = None) -> bool:

@@ -20,7 +20,7 @@ from typing import Callable
 
 from pslink.core.master.actions import Allocate, Migrate
 from pslink.core.master.job_control import JobControl
-from pslink.core.master.placement import NewAggregator, Placement
+from pslink.core.master.packing import NewAggregator, Placement
 from pslink.core.master.pool_plan import PoolPlan
 from pslink.core.master.scaling import Scaling
 

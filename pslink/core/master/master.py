@@ -21,15 +21,15 @@ from pslink.core.master.barriers import Barriers
 from pslink.core.credentials import ServiceCredentials
 from pslink.core.master.failover import Failover
 from pslink.core.master.gate import Gate
-from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, checked_quota
+from pslink.core.master.records import AggregatorRecord, JobRecord, KeySpec, checked_quota
 from pslink.core.master.joining import Joining
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.liveness import Prober
-from pslink.core.master.moving import Mover
+from pslink.core.master.aggregator_probe import Prober
+from pslink.core.master.migration_io import Mover
 from pslink.core.master.observing import Observing
-from pslink.core.master.placing import KeyPlacing, holders_of, spec_to_wire
+from pslink.core.master.key_placement import KeyPlacing, holders_of, spec_to_wire
 from pslink.core.master.pool import Pool
-from pslink.core.master.replicas import Replicas
+from pslink.core.master.replica_hosts import Replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport import Transports
@@ -53,7 +53,7 @@ class Master:
 
     It serves jobs, workers and keys itself and composes the rest: :class:`AggregatorLinks` (its
     connections to the Aggregators), :class:`Mover` (migrations, around the pure
-    :class:`~pslink.core.master.migrations.Migrations`), :class:`Pool` (starting, releasing and
+    :class:`~pslink.core.master.migration_core.Migrations`), :class:`Pool` (starting, releasing and
     operators' changes), :class:`Failover`, :class:`Joining` (which Aggregators may join) and
     :class:`Replicas` (replicas on other hosts than their primary)."""
 

@@ -23,9 +23,9 @@ from typing import Callable
 
 from pslink.core.master.actions import Allocate, Release
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.migrations import Migrations
-from pslink.core.master.recovery import Rereplicate, holdings
-from pslink.core.master.replicas import give_replicas
+from pslink.core.master.migration_core import Migrations
+from pslink.core.master.failover_plan import Rereplicate, holdings
+from pslink.core.master.replica_hosts import give_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer

@@ -1,7 +1,7 @@
 """The control plane's view of the pool: :class:`PoolPlan`.
 
 Which Aggregators there are (and placeholders for those still starting), in which cluster, each
-cluster with its placement plan (:class:`~pslink.core.master.placement.Placement`); what an
+cluster with its placement plan (:class:`~pslink.core.master.packing.Placement`); what an
 Aggregator is kept for (a job's profiling, a reverted job of its own, an operator's removal, an
 operator's join); and the actions held until an Aggregator they name is up. Pure, like the rest
 of the control plane. The plane's deciders share this one object: the
@@ -18,7 +18,7 @@ from typing import Callable
 
 from pslink.core.master.actions import Allocate, Migrate
 from pslink.core.master.nics import Nics
-from pslink.core.master.placement import Placement
+from pslink.core.master.packing import Placement
 
 
 class PoolPlan:

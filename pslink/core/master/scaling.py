@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.job_control import JobControl
-from pslink.core.master.placement import Placement
+from pslink.core.master.packing import Placement
 from pslink.core.master.pool_plan import PoolPlan
 from pslink.errors import ConfigError, ServiceError
 

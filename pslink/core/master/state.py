@@ -19,8 +19,8 @@ import time
 from typing import Any, Callable
 
 from pslink.core.master.control import ControlPlane
-from pslink.core.master.recovery import Promote, Recreate, holdings, pick_replicas, plan_failover, plan_replica_moves
-from pslink.core.master.jobs import (
+from pslink.core.master.failover_plan import Promote, Recreate, holdings, pick_replicas, plan_failover, plan_replica_moves
+from pslink.core.master.records import (
     AggregatorRecord,
     JobRecord,
     KeySpec,
@@ -491,7 +491,7 @@ class MasterState:
     def fail_over(self, name: str, stays: dict[tuple, str] | None = None, incoming: dict[tuple, str] | None = None
                   ) -> list:
         """The Aggregator ``name`` is gone for good: re-home its parts and replicas
-        (:mod:`pslink.core.master.recovery`) and forget it. ``stays``: parts whose migration onto it
+        (:mod:`pslink.core.master.failover_plan`) and forget it. ``stays``: parts whose migration onto it
         had not landed, and their sources; ``incoming``: the other moves' parts and targets.
         Returns what pMaster must carry out."""
         self.aggregator_lost(name)

@@ -1,5 +1,5 @@
 """pMaster carrying out migrations: the I/O around the pure migration core
-(:mod:`pslink.core.master.migrations`).
+(:mod:`pslink.core.master.migration_core`).
 
 The target learns the task first (ASSIGN, waiting for its copy), then the source lets it go
 (MIGRATE: at its round's end, or at once when forced after ``migration_timeout``); once the
@@ -18,9 +18,9 @@ from typing import Callable
 from pslink.core import faults
 from pslink.core.master.actions import Migrate
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
+from pslink.core.master.migration_core import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
                                            Move, Routed, Settle, bytes_of)
-from pslink.core.master.recovery import holdings, pick_replicas
+from pslink.core.master.failover_plan import holdings, pick_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from pslink.core.master.jobs import JobRecord, KeySpec, LookupWait
+from pslink.core.master.records import JobRecord, KeySpec, LookupWait
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.replicas import Replicas
+from pslink.core.master.replica_hosts import Replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer

@@ -1,6 +1,6 @@
 """Each part's replicas on another host than its primary, as far as the pool's hosts allow.
 
-Replicas are placed on other hosts than their primary (:func:`~pslink.core.master.recovery.pick_replicas`),
+Replicas are placed on other hosts than their primary (:func:`~pslink.core.master.failover_plan.pick_replicas`),
 but a migration may then bring a part onto the host of its replica (packing, the guard, a drain
 decide where parts go, not where their replicas are), and a part placed while the only other host's
 Aggregator was still starting had no other host to replicate to. So after a move lands, when a key
@@ -16,7 +16,7 @@ import logging
 from typing import Callable
 
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.recovery import holdings, pick_replicas
+from pslink.core.master.failover_plan import holdings, pick_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.wire.protocol import Op
