@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pslink.core.config import DEFAULT_LINK_WINDOW, link_window
-from pslink.core.agent.keys import PartRequest, Seat
-from pslink.core.agent.requests import Requests
+from pslink.core.agent.requests import PartRequest, Requests
+from pslink.core.agent.seat import Seat
 from pslink.core.transport.fused import FUSE_BELOW
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits, Op

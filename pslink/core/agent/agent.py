@@ -41,9 +41,10 @@ from pslink.core.agent.handle import Handle, Handles
 from pslink.core.agent.host_reduce import local_group
 from pslink.core.agent.host_reduce import start as host_reduce_start
 from pslink.core.agent.iterations import Iterations
-from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartRequest, Seat, check_key, fenced_pause
+from pslink.core.agent.keys import KeyInfo, check_key
+from pslink.core.agent.requests import MAX_MOVES, PartRequest, Requests, fenced_pause
+from pslink.core.agent.seat import Seat
 from pslink.core.agent.master_link import MasterLink
-from pslink.core.agent.requests import Requests
 from pslink.core.agent.settings import job_config
 from pslink.core.agent.tables import Table
 from pslink.core.agent.tables import declare as declare_table

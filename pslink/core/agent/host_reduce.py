@@ -40,7 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from pslink.core.agent.keys import KeyInfo, PartInfo, Seat
+from pslink.core.agent.keys import KeyInfo, PartInfo
+
+from pslink.core.agent.seat import Seat
 from pslink.core.memory import BufferPool
 from pslink.core.transport import DISCARD
 from pslink.core.transport.fused import Unfused, fused_header, fused_message

@@ -1,4 +1,5 @@
-"""An Agent's requests in flight (one per part) and the Aggregator connections they wait on.
+"""An Agent's requests in flight (one per part: :class:`PartRequest`) and the Aggregator
+connections they wait on (:class:`Link`).
 
 A request is sent on the link to the Aggregator its part lives on and stays in the table until
 its answer comes, or until it fails. Probes, every ``probe_interval``: a link that owes answers
@@ -36,7 +37,7 @@ import threading
 from typing import Callable
 
 from pslink.core.agent.handle import Handles
-from pslink.core.agent.keys import Link, PartRequest, Seat
+from pslink.core.agent.seat import Seat
 from pslink.core.faults import Faults
 from pslink.core.transport import Connection, Handler, Transports
 from pslink.core.wire.loop import Reactor
@@ -47,6 +48,61 @@ from pslink.core.wire.protocol import DATA_OPS, Limits, Op, encode
 from pslink.errors import PeerError, PslinkError
 
 log = logging.getLogger("pslink.core.agent")
+
+
+class Link:
+    """The connection to one Aggregator and the requests waiting on it."""
+
+    __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending", "error", "outbox", "outbox_bytes",
+                 "flush_due", "window", "in_window", "held")
+
+    def __init__(self, name: str, address: str, conn: Connection | None, now: float, error: str | None = None):
+        self.name, self.address, self.conn = name, address, conn
+        self.error = error  # with no ``conn``: why connecting failed
+        self.last_heard = now
+        self.ping_sent: float | None = None
+        self.pending: set[int] = set()
+        # Small requests waiting to travel fused (pslink.core.agent.requests): (id, frames) each.
+        self.outbox: list[tuple[int, list]] = []
+        self.outbox_bytes = 0
+        self.flush_due = False  # a cycle timer will send the outbox
+        # Large requests in flight on a network link, at most ``window`` (0: no limit; see
+        # pslink.core.agent.requests); the ones past it wait in ``held``, in order.
+        self.window = 0
+        self.in_window = 0
+        self.held: collections.deque = collections.deque()
+
+
+class PartRequest:
+    """One part of a request in flight, with what it takes to send it again elsewhere (a task
+    that migrated answers with its new place)."""
+
+    __slots__ = ("handle", "link", "nbytes", "dest", "array", "average", "op", "info", "part", "round",
+                 "payload", "flat_out", "moves", "covers", "frames", "sent", "window_link", "held")
+
+    def __init__(self, handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out, moves,
+                 covers=None):
+        self.handle, self.link, self.nbytes = handle, link, nbytes
+        self.dest, self.array, self.average = dest, array, average
+        self.op, self.info, self.part, self.round = op, info, part, round_
+        self.payload, self.flat_out, self.moves = payload, flat_out, moves
+        self.covers = covers  # the ranks a host's leader pushes for (pslink.core.agent.host_reduce)
+        self.frames: list | None = None  # what was sent: sent again as it is (same id) if no answer comes
+        self.sent = 0.0
+        self.window_link: Link | None = None  # the link whose window this request counts in
+        self.held = False  # ... waiting there for room, not sent yet
+
+
+MAX_MOVES = 8  # a request that keeps meeting "moved" answers gives up with the last one
+
+
+def fenced_pause(moves: int) -> float:
+    """Seconds before a request told "ask pMaster again" (FencedError) for the ``moves``-th time
+    asks: at once the first time (a lease that ran out: pMaster knows the new place), then
+    50 ms doubling to 1 s (a failover whose promotion is not done yet), so that the MAX_MOVES
+    tries span seconds instead of a burst of round trips."""
+    return 0.0 if moves <= 1 else min(0.05 * 2 ** (moves - 2), 1.0)
+
 
 #: Called with the link a request could not be sent on, why, and the request ids.
 LostCallback = Callable[[Link, PslinkError, list], None]

@@ -13,10 +13,10 @@ import numpy as np
 
 from pslink.core.agent.handle import Handle, Handles
 from pslink.core.agent.iterations import Iterations
-from pslink.core.agent.keys import (WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, Seat, as_array, check_key,
-                                   out_array)
+from pslink.core.agent.keys import WIRE_NAMES, KeyInfo, PartInfo, as_array, check_key, out_array
+from pslink.core.agent.requests import Link, PartRequest, Requests
+from pslink.core.agent.seat import Seat
 from pslink.core.agent.master_link import MasterLink
-from pslink.core.agent.requests import Requests
 from pslink.core.agent.tables import table_frames
 from pslink.core.compression import Quantized, Residuals
 from pslink.core.compression import check as check_compression

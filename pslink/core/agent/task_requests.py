@@ -16,9 +16,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from pslink.core.agent.handle import Handle, Handles
-from pslink.core.agent.keys import KeyInfo, PartInfo, PartRequest, Seat, as_array, check_key
+from pslink.core.agent.keys import KeyInfo, PartInfo, as_array, check_key
+from pslink.core.agent.requests import PartRequest, Requests
+from pslink.core.agent.seat import Seat
 from pslink.core.agent.master_link import MasterLink
-from pslink.core.agent.requests import Requests
 from pslink.core.wire.protocol import Op, encode
 from pslink.errors import ConfigError, PslinkError, PslinkTimeoutError, ShapeMismatchError
 
