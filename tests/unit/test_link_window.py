@@ -52,11 +52,11 @@ class FakeHandles:
 def setup():
     reactor = Reactor()
     transports = FakeTransports()
+    lost: list = []
     requests = Requests(Seat("job", 0, 1, b"", "host"), transports, reactor, handler=None, limits=Limits(),
                         handles=FakeHandles(), connect_timeout=1.0, peer_timeout=10.0, probe_interval=3600.0,
-                        resend_timeout=None, faults=None, clock=lambda: 0.0, link_window=3)
-    lost: list = []
-    requests.on_lost = lambda link, error, rids: lost.append((link.name, rids))
+                        resend_timeout=None, faults=None, clock=lambda: 0.0, link_window=3,
+                        on_lost=lambda link, error, rids: lost.append((link.name, rids)))
     yield requests, transports, lost
     reactor.close()
 

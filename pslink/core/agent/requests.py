@@ -115,7 +115,8 @@ class Requests:
     def __init__(self, seat: Seat, transports: Transports, reactor: Reactor, handler: Handler, limits: Limits,
                  handles: Handles, *, connect_timeout: float, peer_timeout: float, probe_interval: float,
                  resend_timeout: float | None, faults: Faults | None, clock: Callable[[], float],
-                 fusion_bytes: int = 0, fusion_cycle: float = 0.001, link_window: int = 0):
+                 fusion_bytes: int = 0, fusion_cycle: float = 0.001, link_window: int = 0,
+                 on_lost: LostCallback | None = None):
         self.seat = seat
         self.transports, self.reactor, self.handler, self.limits = transports, reactor, handler, limits
         self.handles = handles
@@ -134,7 +135,8 @@ class Requests:
         self._fuse_lock = threading.Lock()  # outboxes, and the order requests leave in
         self.link_window = link_window
         self._window_lock = threading.Lock()  # the links' windows and what waits for room in them
-        self.on_lost: LostCallback = lambda link, error, rids: self.fail(rids, error)
+        # Without a failover a lost link's requests fail.
+        self.on_lost: LostCallback = on_lost or (lambda link, error, rids: self.fail(rids, error))
         self.closed = False
         reactor.call_later(probe_interval, self._probe)
 
