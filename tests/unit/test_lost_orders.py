@@ -296,7 +296,7 @@ def test_a_move_target_back_before_the_move_was_routed_keeps_the_part_it_waits_f
         peers["agg-3"] = master.links.peers["agg-3"] = type(peers["agg-1"])()
         ident = ("j", "w", 0)
         master.mover.migrate([Migrate(ident, "agg-1", "agg-3", "test")])
-        assert master.mover.incoming().get(ident) == "agg-3"
+        assert master.mover.core.incoming().get(ident) == "agg-3"
         assert master.state.jobs["j"].keys["w"].parts[0].aggregator == "agg-1"  # not routed yet
         assert master.joining._fenced("agg-3", {"tasks": [list(ident)]}) == []
         assert master.joining._fenced("agg-2", {"tasks": [list(ident)]}) == [list(ident)]  # not its move

@@ -129,7 +129,7 @@ class Failover:
         # Migrations off or onto it never end by themselves. First, while the plan still has
         # it: a queued move onto it goes back to its source in the plan before the plan forgets it.
         stays = self.mover.aggregator_lost(name)
-        actions = self.state.fail_over(name, stays, self.mover.incoming())
+        actions = self.state.fail_over(name, stays, self.mover.core.incoming())
         # Stored before ``name`` is forgotten: a pMaster killed from here on resumes from where
         # the parts go, and its re-sent ASSIGNs promote the replicas (Moves.promote_placed). (Not
         # stored, a restart found the parts on an Aggregator it no longer knew, and answered the

@@ -31,20 +31,28 @@ from pslink.errors import AuthError, ServiceError
 log = logging.getLogger("pslink.core.master")
 
 
-class Mover:
-    """Carries out the migration core's actions for pMaster. ``settled(names)``: moves involving
-    these Aggregators ended (the pool releases what waited); ``removal_failed(source, task,
-    target, error)``: a move off an Aggregator being removed failed; ``moved(task)``: a move is
-    done (its replicas may need another host); ``copy_from_replica(move, lost)``: the failover
-    has a replica send a move's copy."""
+def task_bytes(state: MasterState, task: tuple) -> int:
+    """The bytes a migration of ``task`` copies (0 for a part pMaster no longer has)."""
+    job, key, part = task
+    record = state.jobs.get(job)
+    spec = record.keys.get(key) if record is not None else None
+    return 0 if spec is None or part >= len(spec.parts) else bytes_of(record, spec, part)
 
-    def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks, *,
-                 max_bytes: int | None, migration_timeout: float, settled: Callable[[list], None],
+
+class Mover:
+    """Carries out the migration core's actions for pMaster (``core``, which the pool and the
+    replicas read too). ``settled(names)``: moves involving these Aggregators ended (the pool
+    releases what waited); ``removal_failed(source, task, target, error)``: a move off an
+    Aggregator being removed failed; ``moved(task)``: a move is done (its replicas may need
+    another host); ``copy_from_replica(move, lost)``: the failover has a replica send a move's
+    copy."""
+
+    def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks,
+                 core: Migrations, *, migration_timeout: float, settled: Callable[[list], None],
                  removal_failed: Callable, moved: Callable[[tuple], None],
                  copy_from_replica: Callable[[Move, str], None]):
         self.state, self.store, self.reactor, self.links = state, store, reactor, links
-        kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
-        self.core = Migrations(self._size_of, batch_bytes=state.control.batch_bytes, **kwargs)
+        self.core = core
         self.refused = 0  # reports on moves from peers not entitled to them
         self.migration_timeout = migration_timeout
         self.settled, self.removal_failed, self.moved = settled, removal_failed, moved
@@ -52,12 +60,6 @@ class Mover:
         self._timers: dict[tuple, object] = {}  # task -> its deadline (forcing the hand-over)
         # The control plane's guard does not judge a job whose tasks move.
         state.control.moving_jobs = lambda: self.core.moving_jobs() | state.control.jobs_waiting_to_move()
-
-    def _size_of(self, task: tuple) -> int:
-        job, key, part = task
-        record = self.state.jobs.get(job)
-        spec = record.keys.get(key) if record is not None else None
-        return 0 if spec is None or part >= len(spec.parts) else bytes_of(record, spec, part)
 
     # -- events in ----------------------------------------------------------------------------------
 
@@ -94,10 +96,6 @@ class Mover:
     def give_up(self, task: tuple) -> None:
         """A move ends undone because its source is gone (the failover places the task)."""
         self.carry(self.core.abandon(task, self.state.clock(), why="abandoned"))
-
-    def incoming(self) -> dict[tuple, str]:
-        """The parts moving now, and their targets (who serve them next, so hold no replica of them)."""
-        return {task: move.target for task, move in self.core.running.items()}
 
     def aggregator_lost(self, name: str) -> dict[tuple, str]:
         stays, actions = self.core.aggregator_lost(name, self.state.clock())
