@@ -135,7 +135,7 @@ class Pool:
         if self.moves.idle():
             # Whatever pMaster's jobs place on an Aggregator keeps it, also where the plan does not
             # count it (yet): a part a failover gave back to its source. Replica holders the
-            # control plane keeps by itself (ControlPlane.replica_holders).
+            # control plane keeps by itself (PoolPlan.replica_holders, which MasterState gives the plane).
             holding = {name for name, count in holdings(self.state.jobs).items() if count}
             self.state.outbox += self.state.control.release_idle("emptied by migrations", keep=holding)
             self.carry_out()
