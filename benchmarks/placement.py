@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from pslink.core.master.placement import Placement, TaskDemand
+from pslink.core.master.packing import Placement, TaskDemand
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from pslink.config import DEFAULT_MASTER, ENV_MASTER
+from pslink.core.config import DEFAULT_MASTER, ENV_MASTER
 from pslink.errors import PslinkError
 from pslink.status_view import render_status
 from pslink.sim.cli import simulate_app
@@ -134,7 +134,7 @@ def service_up(
     credentials it writes (docs/security.md)."""
     from pslink.core.faults import Faults
     from pslink.core.service import Service
-    from pslink.core.service.credential_files import client_file_for, load_or_create_secret, write_client_file
+    from pslink.core.credential_files import client_file_for, load_or_create_secret, write_client_file
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     scheme = {"tcp": "tcp", "zmq": "zmq+tcp"}.get(transport)
@@ -343,7 +343,7 @@ def aggregator_command(
     bind = _listen_address(listen, scheme_of(address))
     try:
         from pslink.core.credentials import AGGREGATOR
-        from pslink.core.service.credential_files import credential_for
+        from pslink.core.credential_files import credential_for
 
         aggregator = Aggregator(address, bind, name=name, advertise=advertise, interface=interface, keep=True,
                                 credential=credential_for(address, AGGREGATOR, credentials)).start()
@@ -538,7 +538,7 @@ def launch_command(
 
 def _group_env(sync: str | None, groups: int | None) -> dict | None:
     """The workers' environment with ``--sync`` / ``--groups`` (None: the launcher's own)."""
-    from pslink.config import ENV_GROUPS, ENV_SYNC, parse_local_sync
+    from pslink.core.config import ENV_GROUPS, ENV_SYNC, parse_local_sync
 
     if sync is None and groups is None:
         return None

@@ -207,12 +207,12 @@ class Chaos:
     # -- the jobs ----------------------------------------------------------------------------------
 
     def worker(self, job: int, rank: int) -> None:
-        import pslink
+        from pslink.core.worker.connect import connect
 
         try:
-            with pslink.connect(f"chaos-{job}", rank, self.workers, master=self.master, replication=1,
-                                optimizer={"type": "sgd", "lr": LR}, partition_bytes=PARTITION, timeout=90,
-                                heartbeat_interval=0.2) as agent:
+            with connect(f"chaos-{job}", rank, self.workers, master=self.master, replication=1,
+                         optimizer={"type": "sgd", "lr": LR}, partition_bytes=PARTITION, timeout=90,
+                         heartbeat_interval=0.2) as agent:
                 agent.init_many(list(range(KEYS)), [np.zeros(SIZE, np.float32) for _ in range(KEYS)]).wait()
                 step, outs = 0, []
                 while not (self.stop_at and step >= self.stop_at[0]):

@@ -78,7 +78,7 @@ def run_ops(agent, op: str, keys, arrays, outs, inflight: int, count: int) -> fl
 
 def _worker(master: str, rank: int, workers: int, plan: list, seconds: float, partition: int,
             barrier, counts, results) -> None:
-    import pslink
+    from pslink.core.worker.connect import connect
 
     agents = {}
     try:
@@ -89,8 +89,8 @@ def _worker(master: str, rank: int, workers: int, plan: list, seconds: float, pa
                 job, job_rank, job_size = f"bench-{op}-{workers}w-{rank}", 0, 1
             agent = agents.get(job)
             if agent is None:
-                agent = agents[job] = pslink.connect(job, job_rank, job_size, master=master,
-                                                     partition_bytes=partition, timeout=120.0)
+                agent = agents[job] = connect(job, job_rank, job_size, master=master,
+                                              partition_bytes=partition, timeout=120.0)
             keys = [f"{op}-{size}-{inflight}-{i}" for i in range(inflight)]
             rng = np.random.default_rng(rank)
             arrays = [rng.standard_normal(size // 4).astype(np.float32) for _ in keys]

@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-import pslink
+from pslink.core.agent import Agent
+from pslink.core.worker.connect import connect
 from pslink.errors import ConfigError, PslinkError
 
 LEARNING_RATE = 0.1
@@ -81,7 +82,7 @@ class MLP:
         return float((self.logits(x).argmax(axis=1) == y).mean())
 
 
-def train(agent: pslink.Agent, epochs: int = 15, batch_size: int = 32, hidden: int = 64,
+def train(agent: Agent, epochs: int = 15, batch_size: int = 32, hidden: int = 64,
           progress: bool = True, seed: int = 0, groups=None, shard: tuple[int, int] | None = None) -> dict:
     """Train with ``agent``'s job; returns the test accuracy and a checksum of the weights
     (equal on every worker, since all apply the same averaged updates). With ``groups`` (a
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     options = {"optimizer": optimizer_settings()} if args.mode == "optimizer" else {}
     try:
-        with pslink.connect(args.job, args.rank, args.num_workers, args.master, **options) as agent:
+        with connect(args.job, args.rank, args.num_workers, args.master, **options) as agent:
             result = train(agent, epochs=args.epochs, progress=not args.no_progress)
     except PslinkError as exc:  # it names what to fix: no traceback from inside pslink
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 
 ``service_config(opt)`` maps an ``mx.optimizer.SGD`` (with or without momentum) or
 ``mx.optimizer.Adam`` onto the service's optimizers (``pslink.core.optim``; MXNet's NAG, AdaGrad,
-AdaDelta, RMSProp, Signum, Ftrl, Adamax, FTML and Test onto ``pslink.core.optim_mxnet``), with the settings
+AdaDelta, RMSProp, Signum, Ftrl, Adamax, FTML and Test onto ``pslink.core.optim.mxnet_rules``), with the settings
 that make the service follow MXNet's update rules rather than PyTorch's:
 
 - the service applies the round's **sum** of gradients times ``rescale_grad`` (``average``
@@ -27,7 +27,7 @@ from pslink.mxnet.errors import KVStoreError
 SUPPORTED = ("mx.optimizer.SGD (with or without momentum), Adam, NAG, AdaGrad, AdaDelta, RMSProp, "
              "Signum, Ftrl, Adamax, FTML, LAMB (keys of one part) and Test")
 
-# MXNet's other optimizers on the service (pslink.core.optim_mxnet): the service's type, its
+# MXNet's other optimizers on the service (pslink.core.optim.mxnet_rules): the service's type, its
 # settings from the optimizer's attributes; and the state MXNet's updater keeps per key for every
 # optimizer but SGD (the service's arrays, and whether MXNet holds them as a tuple).
 _RULES = {

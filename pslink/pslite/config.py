@@ -19,7 +19,7 @@ import os
 import socket
 from typing import Mapping
 
-from pslink.config import DEFAULT_TIMEOUT, ENV_JOB, ENV_MASTER, ENV_TIMEOUT, ENV_TOKEN
+from pslink.core.config import DEFAULT_TIMEOUT, ENV_JOB, ENV_MASTER, ENV_TIMEOUT, ENV_TOKEN
 from pslink.errors import ConfigError
 
 ROLES = ("worker", "server", "scheduler")

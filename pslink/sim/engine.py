@@ -5,12 +5,12 @@ Two policies over the same jobs (:class:`~pslink.sim.workload.SimJob`):
 * **static** (the ps-lite baseline): a job holds its ``servers`` CPUs from submission to its end
   and runs at its standalone speed. Nothing to simulate but the sum of step functions.
 * **pslink**: the live control plane, :class:`pslink.core.master.control.ControlPlane`, with its
-  placement (:mod:`pslink.core.master.placement`), guard and scaling, driven by simulated time. The
+  placement (:mod:`pslink.core.master.packing`), guard and scaling, driven by simulated time. The
   simulator plays the parts pMaster, the Aggregators and the Agents play around it: it starts an
   Aggregator ``startup`` seconds after an ``Allocate`` and then binds it; it reports each job's
   profiled iterations and task costs, later its iteration durations and the Aggregators' loads
   to the guard; it carries out migrations through the migration core pMaster runs
-  (:mod:`pslink.core.master.migrations`): moves are batched and throttled as live ones are, a
+  (:mod:`pslink.core.master.migration_core`): moves are batched and throttled as live ones are, a
   batch's source hands its tasks over at the end of its job's round (one iteration), the batch's
   copy crosses at ``copy_bandwidth`` and stalls the job's next round once by its duration, and a
   move ends once the workers came round to the new place (another iteration); releases of
@@ -38,9 +38,9 @@ from typing import Callable, Iterable
 
 from pslink.core.master.actions import Allocate, Migrate, Release, batches_of_moves
 from pslink.core.master.control import DEFAULT_HEADROOM, DEFAULT_PLACEMENT_SHARE, ControlPlane
-from pslink.core.master.migrations import (DEFAULT_MAX_MIGRATION_BYTES, Begin, Finished, HandOver, Migrated,
+from pslink.core.master.migration_core import (DEFAULT_MAX_MIGRATION_BYTES, Begin, Finished, HandOver, Migrated,
                                            Migrations, Settle)
-from pslink.core.master.placement import LOSS_LIMIT, runs_per_cycle
+from pslink.core.master.packing import LOSS_LIMIT, runs_per_cycle
 from pslink.sim.hosts import HostPool
 from pslink.sim.results import JobOutcome, SimResult, Timeline, outcome_of, relocation_kind, simulate_static
 from pslink.sim.workload import SimJob
@@ -269,7 +269,7 @@ class PslinkSimulation:
         for table in (self._seen, self._speeds, self._loads):
             if placeholder in table:
                 table[name] = table.pop(placeholder)
-        self.control.loads.pop(placeholder, None)
+        self.control.pool.loads.pop(placeholder, None)
         self.control.load_measured(name, self._loads.get(name, 0.0))
         for job in self._speeds.get(name, ()):
             places = self._places[job]
@@ -411,14 +411,14 @@ class PslinkSimulation:
             self._dirty.add(job)
 
     def _plan(self, name: str):
-        return self.control.clusters[self.control.cluster_of[name]].aggregators[name]
+        return self.control.pool.clusters[self.control.pool.cluster_of[name]].aggregators[name]
 
     # -- speeds --------------------------------------------------------------------------------------
 
     def _refresh(self) -> None:
         """Look at every Aggregator whose plan changed; re-time the jobs on it."""
         dirty, self._dirty = self._dirty, set()
-        for plan in self.control.clusters.values():
+        for plan in self.control.pool.clusters.values():
             for name in sorted(plan.take_changed()):  # sorted: the same order in every process
                 agg = plan.aggregators[name]
                 if self._seen.get(name) != agg.version:
@@ -480,7 +480,7 @@ class PslinkSimulation:
         self.busy += load - self._loads.get(name, 0.0)
         self._loads[name] = load
         self.control.load_measured(name, load)  # Aggregators report their load (here: at once)
-        if self.hosts is not None and not self.control.is_placeholder(name):
+        if self.hosts is not None and not self.control.pool.is_placeholder(name):
             self._network_changed(self.hosts.measured(name, self._real_rate(agg)))
         return before.keys() | speeds.keys()
 

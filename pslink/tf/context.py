@@ -14,8 +14,8 @@ import threading
 
 import tensorflow as tf
 
-import pslink
 from pslink.core.worker import collectives
+from pslink.core.worker.connect import connect as connect_agent
 from pslink.core.agent import Agent
 from pslink.errors import ConfigError, PeerError
 from pslink.tf.exchange import Exchange
@@ -37,7 +37,7 @@ _process = _Process()
 def connect(what: str, **options) -> Agent:
     """``pslink.connect(**options)`` with errors that say what to do about them."""
     try:
-        return pslink.connect(**options)
+        return connect_agent(**options)
     except ConfigError as exc:
         raise ConfigError(
             f"{what}: {exc.message}. Run the script with `pslink launch -n N python script.py`, or pass "

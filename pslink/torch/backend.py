@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pslink.config import ENV_JOB
+from pslink.core.config import ENV_JOB
 from pslink.core.agent import Agent
 from pslink.core.worker.connect import connect as connect_agent
 from pslink.core.worker.pending import Pending, PendingGroup

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import pslink
-from pslink.config import ENV_NUM_WORKERS, ENV_RANK, resolve_connect
+from pslink.core.config import ENV_NUM_WORKERS, ENV_RANK, resolve_connect
 from pslink.core.agent import Agent
-from pslink.core.worker.connect import AGENT_OPTIONS
+from pslink.core.worker.connect import AGENT_OPTIONS, connect as connect_agent
 from pslink.core.worker.collectives import service_key
 from pslink.core.worker.groups import whole_job
 from pslink.errors import ConfigError, PeerError, PslinkError
@@ -188,7 +187,7 @@ class _SharedAgents:
         with self._lock:
             agent = self._agents.get((master, job, rank))
             if agent is None:
-                agent = self._agents[(master, job, rank)] = pslink.connect(job, rank, num_workers, master, **options)
+                agent = self._agents[(master, job, rank)] = connect_agent(job, rank, num_workers, master, **options)
                 self._users[id(agent)] = 0
             elif whole_job(agent)[1] != num_workers:
                 raise ConfigError(f"pslink.torch.connect: job {job!r} rank {rank} is connected in this process with "

@@ -40,7 +40,7 @@ def settled_on(control, job: str) -> str | None:
     if job in control.moving_jobs():
         return None
     parts = list(control.jobs[job].parts)
-    places = {plan.where.get(i) for plan in list(control.clusters.values()) for i in parts} - {None}
+    places = {plan.where.get(i) for plan in list(control.pool.clusters.values()) for i in parts} - {None}
     return places.pop() if len(places) == 1 else None
 
 
@@ -49,7 +49,7 @@ def guard_view(control, job: str) -> dict:
     j = control.jobs[job]
     return {"phase": j.phase, "standalone": j.standalone, "window": list(j.window), "work": list(j.work)[-8:],
             "work_baseline": j.work_baseline, "relieved": j.relieved, "reverts": j.reverts,
-            "loads": dict(control.loads)}
+            "loads": dict(control.pool.loads)}
 
 
 class Trainer(threading.Thread):
@@ -126,9 +126,9 @@ def test_a_job_slowed_after_packing_is_reverted_onto_a_new_aggregator(transports
         wait_until(lambda: control.jobs["victim"].reverts == 1, 40, "the guard to revert the job")
         wait_until(lambda: trainer.places() and first not in trainer.places(), 30, "the job to move")
         (second,) = trainer.places()
-        assert control.exclusive.get(second) == "victim"  # kept for it from now on
+        assert control.pool.exclusive.get(second) == "victim"  # kept for it from now on
         # the slow one held nothing else: released (in Figure 10 it stays, for the other job)
-        wait_until(lambda: first not in control.cluster_of, 20, "the emptied Aggregator's release")
+        wait_until(lambda: first not in control.pool.cluster_of, 20, "the emptied Aggregator's release")
         rounds = trainer.rounds
         wait_until(lambda: trainer.rounds > rounds + 5, 20, "training to go on at full speed")
     finally:

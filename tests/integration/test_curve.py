@@ -85,7 +85,7 @@ def test_peers_without_the_key_or_with_another_are_refused_naming_the_setting(ke
 
 
 def test_a_bad_key_file_is_a_clear_error(tmp_path):
-    from pslink.config import transport_options
+    from pslink.core.transport.options import transport_options
 
     (tmp_path / "short.key").write_text("abc")
     with pytest.raises(ConfigError, match="does not hold a Z85 secret key"):

@@ -1,4 +1,4 @@
-"""Fusion of small requests (pslink.core.wire.fusion, pslink.core.agent.requests): an Agent's small
+"""Fusion of small requests (pslink.core.transport.fused, pslink.core.agent.requests): an Agent's small
 requests for one Aggregator travel as one FUSED message and come back as one, with every key's
 result, round and error its own."""
 
@@ -10,7 +10,7 @@ import pytest
 
 import pslink
 from pslink.core.transport import Transports
-from pslink.core.wire.fusion import fuse
+from pslink.core.transport.fused import fuse
 from pslink.core.wire.protocol import Op, decode, encode
 from pslink.errors import AbortedError, AuthError
 from tests.helpers import RawClient, run_workers, start_cluster

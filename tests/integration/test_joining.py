@@ -78,6 +78,6 @@ def test_a_refused_aggregator_stops_instead_of_retrying(master):
         assert good.registered.wait(10) and good.registration_error is None
         assert pmaster.wait_for_aggregators([good.name], 10)
         record = pmaster.state.aggregators[good.name]
-        assert record.host_id == pmaster.host_id and good.name in pmaster.state.control.pinned
+        assert record.host_id == pmaster.host_id and good.name in pmaster.state.control.pool.pinned
     finally:
         good.stop()

@@ -198,7 +198,7 @@ def test_a_moved_reply_from_an_aggregator_the_part_has_left_is_stale(inproc_clus
     """A reply saying "moved to X" redirects the part only while the part is still placed on the
     Aggregator that answered: once it was relocated elsewhere (failover, a newer redirect), the
     old Aggregator's redirect would send it back to a stale place."""
-    from pslink.core.agent.keys import Link, PartRequest
+    from pslink.core.agent.requests import Link, PartRequest
     from pslink.core.wire.protocol import Op
 
     service, transports = inproc_cluster

@@ -141,7 +141,7 @@ def test_adding_and_removing_aggregators_in_process_changes_nothing_in_the_weigh
         names = [a["name"] for a in status_of(service.address)["aggregators"]]
         assert victim not in names and seen["added"] in names
         assert victim not in service.provider.names()  # stopped, not only forgotten
-        assert master.state.control.min_aggregators == 2
+        assert master.state.control.pool.min_aggregators == 2
         with ControlClient(service.address, timeout=10, transports=transports) as client:
             with pytest.raises(ServiceError, match=rf"aggregator '{victim}' is not registered"):
                 client.remove_aggregator(victim)

@@ -163,7 +163,7 @@ def test_peers_without_tls_or_with_another_ca_are_refused_naming_the_settings(pk
 
 
 def test_partial_tls_settings_are_an_error_naming_what_is_missing(tmp_path, pki):
-    from pslink.config import transport_options
+    from pslink.core.transport.options import transport_options
 
     ours, _ = pki
     with pytest.raises(ConfigError, match="TLS needs PSLINK_TLS_KEY, PSLINK_TLS_CA too"):

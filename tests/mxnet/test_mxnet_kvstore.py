@@ -122,7 +122,7 @@ def mxnet_optimizers():
             momentum=0.8, wd=0.01, clip_gradient=1.0,
             lr_scheduler=mx.lr_scheduler.FactorScheduler(step=2, factor=0.5, base_lr=0.1)),
         "adam-large-epsilon": lambda: mx.optimizer.Adam(learning_rate=0.05, epsilon=0.1, wd=0.02, clip_gradient=0.5),
-        # MXNet's other optimizers (pslink.core.optim_mxnet), each with clipping and weight decay
+        # MXNet's other optimizers (pslink.core.optim.mxnet_rules), each with clipping and weight decay
         "nag": lambda: mx.optimizer.NAG(momentum=0.9, learning_rate=0.1, wd=0.05, rescale_grad=0.5, clip_gradient=0.8),
         "nag-no-momentum": lambda: mx.optimizer.NAG(learning_rate=0.1, wd=0.01),
         "adagrad": lambda: mx.optimizer.AdaGrad(learning_rate=0.1, wd=0.01, clip_gradient=2.0, rescale_grad=0.5),

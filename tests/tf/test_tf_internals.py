@@ -18,7 +18,7 @@ import keras
 
 import pslink.tf
 from pslink.core.agent import Agent
-from pslink.core.agent.keys import Seat
+from pslink.core.agent.seat import Seat
 from pslink.errors import ShapeMismatchError
 from pslink.tf import _internals
 from pslink.tf.exchange import _difference, service_key, unique_names

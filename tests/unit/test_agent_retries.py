@@ -4,7 +4,7 @@ failover's promotion instead of spending themselves in a burst of round trips (i
 
 from __future__ import annotations
 
-from pslink.core.agent.keys import MAX_MOVES, fenced_pause
+from pslink.core.agent.requests import MAX_MOVES, fenced_pause
 
 
 def test_a_fenced_request_asks_at_once_then_less_and_less_often_for_seconds_in_all():

@@ -248,7 +248,7 @@ def test_a_key_aborted_before_its_assignment_never_completes_a_round_even_alone(
     assigned the key with rank 0 the only member. The ABORT that used to follow the ASSIGN came on
     pMaster's connection, rank 0's init and push-pull on its own: when they came first, the round
     closed with rank 0 alone and rank 0 saw no error. The ASSIGN now carries the abort."""
-    from pslink.core.master.jobs import KeySpec, PartSpec
+    from pslink.core.master.records import KeySpec, PartSpec
 
     key = KeySpec("w", (6,), "float32", declared_by=0, needs_init=True, parts=[PartSpec(0, (0, 6), "agg-test")])
     key.aborted = ShapeMismatchError("key 'w' of job 'j': rank 1 uses shape (3, 2) float32, but rank 0 declared "

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pslink.core import checkpoints
-from pslink.core.master.jobs import validate_settings
+from pslink.core.master.records import validate_settings
 from pslink.errors import ConfigError, KeyStateError
 
 STATE = {"closed": 10, "last_n": 2, "rounds_closed": 10, "arrays": ["value", "opt:momentum_buffer"],

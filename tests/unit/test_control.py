@@ -6,7 +6,7 @@ import pytest
 
 from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.control import ControlPlane
-from pslink.core.master.placement import TaskDemand
+from pslink.core.master.packing import TaskDemand
 
 
 class Clock:
@@ -60,7 +60,7 @@ def test_a_new_job_is_profiled_alone_on_as_many_aggregators_as_it_asks_for():
     assert control.jobs["j"].temporaries[0] == "agg-0"  # the idle one first
     assert start(control, actions) == []
     temporaries = control.jobs["j"].temporaries
-    assert len(temporaries) == 2 and not any(control.is_placeholder(t) for t in temporaries)
+    assert len(temporaries) == 2 and not any(control.pool.is_placeholder(t) for t in temporaries)
     places = declare(control, "j", range(4))
     assert sorted(places) == sorted(temporaries * 2)  # spread by bytes over its own
     # another job does not land there while "j" is profiling
@@ -94,7 +94,7 @@ def test_two_jobs_are_packed_onto_one_aggregator_when_they_fit():
     for job in ("a", "b"):
         control.iterations_reported(job, [0.1, 0.1, 0.1])
     assert control.aggregator_count() == 1
-    (plan,) = control.clusters.values()
+    (plan,) = control.pool.clusters.values()
     (agg,) = plan.aggregators.values()
     assert set(agg.jobs) == {"a", "b"} and agg.cycle == 0.1
 
@@ -111,8 +111,8 @@ def test_the_guard_reverts_a_slowed_job_onto_a_new_aggregator():
     assert len(moves) == 2 and all(isinstance(m, Migrate) for m in moves)
     assert control.jobs_waiting_to_move() == set()
     (new,) = {m.target for m in moves}
-    assert not control.is_placeholder(new) and {m.source for m in moves} == {"agg-0"}
-    assert control.exclusive == {new: "j"} and control.jobs["j"].reverts == 1
+    assert not control.pool.is_placeholder(new) and {m.source for m in moves} == {"agg-0"}
+    assert control.pool.exclusive == {new: "j"} and control.jobs["j"].reverts == 1
     # alone on its own Aggregator and still slow: the host changed, it is not moved again
     assert control.iterations_reported("j", [0.2] * 4) == []
     assert control.jobs["j"].standalone == 0.2
@@ -242,7 +242,7 @@ def test_a_job_whose_tasks_moved_is_judged_on_iterations_of_its_new_placement():
     control.iterations_reported("j", [0.05] * 3)
     assert control.jobs["j"].phase == "packed"
     assert control.iterations_reported("j", [0.06] * 3) == []  # not a full window yet
-    (where,) = set(control.clusters["cluster-0"].where.values())
+    (where,) = set(control.pool.clusters["cluster-0"].where.values())
     actions, moves = control.remove_aggregator(where)
     assert len(moves) == 2 and all(isinstance(a, (Migrate, Release)) for a in actions)
     moving = {"j"}  # what pMaster says while the migrations run
@@ -267,7 +267,7 @@ def test_a_congested_aggregator_is_left_for_one_with_room_without_new_ones():
     declare(control, "j", range(2))
     control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
     control.iterations_reported("j", [0.05] * 3)
-    (where,) = {m for m in control.clusters["cluster-0"].where.values()}
+    (where,) = {m for m in control.pool.clusters["cluster-0"].where.values()}
     control.load_measured(where, 0.97)
     actions = control.iterations_reported("j", [0.2] * 4)
     assert all(isinstance(a, Migrate) for a in actions) and len(actions) == 2
@@ -286,7 +286,7 @@ def three_jobs_on_three_aggregators(control: ControlPlane) -> None:
         control.jobs[job].standalone = 0.1
         control.jobs[job].costs = {(job, 0, 0): cost}
         control.jobs[job].parts = {(job, 0, 0): 1000}
-    plan = control.clusters["cluster-0"]
+    plan = control.pool.clusters["cluster-0"]
     plan.assign(TaskDemand("a", 0, 0, 0.1, 0.06), "agg-0")
     plan.assign(TaskDemand("b", 0, 0, 0.1, 0.02), "agg-1")
     plan.assign(TaskDemand("c", 0, 0, 0.1, 0.01), "agg-2")
@@ -308,7 +308,7 @@ def test_scaling_down_keeps_aggregators_that_hold_replicas():
     # Same pool as above, but agg-0 holds replicas of another job's parts and agg-2 too: the plan
     # counts only tasks, so without pMaster's word both would go, and the replicas with them.
     control = plane(min_aggregators=1)
-    control.replica_holders = lambda: {"agg-0", "agg-2"}
+    control.pool.replica_holders = lambda: {"agg-0", "agg-2"}
     three_jobs_on_three_aggregators(control)
     actions = control.job_ended("a")
     # agg-0 is empty but holds replicas: kept; agg-2 is the lightest but holds replicas: agg-1,
@@ -316,7 +316,7 @@ def test_scaling_down_keeps_aggregators_that_hold_replicas():
     assert [a.aggregator for a in actions if isinstance(a, Release)] == ["agg-1"]
     assert [(m.task, m.source, m.target) for m in actions if isinstance(m, Migrate)] == [
         (("b", 0, 0), "agg-1", "agg-2")]
-    control.replica_holders = set  # the replicas went (their job ended): idle ones may go now
+    control.pool.replica_holders = set  # the replicas went (their job ended): idle ones may go now
     assert [a.aggregator for a in control.release_idle() if isinstance(a, Release)] == ["agg-0"]
 
 
@@ -338,8 +338,8 @@ def test_clusters_take_a_job_where_it_fits_best():
     control = plane(max_cluster_size=2, profile_iterations=0)
     for n in range(4):
         control.aggregator_added(f"agg-{n}")
-    assert set(control.clusters) == {"cluster-0", "cluster-1"}
-    assert control.cluster_of["agg-0"] == control.cluster_of["agg-1"] == "cluster-0"
+    assert set(control.pool.clusters) == {"cluster-0", "cluster-1"}
+    assert control.pool.cluster_of["agg-0"] == control.pool.cluster_of["agg-1"] == "cluster-0"
 
 
 def test_without_a_provider_nothing_is_started_or_stopped():
@@ -356,7 +356,7 @@ def test_without_a_provider_nothing_is_started_or_stopped():
 def test_an_adopted_job_is_learnt_again_where_it_is():
     control = plane()
     control.adopt_part("j", 1, 1, "w", 0, 4096, "agg-3")
-    assert control.jobs["j"].adopted and control.cluster_of["agg-3"]
+    assert control.jobs["j"].adopted and control.pool.cluster_of["agg-3"]
     control.costs_measured("j", {("j", "w", 0): 0.001})
     assert control.iterations_reported("j", [0.05] * 3) == []  # measured, not moved
     assert control.jobs["j"].standalone == 0.05
@@ -372,7 +372,7 @@ def test_a_job_still_slow_after_the_guard_moved_it_is_reverted_not_moved_again()
     declare(control, "j", range(2))
     control.costs_measured("j", {("j", k, 0): 0.001 for k in range(2)})
     control.iterations_reported("j", [0.05] * 3)
-    (where,) = set(control.clusters["cluster-0"].where.values())
+    (where,) = set(control.pool.clusters["cluster-0"].where.values())
     control.load_measured(where, 0.97)
     moves = control.iterations_reported("j", [0.2] * 4)
     assert moves and all(isinstance(a, Migrate) for a in moves)
@@ -393,7 +393,7 @@ def test_a_pack_that_opens_aggregators_while_its_profiling_ones_start_names_them
     assert len(opened) == 2 and not set(opened) & set(profiling)
     for number, placeholder in enumerate(profiling + opened):  # every one binds to its own Aggregator
         control.bind(placeholder, f"agg-{number}")
-    assert sorted(control.cluster_of) == [f"agg-{n}" for n in range(4)]
+    assert sorted(control.pool.cluster_of) == [f"agg-{n}" for n in range(4)]
 
 
 def test_a_jobs_migration_batch_is_the_copy_its_compute_hides():
@@ -423,4 +423,4 @@ def test_a_job_profiling_on_an_aggregator_that_was_lost_declares_its_next_parts_
     declare(control, "j", [0])
     control.aggregator_lost(temporary)
     (target,) = declare(control, "j", [1])
-    assert target != temporary and target in control.cluster_of
+    assert target != temporary and target in control.pool.cluster_of

@@ -14,7 +14,7 @@ from pslink.core.master.gate import Gate, from_this_host
 from pslink.core.master.state import MasterState
 from pslink.core.names import check_job_name
 from pslink.core.ratelog import Throttled
-from pslink.core.service import credential_files
+from pslink.core import credential_files
 from pslink.core.wire.protocol import Op
 from pslink.errors import AuthError, ConfigError
 

@@ -65,8 +65,8 @@ def test_a_part_never_gets_the_target_of_its_own_move_as_a_replica():
     and the failover gave the replica's place to the move's target, which served the part once
     the copy landed: its only "replica" was itself, and when it died the key was lost. The
     same for a replica placed while the part moves (a primary's dropped replica, a top-up)."""
-    from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
-    from pslink.core.master.recovery import plan_failover
+    from pslink.core.master.records import JobRecord, KeySpec, PartSpec
+    from pslink.core.master.failover_plan import plan_failover
 
     def moving_job():
         record = JobRecord(job="j", token=b"t", num_workers=1, mode="optimizer", replication=1)

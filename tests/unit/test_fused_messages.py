@@ -1,4 +1,4 @@
-"""FUSED messages (pslink.core.wire.fusion): built, taken apart and checked without I/O."""
+"""FUSED messages (pslink.core.transport.fused): built, taken apart and checked without I/O."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pslink.core.transport import DISCARD
-from pslink.core.wire.fusion import FUSE_BELOW, MAX_FUSED_ITEMS, Cork, Unfused, fuse, fused_header, fused_message
+from pslink.core.transport.fused import FUSE_BELOW, MAX_FUSED_ITEMS, Cork, Unfused, fuse, fused_header, fused_message
 from pslink.core.wire.protocol import Op, decode, encode
 from pslink.errors import ProtocolError
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from pslink.config import parse_local_sync
+from pslink.core.config import parse_local_sync
 from pslink.core.worker.groups import SyncSchedule
 from pslink.errors import ConfigError
 
@@ -56,7 +56,7 @@ def test_local_sync_settings_are_checked():
 
 
 def test_groups_come_from_the_option_or_one_per_launched_host():
-    from pslink.config import local_sync_settings
+    from pslink.core.config import local_sync_settings
 
     assert local_sync_settings("local:5", 2, None, "j", 3, 4, environ={}) == (5, 2, None)
     assert local_sync_settings("bsp", None, None, "j", 0, 4, environ={}) is None
@@ -82,7 +82,7 @@ def test_groups_come_from_the_option_or_one_per_launched_host():
     (None, None, {"PSLINK_SYNC": "local:2", "PSLINK_GROUPS": "x"}, "PSLINK_GROUPS"),
 ])
 def test_group_settings_that_cannot_work_are_named(sync, groups, env, words):
-    from pslink.config import local_sync_settings
+    from pslink.core.config import local_sync_settings
 
     with pytest.raises(ConfigError, match=re.escape(words)):
         local_sync_settings(sync, groups, None, "j", 0, 4, environ=env)
@@ -91,7 +91,7 @@ def test_group_settings_that_cannot_work_are_named(sync, groups, env, words):
 @pytest.mark.parametrize("groups, label, words", [(2, "a", "not both"), (None, "", "non-empty"),
                                                   (None, "x" * 201, "at most 200 bytes"), (None, 3, "must name")])
 def test_group_labels_that_cannot_work_are_named(groups, label, words):
-    from pslink.config import local_sync_settings
+    from pslink.core.config import local_sync_settings
 
     with pytest.raises(ConfigError, match=re.escape(words)):
         local_sync_settings("local:5", groups, None, "j", 0, 4, environ={}, label=label)

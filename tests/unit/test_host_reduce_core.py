@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pslink.config import host_reduce_settings
+from pslink.core.config import host_reduce_settings
 from pslink.core.agent.host_reduce import local_group
 from pslink.core.aggregator.tasks import Request
 from pslink.core.wire.protocol import Op, decode, encode

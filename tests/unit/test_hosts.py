@@ -9,10 +9,10 @@ import pytest
 
 from pslink.core import hosts
 from pslink.core.master.control import ControlPlane
-from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
+from pslink.core.master.records import JobRecord, KeySpec, PartSpec
 from pslink.core.master.state import MasterState
 from pslink.core.service.providers.base import Provider
-from pslink.core.master.recovery import pick_replicas, plan_failover, plan_replica_moves
+from pslink.core.master.failover_plan import pick_replicas, plan_failover, plan_replica_moves
 from pslink.core.master.store import MasterStore
 from pslink.errors import ConfigError
 from pslink.launch import Launch, check_nodes
@@ -101,7 +101,7 @@ def plane(hosts_of: dict, **options) -> ControlPlane:
     options.setdefault("cost_per_byte", 1e-6)
     control = ControlPlane(**options)
     for name, host in hosts_of.items():
-        control.host_of[name] = host
+        control.pool.host_of[name] = host
         control.aggregator_added(name)
     return control
 
@@ -110,7 +110,7 @@ def test_a_job_is_spread_over_the_hosts_of_the_pool():
     control = plane({"a1": "A", "a2": "A", "b1": "B"})
     control.job_arrived("j", workers=2, servers=1)
     placed = [control.place_part("j", key, 0, 1000)[0] for key in range(4)]
-    by_host = collections.Counter(control.host_of[n] for n in placed)
+    by_host = collections.Counter(control.pool.host_of[n] for n in placed)
     assert by_host == {"A": 2, "B": 2}  # best fit alone would pack all four on one Aggregator
 
 
@@ -126,16 +126,16 @@ def test_one_host_places_as_without_hosts():
 def test_a_profiling_job_gets_aggregators_of_every_host():
     control = plane({"a1": "A", "a2": "A", "b1": "B"}, profile_iterations=10)
     control.job_arrived("j", workers=2)
-    assert sorted(control.host_of[n] for n in control.jobs["j"].temporaries) == ["A", "B"]
+    assert sorted(control.pool.host_of[n] for n in control.jobs["j"].temporaries) == ["A", "B"]
     placed = [control.place_part("j", key, 0, 1000)[0] for key in range(4)]
-    assert collections.Counter(control.host_of[n] for n in placed) == {"A": 2, "B": 2}
+    assert collections.Counter(control.pool.host_of[n] for n in placed) == {"A": 2, "B": 2}
 
 
 def test_an_operators_aggregator_is_never_released_by_scaling():
     control = plane({"a1": "A", "b1": "B"})
-    control.pinned.add("b1")
+    control.pool.pinned.add("b1")
     assert [a.aggregator for a in control.release_idle()] == ["a1"]
-    assert "b1" in control.cluster_of
+    assert "b1" in control.pool.cluster_of
 
 
 # -- names, state ------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_a_state_file_of_the_previous_schema_is_migrated(tmp_path):
     store.close()
     again = MasterState()
     MasterStore(str(path)).load(again)
-    assert again.aggregators["agg-0"].host_id == "boot/1" and again.control.host_of["agg-0"] == "boot/1"
+    assert again.aggregators["agg-0"].host_id == "boot/1" and again.control.pool.host_of["agg-0"] == "boot/1"
 
 
 # -- launching on several nodes ----------------------------------------------------------------------

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pslink.config import DEFAULT_LINK_WINDOW, link_window
-from pslink.core.agent.keys import PartRequest, Seat
-from pslink.core.agent.requests import Requests
-from pslink.core.wire.fusion import FUSE_BELOW
+from pslink.core.config import DEFAULT_LINK_WINDOW, link_window
+from pslink.core.agent.requests import PartRequest, Requests
+from pslink.core.agent.seat import Seat
+from pslink.core.transport.fused import FUSE_BELOW
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits, Op
 from pslink.errors import ConfigError, PeerError
@@ -52,11 +52,11 @@ class FakeHandles:
 def setup():
     reactor = Reactor()
     transports = FakeTransports()
+    lost: list = []
     requests = Requests(Seat("job", 0, 1, b"", "host"), transports, reactor, handler=None, limits=Limits(),
                         handles=FakeHandles(), connect_timeout=1.0, peer_timeout=10.0, probe_interval=3600.0,
-                        resend_timeout=None, faults=None, clock=lambda: 0.0, link_window=3)
-    lost: list = []
-    requests.on_lost = lambda link, error, rids: lost.append((link.name, rids))
+                        resend_timeout=None, faults=None, clock=lambda: 0.0, link_window=3,
+                        on_lost=lambda link, error, rids: lost.append((link.name, rids)))
     yield requests, transports, lost
     reactor.close()
 

@@ -7,7 +7,7 @@ import socket
 import threading
 
 from pslink.core.aggregator.process import Aggregator
-from pslink.core.master.liveness import Prober
+from pslink.core.master.aggregator_probe import Prober
 from pslink.core.transport import Transports
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.core.wire.protocol import DEFAULT_LIMITS

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pslink.config import resolve_float, resolve_int, resolve_str, resolve_token
+from pslink.core.config import resolve_float, resolve_int, resolve_str, resolve_token
 from pslink.core.worker.connect import connect
 from pslink.core.wire.loop import Reactor, ReactorThread
 from pslink.errors import ConfigError

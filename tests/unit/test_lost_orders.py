@@ -142,11 +142,11 @@ def test_a_drain_whose_moves_fail_keeps_the_aggregator_and_its_parts():
         master.links.peers["agg-1"] = RecordingPeer()  # agg-0's connection is closed
         # What Scaling._drain decides: the part to agg-1, agg-0 out of the plan, then released.
         move = control.move_task(ident, "agg-1", "drain agg-0: idle")
-        control.clusters[control.cluster_of.pop("agg-0")].remove_aggregator("agg-0")
+        control.pool.clusters[control.pool.cluster_of.pop("agg-0")].remove_aggregator("agg-0")
         state.outbox += [move, Release("agg-0", "drained: idle")]
         master._carry_out()
         assert isinstance(move, Migrate) and spec.parts[0].aggregator == "agg-0"
-        assert "agg-0" in state.aggregators and control._where(ident) == "agg-0"  # kept, the plan put back
+        assert "agg-0" in state.aggregators and control.pool.where(ident) == "agg-0"  # kept, the plan put back
         agent = RecordingPeer()
         master.failover.relocate(agent, {"id": 7, "job": "j", "tok": record.token, "rank": 0,
                                          "parts": [["w", 0, "agg-0"]]})
@@ -242,7 +242,7 @@ def test_a_replica_no_round_reaches_gets_its_orders_again():
     round reached for 60 s. pMaster only logged an order that failed, and nothing sent it again.
     Now a counted replica whose holder's heartbeats report no round in it for a while (its
     primary connected) gets its orders again, at pMaster's sweep: the holder's, then the primary's."""
-    from pslink.core.master import replicas as replicas_module
+    from pslink.core.master import replica_hosts as replicas_module
 
     master, peers, agent, promote = _failing_over()
     try:
@@ -296,7 +296,7 @@ def test_a_move_target_back_before_the_move_was_routed_keeps_the_part_it_waits_f
         peers["agg-3"] = master.links.peers["agg-3"] = type(peers["agg-1"])()
         ident = ("j", "w", 0)
         master.mover.migrate([Migrate(ident, "agg-1", "agg-3", "test")])
-        assert master.mover.incoming().get(ident) == "agg-3"
+        assert master.mover.core.incoming().get(ident) == "agg-3"
         assert master.state.jobs["j"].keys["w"].parts[0].aggregator == "agg-1"  # not routed yet
         assert master.joining._fenced("agg-3", {"tasks": [list(ident)]}) == []
         assert master.joining._fenced("agg-2", {"tasks": [list(ident)]}) == [list(ident)]  # not its move

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pslink.core.master.control import ControlPlane
 from pslink.core.master.state import MasterState
 from pslink.core.master.watch import status_of
 from pslink.core.partition import partition_spans
@@ -38,7 +37,7 @@ def state():
 
 
 def tasks_on(state: MasterState) -> dict[str, int]:
-    return {name: len(plan.tasks) for p in state.control.clusters.values() for name, plan in p.aggregators.items()}
+    return {name: len(plan.tasks) for p in state.control.pool.clusters.values() for name, plan in p.aggregators.items()}
 
 
 def item(key, shape=(4,), dtype="float32", intent="push"):
@@ -193,7 +192,7 @@ def test_optimizer_mode_keys_need_init_and_sum_mode_push_keys_do_not(state):
 
 
 def test_no_aggregator_means_a_clear_error():
-    state = MasterState(clock=Clock(), control=ControlPlane(elastic=False))
+    state = MasterState(clock=Clock(), plane_options={"elastic": False})
     job = state.register_job("j", 1)
     with pytest.raises(ServiceError, match="no Aggregator can take key 'w'"):
         state.declare(job, 0, item("w"))

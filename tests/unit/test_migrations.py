@@ -1,4 +1,4 @@
-"""The migration core (pslink.core.master.migrations): events in, actions out, no I/O. pMaster and
+"""The migration core (pslink.core.master.migration_core): events in, actions out, no I/O. pMaster and
 the simulator drive the very same class."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from pslink.core.master import Master
 from pslink.core.master.actions import Migrate
-from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
+from pslink.core.master.migration_core import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
                                            Routed, Settle)
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op
@@ -311,6 +311,6 @@ def test_pmaster_tells_a_batch_in_one_assign_and_one_migrate_and_plans_back_a_pa
         started({"op": Op.REPLY, "body": {"failed": [[1, 0, "still arriving"]]}}, None)
         assert [record.keys[k].parts[0].aggregator for k in range(3)] == [target, source, target]
         assert sorted(master.mover.core.running) == [("j", 0, 0), ("j", 2, 0)]
-        assert [state.control._where(t) for t in tasks] == [target, source, target]  # the plan took it back
+        assert [state.control.pool.where(t) for t in tasks] == [target, source, target]  # the plan took it back
     finally:
         master.stop()

@@ -7,7 +7,7 @@ import pytest
 
 from pslink.core.master.control import ControlPlane
 from pslink.core.master.nics import Nics
-from pslink.core.master.placement import NewAggregator, Placement, TaskDemand
+from pslink.core.master.packing import NewAggregator, Placement, TaskDemand
 
 
 def test_a_task_goes_only_where_its_hosts_nic_has_room():
@@ -66,7 +66,7 @@ def test_the_control_plane_gives_each_packed_task_its_bytes_per_second():
     control.place_part("j", "w", 0, 1000)
     # 4 workers push 1000 bytes every 0.5 s
     assert control.nics.load_of("host-1") == pytest.approx(8000.0)
-    assert control.host_of == {}  # spread=False: not a host jobs are spread over
+    assert control.pool.host_of == {}  # spread=False: not a host jobs are spread over
 
 
 @pytest.mark.parametrize("at_once", [False, True])
@@ -90,8 +90,8 @@ def test_a_job_is_profiled_only_on_idle_aggregators_whose_nic_carries_nothing():
     control.jobs["big"].standalone = 1.0
     control.jobs["big"].phase = "packed"
     control.jobs["big"].temporaries.clear()
-    control.reserved.clear()
-    plan = control.clusters[control.cluster_of["busy-host"]]
+    control.pool.reserved.clear()
+    plan = control.pool.clusters[control.pool.cluster_of["busy-host"]]
     plan.assign(TaskDemand("big", 0, 0, 1.0, 0.1, rate=600.0), "busy-host")
     plan.assign(TaskDemand("big", 1, 0, 1.0, 0.1, rate=10.0), "lightly-used")
     actions = control.job_arrived("new", workers=1, servers=2)

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from pslink.core.optim import Adam, SGD, make_optimizer
+from pslink.core.optim import make_optimizer
+from pslink.core.optim.rules import SGD, Adam
 from pslink.errors import ConfigError
 
 

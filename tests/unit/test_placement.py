@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from pslink.core.master.placement import (
+from pslink.core.master.packing import (
     NewAggregator,
     Placement,
     TaskDemand,

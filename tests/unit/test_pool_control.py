@@ -14,7 +14,7 @@ from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.control import ControlPlane
 from pslink.core.master.state import MasterState
 from pslink.core.master.watch import status_of
-from pslink.core.master.recovery import Rereplicate
+from pslink.core.master.failover_plan import Rereplicate
 from pslink.errors import ConfigError, ServiceError
 
 
@@ -41,14 +41,14 @@ def test_a_removed_aggregator_drains_into_the_others_then_is_released():
     assert sorted(actions[:-1], key=lambda a: a.task) == [
         Migrate(("j", k, 0), "agg-0", "agg-1", "removing agg-0") for k in (0, 1)]
     assert actions[-1] == Release("agg-0", "removed by an operator")  # after the moves
-    assert control.draining == {"agg-0"}
-    assert "agg-0" not in control.cluster_of and control.aggregator_count() == 1
-    assert control.min_aggregators == 1  # the operator asked for a smaller pool
+    assert control.pool.draining == {"agg-0"}
+    assert "agg-0" not in control.pool.cluster_of and control.aggregator_count() == 1
+    assert control.pool.min_aggregators == 1  # the operator asked for a smaller pool
     # no new task goes there, while it drains or after
     assert control.place_part("j", 2, 0, 100)[0] == "agg-1"
     assert control.job_arrived("k", workers=1, servers=1) == []
     control.released("agg-0")
-    assert control.draining == set()
+    assert control.pool.draining == set()
 
 
 def test_without_room_elsewhere_a_new_aggregator_takes_the_tasks_and_the_release_waits_for_it():
@@ -60,7 +60,7 @@ def test_without_room_elsewhere_a_new_aggregator_takes_the_tasks_and_the_release
     assert control.aggregator_count() == 2
     follow = control.bind(allocate.placeholder, "agg-2")
     assert follow == [Migrate(("j", 0, 0), "agg-0", "agg-2", "removing agg-0"), Release("agg-0", "removed by an operator")]
-    assert control.clusters["cluster-0"].where[("j", 0, 0)] == "agg-2"
+    assert control.pool.clusters["cluster-0"].where[("j", 0, 0)] == "agg-2"
 
 
 def test_without_a_provider_the_others_take_the_tasks_even_past_their_room():
@@ -81,7 +81,7 @@ def test_removal_errors_name_what_is_wrong():
     fixed = plane("agg-0", elastic=False)
     with pytest.raises(ServiceError, match="agg-0 is the last one in the pool and pMaster has no provider"):
         fixed.remove_aggregator("agg-0")
-    assert fixed.cluster_of == {"agg-0": "cluster-0"}  # a refused removal changes nothing
+    assert fixed.pool.cluster_of == {"agg-0": "cluster-0"}  # a refused removal changes nothing
 
 
 def test_the_last_aggregator_of_an_elastic_pool_is_replaced_before_it_goes():
@@ -100,7 +100,7 @@ def test_a_failed_removal_keeps_the_aggregator():
     declare(control, "j", [300])
     control.remove_aggregator("agg-0")
     control.undrain("agg-0")
-    assert control.draining == set() and "agg-0" in control.cluster_of
+    assert control.pool.draining == set() and "agg-0" in control.pool.cluster_of
     assert control.move_task(("j", 0, 0), "agg-0", "migration failed").target == "agg-0"  # the plan goes back
 
 
@@ -108,7 +108,7 @@ def test_added_aggregators_are_kept_by_scaling():
     control = plane("agg-0", min_aggregators=1)
     actions = control.add_aggregators(2)
     assert [type(a) for a in actions] == [Allocate, Allocate]
-    assert control.min_aggregators == 3 and control.aggregator_count() == 3
+    assert control.pool.min_aggregators == 3 and control.aggregator_count() == 3
     for i, action in enumerate(actions):
         assert control.bind(action.placeholder, f"agg-{i + 1}") == []
     assert control.release_idle() == []  # empty, but the operator asked for them
@@ -121,7 +121,7 @@ def test_added_aggregators_are_kept_by_scaling():
 def one_replicated_part():
     """pMaster's state with 3 Aggregators and job "j" (replication 1) holding key "w" in one part:
     (state, the job's record, the part)."""
-    state = MasterState(clock=lambda: 0.0, control=ControlPlane(profile_iterations=0, elastic=False))
+    state = MasterState(clock=lambda: 0.0, plane_options={"profile_iterations": 0, "elastic": False})
     for i in range(3):
         state.register_aggregator(f"tcp://127.0.0.1:{9000 + i}", f"agg-{i}")
         state.aggregator_joined(f"agg-{i}")
@@ -134,7 +134,7 @@ def one_replicated_part():
 def test_replicas_on_a_removed_aggregator_are_made_elsewhere():
     state, record, part = one_replicated_part()
     (holder,) = part.replicas
-    assert state.control.replica_holders() == {holder}  # what scaling keeps
+    assert state.control.pool.replica_holders() == {holder}  # what scaling keeps
     moves, replicas = state.remove_from_pool(holder)
     assert moves == {}
     (change,) = replicas
@@ -157,7 +157,7 @@ def test_an_aggregator_released_while_moves_leave_it_takes_no_replica():
     """Found by the chaos run: a pack released the job's profiling Aggregators (their release
     waiting for the moves off them), the moves gave them replicas meanwhile, and the release took
     those replicas with it, leaving parts with none. A released Aggregator is no candidate."""
-    state = MasterState(clock=lambda: 0.0, control=ControlPlane(profile_iterations=0))
+    state = MasterState(clock=lambda: 0.0, plane_options={"profile_iterations": 0, "elastic": True})
     for i in range(3):
         state.register_aggregator(f"tcp://127.0.0.1:{9000 + i}", f"agg-{i}")
         state.aggregator_joined(f"agg-{i}")
@@ -170,8 +170,8 @@ def test_an_aggregator_released_while_moves_leave_it_takes_no_replica():
 def test_a_removal_waits_for_moves_off_it_that_wait_for_a_new_aggregator():
     control = plane("agg-0", "agg-1")
     declare(control, "j", [300])
-    allocation = control._allocate("cluster-0", "a revert")  # as the guard does: the move waits for it
-    control._emit([], control.move_task(("j", 0, 0), allocation.placeholder, "revert"))
+    allocation = control.pool.allocate("cluster-0", "a revert")  # as the guard does: the move waits for it
+    control.pool.emit([], control.move_task(("j", 0, 0), allocation.placeholder, "revert"))
     actions, moves = control.remove_aggregator("agg-0")
     assert actions == [] and moves == {}  # the task is leaving already; the Release must not pass it
     follow = control.bind(allocation.placeholder, "agg-2")
@@ -182,7 +182,7 @@ def test_a_part_moving_onto_a_lost_aggregator_is_offered_back_to_its_source_firs
     """Its copy was not known to have landed: the source may still be serving the part, and a
     promoted replica would then be a second server. (If the source had handed the part over, it
     refuses, and pMaster promotes the replica: see core/master/failover.py.)"""
-    from pslink.core.master.recovery import Promote
+    from pslink.core.master.failover_plan import Promote
 
     state, record, part = one_replicated_part()
     source, (replica,) = part.aggregator, part.replicas
@@ -197,7 +197,7 @@ def test_a_part_moving_onto_a_lost_aggregator_is_offered_back_to_its_source_firs
 def test_a_part_handed_over_by_a_lost_source_is_not_failed_over_it_waits_for_a_copy_from_a_replica():
     """The source of a move died after pMaster pointed the part at the target: the plan leaves
     the part there (pMaster has a replica send the copy), and the replica stays a replica."""
-    from pslink.core.master.recovery import copy_sources
+    from pslink.core.master.failover_plan import copy_sources
 
     state, record, part = one_replicated_part()
     source, (replica,) = part.aggregator, part.replicas
@@ -214,7 +214,7 @@ def test_a_part_handed_over_by_a_lost_source_is_not_failed_over_it_waits_for_a_c
 def test_copy_sources_put_a_target_that_held_the_replica_first():
     """When the move began the target held the part's replica; pMaster gave that replica's place
     to a newcomer the source never heard of: only the target has the rounds since."""
-    from pslink.core.master.recovery import copy_sources
+    from pslink.core.master.failover_plan import copy_sources
 
     live = {"agg-1", "agg-2", "agg-3"}
     assert copy_sources(["agg-3"], "agg-1", True, live, "agg-0") == ["agg-1", "agg-3"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pslink.core.aggregator.process import Aggregator
 from pslink.core.master import Master
-from pslink.core.master.migrations import Finished, Migrations, Routed
+from pslink.core.master.migration_core import Finished, Migrations, Routed
 from pslink.core.transport import Transports
 from pslink.core.wire.protocol import Op
 from tests.helpers import RecordingPeer
@@ -48,7 +48,7 @@ def test_a_source_that_handed_a_part_over_before_the_restart_moves_it_to_its_tar
             peer = _register(master, source, tasks=[], moved=[["j", "w", 0, target, landed]])
             assert peer.replies[0]["body"]["fenced"] == []
             assert spec.parts[0].aggregator == target  # lookups go where the Agents were sent
-            assert master.state.control._where(("j", "w", 0)) == target  # and the plan agrees (a drain counts it)
+            assert master.state.control.pool.where(("j", "w", 0)) == target  # and the plan agrees (a drain counts it)
             if landed:
                 assert master.mover.core.idle() and master.mover.core.done == 1
             else:  # the move goes on: a drain of the source waits for its copy

@@ -8,7 +8,7 @@ import pytest
 
 from pslink.core.master.actions import Allocate, Migrate, Release
 from pslink.core.master.control import ControlPlane
-from pslink.core.master.placement import NewAggregator, Placement, TaskDemand, slowdown
+from pslink.core.master.packing import NewAggregator, Placement, TaskDemand, slowdown
 from pslink.errors import ConfigError
 
 
@@ -45,7 +45,7 @@ def profile(control: ControlPlane, job: str, iteration: float, costs: list[float
 
 
 def where(control: ControlPlane, job: str) -> set[str]:
-    return {name for plan in control.clusters.values() for ident, name in plan.where.items() if ident[0] == job}
+    return {name for plan in control.pool.clusters.values() for ident, name in plan.where.items() if ident[0] == job}
 
 
 def test_a_5_percent_job_is_never_packed_past_its_limit_where_a_20_percent_one_is():
@@ -76,7 +76,7 @@ def test_two_slo_classes_side_by_side_each_within_its_own_limit():
     for n, iteration in enumerate(iterations):
         profile(control, f"j{n}", iteration, [0.004] * 3, slo=0.05 if n % 2 else 0.2)
     shared = 0
-    for plan in control.clusters.values():
+    for plan in control.pool.clusters.values():
         for agg in plan.aggregators.values():
             shared += len(agg.jobs) > 1
             for job, share in agg.jobs.items():
@@ -84,7 +84,7 @@ def test_two_slo_classes_side_by_side_each_within_its_own_limit():
                 assert slowdown(agg.cycle, share.iteration) < limit, (job, agg.cycle, share.iteration)
     assert shared > 0  # packing did happen
     # the 0.23 s loose job shares an Aggregator with a faster job it slows by more than 5%
-    assert any(slowdown(agg.cycle, s.iteration) > 0.05 for plan in control.clusters.values()
+    assert any(slowdown(agg.cycle, s.iteration) > 0.05 for plan in control.pool.clusters.values()
                for agg in plan.aggregators.values() if len(agg.jobs) > 1 for s in agg.jobs.values())
 
 

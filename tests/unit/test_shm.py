@@ -16,7 +16,7 @@ import pytest
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits
 from pslink.core.transport import DISCARD, Lent
-from pslink.config import transport_options
+from pslink.core.transport.options import transport_options
 from pslink.core.transport.options import TransportOptions, rings_supported
 from pslink.core.transport.shm import INLINE, ReceiveRing, SendRing
 from pslink.core.transport.framing import FRAMING_RING, FRAMING_RING_OPEN, MAGIC, PREFIX

@@ -12,13 +12,16 @@ then talks to the Aggregators directly. Requests are asynchronous; any number ma
 Payloads are sent from the caller's array and received straight into the ``out`` array, so the
 arrays must stay untouched until their handle is done.
 
-The Agent is the public API, the sending of requests and the receiving of answers; it composes:
+The Agent is the public API; it composes:
 
 - :class:`~pslink.core.agent.driver.Driver`: whoever waits drives the I/O (``Handle.wait``
   reads the sockets on the calling thread); a background thread drives only when nobody waits;
 - :class:`~pslink.core.agent.handle.Handles`: the handles requests return;
 - :class:`~pslink.core.agent.requests.Requests`: requests in flight, Aggregator links, probes;
 - :class:`~pslink.core.agent.master_link.MasterLink`: calls to pMaster, heartbeats;
+- :class:`~pslink.core.agent.lookup.KeyLookup`: where new keys live, asked of pMaster;
+- :class:`~pslink.core.agent.sending.Sender`: a request's round, handle and parts, sent;
+- :class:`~pslink.core.agent.replies.Replies`: the answers, taken on the driving thread;
 - :class:`~pslink.core.agent.failover.Failover`: a lost Aggregator's requests go where their
   parts went;
 - :class:`~pslink.core.agent.task_requests.TaskRequests`: optimizer state, joining a running job.
@@ -31,9 +34,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-import numpy as np
-
-from pslink.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, fusion_settings, host_reduce_settings, link_window, resolve_token
+from pslink.core.config import DEFAULT_MASTER, DEFAULT_TIMEOUT, fusion_settings, host_reduce_settings, link_window, resolve_token
 from pslink.core import hosts
 from pslink.core.agent.driver import Driver
 from pslink.core.agent.failover import Failover
@@ -41,9 +42,12 @@ from pslink.core.agent.handle import Handle, Handles
 from pslink.core.agent.host_reduce import local_group
 from pslink.core.agent.host_reduce import start as host_reduce_start
 from pslink.core.agent.iterations import Iterations
-from pslink.core.agent.keys import MAX_MOVES, KeyInfo, PartRequest, Seat, check_key, fenced_pause
-from pslink.core.agent.master_link import MasterLink
+from pslink.core.agent.keys import KeyInfo, check_key
+from pslink.core.agent.lookup import KeyLookup
+from pslink.core.agent.replies import Replies
 from pslink.core.agent.requests import Requests
+from pslink.core.agent.seat import Seat
+from pslink.core.agent.master_link import MasterLink
 from pslink.core.agent.settings import job_config
 from pslink.core.agent.tables import Table
 from pslink.core.agent.tables import declare as declare_table
@@ -51,14 +55,12 @@ from pslink.core.agent.sending import Sender
 from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.faults import Faults
 from pslink.core.observe.timeline import Timeline, started_path
-from pslink.core.transport import DISCARD, Lent, Transports
-from pslink.core.wire.fusion import Unfused, fused_header, fused_message
+from pslink.core.transport import Transports
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.protocol import DEFAULT_LIMITS, STATE_OPS, Limits, Op, decode, encode
-from pslink.errors import ClosedError, ConfigError, FencedError, MovedError, ProtocolError, PslinkError, error_from_code
+from pslink.core.wire.protocol import DEFAULT_LIMITS, Limits, Op
+from pslink.errors import ClosedError, ConfigError, PslinkError
 
 log = logging.getLogger("pslink.core.agent")
-_REPLY, _ERROR, _PONG, _STATE_GET, _FUSED = Op.REPLY, Op.ERROR, Op.PONG, Op.STATE_GET, Op.FUSED  # (and so is a member's lookup)
 
 
 class Agent:
@@ -122,23 +124,24 @@ class Agent:
         self._keys: dict[Any, KeyInfo] = {}
         self._lock = threading.Lock()  # rounds
         self._closed = False
-        self._driver = Driver(self._reactor, f"agent-{rank}", spin=spin, idle_poll=idle_poll,
-                              in_flight=lambda: bool(self._requests.pending), clock=clock)
+        self._driver = Driver(self._reactor, f"agent-{rank}", spin=spin, idle_poll=idle_poll, in_flight=self._in_flight,
+                              clock=clock)
         # PSLINK_TIMELINE: a Chrome trace of this worker's requests (pslink.core.observe.timeline)
         self._timeline = timeline if timeline is not None else Timeline.from_env(job, rank, num_workers)
-        self._handles = Handles(self._driver, timeout, job, rank, self._timeline)
+        self._iterations = Iterations(clock, self._timeline, self._lock)  # durations for pMaster; the timeline's steps
+        fusion = fusion_settings(fusion_bytes, fusion_cycle_ms)  # small requests to one Aggregator travel together
+        # With fusion off nothing waits in an outbox: no look at every link before each wait.
+        self._handles = Handles(self._driver, timeout, job, rank, self._timeline,
+                                before_wait=self._flush_fused if fusion[0] else None, waited=self._iterations.waited,
+                                explain=self._explain_wait)
         # A request unanswered this long is sent again (same id; Aggregators apply it once).
         # Messages over TCP are not lost, so it is off unless faults are injected.
         resend_timeout = resend_timeout if resend_timeout is not None else (1.0 if self.faults else None)
-        fusion = fusion_settings(fusion_bytes, fusion_cycle_ms)  # small requests to one Aggregator travel together
         self._requests = Requests(self.seat, self.transports, self._reactor, self, limits, self._handles,
                                   connect_timeout=connect_timeout, peer_timeout=peer_timeout,
                                   probe_interval=probe_interval, resend_timeout=resend_timeout, faults=self.faults,
-                                  clock=clock, fusion_bytes=fusion[0], fusion_cycle=fusion[1], link_window=link_window())
-        if fusion[0]:  # with fusion off nothing waits in an outbox: no look at every link before each wait
-            self._handles.before_wait = self._requests.flush
-        self._iterations = Iterations(clock, self._timeline, self._lock)  # durations for pMaster; the timeline's steps
-        self._handles.waited = self._iterations.waited
+                                  clock=clock, fusion_bytes=fusion[0], fusion_cycle=fusion[1], link_window=link_window(),
+                                  on_lost=self._link_lost)
         self._master = MasterLink(self.seat, master, self.transports, self._reactor, limits, self._handles,
                                   connect_timeout=connect_timeout, timeout=timeout,
                                   heartbeat_interval=heartbeat_interval, take_iterations=self._iterations.take,
@@ -155,22 +158,20 @@ class Agent:
         self.seat.token = self.settings["token"]
         self.seat.update_members(self.settings.get("membership"))
         self.seat.num_workers = num_workers  # the job's size as this worker was told it, until members change
-        self.epoch = self.seat.members.get("epoch", 0)  # the job's membership epoch, as replies last said
-        self.dropped_pushes = 0  # pushes that came after their round closed without them (stragglers')
         self.mode: str = self.settings["mode"]
         self.sync: str = self.settings["sync"]
         self.partition_bytes: int = self.settings["partition_bytes"]
         self._failover = Failover(self.seat, self._keys, self._requests, self._master, self._reactor,
                                   enabled=failover, closed=lambda: self._closed)
-        self._requests.on_lost = self._link_lost
-        self._sender = Sender(self.seat, self._keys, self._lock, self._iterations, self._handles, self._requests,
-                              self._master, clock, lambda: self._failover.enabled)
-        self._sender.set_compression(gradient_compression)
+        lookup = KeyLookup(self._keys, self._master)
         # Elastic membership: a worker registered while its job ran joins each key before use.
-        self._tasks = self._sender.tasks = TaskRequests(self.seat, self._keys, self._sender.resolve, self._requests,
-                                                        self._handles, self._master,
-                                                        late=bool(self.settings.get("late")))
-        self._handles.explain = self._tasks.explain_wait  # a timeout names the ranks its round waits for
+        self._tasks = TaskRequests(self.seat, self._keys, lookup, self._requests, self._handles, self._master,
+                                   late=bool(self.settings.get("late")))
+        self._sender = Sender(self.seat, self._keys, self._lock, self._iterations, self._handles, self._requests,
+                              lookup, self._tasks, self._failover, clock, compression=gradient_compression)
+        self._replies = Replies(self.seat, limits, self._reactor, self._requests, self._handles, self._master,
+                                self._failover, self._sender, self._tasks, self._timeline, clock,
+                                epoch=self.seat.members.get("epoch", 0))
         local = host_reduce_settings(host_reduce, local_rank, local_size, job, rank, num_workers,
                                      elastic=max_workers is not None)
         if local is not None and self.sync == "bsp" and not rejoin and not self._tasks.late:
@@ -213,6 +214,16 @@ class Agent:
         host's sums), "follower" (its pushes go through the leader), or None (it pushes itself)."""
         host = self._sender.host
         return None if host is None else ("leader" if host.leads else "follower")
+
+    @property
+    def epoch(self) -> int:
+        """The job's membership epoch, as replies last said."""
+        return self._replies.epoch
+
+    @property
+    def dropped_pushes(self) -> int:
+        """Pushes that came after their round closed without them (a straggler's)."""
+        return self._replies.dropped_pushes
 
     @property
     def rounds_lost(self) -> dict:
@@ -370,7 +381,7 @@ class Agent:
     def _set_timeline(self, timeline: Timeline | None) -> None:
         with self._lock:
             old, self._timeline = self._timeline, timeline
-            self._handles.timeline = self._iterations.timeline = timeline
+            self._handles.timeline = self._iterations.timeline = self._replies.timeline = timeline
         if old is not None:
             old.close()
 
@@ -447,163 +458,34 @@ class Agent:
         self._driver.touch()
         return self._sender.submit(op, keys, arrays, outs, average)
 
-    # -- receiving (on the driving thread) --------------------------------------------------------
+    # -- the owner's forwarding ------------------------------------------------------------------
+    # The Agent's collaborators need each other both ways (the requests' links deliver to the
+    # replies, which find their requests in flight; the handles wait while the requests hold
+    # fused messages, and the requests complete the handles). The ones made first get the Agent's
+    # methods below, which forward each event to the collaborator that handles it: every
+    # collaborator gets what it needs in its constructor, and none is patched after.
 
     def on_accept(self, conn) -> None:  # pragma: no cover - an Agent listens nowhere
         conn.close()
 
     def on_header(self, conn, raw, sizes):
-        try:
-            header = decode(raw, sizes, self.limits)
-        except ProtocolError as exc:
-            log.warning("agent %s: bad message from %s: %s", self.seat, conn.peer, exc)
-            return (None, exc, None), DISCARD
-        if header["op"] is _FUSED:
-            try:
-                return fused_header(conn, header, sizes, self._reply_header)
-            except ProtocolError as exc:
-                log.warning("agent %s: bad message from %s: %s", self.seat, conn.peer, exc)
-                return (None, exc, None), DISCARD
-        return self._header(conn, header, sizes)
-
-    def _reply_header(self, conn, raw, sizes):
-        """One reply of a FUSED message (anything else in one is refused)."""
-        try:
-            header = decode(raw, sizes, self.limits)
-            if header["op"] is not _REPLY and header["op"] is not _ERROR:
-                raise ProtocolError(f"{header['op'].name} cannot travel in a FUSED reply")
-        except ProtocolError as exc:
-            log.warning("agent %s: bad message from %s: %s", self.seat, conn.peer, exc)
-            return (None, exc, None), DISCARD
-        return self._header(conn, header, sizes)
-
-    def _header(self, conn, header, sizes):
-        if header["op"] is _REPLY and sizes:
-            pending = self._requests.pending.get(header["id"])
-            if pending is not None and pending.op is _STATE_GET:
-                if any(size != pending.nbytes for size in sizes):
-                    return (header, ProtocolError(f"state from {conn.peer} carries frames of {list(sizes)} bytes; "
-                                                  f"{pending.nbytes} each were expected"), None), DISCARD
-                return (header, None, None), None  # the transport allocates
-            if pending is None or pending.dest is None or pending.link.conn is not conn:
-                # A late reply, a payload nobody asked for, or an answer from where the request
-                # no longer is (it went elsewhere: a fenced or lost Aggregator's late answer).
-                return (header, None, None), DISCARD
-            if sizes[0] != pending.nbytes:
-                error = ProtocolError(
-                    f"reply from {conn.peer} carries {sizes[0]} bytes; {pending.nbytes} were expected"
-                )
-                return (header, error, None), DISCARD
-            if pending.average and not header.get("avg") and header.get("n", 0) > 1:
-                # A sum to divide: read it where it lies (a shared-memory ring) and divide it on
-                # the way into ``out``, instead of copying it there and dividing it in place.
-                lend = Lent([pending.dest])
-                return (header, None, lend), lend
-            return (header, None, None), [pending.dest]
-        return (header, None, None), None
+        return self._replies.on_header(conn, raw, sizes)
 
     def on_message(self, conn, state, payloads) -> None:
-        if type(state) is Unfused:
-            fused_message(conn, state, payloads, self._message)
-        else:
-            self._message(conn, state, payloads)
-        link = self._requests.by_conn.get(conn)
-        if link is not None:
-            link.last_heard = self.clock()
-            link.ping_sent = None
-            if link.outbox:  # an answer came: what waited for one to fuse with goes now
-                self._requests.flush_link(link)
-
-    def _message(self, conn, state, payloads) -> None:
-        header, error, lend = state
-        if header is None or header["op"] is _PONG:
-            return
-        pending = self._requests.pending.get(header["id"])
-        if pending is None or pending.link.conn is not conn:
-            return  # answered already, or it went elsewhere since (see _header)
-        request = self._requests.take(header["id"])
-        if error is None and header["op"] is _ERROR:
-            error = error_from_code(header["code"], header["msg"], header.get("details"))
-        if isinstance(error, FencedError) and request.moves < MAX_MOVES:
-            self._fenced(header["id"], request, error)
-            return
-        if isinstance(error, MovedError) and request.moves < MAX_MOVES:
-            # The task migrated before this request got there: follow it, same round, same data.
-            self._moved(request, error.details)
-            if request.op in STATE_OPS:
-                self._tasks.send_state(request.handle, request.op, request.info, request.part, request.array,
-                                       request.moves + 1)
-                return
-            self._sender.send_part(request.handle, request.op, request.info, request.part, request.round,
-                                   request.payload, request.flat_out, request.average, request.moves + 1,
-                                   request.covers)
-            return
-        if error is None:
-            if request.op in STATE_OPS:
-                TaskRequests.state_arrived(request, header, payloads)
-            get = header.get
-            epoch = get("ep")
-            if epoch is not None and epoch > request.handle.epoch:
-                request.handle.epoch = epoch
-                if epoch > self.epoch:
-                    self.epoch = epoch
-            if get("dropped"):
-                self.dropped_pushes += 1
-            if get("lost"):
-                self._failover.rounds_lost_at(request.info.key, request.part.index, header["lost"])
-            moved = get("moved")
-            if moved:
-                self._moved(request, {"agg": moved[0], "address": moved[1]})
-            if request.average and not get("avg"):
-                # An Aggregator averages a synchronous sum itself, once for every worker, unless
-                # the sum comes through shared memory: then it is divided on its way in.
-                n = get("n", 0)
-                if lend is not None and lend.lent[0]:
-                    np.divide(np.frombuffer(payloads[0], request.array.dtype), n, out=request.array)
-                elif n > 1:
-                    np.divide(request.array, n, out=request.array)
-        self._handles.complete(request.handle, error)
-
-    def _fenced(self, rid: int, request: PartRequest, error: FencedError) -> None:
-        """The Aggregator's lease ran out, or it holds only a replica: pMaster says where the
-        part is. If pMaster is unreachable and the lease is the reason, pMaster is down (nobody
-        fails the Aggregator over): tell the Aggregator so, and send the request there again. A
-        replica not promoted never serves: sent back to it, the request used its tries up in
-        milliseconds (chaos run, pMaster killed mid-failover); it waits for pMaster instead."""
-        request.moves += 1
-        self._requests.put_back(rid, request)
-        master = self._master.peer
-        if master is not None and not master.conn.closed or not error.details.get("lease"):
-            # (Again and again: a promotion not done yet; the tries span seconds, not a burst.)
-            self._reactor.call_later(fenced_pause(request.moves), self._failover.link_lost, request.link, error, [rid])
-            return
-        try:
-            request.link.conn.send([encode(Op.PING, id=0, pmd=True)])
-        except PslinkError as exc:
-            self._failover.link_lost(request.link, exc, [rid])
-            return
-        self._requests.transmit(rid, request, request.frames)
-
-    def _moved(self, request: PartRequest, where: dict) -> None:
-        """The Aggregator ``request`` went to says its part lives elsewhere now (a migration: the
-        pull that closed its last round there said so, or a request that came after it). Taken
-        only while the part is still placed there: a redirect from an Aggregator the part has
-        been relocated away from since (failover, a newer redirect) is stale."""
-        agg, address = where.get("agg"), where.get("address")
-        part = request.part
-        if isinstance(agg, str) and isinstance(address, str) and part.aggregator == request.link.name:
-            if self._timeline is not None:
-                self._timeline.part_moved("migrated", request.info.key, part.index, part.aggregator, agg)
-            part.move(agg, address)
+        self._replies.on_message(conn, state, payloads)
 
     def on_close(self, conn, exc) -> None:
-        link = self._requests.closed_link(conn)
-        if link is not None and link.pending:
-            self._link_lost(link, exc)
+        self._replies.on_close(conn, exc)
 
     def _link_lost(self, link, exc, rids: list[int] | None = None) -> None:
-        follower = self._sender.followers.get(link.name)  # (also once it was lost: a late send there)
-        if follower is not None:
-            follower.leader_lost(link, exc, rids)  # this host's leader: push to the pool directly
-        else:
-            self._failover.link_lost(link, exc, rids)
+        self._replies.link_lost(link, exc, rids)
+
+    def _in_flight(self) -> bool:
+        return bool(self._requests.pending)
+
+    def _flush_fused(self) -> None:
+        self._requests.flush()
+
+    def _explain_wait(self, handle: Handle) -> str:
+        """A timeout names the ranks its round waits for."""
+        return self._tasks.explain_wait(handle)

@@ -18,9 +18,12 @@ import threading
 import time
 from typing import Callable
 
-from pslink.core.agent.keys import KeyInfo, Link, Seat
+from pslink.core.agent.keys import KeyInfo
+
+from pslink.core.agent.requests import Link, Requests
+
+from pslink.core.agent.seat import Seat
 from pslink.core.agent.master_link import MasterLink
-from pslink.core.agent.requests import Requests
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Op
 from pslink.errors import KeyStateError, PeerError, PslinkError

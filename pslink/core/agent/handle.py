@@ -110,17 +110,21 @@ class Handle:
 class Handles:
     """An Agent's handles: made here, completed part by part on the driving thread, waited on
     through the :class:`~pslink.core.agent.driver.Driver` (so a waiting thread drives the I/O).
-    ``timeout``: the default wait; ``job`` and ``rank`` name the Agent in errors."""
+    ``timeout``: the default wait; ``job`` and ``rank`` name the Agent in errors. Around a wait:
+    ``before_wait()`` runs first (the Agent sends what fusion holds: this thread waits for their
+    answers), ``waited(seconds)`` learns how long the thread blocked, and ``explain(handle)`` says
+    who a timed-out handle still waits for (the Agent asks its Aggregators)."""
 
-    def __init__(self, driver: Driver, timeout: float, job: str, rank: int, timeline: Timeline | None = None):
+    def __init__(self, driver: Driver, timeout: float, job: str, rank: int, timeline: Timeline | None = None, *,
+                 before_wait: Callable[[], None] | None = None, waited: Callable[[float], None] | None = None,
+                 explain: Callable[[Handle], str] | None = None):
         self.driver = driver
         self.timeout = timeout
         self.job, self.rank = job, rank
         self.timeline = timeline
-        # explain(handle) -> text: who a timed-out handle still waits for (the Agent asks its Aggregators)
-        self.explain: Callable[[Handle], str] | None = None
-        self.before_wait: Callable[[], None] = lambda: None  # the Agent's: send what fusion holds
-        self.waited: Callable[[float], None] | None = None  # seconds a thread blocked in wait (the Agent's)
+        self.explain = explain
+        self.before_wait = before_wait or (lambda: None)
+        self.waited = waited
         self._lock = threading.Lock()
 
     def new(self, op: str, keys: list, result: Any, parts: int, round_: int = 0, traced: bool = True) -> Handle:

@@ -40,10 +40,12 @@ from typing import Any
 
 import numpy as np
 
-from pslink.core.agent.keys import KeyInfo, PartInfo, Seat
+from pslink.core.agent.keys import KeyInfo, PartInfo
+
+from pslink.core.agent.seat import Seat
 from pslink.core.memory import BufferPool
 from pslink.core.transport import DISCARD
-from pslink.core.wire.fusion import Unfused, fused_header, fused_message
+from pslink.core.transport.fused import Unfused, fused_header, fused_message
 from pslink.core.wire.protocol import DTYPES, Limits, Op, decode, encode, encode_error
 from pslink.errors import (AuthError, ClosedError, ConfigError, MembershipError, PslinkError, PslinkTimeoutError,
                            ProtocolError, ShapeMismatchError)

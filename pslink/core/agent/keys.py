@@ -1,38 +1,15 @@
-"""What an Agent keeps per key and per request in flight, and how it reads arrays (no I/O)."""
+"""What an Agent keeps per key (its declaration, its parts and where they live), and how it reads
+arrays (no I/O)."""
 
 from __future__ import annotations
 
-import collections
 import math
 from typing import Any
 
 import numpy as np
 
 from pslink.core.wire.protocol import DTYPES, FLOAT_DTYPES
-from pslink.core.transport import Connection
 from pslink.errors import ConfigError, ShapeMismatchError
-
-class Seat:
-    """This worker's place in its job: who it is, the job's token (pMaster gives it at
-    registration) and the members as last heard. One object the Agent's collaborators share."""
-
-    __slots__ = ("job", "rank", "num_workers", "token", "host_id", "members")
-
-    def __init__(self, job: str, rank: int, num_workers: int, token: bytes, host_id: str):
-        self.job, self.rank, self.num_workers, self.token, self.host_id = job, rank, num_workers, token, host_id
-        self.members: dict = {}  # {"ranks": [...], "epoch": n}, as pMaster last said
-
-    def fields(self) -> dict:
-        """The fields every request to pMaster about the job carries."""
-        return {"job": self.job, "tok": self.token, "rank": self.rank}
-
-    def update_members(self, membership: dict | None) -> None:
-        if membership and "ranks" in membership and membership.get("epoch", -1) >= self.members.get("epoch", -1):
-            self.members = {"ranks": list(membership["ranks"]), "epoch": membership["epoch"]}
-            self.num_workers = len(self.members["ranks"])
-
-    def __str__(self) -> str:
-        return f"{self.job}/{self.rank}"
 
 
 class PartInfo:
@@ -78,60 +55,6 @@ class KeyInfo:
 
     def describe(self) -> str:
         return f"shape {self.shape} {self.dtype_name}"
-
-
-class Link:
-    """The connection to one Aggregator and the requests waiting on it."""
-
-    __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending", "error", "outbox", "outbox_bytes",
-                 "flush_due", "window", "in_window", "held")
-
-    def __init__(self, name: str, address: str, conn: Connection | None, now: float, error: str | None = None):
-        self.name, self.address, self.conn = name, address, conn
-        self.error = error  # with no ``conn``: why connecting failed
-        self.last_heard = now
-        self.ping_sent: float | None = None
-        self.pending: set[int] = set()
-        # Small requests waiting to travel fused (pslink.core.agent.requests): (id, frames) each.
-        self.outbox: list[tuple[int, list]] = []
-        self.outbox_bytes = 0
-        self.flush_due = False  # a cycle timer will send the outbox
-        # Large requests in flight on a network link, at most ``window`` (0: no limit; see
-        # pslink.core.agent.requests); the ones past it wait in ``held``, in order.
-        self.window = 0
-        self.in_window = 0
-        self.held: collections.deque = collections.deque()
-
-
-class PartRequest:
-    """One part of a request in flight, with what it takes to send it again elsewhere (a task
-    that migrated answers with its new place)."""
-
-    __slots__ = ("handle", "link", "nbytes", "dest", "array", "average", "op", "info", "part", "round",
-                 "payload", "flat_out", "moves", "covers", "frames", "sent", "window_link", "held")
-
-    def __init__(self, handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out, moves,
-                 covers=None):
-        self.handle, self.link, self.nbytes = handle, link, nbytes
-        self.dest, self.array, self.average = dest, array, average
-        self.op, self.info, self.part, self.round = op, info, part, round_
-        self.payload, self.flat_out, self.moves = payload, flat_out, moves
-        self.covers = covers  # the ranks a host's leader pushes for (pslink.core.agent.host_reduce)
-        self.frames: list | None = None  # what was sent: sent again as it is (same id) if no answer comes
-        self.sent = 0.0
-        self.window_link: Link | None = None  # the link whose window this request counts in
-        self.held = False  # ... waiting there for room, not sent yet
-
-
-MAX_MOVES = 8  # a request that keeps meeting "moved" answers gives up with the last one
-
-
-def fenced_pause(moves: int) -> float:
-    """Seconds before a request told "ask pMaster again" (FencedError) for the ``moves``-th time
-    asks: at once the first time (a lease that ran out: pMaster knows the new place), then
-    50 ms doubling to 1 s (a failover whose promotion is not done yet), so that the MAX_MOVES
-    tries span seconds instead of a burst of round trips."""
-    return 0.0 if moves <= 1 else min(0.05 * 2 ** (moves - 2), 1.0)
 
 
 # dtype -> wire name; a dict lookup, because ``dtype.name`` costs microseconds per call

@@ -17,7 +17,7 @@ from typing import Callable
 
 from pslink.core import hosts
 from pslink.core.agent.handle import Handles
-from pslink.core.agent.keys import Seat
+from pslink.core.agent.seat import Seat
 from pslink.core.transport import Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor

@@ -1,4 +1,5 @@
-"""An Agent's requests in flight (one per part) and the Aggregator connections they wait on.
+"""An Agent's requests in flight (one per part: :class:`PartRequest`) and the Aggregator
+connections they wait on (:class:`Link`).
 
 A request is sent on the link to the Aggregator its part lives on and stays in the table until
 its answer comes, or until it fails. Probes, every ``probe_interval``: a link that owes answers
@@ -9,7 +10,7 @@ maybe not noticed yet) is handed to ``on_lost``, the Agent's failover.
 
 Fusion (``fusion_bytes`` > 0): a small data request (below FUSE_BELOW) for an Aggregator that
 already owes this Agent FUSE_AFTER answers (a burst, not a sliding window of a few) waits in the
-link's outbox, and the outbox travels as one FUSED message (pslink.core.wire.fusion) when it
+link's outbox, and the outbox travels as one FUSED message (pslink.core.transport.fused) when it
 holds ``fusion_bytes`` or MAX_FUSED_ITEMS requests, when an answer comes on that link, when a
 thread waits for a handle, or ``fusion_cycle`` seconds after its first request (seen when the
 reactor next runs: within the Driver's idle poll, 2 ms, while requests are in flight), whichever
@@ -36,17 +37,72 @@ import threading
 from typing import Callable
 
 from pslink.core.agent.handle import Handles
-from pslink.core.agent.keys import Link, PartRequest, Seat
+from pslink.core.agent.seat import Seat
 from pslink.core.faults import Faults
 from pslink.core.transport import Connection, Handler, Transports
 from pslink.core.wire.loop import Reactor
-from pslink.core.wire.fusion import FUSE_BELOW, MAX_FUSED_ITEMS, fuse
+from pslink.core.transport.fused import FUSE_BELOW, MAX_FUSED_ITEMS, fuse
 
 FUSE_AFTER = 8  # requests of ours in flight on a link before the next small one waits to be fused
 from pslink.core.wire.protocol import DATA_OPS, Limits, Op, encode
 from pslink.errors import PeerError, PslinkError
 
 log = logging.getLogger("pslink.core.agent")
+
+
+class Link:
+    """The connection to one Aggregator and the requests waiting on it."""
+
+    __slots__ = ("name", "address", "conn", "last_heard", "ping_sent", "pending", "error", "outbox", "outbox_bytes",
+                 "flush_due", "window", "in_window", "held")
+
+    def __init__(self, name: str, address: str, conn: Connection | None, now: float, error: str | None = None):
+        self.name, self.address, self.conn = name, address, conn
+        self.error = error  # with no ``conn``: why connecting failed
+        self.last_heard = now
+        self.ping_sent: float | None = None
+        self.pending: set[int] = set()
+        # Small requests waiting to travel fused (pslink.core.agent.requests): (id, frames) each.
+        self.outbox: list[tuple[int, list]] = []
+        self.outbox_bytes = 0
+        self.flush_due = False  # a cycle timer will send the outbox
+        # Large requests in flight on a network link, at most ``window`` (0: no limit; see
+        # pslink.core.agent.requests); the ones past it wait in ``held``, in order.
+        self.window = 0
+        self.in_window = 0
+        self.held: collections.deque = collections.deque()
+
+
+class PartRequest:
+    """One part of a request in flight, with what it takes to send it again elsewhere (a task
+    that migrated answers with its new place)."""
+
+    __slots__ = ("handle", "link", "nbytes", "dest", "array", "average", "op", "info", "part", "round",
+                 "payload", "flat_out", "moves", "covers", "frames", "sent", "window_link", "held")
+
+    def __init__(self, handle, link, nbytes, dest, array, average, op, info, part, round_, payload, flat_out, moves,
+                 covers=None):
+        self.handle, self.link, self.nbytes = handle, link, nbytes
+        self.dest, self.array, self.average = dest, array, average
+        self.op, self.info, self.part, self.round = op, info, part, round_
+        self.payload, self.flat_out, self.moves = payload, flat_out, moves
+        self.covers = covers  # the ranks a host's leader pushes for (pslink.core.agent.host_reduce)
+        self.frames: list | None = None  # what was sent: sent again as it is (same id) if no answer comes
+        self.sent = 0.0
+        self.window_link: Link | None = None  # the link whose window this request counts in
+        self.held = False  # ... waiting there for room, not sent yet
+
+
+MAX_MOVES = 8  # a request that keeps meeting "moved" answers gives up with the last one
+
+
+def fenced_pause(moves: int) -> float:
+    """Seconds before a request told "ask pMaster again" (FencedError) for the ``moves``-th time
+    asks: at once the first time (a lease that ran out: pMaster knows the new place), then
+    50 ms doubling to 1 s (a failover whose promotion is not done yet), so that the MAX_MOVES
+    tries span seconds instead of a burst of round trips."""
+    return 0.0 if moves <= 1 else min(0.05 * 2 ** (moves - 2), 1.0)
+
 
 #: Called with the link a request could not be sent on, why, and the request ids.
 LostCallback = Callable[[Link, PslinkError, list], None]
@@ -59,7 +115,8 @@ class Requests:
     def __init__(self, seat: Seat, transports: Transports, reactor: Reactor, handler: Handler, limits: Limits,
                  handles: Handles, *, connect_timeout: float, peer_timeout: float, probe_interval: float,
                  resend_timeout: float | None, faults: Faults | None, clock: Callable[[], float],
-                 fusion_bytes: int = 0, fusion_cycle: float = 0.001, link_window: int = 0):
+                 fusion_bytes: int = 0, fusion_cycle: float = 0.001, link_window: int = 0,
+                 on_lost: LostCallback | None = None):
         self.seat = seat
         self.transports, self.reactor, self.handler, self.limits = transports, reactor, handler, limits
         self.handles = handles
@@ -78,7 +135,8 @@ class Requests:
         self._fuse_lock = threading.Lock()  # outboxes, and the order requests leave in
         self.link_window = link_window
         self._window_lock = threading.Lock()  # the links' windows and what waits for room in them
-        self.on_lost: LostCallback = lambda link, error, rids: self.fail(rids, error)
+        # Without a failover a lost link's requests fail.
+        self.on_lost: LostCallback = on_lost or (lambda link, error, rids: self.fail(rids, error))
         self.closed = False
         reactor.call_later(probe_interval, self._probe)
 

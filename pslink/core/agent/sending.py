@@ -13,11 +13,13 @@ import numpy as np
 
 from pslink.core.agent.handle import Handle, Handles
 from pslink.core.agent.iterations import Iterations
-from pslink.core.agent.keys import (WIRE_NAMES, KeyInfo, Link, PartInfo, PartRequest, Seat, as_array, check_key,
-                                   out_array)
-from pslink.core.agent.master_link import MasterLink
-from pslink.core.agent.requests import Requests
+from pslink.core.agent.keys import WIRE_NAMES, KeyInfo, PartInfo, as_array, check_key, out_array
+from pslink.core.agent.requests import Link, PartRequest, Requests
+from pslink.core.agent.seat import Seat
+from pslink.core.agent.failover import Failover
+from pslink.core.agent.lookup import KeyLookup
 from pslink.core.agent.tables import table_frames
+from pslink.core.agent.task_requests import TaskRequests
 from pslink.core.compression import Quantized, Residuals
 from pslink.core.compression import check as check_compression
 from pslink.core.wire.protocol import FLOAT_DTYPES, TABLE_OPS, HeaderTemplate, Op
@@ -29,18 +31,18 @@ _OP_NAMES = {op: op.name.lower() for op in Op}  # an enum's name is a property: 
 
 
 class Sender:
-    """An Agent's outgoing requests. ``keys`` is the Agent's table of keys, ``lock`` guards their
-    rounds; ``failover_enabled()`` says whether a part whose Aggregator cannot be reached waits
-    for its relocation (else it fails). ``tasks`` (the Agent's TaskRequests, which itself looks
-    keys up through ``resolve``) is set once both exist."""
+    """An Agent's outgoing requests. ``keys`` is the Agent's table of keys (new ones learnt through
+    ``lookup``), ``lock`` guards their rounds; ``tasks`` joins the keys of a worker that came late
+    and aborts a key pushed with the wrong shape; ``failover`` says whether a part whose
+    Aggregator cannot be reached waits for its relocation (else it fails). ``compression``: the
+    job's gradient compression (pslink.core.compression), or None."""
 
     def __init__(self, seat: Seat, keys: dict[Any, KeyInfo], lock: threading.Lock, iterations: Iterations,
-                 handles: Handles, requests: Requests, master: MasterLink, clock: Callable[[], float],
-                 failover_enabled: Callable[[], bool]):
+                 handles: Handles, requests: Requests, lookup: KeyLookup, tasks: TaskRequests, failover: Failover,
+                 clock: Callable[[], float], compression=None):
         self.seat, self.keys, self.lock, self.iterations = seat, keys, lock, iterations
-        self.handles, self.requests, self.master, self.clock = handles, requests, master, clock
-        self.failover_enabled = failover_enabled
-        self.tasks = None
+        self.handles, self.requests, self.lookup, self.clock = handles, requests, lookup, clock
+        self.tasks, self.failover = tasks, failover
         self.residuals: Residuals | None = None  # 2-bit gradient compression, when set (pslink.core.compression)
         self.payload_bytes = 0  # payload bytes sent (pushes), for measuring compression
         # Host-local reduce (pslink.core.agent.host_reduce): this worker's part in its host's sum,
@@ -48,6 +50,7 @@ class Sender:
         self.host = None
         self.elect = None  # after a leader was lost: starts this worker's part under the next one
         self.followers: dict = {}  # a leader's link name -> this worker's follower of it (its loss is handled there)
+        self.set_compression(compression)
 
     def set_compression(self, params) -> None:
         threshold = check_compression(params)
@@ -165,7 +168,7 @@ class Sender:
         try:
             link = self.requests.link(aggregator, address)
         except PslinkError as exc:
-            if not self.failover_enabled():
+            if not self.failover.enabled:
                 self.handles.complete(handle, exc)
                 return
             log.warning("agent %s: cannot connect to aggregator %s at %s: %s", self.seat, aggregator, address,
@@ -207,10 +210,9 @@ class Sender:
             self.requests.transmit(rid, request, [header, payload if whole else payload[part.start : part.stop]])
 
     def resolve(self, op: Op, keys: list, typed: list | None, outs: list | None) -> list[KeyInfo]:
-        """Key infos for ``keys``, asking pMaster (one batched LOOKUP) for those not known yet."""
-        infos: list[KeyInfo | None] = []
-        missing = []
-        intent = {Op.INIT: "init", Op.PULL: "pull"}.get(op, "push")
+        """Key infos for ``keys``, checked against the arrays given and asking pMaster (one batched
+        LOOKUP) for those not known yet."""
+        shapes: list = []
         for i, key in enumerate(keys):
             shape = dtype = None
             if typed is not None:
@@ -234,15 +236,5 @@ class Sender:
                         failed = info.round
                     self.tasks.abort_key(info, error, failed)
                 raise error  # a pull or init joins no round: refused here, and nothing else changes
-            infos.append(info)
-            if info is None:
-                item = {"key": key, "intent": intent}
-                if shape is not None:
-                    item.update(shape=[int(d) for d in shape], dtype=dtype)
-                missing.append(item)
-        if missing:
-            body = self.master.call_again_if_cut(Op.LOOKUP, items=missing)
-            for spec in body["keys"]:
-                self.keys.setdefault(spec["key"], KeyInfo(spec))
-            infos = [self.keys[k] for k in keys]
-        return infos  # type: ignore[return-value]
+            shapes.append(None if shape is None else (shape, dtype))
+        return self.lookup.infos(op, keys, shapes)

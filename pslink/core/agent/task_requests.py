@@ -11,14 +11,16 @@ Its first pull of a key then returns the round before: the current value.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from pslink.core.agent.handle import Handle, Handles
-from pslink.core.agent.keys import KeyInfo, PartInfo, PartRequest, Seat, as_array, check_key
+from pslink.core.agent.keys import KeyInfo, PartInfo, as_array, check_key
+from pslink.core.agent.requests import PartRequest, Requests
+from pslink.core.agent.seat import Seat
+from pslink.core.agent.lookup import KeyLookup
 from pslink.core.agent.master_link import MasterLink
-from pslink.core.agent.requests import Requests
 from pslink.core.wire.protocol import Op, encode
 from pslink.errors import ConfigError, PslinkError, PslinkTimeoutError, ShapeMismatchError
 
@@ -29,12 +31,12 @@ JOIN_ATTEMPTS = 50  # rounds keep closing while a worker asks where to come in: 
 
 class TaskRequests:
     """Requests about tasks for the worker in ``seat``: ``keys`` is the Agent's key table and
-    ``resolve(op, keys, arrays, outs)`` its way to learn keys from pMaster. ``late``: the worker
-    registered while its job ran (it joins every key before it uses it)."""
+    ``lookup`` its way to learn keys from pMaster. ``late``: the worker registered while its job
+    ran (it joins every key before it uses it)."""
 
-    def __init__(self, seat: Seat, keys: dict[object, KeyInfo], resolve: Callable, requests: Requests,
+    def __init__(self, seat: Seat, keys: dict[object, KeyInfo], lookup: KeyLookup, requests: Requests,
                  handles: Handles, master: MasterLink, *, late: bool):
-        self.seat, self.keys, self.resolve = seat, keys, resolve
+        self.seat, self.keys, self.lookup = seat, keys, lookup
         self.requests, self.handles, self.master = requests, handles, master
         self.late = late
         self.joined: set = set()  # keys a late worker has joined
@@ -46,7 +48,7 @@ class TaskRequests:
         key this Agent has used. Take it between rounds (once this worker's pushes are done and
         the others' rounds closed), when it is exactly what the next step will use."""
         keys = list(self.keys) if keys is None else [check_key(k) for k in keys]
-        infos = self.resolve(Op.PULL, keys, None, None)
+        infos = self.lookup.infos(Op.PULL, keys)
         states: dict = {info.key: {} for info in infos}
         handle = self.handles.new("optimizer_state", keys, states, sum(len(info.parts) for info in infos))
         for info in infos:
@@ -61,7 +63,7 @@ class TaskRequests:
         if not isinstance(states, dict):
             raise ConfigError(f"optimizer states are a dict {{key: {{name: array or int}}}}, got {type(states).__name__}")
         keys = [check_key(k) for k in states]
-        infos = self.resolve(Op.PULL, keys, None, None)
+        infos = self.lookup.infos(Op.PULL, keys)
         handle = self.handles.new("set_optimizer_state", keys, None, sum(len(info.parts) for info in infos))
         for info in infos:
             state = states[info.key]

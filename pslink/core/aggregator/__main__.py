@@ -10,8 +10,10 @@ import os
 import signal
 import sys
 
-from pslink.config import aggregator_spin
+from pslink.core.config import aggregator_spin
 from pslink.core import hosts
+from pslink.core.credential_files import credential_for
+from pslink.core.credentials import AGGREGATOR
 from pslink.core.aggregator import process
 from pslink.core.aggregator.process import Aggregator
 from pslink.core.memory import keep_freed_memory
@@ -39,9 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s aggregator {args.name or ''} %(levelname)s %(message)s")
     keep_freed_memory()  # this process is the Aggregator's own
     try:
-        from pslink.core.credentials import AGGREGATOR
-        from pslink.core.service.credential_files import credential_for
-
         credential = credential_for(args.master, AGGREGATOR, args.credentials)
         aggregator = Aggregator(args.master, args.listen, name=args.name, orphan_timeout=args.orphan_timeout,
                                 advertise=args.advertise, interface=args.interface, credential=credential,

@@ -34,7 +34,7 @@ import numpy as np
 from pslink.core.aggregator.cycle import CycleBudget
 from pslink.core.aggregator.stalls import waiting_for
 from pslink.core.aggregator.table_task import new_task
-from pslink.core.optim import step_through_float32
+from pslink.core.optim.rules import step_through_float32
 from pslink.core.wire.protocol import DATA_OPS, TABLE_OPS, Op
 from pslink.core.aggregator.moves import Moves
 from pslink.core.aggregator import failures, reports

@@ -34,7 +34,7 @@ from pslink.core.tables import ID_DTYPE
 from pslink.core.wire.protocol import (DATA_OPS, DEFAULT_LIMITS, STATE_OPS, TABLE_OPS, Limits, Op, decode, encode,
                                         encode_error, peek_id)
 from pslink.core.transport.rpc import RpcPeer
-from pslink.core.wire.fusion import MAX_FUSED_ITEMS, Cork, Unfused, fused_header, fused_message
+from pslink.core.transport.fused import MAX_FUSED_ITEMS, Cork, Unfused, fused_header, fused_message
 from pslink.core.aggregator import failures
 from pslink.core.aggregator.copies import Arriving, Copies, Rejected
 from pslink.core.aggregator.master_link import DEFAULT_LEASE, MasterLink

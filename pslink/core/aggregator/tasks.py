@@ -14,7 +14,8 @@ import numpy as np
 
 from pslink.core.memory import BufferPool
 from pslink.core.membership import Membership, TaskMembers
-from pslink.core.optim import Optimizer, make_optimizer
+from pslink.core.optim import make_optimizer
+from pslink.core.optim.rules import Optimizer
 from pslink.core.wire.protocol import Op, dtype_of
 from pslink.errors import KeyStateError, MovedError, ProtocolError, PslinkError, error_from_code
 

@@ -10,7 +10,7 @@ its first entry still waits takes that entry's place."""
 from __future__ import annotations
 
 from pslink.core.master.host_leaders import HostLeaders
-from pslink.core.master.jobs import JobRecord
+from pslink.core.master.records import JobRecord
 from pslink.core.transport.rpc import RpcPeer
 from pslink.errors import ClosedError, MembershipError
 

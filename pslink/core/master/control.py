@@ -13,7 +13,7 @@ A job's life (paper 3.3.1-3.3.2):
    iteration.
 2. **Packing.** After ``profile_iterations`` iterations its standalone iteration duration ``D`` is
    the median measured; once its moves pay (:meth:`JobControl.pack_due`) every task is placed by
-   Pseudocode 1 (:mod:`pslink.core.master.placement`, each job within ``placement_share`` of its own
+   Pseudocode 1 (:mod:`pslink.core.master.packing`, each job within ``placement_share`` of its own
    slowdown limit, its ``slo``, shared Aggregators keeping ``headroom`` free, NICs within
    ``nic_bandwidth``) in the best-fit cluster; moved parts migrate; empty Aggregators go.
 3. **Guard** (:mod:`pslink.core.master.guard`): a packed job slower than ``D`` by more than its
@@ -38,16 +38,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import statistics
 from typing import Any, Callable
 
 from pslink.core.master.actions import Allocate, Migrate
 from pslink.core.master import spread
-from pslink.core.master.placement import LOSS_LIMIT, NewAggregator, Placement, TaskDemand, runs_per_cycle
+from pslink.core.master.packing import LOSS_LIMIT, NewAggregator, TaskDemand, runs_per_cycle
 from pslink.core.master.job_control import JobControl, check_service_level
 from pslink.core.master.nics import Nics
 from pslink.core.master.guard import Guard
+from pslink.core.master.pool_plan import PoolPlan
 from pslink.core.master.scaling import Scaling
 
 DEFAULT_COST_PER_BYTE = 5e-10  # CPU s an Aggregator spends per byte pushed, before any measurement (~2 GB/s)
@@ -84,80 +84,43 @@ class ControlPlane:
         copy_latency: float = DEFAULT_COPY_LATENCY,
         nic_bandwidth: float | None = None,
         elastic: bool = True,
+        replica_holders: Callable[[], set] = set,
         clock: Callable[[], float] | None = None,
     ):
         if not 0 < placement_share <= 1:
             raise ValueError(f"placement_share must be in (0, 1], got {placement_share}")
         self.loss_limit = loss_limit
-        self.headroom = headroom
         self.placement_share = placement_share
         self.copy_bandwidth = copy_bandwidth
         self.copy_latency = copy_latency
         self.nics = Nics(nic_bandwidth)  # every host's NIC, shared by the clusters' plans
         self.guard_window = guard_window
         self.profile_iterations = profile_iterations
-        self.min_aggregators = min_aggregators
-        self.max_aggregators = max_aggregators
-        self.max_cluster_size = max_cluster_size
         self.scale_period = scale_period
-        self.max_reverts = max_reverts
         self.cost_per_byte = cost_per_byte
-        self.congested_load = congested_load
-        self.cost_inflation = cost_inflation
-        # Without a provider nothing can be started or stopped: place within the pool as it is.
-        self.elastic = elastic
         self.clock = clock or (lambda: 0.0)
-        self.clusters: dict[str, Placement] = {}
-        self.cluster_of: dict[str, str] = {}  # Aggregator (or placeholder) -> cluster
+        # The pool as the plans see it, shared with scaling and the guard (each gets it here).
+        self.pool = PoolPlan(loss_limit=loss_limit, headroom=headroom, nics=self.nics,
+                             min_aggregators=min_aggregators, max_aggregators=max_aggregators,
+                             max_cluster_size=max_cluster_size, elastic=elastic, replica_holders=replica_holders)
         self.jobs: dict[str, JobControl] = {}
-        self.loads: dict[str, float] = {}  # Aggregator -> CPU load 0..1, as measured
-        self.reserved: dict[str, str] = {}  # Aggregator -> job it is a profiling temporary for
-        self.exclusive: dict[str, str] = {}  # Aggregator -> reverted job it belongs to
-        self._held: dict[str, list] = collections.defaultdict(list)  # placeholder -> actions
-        # Aggregators an operator is removing: out of the plan, released once their tasks moved.
-        self.draining: set[str] = set()
         self._pending_scale_down = False
         self._last_scale = self.clock()
-        self._serial = itertools.count(1)
-        self.host_of: dict[str, str] = {}  # Aggregator -> its host's identity (pMaster fills it in)
-        self.pinned: set[str] = set()  # joined by an operator: scaling keeps them
-        # Aggregators holding replicas: the plan counts only tasks, pMaster knows the replicas.
-        # Scaling never releases or drains them, or the replicas would go with them.
-        self.replica_holders: Callable[[], set] = set
         # Jobs with tasks on the move (pMaster's migrations, running, queued, or waiting for a
         # new Aggregator): the guard does not judge them meanwhile. The simulator's moves take
-        # no time: none.
+        # no time: none. Set by whoever carries the migrations out: its migration core is made
+        # after this plane, which it asks how large a batch may be (batch_bytes).
         self.moving_jobs: Callable[[], set] = set
-        self.scaling = Scaling(self)
-        self.guard = Guard(self)
+        self.scaling = Scaling(self.pool, self.jobs)
+        self.guard = Guard(self.pool, self.scaling, guard_window=guard_window, max_reverts=max_reverts,
+                           congested_load=congested_load, cost_inflation=cost_inflation, copy_latency=copy_latency,
+                           copy_bandwidth=copy_bandwidth, clock=self.clock)
 
     # -- the pool ---------------------------------------------------------------------------------
 
-    def _new_cluster(self) -> str:
-        name = f"cluster-{len(self.clusters)}"
-        # Its own placeholder names: _allocate's "<new-N>" may still be starting when a plan opens
-        # an Aggregator, and so may another cluster's (the simulator hit both).
-        self.clusters[name] = Placement(self.loss_limit, placeholder_prefix=f"<new-{name}-", headroom=self.headroom,
-                                        nics=self.nics)
-        return name
-
-    def _cluster_for_new_aggregator(self, preferred: str | None = None) -> str:
-        if preferred is not None and len(self.clusters[preferred].aggregators) < self.max_cluster_size:
-            return preferred
-        for name, plan in self.clusters.items():
-            if len(plan.aggregators) < self.max_cluster_size:
-                return name
-        return self._new_cluster()
-
     def aggregator_added(self, name: str) -> None:
         """An Aggregator nobody asked for joined (the initial pool, a restart, an operator)."""
-        if name in self.cluster_of:
-            return
-        cluster = self._cluster_for_new_aggregator()
-        self.clusters[cluster].add_aggregator(name)
-        self.cluster_of[name] = cluster
-        if name in self.host_of:
-            self.clusters[cluster].set_host(name, self.host_of[name])
+        self.pool.add(name)
 
     def aggregator_host(self, name: str, host: str, spread: bool = True) -> None:
         """``name`` runs on ``host``: its tasks load that host's NIC (placement keeps every NIC
@@ -165,34 +128,27 @@ class ControlPlane:
         The simulator's Aggregator hosts are a pool of their own, with no workers on them to
         balance: it passes ``spread=False``."""
         if spread:
-            self.host_of[name] = host
-        cluster = self.cluster_of.get(name)
+            self.pool.host_of[name] = host
+        cluster = self.pool.cluster_of.get(name)
         if cluster is not None:
-            self.clusters[cluster].set_host(name, host)
+            self.pool.clusters[cluster].set_host(name, host)
 
     def aggregator_count(self) -> int:
-        return len(self.cluster_of)
-
-    def _allocate(self, cluster: str, reason: str) -> Allocate:
-        plan = self.clusters[cluster]
-        placeholder = f"<new-{next(self._serial)}>"
-        plan.add_aggregator(placeholder)
-        self.cluster_of[placeholder] = cluster
-        return Allocate(cluster, placeholder, reason)
+        return self.pool.count()
 
     def bind(self, placeholder: str, name: str) -> list:
         """An allocated Aggregator registered as ``name``: the actions that waited for it."""
-        cluster = self.cluster_of.pop(placeholder)
-        self.clusters[cluster].rename(placeholder, name)
-        self.cluster_of[name] = cluster
-        if name in self.host_of:
-            self.clusters[cluster].set_host(name, self.host_of[name])
-        for table in (self.reserved, self.exclusive):
+        cluster = self.pool.cluster_of.pop(placeholder)
+        self.pool.clusters[cluster].rename(placeholder, name)
+        self.pool.cluster_of[name] = cluster
+        if name in self.pool.host_of:
+            self.pool.clusters[cluster].set_host(name, self.pool.host_of[name])
+        for table in (self.pool.reserved, self.pool.exclusive):
             if placeholder in table:
                 table[name] = table.pop(placeholder)
         for job in self.jobs.values():
             job.temporaries = [name if t == placeholder else t for t in job.temporaries]
-        actions = [self._rebind(a, placeholder, name) for a in self._held.pop(placeholder, [])]
+        actions = [self._rebind(a, placeholder, name) for a in self.pool.held.pop(placeholder, [])]
         # After the moves above: pMaster lets a removed Aggregator go once they finished.
         return actions + self.scaling.placeholder_bound(placeholder)
 
@@ -208,14 +164,14 @@ class ControlPlane:
 
     def aggregator_lost(self, name: str) -> None:
         """An Aggregator went away: forget it (its tasks' recovery is the failure path's job)."""
-        cluster = self.cluster_of.pop(name, None)
+        cluster = self.pool.cluster_of.pop(name, None)
         if cluster is not None:
-            self.clusters[cluster].remove_aggregator(name)
-        self.reserved.pop(name, None)
-        self.exclusive.pop(name, None)
-        self.loads.pop(name, None)
+            self.pool.clusters[cluster].remove_aggregator(name)
+        self.pool.reserved.pop(name, None)
+        self.pool.exclusive.pop(name, None)
+        self.pool.loads.pop(name, None)
         self.scaling.forget(name)
-        self.pinned.discard(name)
+        self.pool.pinned.discard(name)
         for control in self.jobs.values():
             if name in control.temporaries:  # a job profiled on it declares its next parts elsewhere
                 control.temporaries.remove(name)
@@ -226,27 +182,15 @@ class ControlPlane:
         control = self.jobs.get(ident[0])
         if control is None or ident not in control.parts:
             return
-        for plan in self.clusters.values():
+        for plan in self.pool.clusters.values():
             plan.unassign(ident)
-        if aggregator not in self.cluster_of:
+        if aggregator not in self.pool.cluster_of:
             self.aggregator_added(aggregator)
-        self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident), aggregator)
+        self.pool.clusters[self.pool.cluster_of[aggregator]].assign(self._demand(control, ident), aggregator)
 
     def jobs_waiting_to_move(self) -> set[str]:
         """Jobs with moves held until the Aggregator they go to is up."""
-        return {a.task[0] for held in self._held.values() for a in held if isinstance(a, Migrate)}
-
-    def is_placeholder(self, name: str) -> bool:
-        return name.startswith("<new-")
-
-    def _emit(self, actions: list, action) -> None:
-        """Hold actions that target an Aggregator still being started."""
-        targets = [getattr(action, "target", None), getattr(action, "source", None)]
-        waiting = next((t for t in targets if t and self.is_placeholder(t)), None)
-        if waiting is not None:
-            self._held[waiting].append(action)
-        else:
-            actions.append(action)
+        return {a.task[0] for a in self.pool.held_moves()}
 
     # -- jobs ---------------------------------------------------------------------------------------
 
@@ -259,7 +203,7 @@ class ControlPlane:
             return []
         check_service_level(slo, priority)
         servers = max(1, servers if servers is not None else workers)
-        cluster = max(self.clusters, key=lambda c: len(self._idle(c)), default=None) or self._new_cluster()
+        cluster = max(self.pool.clusters, key=lambda c: len(self._idle(c)), default=None) or self.pool.new_cluster()
         control = self.jobs[job] = JobControl(job, workers, servers, cluster, slo=self.loss_limit if slo is None else slo,
                                               priority=priority, arrived=self.clock())
         if self.profile_iterations <= 0:
@@ -268,25 +212,25 @@ class ControlPlane:
         actions: list = []
         for name in self._profiling_places(cluster, servers):
             control.temporaries.append(name)
-            self.reserved[name] = job
-        while self.elastic and len(control.temporaries) < servers and self.aggregator_count() < self.max_aggregators:
-            allocation = self._allocate(self._cluster_for_new_aggregator(cluster), f"profile job {job} alone")
+            self.pool.reserved[name] = job
+        while self.pool.elastic and len(control.temporaries) < servers and self.aggregator_count() < self.pool.max_aggregators:
+            allocation = self.pool.allocate(self.pool.cluster_for_new_aggregator(cluster), f"profile job {job} alone")
             control.temporaries.append(allocation.placeholder)
-            self.reserved[allocation.placeholder] = job
+            self.pool.reserved[allocation.placeholder] = job
             actions.append(allocation)
         return actions
 
     def _profiling_places(self, cluster: str, servers: int) -> list[str]:
         """Idle Aggregators to profile a job on, one host after another; with NICs known, one per
         NIC (the job's own traffic is not known either)."""
-        places = spread.across_hosts(self._idle(cluster), self.host_of)
-        return (spread.one_per_nic(places, self.clusters[cluster]) if self.nics.limited else places)[:servers]
+        places = spread.across_hosts(self._idle(cluster), self.pool.host_of)
+        return (spread.one_per_nic(places, self.pool.clusters[cluster]) if self.nics.limited else places)[:servers]
 
     def _idle(self, cluster: str) -> list[str]:
-        plan = self.clusters[cluster]
+        plan = self.pool.clusters[cluster]
         idle = sorted(n for n, a in plan.aggregators.items()
-                      if not a.tasks and n not in self.reserved and n not in self.exclusive
-                      and not self.is_placeholder(n))
+                      if not a.tasks and n not in self.pool.reserved and n not in self.pool.exclusive
+                      and not self.pool.is_placeholder(n))
         if self.nics.limited:
             # A job not profiled yet sends what no one knows (its iteration is not measured): it
             # is given NICs that carry nothing else, and keeps them whole until it is measured
@@ -302,13 +246,13 @@ class ControlPlane:
         if control.phase == "profiling":
             # Alone on its own Aggregators while profiling (or, with none to spare, with the
             # others): spread by bytes, over hosts first.
-            pool = control.temporaries or self._candidates(control)
-            on_host = spread.bytes_by_host(control.parts, self.clusters.values(), self.host_of)
-            target = min(pool, key=lambda n: (on_host[self.host_of.get(n, "")], self._bytes_on(n), n))
-            self.clusters[self.cluster_of[target]].assign(self._demand(control, ident, provisional=True), target)
+            pool = control.temporaries or self.pool.candidates(control.job, control.cluster)
+            on_host = spread.bytes_by_host(control.parts, self.pool.clusters.values(), self.pool.host_of)
+            target = min(pool, key=lambda n: (on_host[self.pool.host_of.get(n, "")], self._bytes_on(n), n))
+            self.pool.clusters[self.pool.cluster_of[target]].assign(self._demand(control, ident, provisional=True), target)
             return target, []
-        target, actions = self._place_spread(control, self._demand(control, ident), self._candidates(control),
-                                             f"no room for a part of job {job}", spread.bytes_by_host(control.parts, self.clusters.values(), self.host_of))
+        target, actions = self._place_spread(control, self._demand(control, ident), self.pool.candidates(control.job, control.cluster),
+                                             f"no room for a part of job {job}", spread.bytes_by_host(control.parts, self.pool.clusters.values(), self.pool.host_of))
         control.grown = True
         control.window.clear()  # iterations without the new key say nothing about the job now
         return target, actions
@@ -317,21 +261,21 @@ class ControlPlane:
                       on_host: collections.Counter) -> tuple[str, list]:
         """Pseudocode 1 for one task, trying the hosts that hold the fewest of the job's bytes
         first (``on_host``, updated); on one host simply :meth:`_place_one`."""
-        live = [n for n in candidates if not self.is_placeholder(n)]
-        target = spread.choose(self.clusters[control.cluster], demand, live, self.host_of, on_host)
+        live = [n for n in candidates if not self.pool.is_placeholder(n)]
+        target = spread.choose(self.pool.clusters[control.cluster], demand, live, self.pool.host_of, on_host)
         actions: list = []
         if target is None:
             target, actions = self._place_one(control, demand, candidates, reason)
-        on_host[self.host_of.get(target, "")] += demand.nbytes
+        on_host[self.pool.host_of.get(target, "")] += demand.nbytes
         return target, actions
 
     def _place_one(self, control: JobControl, demand: TaskDemand, candidates: list[str], reason: str) -> tuple[str, list]:
         """Pseudocode 1 for one task; without elasticity the least-full candidate takes what fits
         nowhere."""
-        plan = self.clusters[control.cluster]
-        decision = plan.place(demand, candidates, allow_new=self.elastic)
+        plan = self.pool.clusters[control.cluster]
+        decision = plan.place(demand, candidates, allow_new=self.pool.elastic)
         if isinstance(decision, NewAggregator):
-            self.cluster_of[decision.placeholder] = control.cluster
+            self.pool.cluster_of[decision.placeholder] = control.cluster
             return decision.placeholder, [Allocate(control.cluster, decision.placeholder, reason)]
         if decision is None:
             _, left = plan.evaluate(demand, candidates)
@@ -344,7 +288,7 @@ class ControlPlane:
         control = self.jobs.get(job)
         for part in range(parts):
             ident = (job, key, part)
-            for plan in self.clusters.values():
+            for plan in self.pool.clusters.values():
                 plan.unassign(ident)
             if control is not None:
                 control.parts.pop(ident, None)
@@ -355,7 +299,7 @@ class ControlPlane:
         """A job that ran before a pMaster restart: it keeps its places and is profiled again."""
         control = self.jobs.get(job)
         if control is None:
-            cluster = cluster or next(iter(self.clusters), None) or self._new_cluster()
+            cluster = cluster or next(iter(self.pool.clusters), None) or self.pool.new_cluster()
             control = self.jobs[job] = JobControl(job, workers, max(1, servers or workers), cluster,
                                                   slo=self.loss_limit if slo is None else slo, priority=priority,
                                                   arrived=self.clock(), adopted=True)
@@ -364,15 +308,15 @@ class ControlPlane:
     def adopt_part(self, job: str, workers: int, servers: int | None, key: Any, part: int, nbytes: int,
                    aggregator: str) -> None:
         """A part placed before a pMaster restart: keep it where it is, learn the job again."""
-        if aggregator not in self.cluster_of:
+        if aggregator not in self.pool.cluster_of:
             self.aggregator_added(aggregator)
-        control = self.adopt_job(job, workers, servers, cluster=self.cluster_of[aggregator])
+        control = self.adopt_job(job, workers, servers, cluster=self.pool.cluster_of[aggregator])
         ident = (job, key, part)
         control.parts[ident] = nbytes
-        self.clusters[self.cluster_of[aggregator]].assign(self._demand(control, ident, provisional=True), aggregator)
+        self.pool.clusters[self.pool.cluster_of[aggregator]].assign(self._demand(control, ident, provisional=True), aggregator)
 
     def _bytes_on(self, name: str) -> int:
-        return self.clusters[self.cluster_of[name]].aggregators[name].nbytes
+        return self.pool.clusters[self.pool.cluster_of[name]].aggregators[name].nbytes
 
     def _demand(self, control: JobControl, ident: tuple, provisional: bool = False) -> TaskDemand:
         known = not provisional and control.standalone is not None
@@ -385,20 +329,14 @@ class ControlPlane:
         return TaskDemand(control.job, ident[1], ident[2], iteration, cost, nbytes, control.slo * self.placement_share,
                           rate)
 
-    def _candidates(self, control: JobControl) -> list[str]:
-        plan = self.clusters[control.cluster]
-        return [n for n in plan.aggregators
-                if self.reserved.get(n, control.job) == control.job
-                and self.exclusive.get(n, control.job) == control.job]
-
     def move_task(self, ident: tuple, target: str, reason: str = "requested") -> Migrate | None:
         """An operator's move (or a benchmark's): update the plan and say how to carry it out."""
-        source = self._where(ident)
+        source = self.pool.where(ident)
         if source == target:
             return None
-        source_plan = self.clusters[self.cluster_of[source]]
+        source_plan = self.pool.clusters[self.pool.cluster_of[source]]
         demand = source_plan.unassign(ident)
-        self.clusters[self.cluster_of[target]].assign(demand, target)
+        self.pool.clusters[self.pool.cluster_of[target]].assign(demand, target)
         return Migrate(ident, source, target, reason)
 
     def costs_measured(self, job: str, costs: dict[tuple, float]) -> None:
@@ -417,7 +355,7 @@ class ControlPlane:
                 control.costs.setdefault(ident, cost)
 
     def load_measured(self, name: str, load: float) -> None:
-        self.loads[name] = load
+        self.pool.loads[name] = load
 
     def iterations_reported(self, job: str, durations: list[float], work: list[float] | None = None) -> list:
         """Iteration durations measured by a job's Agents (and, where the Agent measures it, the
@@ -437,7 +375,7 @@ class ControlPlane:
                 # Measured, not packed yet (its moves would not pay): its NICs carry what it sends.
                 self._record_demands(control, provisional=True)
             return []
-        return self.guard.judge(control, durations)
+        return self.guard.judge(control, durations, moving=job in self.moving_jobs())
 
     def batch_bytes(self, job: str) -> int:
         """The most bytes one migration of the job's parts may copy (:meth:`JobControl.batch_bytes`)."""
@@ -453,14 +391,14 @@ class ControlPlane:
         control.standalone = control.profiled_iteration = statistics.median(control.profiled)
         control.work_baseline = statistics.median(control.work) if control.work else None
         control.phase = "packed"
-        if control.adopted or not self.elastic and not control.temporaries:
+        if control.adopted or not self.pool.elastic and not control.temporaries:
             self._record_demands(control)  # measured where it already runs: move nothing
             return []
-        current = {i: self._where(i) for i in control.parts}
+        current = {i: self.pool.where(i) for i in control.parts}
         for ident in control.parts:
-            self.clusters[self.cluster_of[current[ident]]].unassign(ident)
+            self.pool.clusters[self.pool.cluster_of[current[ident]]].unassign(ident)
         for name in control.temporaries:
-            self.reserved.pop(name, None)
+            self.pool.reserved.pop(name, None)
         demands = [self._demand(control, i) for i in control.parts]
         control.cluster = self._best_cluster(control, demands)
         actions = self._place_job(control, demands, current, "pack after profiling")
@@ -470,27 +408,20 @@ class ControlPlane:
     def _record_demands(self, control: JobControl, provisional: bool = False) -> None:
         """The job's parts stay where they are, with their demands as now known."""
         for ident in control.parts:
-            name = self._where(ident)
-            self.clusters[self.cluster_of[name]].assign(self._demand(control, ident, provisional), name)
-
-    def _where(self, ident: tuple) -> str:
-        for plan in self.clusters.values():
-            name = plan.where.get(ident)
-            if name is not None:
-                return name
-        raise KeyError(ident)
+            name = self.pool.where(ident)
+            self.pool.clusters[self.pool.cluster_of[name]].assign(self._demand(control, ident, provisional), name)
 
     def _best_cluster(self, control: JobControl, demands: list[TaskDemand]) -> str:
         need = sum(d.cost for d in demands) / control.standalone
-        fits = [(plan.free_capacity(), name) for name, plan in self.clusters.items() if plan.free_capacity() >= need]
+        fits = [(plan.free_capacity(), name) for name, plan in self.pool.clusters.items() if plan.free_capacity() >= need]
         return min(fits)[1] if fits else control.cluster
 
     def _place_job(self, control: JobControl, demands: list[TaskDemand], current: dict, reason: str,
                    candidates: list[str] | None = None) -> list:
-        pool = candidates if candidates is not None else self._candidates(control)
+        pool = candidates if candidates is not None else self.pool.candidates(control.job, control.cluster)
         actions: list = []
         ordered = sorted(demands, key=lambda d: (-d.cost, str(d.key), d.part))
-        if spread.one_host([n for n in pool if not self.is_placeholder(n)], self.host_of):
+        if spread.one_host([n for n in pool if not self.pool.is_placeholder(n)], self.pool.host_of):
             # One host (or none known): the whole job in one pass of Pseudocode 1, as task by task
             # (and its actions in the same order: an Allocate just before the first move to it).
             opened: dict[tuple, list] = {}
@@ -500,11 +431,11 @@ class ControlPlane:
                                                                f"{reason}: job {control.job} needs room")
                 return target
 
-            targets = self.clusters[control.cluster].place_many(ordered, pool, on_miss=fits_nowhere)
+            targets = self.pool.clusters[control.cluster].place_many(ordered, pool, on_miss=fits_nowhere)
             for demand, target in zip(ordered, targets):
                 actions += opened.get(demand.ident, [])
                 if current.get(demand.ident) != target:
-                    self._emit(actions, Migrate(demand.ident, current[demand.ident], target, reason))
+                    self.pool.emit(actions, Migrate(demand.ident, current[demand.ident], target, reason))
             return actions
         on_host: collections.Counter = collections.Counter()
         for demand in ordered:
@@ -514,16 +445,16 @@ class ControlPlane:
             if target not in pool:
                 pool = pool + [target]
             if current.get(demand.ident) != target:
-                self._emit(actions, Migrate(demand.ident, current[demand.ident], target, reason))
+                self.pool.emit(actions, Migrate(demand.ident, current[demand.ident], target, reason))
         return actions
 
     def job_ended(self, job: str) -> list:
         control = self.jobs.pop(job, None)
         if control is None:
             return []
-        for plan in self.clusters.values():
+        for plan in self.pool.clusters.values():
             plan.remove_job(job)
-        for table in (self.reserved, self.exclusive):
+        for table in (self.pool.reserved, self.pool.exclusive):
             for name in [n for n, j in table.items() if j == job]:
                 del table[name]
         if self.scale_period > 0:
@@ -568,9 +499,9 @@ class ControlPlane:
         """Per Aggregator: (plan version, cycle, [[job, key, part, runs, cost], ...]) for the tasks
         of jobs past profiling (a profiling job has no measured iteration to fit a cycle to)."""
         out = {}
-        for plan in self.clusters.values():
+        for plan in self.pool.clusters.values():
             for name, agg in plan.aggregators.items():
-                if self.is_placeholder(name):
+                if self.pool.is_placeholder(name):
                     continue
                 entries = []
                 for ident, task in agg.tasks.items():
@@ -593,8 +524,8 @@ class ControlPlane:
                 "iterations": c.iterations, "reverts": c.reverts,
             }
         return {
-            "clusters": {name: plan.describe() for name, plan in self.clusters.items()},
+            "clusters": {name: plan.describe() for name, plan in self.pool.clusters.items()},
             "jobs": jobs,
-            "reserved": dict(self.reserved),
-            "exclusive": dict(self.exclusive),
+            "reserved": dict(self.pool.reserved),
+            "exclusive": dict(self.pool.exclusive),
         }

@@ -2,7 +2,7 @@
 
 An Aggregator whose connection to pMaster closed, and that has not come back within
 ``aggregator_grace`` (or that is silent past ``aggregator_timeout``), is gone: its parts are
-re-homed (:mod:`pslink.core.master.recovery`) and carried out here: PROMOTE a replica, ASSIGN a fresh
+re-homed (:mod:`pslink.core.master.failover_plan`) and carried out here: PROMOTE a replica, ASSIGN a fresh
 part, top up replicas, ABORT keys whose state is lost; a migration off it whose copy had not
 landed gets its copy from a replica (COPY_REPLICA). Agents that lost the Aggregator ask
 (RELOCATE) where their parts live now; the answer waits until the failover is carried out, so
@@ -17,12 +17,12 @@ import logging
 from typing import Callable
 
 from pslink.core import faults
-from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, PartSpec
+from pslink.core.master.records import AggregatorRecord, JobRecord, KeySpec, PartSpec
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.migrations import Move
-from pslink.core.master.moving import Mover
-from pslink.core.master.recovery import Lost, Promote, Recreate, Rereplicate, copy_sources, holdings, pick_replicas
-from pslink.core.master.replicas import give_replicas
+from pslink.core.master.migration_core import Move
+from pslink.core.master.migration_io import Mover
+from pslink.core.master.failover_plan import Lost, Promote, Recreate, Rereplicate, copy_sources, holdings, pick_replicas
+from pslink.core.master.replica_hosts import give_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
@@ -68,7 +68,7 @@ class Failover:
 
     def connection_lost(self, name: str) -> None:
         """Its connection closed: unless it comes back within the grace period, or its process
-        answers at its data port (:mod:`pslink.core.master.liveness`), fail it over."""
+        answers at its data port (:mod:`pslink.core.master.aggregator_probe`), fail it over."""
         self.reactor.call_later(self.grace, self._probe_unless_back, name)
 
     def _away(self, name: str, record: AggregatorRecord | None = None) -> bool:
@@ -129,7 +129,7 @@ class Failover:
         # Migrations off or onto it never end by themselves. First, while the plan still has
         # it: a queued move onto it goes back to its source in the plan before the plan forgets it.
         stays = self.mover.aggregator_lost(name)
-        actions = self.state.fail_over(name, stays, self.mover.incoming())
+        actions = self.state.fail_over(name, stays, self.mover.core.incoming())
         # Stored before ``name`` is forgotten: a pMaster killed from here on resumes from where
         # the parts go, and its re-sent ASSIGNs promote the replicas (Moves.promote_placed). (Not
         # stored, a restart found the parts on an Aggregator it no longer knew, and answered the
@@ -217,7 +217,7 @@ class Failover:
         added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
                               record.replication - len(part.replicas),
                               exclude={part.aggregator, source, lost, *part.replicas},
-                              hosts=self.state.control.host_of, away_from=[part.aggregator, *part.replicas])
+                              hosts=self.state.control.pool.host_of, away_from=[part.aggregator, *part.replicas])
         part.replicas += added
         self._promote(lost, Promote(record, spec, part, lost))
         if added:

@@ -1,7 +1,8 @@
 """The performance guard (AutoPS 3.3.2, Appendix D): judging a packed job's iterations against its
 standalone ones and its own limit, and relieving it when it is too slow. Pure, like the rest of
-the control plane: it reads and changes the :class:`~pslink.core.master.control.ControlPlane`'s
-plan and answers with actions.
+the control plane: it reads and changes the pool's plan
+(:class:`~pslink.core.master.pool_plan.PoolPlan`, which the control plane shares with it) and
+answers with actions.
 
 A job is judged on the median of its last ``guard_window`` iterations, against its slowdown
 limit (its SLO) plus a margin for its own noise (:meth:`JobControl.noise_margin`). Too slow: tasks on a congested Aggregator move to others with room, once;
@@ -15,26 +16,38 @@ moves by that change, and the guard judges the placement against that, from the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from pslink.core.master.actions import Allocate, Migrate
 from pslink.core.master.job_control import JobControl
-from pslink.core.master.placement import NewAggregator, Placement
-
-if TYPE_CHECKING:
-    from pslink.core.master.control import ControlPlane
+from pslink.core.master.packing import NewAggregator, Placement
+from pslink.core.master.pool_plan import PoolPlan
+from pslink.core.master.scaling import Scaling
 
 
 class Guard:
-    """The performance guard over one control plane's jobs."""
+    """The performance guard over one control plane's jobs: it judges a job on windows of
+    ``guard_window`` iterations, relieves it off Aggregators loaded past ``congested_load`` (or
+    costing it ``cost_inflation`` times its profile), and reverts it at most ``max_reverts``
+    times, once a revert pays for moves at ``copy_latency`` and ``copy_bandwidth``. It moves
+    tasks in ``pool``'s plan and has ``scaling`` release what a revert emptied."""
 
-    def __init__(self, plane: "ControlPlane"):
-        self.plane = plane
+    def __init__(self, pool: PoolPlan, scaling: Scaling, *, guard_window: int, max_reverts: int,
+                 congested_load: float, cost_inflation: float, copy_latency: float, copy_bandwidth: float,
+                 clock: Callable[[], float]):
+        self.pool, self.scaling = pool, scaling
+        self.guard_window = guard_window
+        self.max_reverts = max_reverts
+        self.congested_load = congested_load
+        self.cost_inflation = cost_inflation
+        self.copy_latency = copy_latency
+        self.copy_bandwidth = copy_bandwidth
+        self.clock = clock
 
-    def judge(self, control: JobControl, durations: list[float]) -> list:
-        """A packed job's new iterations: the actions the guard takes (none if it is fast enough)."""
-        plane = self.plane
-        if control.job in plane.moving_jobs():
+    def judge(self, control: JobControl, durations: list[float], moving: bool) -> list:
+        """A packed job's new iterations: the actions the guard takes (none if it is fast enough).
+        ``moving``: its tasks are on the move."""
+        if moving:
             # Its tasks are moving (an operator's removal, a drain, the guard's own moves, a pack):
             # these iterations measure neither the placement it had nor the one it gets, and
             # they include the moves' copies. The guard judges the new placement on its own
@@ -46,12 +59,12 @@ class Guard:
             control.settling = False  # the first report since: measured partly during the moves
             return []
         control.window.extend(durations)
-        while len(control.window) > plane.guard_window:
+        while len(control.window) > self.guard_window:
             control.window.popleft()
-        if len(control.window) < plane.guard_window or control.standalone is None:
+        if len(control.window) < self.guard_window or control.standalone is None:
             return []
         current = control.current_iteration()
-        change = control.own_work_change(plane.guard_window)
+        change = control.own_work_change(self.guard_window)
         if change is not None:
             # The worker's own work per iteration changed (a bigger batch, another phase of the
             # job): its iterations changed by that much whatever its placement, so that is its
@@ -84,17 +97,17 @@ class Guard:
             tasks = [i for i in control.parts if plan.where.get(i) == name]
             before = sum(control.costs.get(i, 0.0) for i in tasks)
             now = sum(control.latest_costs.get(i, 0.0) for i in tasks)
-            if self.plane.loads.get(name, 0.0) >= self.plane.congested_load or (before > 0 and now >= self.plane.cost_inflation * before):
+            if self.pool.loads.get(name, 0.0) >= self.congested_load or (before > 0 and now >= self.cost_inflation * before):
                 out.append(name)
         return out
 
     def act(self, control: JobControl, loss: float, current: float) -> list:
         """The job runs too slowly on its packed placement: relieve it (Appendix D, Figure 10)."""
-        plan = self.plane.clusters[control.cluster]
+        plan = self.pool.clusters[control.cluster]
         congested = self.congested(control, plan)
         actions: list = []
         if congested and not control.relieved:
-            others = [n for n in self.plane._candidates(control) if n not in congested]
+            others = [n for n in self.pool.candidates(control.job, control.cluster) if n not in congested]
             for name in congested:
                 for ident in [i for i in control.parts if plan.where.get(i) == name]:
                     demand = plan.unassign(ident)
@@ -107,15 +120,14 @@ class Guard:
             if actions:
                 control.relieved = True
                 return actions
-        if control.reverts >= self.plane.max_reverts or not self.plane.elastic:
+        if control.reverts >= self.max_reverts or not self.pool.elastic:
             return []
         if control.exclusive and not congested:
             # Alone on Aggregators of its own and not held up by them: this is how fast it runs
             # alone now (the host changed), so that is its standalone speed from here on.
             control.standalone = current
             return []
-        plane = self.plane
-        if not control.revert_pays(loss, plane.clock(), plane.copy_latency, plane.copy_bandwidth):
+        if not control.revert_pays(loss, self.clock(), self.copy_latency, self.copy_bandwidth):
             return []  # judged again with the next window, when it has run longer
         control.reverts += 1
         control.relieved = False
@@ -125,16 +137,16 @@ class Guard:
         demands = [plan.unassign(i) for i in current]
         # The job's own new Aggregator joins its cluster even past the size limit: a job is
         # served from one cluster.
-        allocation = self.plane._allocate(control.cluster, f"revert job {control.job}: {loss:.0%} slower than alone")
-        self.plane.exclusive[allocation.placeholder] = control.job
+        allocation = self.pool.allocate(control.cluster, f"revert job {control.job}: {loss:.0%} slower than alone")
+        self.pool.exclusive[allocation.placeholder] = control.job
         actions = [allocation]
         new = [allocation.placeholder]
         decisions = plan.place_all(demands, new)
         for ident, decision in decisions.items():
             target = decision.placeholder if isinstance(decision, NewAggregator) else decision
             if isinstance(decision, NewAggregator):
-                self.plane.cluster_of[target] = control.cluster
-                self.plane.exclusive[target] = control.job
+                self.pool.cluster_of[target] = control.cluster
+                self.pool.exclusive[target] = control.job
                 actions.append(Allocate(control.cluster, target, f"revert job {control.job}"))
-            self.plane._emit(actions, Migrate(ident, current[ident], target, f"revert job {control.job}"))
-        return actions + self.plane.scaling.release_empty(f"job {control.job} reverted")
+            self.pool.emit(actions, Migrate(ident, current[ident], target, f"revert job {control.job}"))
+        return actions + self.scaling.release_empty(f"job {control.job} reverted")

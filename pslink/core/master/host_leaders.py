@@ -6,7 +6,7 @@ answers those still asking with an error (they push on their own, through the po
 
 from __future__ import annotations
 
-from pslink.core.master.jobs import JobRecord
+from pslink.core.master.records import JobRecord
 from pslink.core.transport.rpc import RpcPeer
 from pslink.errors import ClosedError, ConfigError, MembershipError
 

@@ -16,7 +16,7 @@ import threading
 from typing import Callable
 
 from pslink.core import hosts
-from pslink.core.master.jobs import AggregatorRecord
+from pslink.core.master.records import AggregatorRecord
 from pslink.core.master.links import AggregatorLinks
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore

@@ -9,6 +9,7 @@ before the task exists there), and writes state through to SQLite.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -18,19 +19,19 @@ from typing import Any
 from pslink.core import hosts
 from pslink.core.master.actions import Allocate, Migrate, Release, batches_of_moves
 from pslink.core.master.barriers import Barriers
-from pslink.core.master.control import ControlPlane
 from pslink.core.credentials import ServiceCredentials
 from pslink.core.master.failover import Failover
 from pslink.core.master.gate import Gate
-from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, checked_quota
+from pslink.core.master.records import AggregatorRecord, JobRecord, KeySpec, checked_quota
 from pslink.core.master.joining import Joining
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.liveness import Prober
-from pslink.core.master.moving import Mover
+from pslink.core.master.aggregator_probe import Prober
+from pslink.core.master.migration_core import Migrations
+from pslink.core.master.migration_io import Mover, task_bytes
 from pslink.core.master.observing import Observing
-from pslink.core.master.placing import KeyPlacing, holders_of, spec_to_wire
+from pslink.core.master.key_placement import KeyPlacing, holders_of, spec_to_wire
 from pslink.core.master.pool import Pool
-from pslink.core.master.replicas import Replicas
+from pslink.core.master.replica_hosts import Replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport import Transports
@@ -54,7 +55,7 @@ class Master:
 
     It serves jobs, workers and keys itself and composes the rest: :class:`AggregatorLinks` (its
     connections to the Aggregators), :class:`Mover` (migrations, around the pure
-    :class:`~pslink.core.master.migrations.Migrations`), :class:`Pool` (starting, releasing and
+    :class:`~pslink.core.master.migration_core.Migrations`), :class:`Pool` (starting, releasing and
     operators' changes), :class:`Failover`, :class:`Joining` (which Aggregators may join) and
     :class:`Replicas` (replicas on other hosts than their primary)."""
 
@@ -91,7 +92,7 @@ class Master:
         self._own_transports = transports is None
         # Without a provider nothing can be started or stopped: the pool stays as it is.
         self.provider = provider
-        self.state = MasterState(clock, ControlPlane(clock=clock, elastic=provider is not None, **(control or {})))
+        self.state = MasterState(clock, {"elastic": provider is not None, **(control or {})})
         self.store = MasterStore(os.path.join(state_dir, STATE_FILE) if state_dir else None)
         self.state.default_quota = checked_quota(quota)  # per job, unless the operator set its own
         self.store.load(self.state)
@@ -108,26 +109,28 @@ class Master:
         self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface)
         self.host_id = hosts.host_id()
         self.barriers = Barriers(self.state)
-        # The collaborators. A cycle among them (a move that fails asks the pool; the pool asks
-        # which Aggregators move) goes through the small callables named here.
+        # The collaborators, each made with what it needs. The migration core comes first: the
+        # pool (which Aggregators are moving) and the replicas (which parts are) read it, and
+        # the Mover carries it out. The provider is read when used: use_provider() may set it.
         self.links = AggregatorLinks(self.state, assign_timeout)
-        self.replicas = Replicas(self.state, self.store, self.links, incoming=lambda: self.mover.incoming())
+        migrations = Migrations(functools.partial(task_bytes, self.state), batch_bytes=self.state.control.batch_bytes,
+                                **({} if max_migration_bytes is None else {"max_bytes": max_migration_bytes}))
+        self.replicas = Replicas(self.state, self.store, self.links, incoming=migrations.incoming)
         self.placing = KeyPlacing(self.state, self.store, self.reactor, self.links, self.replicas, self._abort_key)
-        self.mover = Mover(self.state, self.store, self.reactor, self.links, max_bytes=max_migration_bytes,
-                           migration_timeout=migration_timeout, settled=lambda names: self.pool.settled(names),
-                           removal_failed=lambda *why: self.pool.removal_failed(*why), moved=self.replicas.after_move,
-                           copy_from_replica=lambda move, lost: self.failover.copy_from_replica(move, lost))
         self.pool = Pool(self.state, self.store, self.reactor, self.links, provider=lambda: self.provider,
-                         moves=self.mover.core, alive=self.aggregator_alive, carry_out=self._carry_out)
+                         moves=migrations, alive=self.aggregator_alive, carry_out=self._carry_out)
+        self.mover = Mover(self.state, self.store, self.reactor, self.links, migrations,
+                           migration_timeout=migration_timeout, settled=self.pool.settled,
+                           removal_failed=self.pool.removal_failed, moved=self.replicas.after_move,
+                           copy_from_replica=self._copy_from_replica)
         self.failover = Failover(self.state, self.store, self.reactor, self.links, self.mover, grace=aggregator_grace,
                                  silent=aggregator_timeout, migration_timeout=migration_timeout,
                                  abort_key=self._abort_key, spec_wire=self.spec_wire, carry_out=self._carry_out,
-                                 forget=lambda name: self.pool.forget(name),
-                                 probe=Prober(self.transports, self.reactor, limits).probe)
+                                 forget=self.pool.forget, probe=Prober(self.transports, self.reactor, limits).probe)
         self.joining = Joining(self.state, self.store, self.reactor, self.links, host_id=self.host_id,
                                dial_back_timeout=dial_back_timeout, provider=lambda: self.provider,
                                joined=self._aggregator_joined, carry_out=self._carry_out, resume_moves=self.mover.resume,
-                               incoming=self.mover.incoming)
+                               incoming=migrations.incoming)
         self._thread: ReactorThread | None = None
         self._registered = threading.Condition()
         self._joined: set[RpcPeer] = set()  # Aggregators' links, once taken into the pool (aggregator_alive)
@@ -215,9 +218,9 @@ class Master:
         """Let pMaster start and stop Aggregators through ``provider`` (it becomes elastic)."""
         self.provider = provider
         control = self.state.control
-        control.elastic = True
+        control.pool.elastic = True
         if min_aggregators is not None:
-            control.min_aggregators = min_aggregators
+            control.pool.min_aggregators = min_aggregators
 
     def aggregator_alive(self, name: str) -> bool:
         record = self.state.aggregators.get(name)
@@ -408,6 +411,13 @@ class Master:
         else:
             self.pool.request(peer, req)
 
+    def _copy_from_replica(self, move, lost: str) -> None:
+        """The Mover and the Failover need each other: a move whose source died goes on from a
+        replica (a failover step, counted there until the Agents that lost the source are
+        answered), and a failover ends or reroutes moves. The Mover, made first, gets this
+        method, which forwards its event to the Failover."""
+        self.failover.copy_from_replica(move, lost)
+
     # -- keys -----------------------------------------------------------------------------------
 
     def _abort_key(self, record: JobRecord, key: Any, error: PslinkError) -> None:
@@ -448,7 +458,7 @@ class Master:
         placeholder = self.pool.allocating.pop(record.name, None)
         self.state.aggregator_joined(record.name, placeholder)
         if req.get("keep"):
-            self.state.control.pinned.add(record.name)  # an operator's (`pslink aggregator`): scaling keeps it
+            self.state.control.pool.pinned.add(record.name)  # an operator's (`pslink aggregator`): scaling keeps it
         self.placing.registered(record.name)
         if placeholder is not None:
             self.placing.assign_deferred(placeholder)

@@ -23,9 +23,9 @@ from typing import Callable
 
 from pslink.core.master.actions import Allocate, Release
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.migrations import Migrations
-from pslink.core.master.recovery import Rereplicate, holdings
-from pslink.core.master.replicas import give_replicas
+from pslink.core.master.migration_core import Migrations
+from pslink.core.master.failover_plan import Rereplicate, holdings
+from pslink.core.master.replica_hosts import give_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
@@ -135,7 +135,7 @@ class Pool:
         if self.moves.idle():
             # Whatever pMaster's jobs place on an Aggregator keeps it, also where the plan does not
             # count it (yet): a part a failover gave back to its source. Replica holders the
-            # control plane keeps by itself (ControlPlane.replica_holders).
+            # control plane keeps by itself (PoolPlan.replica_holders, which MasterState gives the plane).
             holding = {name for name, count in holdings(self.state.jobs).items() if count}
             self.state.outbox += self.state.control.release_idle("emptied by migrations", keep=holding)
             self.carry_out()
@@ -185,7 +185,7 @@ class Pool:
             self._pool_adds.remove(wait)
             wait["timer"].cancel()
             wait["peer"].reply(wait["req"], body={"added": wait["names"],
-                                                  "min_aggregators": self.state.control.min_aggregators})
+                                                  "min_aggregators": self.state.control.pool.min_aggregators})
         if self.resume:
             self.reactor.post(self._resume_removals)
 
@@ -273,12 +273,12 @@ class Pool:
                      name, len(moved))
             return
         removal["peer"].reply(removal["req"], body={"removed": name, "moved": moved, "replicas": replicas,
-                                                    "min_aggregators": self.state.control.min_aggregators})
+                                                    "min_aggregators": self.state.control.pool.min_aggregators})
 
     def removal_failed(self, source: str, task: tuple, target: str, error: PslinkError) -> None:
         """A task leaving a draining Aggregator could not move: it stays in the pool with what it
         still holds (the caller puts the task back in the plan)."""
-        if source not in self.state.control.draining:
+        if source not in self.state.control.pool.draining:
             return
         self.state.control.undrain(source)
         self._release_after.pop(source, None)

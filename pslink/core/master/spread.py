@@ -11,7 +11,7 @@ import itertools
 from typing import Iterable, Mapping
 
 from pslink.core.master.nics import UNKNOWN
-from pslink.core.master.placement import Placement, TaskDemand
+from pslink.core.master.packing import Placement, TaskDemand
 
 
 def across_hosts(names: list[str], host_of: Mapping[str, str]) -> list[str]:

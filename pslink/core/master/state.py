@@ -19,8 +19,8 @@ import time
 from typing import Any, Callable
 
 from pslink.core.master.control import ControlPlane
-from pslink.core.master.recovery import Promote, Recreate, holdings, pick_replicas, plan_failover, plan_replica_moves
-from pslink.core.master.jobs import (
+from pslink.core.master.failover_plan import Promote, Recreate, holdings, pick_replicas, plan_failover, plan_replica_moves
+from pslink.core.master.records import (
     AggregatorRecord,
     JobRecord,
     KeySpec,
@@ -53,11 +53,13 @@ class MasterState:
     Decisions that need action (start or stop an Aggregator, migrate a task) collect in
     :attr:`outbox`; the pMaster shell takes them after each call."""
 
-    def __init__(self, clock: Callable[[], float] = time.time, control: ControlPlane | None = None):
+    def __init__(self, clock: Callable[[], float] = time.time, plane_options: dict | None = None):
         self.clock = clock
-        # Without a provider given, the pool is what registers: nothing is started or stopped.
-        self.control = control or ControlPlane(clock=clock, elastic=False)
-        self.control.replica_holders = self.replica_holders
+        # The control plane's scaling keeps the Aggregators holding replicas, which only this
+        # state knows. Without a provider given, the pool is what registers: nothing is started
+        # or stopped (plane_options' elastic).
+        self.control = ControlPlane(clock=clock, replica_holders=self.replica_holders,
+                                    **{"elastic": False, **(plane_options or {})})
         self.jobs: dict[str, JobRecord] = {}
         self.membership_changed: list[JobRecord] = []  # jobs whose Aggregators must hear of it
         self.aggregators: dict[str, AggregatorRecord] = {}
@@ -324,7 +326,7 @@ class MasterState:
         # A table's parts are its shards, a row's width each (its rows come as they are touched).
         spans = partition_spans(math.prod(shape), itemsize, record.partition_bytes) if table is None else [
             (s * shape[1], (s + 1) * shape[1]) for s in range(shape[0])]
-        if not self.control.cluster_of:
+        if not self.control.pool.cluster_of:
             raise ServiceError(
                 f"no Aggregator can take key {key!r} of job {record.job!r}: none is registered and alive"
             )
@@ -337,7 +339,7 @@ class MasterState:
             load = holdings(self.jobs)
             for part in parts:
                 part.replicas = pick_replicas(self.replica_candidates(), load, record.replication,
-                                              exclude={part.aggregator}, hosts=self.control.host_of,
+                                              exclude={part.aggregator}, hosts=self.control.pool.host_of,
                                               away_from=[part.aggregator])
         needs_init = intent == "init" or record.mode == "optimizer"
         spec = KeySpec(key, shape, dtype, rank, needs_init and table is None, parts, table=table)
@@ -381,7 +383,7 @@ class MasterState:
     def aggregator_joined(self, name: str, placeholder: str | None = None) -> None:
         """A registered Aggregator joins the control plane's pool (binding the placeholder it was
         started for, if the control plane asked for it)."""
-        if placeholder is not None and placeholder in self.control.cluster_of:
+        if placeholder is not None and placeholder in self.control.pool.cluster_of:
             self.outbox += self.control.bind(placeholder, name)
             for record in self.jobs.values():
                 for spec in record.keys.values():
@@ -410,7 +412,7 @@ class MasterState:
                                f"{', '.join(sorted(self.aggregators)) or 'none'})")
         actions, moves = self.control.remove_aggregator(name)
         self.outbox += actions
-        return moves, plan_replica_moves(self.jobs, name, self.replica_candidates(), self.control.host_of, incoming)
+        return moves, plan_replica_moves(self.jobs, name, self.replica_candidates(), self.control.pool.host_of, incoming)
 
     def aggregator_heartbeat(self, name: str, stats: dict) -> None:
         record = self.aggregators.get(name)
@@ -484,16 +486,16 @@ class MasterState:
         control plane released whose release waits for moves off it (found by the chaos run: a
         pack released its profiling Aggregators, the pack's own moves then gave them replicas,
         and the release took the replicas with it)."""
-        return [n for n in self.live_aggregators() if n not in self.control.draining and n in self.control.cluster_of]
+        return [n for n in self.live_aggregators() if n not in self.control.pool.draining and n in self.control.pool.cluster_of]
 
     def fail_over(self, name: str, stays: dict[tuple, str] | None = None, incoming: dict[tuple, str] | None = None
                   ) -> list:
         """The Aggregator ``name`` is gone for good: re-home its parts and replicas
-        (:mod:`pslink.core.master.recovery`) and forget it. ``stays``: parts whose migration onto it
+        (:mod:`pslink.core.master.failover_plan`) and forget it. ``stays``: parts whose migration onto it
         had not landed, and their sources; ``incoming``: the other moves' parts and targets.
         Returns what pMaster must carry out."""
         self.aggregator_lost(name)
-        actions = plan_failover(self.jobs, name, self.replica_candidates(), stays, self.control.host_of, incoming)
+        actions = plan_failover(self.jobs, name, self.replica_candidates(), stays, self.control.pool.host_of, incoming)
         for action in actions:
             if isinstance(action, (Promote, Recreate)):
                 ident = (action.record.job, action.spec.key, action.part.part)

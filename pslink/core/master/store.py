@@ -14,7 +14,7 @@ import sqlite3
 import msgpack
 
 from pslink.core.checkpoints import DEFAULT_EVERY
-from pslink.core.master.jobs import AggregatorRecord, JobRecord, KeySpec, PartSpec, WorkerInfo
+from pslink.core.master.records import AggregatorRecord, JobRecord, KeySpec, PartSpec, WorkerInfo
 from pslink.core.master.state import MasterState
 from pslink.core.membership import Membership
 from pslink.errors import error_from_code, error_to_wire

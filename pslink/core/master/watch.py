@@ -24,7 +24,7 @@ def status_of(state) -> dict:
     Aggregator and job as ``pslink service status`` shows them; :meth:`Watch.add_to` adds the rest."""
     now = state.clock()
     plans = {}
-    for plan in state.control.clusters.values():
+    for plan in state.control.pool.clusters.values():
         for name, agg in plan.aggregators.items():
             plans[name] = agg
     replicas: dict[str, int] = {}  # name -> the parts it holds a replica of
@@ -55,8 +55,8 @@ def status_of(state) -> dict:
                 "host": agg.host,
                 "host_id": agg.host_id,
                 "alive": agg.alive,
-                "draining": agg.name in state.control.draining,
-                "cluster": state.control.cluster_of.get(agg.name),
+                "draining": agg.name in state.control.pool.draining,
+                "cluster": state.control.pool.cluster_of.get(agg.name),
                 "last_seen": round(now - agg.last_seen, 1),
                 "tasks": sum(e.get("tasks", 0) for e in jobs.values()) if jobs else (len(plan.tasks) if plan else 0),
                 "replicas": replicas.get(agg.name, 0),
@@ -68,7 +68,7 @@ def status_of(state) -> dict:
                 "cycle": plan.cycle if plan else 0.0,
                 "free": plan.free if plan else 0.0,
                 "load": agg.stats.get("load", 0.0),
-                "reserved_for": state.control.reserved.get(agg.name) or state.control.exclusive.get(agg.name),
+                "reserved_for": state.control.pool.reserved.get(agg.name) or state.control.pool.exclusive.get(agg.name),
                 "task_rounds_per_s": round(sum(v for k, v in agg.rates.items() if k != "_job_rounds"), 1),
                 "errors": agg.stats.get("errors", 0),
                 "requests": agg.stats.get("requests", 0),

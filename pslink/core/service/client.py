@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pslink.core.credentials import OPERATOR
 from pslink.core.names import check_job_name
-from pslink.core.service.credential_files import credential_for
+from pslink.core.credential_files import credential_for
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Op
 from pslink.core.transport.rpc import RpcEndpoint

@@ -16,7 +16,7 @@ from pslink.core.transport.base import (
     scheme_of,
     split_host_port,
 )
-from pslink.core.transport.options import TransportOptions
+from pslink.core.transport.options import TransportOptions, transport_options
 from pslink.errors import ConfigError
 
 __all__ = [
@@ -39,14 +39,12 @@ class Transports(Transport):
     Components that must reach each other over ``inproc://`` have to share one ``Transports``
     (the in-process name registry lives in it); over sockets any instance will do. ``options``
     (local sockets, shared-memory rings) go to the TCP backend; without them they are read from
-    the environment, once (:func:`pslink.config.transport_options`).
+    the environment, once (:func:`~pslink.core.transport.options.transport_options`).
     """
 
     def __init__(self, options: TransportOptions | None = None):
         if options is None:
-            from pslink.config import transport_options  # the edge that reads the environment
-
-            options = transport_options()
+            options = transport_options()  # the edge that reads the environment
         self.options = options
         self._backends: dict[str, Transport] = {}
         self._lock = threading.Lock()

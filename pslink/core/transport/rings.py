@@ -1,8 +1,8 @@
 """The shared-memory side of a same-host connection (see ``shm.py``): :class:`Rings`, which a
-:class:`~pslink.core.transport.tcp.TcpConnection` over a Unix socket owns, kept apart so the
+:class:`~pslink.core.transport.stream.TcpConnection` over a Unix socket owns, kept apart so the
 stream's own logic reads on its own. It writes through the connection's stream interface
-(``write_lock``, ``output_queued``, ``write_now``, ``queue_rest``, ``fail``) and keeps the rings,
-the descriptors received for them and the messages held back for ring room."""
+(:class:`Stream`: ``write_lock``, ``output_queued``, ``write_now``, ``queue_rest``, ``fail``) and
+keeps the rings, the descriptors received for them and the messages held back for ring room."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import collections
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING
+import threading
+from typing import Protocol
 
 from pslink.core.transport.framing import (
     _LOCATION,
@@ -28,14 +29,36 @@ from pslink.core.transport.shm import (
     ReceiveRing,
     SendRing,
 )
+from pslink.core.wire.loop import Reactor
 from pslink.errors import PeerError, ProtocolError
-
-if TYPE_CHECKING:
-    from pslink.core.transport.tcp import TcpConnection
 
 log = logging.getLogger("pslink.core.transport.tcp")
 
 HOLD_POLL = 200e-6  # how often the reactor looks for ring room while it holds a message back
+
+
+class Stream(Protocol):
+    """What the rings need of the connection that owns them: its socket (to hand a ring's
+    descriptor over), its reactor, and its way of writing frames in order. Named here, not
+    imported, because the connection (stream.py) owns and imports the rings."""
+
+    sock: socket.socket
+    reactor: Reactor
+    peer: str
+
+    @property
+    def write_lock(self) -> threading.Lock: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def output_queued(self) -> bool: ...
+
+    def write_now(self, parts: list) -> None: ...
+
+    def queue_rest(self, parts: list, sent: int) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
 
 
 class Rings:
@@ -44,7 +67,7 @@ class Rings:
     peer's ring in any case. ``ring_bytes``: the size of the ring it makes; ``wait``: how long a
     payload waits for room (``TransportOptions.ring_wait``)."""
 
-    def __init__(self, conn: "TcpConnection", allowed: bool, ring_bytes: int, wait: float):
+    def __init__(self, conn: Stream, allowed: bool, ring_bytes: int, wait: float):
         self.conn = conn
         self.allowed = allowed
         self.ring_bytes = ring_bytes

@@ -79,7 +79,7 @@ class Op(enum.IntEnum):
     DROP_KEYS = 44  # pMaster -> Aggregator: drop the tasks and replicas of these keys of a job
     # data path, both ways: small requests bound for one Aggregator (or their replies) in one
     # message; ``items`` are their headers as each would travel alone, ``np`` how many of the
-    # payload frames that follow belong to each (pslink.core.wire.fusion)
+    # payload frames that follow belong to each (pslink.core.transport.fused)
     FUSED = 45
     # Agent -> pMaster: where a host's leader takes its followers' pushes (host-local reduce,
     # pslink.core.agent.host_reduce); the leader says (``address``), a follower asks

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 
-from pslink.config import local_sync_settings, resolve_connect
+from pslink.core.config import local_sync_settings, resolve_connect
 from pslink.core.agent.agent import Agent
 from pslink.core.worker.groups import GroupAgent
 from pslink.errors import ConfigError

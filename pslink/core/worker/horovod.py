@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from pslink.config import ENV_JOB, local_place
+from pslink.core.config import ENV_JOB, local_place
 from pslink.core.service.service import Service
 from pslink.core.worker.connect import connect
 from pslink.core.worker.session import Session

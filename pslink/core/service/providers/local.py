@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from pslink.core import hosts
-from pslink.core.service.credential_files import ENV_AGGREGATOR_CREDENTIAL
+from pslink.core.credential_files import ENV_AGGREGATOR_CREDENTIAL
 from pslink.core.service.providers.base import Provider
 
 

@@ -6,7 +6,9 @@ Agent sends the small requests it has for one Aggregator together (``fuse``), an
 answers what it could answer while handling them together, too. Each item keeps its own header,
 exactly as it would travel alone, so every request keeps its own id, round, result and error:
 the receiver takes the items apart (:func:`fused_header`) and handles each with the handler it
-has for a message of its own.
+has for a message of its own. It lives with the transports, not in wire/, because taking a
+FUSED message apart answers the transports' Handler interface (each item's destinations, or
+``DISCARD``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import collections
 import dataclasses
 from typing import Mapping
 
-from pslink.core.master.jobs import JobRecord, KeySpec, PartSpec
+from pslink.core.master.records import JobRecord, KeySpec, PartSpec
 from pslink.errors import KeyStateError
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from pslink.core.master.jobs import JobRecord, KeySpec, LookupWait
+from pslink.core.master.records import JobRecord, KeySpec, LookupWait
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.replicas import Replicas
+from pslink.core.master.replica_hosts import Replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
@@ -104,7 +104,7 @@ class KeyPlacing:
     # -- ASSIGN ---------------------------------------------------------------------------------
 
     def assign(self, record: JobRecord, specs: list[KeySpec]) -> None:
-        starting = sorted({p.aggregator for s in specs for p in s.parts if self.state.control.is_placeholder(p.aggregator)})
+        starting = sorted({p.aggregator for s in specs for p in s.parts if self.state.control.pool.is_placeholder(p.aggregator)})
         if starting:
             # Some parts go to Aggregators still starting: assign once they registered.
             self.deferred.setdefault(starting[0], []).append((record, specs))

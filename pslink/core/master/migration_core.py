@@ -179,6 +179,10 @@ class Migrations:
     def moving_jobs(self) -> set[str]:
         return {task[0] for task in (*self.running, *self.throttled, *self.follow_ups)}
 
+    def incoming(self) -> dict[tuple, str]:
+        """The parts moving now, and their targets (who serve them next, so hold no replica of them)."""
+        return {task: move.target for task, move in self.running.items()}
+
     def idle(self) -> bool:
         return not self.running and not self.throttled
 

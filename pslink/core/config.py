@@ -1,7 +1,9 @@
 """Settings that come from the environment (what ``pslink launch`` and ``pslink demo`` set).
 
 Every value can also be passed as an argument; the argument wins. A missing or malformed value
-raises :class:`~pslink.errors.ConfigError` naming both the argument and the variable.
+raises :class:`~pslink.errors.ConfigError` naming both the argument and the variable. A shared
+leaf of the core: it imports nothing of the roles or the transports (the transports' own variables
+are read beside their options, :func:`pslink.core.transport.options.transport_options`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,6 @@ ENV_MASTER = "PSLINK_MASTER"
 ENV_TOKEN = "PSLINK_TOKEN"
 ENV_TIMEOUT = "PSLINK_TIMEOUT"
 ENV_PARTITION_BYTES = "PSLINK_PARTITION_BYTES"
-ENV_LOCAL_SOCKETS = "PSLINK_LOCAL_SOCKETS"
-ENV_ALLOWED_UIDS = "PSLINK_ALLOWED_UIDS"
-ENV_SHM = "PSLINK_SHM"
-ENV_SHM_RING_MIB = "PSLINK_SHM_RING_MIB"
-ENV_SHM_WAIT_MS = "PSLINK_SHM_WAIT_MS"
 ENV_FUSION_BYTES = "PSLINK_FUSION_BYTES"
 ENV_FUSION_CYCLE_MS = "PSLINK_FUSION_CYCLE_MS"
 DEFAULT_FUSION_BYTES = 16 << 20
@@ -37,14 +34,15 @@ DEFAULT_MASTER = "tcp://127.0.0.1:7770"
 DEFAULT_TIMEOUT = 300.0
 
 
-def _env(name: str, environ) -> str | None:
+def env_value(name: str, environ) -> str | None:
+    """An environment variable's value (None if it is not set, or empty)."""
     value = environ.get(name)
     return value if value not in (None, "") else None
 
 
 def resolve_str(value: str | None, argument: str, variable: str, default: str | None = None, environ=os.environ) -> str:
     if value is None:
-        value = _env(variable, environ) or default
+        value = env_value(variable, environ) or default
     if value is None:
         raise ConfigError(f"{argument} is not set: pass {argument}= or set {variable}")
     if not isinstance(value, str) or not value:
@@ -55,7 +53,7 @@ def resolve_str(value: str | None, argument: str, variable: str, default: str | 
 def resolve_int(value: int | None, argument: str, variable: str, minimum: int, environ=os.environ) -> int:
     source = f"{argument}="
     if value is None:
-        raw = _env(variable, environ)
+        raw = env_value(variable, environ)
         if raw is None:
             raise ConfigError(f"{argument} is not set: pass {argument}= or set {variable}")
         source = variable
@@ -70,7 +68,7 @@ def resolve_int(value: int | None, argument: str, variable: str, minimum: int, e
 
 def resolve_float(value: float | None, argument: str, variable: str, default: float, environ=os.environ) -> float:
     if value is None:
-        raw = _env(variable, environ)
+        raw = env_value(variable, environ)
         if raw is None:
             return default
         try:
@@ -85,7 +83,7 @@ def resolve_float(value: float | None, argument: str, variable: str, default: fl
 def resolve_token(value: bytes | str | None, environ=os.environ) -> bytes | None:
     """A job token as bytes; the environment carries it as hex."""
     if value is None:
-        value = _env(ENV_TOKEN, environ)
+        value = env_value(ENV_TOKEN, environ)
         if value is None:
             return None
     if isinstance(value, bytes):
@@ -127,12 +125,12 @@ def resolve_connect(job, rank, num_workers, master, options: dict, known, enviro
     rank = resolve_int(rank, "rank", ENV_RANK, minimum=0, environ=environ)
     num_workers = resolve_int(num_workers, "num_workers", ENV_NUM_WORKERS, minimum=1, environ=environ)
     max_workers = options.get("max_workers")
-    if max_workers is None and _env(ENV_MAX_WORKERS, environ):
+    if max_workers is None and env_value(ENV_MAX_WORKERS, environ):
         max_workers = options["max_workers"] = resolve_int(None, "max_workers", ENV_MAX_WORKERS, minimum=1,
                                                            environ=environ)
     if rank >= max(num_workers, max_workers or 0):
         raise ConfigError(f"rank {rank} is out of range for {max(num_workers, max_workers or 0)} workers")
-    if options.get("partition_bytes") is None and _env(ENV_PARTITION_BYTES, environ):
+    if options.get("partition_bytes") is None and env_value(ENV_PARTITION_BYTES, environ):
         # Smaller parts pipeline better across a slow link (a part's answer crosses back only once
         # it crossed); the job's first worker sets it for every worker.
         options["partition_bytes"] = resolve_int(None, "partition_bytes", ENV_PARTITION_BYTES, 8, environ=environ)
@@ -146,7 +144,7 @@ def link_window(environ=os.environ) -> int:
     """How many large requests (of FUSE_BELOW bytes or more) an Agent keeps in flight on one
     network link to an Aggregator (``PSLINK_LINK_WINDOW``, default 3; 0: no limit); the rest wait
     for answers, in order (pslink.core.agent.requests). Same-host links are never limited."""
-    value = _number(ENV_LINK_WINDOW, int, "a whole number of requests", 0, 1 << 20, environ)
+    value = env_number(ENV_LINK_WINDOW, int, "a whole number of requests", 0, 1 << 20, environ)
     return DEFAULT_LINK_WINDOW if value is None else value
 
 
@@ -157,13 +155,13 @@ def fusion_settings(fusion_bytes: int | None = None, cycle_ms: float | None = No
     request waits for others to travel with (``PSLINK_FUSION_CYCLE_MS``, default 1 ms), as
     Horovod's fusion threshold and cycle time. Returns (bytes, seconds)."""
     if fusion_bytes is None:
-        raw = _env(ENV_FUSION_BYTES, environ)
+        raw = env_value(ENV_FUSION_BYTES, environ)
         fusion_bytes = DEFAULT_FUSION_BYTES if raw is None else resolve_int(None, "fusion_bytes", ENV_FUSION_BYTES, 0,
                                                                             environ=environ)
     elif isinstance(fusion_bytes, bool) or not isinstance(fusion_bytes, int) or fusion_bytes < 0:
         raise ConfigError(f"fusion_bytes must be an integer >= 0 (0: no fusion), got {fusion_bytes!r}")
     if cycle_ms is None:
-        cycle_ms = _number(ENV_FUSION_CYCLE_MS, float, "a number of milliseconds", 0, 10_000, environ)
+        cycle_ms = env_number(ENV_FUSION_CYCLE_MS, float, "a number of milliseconds", 0, 10_000, environ)
         cycle_ms = DEFAULT_FUSION_CYCLE_MS if cycle_ms is None else cycle_ms
     elif isinstance(cycle_ms, bool) or not isinstance(cycle_ms, (int, float)) or not 0 <= cycle_ms <= 10_000:
         raise ConfigError(f"fusion_cycle_ms must be a number of milliseconds in [0, 10000], got {cycle_ms!r}")
@@ -181,8 +179,8 @@ def local_place(environ=os.environ) -> tuple[int | None, int | None]:
     LOCAL_WORLD_SIZE), or (None, None): nothing said, every worker on one host."""
     place = []
     for ours, alias in ((ENV_LOCAL_RANK, "LOCAL_RANK"), (ENV_LOCAL_SIZE, "LOCAL_WORLD_SIZE")):
-        variable = ours if _env(ours, environ) is not None else alias
-        place.append(_number(variable, int, "an integer", 0, 1 << 20, environ) if _env(variable, environ) else None)
+        variable = ours if env_value(ours, environ) is not None else alias
+        place.append(env_number(variable, int, "an integer", 0, 1 << 20, environ) if env_value(variable, environ) else None)
     if None in place:
         return None, None
     if not 0 <= place[0] < place[1]:
@@ -203,8 +201,8 @@ def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local
     there too; ``host_reduce=False`` or PSLINK_HOST_REDUCE=0 off. The launcher's numbers are for the job and rank it
     launched (PSLINK_JOB / PSLINK_RANK, or RANK): another job of the same process (a Horovod
     process set's, say) does not reduce on the host unless given its own."""
-    if host_reduce is None and _env(ENV_HOST_REDUCE, environ) is not None:
-        raw = _env(ENV_HOST_REDUCE, environ).strip().lower()
+    if host_reduce is None and env_value(ENV_HOST_REDUCE, environ) is not None:
+        raw = env_value(ENV_HOST_REDUCE, environ).strip().lower()
         if raw not in ("0", "1", "true", "false", "on", "off"):
             raise ConfigError(f"{ENV_HOST_REDUCE}={raw!r} must be 1 or 0")
         host_reduce = raw in ("1", "true", "on")
@@ -216,10 +214,10 @@ def host_reduce_settings(host_reduce: bool | None, local_rank: int | None, local
     for value, name, alias in ((local_rank, ENV_LOCAL_RANK, "LOCAL_RANK"), (local_size, ENV_LOCAL_SIZE,
                                                                              "LOCAL_WORLD_SIZE")):
         if value is None:
-            ours = _env(name, environ) is not None
+            ours = env_value(name, environ) is not None
             variable = name if ours else alias
-            value = _number(variable, int, "an integer", 0, 1 << 20, environ) if _env(variable, environ) else None
-            launched = (_env(ENV_RANK, environ), _env(ENV_JOB, environ)) if ours else (_env("RANK", environ), None)
+            value = env_number(variable, int, "an integer", 0, 1 << 20, environ) if env_value(variable, environ) else None
+            launched = (env_value(ENV_RANK, environ), env_value(ENV_JOB, environ)) if ours else (env_value("RANK", environ), None)
             if value is not None and rank is not None and (launched[0] not in (None, str(rank))
                                                            or launched[1] not in (None, job)):
                 return None  # not the launched worker's own job and rank
@@ -265,19 +263,19 @@ def local_sync_settings(sync: str | None, groups: int | None, store: str | None,
     name instead (the workers of one label form a group, of any size); it is then returned in
     ``groups``' place. ``store`` (PSLINK_SYNC_STORE): a directory or fsspec URL the groups meet
     in instead of the pool."""
-    launched = _env(ENV_JOB, environ) in (None, job) and _env(ENV_RANK, environ) in (None, str(rank))
-    if sync is None and launched and _env(ENV_SYNC, environ):
-        sync = _env(ENV_SYNC, environ)  # only groups come from the environment: checked as local:T
+    launched = env_value(ENV_JOB, environ) in (None, job) and env_value(ENV_RANK, environ) in (None, str(rank))
+    if sync is None and launched and env_value(ENV_SYNC, environ):
+        sync = env_value(ENV_SYNC, environ)  # only groups come from the environment: checked as local:T
     elif not isinstance(sync, str) or not sync.startswith("local"):
         return None  # bsp, ssp, asp: the Agent checks them
     try:
         every = parse_local_sync(sync)
     except ConfigError as exc:
-        raise ConfigError(f"{ENV_SYNC}: {exc.message}" if sync == _env(ENV_SYNC, environ) else exc.message) from None
+        raise ConfigError(f"{ENV_SYNC}: {exc.message}" if sync == env_value(ENV_SYNC, environ) else exc.message) from None
     if store is None and launched:
-        store = _env(ENV_SYNC_STORE, environ)
+        store = env_value(ENV_SYNC_STORE, environ)
     if label is None and groups is None and launched:
-        label = _env(ENV_SYNC_GROUP, environ)
+        label = env_value(ENV_SYNC_GROUP, environ)
     if label is not None:
         if groups is not None:
             raise ConfigError(f"sync={sync!r}: a group by label (sync_group={label!r}) or groups={groups!r} of "
@@ -286,10 +284,10 @@ def local_sync_settings(sync: str | None, groups: int | None, store: str | None,
             raise ConfigError(f"sync={sync!r}: sync_group={label!r} must name this worker's group: a non-empty "
                               "string of at most 200 bytes")
         return every, label, store
-    if groups is None and launched and _env(ENV_GROUPS, environ):
+    if groups is None and launched and env_value(ENV_GROUPS, environ):
         groups = resolve_int(None, "groups", ENV_GROUPS, 1, environ=environ)
     if groups is None:
-        local_size = _env(ENV_LOCAL_SIZE, environ) or _env("LOCAL_WORLD_SIZE", environ)
+        local_size = env_value(ENV_LOCAL_SIZE, environ) or env_value("LOCAL_WORLD_SIZE", environ)
         if not launched or local_size is None or not local_size.isdigit() or int(local_size) < 1:
             raise ConfigError(f"sync={sync!r}: say how the {num_workers} workers form groups: groups=N (or "
                               f"{ENV_GROUPS}), sync_group=LABEL (or {ENV_SYNC_GROUP}), or launch one group a host "
@@ -312,58 +310,13 @@ def aggregator_spin(environ=os.environ) -> float:
     """How long an Aggregator's process keeps polling its sockets after a message before it
     sleeps in the kernel (``PSLINK_AGGREGATOR_SPIN_MS``, default 2): a round's next push is
     taken without a wake-up, for CPU spent waiting; 0 never spins (its CPU is then its work)."""
-    spin = _number(ENV_AGGREGATOR_SPIN_MS, float, "a number of milliseconds", 0, 1000, environ)
+    spin = env_number(ENV_AGGREGATOR_SPIN_MS, float, "a number of milliseconds", 0, 1000, environ)
     return 2e-3 if spin is None else spin / 1000
 
 
-# -- transports ------------------------------------------------------------------------------------
-
-
-def transport_options(environ=os.environ):
-    """The :class:`~pslink.core.transport.TransportOptions` the environment asks for.
-
-    ``PSLINK_LOCAL_SOCKETS=0``: peers on this host talk TCP; ``PSLINK_ALLOWED_UIDS``: other users
-    (ids, comma-separated) whose processes may use this host's local sockets and rings;
-    ``PSLINK_SHM=0``: no shared-memory rings; ``PSLINK_SHM_RING_MIB``: each ring's size; ``PSLINK_SHM_WAIT_MS``: how long a payload
-    waits for ring room. A malformed ring size or wait is logged and turns off what it sets (no
-    rings; no waiting), as a setting a running service meets must not stop it."""
-    from pslink.core.transport.options import DEFAULT_RING_BYTES, DEFAULT_RING_WAIT, MAX_RING_BYTES, TransportOptions
-
-    rings = (_env(ENV_SHM, environ) or "1").strip() != "0"
-    ring_bytes, ring_wait = DEFAULT_RING_BYTES, DEFAULT_RING_WAIT
-    try:
-        mib = _number(ENV_SHM_RING_MIB, int, "a whole number of MiB", 1, MAX_RING_BYTES >> 20, environ)
-        if mib is not None:
-            ring_bytes = mib << 20
-    except ConfigError as exc:
-        log.warning("%s; large payloads stay on the socket (no shared-memory rings)", exc)
-        rings = False
-    try:
-        ms = _number(ENV_SHM_WAIT_MS, float, "a number of milliseconds", 0, 60_000, environ)
-        if ms is not None:
-            ring_wait = ms / 1000
-    except ConfigError as exc:
-        log.warning("%s; large payloads do not wait for ring room", exc)
-        ring_wait = 0.0
-    allowed = set()
-    for part in (_env(ENV_ALLOWED_UIDS, environ) or "").replace(",", " ").split():
-        if part.isdigit():
-            allowed.add(int(part))
-        else:
-            log.warning("%s: %r is not a user id; ignored (only the service's own user shares the host's "
-                        "sockets and rings)", ENV_ALLOWED_UIDS, part)
-    from pslink.core.transport import curve, tls
-
-    return TransportOptions(
-        local_sockets=(_env(ENV_LOCAL_SOCKETS, environ) or "1").strip() != "0",
-        rings=rings, ring_bytes=ring_bytes, ring_wait=ring_wait, allowed_uids=frozenset(allowed),
-        tls=tls.settings_from_env(environ), curve=curve.settings_from_env(environ),
-    )
-
-
-def _number(name: str, kind, what: str, low, high, environ):
+def env_number(name: str, kind, what: str, low, high, environ):
     """An environment variable's number, checked (None if it is not set)."""
-    raw = (_env(name, environ) or "").strip()
+    raw = (env_value(name, environ) or "").strip()
     if not raw:
         return None
     try:

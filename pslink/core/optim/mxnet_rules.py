@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pslink.core.optim import Optimizer, _flag, _number
+from pslink.core.optim.rules import Optimizer, flag_setting, number_setting
 
 
 def _zeros(state: dict, name: str, weights: np.ndarray) -> np.ndarray:
@@ -31,8 +31,8 @@ class _MXNetRule(Optimizer):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.lr = _number(config, "lr", 0.01)
-        self.wd = _number(config, "wd", 0.0)
+        self.lr = number_setting(config, "lr", 0.01)
+        self.wd = number_setting(config, "wd", 0.0)
 
 
 class NAG(_MXNetRule):
@@ -44,7 +44,7 @@ class NAG(_MXNetRule):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.momentum = _number(config, "momentum", 0.0, high=1.0, closed_high=False)
+        self.momentum = number_setting(config, "momentum", 0.0, high=1.0, closed_high=False)
 
     def state_layout(self):
         return (("momentum",) if self.momentum else ()), ()
@@ -67,7 +67,7 @@ class AdaGrad(_MXNetRule):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.eps = _number(config, "eps", 1e-7)
+        self.eps = number_setting(config, "eps", 1e-7)
 
     def state_layout(self):
         return ("history",), ()
@@ -85,8 +85,8 @@ class AdaDelta(_MXNetRule):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.rho = _number(config, "rho", 0.9, high=1.0)
-        self.eps = _number(config, "eps", 1e-5)
+        self.rho = number_setting(config, "rho", 0.9, high=1.0)
+        self.eps = number_setting(config, "eps", 1e-5)
 
     def state_layout(self):
         return ("acc_g", "acc_delta"), ()
@@ -113,12 +113,12 @@ class RMSProp(_MXNetRule):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.gamma1 = _number(config, "gamma1", 0.9, high=1.0)
-        self.gamma2 = _number(config, "gamma2", 0.9, high=1.0)
-        self.eps = _number(config, "eps", 1e-8)
-        self.centered = _flag(config, "centered", False)
+        self.gamma1 = number_setting(config, "gamma1", 0.9, high=1.0)
+        self.gamma2 = number_setting(config, "gamma2", 0.9, high=1.0)
+        self.eps = number_setting(config, "eps", 1e-8)
+        self.centered = flag_setting(config, "centered", False)
         clip = config.get("clip_weights")
-        self.clip_weights = None if clip is None else _number(config, "clip_weights", 0.0)
+        self.clip_weights = None if clip is None else number_setting(config, "clip_weights", 0.0)
 
     def state_layout(self):
         return (("n", "g", "delta") if self.centered else ("n",)), ()
@@ -149,8 +149,8 @@ class Signum(_MXNetRule):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.momentum = _number(config, "momentum", 0.9, high=1.0, closed_high=False)
-        self.wd_lh = _number(config, "wd_lh", 0.0)
+        self.momentum = number_setting(config, "momentum", 0.9, high=1.0, closed_high=False)
+        self.wd_lh = number_setting(config, "wd_lh", 0.0)
 
     def state_layout(self):
         return (("momentum",) if self.momentum else ()), ()
@@ -175,8 +175,8 @@ class FTRL(_MXNetRule):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.lamda1 = _number(config, "lamda1", 0.01)
-        self.beta = _number(config, "beta", 1.0)
+        self.lamda1 = number_setting(config, "lamda1", 0.01)
+        self.beta = number_setting(config, "beta", 1.0)
 
     def state_layout(self):
         return ("z", "n"), ()
@@ -200,8 +200,8 @@ class Adamax(_MXNetRule):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.beta1 = _number(config, "beta1", 0.9, high=1.0, closed_high=False)
-        self.beta2 = _number(config, "beta2", 0.999, high=1.0)
+        self.beta1 = number_setting(config, "beta1", 0.9, high=1.0, closed_high=False)
+        self.beta2 = number_setting(config, "beta2", 0.999, high=1.0)
 
     def state_layout(self):
         return ("mean", "norm"), ("step",)
@@ -225,9 +225,9 @@ class FTML(_MXNetRule):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.beta1 = _number(config, "beta1", 0.6, high=1.0, closed_high=False)
-        self.beta2 = _number(config, "beta2", 0.999, high=1.0, closed_high=False)
-        self.eps = _number(config, "eps", 1e-8)
+        self.beta1 = number_setting(config, "beta1", 0.6, high=1.0, closed_high=False)
+        self.beta2 = number_setting(config, "beta2", 0.999, high=1.0, closed_high=False)
+        self.eps = number_setting(config, "eps", 1e-8)
 
     def state_layout(self):
         return ("d", "v", "z"), ("step",)
@@ -259,13 +259,13 @@ class LAMB(_MXNetRule):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.beta1 = _number(config, "beta1", 0.9, high=1.0, closed_high=False)
-        self.beta2 = _number(config, "beta2", 0.999, high=1.0, closed_high=False)
-        self.eps = _number(config, "eps", 1e-6)
+        self.beta1 = number_setting(config, "beta1", 0.9, high=1.0, closed_high=False)
+        self.beta2 = number_setting(config, "beta2", 0.999, high=1.0, closed_high=False)
+        self.eps = number_setting(config, "eps", 1e-6)
         bounds = [config.get(name) for name in ("lower_bound", "upper_bound")]
-        self.lower_bound, self.upper_bound = [None if b is None else _number(config, name, 0.0)
+        self.lower_bound, self.upper_bound = [None if b is None else number_setting(config, name, 0.0)
                                               for b, name in zip(bounds, ("lower_bound", "upper_bound"))]
-        self.bias_correction = _flag(config, "bias_correction", True)
+        self.bias_correction = flag_setting(config, "bias_correction", True)
 
     def state_layout(self):
         return ("mean", "var"), ("step",)

@@ -1,5 +1,5 @@
 """pMaster carrying out migrations: the I/O around the pure migration core
-(:mod:`pslink.core.master.migrations`).
+(:mod:`pslink.core.master.migration_core`).
 
 The target learns the task first (ASSIGN, waiting for its copy), then the source lets it go
 (MIGRATE: at its round's end, or at once when forced after ``migration_timeout``); once the
@@ -18,9 +18,9 @@ from typing import Callable
 from pslink.core import faults
 from pslink.core.master.actions import Migrate
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.migrations import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
+from pslink.core.master.migration_core import (Begin, CopyFromReplica, Dropped, Finished, HandOver, Migrated, Migrations,
                                            Move, Routed, Settle, bytes_of)
-from pslink.core.master.recovery import holdings, pick_replicas
+from pslink.core.master.failover_plan import holdings, pick_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.transport.rpc import RpcPeer
@@ -31,20 +31,28 @@ from pslink.errors import AuthError, ServiceError
 log = logging.getLogger("pslink.core.master")
 
 
-class Mover:
-    """Carries out the migration core's actions for pMaster. ``settled(names)``: moves involving
-    these Aggregators ended (the pool releases what waited); ``removal_failed(source, task,
-    target, error)``: a move off an Aggregator being removed failed; ``moved(task)``: a move is
-    done (its replicas may need another host); ``copy_from_replica(move, lost)``: the failover
-    has a replica send a move's copy."""
+def task_bytes(state: MasterState, task: tuple) -> int:
+    """The bytes a migration of ``task`` copies (0 for a part pMaster no longer has)."""
+    job, key, part = task
+    record = state.jobs.get(job)
+    spec = record.keys.get(key) if record is not None else None
+    return 0 if spec is None or part >= len(spec.parts) else bytes_of(record, spec, part)
 
-    def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks, *,
-                 max_bytes: int | None, migration_timeout: float, settled: Callable[[list], None],
+
+class Mover:
+    """Carries out the migration core's actions for pMaster (``core``, which the pool and the
+    replicas read too). ``settled(names)``: moves involving these Aggregators ended (the pool
+    releases what waited); ``removal_failed(source, task, target, error)``: a move off an
+    Aggregator being removed failed; ``moved(task)``: a move is done (its replicas may need
+    another host); ``copy_from_replica(move, lost)``: the failover has a replica send a move's
+    copy."""
+
+    def __init__(self, state: MasterState, store: MasterStore, reactor: Reactor, links: AggregatorLinks,
+                 core: Migrations, *, migration_timeout: float, settled: Callable[[list], None],
                  removal_failed: Callable, moved: Callable[[tuple], None],
                  copy_from_replica: Callable[[Move, str], None]):
         self.state, self.store, self.reactor, self.links = state, store, reactor, links
-        kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
-        self.core = Migrations(self._size_of, batch_bytes=state.control.batch_bytes, **kwargs)
+        self.core = core
         self.refused = 0  # reports on moves from peers not entitled to them
         self.migration_timeout = migration_timeout
         self.settled, self.removal_failed, self.moved = settled, removal_failed, moved
@@ -52,12 +60,6 @@ class Mover:
         self._timers: dict[tuple, object] = {}  # task -> its deadline (forcing the hand-over)
         # The control plane's guard does not judge a job whose tasks move.
         state.control.moving_jobs = lambda: self.core.moving_jobs() | state.control.jobs_waiting_to_move()
-
-    def _size_of(self, task: tuple) -> int:
-        job, key, part = task
-        record = self.state.jobs.get(job)
-        spec = record.keys.get(key) if record is not None else None
-        return 0 if spec is None or part >= len(spec.parts) else bytes_of(record, spec, part)
 
     # -- events in ----------------------------------------------------------------------------------
 
@@ -95,10 +97,6 @@ class Mover:
         """A move ends undone because its source is gone (the failover places the task)."""
         self.carry(self.core.abandon(task, self.state.clock(), why="abandoned"))
 
-    def incoming(self) -> dict[tuple, str]:
-        """The parts moving now, and their targets (who serve them next, so hold no replica of them)."""
-        return {task: move.target for task, move in self.core.running.items()}
-
     def aggregator_lost(self, name: str) -> dict[tuple, str]:
         stays, actions = self.core.aggregator_lost(name, self.state.clock())
         for action in actions:
@@ -121,7 +119,7 @@ class Mover:
             placed = record.keys[key].parts[part]
             if target in placed.replicas:  # it serves the part now; the move's end tops the replicas up
                 placed.replicas.remove(target)
-            if target not in self.state.control.cluster_of:
+            if target not in self.state.control.pool.cluster_of:
                 self.state.control.aggregator_added(target)  # (registers later: as at a restart's load)
             try:  # the plan follows (its Migrate is what already happened: not carried out)
                 self.state.control.move_task((job, key, part), target, "resumed")
@@ -231,7 +229,7 @@ class Mover:
         placed.replicas.remove(target)
         added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs),
                               record.replication - len(placed.replicas), exclude={target, source, *placed.replicas},
-                              hosts=self.state.control.host_of, away_from=[target, *placed.replicas])
+                              hosts=self.state.control.pool.host_of, away_from=[target, *placed.replicas])
         placed.replicas += added
         for name in added:
             self.links.tell(name, Op.ASSIGN, f"giving {name} a replica of {(record.job, spec.key, part)}",
@@ -321,7 +319,7 @@ class Mover:
             self._plan_back(action.task, action.source)  # (after a move that failed, its own ending did)
 
     def _plan_back(self, task: tuple, source: str) -> None:
-        if source in self.state.control.cluster_of:
+        if source in self.state.control.pool.cluster_of:
             try:
                 self.state.control.move_task(task, source, "migration failed")  # the plan goes back
             except KeyError:

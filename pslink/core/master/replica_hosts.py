@@ -1,6 +1,6 @@
 """Each part's replicas on another host than its primary, as far as the pool's hosts allow.
 
-Replicas are placed on other hosts than their primary (:func:`~pslink.core.master.recovery.pick_replicas`),
+Replicas are placed on other hosts than their primary (:func:`~pslink.core.master.failover_plan.pick_replicas`),
 but a migration may then bring a part onto the host of its replica (packing, the guard, a drain
 decide where parts go, not where their replicas are), and a part placed while the only other host's
 Aggregator was still starting had no other host to replicate to. So after a move lands, when a key
@@ -16,7 +16,7 @@ import logging
 from typing import Callable
 
 from pslink.core.master.links import AggregatorLinks
-from pslink.core.master.recovery import holdings, pick_replicas
+from pslink.core.master.failover_plan import holdings, pick_replicas
 from pslink.core.master.state import MasterState
 from pslink.core.master.store import MasterStore
 from pslink.core.wire.protocol import Op
@@ -101,7 +101,7 @@ class Replicas:
         if need <= 0 or self.links.get(part.aggregator) is None:
             return False
         added = pick_replicas(self.state.replica_candidates(), holdings(self.state.jobs), need,
-                              exclude={*self._not_for(record, spec, part), *avoid}, hosts=self.state.control.host_of,
+                              exclude={*self._not_for(record, spec, part), *avoid}, hosts=self.state.control.pool.host_of,
                               away_from=[part.aggregator, *part.replicas])
         if not added:
             return False
@@ -143,7 +143,7 @@ class Replicas:
     def separate(self, record, spec, part) -> None:
         """Move the replicas of ``part`` that share its primary's host, if another host can take them."""
         job, key, index = record.job, spec.key, part.part
-        host_of = self.state.control.host_of
+        host_of = self.state.control.pool.host_of
         primary_host = host_of.get(part.aggregator)
         for old in [r for r in part.replicas if host_of.get(r) == primary_host]:
             others = [r for r in part.replicas if r != old]

@@ -1,11 +1,8 @@
-"""Server-side optimizers for ``optimizer`` mode: the Aggregator keeps the weights and steps them.
+"""The optimizer interface (:class:`Optimizer`) and the rules PyTorch documents: SGD and Adam.
 
 The update rules follow PyTorch's documented algorithms (``torch.optim.SGD`` and
 ``torch.optim.Adam``), so a job that moves its optimizer onto the service trains as it did
-locally; MXNet's other optimizers are in :mod:`pslink.core.optim_mxnet`. A job sends its optimizer as plain data (type and hyperparameters), never as code::
-
-    {"type": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "nesterov": False}
-    {"type": "adam", "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+locally; MXNet's other optimizers are in :mod:`pslink.core.optim.mxnet_rules`.
 
 Two keys say which gradient the optimizer sees: ``average`` (default true: the sum of the round's
 pushes divided by the number of workers that pushed) and ``rescale_grad`` (a further factor,
@@ -36,7 +33,7 @@ from pslink.errors import ConfigError
 _COMMON = {"type", "average", "rescale_grad", "clip_gradient", "per_key", "multi_precision"}
 
 
-def _number(config: dict, name: str, default: float, low: float = 0.0, high: float = math.inf, closed_high=True) -> float:
+def number_setting(config: dict, name: str, default: float, low: float = 0.0, high: float = math.inf, closed_high=True) -> float:
     value = config.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"optimizer {config.get('type')!r}: {name} must be a finite number, got {value!r}")
@@ -46,7 +43,7 @@ def _number(config: dict, name: str, default: float, low: float = 0.0, high: flo
     return float(value)
 
 
-def _flag(config: dict, name: str, default: bool) -> bool:
+def flag_setting(config: dict, name: str, default: bool) -> bool:
     value = config.get(name, default)
     if not isinstance(value, bool):
         raise ConfigError(f"optimizer {config.get('type')!r}: {name} must be true or false, got {value!r}")
@@ -71,13 +68,13 @@ class Optimizer(abc.ABC):
         if not isinstance(average, bool):
             raise ConfigError(f"optimizer {self.name!r}: average must be true or false, got {average!r}")
         self.average = average
-        self.rescale_grad = _number(config, "rescale_grad", 1.0, low=-math.inf)
+        self.rescale_grad = number_setting(config, "rescale_grad", 1.0, low=-math.inf)
         clip = config.get("clip_gradient")
-        self.clip_gradient = None if clip is None else _number(config, "clip_gradient", 0.0)
+        self.clip_gradient = None if clip is None else number_setting(config, "clip_gradient", 0.0)
         if self.clip_gradient == 0.0:
             raise ConfigError(f"optimizer {self.name!r}: clip_gradient must be > 0 (or absent: no clipping)")
         # MXNet's multi_precision: float16 weights are stepped through a float32 master copy
-        self.multi_precision = _flag(config, "multi_precision", False)
+        self.multi_precision = flag_setting(config, "multi_precision", False)
         self.config = dict(config)
         self._per_key = self._read_per_key(config.get("per_key", []))
         self._for_keys: dict = {}
@@ -97,7 +94,7 @@ class Optimizer(abc.ABC):
                     and not isinstance(entry[0], bool)):
                 raise ConfigError(f"optimizer {self.name!r}: per_key entry {entry!r} is not [key, lr_mult, wd_mult]")
             factors = {"lr_mult": entry[1], "wd_mult": entry[2], "type": self.name}
-            per_key[entry[0]] = (_number(factors, "lr_mult", 1.0), _number(factors, "wd_mult", 1.0))
+            per_key[entry[0]] = (number_setting(factors, "lr_mult", 1.0), number_setting(factors, "wd_mult", 1.0))
         return per_key
 
     def for_key(self, key) -> "Optimizer":
@@ -163,12 +160,12 @@ class SGD(Optimizer):
         super().__init__(config)
         if "lr" not in config:
             raise ConfigError("optimizer 'sgd': lr is required")
-        self.lr = _number(config, "lr", 0.0)
-        self.momentum = _number(config, "momentum", 0.0)
-        self.dampening = _number(config, "dampening", 0.0, high=1.0)
-        self.weight_decay = _number(config, "weight_decay", 0.0)
+        self.lr = number_setting(config, "lr", 0.0)
+        self.momentum = number_setting(config, "momentum", 0.0)
+        self.dampening = number_setting(config, "dampening", 0.0, high=1.0)
+        self.weight_decay = number_setting(config, "weight_decay", 0.0)
         self.nesterov = bool(config.get("nesterov", False))
-        self.lr_in_momentum = _flag(config, "lr_in_momentum", False)
+        self.lr_in_momentum = flag_setting(config, "lr_in_momentum", False)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ConfigError("optimizer 'sgd': nesterov needs momentum > 0 and dampening = 0")
 
@@ -217,12 +214,12 @@ class Adam(Optimizer):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.lr = _number(config, "lr", 1e-3)
-        self.beta1 = _number(config, "beta1", 0.9, high=1.0, closed_high=False)
-        self.beta2 = _number(config, "beta2", 0.999, high=1.0, closed_high=False)
-        self.eps = _number(config, "eps", 1e-8)
-        self.weight_decay = _number(config, "weight_decay", 0.0)
-        self.eps_after_bias_correction = _flag(config, "eps_after_bias_correction", True)
+        self.lr = number_setting(config, "lr", 1e-3)
+        self.beta1 = number_setting(config, "beta1", 0.9, high=1.0, closed_high=False)
+        self.beta2 = number_setting(config, "beta2", 0.999, high=1.0, closed_high=False)
+        self.eps = number_setting(config, "eps", 1e-8)
+        self.weight_decay = number_setting(config, "weight_decay", 0.0)
+        self.eps_after_bias_correction = flag_setting(config, "eps_after_bias_correction", True)
 
     def state_layout(self):
         return ("exp_avg", "exp_avg_sq"), ("step",)
@@ -254,31 +251,6 @@ class Adam(Optimizer):
             denom += self.eps
             denom /= math.sqrt(bias2)
         weights -= (self.lr / bias1) * (m / denom)
-
-
-OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam}
-
-
-def _register_mxnet_rules() -> None:
-    from pslink.core.optim_mxnet import MXNET_RULES  # it builds on the classes above
-
-    OPTIMIZERS.update(MXNET_RULES)
-
-
-_register_mxnet_rules()
-
-
-def make_optimizer(config: dict | None) -> Optimizer | None:
-    """Build an optimizer from its plain-data description (None stays None)."""
-    if config is None:
-        return None
-    if not isinstance(config, dict):
-        raise ConfigError(f"an optimizer is described by a dict, got {type(config).__name__}")
-    kind = config.get("type")
-    cls = OPTIMIZERS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ConfigError(f"unknown optimizer type {kind!r}; available: {', '.join(OPTIMIZERS)}")
-    return cls(config)
 
 
 def step_through_float32(optimizer: Optimizer, weights: np.ndarray, grad: np.ndarray, scale: float,

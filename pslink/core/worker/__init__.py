@@ -1,0 +1,1 @@
+"""The worker layer, between the Agent and the framework adapters (see docs/architecture.md)."""
