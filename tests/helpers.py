@@ -98,6 +98,18 @@ class RawClient:
         self.reactor.close()
 
 
+def rank_session(job: str, rank: int, size: int, address: str, transports: Transports, **session_options):
+    """A worker layer Session for ``rank`` of ``job`` (``size`` ranks, threads of this process),
+    once every rank has registered (a barrier, as Horovod's ``init`` is a rendezvous: a rank
+    that finished and left before another registered would shrink the job)."""
+    from pslink.core.worker.connect import connect
+    from pslink.core.worker.session import Session
+
+    agent = connect(job, rank, size, master=address, transports=transports, timeout=30.0, mode="sum")
+    members = sorted(int(r) for r in agent.barrier("test/start", timeout=30.0)["ranks"])
+    return Session(agent, members=members, **session_options)
+
+
 def launch_elastic(script, args=(), workers: int = 2, max_restarts: int = 0, timeout: float = 100.0,
                    env: dict | None = None) -> str:
     """``pslink launch --min-np 1 --max-np W -n W --max-restarts R --heartbeat-timeout 2 python

@@ -23,6 +23,7 @@ from typing import Any
 
 import mxnet as mx
 
+from pslink.core.worker.horovod import HorovodAPI
 from pslink.core.worker.horovod import (  # noqa: F401  (Horovod's build reports, re-exported)
     ccl_built,
     ddl_built,
@@ -94,62 +95,19 @@ def _broadcast_after_init(session: Session, param: mx.gluon.Parameter, root_rank
     param._init_impl = types.MethodType(init_then_broadcast, param)
 
 
-class Horovod:
+class Horovod(HorovodAPI):
     """Horovod's API (``horovod.mxnet``'s functions) over the Session ``current()`` gives: the
-    module's functions are the methods of one of these, bound to the session ``init()`` made;
-    a test or a library may hold its own over any Session. ``priority`` is accepted everywhere
+    world, objects, join and barrier of :class:`~pslink.core.worker.horovod.HorovodAPI`, and the
+    collectives of this framework's tensors. The module's functions are the methods of one of
+    these, bound to the session ``init()`` made; a test or a library may hold its own over any
+    Session. ``priority`` is accepted everywhere
     Horovod takes it, and unused (requests go out in the order of the calls)."""
 
-    def __init__(self, current):
-        self._current = current
-
-    def _session_of(self, process_set) -> Session:
-        """The Session a collective of ``process_set`` runs on (this one's for the global set)."""
-        return self._current().process_sets.session_for(process_set)
-
     # -- the world ----------------------------------------------------------------------------------
-
-    def add_process_set(self, process_set) -> ProcessSet:
-        """Make a process set of these ranks (a list, or a ProcessSet): every rank calls it, in the
-        same order for every set; the ranks in it then reduce among themselves."""
-        return self._current().process_sets.add(process_set)
-
-    def remove_process_set(self, process_set: ProcessSet) -> bool:
-        """Forget a process set (its ranks leave its job); False if it was not added."""
-        return self._current().process_sets.remove(process_set)
-
-    def rank(self) -> int:
-        return self._current().rank
-
-    def size(self) -> int:
-        return self._current().size
-
-    def local_rank(self) -> int:
-        return self._current().local_rank
-
-    def local_size(self) -> int:
-        return self._current().local_size
-
-    def cross_rank(self) -> int:
-        return self._current().cross_rank
-
-    def cross_size(self) -> int:
-        return self._current().cross_size
-
-    def is_homogeneous(self) -> bool:
-        return self._current().is_homogeneous()
 
     def cuda_built(self) -> bool:
         """Whether this MXNet has CUDA (GPU NDArrays then travel through host memory)."""
         return mx.runtime.Features().is_enabled("CUDA")
-
-    def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
-        """Horovod's: record this worker's requests to a Chrome trace at ``file_path`` from now on
-        (rank 0 writes ``file_path``, rank R ``file_path.rankR``); ``mark_cycles`` marks iterations."""
-        self._current().agent.start_timeline(file_path, mark_cycles)
-
-    def stop_timeline(self) -> None:
-        self._current().agent.stop_timeline()
 
     # -- allreduce -----------------------------------------------------------------------------------
 
@@ -225,11 +183,6 @@ class Horovod:
             for other in arrays[1:]:
                 arrays[0].copyto(other)
 
-    def broadcast_object(self, obj: Any = None, root_rank: int = 0, name: str | None = None,
-                         process_set=global_process_set) -> Any:
-        """root_rank's ``obj`` (any picklable object) on every rank."""
-        return self._session_of(process_set).broadcast_object(obj, root_rank, name)
-
     # -- allgather, reducescatter, alltoall ---------------------------------------------------------
 
     def allgather(self, tensor, name: str | None = None, priority: int = 0,
@@ -241,10 +194,6 @@ class Horovod:
                           process_set=global_process_set) -> list[mx.nd.NDArray]:
         """:meth:`allgather` of each of ``tensors``, started together."""
         return collectives.grouped_allgather(self._session_of(process_set), tensors, name)
-
-    def allgather_object(self, obj: Any, name: str | None = None, process_set=global_process_set) -> list:
-        """Every rank's ``obj``, as a list in rank order."""
-        return self._session_of(process_set).allgather_object(obj, name)
 
     def reducescatter(self, tensor, op: ReduceOp | None = Average, name: str | None = None, priority: int = 0,
                       process_set=global_process_set, prescale_factor: float = 1.0,
@@ -268,14 +217,6 @@ class Horovod:
         return received if splits is None else (received, received_splits)
 
     # -- barrier and join ---------------------------------------------------------------------------
-
-    def barrier(self, process_set=global_process_set) -> None:
-        self._session_of(process_set).barrier()
-
-    def join(self, device: int = -1) -> int:
-        """This rank is out of data: take part in the others' allreduces and DistributedTrainer
-        steps with zeros until every rank joined; returns the rank that joined last."""
-        return self._current().join()
 
     # -- training -----------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pslink.core.worker.horovod import HorovodAPI
 from pslink.core.worker.horovod import (  # noqa: F401  (Horovod's build reports, re-exported)
     ccl_built,
     ddl_built,
@@ -59,47 +60,12 @@ def is_initialized() -> bool:
     return holder.is_initialized()
 
 
-class Horovod:
+class Horovod(HorovodAPI):
     """Horovod's API (``horovod.torch``'s functions) over the Session ``current()`` gives: the
-    module's functions are the methods of one of these, bound to the session ``init()`` made;
-    a test or a library may hold its own over any Session."""
-
-    def __init__(self, current):
-        self._current = current
-
-    def _session_of(self, process_set):
-        """The Session a collective of ``process_set`` runs on (this one's for the global set)."""
-        return self._current().process_sets.session_for(process_set)
-
-    def add_process_set(self, process_set) -> ProcessSet:
-        """Make a process set of these ranks (a list, or a ProcessSet): every rank calls it, in the
-        same order for every set; the ranks in it then reduce among themselves."""
-        return self._current().process_sets.add(process_set)
-
-    def remove_process_set(self, process_set: ProcessSet) -> bool:
-        """Forget a process set (its ranks leave its job); False if it was not added."""
-        return self._current().process_sets.remove(process_set)
-
-    def rank(self) -> int:
-        return self._current().rank
-
-    def size(self) -> int:
-        return self._current().size
-
-    def local_rank(self) -> int:
-        return self._current().local_rank
-
-    def local_size(self) -> int:
-        return self._current().local_size
-
-    def cross_rank(self) -> int:
-        return self._current().cross_rank
-
-    def cross_size(self) -> int:
-        return self._current().cross_size
-
-    def is_homogeneous(self) -> bool:
-        return self._current().is_homogeneous()
+    world, objects, join and barrier of :class:`~pslink.core.worker.horovod.HorovodAPI`, and the
+    collectives of this framework's tensors. The module's functions are the methods of one of
+    these, bound to the session ``init()`` made; a test or a library may hold its own over any
+    Session."""
 
     def cuda_built(self) -> bool:
         return torch.cuda.is_available()
@@ -230,11 +196,6 @@ class Horovod:
         """Give every rank root_rank's optimizer state and hyperparameters."""
         collectives.broadcast_optimizer_state(self._session_of(process_set), optimizer, root_rank)
 
-    def broadcast_object(self, obj: Any = None, root_rank: int = 0, name: str | None = None,
-                         process_set: ProcessSet = global_process_set) -> Any:
-        """root_rank's ``obj`` (any picklable object) on every rank."""
-        return self._session_of(process_set).broadcast_object(obj, root_rank, name)
-
     def allgather(self, tensor: torch.Tensor, name: str | None = None,
                   process_set: ProcessSet = global_process_set) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along the first dimension, in rank order (differentiable)."""
@@ -307,28 +268,6 @@ class Horovod:
                        process_set: ProcessSet = global_process_set) -> Work:
         """Start :func:`alltoall`; ``synchronize(handle)`` returns (received, received splits)."""
         return collectives.alltoall_async(self._session_of(process_set), tensor, splits, name)
-
-    def allgather_object(self, obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-        """Every rank's ``obj``, as a list in rank order."""
-        return self._session_of(process_set).allgather_object(obj, name)
-
-    def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
-        """Horovod's: record this worker's requests to a Chrome trace at ``file_path`` from now on
-        (rank 0 writes ``file_path``, rank R ``file_path.rankR``; see docs/visibility.md);
-        ``mark_cycles`` marks where each iteration starts."""
-        self._current().agent.start_timeline(file_path, mark_cycles)
-
-    def stop_timeline(self) -> None:
-        """Stop recording the timeline and close its file."""
-        self._current().agent.stop_timeline()
-
-    def join(self, device: int = -1) -> int:
-        """This rank is out of data: take part in the others' allreduces and optimizer steps with
-        zeros until every rank joined; returns the rank that joined last."""
-        return self._current().join()
-
-    def barrier(self, process_set: ProcessSet = global_process_set) -> None:
-        self._session_of(process_set).barrier()
 
     def DistributedOptimizer(self, optimizer: torch.optim.Optimizer, named_parameters=None,
                              compression=Compression.none,

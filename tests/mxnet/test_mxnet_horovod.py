@@ -17,7 +17,7 @@ import pslink  # noqa: E402
 from pslink.core.worker.session import Session  # noqa: E402
 from pslink.errors import ConfigError, MismatchError, PeerError, ShapeMismatchError  # noqa: E402
 from pslink.mxnet import horovod as hvd  # noqa: E402
-from tests.helpers import run_workers  # noqa: E402
+from tests.helpers import rank_session, run_workers  # noqa: E402
 
 _jobs = itertools.count()
 
@@ -34,9 +34,7 @@ def on_ranks(cluster, size: int, fn, **session_options) -> list:
     job = f"mxhvd-{next(_jobs)}"
 
     def body(rank):
-        agent = pslink.connect(job, rank, size, master=service.address, transports=transports, timeout=30.0,
-                               mode="sum")
-        session = Session(agent, **session_options)
+        session = rank_session(job, rank, size, service.address, transports, **session_options)
         api = hvd.Horovod(lambda: session)
         api.session = session
         try:

@@ -11,14 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the PyTorch adapter needs torch (pip install 'pslink[torch]')")
 
-import pslink  # noqa: E402
 import pslink.torch as hvd  # noqa: E402
 from pslink.core.observe import timeline as pslink_timeline  # noqa: E402
 from pslink.core.transport import Transports  # noqa: E402
 from pslink.errors import ConfigError, PeerError, ShapeMismatchError  # noqa: E402
-from pslink.core.worker.session import Session  # noqa: E402
 from pslink.torch.horovod import Horovod  # noqa: E402
-from tests.helpers import run_workers, start_cluster  # noqa: E402
+from tests.helpers import rank_session, run_workers, start_cluster  # noqa: E402
 
 _jobs = itertools.count()
 
@@ -39,9 +37,7 @@ def on_ranks(service, size: int, fn, timeout: float = 60.0) -> list:
     job = f"hvd-{next(_jobs)}"
 
     def body(rank):
-        agent = pslink.connect(job, rank, size, master=cluster.address, transports=transports, timeout=30.0,
-                               mode="sum")
-        session = Session(agent)
+        session = rank_session(job, rank, size, cluster.address, transports)
         api = Horovod(lambda: session)
         api.session = session
         try:

@@ -13,10 +13,9 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-import pslink
 from pslink.core.worker.session import Session
 from pslink.errors import ConfigError, MismatchError, ShapeMismatchError
-from tests.helpers import run_workers
+from tests.helpers import rank_session, run_workers
 
 # MXNet must load before TensorFlow in one process (TensorFlow first, then MXNet, segfaults).
 if importlib.util.find_spec("mxnet") is not None:
@@ -82,9 +81,7 @@ def on_ranks(cluster, fw: Framework, size: int, body, **session_options) -> list
     job = f"behaviour-{fw.name}-{next(_jobs)}"
 
     def rank_body(rank):
-        agent = pslink.connect(job, rank, size, master=service.address, transports=transports, timeout=30.0,
-                               mode="sum")
-        session = Session(agent, **session_options)
+        session = rank_session(job, rank, size, service.address, transports, **session_options)
         try:
             return body(fw.api(lambda: session), fw)
         finally:

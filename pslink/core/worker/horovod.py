@@ -14,11 +14,13 @@ import atexit
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pslink.core.config import ENV_JOB, local_place
 from pslink.core.service.service import Service
 from pslink.core.worker.connect import connect
+from pslink.core.worker.process_sets import ProcessSet
 from pslink.core.worker.session import Session
 from pslink.errors import AuthError, ConfigError, PeerError, PslinkTimeoutError, UnknownJobError
 
@@ -136,6 +138,78 @@ class Holder:
         service, self._service = self._service, None
         if service is not None:
             service.stop()
+
+
+class HorovodAPI:
+    """Horovod's module-level API over the Session ``current()`` gives, the part that holds no
+    tensors: the world (rank, size, local and cross), process sets, objects, join, barrier and
+    the timeline. Each adapter's ``Horovod`` class adds its tensors' collectives; the module's
+    functions are the methods of one, over the Session ``init()`` made, and a test or a library
+    may hold its own over any Session. ``process_set=None`` (or a global set) is the whole world."""
+
+    def __init__(self, current: Callable[[], Session]):
+        self._current = current
+
+    def _session_of(self, process_set) -> Session:
+        """The Session a collective of ``process_set`` runs on (this one's for the global set)."""
+        return self._current().process_sets.session_for(process_set)
+
+    def add_process_set(self, process_set) -> ProcessSet:
+        """Make a process set of these ranks (a list, or a ProcessSet): every rank calls it, in the
+        same order for every set; the ranks in it then reduce among themselves."""
+        return self._current().process_sets.add(process_set)
+
+    def remove_process_set(self, process_set: ProcessSet) -> bool:
+        """Forget a process set (its ranks leave its job); False if it was not added."""
+        return self._current().process_sets.remove(process_set)
+
+    def rank(self) -> int:
+        return self._current().rank
+
+    def size(self) -> int:
+        return self._current().size
+
+    def local_rank(self) -> int:
+        return self._current().local_rank
+
+    def local_size(self) -> int:
+        return self._current().local_size
+
+    def cross_rank(self) -> int:
+        return self._current().cross_rank
+
+    def cross_size(self) -> int:
+        return self._current().cross_size
+
+    def is_homogeneous(self) -> bool:
+        return self._current().is_homogeneous()
+
+    def broadcast_object(self, obj: Any = None, root_rank: int = 0, name: str | None = None,
+                         process_set=None) -> Any:
+        """root_rank's ``obj`` (any picklable object) on every rank."""
+        return self._session_of(process_set).broadcast_object(obj, root_rank, name)
+
+    def allgather_object(self, obj: Any, name: str | None = None, process_set=None) -> list:
+        """Every rank's ``obj``, as a list in rank order."""
+        return self._session_of(process_set).allgather_object(obj, name)
+
+    def join(self, device: int = -1) -> int:
+        """This rank is out of data: take part in the others' allreduces and optimizer steps with
+        zeros until every rank joined; returns the rank that joined last."""
+        return self._current().join()
+
+    def barrier(self, process_set=None) -> None:
+        self._session_of(process_set).barrier()
+
+    def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
+        """Horovod's: record this worker's requests to a Chrome trace at ``file_path`` from now on
+        (rank 0 writes ``file_path``, rank R ``file_path.rankR``; see docs/visibility.md);
+        ``mark_cycles`` marks where each iteration starts."""
+        self._current().agent.start_timeline(file_path, mark_cycles)
+
+    def stop_timeline(self) -> None:
+        """Stop recording the timeline and close its file."""
+        self._current().agent.stop_timeline()
 
 
 # -- what Horovod's build reports ---------------------------------------------------------------
