@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Sequence
 
+from pslink.core.config import ENV_ELASTIC
 from pslink.errors import ConfigError
 from pslink.launch import GRACE_SECONDS, Launch, describe_status
 
@@ -104,7 +105,7 @@ class ElasticLaunch(Launch):
         env = super().environment(rank)
         # PSLINK_NUM_WORKERS stays the initial count (the job's first worker creates it with it);
         # ranks up to max-np may come in while it runs.
-        env.update(PSLINK_MAX_WORKERS=str(self.max_np), PSLINK_ELASTIC="1", PSLINK_TOKEN_FILE=self._token_file)
+        env.update({"PSLINK_MAX_WORKERS": str(self.max_np), ENV_ELASTIC: "1", "PSLINK_TOKEN_FILE": self._token_file})
         if os.path.exists(self._token_file):
             # A rank that was in the job registers again only with the job's token.
             with open(self._token_file) as f:

@@ -76,6 +76,9 @@ class _GradientSync:
         self.bucket_works: list[tuple[_GradientWork, Bucket]] = []
         self.sparse_as_dense = sparse_as_dense
         self.sparse: set[torch.Tensor] = set()  # params whose sparse gradient is gathered at synchronize()
+        # params whose sparse gradient went dense (sparse_as_dense): sparse again for the step, as
+        # Horovod gives them back (an optimizer such as SparseAdam takes sparse gradients only)
+        self.densified: set[torch.Tensor] = set()
         self.staging = StagingPool()
         self.skip = False
         self.synchronized = False
@@ -107,7 +110,10 @@ class _GradientSync:
                 if bucket is not None:
                     self.fill(bucket, param, None)  # zeros in its bucket's place, on every rank alike
             elif bucket is not None:
-                self.fill(bucket, param, grad.to_dense() if grad.is_sparse else grad)
+                if grad.is_sparse:
+                    self.densified.add(param)
+                    grad = grad.to_dense()
+                self.fill(bucket, param, grad)
             else:
                 self.works[param] = self.push(param, grad)
 
@@ -121,6 +127,7 @@ class _GradientSync:
         name = self.names[param]
         key = service_key(self.prefix, name)
         if grad.is_sparse:
+            self.densified.add(param)
             grad = grad.to_dense()
             param.grad = grad
         return self.start(key, f"the gradient of parameter {name!r} (key {key!r}, shape {tuple(grad.shape)})", grad)
@@ -170,6 +177,8 @@ class _GradientSync:
             step.wait(self.session.timeout)
             for param in [p for p in self.params if p in self.sparse]:
                 param.grad = self._gather_sparse(param, param.grad)
+            for param in self.densified:
+                param.grad = param.grad.to_sparse()  # a bucket points it back at zero_grad()
         finally:
             self.forget()
         self.synchronized = True
@@ -182,6 +191,7 @@ class _GradientSync:
         """Nothing in flight: the next backward starts afresh."""
         self.works.clear()
         self.sparse.clear()
+        self.densified.clear()
         self.bucket_works.clear()
         for bucket in self.buckets:
             bucket.reset()

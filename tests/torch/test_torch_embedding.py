@@ -92,9 +92,12 @@ def test_padding_rows_read_as_zeros_and_bad_indices_are_named(cluster):
         assert np.array_equal(module.table.pull([1, 2]).wait(), before)
 
 
-def test_horovods_optimizer_gathers_sparse_gradients_and_sparse_adam_steps_as_one_process(cluster):
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_horovods_optimizer_gathers_sparse_gradients_and_sparse_adam_steps_as_one_process(cluster, sparse_as_dense):
     """nn.Embedding(sparse=True) under pslink.torch.DistributedOptimizer: each rank's sparse
-    gradient is gathered (never densified, so SparseAdam takes it) and averaged."""
+    gradient is gathered (never densified, so SparseAdam takes it) and averaged; with
+    ``sparse_as_dense`` it is averaged dense and given back sparse, as Horovod does, so that
+    SparseAdam takes it too."""
     from pslink.core.worker.session import Session
     from pslink.torch.optimizer import DistributedOptimizer
 
@@ -107,12 +110,13 @@ def test_horovods_optimizer_gathers_sparse_gradients_and_sparse_adam_steps_as_on
     initial = build().weight.detach().clone()  # here: the worker threads would share torch's global generator
 
     def worker(rank):
-        with pslink.connect("sparse-hvd", rank, WORKERS, master=service.address, transports=transports) as agent:
+        with pslink.connect(f"sparse-hvd-{sparse_as_dense}", rank, WORKERS, master=service.address, transports=transports) as agent:
             module = torch.nn.Embedding(VOCAB, DIM, sparse=True)
             with torch.no_grad():
                 module.weight.copy_(initial)
             optimizer = DistributedOptimizer(Session(agent), torch.optim.SparseAdam(module.parameters(), lr=0.1),
-                                             named_parameters=module.named_parameters())
+                                             named_parameters=module.named_parameters(),
+                                             sparse_as_dense=sparse_as_dense)
             for step in range(STEPS):
                 optimizer.zero_grad()
                 ids, target = batch(rank, step)

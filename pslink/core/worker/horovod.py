@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pslink.core.config import ENV_JOB, local_place
+from pslink.core.config import ENV_ELASTIC, ENV_JOB, local_place
 from pslink.core.service.service import Service
 from pslink.core.worker.connect import connect
 from pslink.core.worker.process_sets import ProcessSet
@@ -56,8 +56,11 @@ class Holder:
                 job, rank, num_workers, master = self._alone()
             agent = self._connect(job, rank, num_workers, master, options)
             self._token = agent.token
+            # The job's size as it was made (the Agent's own count follows the members present).
+            size = int(agent.settings.get("num_workers") or agent.num_workers)
+            elastic = int(agent.settings.get("max_workers") or 0) > size or os.environ.get(ENV_ELASTIC) == "1"
             try:
-                members = None if agent.settings.get("max_workers") else self._rendezvous(agent)
+                members = None if elastic else self._rendezvous(agent, size)
             except BaseException:
                 agent.close()
                 raise
@@ -87,27 +90,27 @@ class Holder:
             raise ConfigError(f"{self.module}.init: {exc.message}. Run the script under `pslink launch -n N python "
                               "script.py`, which sets PSLINK_JOB, PSLINK_RANK and PSLINK_NUM_WORKERS") from None
 
-    def _rendezvous(self, agent) -> list[int]:
+    def _rendezvous(self, agent, size: int) -> list[int]:
         """Horovod's ``init()`` is collective: return once every rank of the job is in it, so
         that ``size()`` counts them all and no rank runs (or leaves) before the others came.
         After ``shutdown()`` a rank registers into its job while the job runs, and the other
         ranks may not have initialized again yet. So: a barrier until it releases twice in a row
         with every rank (nobody pushes in between), coming into the job's keys meanwhile (a
         worker that registers into a running job does): then every rank's next round is the
-        same. Returns the ranks. (Not for an elastic job: its World settles it.)"""
+        same. ``size``: the job's ranks. Returns them. (Not for an elastic job: its World settles
+        it.)"""
         deadline = time.monotonic() + agent.timeout
         previous = None
         while True:
             released = sorted(int(r) for r in agent.barrier(SETTLE_BARRIER, timeout=agent.timeout)["ranks"])
             if agent.late:
                 agent.join_all(agent.timeout)
-            if len(released) >= agent.num_workers and released == previous:
+            if len(released) >= size and released == previous:
                 return released
             if time.monotonic() > deadline:
-                raise PslinkTimeoutError(f"{self.module}.init: job {agent.job!r} has ranks {released} of "
-                                         f"{agent.num_workers} after {agent.timeout:g} s: did every rank call init() "
-                                         "again?", job=agent.job)
-            if len(released) < agent.num_workers:
+                raise PslinkTimeoutError(f"{self.module}.init: job {agent.job!r} has ranks {released} of {size} "
+                                         f"after {agent.timeout:g} s: did every rank call init()?", job=agent.job)
+            if len(released) < size:
                 time.sleep(SETTLE_PAUSE)  # the others have not registered again yet
             previous = released
 
