@@ -13,10 +13,10 @@ says how each reduces to sums); the Session owns everything around them that Hor
   alltoall, objects, barrier, each asynchronous (a :class:`~pslink.core.worker.pending.Pending`
   with ``done()`` and ``wait()``, Horovod's poll and synchronize);
 - **the checks Horovod makes at the call**: a name already in flight is a ConfigError (a
-  ValueError) on the calling rank; calls that disagree (dtype, shape, root rank, reduction,
-  scale factors) fail on every rank with a :class:`~pslink.errors.MismatchError` naming each
-  rank's call (:mod:`pslink.core.worker.board`); a shape or dtype that differs from the key's
-  is the service's ShapeMismatchError, on every rank;
+  ValueError) on the calling rank; calls that disagree fail on every rank, naming each rank's
+  call (:mod:`pslink.core.worker.board`): a :class:`~pslink.errors.ShapeMismatchError` for
+  another dtype or shape (as the service's own check of a key says), a
+  :class:`~pslink.errors.MismatchError` for another root rank, reduction or scale factor;
 - **join** (uneven data), the world's **rank, size, local rank and size** (and their renumbering
   by elastic resets).
 
