@@ -177,15 +177,16 @@ ENV_LOCAL_SIZE = "PSLINK_LOCAL_SIZE"
 def local_place(environ=os.environ) -> tuple[int | None, int | None]:
     """This worker's (local rank, local size) on its host, as the launcher said (``pslink
     launch``: PSLINK_LOCAL_RANK and PSLINK_LOCAL_SIZE; torchrun: LOCAL_RANK and
-    LOCAL_WORLD_SIZE), or (None, None): nothing said, every worker on one host."""
+    LOCAL_WORLD_SIZE), or (None, None): nothing said (every worker on one host), or numbers
+    that do not fit."""
     place = []
     for ours, alias in ((ENV_LOCAL_RANK, "LOCAL_RANK"), (ENV_LOCAL_SIZE, "LOCAL_WORLD_SIZE")):
         variable = ours if env_value(ours, environ) is not None else alias
         place.append(env_number(variable, int, "an integer", 0, 1 << 20, environ) if env_value(variable, environ) else None)
-    if None in place:
+    if None in place or not 0 <= place[0] < place[1]:
+        # Nothing said; or numbers that do not fit: an elastic job's newcomer, started past the
+        # launcher's first count (whose world, and place in it, the job's resets tell).
         return None, None
-    if not 0 <= place[0] < place[1]:
-        raise ConfigError(f"local rank {place[0]} is not in [0, {place[1]}) ({ENV_LOCAL_RANK}, {ENV_LOCAL_SIZE})")
     return place[0], place[1]
 
 

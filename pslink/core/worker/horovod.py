@@ -52,6 +52,7 @@ class Holder:
                 raise ConfigError(f"{self.module} reduces on the service in mode 'sum'; the optimizer steps on the "
                                   "workers")
             options["mode"] = "sum"
+            local_rank, local_size = local_place()  # read before registering: nothing to undo if it fails
             if job is None and not os.environ.get(ENV_JOB) and master is None:
                 job, rank, num_workers, master = self._alone()
             agent = self._connect(job, rank, num_workers, master, options)
@@ -69,7 +70,7 @@ class Holder:
                 """The same registration with the job's token (elastic recovery: a new Agent)."""
                 return connect(job, rank, num_workers, master, **dict(options, token=token, rejoin=rejoin))
 
-            self.session = Session(agent, *local_place(), reconnect=connect_again, members=members)
+            self.session = Session(agent, local_rank, local_size, reconnect=connect_again, members=members)
             return self.session
 
     def _connect(self, job, rank, num_workers, master, options: dict):
