@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -71,6 +72,10 @@ class ProcessGroupPslink(dist.ProcessGroup):
         self._barriers = itertools.count()
         self._barrier_lock = threading.Lock()
         self._group_name = ""
+        # The session closes at exit at the latest (before the interpreter goes down), not after:
+        # an Agent thread that completes a torch future then runs Python inside torch's frames,
+        # and the process aborts ("terminate called without an active exception").
+        self._close = weakref.finalize(self, _close, self._deadlines, self._pairs, self.session)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
@@ -414,9 +419,13 @@ class ProcessGroupPslink(dist.ProcessGroup):
         return Work(future)
 
     def shutdown(self) -> None:
-        self._deadlines.close()
-        self._pairs.close()
-        self.session.close()
+        self._close()
+
+
+def _close(deadlines: Deadlines, pairs: Pairs, session: Session) -> None:
+    deadlines.close()
+    pairs.close()
+    session.close()
 
 
 def _when_ended(pending: Pending | PendingGroup, callback: Callable[[object], None]) -> None:
