@@ -1,9 +1,10 @@
 """Horovod's own parallel test files, unchanged, against pslink's adapters (issue 25), counted.
 
-Horovod's files are not ours to vendor: give the path of a horovod/horovod checkout. Its
-``test/parallel/test_torch.py``, ``test_tensorflow.py``, ``test_tensorflow_keras.py`` and
-``test_mxnet1.py`` / ``test_mxnet2.py`` import ``horovod.torch`` etc.; this directory's
-``horovod_shim`` is a package named ``horovod`` that is pslink's adapters, put first on the path.
+Horovod's files are not ours to vendor: give the path of a horovod/horovod checkout (v0.28.1's
+tests were run). Its ``test/parallel/test_torch.py``, ``test_tensorflow.py``,
+``test_tensorflow2_keras.py`` and ``test_mxnet1.py`` (the default files) import ``horovod.torch``
+etc.; this directory's ``horovod_shim`` is a package named ``horovod`` that is pslink's adapters
+(and the few helpers of Horovod's own that its test utilities import), put first on the path.
 Each test runs alone, as 2 ranks under ``pslink launch -n 2`` (an embedded service each time),
 with a timeout; a test passes when both ranks pass it.
 
@@ -11,7 +12,7 @@ with a timeout; a test passes when both ranks pass it.
     python benchmarks/compat/horovod_suites.py --horovod ~/src/horovod --files test_torch.py -k allreduce
 
 Prints, per file, the tests passed, failed, hung and skipped, and the pass rate among those not
-skipped (the issue's target: >= 90% per file); with ``--out DIR`` a JSON summary and each failed
+skipped (issue 48's target: >= 95% per file); with ``--out DIR`` a JSON summary and each failed
 test's output. Runs by hand, not in CI (our own tests cover each behaviour there).
 
 The baseline, the same tests the same way through real Horovod: ``--horovodrun PYTHON`` names the
@@ -37,7 +38,7 @@ from pathlib import Path
 
 SHIM = Path(__file__).with_name("horovod_shim")
 REPO = Path(__file__).resolve().parents[2]
-FILES = ("test_torch.py", "test_tensorflow.py", "test_tensorflow_keras.py", "test_mxnet1.py", "test_mxnet2.py")
+FILES = ("test_torch.py", "test_tensorflow.py", "test_tensorflow2_keras.py", "test_mxnet1.py")  # issue 48's four
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
         ran = counts["passed"] + counts["failed"] + counts["hung"]
         rate = counts["passed"] / ran if ran else 0.0
         print(f"{name}: {counts['passed']} passed, {counts['failed']} failed, {counts['hung']} hung, "
-              f"{counts['skipped']} skipped; {rate:.0%} of those not skipped pass (target >= 90%)", flush=True)
+              f"{counts['skipped']} skipped; {rate:.0%} of those not skipped pass (target >= 95%)", flush=True)
         summary["files"][name] = dict(counts, pass_rate=round(rate, 4), not_passed=failed)
     if out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
