@@ -65,7 +65,7 @@ class ProcessGroupPslink(dist.ProcessGroup):
     def __init__(self, agent: Agent, rank: int, size: int, timeout: float):
         super().__init__(rank, size)
         self.agent = agent
-        self.session = Session(agent, ordered=True)
+        self.session = Session(agent, ordered=True, unattended=True)
         self.timeout = timeout
         self._deadlines = Deadlines()
         self._pairs = Pairs(agent.job, rank, size, timeout, self._deadlines)

@@ -225,7 +225,7 @@ class _Handle:
             raise self._error
         return self._result
 
-    def add_done_callback(self, fn):
+    def add_done_callback(self, fn, drive=True):
         if self._done:
             fn(self)
         else:

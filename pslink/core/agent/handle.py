@@ -23,7 +23,7 @@ class Handle:
     """
 
     __slots__ = (
-        "_book", "op", "keys", "round", "epoch", "_left", "_error", "_result", "_event", "_callbacks",
+        "_book", "op", "keys", "round", "epoch", "_left", "_error", "_result", "_event", "_callbacks", "_drives",
         "_waiting_on", "_started", "__weakref__",
     )
 
@@ -38,6 +38,7 @@ class Handle:
         self._result = result
         self._event: threading.Event | None = None  # made only if a thread has to park
         self._callbacks: list[Callable[["Handle"], None]] | None = None
+        self._drives = False  # a callback needs the answer read even if nobody waits for it
         self._waiting_on: dict[str, str] = {}  # aggregator name -> address, for error messages
         self._started: float | None = None  # when it was issued, if the timeline records it
 
@@ -55,10 +56,13 @@ class Handle:
     def exception(self) -> PslinkError | None:
         return self._error
 
-    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+    def add_done_callback(self, fn: Callable[["Handle"], None], drive: bool = True) -> None:
         """Call ``fn(handle)`` when done: on the thread that drives the Agent's I/O (keep it
-        short, never block in it), or right now if already done."""
-        if self._book.add_callback(self, fn):
+        short, never block in it), or right now if already done. ``drive=False``: only when
+        some thread reads the answer anyway (one that waits, or a callback's): the Agent's
+        background thread does not start reading for it, and a waiting thread does not have to
+        take the reading over from it (which costs milliseconds on these VMs)."""
+        if self._book.add_callback(self, fn, drive):
             return
         fn(self)
 
@@ -172,7 +176,7 @@ class Handles:
                 handle._started = None
         if started is not None:
             self._trace(handle, started, error)
-        if callbacks:
+        if callbacks and handle._drives:
             self.driver.callbacks_pending(-1)
         for callback in callbacks:
             try:
@@ -197,15 +201,19 @@ class Handles:
         with self._lock:
             handle._left += parts
 
-    def add_callback(self, handle: Handle, fn) -> bool:
-        """Attach ``fn``; False when the handle is already done (the caller runs it)."""
+    def add_callback(self, handle: Handle, fn, drive: bool = True) -> bool:
+        """Attach ``fn`` (``drive``: someone must read the answer for it, see
+        :meth:`Handle.add_done_callback`); False when the handle is already done (the caller
+        runs it)."""
         with self._lock:
             if handle.done():
                 return False
-            first = handle._callbacks is None
-            if first:
+            if handle._callbacks is None:
                 handle._callbacks = []
             handle._callbacks.append(fn)
-        if first:
+            starts_driving = drive and not handle._drives
+            if starts_driving:
+                handle._drives = True
+        if starts_driving:
             self.driver.callbacks_pending(+1)
         return True

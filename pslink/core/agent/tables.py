@@ -46,8 +46,8 @@ class TableHandle:
     def exception(self):
         return self.handle.exception()
 
-    def add_done_callback(self, fn: Callable[["TableHandle"], None]) -> None:
-        self.handle.add_done_callback(lambda _h: fn(self))
+    def add_done_callback(self, fn: Callable[["TableHandle"], None], drive: bool = True) -> None:
+        self.handle.add_done_callback(lambda _h: fn(self), drive)
 
 
 class Table:

@@ -43,13 +43,17 @@ class Pending:
     its callback is attached) never deadlocks, and no ready step is left behind."""
 
     __slots__ = ("what", "_steps", "_handle", "_result", "_error", "_ended", "_failed", "_lock", "_again",
-                 "_cancel", "_progress", "_finish", "_inline", "_callbacks", "_callbacks_lock")
+                 "_cancel", "_progress", "_finish", "_inline", "_unattended", "_callbacks", "_callbacks_lock")
 
     def __init__(self, what: str, steps: Steps, cancel: Callable, progress: "Progress",
-                 finish: Callable[[], None] | None = None, inline: bool = False):
+                 finish: Callable[[], None] | None = None, inline: bool = False, unattended: bool = False):
         """``inline``: the steps after each handle only compute (they send nothing and never
-        block), so the thread that completes a handle takes them at once, without the hop to the
-        progress thread (a single push-pull and its arithmetic)."""
+        block), so the thread that completes a handle takes them, without the hop to the
+        progress thread (a single push-pull and its arithmetic); they need nobody to read the
+        answer before ``wait()`` or ``done()`` does, unless ``unattended``: the operation must
+        end with nobody waiting (a torch.distributed future), so its answers are read in the
+        background. Steps that send go on in the background always (the other ranks' rounds
+        wait for them)."""
         self.what = what
         self._steps = steps
         self._handle = None
@@ -63,6 +67,7 @@ class Pending:
         self._progress = progress
         self._finish = finish
         self._inline = inline
+        self._unattended = unattended
         self._callbacks: list[Callable[["Pending"], None]] | None = []
         self._callbacks_lock = threading.Lock()
         with self._lock:
@@ -177,7 +182,7 @@ class Pending:
             return
         self._handle = handle
         if self._progress is not None or self._inline:
-            handle.add_done_callback(self._ready)
+            handle.add_done_callback(self._ready, drive=self._unattended or not self._inline)
 
     def _end(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error, self._handle = result, error, None

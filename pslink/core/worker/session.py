@@ -68,7 +68,7 @@ class Session:
 
     def __init__(self, agent, local_rank: int | None = None, local_size: int | None = None,
                  reconnect: Callable | None = None, ordered: bool = False, world_ranks: list[int] | None = None,
-                 members: list[int] | None = None):
+                 members: list[int] | None = None, unattended: bool = False):
         self._check_mode(agent)
         self.agent = agent
         self.timeout = agent.timeout
@@ -77,6 +77,10 @@ class Session:
         # calls of the ranks are matched (and checked) whatever they are: torch.distributed's
         # rule (every rank makes the same collectives in the same order), not Horovod's.
         self._ordered = ordered
+        # ``unattended``: calls may end with nobody waiting on them (torch.distributed's futures),
+        # so their answers and the board's are read in the background as they come; otherwise
+        # they are read by whoever waits (Horovod's synchronize and poll), which is faster.
+        self._unattended = unattended
         # A process set's session: its members' ranks in the world it was made from, the space
         # Horovod's root ranks are given in (``broadcast(..., root_rank, process_set=s)``).
         self._world_ranks = list(world_ranks) if world_ranks is not None else None
@@ -243,7 +247,9 @@ class Session:
             handle = self.agent.pushpull(self._board_key, rows, out=rows)
             self._board_handles.append((round_, handle))
             board = self._board
-        handle.add_done_callback(lambda h: self._board_answer(board, round_, h, rows))
+        # The verdicts are read when some thread reads answers anyway (one that waits on a call,
+        # which is what a verdict may have to cancel), unless nobody may ever wait.
+        handle.add_done_callback(lambda h: self._board_answer(board, round_, h, rows), drive=self._unattended)
         self._board_backpressure()
         return entry, handle
 
@@ -325,7 +331,7 @@ class Session:
                 if entry is not None and entry in self._calls:
                     self._calls[entry] = _ENDED
 
-        pending = Pending(what, steps, self.agent.cancel, self._progress, finish, inline)
+        pending = Pending(what, steps, self.agent.cancel, self._progress, finish, inline, self._unattended)
         if entry is not None:
             with self._lock:
                 early = self._early.pop(entry, None)
