@@ -91,6 +91,10 @@ class TensorFlowState(State):
                                           name=sync_name(session, "extras"))
         self._restore_extras(extras)
         self._synced = True
+        if self._world is None:
+            # Called by hand, as Horovod's: restore() goes back to the synced state. (In an
+            # elastic run the reset saves it, once it knows the sync held.)
+            self.save()
 
 
 class TensorFlowKerasState(TensorFlowState):
