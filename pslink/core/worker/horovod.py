@@ -52,9 +52,12 @@ class Holder:
             options["mode"] = "sum"
             if job is None and not os.environ.get(ENV_JOB) and master is None:
                 job, rank, num_workers, master = self._alone()
+            again = self._token is not None  # this process had a session of the job before
             agent = self._connect(job, rank, num_workers, master, options)
             self._token = agent.token
-            if agent.late:
+            if agent.late and again:
+                # Only a re-init settles: a process's first init() that finds the job running is
+                # an elastic newcomer, which the job's reset takes in (core.worker.elastic).
                 self._settle(agent)
 
             def connect_again(token: bytes, rejoin: bool = False):
