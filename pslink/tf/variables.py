@@ -82,11 +82,12 @@ def check_same(session: Session, entries: list[tuple[str, str, str]], scope: str
 
 
 def check_once(session: Session, entries: list[tuple[str, str, str]], scope: str, what: str) -> None:
-    """:func:`check_same`, the first time this session meets this list of variables.
+    """:func:`check_same`, the first time this session meets this list of variables in its
+    current world (an elastic reset makes a new one: a newcomer checks, so the others check too).
 
     Keyed by the list itself, not by when it is met: a function that one rank retraces (say,
     for its last, smaller batch) and another does not must not make only one of them ask."""
-    signature = (scope, tuple(entries))
+    signature = (session.generation, scope, tuple(entries))
     done = _checked.setdefault(session, set())
     if signature in done:
         return
