@@ -247,10 +247,10 @@ class Horovod:
 
     def _assign_from_root(self, variables_: list, root_rank: int, process_set, what: str,
                           name: str | None = None) -> list:
+        if not variables_:
+            return []  # no call at all (Horovod's makes no op either: it needs no init() then)
         session = self._session_of(process_set)
         session.check_root(root_rank, what)
-        if not variables_:
-            return []
         entries = variables.describe_variables(variables_)
         variables.check_once(session, entries, what, what)
         named = [(f"tf.var/{entry[0]}", tf.identity(v) if not graph.eager() else tf.convert_to_tensor(v))
