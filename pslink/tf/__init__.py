@@ -1,4 +1,12 @@
-"""pslink for TensorFlow: a tf.distribute strategy and Horovod's TensorFlow API, over the service.
+"""pslink for TensorFlow: Horovod's TensorFlow API and a tf.distribute strategy, over the service.
+
+Horovod users change the import (``import pslink.tf as hvd``, ``import pslink.tf.keras as hvd``):
+``init``, ``rank``, ``size``, ``allreduce``, ``allgather``, ``broadcast``, ``alltoall``,
+``reducescatter``, the grouped ones, ``broadcast_variables``, ``broadcast_object``, ``join``,
+``DistributedGradientTape``, ``SyncBatchNormalization``, process sets, ``elastic``, ... with
+Horovod's signatures and meaning (the names offered are held to
+``pslink.core.worker.horovod.HOROVOD_MODULE_NAMES``). Run the script with
+``pslink launch -n N python train.py``.
 
 One line for ``tf.distribute`` users (Keras ``model.fit`` or a custom loop, unchanged)::
 
@@ -7,13 +15,6 @@ One line for ``tf.distribute`` users (Keras ``model.fit`` or a custom loop, unch
         model = ...; model.compile(...)
     model.fit(...)
 
-Horovod users change the import (``import pslink.tf as hvd``): ``init``, ``rank``, ``size``,
-``allreduce``, ``allgather``, ``broadcast``, ``broadcast_variables``, ``broadcast_object``,
-``allgather_object``, ``barrier``, ``DistributedGradientTape``, ``SyncBatchNormalization``, ... and in
-``pslink.tf.keras``:
-``DistributedOptimizer`` and the callbacks ``BroadcastGlobalVariablesCallback`` and
-``MetricAverageCallback`` (the names offered are checked against
-``pslink.core.worker.collectives.HOROVOD_NAMES``). Run the script with ``pslink launch -n N python train.py``.
 Tested with TensorFlow 2.17 and Keras 3 (see docs/tf.md).
 """
 
@@ -25,13 +26,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         f"(TensorFlow 2.17.1, the version tested) ({_exc})"
     ) from None
 
-from pslink.core.worker.collectives import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
+# Horovod's build reports, as every adapter offers them
+from pslink.core.worker.horovod import (
     ccl_built,
     ddl_built,
     gloo_built,
@@ -42,52 +38,64 @@ from pslink.core.worker.collectives import (
     nccl_built,
     rocm_built,
 )
-from pslink.tf.context import (
+from pslink.core.worker.process_sets import ProcessSet
+from pslink.core.worker.reduction import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+)
+from pslink.errors import (
+    PslinkError as HorovodInternalError,  # a RuntimeError, as Horovod's
+)
+from pslink.tf import elastic  # hvd.elastic.run, hvd.elastic.TensorFlowKerasState
+from pslink.tf.compression import Compression
+from pslink.tf.horovod import (
+    BroadcastGlobalVariablesHook,
+    DistributedOptimizer,
+    add_process_set,
+    allgather,
+    allgather_object,
+    allreduce,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_global_variables,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
     cross_rank,
     cross_size,
     cuda_built,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
     init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
-from pslink.tf.functions import (
-    BroadcastGlobalVariablesHook,
-    broadcast_,
-    broadcast_global_variables,
-    broadcast_object_fn,
     is_homogeneous,
+    is_initialized,
+    join,
+    local_rank,
     local_rank_op,
+    local_size,
     local_size_op,
     process_set_included_op,
+    rank,
     rank_op,
+    reducescatter,
+    remove_process_set,
+    shutdown,
+    size,
     size_op,
     start_timeline,
     stop_timeline,
 )
-from pslink.tf.ops import (
-    Compression,
-    DistributedGradientTape,
-    DistributedOptimizer,
-    PartialDistributedGradientTape,
-    allgather,
-    allgather_object,
-    allreduce,
-    barrier,
-    broadcast,
-    broadcast_object,
-    broadcast_variables,
-    grouped_allreduce,
-    join,
-)
-from pslink.tf.rows import alltoall, grouped_allgather, grouped_reducescatter, reducescatter
 from pslink.tf.strategy import ParameterServiceStrategy
-from pslink.tf import elastic
-from pslink.tf.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from pslink.errors import PslinkError as HorovodInternalError  # a RuntimeError, as Horovod's
+from pslink.tf.tape import DistributedGradientTape, PartialDistributedGradientTape
+from pslink.tf.world import global_process_set
 
 
 def __getattr__(name: str):
@@ -100,66 +108,69 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "elastic",
-    "BroadcastGlobalVariablesHook",
-    "PartialDistributedGradientTape",
-    "SyncBatchNormalization",
-    "broadcast_",
-    "broadcast_global_variables",
-    "broadcast_object_fn",
-    "is_homogeneous",
-    "local_rank_op",
-    "local_size_op",
-    "process_set_included_op",
-    "rank_op",
-    "size_op",
-    "start_timeline",
-    "stop_timeline",
+    # Horovod
     "Adasum",
     "Average",
+    "BroadcastGlobalVariablesHook",
+    "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",
     "HorovodInternalError",
     "Max",
     "Min",
+    # tf.distribute
     "ParameterServiceStrategy",
+    "PartialDistributedGradientTape",
+    "ProcessSet",
     "Product",
+    "ReduceOp",
     "Sum",
+    "SyncBatchNormalization",
+    "add_process_set",
     "allgather",
     "allgather_object",
     "allreduce",
+    "alltoall",
     "barrier",
     "broadcast",
+    "broadcast_",
+    "broadcast_global_variables",
     "broadcast_object",
+    "broadcast_object_fn",
     "broadcast_variables",
-    "grouped_allreduce",
-    "join",
-    "ProcessSet",
-    "add_process_set",
-    "global_process_set",
-    "remove_process_set",
-    "grouped_allgather",
-    "grouped_reducescatter",
-    "reducescatter",
-    "alltoall",
-    "Compression",
     "ccl_built",
     "cross_rank",
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
+    "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
     "init",
+    "is_homogeneous",
     "is_initialized",
+    "join",
     "local_rank",
+    "local_rank_op",
     "local_size",
+    "local_size_op",
     "mpi_built",
     "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
+    "process_set_included_op",
     "rank",
+    "rank_op",
+    "reducescatter",
+    "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "size_op",
+    "start_timeline",
+    "stop_timeline",
 ]

@@ -29,17 +29,23 @@ expect them:
 
 from __future__ import annotations
 
+import hashlib
 import threading
+import weakref
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from pslink.core.agent import Agent
+from pslink.core.worker.collectives import service_key
 from pslink.core.worker.groups import GroupAgent
-from pslink.errors import ConfigError
-from pslink.tf import _internals, context
-from pslink.tf.exchange import Exchange, SiteKeys, describe_variables
+from pslink.core.worker.session import Session
+from pslink.errors import PslinkError
+from pslink.tf import _internals, collectives, graph, tensors, variables
+from pslink.tf.graph import Out
 from pslink.tf.groups import end_group_step
+from pslink.tf.world import holder
 
 WHAT = "ParameterServiceStrategy"
 
@@ -47,21 +53,14 @@ WHAT = "ParameterServiceStrategy"
 class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
     """MirroredStrategy inside each worker process; the parameter service between workers.
 
-    ``agent``: an Agent to use (default: this process's, see :func:`pslink.tf.init`; made from
-    ``options`` and the ``PSLINK_*`` variables if there is none yet). ``devices``: the local
-    devices (default: all). Fails at once, naming the address, if the service is unreachable.
+    The strategy uses the process's Session (``pslink.tf.init()``'s; made from ``options`` and the
+    ``PSLINK_*`` variables if there is none yet, as ``init`` makes it): the callbacks and the
+    Horovod API share it. ``devices``: the local devices (default: all). Fails at once, naming
+    the address, if the service is unreachable.
     """
 
-    def __init__(self, agent: Agent | None = None, *, devices=None, **options):
-        if agent is None:
-            agent = context.init_for(WHAT, None, options)
-        else:
-            if options:
-                raise ConfigError(f"{WHAT}: pass either agent= or connection options, not both")
-            agent = context.check_agent(agent, WHAT)
-            if not context.is_initialized():
-                context.init_for(WHAT, agent, {})  # the callbacks and wrappers use it too
-        self._exchange = Exchange(agent)
+    def __init__(self, *, devices=None, **options):
+        self._session: Session = holder.init(**options)
         self._keys = SiteKeys("tf.reduce")
         self._new_variables: list = []  # created under the scope, not checked yet
         self._waiting: list = []  # checked, but their initial values did not exist yet
@@ -71,7 +70,7 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
         _internals.init_strategy(self, devices, self)
 
     def __repr__(self) -> str:
-        return (f"<ParameterServiceStrategy job={self._exchange.agent.job!r} rank={self.rank}/{self.num_workers} "
+        return (f"<ParameterServiceStrategy job={self.agent.job!r} rank={self.rank}/{self.num_workers} "
                 f"local_replicas={self.local_replicas}>")
 
     # -- what the strategy tells its users -------------------------------------------------------
@@ -79,11 +78,11 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
     @property
     def rank(self) -> int:
         """This worker's rank in the job."""
-        return self._exchange.rank
+        return self._session.rank
 
     @property
     def num_workers(self) -> int:
-        return self._exchange.num_workers
+        return self._session.size
 
     @property
     def local_replicas(self) -> int:
@@ -96,7 +95,7 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
 
     @property
     def agent(self) -> Agent:
-        return self._exchange.agent
+        return self._session.agent
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """``MirroredStrategy.run``, with the variables created since the last call synchronised
@@ -113,8 +112,8 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
 
     def _end_group_step(self) -> None:
         with self._variables_lock:
-            variables = [v for v in self._model_variables if v.trainable]
-        end_group_step(self.agent, variables)
+            trainable = [v for v in self._model_variables if v.trainable]
+        end_group_step(self.agent, trainable)
 
     @tf.autograph.experimental.do_not_convert
     def sync_variables(self) -> None:
@@ -136,12 +135,12 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
         with self.scope():
             with tf.init_scope():  # eagerly, also while a tf.function is being traced
                 if fresh:
-                    self._exchange.check_same_variables(describe_variables(fresh), "strategy", WHAT)
+                    variables.check_same(self._session, variables.describe_variables(fresh), "strategy", WHAT)
                 candidates = waiting + fresh
                 initialized = [_initialized(v) for v in candidates]
                 ready = [v for v, yes in zip(candidates, initialized) if yes]
                 if ready:
-                    self._exchange.assign_from_root(ready, describe_variables(ready), 0, WHAT)
+                    self._assign_from_root(ready)
             pending = [v for v, yes in zip(candidates, initialized) if not yes]
             if pending:
                 with self._variables_lock:
@@ -149,12 +148,12 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
                 if not tf.executing_eagerly():
                     self._assign_on_first_run(pending)
 
-    def _assign_on_first_run(self, variables: list) -> None:
-        """Ops, in the function being traced, that broadcast ``variables`` when it first runs.
+    def _assign_on_first_run(self, waiting: list) -> None:
+        """Ops, in the function being traced, that broadcast ``waiting`` (variables) when it first runs.
 
         "First" across every trace holding such ops (TensorFlow may run a second trace of the
         function from the second call on): every worker runs the same traces equally often."""
-        ids = [id(v) for v in variables]
+        ids = [id(v) for v in waiting]
 
         def first_run():
             with self._variables_lock:
@@ -162,19 +161,26 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
 
         def mark_sent():
             with self._variables_lock:
-                self._sent_by_graph.update(zip(ids, variables))
+                self._sent_by_graph.update(zip(ids, waiting))
             return np.bool_(True)
 
         def assign():
-            updates = self._exchange.assign_from_root(variables, describe_variables(variables), 0, WHAT)
-            with tf.control_dependencies(updates):
+            with tf.control_dependencies(self._assign_from_root(waiting)):
                 return tf.numpy_function(mark_sent, [], tf.bool, stateful=True, name="pslink_sent")
 
         def build():
             pending = tf.numpy_function(first_run, [], tf.bool, stateful=True, name="pslink_first_run")
             return tf.cond(tf.reshape(pending, []), assign, lambda: tf.constant(False))
 
-        self._exchange.ordered(build)
+        graph.ordered(build)
+
+    def _assign_from_root(self, candidates: list) -> list:
+        """Assign rank 0's values to ``candidates`` (checked already); the assign ops."""
+        entries = variables.describe_variables(candidates)
+        named = [(service_key("tf.var", name, dtype, shape), tf.convert_to_tensor(v))
+                 for (name, shape, dtype), v in zip(entries, candidates)]
+        values = collectives.broadcast_many(self._session, named, 0, WHAT, f"{WHAT}.variables")
+        return [v.assign(value) for v, value in zip(candidates, values)]
 
     # -- hooks called by _internals.Extended -----------------------------------------------------
 
@@ -207,8 +213,8 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
         indices = tf.concat([tf.cast(p.indices, tf.int64) for p in parts], 0) if len(parts) > 1 else parts[0].indices
         if self.num_workers > 1:
             keys = self._keys.keys([values, indices])
-            values = self._exchange.allgather(values, keys[0], f"{WHAT} sparse reduction")
-            indices = self._exchange.allgather(indices, keys[1], f"{WHAT} sparse reduction")
+            values = collectives.allgather(self._session, values, keys[0])
+            indices = collectives.allgather(self._session, indices, keys[1])
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             values = _divide(values, self.num_replicas_in_sync)
         return tf.IndexedSlices(values, indices, parts[0].dense_shape)
@@ -221,10 +227,57 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
         if self.num_workers == 1:
             totals = local
         else:
-            totals = self._exchange.sum(self._keys.keys(local), local, what=f"{WHAT} reduction")
+            totals = self._sum(self._keys.keys(local), local)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             totals = [_divide(t, self.num_replicas_in_sync) for t in totals]
         return totals
+
+
+    def _sum(self, keys: list[str], values: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each value summed over the workers, in one request of the strategy's own keys (no
+        Horovod call: a strategy's reductions are sums, named by where they are made). A key gets
+        the runtime shape appended when the static shape is not fully known, so a value whose
+        shape changes from step to step never meets a differently shaped round."""
+        session = self._session
+        carried = [tensors.wire(v.dtype, f"{WHAT} reduction", reduced=True) for v in values]
+        dynamic = [not v.shape.is_fully_defined() for v in values]
+
+        def call(*arrays):
+            final = [service_key(k, a.shape) if d else k for k, a, d in zip(keys, arrays, dynamic)]
+            outs = [tensors.empty(a.shape, a.dtype) for a in arrays]
+            try:
+                session.agent.pushpull_many(final, list(arrays), outs=outs).wait(session.timeout)
+            except PslinkError as exc:
+                raise type(exc)(f"{WHAT} reduction (rank {session.rank} of {session.size}): {exc.message}",
+                                **exc.details) from None
+            return outs
+
+        sums = graph.run(f"{WHAT} reduction", call, [tensors.to_wire(v, c) for v, c in zip(values, carried)],
+                         [Out(c, v.shape) for v, c in zip(values, carried)], "reduce")
+        return [tensors.from_wire(s, v.dtype) for s, v in zip(sums, values)]
+
+
+class SiteKeys:
+    """Keys for the strategy's reductions, which have no name.
+
+    A reduction is named by its signature (dtypes and static shapes of the tensors reduced
+    together) and by how many reductions of that signature came before it in the function being
+    traced: deterministic on every worker running the same program, stable across retracing, and
+    distinct for two reductions of one step, which TensorFlow may run in either order."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def keys(self, values: Sequence[tf.Tensor]) -> list[str]:
+        signature = ";".join(f"{t.dtype.name}{variables.shape_text(t.shape)}" for t in values)
+        digest = hashlib.sha1(signature.encode()).hexdigest()[:12]
+        occurrence = 0
+        if not tf.executing_eagerly():
+            counts = self._counts.setdefault(tf.compat.v1.get_default_graph(), {})
+            occurrence = counts.get(digest, 0)
+            counts[digest] = occurrence + 1
+        return [service_key(self.prefix, f"{digest}.{occurrence}", i) for i in range(len(values))]
 
 
 def _initialized(variable) -> bool:

@@ -44,7 +44,7 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         expected = [[[0], [10], [11]], [1, 2]] if rank == 0 else [[[1], [2], [12]], [2, 1]]
         assert report["alltoall"] == [*expected, "int32"]
         assert report["alltoall_traced"] == expected
-        assert report["alltoall_equal"] == [[[0], [1]] if rank == 0 else [[0], [1]], [1, 1]]
+        assert report["alltoall_equal"] == [[0], [1]]  # without splits, Horovod returns the rows alone
         assert report["grouped_gather"] == [[0, 1, 1], [[0], [1]]]
         assert report["fp16"] == [[0.75], "float32"]  # sent as float16, exact here, back as float32
         assert report["tape_fp16"] == [[1.5, 1.5], "float32"]
@@ -66,12 +66,15 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         assert report["set_closed_at_shutdown"] is True  # a set's job is left with the process's
         assert report["tf_optimizer"] == [0.25, -0.5]  # 1 - 0.5 x 1.5 x [1, 2]
         # gradients as Horovod's: an all-reduce's is the all-reduce of the upstream ones; an
-        # allgather's, the upstream summed over the workers, this worker's rows; a broadcast's, the
-        # upstream summed, to the root alone (each then times the rank + 1 the value was scaled by)
+        # allgather's, the upstream averaged over the workers, this worker's rows; a broadcast's, the
+        # upstream averaged, to the root alone (each then times the rank + 1 the value was scaled by)
         assert report["d_sum"] == ([2.0, 2.0] if rank == 0 else [4.0, 4.0])
         assert report["d_mean"] == [1.0, 1.0]
-        assert report["d_gather"] == ([2.0, 4.0] if rank == 0 else [12.0, 16.0])
-        assert report["d_bcast"] == ([2.0, 2.0] if rank == 0 else [0.0, 0.0])
+        assert report["d_gather"] == ([1.0, 2.0] if rank == 0 else [6.0, 8.0])
+        assert report["d_bcast"] == ([1.0, 1.0] if rank == 0 else [0.0, 0.0])
+        # the ranks' calls disagree: Horovod's FailedPreconditionError, eagerly also pslink's error
+        assert report["eager_shapes"][1:] == [True, True] and report["eager_root"][1:] == [True, True]
+        assert report["traced_shapes"] == ["FailedPreconditionError", True, False]
         # warmup over 2 epochs of 2 batches from 0.2 / 2 workers to 0.2, then the schedule's 0.2 x 0.5
         assert report["lr_seen"] == [0.125, 0.15, 0.175, 0.2, 0.1, 0.1]
         assert report["lr_logged"] == [0.15, 0.2, 0.1]
@@ -89,7 +92,7 @@ def test_gathers_objects_and_barrier_give_every_worker_the_same_answers(tmp_path
         assert report["partial"][0] == [1.5, 2.0]
         assert report["partial"][1] == [v / 2 for v in report["partial_plain"][1]]
         assert report["tape_sum"] == [3.0, 4.0] and report["tape_predivided"] == [1.5, 2.0]
-        assert "op=Max" in report["tape_max"]
+        assert report["tape_max"] == [2.0, 2.0]  # the larger of [1, 2] and [2, 2]
         assert report["syncbn_out"] < 1e-4 and report["syncbn_dx"] < 1e-4 and report["syncbn_moving"] < 1e-4
         assert "does not support fused=True" in report["syncbn_fused"]
         assert any("traced.by.timeline" in lane for lane in report["timeline_lanes"])

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("tensorflow", reason="TensorFlow is not installed (CI installs it: pip install '.[tf]')")
 
+import tensorflow as tf
 import tf_harness
 
 import pslink.tf
@@ -40,32 +41,35 @@ def test_strategy_without_a_reachable_service_fails_at_construction(disconnected
     with pytest.raises(PeerError) as caught:
         pslink.tf.ParameterServiceStrategy()
     message = str(caught.value)
-    assert message.startswith("ParameterServiceStrategy: cannot reach the parameter service")
+    assert message.startswith("pslink.tf.init: no parameter service reachable")
     assert address in message
     assert "pslink service up" in message and "pslink launch" in message
     assert not pslink.tf.is_initialized()
 
 
-def test_strategy_without_settings_says_how_to_give_them(disconnected):
-    with pytest.raises(ConfigError) as caught:
-        pslink.tf.ParameterServiceStrategy()
-    message = str(caught.value)
-    assert "PSLINK_JOB" in message and "pslink launch" in message
+def test_without_a_job_named_anywhere_the_process_is_a_job_of_one(disconnected):
+    # As Horovod without horovodrun: a script runs as size 1, on a service of its own.
+    strategy = pslink.tf.ParameterServiceStrategy()
+    assert (strategy.rank, strategy.num_workers) == (0, 1)
+    assert (pslink.tf.rank(), pslink.tf.size(), pslink.tf.local_rank(), pslink.tf.local_size()) == (0, 1, 0, 1)
+    assert float(pslink.tf.allreduce(tf.constant(3.0), op=pslink.tf.Sum)) == 3.0
 
 
-def test_horovod_style_calls_without_a_service_fail_the_same_way(disconnected):
+def test_horovod_calls_before_init_say_so(disconnected):
+    with pytest.raises(ConfigError, match=r"pslink.tf has not been initialized; call pslink.tf.init\(\) first"):
+        pslink.tf.rank()
     disconnected.setenv("PSLINK_MASTER", f"tcp://127.0.0.1:{closed_port()}")
     disconnected.setenv("PSLINK_JOB", "nothing-there")
     disconnected.setenv("PSLINK_RANK", "1")
     disconnected.setenv("PSLINK_NUM_WORKERS", "2")
-    with pytest.raises(PeerError, match="cannot reach the parameter service"):
-        pslink.tf.rank()
+    with pytest.raises(PeerError, match="no parameter service reachable"):
+        pslink.tf.init()
 
 
-def test_a_job_that_is_not_summing_in_bsp_rounds_is_refused(disconnected):
+def test_a_job_that_reduces_on_the_service_is_refused(disconnected):
     service = start_cluster("tcp", aggregators=1)
     try:
-        with pytest.raises(ConfigError, match="runs in 'optimizer' mode .* need 'sum' mode with 'bsp' rounds"):
+        with pytest.raises(ConfigError, match="pslink.tf reduces on the service in mode 'sum'"):
             pslink.tf.ParameterServiceStrategy(job="server-side-sgd", rank=0, num_workers=1, master=service.address,
                                                optimizer={"type": "sgd", "lr": 0.1})
         assert not pslink.tf.is_initialized()

@@ -2,9 +2,10 @@
 
 ParameterServiceStrategy overrides private methods of MirroredStrategy's implementation
 (pslink/tf/_internals.py). If a TensorFlow release renames them or stops calling them, each worker
-would silently train alone; these tests fail loudly instead. They run in this process against a
-stand-in Agent: worker 0 of 2, whose peer pushes what it pushes (so a sum is twice the value and
-a mean the value itself) and zeros where worker 0 broadcasts.
+would silently train alone; these tests fail loudly instead. They run in this process: the
+process's Session is one over a stand-in Agent, worker 0 of 2, whose peer makes the same calls
+with the same values (so a sum is twice the value and a mean the value itself, a gather has the
+same rows twice, and the peer pushes zeros where worker 0 broadcasts).
 """
 
 from __future__ import annotations
@@ -17,30 +18,44 @@ tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (CI i
 import keras
 
 import pslink.tf
-from pslink.core.agent import Agent
-from pslink.core.agent.seat import Seat
+from pslink.core.worker.collectives import service_key
+from pslink.core.worker.session import Session
 from pslink.errors import ShapeMismatchError
 from pslink.tf import _internals
-from pslink.tf.exchange import _difference, service_key, unique_names
 from pslink.tf.keras import DistributedOptimizer
+from pslink.tf.variables import _difference, unique_names
+from pslink.tf.world import holder
 
 
 class _Done:
+    """An Agent handle that is answered already."""
+
     def __init__(self, result):
         self.result = result
+
+    def done(self) -> bool:
+        return True
 
     def wait(self, timeout=None):
         return self.result
 
+    def exception(self):
+        return None
 
-class LoopbackAgent(Agent):
-    """Worker 0 of a two-worker job; the other worker is imagined, and recorded calls are real."""
+    def add_done_callback(self, fn, drive: bool = True) -> None:
+        fn(self)
 
-    def __init__(self):  # no service: nothing of Agent.__init__ is needed
-        self.seat = Seat("loopback", 0, 2, b"", "")
-        self.mode, self.sync = "sum", "bsp"
+
+class LoopbackAgent:
+    """Worker 0 of a two-worker job; the other worker is imagined (it makes the same calls with the
+    same values), and the calls made are recorded."""
+
+    def __init__(self):
+        self.job, self.rank, self.num_workers = "loopback", 0, 2
+        self.mode, self.sync, self.timeout = "sum", "bsp", 30.0
         self.settings: dict = {}  # the job's settings as pMaster gave them (none set)
-        self._closed = False
+        self.master_address, self.transports = "", None
+        self.closed = False
         self.calls: list[tuple[list, list]] = []
 
     def pushpull_many(self, keys, arrays, outs=None, average=False):
@@ -48,35 +63,44 @@ class LoopbackAgent(Agent):
         outs = list(outs) if outs is not None else [np.empty_like(a) for a in arrays]
         self.calls.append((keys, [a.shape for a in arrays]))
         for key, array, out in zip(keys, arrays, outs):
-            if key.startswith("tf.check/"):
-                out[...] = array[self.rank]  # the peer's variables are the same: every row alike
-            elif key.startswith(("tf.var/", "tf.broadcast")):
-                out[...] = array  # the root is us; the peer pushes zeros
-            else:
-                out[...] = array if average else array * 2  # the peer pushes what we push
+            out[...] = array
+            if key.startswith("hvd/board") or "/shapes/" in key:
+                out[1] = array[0]  # the peer's row of the board or of a gather's shapes: ours
+            elif key.startswith("allgather/"):
+                half = array.size // 2
+                out.reshape(-1)[half:] = array.reshape(-1)[:half]  # the peer's rows: ours again
+            elif not key.startswith("broadcast/") and not average:
+                out[...] = array * 2  # a sum: the peer pushes what we push (it pushes zeros to broadcasts)
         return _Done(outs)
 
     def pushpull(self, key, array, out=None, average=False):
         return _Done(self.pushpull_many([key], [array], None if out is None else [out], average).wait()[0])
 
-    def close(self):
-        self._closed = True
+    def cancel(self, handle, error) -> None:
+        raise AssertionError(f"a call was failed: {error}")
+
+    def close(self, leave: bool = True) -> None:
+        self.closed = True
 
     def keys_sent(self, prefix: str) -> list[list]:
         return [keys for keys, _ in self.calls if keys[0].startswith(prefix)]
+
+    def checked(self, scope: str) -> bool:
+        return any(f"tf.check.{scope}." in key for keys, _ in self.calls for key in keys)
 
 
 @pytest.fixture
 def agent():
     pslink.tf.shutdown()
     fake = LoopbackAgent()
+    holder.session = Session(fake)  # the process's session: what init() would have made
     yield fake
     pslink.tf.shutdown()
 
 
 @pytest.fixture
 def strategy(agent):
-    return pslink.tf.ParameterServiceStrategy(agent=agent)
+    return pslink.tf.ParameterServiceStrategy()
 
 
 def test_the_private_api_pslink_uses_is_still_there():
@@ -150,8 +174,8 @@ def test_keras_fit_sums_gradients_through_the_service(strategy, agent):
 
     gradient_sums = [shapes for keys, shapes in agent.calls if keys[0].startswith("tf.reduce/")]
     assert gradient_sums == [[(3, 2), (2,)]] * 2, agent.calls  # one all-reduce per step
-    assert agent.keys_sent("tf.check/strategy"), "the variables were not checked"
-    assert agent.keys_sent("tf.var/"), "the variables were not broadcast"
+    assert agent.checked("strategy"), "the variables were not checked"
+    assert agent.keys_sent("broadcast/tf.var/"), "the variables were not broadcast"
     # Keras scaled each worker's loss by 1/num_replicas_in_sync; the service summed two equal
     # halves: the step is the plain one.
     for ours, theirs in zip(model.get_weights(), plain.get_weights()):
@@ -174,7 +198,7 @@ def test_variables_made_while_tracing_are_broadcast_on_the_first_run_only(strate
 
     for _ in range(3):
         step(tf.ones((2, 3)))
-    broadcasts = [keys for keys in agent.keys_sent("tf.var/")]
+    broadcasts = [keys for keys in agent.keys_sent("broadcast/tf.var/")]
     momentum = [keys for keys in broadcasts if any("momentum" in k for k in keys)]
     assert len(momentum) == 1, broadcasts
 
@@ -194,7 +218,8 @@ def test_a_variable_made_from_the_functions_input_is_broadcast_when_it_first_run
 
     for _ in range(3):
         step(tf.ones(3))
-    assert agent.keys_sent("tf.var/") == [["tf.var/from_input/float32/(3,)"]]
+    assert [[key.split("/root0/")[0] for key in keys] for keys in agent.keys_sent("broadcast/tf.var/")] == [
+        ["broadcast/tf.var/from_input/float32/(3,)"]]
     np.testing.assert_array_equal(made[0].numpy(), [5.0, 5.0, 5.0])
 
 
@@ -236,30 +261,29 @@ def test_metric_reads_stay_on_the_worker(strategy, agent):
 
 
 def test_distributed_optimizer_keeps_the_class_and_averages_by_variable(agent):
-    pslink.tf.init(agent=agent)
     optimizer = DistributedOptimizer(keras.optimizers.SGD(0.5, momentum=0.5))
     assert isinstance(optimizer, keras.optimizers.SGD)
     assert optimizer.get_config()["momentum"] == 0.5
     variable = keras.Variable(np.ones(3, np.float32), name="w")
     optimizer.apply([tf.constant([1.0, 2.0, 3.0])], [variable])
     np.testing.assert_allclose(variable.numpy(), [0.5, 0.0, -0.5])  # the mean of two equal grads
-    assert agent.keys_sent("tf.check/gradients")
-    assert agent.keys_sent("tf.grad/") == [[service_key("tf.grad", variable.path)]]
+    assert agent.checked("gradients")
+    assert agent.keys_sent("tf.grad/") == [[service_key("tf.grad", variable.path, "average", "float32", "(3,)")]]
     # Without variables, a built optimizer steps those it was built with (a private Keras list).
     optimizer.apply([tf.constant([1.0, 1.0, 1.0])])
     assert len(agent.keys_sent("tf.grad/")) == 2
 
 
 def test_gradient_tape_and_allreduce_work_eagerly(agent):
-    pslink.tf.init(agent=agent)
     weights = tf.Variable([1.0, 2.0], name="weights")
     with pslink.tf.DistributedGradientTape(tf.GradientTape()) as tape:
         loss = tf.reduce_sum(weights * weights)
     (grad,) = tape.gradient(loss, [weights])
     np.testing.assert_array_equal(grad.numpy(), [2.0, 4.0])  # the mean of two equal gradients
-    assert agent.keys_sent("tf.grad/") == [["tf.grad/weights"]]
+    assert agent.keys_sent("tf.grad/") == [["tf.grad/weights/average/float32/(2,)"]]
+    assert agent.keys_sent("hvd/board"), "the reduction was not announced (join could not mirror it)"
     assert float(pslink.tf.allreduce(tf.constant(3.0), average=False, name="total")) == 6.0
-    assert agent.keys_sent("tf.allreduce/") == [["tf.allreduce/total"]]
+    assert agent.keys_sent("allreduce/total/")
 
 
 def test_keys_and_names_stay_within_the_service_limits():

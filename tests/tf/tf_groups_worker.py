@@ -19,9 +19,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from tf_worker import BATCH, LR, build, data, loss_fn
 
 import pslink.tf
-from tf_worker import BATCH, LR, build, data, loss_fn
 
 WORKERS, GROUPS, EVERY = 4, 2, 2
 
@@ -78,7 +78,7 @@ def main(way: str, outdir: str) -> int:
         import pslink.tf.keras as hvd
 
         hvd.init()
-        agent, workers = pslink.tf.context.exchange().agent, hvd.size()
+        agent, workers = pslink.tf.world.current_session().agent, hvd.size()
         model = build()
         model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)), loss=loss_fn())
     assert (agent.world_rank, agent.world_size, workers) == (rank, WORKERS, 2), agent

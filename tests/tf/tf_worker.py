@@ -35,11 +35,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+import tf_extras
 from sklearn.datasets import load_digits
 
 import pslink.tf
 import pslink.tf.keras as hvd
-import tf_extras
 from pslink.errors import PslinkError
 
 BATCH = 32  # per worker
@@ -154,6 +154,7 @@ def run_loop(strategy, rank, outdir, x, y):
 
 
 def run_optimizer(rank, outdir, x, y):
+    hvd.init()  # as Horovod's, once per process (the strategy above made the session already)
     keras.utils.set_random_seed(300 + rank)
     model = build()
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9)), loss=loss_fn(),
@@ -169,6 +170,7 @@ def run_optimizer(rank, outdir, x, y):
 
 
 def run_tape(rank, outdir, x, y):
+    hvd.init()
     keras.utils.set_random_seed(400 + rank)
     model = build()
     optimizer = keras.optimizers.SGD(LR, momentum=0.9)
@@ -204,6 +206,7 @@ def run_different_models(scenario, rank, x, y):
     so that the launch waits for both (a worker that hung would time the test out)."""
     try:
         if scenario == "wrapper":
+            hvd.init()
             model = build(hidden=40 if rank == 1 else 32)
             model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)), loss=loss_fn())
         else:
@@ -256,6 +259,7 @@ def run_collectives(rank, outdir):
     report.update(differentiable(rank))
     report.update(lr_callbacks())
     report.update(tf_extras.run(rank, outdir))
+    report.update(graph_errors(rank))
     hvd.barrier()
     try:
         hvd.broadcast_object("x", root_rank=WORKERS)
@@ -268,6 +272,27 @@ def run_collectives(rank, outdir):
         json.dump(report, f)
     print(f"rank {rank} done", flush=True)
     return 0
+
+
+def graph_errors(rank):
+    """Horovod's TensorFlow errors when the ranks' calls disagree, eagerly and inside a
+    tf.function (where TensorFlow keeps only an error code: FailedPrecondition, as Horovod's)."""
+    out = {}
+
+    @tf.function
+    def traced(value):
+        return hvd.allreduce(value, name="traced.mismatch")
+
+    for what, call in (("eager_shapes", lambda: hvd.allreduce(tf.ones([2 + rank]), name="eager.mismatch")),
+                       ("eager_root", lambda: hvd.broadcast(tf.ones([2]), root_rank=rank, name="eager.root")),
+                       ("traced_shapes", lambda: traced(tf.ones([2 + rank])))):
+        try:
+            call()
+            out[what] = "no error"
+        except tf.errors.OpError as exc:
+            out[what] = [type(exc).__name__, isinstance(exc, tf.errors.FailedPreconditionError),
+                         isinstance(exc, PslinkError)]
+    return out
 
 
 def lr_callbacks():
@@ -346,7 +371,7 @@ def uneven_join(rank):
 
     for _ in range(3 if rank == 0 else 1):
         step()
-    return {"join_last": hvd.join(), "join_weights": x.numpy().tolist()}
+    return {"join_last": int(hvd.join()), "join_weights": x.numpy().tolist()}
 
 
 def row_collectives(rank):
@@ -364,7 +389,7 @@ def row_collectives(rank):
         return hvd.alltoall(value, counts)
 
     received, counts = hvd.alltoall(sent, splits=splits, name="a2a")
-    equal, equal_counts = hvd.alltoall(tf.constant([[rank], [rank]]), name="a2a.equal")
+    equal = hvd.alltoall(tf.constant([[rank], [rank]]), name="a2a.equal")  # no splits: the rows alone
     traced_received, traced_counts = traced_alltoall(sent, tf.constant(splits))
     x = tf.Variable([1.0, 2.0])
     with tf.GradientTape() as tape:
@@ -380,7 +405,7 @@ def row_collectives(rank):
                                          prescale_factor=2.0).numpy().tolist(),
         "grouped_scatter": [t.numpy().tolist() for t in hvd.grouped_reducescatter([base, base[:2]], op=hvd.Sum)],
         "alltoall": [received.numpy().tolist(), counts.numpy().tolist(), counts.dtype.name],
-        "alltoall_equal": [equal.numpy().tolist(), equal_counts.numpy().tolist()],
+        "alltoall_equal": equal.numpy().tolist(),
         "alltoall_traced": [traced_received.numpy().tolist(), traced_counts.numpy().tolist()],
         "grouped_gather": [t.numpy().tolist() for t in hvd.grouped_allgather(
             [tf.fill([rank + 1], rank), tf.constant([[rank]])], name="gg")],

@@ -6,39 +6,46 @@ import numbers
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from pslink.errors import ConfigError
-from pslink.tf import context
-from pslink.tf.exchange import service_key
-from pslink.tf.ops import broadcast_variables
+from pslink.tf import horovod, variables
+from pslink.tf.tape import ref
+from pslink.tf.world import current_session
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """At the start of training, give every worker ``root_rank``'s model and optimizer variables
-    (after checking that every worker has the same ones; if not, a ShapeMismatchError names the
-    first variable that differs and both shapes). Needed without ParameterServiceStrategy."""
+    """At the start of training, give every rank ``root_rank``'s model and optimizer variables
+    (after checking that every rank has the same ones; if not, a ShapeMismatchError names the
+    first variable that differs and both shapes), but ``local_variables``. Needed without
+    ParameterServiceStrategy. ``device`` (Horovod's) changes nothing."""
 
-    def __init__(self, root_rank: int = 0):
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
+        self.device = device
+        self.local_variables = {ref(v) for v in local_variables or ()}
         self.broadcast_done = False
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
             return
-        variables = list(self.model.weights)
+        shared = list(self.model.weights)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:
-            variables += list(optimizer.variables)
-        broadcast_variables(variables, self.root_rank)
+            shared += list(optimizer.variables)
+        horovod.broadcast_variables([v for v in shared if ref(v) not in self.local_variables], self.root_rank)
         self.broadcast_done = True
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
     """At the end of each epoch, replace the numeric values in ``logs`` (loss, metrics,
-    validation) by their mean over the workers, before Keras prints or records them. Put it
-    before callbacks that read the logs (it runs before Keras' own progress bar and History)."""
+    validation) by their mean over the ranks, before Keras prints or records them. Put it
+    before callbacks that read the logs (it runs before Keras' own progress bar and History).
+    ``device`` (Horovod's) changes nothing."""
+
+    def __init__(self, device: str = ""):
+        super().__init__()
+        self.device = device
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
@@ -46,13 +53,12 @@ class MetricAverageCallback(keras.callbacks.Callback):
         names = sorted(k for k, v in logs.items() if _is_number(v))
         if not names:
             return
-        exchange = context.exchange()
-        if exchange.num_workers == 1:
+        session = current_session()
+        if session.size == 1:
             return
-        exchange.check_once([(n, "()", "float64") for n in names], "metrics", "MetricAverageCallback")
+        variables.check_once(session, [(n, "()", "float64") for n in names], "metrics", "MetricAverageCallback")
         values = np.array([float(logs[n]) for n in names], np.float64)
-        key = service_key("tf.metrics", len(names))
-        mean = exchange.sum([key], [tf.constant(values)], average=True, what="MetricAverageCallback")[0].numpy()
+        mean = session.allreduce(values, name="MetricAverageCallback").wait(session.timeout)
         for name, value in zip(names, mean):
             logs[name] = float(value)
 
@@ -112,7 +118,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
                  steps_per_epoch: int | None = None, verbose: int = 0):
         def multiplier(epoch: float) -> float:
-            size = context.size()
+            size = current_session().size
             # epoch + one step: each epoch ends on a round number of the ramp, as Horovod's does
             return (1.0 + (epoch + 1.0 / self.steps_per_epoch) * (size - 1) / warmup_epochs) / size
 

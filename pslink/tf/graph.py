@@ -1,0 +1,143 @@
+"""Running a Session call for TensorFlow: eagerly, or as one op of the graph being built.
+
+:func:`run` takes the call as a function of host arrays (numpy in, numpy out, in the dtypes
+the service carries) and the tensors it reads:
+
+- **eagerly** it calls it at once on views of the tensors (:func:`pslink.tf.tensors.host`) and
+  hands its results to TensorFlow without a copy; pslink's errors come out as TensorFlow's
+  (:mod:`pslink.tf.errors`);
+- **inside a graph** (a ``tf.function``, a TF1 session) it adds one ``tf.numpy_function`` op that
+  calls it when the graph runs. The op returns a status beside its results, which
+  :func:`pslink.tf.errors.fail_if` turns into Horovod's FailedPreconditionError; every such op
+  of a graph takes the previous one's checked status as an input (a token), so it runs after
+  that op succeeded: each rank then makes its calls in program order, two ranks can never each
+  block a thread of TensorFlow's pool in a call the other has not reached, and after a call
+  that failed (on every rank alike) no rank starts the next. XLA cannot compile such an op:
+  building one under XLA is refused, naming what to change.
+
+  A token is an input, so fetching an op runs the ops its chain holds too. Inside a function
+  every op runs at each call anyway. A TF1 graph's ops are fetched as the program chooses: an
+  op built after the previous one ran (build one, run it, build the next) starts a chain of its
+  own, so that running it does not run the earlier ones again; ops built one after the other
+  without a run in between (fetched together, typically) stay chained. The choice depends on
+  the program's order alone: the same on every rank.
+
+:func:`call_name` gives a call built into a graph its name then, as Horovod names its ops
+(``HorovodAllreduce_<tensor>``, unique in the graph): each run of the op is the next call of
+that name on every rank. Eagerly a call without a name is numbered by the Session.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from pslink.errors import ConfigError, PslinkError
+from pslink.tf import _internals, errors, tensors
+
+log = logging.getLogger("pslink.tf")
+
+# per graph: the last call's checked status and whether that call has run yet
+_tokens: weakref.WeakKeyDictionary[tf.Graph, tuple[tf.Tensor, list]] = weakref.WeakKeyDictionary()
+
+
+class Out(NamedTuple):
+    """One result of a call: its dtype (one the service carries) and static shape."""
+
+    dtype: tf.DType
+    shape: tf.TensorShape
+
+
+def eager() -> bool:
+    return tf.executing_eagerly()
+
+
+def call_name(kind: str, name: str | None, *named) -> str | None:
+    """The name of a call of ``kind`` (Horovod's op type: ``Allreduce``, ``Broadcast``, ...):
+    ``name`` if given; built into a graph, ``Horovod<kind>_<names of the tensors named>`` made
+    unique in the graph (TensorFlow's own rule for op names, so the same on every rank building
+    the same program); eagerly None (the Session numbers it)."""
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a {kind.lower()} name must be a non-empty string, got {name!r}")
+        return name
+    if eager():
+        return None
+    stem = "_".join([f"Horovod{kind}", *(tensors.name_of(t) for t in named)])
+    return tf.compat.v1.get_default_graph().unique_name(stem, mark_as_used=True)
+
+
+def run(what: str, call: Callable[..., Sequence[np.ndarray]], inputs: Sequence, outputs: Sequence[Out],
+        kind: str = "collective") -> list[tf.Tensor]:
+    """``call(*arrays)`` on the values of ``inputs``, its results as tensors of ``outputs``'
+    dtypes and shapes (see the module). ``what`` names the call in errors; ``kind`` its op."""
+    inputs = [tf.convert_to_tensor(t) for t in inputs]
+    if eager():
+        try:
+            results = call(*[tensors.host(t) for t in inputs])
+        except PslinkError as exc:
+            raise errors.as_tf_error(exc) from None
+        return [tensors.to_tensor(r) for r in results]
+    if _internals.in_xla_context():
+        raise ConfigError(f"{what}: pslink cannot run inside an XLA-compiled function; compile without XLA "
+                          "(Keras: model.compile(..., jit_compile=False); tf.function(jit_compile=False))")
+
+    graph_ = tf.compat.v1.get_default_graph()
+    token, ran_before = _tokens.get(graph_, (None, [False]))
+    if ran_before[0] and not tf.inside_function():
+        token = None  # a TF1 graph whose previous call ran already: a chain of its own (see the module)
+    chained = ([token] if token is not None else []) + inputs
+    ran = [False]
+
+    def op(*arrays):
+        ran[0] = True
+        if token is not None:
+            arrays = arrays[1:]  # the previous call's status: only an order
+        try:
+            results = call(*arrays)
+        except PslinkError as exc:
+            errors.remember(exc)
+            if not errors.disagreement(exc):
+                raise  # TensorFlow keeps the text; ConfigError (a ValueError) arrives as InvalidArgument
+            log.error("pslink: %s", exc.message)
+            stand_ins = [tensors.zeros([d or 0 for d in (o.shape.as_list() if o.shape.rank is not None else [])],
+                                       o.dtype.as_numpy_dtype) for o in outputs]
+            return [*stand_ins, np.int32(errors.DISAGREE)]
+        return [*(tensors.aligned(np.asarray(r)) for r in results), np.int32(errors.OK)]
+
+    *results, status = tf.numpy_function(op, chained, [o.dtype for o in outputs] + [tf.int32], stateful=True,
+                                         name=f"pslink_{kind}")
+    checked = errors.fail_if(status, what)
+    _tokens[graph_] = (checked, ran)
+    with tf.control_dependencies([checked]):
+        results = [tf.identity(r) for r in results]
+    for result, out in zip(results, outputs):
+        result.set_shape(out.shape)
+    return results
+
+
+def ordered(build: Callable):
+    """``build()`` ops that make calls of their own (through :func:`run` in a nested function,
+    say a branch of ``tf.cond``) so that, in the graph being built, they run after the previous
+    call, and the next after them; ``build()``'s first output must depend on their calls."""
+    graph_ = tf.compat.v1.get_default_graph()
+    token, _ = _tokens.get(graph_, (None, None))
+    with tf.control_dependencies([token] if token is not None else []):
+        out = build()
+    _tokens[graph_] = (tf.nest.flatten(out)[0], [False])  # run or not: inside functions, chained
+    return out
+
+
+def value_op(read: Callable[[], int], name: str | None) -> tf.Tensor:
+    """An int32 scalar that ``read()`` gives when the op runs (eagerly: now). Horovod's
+    ``rank_op`` and friends: a graph built in one place may run in another."""
+    if eager():
+        return tf.constant(read(), tf.int32, name=name)
+    value = tf.numpy_function(lambda: np.int32(read()), [], tf.int32, stateful=True, name=name or "pslink_value")
+    value.set_shape([])
+    return value
