@@ -18,6 +18,7 @@ from pslink.core.worker.board import Board, Call
 from pslink.core.worker.collectives import MAX_KEY_LENGTH, Zeros, service_key
 from pslink.core.worker.horovod import HOROVOD_GAPS, HOROVOD_MODULE_NAMES, HOROVOD_NAMES
 from pslink.core.worker.pending import Pending, PendingGroup, Progress
+from pslink.core.worker.session import BOARD_BATCH, Session
 from pslink.errors import ConfigError, MismatchError, PslinkError, ShapeMismatchError
 
 # -- keys and roots --------------------------------------------------------------------------------
@@ -200,6 +201,97 @@ def test_join_ends_on_every_rank_in_one_round_naming_the_last_to_join():
         assert seen[:2] == [None, None] and seen[2].last == 2
     ties = Board(0, 2)
     assert ties.read(_round((None, 4), (None, 4)))[1].last == 1  # joined together: the highest
+
+
+def _batch_round(*ranks) -> np.ndarray:
+    """A board round's sum as Sessions send it: per rank, a list of its calls (its rows)."""
+    out = np.zeros((len(ranks), BOARD_BATCH, boards.WIDTH), np.int64)
+    for rank, calls in enumerate(ranks):
+        for slot, call in enumerate(calls):
+            out[rank, slot] = boards.encode(call)
+    return out
+
+
+def test_rounds_pair_whatever_calls_each_rank_put_in_them():
+    # rank 0 sent its three calls in one round (a wait dragged on); rank 1 sent one, then two
+    board = Board(0, 2)
+    decided, _ = board.read(_batch_round([_allreduce("a"), _allreduce("b"), _allreduce("a")], [_allreduce("a")]))
+    assert [(v.name, v.occurrence) for v in decided] == [("a", 1)]
+    decided, _ = board.read(_batch_round([], [_allreduce("b"), _allreduce("a", dtype="int32")]))
+    assert [(v.name, v.occurrence, type(v.error)) for v in decided] == [("b", 1, type(None)),
+                                                                          ("a", 2, ShapeMismatchError)]
+
+
+def test_a_joining_rank_mirrors_at_once_what_waits_only_for_it_as_every_rank_decides_later():
+    step = Call(boards.STEP, "optimizer.0")
+    rows = _batch_round([step], [])  # rank 0 stepped a round ahead of rank 1, which then joins
+    joining, stepping = Board(1, 2), Board(0, 2)
+    assert joining.read(rows) == ([], None) and stepping.read(rows) == ([], None)
+    joining.own_joined = True
+    (early,) = joining.decide()
+    assert early.mirror and early.error is None and (early.name, early.occurrence) == ("optimizer.0", 1)
+    mark = _batch_round([], [])
+    mark[1, 0] = boards.mark_joined(mark[1, 0], 1)
+    (later,), _ = stepping.read(mark)  # the others decide it when they read the joined mark
+    assert (later.name, later.occurrence, later.absent, later.error) == ("optimizer.0", 1, (1,), None)
+    assert joining.read(mark) == ([], None)  # decided once
+
+
+class _Answered:
+    """An Agent handle answered already."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def done(self):
+        return True
+
+    def wait(self, timeout=None):
+        return self.result
+
+    def exception(self):
+        return None
+
+    def add_done_callback(self, fn, drive=True):
+        fn(self)
+
+
+class _EchoAgent:
+    """Rank 0 of two whose peer makes the same calls at once: sums are twice ours, and a board
+    round's peer rows are ours."""
+
+    job, rank, num_workers, mode, sync, timeout, settings = "echo", 0, 2, "sum", "bsp", 5.0, {}
+
+    def __init__(self):
+        self.board_rounds = 0
+
+    def pushpull(self, key, array, out=None, average=False):
+        out = np.empty_like(array) if out is None else out
+        if key.startswith("hvd/board"):
+            self.board_rounds += 1
+            out[...] = array
+            out[1] = array[0]
+        else:
+            np.multiply(array, 2, out=out)
+        return _Answered(out)
+
+    def cancel(self, handle, error):
+        raise AssertionError(error)
+
+    def close(self, leave=True):
+        pass
+
+
+def test_calls_that_agree_cost_one_board_round_per_batch_and_optimizer_steps_one_each():
+    agent = _EchoAgent()
+    session = Session(agent)
+    array = np.ones(4, np.float32)
+    for _ in range(3 * BOARD_BATCH + 1):
+        assert session.allreduce(array, name="x", op=reduction.Sum).wait().tolist() == [2.0] * 4
+    assert agent.board_rounds == 3  # the last call's row waits for the next batch
+    session.step(0).wait()  # a step's round goes at once, with the rows waiting before it
+    assert agent.board_rounds == 4 and session._board.rounds == 4 and not session._calls
+    session.close()
 
 
 # -- operations in flight -----------------------------------------------------------------------------

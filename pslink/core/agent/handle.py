@@ -53,6 +53,15 @@ class Handle:
             raise self._error
         return self._result
 
+    def wait_briefly(self, seconds: float) -> bool:
+        """Whether it is done within ``seconds`` (no error raised either way: a caller that
+        does something while a wait drags on, then waits again)."""
+        return not self._left or self._book.wait_briefly(self, seconds)
+
+    def timed_out(self, seconds: float) -> PslinkTimeoutError:
+        """The error of a wait that gave up after ``seconds`` (naming who it waits for)."""
+        return self._book._timed_out(self, seconds)
+
     def exception(self) -> PslinkError | None:
         return self._error
 
@@ -111,6 +120,10 @@ class Handle:
         return f"{self.op} of key {keys}{round_}" + (f" from aggregator {peers}" if peers else "")
 
 
+class _NotYet(PslinkError):
+    """A brief wait ended (Handles.wait_briefly): not an error anyone sees."""
+
+
 class Handles:
     """An Agent's handles: made here, completed part by part on the driving thread, waited on
     through the :class:`~pslink.core.agent.driver.Driver` (so a waiting thread drives the I/O).
@@ -155,6 +168,15 @@ class Handles:
                 waited(clock() - began)  # the Iterations' clock: their waits and times compare
             if started is not None:
                 timeline.span(f"wait {handle.op}", None, started, timeline.now(), {"keys": handle.keys[:8]})
+
+    def wait_briefly(self, handle: Handle, seconds: float) -> bool:
+        self.before_wait()
+        try:
+            self.driver.wait(lambda: not handle._left, seconds, handle._describe_wait,
+                             on_timeout=lambda t: _NotYet(""), parking=handle._parking_event)
+        except _NotYet:
+            return False
+        return True
 
     def _timed_out(self, handle: Handle, seconds: float) -> PslinkTimeoutError:
         why = ""

@@ -39,6 +39,12 @@ class TableHandle:
     def done(self) -> bool:
         return self.handle.done()
 
+    def wait_briefly(self, seconds: float) -> bool:
+        return self.handle.wait_briefly(seconds)
+
+    def timed_out(self, seconds: float):
+        return self.handle.timed_out(seconds)
+
     @property
     def keys(self) -> list:
         return self.handle.keys

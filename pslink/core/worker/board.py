@@ -5,9 +5,9 @@ requests that disagree (another dtype, shape, root rank, reduction, scale factor
 under one name), and it lets a rank that called ``join()`` take part in the others'
 allreduces with zeros. pslink has no coordinator: ranks meet on the service's keys. The board
 gives every rank the same view instead. Each collective call (and each ``DistributedOptimizer``
-step) makes one round of the session's board key, a push-pull in which the rank writes one
-row, its :class:`Call`, and zeros elsewhere: the sum is every rank's row. The n-th board round
-pairs the n-th calls of the ranks, whatever they are; a call is matched with the other ranks'
+step) goes on the session's board key: in a push-pull round the rank writes its rows, one
+:class:`Call` each, and zeros elsewhere: the sum is every rank's rows. The n-th board rounds of
+the ranks pair whatever calls they carry; a call is matched with the other ranks'
 calls of the same name by occurrence (the third call of ``"x"`` on rank 0 with the third on
 rank 1), as the service matches push rounds. Every rank reads the same sums, so every rank
 reaches the same verdicts at the same round:
@@ -24,7 +24,9 @@ reaches the same verdicts at the same round:
   When every rank has joined, each returns the rank that joined last (the highest of those
   that joined in the same round).
 
-Board rounds cost one small push-pull per call, sent with the call's own requests.
+A board round carries a batch of each rank's calls (the Session sends one per
+``BOARD_BATCH`` calls, sooner when a call's wait drags on or a rank has joined): calls that
+agree run without waiting for it, so a training loop pays one small push-pull per batch.
 """
 
 from __future__ import annotations
@@ -95,8 +97,24 @@ class Call:
         return " ".join(parts)
 
 
+_CACHE_SIZE = 4096  # rows remembered both ways: a training loop makes the same calls over and over
+_encoded: dict[tuple[Call | None, int], np.ndarray] = {}
+_decoded: dict[bytes, tuple[Call | None, int]] = {}
+
+
 def encode(call: Call | None, joined_at: int = 0) -> np.ndarray:
-    """One rank's row for a board round (``joined_at``: the round it joined in, 0 if it has not)."""
+    """One rank's row for a board round (``joined_at``: the round it joined in, 0 if it has not);
+    read only (the same row comes back for the same call)."""
+    row = _encoded.get((call, joined_at))
+    if row is None:
+        if len(_encoded) >= _CACHE_SIZE:
+            _encoded.clear()
+        row = _encoded[(call, joined_at)] = _encode(call, joined_at)
+        row.flags.writeable = False
+    return row
+
+
+def _encode(call: Call | None, joined_at: int) -> np.ndarray:
     row = np.zeros(WIDTH, np.int64)
     if joined_at:
         row[_FLAGS] |= _JOINED
@@ -122,8 +140,25 @@ def encode(call: Call | None, joined_at: int = 0) -> np.ndarray:
     return row
 
 
+def mark_joined(row: np.ndarray, joined_at: int) -> np.ndarray:
+    """``row`` saying its rank has joined (since its round ``joined_at``)."""
+    row[_FLAGS] |= _JOINED
+    row[_JOINED_AT] = joined_at
+    return row
+
+
 def decode(row: np.ndarray) -> tuple[Call | None, int]:
     """(the row's call or None, the round its rank joined in or 0)."""
+    raw = row.tobytes()
+    decoded = _decoded.get(raw)
+    if decoded is None:
+        if len(_decoded) >= _CACHE_SIZE:
+            _decoded.clear()
+        decoded = _decoded[raw] = _decode(row)
+    return decoded
+
+
+def _decode(row: np.ndarray) -> tuple[Call | None, int]:
     joined_at = int(row[_JOINED_AT]) if row[_FLAGS] & _JOINED else 0
     if not row[_FLAGS] & _HAS_CALL:
         return None, joined_at
@@ -170,23 +205,33 @@ class Board:
         self.joined_at = np.zeros(size, np.int64)  # per rank: the round it joined in (0: it has not)
         self._seen: list[dict[str, int]] = [{} for _ in range(size)]  # per rank: calls per name so far
         self._open: dict[tuple[str, int], dict[int, Call]] = {}  # (name, occurrence) -> rank -> call
+        # This rank is in join() (before any round read says so): see decide().
+        self.own_joined = False
 
     @property
     def joined(self) -> list[int]:
         return [int(r) for r in np.flatnonzero(self.joined_at)]
 
     def read(self, rows: np.ndarray) -> tuple[list[Decided], JoinDone | None]:
-        """One board round's sum (a row per rank), in round order: the occurrences it decides
-        and, if every rank has joined now, when join ends (the joined marks are then cleared)."""
+        """One board round's sum (per rank: its rows, calls in its order; a 2-d array is one row
+        each), in round order: the occurrences it decides and, if every rank has joined now,
+        when join ends (the joined marks are then cleared). A rank's join counts from the round
+        its mark is first read in: the same round for every reader, whichever round the joined
+        rank numbered it (the ranks' rounds pair by count, not by when they were sent)."""
         self.rounds += 1
-        for rank in range(self.size):
-            call, joined_at = decode(rows[rank])
-            if joined_at and not self.joined_at[rank]:
-                self.joined_at[rank] = joined_at
-            if call is not None:
-                occurrence = self._seen[rank].get(call.name, 0) + 1
-                self._seen[rank][call.name] = occurrence
-                self._open.setdefault((call.name, occurrence), {})[rank] = call
+        if rows.ndim == 2:
+            rows = rows[:, None, :]
+        flags = rows[:, :, _FLAGS]
+        for rank in np.flatnonzero(flags.any(axis=1)):
+            rank = int(rank)
+            for slot in np.flatnonzero(flags[rank]):
+                call, joined_at = decode(rows[rank, slot])
+                if joined_at and not self.joined_at[rank]:
+                    self.joined_at[rank] = self.rounds
+                if call is not None:
+                    occurrence = self._seen[rank].get(call.name, 0) + 1
+                    self._seen[rank][call.name] = occurrence
+                    self._open.setdefault((call.name, occurrence), {})[rank] = call
         decided = self._decide()
         if self.joined_at.all():
             last = max(range(self.size), key=lambda r: (int(self.joined_at[r]), r))
@@ -194,8 +239,19 @@ class Board:
             return decided, JoinDone(last)
         return decided, None
 
+    def decide(self) -> list[Decided]:
+        """The occurrences the rounds read so far decide once this rank's own join counts
+        (``own_joined``): a joined rank mirrors the others' calls that wait only for it at once,
+        not one round later, when its mark is read: the others may have sent those calls a round
+        ahead of it, and then have no reason to send the next round that its mark needs. The
+        verdicts are the ones every rank reaches when it reads the mark (a joined rank makes no
+        call that could change them)."""
+        return self._decide()
+
     def _decide(self) -> list[Decided]:
         joined = set(self.joined)
+        if self.own_joined:
+            joined.add(self.rank)
         decided = []
         for (name, occurrence), calls in list(self._open.items()):
             if len(calls.keys() | joined) < self.size:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -30,12 +31,14 @@ from pslink.errors import PslinkError
 log = logging.getLogger("pslink.core.worker")
 
 Steps = Generator[Any, Any, Any]
+NUDGE_AFTER = 0.002  # a wait (or poll) on an operation this long calls its nudge (see Pending)
+NUDGE_MAX = 0.05  # ... and again, each pause twice the last, up to this
 
 
 class Pending:
     """One collective in flight. ``steps`` yields Agent handles (see the module); ``what`` names
     it in errors; ``cancel(handle, error)`` fails a handle at once (the Agent's), ``progress``
-    takes steps in the background; ``finish()`` runs when the operation ended, ok or not.
+    takes steps in the background; ``finish(failed)`` runs when the operation ended, ok or not.
 
     Steps are taken under a lock that nobody blocks on: a thread that finds it taken leaves a
     note (``_again``) and the holder takes the new steps too before it lets go. So a handle's
@@ -43,17 +46,21 @@ class Pending:
     its callback is attached) never deadlocks, and no ready step is left behind."""
 
     __slots__ = ("what", "_steps", "_handle", "_result", "_error", "_ended", "_failed", "_lock", "_again",
-                 "_cancel", "_progress", "_finish", "_inline", "_unattended", "_callbacks", "_callbacks_lock")
+                 "_cancel", "_progress", "_finish", "_inline", "_unattended", "_callbacks", "_callbacks_lock",
+                 "_nudge", "_timeout", "_born")
 
     def __init__(self, what: str, steps: Steps, cancel: Callable, progress: "Progress",
-                 finish: Callable[[], None] | None = None, inline: bool = False, unattended: bool = False):
+                 finish: Callable[[], None] | None = None, inline: bool = False, unattended: bool = False,
+                 nudge: Callable[[], bool] | None = None, timeout: float | None = None):
         """``inline``: the steps after each handle only compute (they send nothing and never
         block), so the thread that completes a handle takes them, without the hop to the
         progress thread (a single push-pull and its arithmetic); they need nobody to read the
         answer before ``wait()`` or ``done()`` does, unless ``unattended``: the operation must
         end with nobody waiting (a torch.distributed future), so its answers are read in the
         background. Steps that send go on in the background always (the other ranks' rounds
-        wait for them)."""
+        wait for them). ``nudge()``: called while a wait (or a poll) drags on, every NUDGE_AFTER
+        seconds and then less often (the session sends its board rows); it returns whether to
+        keep calling it. ``timeout``: a wait's default bound (the Agent's)."""
         self.what = what
         self._steps = steps
         self._handle = None
@@ -70,6 +77,9 @@ class Pending:
         self._unattended = unattended
         self._callbacks: list[Callable[["Pending"], None]] | None = []
         self._callbacks_lock = threading.Lock()
+        self._nudge = nudge
+        self._timeout = timeout
+        self._born = time.monotonic() if nudge is not None else 0.0
         with self._lock:
             self._step(None, None)
         self._drain()
@@ -89,11 +99,16 @@ class Pending:
         """Whether :meth:`wait` would return (or raise) at once; takes the steps that are ready
         (never blocks)."""
         self._drain()
+        if not self._ended and self._nudge is not None and time.monotonic() - self._born > NUDGE_AFTER:
+            if not self._nudge():
+                self._nudge = None
         return self._ended
 
     def wait(self, timeout: float | None = None) -> Any:
         """The result (raises the operation's error); ``timeout`` bounds each Agent wait (a
         timeout raises, and the operation stays in flight)."""
+        if self._nudge is not None:
+            self._wait_nudging(timeout)
         while True:
             self._drain()
             if self._ended:
@@ -109,6 +124,26 @@ class Pending:
         if self._error is not None:
             raise self._error
         return self._result
+
+    def _wait_nudging(self, timeout: float | None) -> None:
+        """Wait in slices while ``nudge()`` wants to be called between them (then :meth:`wait`
+        waits the rest); out of time, raise the Agent's timeout error for what it waits on."""
+        timeout = self._timeout if timeout is None else timeout
+        started = time.monotonic()
+        pause = NUDGE_AFTER - (started - self._born)
+        while self._nudge is not None:
+            self._drain()
+            handle = self._handle
+            if self._ended or handle is None or not hasattr(handle, "wait_briefly"):
+                return  # (a stand-in's handle: waited on plainly)
+            left = None if timeout is None else timeout - (time.monotonic() - started)
+            if left is not None and left <= 0:
+                raise handle.timed_out(timeout)
+            if handle.wait_briefly(max(0.0, pause if left is None else min(pause, left))):
+                continue
+            if not self._nudge():
+                self._nudge = None
+            pause = min(max(pause, NUDGE_AFTER) * 2, NUDGE_MAX)
 
     def exception(self) -> BaseException | None:
         return self._error if self._ended else None
@@ -188,7 +223,7 @@ class Pending:
         self._result, self._error, self._handle = result, error, None
         self._ended = True
         if self._finish is not None:
-            self._finish()
+            self._finish(error is not None)
         with self._callbacks_lock:
             callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():

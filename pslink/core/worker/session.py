@@ -50,12 +50,26 @@ log = logging.getLogger("pslink.core.worker")
 
 UNNAMED_KINDS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall", "sparse_allreduce", "call")
 BOARD_WINDOW = 32  # board rounds a rank may have in flight (the service refuses pushes 64 rounds ahead)
+BOARD_BATCH = 16  # calls a board round carries at most (each rank's rows: see Session._announce)
 LATER_SLOTS = 2 * BOARD_WINDOW  # see Session.data_key
 # A gather's shapes row: ndim, dtype, the dimensions; a joined rank's row says so instead.
 GATHER_WIDTH = 2 + collectives.MAX_GATHER_DIMS
 JOINED_ROW = -1
 _UNNAMED = re.compile(r"^(\w+)\.noname\.(?:g(\d+)\.)?(\d+)$")
 _ENDED = object()  # a call of this rank that ended before the board decided it
+_FAILED = object()  # ... and that failed (a verdict against it then has nothing to add)
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, remembered (numpy works the name out anew on every read: a few
+    microseconds per call, which a 4 KiB allreduce notices)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
 
 
 class Session:
@@ -127,8 +141,9 @@ class Session:
             self._board_sent = 0
             self._board_answers: dict[int, np.ndarray | PslinkError] = {}
             self._board_handles: collections.deque = collections.deque()  # (round, handle) not yet read
+            self._board_rows: list[np.ndarray] = []  # this rank's rows not sent yet, in call order
             self._counts: dict[str, int] = {}  # this rank's calls per name
-            self._calls: dict[tuple[str, int], Any] = {}  # this rank's undecided calls -> Pending, None or _ENDED
+            self._calls: dict[tuple[str, int], Any] = {}  # this rank's undecided calls -> Pending, None, _ENDED or _FAILED
             self._early: dict[tuple[str, int], PslinkError] = {}  # verdicts that came before their Pending
             self._deferred: list[PslinkError] = []  # verdicts on calls that had ended: raised at the next call
             self._mirrors: collections.deque[Decided] = collections.deque()  # for this rank while it is joined
@@ -227,10 +242,22 @@ class Session:
 
     # -- the board ----------------------------------------------------------------------------------
 
-    def _announce(self, call: Call | None) -> tuple[tuple[str, int] | None, Any]:
-        """This rank's next board round, with ``call`` in its row (None: a joined rank's round);
-        returns the call's (name, occurrence) and the round's handle. Raises a verdict on an
-        earlier call that came too late for it (so a disagreement never passes silently)."""
+    def _announce(self, call: Call | None, prompt: bool = False) -> tuple[tuple[str, int] | None, Any]:
+        """Put ``call`` on this rank's next board round (None: a joined rank's round, sent at
+        once); returns the call's (name, occurrence) and, when the round went now, its handle.
+        Raises a verdict on an earlier call that came too late for it (so a disagreement never
+        passes silently).
+
+        A round carries up to BOARD_BATCH calls of each rank: rows wait until that many are
+        there, so a training loop pays one small push-pull per BOARD_BATCH calls, not per call.
+        Calls that agree need no verdict to run: their keys meet on the service. Rows go at once
+        (``prompt``: an optimizer step, whose round the step waits on) when nobody may ever
+        wait on the calls (``unattended``) or while a rank has joined (its mirrors of the others'
+        allreduces need their rows); and whenever a wait on an undecided call drags on
+        (:meth:`_nudge`): calls that disagree wait on different keys, each rank then sends its
+        rows, and the verdict ends the waits. The n-th rounds of the ranks pair whatever rows
+        they carry (a rank that nudged is a round ahead until the others send theirs): the
+        Board matches calls by name and occurrence, not by round."""
         with self._lock:
             if self._deferred:
                 raise self._deferred.pop(0)
@@ -240,18 +267,59 @@ class Session:
                 self._counts[call.name] = occurrence
                 entry = (call.name, occurrence)
                 self._calls[entry] = None
-            self._board_sent += 1
-            round_ = self._board_sent
-            rows = np.zeros((self.size, boards.WIDTH), np.int64)
-            rows[self.rank] = boards.encode(call, self._joined_at)
-            handle = self.agent.pushpull(self._board_key, rows, out=rows)
-            self._board_handles.append((round_, handle))
-            board = self._board
-        # The verdicts are read when some thread reads answers anyway (one that waits on a call,
-        # which is what a verdict may have to cancel), unless nobody may ever wait.
-        handle.add_done_callback(lambda h: self._board_answer(board, round_, h, rows), drive=self._unattended)
-        self._board_backpressure()
-        return entry, handle
+                self._board_rows.append(boards.encode(call, self._joined_at))
+            prompt = prompt or call is None or self._unattended or bool(self._joined_at) or bool(self._board.joined)
+            if not prompt and (len(self._board_rows) < BOARD_BATCH or len(self._board_handles) >= BOARD_WINDOW):
+                return entry, None  # (a full window: the rows go with a later round)
+        if prompt:
+            self._board_backpressure()
+        return entry, self._send_board()
+
+    def _send_board(self, empty: bool = False) -> Any:
+        """Send this rank's waiting rows as its next board rounds (BOARD_BATCH rows each), if
+        there are any (``empty``: one round without them is wanted too); returns the handle of
+        the round with the newest row, or None."""
+        handle = None
+        while True:
+            with self._lock:
+                if not self._board_rows and not (empty or self._joined_at):
+                    return handle
+                empty = False
+                rows_ = self._board_rows[:BOARD_BATCH]
+                del self._board_rows[:BOARD_BATCH]
+                self._board_sent += 1
+                round_ = self._board_sent
+                rows = np.zeros((self.size, BOARD_BATCH, boards.WIDTH), np.int64)
+                if rows_:
+                    rows[self.rank, : len(rows_)] = rows_
+                if self._joined_at:
+                    rows[self.rank, 0] = boards.mark_joined(rows[self.rank, 0], self._joined_at)
+                handle = self.agent.pushpull(self._board_key, rows, out=rows)
+                self._board_handles.append((round_, handle))
+                board = self._board
+                more = bool(self._board_rows)
+            # The verdicts are read when some thread reads answers anyway (one that waits on a
+            # call, which is what a verdict may have to cancel), unless nobody may ever wait.
+            handle.add_done_callback(lambda h, b=board, r=round_, a=rows: self._board_answer(b, r, h, a),
+                                     drive=self._unattended)
+            if not more:
+                return handle
+            self._board_backpressure()
+
+    def _nudge(self, entry: tuple[str, int] | None) -> bool:
+        """A wait on call ``entry`` drags on: its rank's rows go now (room in the window
+        permitting), or, when they have and every round this rank sent is answered while the
+        call is still undecided, an empty round (the others' rows may be in a round that waits
+        for this rank's next). Returns whether the call is still undecided (nudge again)."""
+        with self._lock:
+            undecided = entry is not None and entry in self._calls
+            if len(self._board_handles) >= BOARD_WINDOW:
+                return undecided
+            empty = undecided and not self._board_handles
+            if not (self._board_rows or empty):
+                return undecided
+        self._send_board(empty)
+        return undecided
 
     def _board_backpressure(self) -> None:
         """Wait for this rank's oldest board rounds while too many are in flight (the other ranks
@@ -296,6 +364,9 @@ class Session:
                     failures.extend(self._verdict(verdict))
                 if done is not None:
                     self._join_done = done
+            if self._board.own_joined:
+                for verdict in self._board.decide():
+                    failures.extend(self._verdict(verdict))
         for pending, error in failures:
             pending.fail(error)
 
@@ -314,6 +385,8 @@ class Session:
             return []
         if mine is None:
             self._early[entry] = verdict.error
+        elif mine is _FAILED:
+            return []  # it raised already (a joined rank's shapes row failed it first, say)
         elif mine is _ENDED:
             self._deferred.append(verdict.error)
         else:
@@ -324,14 +397,15 @@ class Session:
                  inline: bool = False) -> Pending:
         """Run ``steps`` as this rank's call ``entry`` (its board verdict may fail it);
         ``inline``: they only compute after their one push-pull (see Pending)."""
-        def finish():
+        def finish(failed: bool):
             with self._lock:
                 if claimed is not None:
                     self._in_flight.discard(claimed)
                 if entry is not None and entry in self._calls:
-                    self._calls[entry] = _ENDED
+                    self._calls[entry] = _FAILED if failed else _ENDED
 
-        pending = Pending(what, steps, self.agent.cancel, self._progress, finish, inline, self._unattended)
+        pending = Pending(what, steps, self.agent.cancel, self._progress, finish, inline, self._unattended,
+                          nudge=lambda: self._nudge(entry), timeout=self.timeout)
         if entry is not None:
             with self._lock:
                 early = self._early.pop(entry, None)
@@ -395,7 +469,7 @@ class Session:
 
         def build(name: str):
             what = f"allreduce {name!r}"
-            call = Call(boards.ALLREDUCE, name, array.dtype.name, array.shape, op.value, -1, prescale, postscale)
+            call = Call(boards.ALLREDUCE, name, dtype_name(array.dtype), array.shape, op.value, -1, prescale, postscale)
             if op in GATHERED:
                 return what, call, self._gathered_reduce(array, out, name, op, prescale, postscale), False
             return what, call, self._summed(array, out, name, what, op, prescale, postscale), True
@@ -409,7 +483,7 @@ class Session:
         averaged = service_averages(op, array.dtype)
         if array.size:
             source = scale(array, prescale, out) if prescale != 1.0 else array
-            key = self.data_key(kind, name, op.value, array.dtype.name, array.shape)
+            key = self.data_key(kind, name, op.value, dtype_name(array.dtype), array.shape)
             yield self._send(what, key, source, out, averaged)
         if op is Average and not averaged:
             scale(out, postscale / self.size)
@@ -463,7 +537,7 @@ class Session:
         out = out_array(array, out, "broadcast")
 
         def build(name: str):
-            call = Call(boards.BROADCAST, name, array.dtype.name, array.shape, "", root)
+            call = Call(boards.BROADCAST, name, dtype_name(array.dtype), array.shape, "", root)
             return f"broadcast {name!r}", call, self._broadcast_steps([(name, array, out)], root, out), True
 
         return self._issue("broadcast", name, build)
@@ -492,7 +566,7 @@ class Session:
                 continue
             # The key names the root and dtype: ranks that disagree on them wait on different
             # keys (the board's verdict ends the wait) instead of summing two roots' values.
-            keys.append(self.data_key("broadcast", item_name, f"root{root}", array.dtype.name, array.shape))
+            keys.append(self.data_key("broadcast", item_name, f"root{root}", dtype_name(array.dtype), array.shape))
             bits = bits_of(out)
             outs.append(bits)
             pushes.append(bits if self.rank == root else self._zeros.like(bits))
@@ -510,7 +584,7 @@ class Session:
 
         def build(name: str):
             what = f"allgather {name!r}"
-            call = Call(boards.ALLGATHER, name, array.dtype.name, array.shape[1:])
+            call = Call(boards.ALLGATHER, name, dtype_name(array.dtype), array.shape[1:])
             return what, call, self._gather(array, name, what), False
 
         return self._issue("allgather", name, build)
@@ -560,7 +634,7 @@ class Session:
         buffer[start : start + array.shape[0]] = array
         if buffer.size:
             bits = bits_of(buffer)
-            key = self.data_key("allgather", name, "rows", array.dtype.name, buffer.shape, later=True)
+            key = self.data_key("allgather", name, "rows", dtype_name(array.dtype), buffer.shape, later=True)
             yield self._send(what, key, bits, bits)
         if extra.size:
             return buffer, rows, extras
@@ -593,7 +667,7 @@ class Session:
 
         def build(name: str):
             what = f"reducescatter {name!r}"
-            call = Call(boards.REDUCESCATTER, name, array.dtype.name, array.shape, op.value, -1, prescale, postscale)
+            call = Call(boards.REDUCESCATTER, name, dtype_name(array.dtype), array.shape, op.value, -1, prescale, postscale)
             return what, call, steps(name, what), True
 
         return self._issue("reducescatter", name, build)
@@ -638,7 +712,7 @@ class Session:
 
         def build(name: str):
             what = f"alltoall {name!r}"
-            return what, Call(boards.ALLTOALL, name, array.dtype.name, array.shape[1:]), steps(name, what), False
+            return what, Call(boards.ALLTOALL, name, dtype_name(array.dtype), array.shape[1:]), steps(name, what), False
 
         return self._issue("alltoall", name, build)
 
@@ -683,7 +757,7 @@ class Session:
     def step(self, index: int) -> Pending:
         """Optimizer ``index`` steps (its gradients are in flight): the board round that tells a
         joined rank to mirror it. Wait on it with the gradients."""
-        entry, handle = self._announce(Call(boards.STEP, f"optimizer.{index}"))
+        entry, handle = self._announce(Call(boards.STEP, f"optimizer.{index}"), prompt=True)
 
         def steps():
             yield handle
@@ -698,11 +772,15 @@ class Session:
         highest, if several joined in the same round)."""
         with self._lock:
             self._joined_at = self._board_sent + 1
+            self._board.own_joined = True
             self._join_done = None
         mirrored: list = []
         try:
             while True:
                 self._announce(None)
+                self._read_board()  # what this rank's join decides already (Board.decide)
+                while self._mirrors:
+                    mirrored.extend(self._mirror(self._mirrors.popleft()))
                 self._wait_board()
                 while self._mirrors:
                     mirrored.extend(self._mirror(self._mirrors.popleft()))
@@ -715,6 +793,7 @@ class Session:
         finally:
             with self._lock:
                 self._joined_at = 0
+                self._board.own_joined = False
                 self._join_done = None
         return done.last
 
@@ -796,7 +875,7 @@ def host_array(array: Any, what: str) -> np.ndarray:
     naming ``what`` otherwise."""
     if not isinstance(array, np.ndarray):
         array = np.asarray(array)
-    if array.dtype.name not in DTYPES:
+    if dtype_name(array.dtype) not in DTYPES:
         raise ConfigError(f"{what}: dtype {array.dtype} cannot go through pslink; supported: {', '.join(DTYPES)}")
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
