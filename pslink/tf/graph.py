@@ -12,15 +12,9 @@ the service carries) and the tensors it reads:
   of a graph takes the previous one's checked status as an input (a token), so it runs after
   that op succeeded: each rank then makes its calls in program order, two ranks can never each
   block a thread of TensorFlow's pool in a call the other has not reached, and after a call
-  that failed (on every rank alike) no rank starts the next. XLA cannot compile such an op:
-  building one under XLA is refused, naming what to change.
-
-  A token is an input, so fetching an op runs the ops its chain holds too. Inside a function
-  every op runs at each call anyway. A TF1 graph's ops are fetched as the program chooses: an
-  op built after the previous one ran (build one, run it, build the next) starts a chain of its
-  own, so that running it does not run the earlier ones again; ops built one after the other
-  without a run in between (fetched together, typically) stay chained. The choice depends on
-  the program's order alone: the same on every rank.
+  that failed (on every rank alike) no rank starts the next. (In a TF1 graph, fetching an op
+  therefore runs the collectives built before it too.) XLA cannot compile such an op: building
+  one under XLA is refused, naming what to change.
 
 :func:`call_name` gives a call built into a graph its name then, as Horovod names its ops
 (``HorovodAllreduce_<tensor>``, unique in the graph): each run of the op is the next call of
@@ -42,8 +36,7 @@ from pslink.tf import _internals, errors, tensors
 
 log = logging.getLogger("pslink.tf")
 
-# per graph: the last call's checked status and whether that call has run yet
-_tokens: weakref.WeakKeyDictionary[tf.Graph, tuple[tf.Tensor, list]] = weakref.WeakKeyDictionary()
+_tokens: weakref.WeakKeyDictionary[tf.Graph, tf.Tensor] = weakref.WeakKeyDictionary()  # the last call's
 
 
 class Out(NamedTuple):
@@ -88,14 +81,10 @@ def run(what: str, call: Callable[..., Sequence[np.ndarray]], inputs: Sequence, 
                           "(Keras: model.compile(..., jit_compile=False); tf.function(jit_compile=False))")
 
     graph_ = tf.compat.v1.get_default_graph()
-    token, ran_before = _tokens.get(graph_, (None, [False]))
-    if ran_before[0] and not tf.inside_function():
-        token = None  # a TF1 graph whose previous call ran already: a chain of its own (see the module)
+    token = _tokens.get(graph_)
     chained = ([token] if token is not None else []) + inputs
-    ran = [False]
 
     def op(*arrays):
-        ran[0] = True
         if token is not None:
             arrays = arrays[1:]  # the previous call's status: only an order
         try:
@@ -113,7 +102,7 @@ def run(what: str, call: Callable[..., Sequence[np.ndarray]], inputs: Sequence, 
     *results, status = tf.numpy_function(op, chained, [o.dtype for o in outputs] + [tf.int32], stateful=True,
                                          name=f"pslink_{kind}")
     checked = errors.fail_if(status, what)
-    _tokens[graph_] = (checked, ran)
+    _tokens[graph_] = checked
     with tf.control_dependencies([checked]):
         results = [tf.identity(r) for r in results]
     for result, out in zip(results, outputs):
@@ -126,10 +115,10 @@ def ordered(build: Callable):
     say a branch of ``tf.cond``) so that, in the graph being built, they run after the previous
     call, and the next after them; ``build()``'s first output must depend on their calls."""
     graph_ = tf.compat.v1.get_default_graph()
-    token, _ = _tokens.get(graph_, (None, None))
+    token = _tokens.get(graph_)
     with tf.control_dependencies([token] if token is not None else []):
         out = build()
-    _tokens[graph_] = (tf.nest.flatten(out)[0], [False])  # run or not: inside functions, chained
+    _tokens[graph_] = tf.nest.flatten(out)[0]
     return out
 
 

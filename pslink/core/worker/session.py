@@ -135,6 +135,7 @@ class Session:
             self.local_rank = self.rank if given_rank is None else given_rank
             self.local_size = self.size if given_size is None else given_size
             self._unnamed = dict.fromkeys(UNNAMED_KINDS, 0)  # the next unnamed call's number, per kind
+            self._unnamed_live = {kind: collections.deque() for kind in UNNAMED_KINDS}  # their calls in flight
             self._in_flight: set[str] = set()
             self._board = Board(self.rank, self.size)
             self._board_key = service_key("hvd", f"board.g{generation}" if generation else "board")
@@ -218,7 +219,7 @@ class Session:
         calls reuse a few keys instead of making one per call on the service. ``later``:
         for a request sent after the call's first answer (a gather's rows), whose order among
         other calls' no lock keeps: its unnamed key also names the call's number modulo
-        :data:`LATER_SLOTS` (more calls than that are never in flight: the board's window)."""
+        :data:`LATER_SLOTS` (no more unnamed calls of a kind than that are in flight: _unnamed_room)."""
         dims = "x".join(str(d) for d in shape) or "scalar"
         match = _UNNAMED.match(name)
         if match is None:
@@ -424,17 +425,37 @@ class Session:
         reach the service in the order they were named: an unnamed call's key is shared with the
         other calls of its signature, and its rounds pair with the other ranks' by that order."""
         with self._issuing:
+            unnamed = name is None
             name = self.name(kind, name)
+            if unnamed:
+                self._unnamed_room(kind)
             what, call, steps, inline = build(name)
             with self._lock:
                 self._claim(name, what)
             try:
                 entry, _ = self._announce(call)
-                return self._pending(what, steps, entry, claimed=name, inline=inline)
+                pending = self._pending(what, steps, entry, claimed=name, inline=inline)
+                if unnamed:
+                    self._unnamed_live.setdefault(kind, collections.deque()).append(pending)
+                return pending
             except BaseException:
                 with self._lock:
                     self._in_flight.discard(name)
                 raise
+
+    def _unnamed_room(self, kind: str) -> None:
+        """Wait while LATER_SLOTS unnamed calls of ``kind`` are in flight (the oldest first): a
+        gather's rows go on a slot key by the call's number modulo LATER_SLOTS, so no two calls
+        in flight may share one. The n-th unnamed calls of a kind are one operation on every
+        rank, so every rank waits for the same ones."""
+        live = self._unnamed_live.setdefault(kind, collections.deque())
+        while live and (live[0].done() or len(live) >= LATER_SLOTS):
+            oldest = live.popleft()
+            if not oldest.done():
+                try:
+                    oldest.wait(self.timeout)
+                except PslinkError:
+                    pass  # its error is its caller's
 
     def _send(self, what: str, key, array: np.ndarray, out: np.ndarray, average: bool = False):
         """One push-pull of ``key``; an error found before sending (a shape the service knows
