@@ -776,13 +776,16 @@ class Session:
         return len(self.steppers) - 1
 
     def step(self, index: int) -> Pending:
-        """Optimizer ``index`` steps (its gradients are in flight): the board round that tells a
-        joined rank to mirror it. Wait on it with the gradients."""
-        entry, handle = self._announce(Call(boards.STEP, f"optimizer.{index}"), prompt=True)
+        """Optimizer ``index`` steps (its gradients are in flight): its row goes on the board at
+        once, which tells a joined rank to mirror it (the joined rank's loop reads every round).
+        Nothing waits for the round's answer: the rank's round may pair with a round the others
+        send only at their next call (rounds pair by count), and a step must not wait for that. A
+        verdict against it (another optimizer on another rank) comes with a later call."""
+        entry, _ = self._announce(Call(boards.STEP, f"optimizer.{index}"), prompt=True)
 
         def steps():
-            yield handle
             return None
+            yield  # a generator that ends at once
 
         return self._pending(f"optimizer #{index} step", steps(), entry, inline=True)
 
