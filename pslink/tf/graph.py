@@ -52,13 +52,16 @@ def eager() -> bool:
 
 def call_name(kind: str, name: str | None, *named) -> str | None:
     """The name of a call of ``kind`` (Horovod's op type: ``Allreduce``, ``Broadcast``, ...):
-    ``name`` if given; built into a graph, ``Horovod<kind>_<names of the tensors named>`` made
-    unique in the graph (TensorFlow's own rule for op names, so the same on every rank building
-    the same program); eagerly None (the Session numbers it)."""
+    eagerly ``name`` (None: the Session numbers it); built into a graph, ``name`` or
+    ``Horovod<kind>_<names of the tensors named>``, made unique in the graph (TensorFlow's own
+    rule for op names, so the same on every rank building the same program): two ops built
+    with one name are two operations, as Horovod's ops are, and one graph run may run both."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a {kind.lower()} name must be a non-empty string, got {name!r}")
-        return name
+        if eager():
+            return name
+        return tf.compat.v1.get_default_graph().unique_name(name, mark_as_used=True)
     if eager():
         return None
     stem = "_".join([f"Horovod{kind}", *(tensors.name_of(t) for t in named)])
