@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from tests.helpers import serving
+
+# MXNet must load before TensorFlow in one process (TensorFlow first, then MXNet, aborts), and
+# test modules import TensorFlow as they are collected: load MXNet first, whatever subset runs.
+if importlib.util.find_spec("mxnet") is not None:
+    import mxnet  # noqa: F401
 
 
 @pytest.fixture(scope="module")

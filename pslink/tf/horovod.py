@@ -16,6 +16,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from pslink.core.worker.horovod import HorovodAPI
 from pslink.core.worker.process_sets import ProcessSet
 from pslink.core.worker.reduction import Adasum, Average, ReduceOp, Sum, reduce_op
 from pslink.errors import ConfigError
@@ -57,49 +58,13 @@ def _dense_or_slices(tensor):
     return tensor if isinstance(tensor, tf.IndexedSlices) else tf.convert_to_tensor(tensor)
 
 
-class Horovod:
+class Horovod(HorovodAPI):
     """Horovod's TensorFlow API (``horovod.tensorflow``'s functions) over the Session ``current()``
     gives: the module's functions are the methods of one of these, bound to the session
-    ``init()`` made; a test or a library may hold its own over any Session."""
+    ``init()`` made; a test or a library may hold its own over any Session. What holds no tensor
+    (the world, process sets, objects, barrier) is :class:`HorovodAPI`'s, as for every adapter."""
 
-    def __init__(self, current: Callable):
-        self._current = current
-
-    def _session_of(self, process_set):
-        """The Session a collective of ``process_set`` runs on (this one's for the global set)."""
-        return self._current().process_sets.session_for(process_set)
-
-    # -- the world --------------------------------------------------------------------------------
-
-    def add_process_set(self, process_set) -> ProcessSet:
-        """Make a process set of these ranks (a list, or a ProcessSet): every rank calls it, in the
-        same order for every set; the ranks in it then reduce among themselves."""
-        return self._current().process_sets.add(process_set)
-
-    def remove_process_set(self, process_set: ProcessSet) -> bool:
-        """Forget a process set (its ranks leave its job); False if it was not added."""
-        return self._current().process_sets.remove(process_set)
-
-    def rank(self) -> int:
-        return self._current().rank
-
-    def size(self) -> int:
-        return self._current().size
-
-    def local_rank(self) -> int:
-        return self._current().local_rank
-
-    def local_size(self) -> int:
-        return self._current().local_size
-
-    def cross_rank(self) -> int:
-        return self._current().cross_rank
-
-    def cross_size(self) -> int:
-        return self._current().cross_size
-
-    def is_homogeneous(self) -> bool:
-        return self._current().is_homogeneous()
+    # -- the world (rank, size, process sets: HorovodAPI's), and TensorFlow's -------------------------
 
     def cuda_built(self) -> bool:
         """Whether this TensorFlow was built with CUDA (as Horovod reports it)."""
