@@ -205,8 +205,13 @@ class Board:
         self.joined_at = np.zeros(size, np.int64)  # per rank: the round it joined in (0: it has not)
         self._seen: list[dict[str, int]] = [{} for _ in range(size)]  # per rank: calls per name so far
         self._open: dict[tuple[str, int], dict[int, Call]] = {}  # (name, occurrence) -> rank -> call
-        # This rank is in join() (before any round read says so): see decide().
+        # This rank is in join() (before any round read says so), having made own_calls[name]
+        # calls of each name: see decide().
         self.own_joined = False
+        self.own_calls: dict[str, int] = {}
+        # occurrences this rank was absent from, decided before its own earlier rows were read:
+        # its count of the name moves on once they are (else they would be counted after them)
+        self._own_absent: dict[str, int] = {}
 
     @property
     def joined(self) -> list[int]:
@@ -215,9 +220,8 @@ class Board:
     def read(self, rows: np.ndarray) -> tuple[list[Decided], JoinDone | None]:
         """One board round's sum (per rank: its rows, calls in its order; a 2-d array is one row
         each), in round order: the occurrences it decides and, if every rank has joined now,
-        when join ends (the joined marks are then cleared). A rank's join counts from the round
-        its mark is first read in: the same round for every reader, whichever round the joined
-        rank numbered it (the ranks' rounds pair by count, not by when they were sent)."""
+        when join ends (the joined marks are then cleared). A rank's mark orders its join among
+        the others' (the Session writes the calls it had made, plus one; ties: the higher rank)."""
         self.rounds += 1
         if rows.ndim == 2:
             rows = rows[:, None, :]
@@ -227,39 +231,55 @@ class Board:
             for slot in np.flatnonzero(flags[rank]):
                 call, joined_at = decode(rows[rank, slot])
                 if joined_at and not self.joined_at[rank]:
-                    self.joined_at[rank] = self.rounds
+                    self.joined_at[rank] = joined_at
                 if call is not None:
                     occurrence = self._seen[rank].get(call.name, 0) + 1
                     self._seen[rank][call.name] = occurrence
                     self._open.setdefault((call.name, occurrence), {})[rank] = call
+        self._settle_own_absent()
         decided = self._decide()
         if self.joined_at.all():
             last = max(range(self.size), key=lambda r: (int(self.joined_at[r]), r))
             self.joined_at[:] = 0
+            self.own_joined = False  # join is over here: rows read after this are calls to make
             return decided, JoinDone(last)
         return decided, None
+
+    def _settle_own_absent(self) -> None:
+        seen = self._seen[self.rank]
+        for name, occurrence in list(self._own_absent.items()):
+            if seen.get(name, 0) >= self.own_calls.get(name, 0):
+                seen[name] = max(seen.get(name, 0), occurrence)
+                del self._own_absent[name]
 
     def decide(self) -> list[Decided]:
         """The occurrences the rounds read so far decide once this rank's own join counts
         (``own_joined``): a joined rank mirrors the others' calls that wait only for it at once,
         not one round later, when its mark is read: the others may have sent those calls a round
-        ahead of it, and then have no reason to send the next round that its mark needs. The
+        ahead of it, and then have no reason to send the next round that its mark needs. Only
+        occurrences it has not made itself count (its own rows of those may be unread yet). The
         verdicts are the ones every rank reaches when it reads the mark (a joined rank makes no
         call that could change them)."""
-        return self._decide()
+        decided = self._decide()
+        self._settle_own_absent()
+        return decided
 
     def _decide(self) -> list[Decided]:
-        joined = set(self.joined)
-        if self.own_joined:
-            joined.add(self.rank)
+        read_joined = set(self.joined)
         decided = []
         for (name, occurrence), calls in list(self._open.items()):
+            joined = read_joined
+            if self.own_joined and occurrence > self.own_calls.get(name, 0):
+                joined = read_joined | {self.rank}  # (its own row of a call it made may be unread yet)
             if len(calls.keys() | joined) < self.size:
                 continue
             del self._open[(name, occurrence)]
             absent = tuple(sorted(joined - calls.keys()))
             for rank in absent:
-                self._seen[rank][name] = max(self._seen[rank].get(name, 0), occurrence)
+                if rank == self.rank and rank not in read_joined:
+                    self._own_absent[name] = max(self._own_absent.get(name, 0), occurrence)
+                else:
+                    self._seen[rank][name] = max(self._seen[rank].get(name, 0), occurrence)
             first = calls[min(calls)]
             verdict = Decided(name, occurrence, first, absent=absent)
             differing = {r: c for r, c in calls.items() if c != first}

@@ -795,8 +795,11 @@ class Session:
         their other collectives fail on their ranks. Returns the rank that joined last (the
         highest, if several joined in the same round)."""
         with self._lock:
-            self._joined_at = self._board_sent + 1
-            self._board.own_joined = True
+            # Its order among the ranks' joins (Board.read): the calls it has made, each rank's
+            # own and the others' it took part in while joined. A rank that called what another
+            # did not (since that one joined) joined later, whatever the timing.
+            self._joined_at = sum(self._counts.values()) + 1
+            self._board.own_joined, self._board.own_calls = True, dict(self._counts)
             self._join_done = None
         mirrored: list = []
         try:
