@@ -237,6 +237,18 @@ def test_a_joining_rank_mirrors_at_once_what_waits_only_for_it_as_every_rank_dec
     assert joining.read(mark) == ([], None)  # decided once
 
 
+def test_a_joining_ranks_own_rows_read_late_keep_their_occurrences():
+    call = _allreduce("t")
+    board = Board(0, 2)
+    board.own_joined, board.own_calls = True, {"t": 1}  # rank 0 made "t" #1 (its row unread), then joined
+    (mirror,), _ = board.read(_batch_round([], [call, call]))  # rank 1's "t" #1 and #2
+    assert (mirror.occurrence, mirror.absent, mirror.mirror) == (2, (0,), True)  # #1 waits for rank 0's row
+    mark = _batch_round([call], [])
+    mark[0, 0] = boards.mark_joined(mark[0, 0], 2)
+    (both,), _ = board.read(mark)  # rank 0's own row comes: it is #1, not #3
+    assert (both.occurrence, both.absent, both.error) == (1, (), None)
+
+
 class _Answered:
     """An Agent handle answered already."""
 
