@@ -62,22 +62,11 @@ def init(comm=None, process_sets=None, *, job: str | None = None, rank: int | No
     arguments, as :func:`pslink.connect` names them). Calling it again while initialized does
     nothing, as in Horovod; after :func:`shutdown` it joins again. ``process_sets``: sets to add
     at once (ProcessSets or rank lists), as Horovod's ``init(process_sets=...)``."""
-    if comm is not None:
-        raise ConfigError("pslink.mxnet.horovod.init: MPI communicators are not supported; call init()")
-    initialized = holder.is_initialized()
-    session = holder.init(job, rank, num_workers, master, **options)
-    if not initialized:
-        for process_set in process_sets or ():
-            session.process_sets.add(process_set)
+    holder.start(comm, process_sets, job, rank, num_workers, master, **options)
 
 
-def shutdown() -> None:
-    """Leave the job and release the session (``init()`` may be called again)."""
-    holder.shutdown()
-
-
-def is_initialized() -> bool:
-    return holder.is_initialized()
+shutdown = holder.shutdown
+is_initialized = holder.is_initialized
 
 
 def _broadcast_after_init(session: Session, param: mx.gluon.Parameter, root_rank: int, name: str) -> None:

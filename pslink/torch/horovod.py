@@ -41,23 +41,13 @@ def init(comm=None, process_sets=None, *, job: str | None = None, rank: int | No
     arguments, as :func:`pslink.connect` names them). Calling it again while initialized does
     nothing, as in Horovod; after :func:`shutdown` it joins again. ``process_sets``: sets to add
     at once (a list of ProcessSets or of rank lists), as Horovod's ``init(process_sets=...)``."""
-    if comm is not None:
-        raise ConfigError("pslink.torch.init: MPI communicators are not supported; call init()")
-    initialized = holder.is_initialized()
-    session = holder.init(job, rank, num_workers, master, **options)
-    if not initialized:
+    session, made = holder.start(comm, process_sets, job, rank, num_workers, master, **options)
+    if made:
         local_sync.watch(session.agent)  # sync="local:T": each optimizer step ends with the groups' sync
-        for process_set in process_sets or ():
-            session.process_sets.add(process_set)
 
 
-def shutdown() -> None:
-    """Leave the job and release the session (``init()`` may be called again)."""
-    holder.shutdown()
-
-
-def is_initialized() -> bool:
-    return holder.is_initialized()
+shutdown = holder.shutdown
+is_initialized = holder.is_initialized
 
 
 class Horovod(HorovodAPI):

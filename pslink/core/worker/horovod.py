@@ -73,6 +73,20 @@ class Holder:
             self.session = Session(agent, local_rank, local_size, reconnect=connect_again, members=members)
             return self.session
 
+    def start(self, comm=None, process_sets=None, job: str | None = None, rank: int | None = None,
+              num_workers: int | None = None, master: str | None = None, **options: Any) -> tuple[Session, bool]:
+        """Horovod's ``init(comm, process_sets)`` for the module: :meth:`init`, then the process
+        sets to add at once (ProcessSets or rank lists) when it made the session. Returns the
+        session and whether this call made it."""
+        if comm is not None:
+            raise ConfigError(f"{self.module}.init: MPI communicators are not supported; call init()")
+        initialized = self.is_initialized()
+        session = self.init(job, rank, num_workers, master, **options)
+        if not initialized:
+            for process_set in process_sets or ():
+                session.process_sets.add(process_set)
+        return session, not initialized
+
     def _connect(self, job, rank, num_workers, master, options: dict):
         token = options.get("token") or self._token
         try:
@@ -128,6 +142,7 @@ class Holder:
         return session
 
     def is_initialized(self) -> bool:
+        """Whether ``init()`` made a session that ``shutdown()`` has not closed."""
         return self.session is not None
 
     def shutdown(self) -> None:
