@@ -71,11 +71,14 @@ class ProcessGroupPslink(dist.ProcessGroup):
         self._pairs = Pairs(agent.job, rank, size, timeout, self._deadlines)
         self._barriers = itertools.count()
         self._barrier_lock = threading.Lock()
+        self._barrier_threads: list[threading.Thread] = []
         self._group_name = ""
-        # The session closes at exit at the latest (before the interpreter goes down), not after:
-        # an Agent thread that completes a torch future then runs Python inside torch's frames,
-        # and the process aborts ("terminate called without an active exception").
-        self._close = weakref.finalize(self, _close, self._deadlines, self._pairs, self.session)
+        # The session closes at exit at the latest (before the interpreter goes down), not after,
+        # and its threads are joined: a thread that completes a torch future, or drops the last
+        # reference to one, while the interpreter goes down is stopped inside torch's frames, and
+        # the process aborts ("terminate called without an active exception").
+        self._close = weakref.finalize(self, _close, self._deadlines, self._pairs, self.session,
+                                       self._barrier_threads)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
@@ -415,17 +418,22 @@ class ProcessGroupPslink(dist.ProcessGroup):
 
         with self._barrier_lock:  # numbered in the order the barriers are called, on every rank alike
             name = f"torch-barrier-{next(self._barriers)}"
-        threading.Thread(target=wait, args=(name,), name="pslink-barrier", daemon=True).start()
+            thread = threading.Thread(target=wait, args=(name,), name="pslink-barrier", daemon=True)
+            self._barrier_threads[:] = [t for t in self._barrier_threads if t.is_alive()]
+            self._barrier_threads.append(thread)
+        thread.start()
         return Work(future)
 
     def shutdown(self) -> None:
         self._close()
 
 
-def _close(deadlines: Deadlines, pairs: Pairs, session: Session) -> None:
+def _close(deadlines: Deadlines, pairs: Pairs, session: Session, barriers: list[threading.Thread]) -> None:
     deadlines.close()
     pairs.close()
-    session.close()
+    session.close()  # (fails a barrier still waiting: its thread ends)
+    for thread in list(barriers):
+        thread.join(timeout=1)
 
 
 def _when_ended(pending: Pending | PendingGroup, callback: Callable[[object], None]) -> None:

@@ -82,6 +82,10 @@ class Deadlines:
                 self._cv.notify()
 
     def _run(self) -> None:
+        # This thread holds no future while it waits, and close() joins it: a daemon thread
+        # that drops the last reference to a torch future (its tensors) while the interpreter
+        # goes down is stopped inside torch's deallocation, and the process aborts ("terminate
+        # called without an active exception").
         with self._cv:
             while not self._closed:
                 while self._heap and self._heap[0][2].done:
@@ -89,19 +93,20 @@ class Deadlines:
                 if not self._heap:
                     self._cv.wait()
                     continue
-                deadline, _, pending = self._heap[0]
-                left = deadline - time.monotonic()
+                left = self._heap[0][0] - time.monotonic()
                 if left > 0:
                     self._cv.wait(left)
                     continue
-                heapq.heappop(self._heap)
-                pending.expire()
+                heapq.heappop(self._heap)[2].expire()
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
             self._heap.clear()
             self._cv.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
 
 
 class Collective(FutureOnce):
