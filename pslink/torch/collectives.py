@@ -90,6 +90,11 @@ def _tensor(tensor, what: str) -> torch.Tensor:
     return tensor
 
 
+# dtypes that travel as they are (a tensor of these is a view of its memory, no staging)
+_AS_IS = frozenset(dtype for dtype in (torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+                                       torch.int32, torch.int64, torch.uint8) if wire_dtype(dtype, "") == dtype)
+
+
 def _host(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """A host array the session made, as a tensor of ``like``'s dtype and device (no copy for a
     CPU tensor of a wire dtype)."""
@@ -127,6 +132,15 @@ def allreduce_async(session: Session, tensor: torch.Tensor, name: str | None = N
 def allreduce(session: Session, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,
               compression=Compression.none, prescale_factor: float = 1.0, postscale_factor: float = 1.0):
     """A new tensor: ``tensor`` reduced over the ranks (``compression`` on the wire)."""
+    if (compression is NoneCompressor and tensor.__class__ is torch.Tensor and tensor.is_cpu
+            and not tensor.requires_grad and tensor.dtype in _AS_IS and tensor.is_contiguous()):
+        # The common case, a plain CPU tensor waited for at once: the session reads from the
+        # tensor's memory and writes into the result's (the general path below does the same
+        # through views and a Work, which a small tensor's latency notices).
+        result = torch.empty_like(tensor)
+        session.allreduce(tensor.numpy(), result.numpy(), name, op, prescale_factor,
+                          postscale_factor).wait(session.timeout)
+        return result
     compressed, ctx = compression.compress(tensor.detach())
     reduced = allreduce_async(session, compressed, name, op, prescale_factor, postscale_factor).wait(session.timeout)
     return compression.decompress(reduced, ctx)

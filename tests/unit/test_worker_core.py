@@ -18,7 +18,7 @@ from pslink.core.worker.board import Board, Call
 from pslink.core.worker.collectives import MAX_KEY_LENGTH, Zeros, service_key
 from pslink.core.worker.horovod import HOROVOD_GAPS, HOROVOD_MODULE_NAMES, HOROVOD_NAMES
 from pslink.core.worker.pending import Pending, PendingGroup, Progress
-from pslink.core.worker.session import BOARD_BATCH, Session
+from pslink.core.worker.session import Session, board_batch
 from pslink.errors import ConfigError, MismatchError, PslinkError, ShapeMismatchError
 
 # -- keys and roots --------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_join_ends_on_every_rank_in_one_round_naming_the_last_to_join():
 
 def _batch_round(*ranks) -> np.ndarray:
     """A board round's sum as Sessions send it: per rank, a list of its calls (its rows)."""
-    out = np.zeros((len(ranks), BOARD_BATCH, boards.WIDTH), np.int64)
+    out = np.zeros((len(ranks), board_batch(len(ranks)), boards.WIDTH), np.int64)
     for rank, calls in enumerate(ranks):
         for slot, call in enumerate(calls):
             out[rank, slot] = boards.encode(call)
@@ -298,7 +298,8 @@ def test_calls_that_agree_cost_one_board_round_per_batch_and_optimizer_steps_one
     agent = _EchoAgent()
     session = Session(agent)
     array = np.ones(4, np.float32)
-    for _ in range(3 * BOARD_BATCH + 1):
+    assert session._batch == board_batch(session.size) == 64
+    for _ in range(3 * session._batch + 1):
         assert session.allreduce(array, name="x", op=reduction.Sum).wait().tolist() == [2.0] * 4
     assert agent.board_rounds == 3  # the last call's row waits for the next batch
     session.step(0).wait()  # a step's round goes at once, with the rows waiting before it

@@ -25,7 +25,7 @@ reaches the same verdicts at the same round:
   that joined in the same round).
 
 A board round carries a batch of each rank's calls (the Session sends one per
-``BOARD_BATCH`` calls, sooner when a call's wait drags on or a rank has joined): calls that
+batch of calls, sooner when a call's wait drags on or a rank has joined): calls that
 agree run without waiting for it, so a training loop pays one small push-pull per batch.
 """
 
@@ -81,6 +81,17 @@ class Call:
     root: int = -1
     prescale: float = 1.0
     postscale: float = 1.0
+
+    def __hash__(self) -> int:
+        # Remembered: a frozen dataclass hashes all its fields on every lookup, and rows are
+        # looked up by their call on every collective (encode).
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash((self.kind, self.name, self.dtype, self.shape, self.op, self.root, self.prescale,
+                          self.postscale))
+            object.__setattr__(self, "_hash", value)
+            return value
 
     def describe(self) -> str:
         parts = [KIND_NAMES[self.kind]]
@@ -147,18 +158,20 @@ def mark_joined(row: np.ndarray, joined_at: int) -> np.ndarray:
     return row
 
 
-def decode(row: np.ndarray) -> tuple[Call | None, int]:
-    """(the row's call or None, the round its rank joined in or 0)."""
-    raw = row.tobytes()
+def decode(row: np.ndarray | bytes) -> tuple[Call | None, int]:
+    """(the row's call or None, the round its rank joined in or 0); ``row`` may be its bytes.
+    The same row gives the same Call object."""
+    raw = row if isinstance(row, bytes) else row.tobytes()
     decoded = _decoded.get(raw)
     if decoded is None:
         if len(_decoded) >= _CACHE_SIZE:
             _decoded.clear()
-        decoded = _decoded[raw] = _decode(row)
+        decoded = _decoded[raw] = _decode(raw)
     return decoded
 
 
-def _decode(row: np.ndarray) -> tuple[Call | None, int]:
+def _decode(raw: bytes) -> tuple[Call | None, int]:
+    row = np.frombuffer(raw, np.int64)
     joined_at = int(row[_JOINED_AT]) if row[_FLAGS] & _JOINED else 0
     if not row[_FLAGS] & _HAS_CALL:
         return None, joined_at
@@ -203,6 +216,7 @@ class Board:
         self.rank, self.size = rank, size
         self.rounds = 0  # board rounds read
         self.joined_at = np.zeros(size, np.int64)  # per rank: the round it joined in (0: it has not)
+        self.anyone_joined = False  # joined_at.any(), kept (asked on every call)
         self._seen: list[dict[str, int]] = [{} for _ in range(size)]  # per rank: calls per name so far
         self._open: dict[tuple[str, int], dict[int, Call]] = {}  # (name, occurrence) -> rank -> call
         # This rank is in join() (before any round read says so), having made own_calls[name]
@@ -225,22 +239,35 @@ class Board:
         self.rounds += 1
         if rows.ndim == 2:
             rows = rows[:, None, :]
-        flags = rows[:, :, _FLAGS]
-        for rank in np.flatnonzero(flags.any(axis=1)):
-            rank = int(rank)
-            for slot in np.flatnonzero(flags[rank]):
-                call, joined_at = decode(rows[rank, slot])
-                if joined_at and not self.joined_at[rank]:
-                    self.joined_at[rank] = joined_at
-                if call is not None:
-                    occurrence = self._seen[rank].get(call.name, 0) + 1
-                    self._seen[rank][call.name] = occurrence
-                    self._open.setdefault((call.name, occurrence), {})[rank] = call
+        ranks, slots = np.nonzero(rows[:, :, _FLAGS])  # (in rank order, then slot order)
+        raw = np.ascontiguousarray(rows).tobytes()
+        width = rows.shape[2] * 8
+        per_rank = rows.shape[1] * width
+        touched: dict = {}  # (ordered: the same on every rank, which reads the same rows)
+        joined_before = self.anyone_joined
+        for rank, slot in zip(ranks.tolist(), slots.tolist()):
+            start = rank * per_rank + slot * width
+            call, joined_at = decode(raw[start : start + width])
+            if joined_at and not self.joined_at[rank]:
+                self.joined_at[rank] = joined_at
+                self.anyone_joined = True
+            if call is not None:
+                seen = self._seen[rank]
+                occurrence = seen.get(call.name, 0) + 1
+                seen[call.name] = occurrence
+                entry = (call.name, occurrence)
+                self._open.setdefault(entry, {})[rank] = call
+                touched[entry] = None
         self._settle_own_absent()
-        decided = self._decide()
+        # An occurrence is decided by a call of it read now, or by a rank's join: with nobody
+        # joined only the touched ones can be (a round carries a batch of calls; the others
+        # wait for theirs).
+        everything = joined_before or self.anyone_joined or self.own_joined
+        decided = self._decide(None if everything else touched)
         if self.joined_at.all():
             last = max(range(self.size), key=lambda r: (int(self.joined_at[r]), r))
             self.joined_at[:] = 0
+            self.anyone_joined = False
             self.own_joined = False  # join is over here: rows read after this are calls to make
             return decided, JoinDone(last)
         return decided, None
@@ -264,17 +291,22 @@ class Board:
         self._settle_own_absent()
         return decided
 
-    def _decide(self) -> list[Decided]:
-        read_joined = set(self.joined)
+    def _decide(self, entries=None) -> list[Decided]:
+        """The open occurrences (those of ``entries`` only, if given) that are now decided."""
+        read_joined = set(self.joined) if self.anyone_joined else set()
         decided = []
-        for (name, occurrence), calls in list(self._open.items()):
+        if entries is None:
+            candidates = list(self._open.items())
+        else:
+            candidates = [(entry, self._open[entry]) for entry in entries if entry in self._open]
+        for (name, occurrence), calls in candidates:
             joined = read_joined
             if self.own_joined and occurrence > self.own_calls.get(name, 0):
                 joined = read_joined | {self.rank}  # (its own row of a call it made may be unread yet)
-            if len(calls.keys() | joined) < self.size:
+            if len(calls) < self.size and (not joined or len(calls.keys() | joined) < self.size):
                 continue
             del self._open[(name, occurrence)]
-            absent = tuple(sorted(joined - calls.keys()))
+            absent = tuple(sorted(joined - calls.keys())) if joined else ()
             for rank in absent:
                 if rank == self.rank and rank not in read_joined:
                     self._own_absent[name] = max(self._own_absent.get(name, 0), occurrence)
@@ -282,7 +314,7 @@ class Board:
                     self._seen[rank][name] = max(self._seen[rank].get(name, 0), occurrence)
             first = calls[min(calls)]
             verdict = Decided(name, occurrence, first, absent=absent)
-            differing = {r: c for r, c in calls.items() if c != first}
+            differing = {r: c for r, c in calls.items() if c is not first and c != first}
             if differing:
                 listing = "; ".join(f"rank {r}: {c.describe()}" for r, c in sorted(calls.items()))
                 ranks = sorted(calls)

@@ -50,17 +50,25 @@ log = logging.getLogger("pslink.core.worker")
 
 UNNAMED_KINDS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall", "sparse_allreduce", "call")
 BOARD_WINDOW = 32  # board rounds a rank may have in flight (the service refuses pushes 64 rounds ahead)
-BOARD_BATCH = 16  # calls a board round carries at most (each rank's rows: see Session._announce)
+BOARD_ROWS = 128  # rows a board round carries, of all ranks together (see board_batch)
 LATER_SLOTS = 2 * BOARD_WINDOW  # see Session.data_key
 # A gather's shapes row: ndim, dtype, the dimensions; a joined rank's row says so instead.
 GATHER_WIDTH = 2 + collectives.MAX_GATHER_DIMS
 JOINED_ROW = -1
 _UNNAMED = re.compile(r"^(\w+)\.noname\.(?:g(\d+)\.)?(\d+)$")
+_SIGNATURES = 4096  # named allreduce signatures remembered (a model's gradients, a few times over)
 _ENDED = object()  # a call of this rank that ended before the board decided it
 _FAILED = object()  # ... and that failed (a verdict against it then has nothing to add)
 
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def board_batch(size: int) -> int:
+    """How many calls of each rank a board round carries (see Session._announce): a round's
+    fixed cost (a push-pull, its reading) is what a batch shares, and its bytes grow with the
+    ranks' rows (each rank's section of the sum), so fewer calls each in a larger world."""
+    return max(8, min(64, BOARD_ROWS // max(size, 1)))
 
 
 def dtype_name(dtype: np.dtype) -> str:
@@ -143,11 +151,13 @@ class Session:
             self._board_answers: dict[int, np.ndarray | PslinkError] = {}
             self._board_handles: collections.deque = collections.deque()  # (round, handle) not yet read
             self._board_rows: list[np.ndarray] = []  # this rank's rows not sent yet, in call order
+            self._batch = board_batch(self.size)  # (every rank of the world alike: the rounds' shape)
             self._counts: dict[str, int] = {}  # this rank's calls per name
             self._calls: dict[tuple[str, int], Any] = {}  # this rank's undecided calls -> Pending, None, _ENDED or _FAILED
             self._early: dict[tuple[str, int], PslinkError] = {}  # verdicts that came before their Pending
             self._deferred: list[PslinkError] = []  # verdicts on calls that had ended: raised at the next call
             self._mirrors: collections.deque[Decided] = collections.deque()  # for this rank while it is joined
+            self._signatures: dict[tuple, tuple] = {}  # allreduce's named calls: (what, Call, key), see allreduce
             self._joined_at = 0
             self._join_done: JoinDone | None = None
 
@@ -249,8 +259,8 @@ class Session:
         Raises a verdict on an earlier call that came too late for it (so a disagreement never
         passes silently).
 
-        A round carries up to BOARD_BATCH calls of each rank: rows wait until that many are
-        there, so a training loop pays one small push-pull per BOARD_BATCH calls, not per call.
+        A round carries up to board_batch(size) calls of each rank: rows wait until that many
+        are there, so a training loop pays one small push-pull per batch of calls, not per call.
         Calls that agree need no verdict to run: their keys meet on the service. Rows go at once
         (``prompt``: an optimizer step, whose round the step waits on) when nobody may ever
         wait on the calls (``unattended``) or while a rank has joined (its mirrors of the others'
@@ -269,15 +279,15 @@ class Session:
                 entry = (call.name, occurrence)
                 self._calls[entry] = None
                 self._board_rows.append(boards.encode(call, self._joined_at))
-            prompt = prompt or call is None or self._unattended or bool(self._joined_at) or bool(self._board.joined)
-            if not prompt and (len(self._board_rows) < BOARD_BATCH or len(self._board_handles) >= BOARD_WINDOW):
+            prompt = prompt or call is None or self._unattended or bool(self._joined_at) or self._board.anyone_joined
+            if not prompt and (len(self._board_rows) < self._batch or len(self._board_handles) >= BOARD_WINDOW):
                 return entry, None  # (a full window: the rows go with a later round)
         if prompt:
             self._board_backpressure()
         return entry, self._send_board()
 
     def _send_board(self, empty: bool = False) -> Any:
-        """Send this rank's waiting rows as its next board rounds (BOARD_BATCH rows each), if
+        """Send this rank's waiting rows as its next board rounds (a batch each), if
         there are any (``empty``: one round without them is wanted too); returns the handle of
         the round with the newest row, or None."""
         handle = None
@@ -286,11 +296,11 @@ class Session:
                 if not self._board_rows and not (empty or self._joined_at):
                     return handle
                 empty = False
-                rows_ = self._board_rows[:BOARD_BATCH]
-                del self._board_rows[:BOARD_BATCH]
+                rows_ = self._board_rows[: self._batch]
+                del self._board_rows[: self._batch]
                 self._board_sent += 1
                 round_ = self._board_sent
-                rows = np.zeros((self.size, BOARD_BATCH, boards.WIDTH), np.int64)
+                rows = np.zeros((self.size, self._batch, boards.WIDTH), np.int64)
                 if rows_:
                     rows[self.rank, : len(rows_)] = rows_
                 if self._joined_at:
@@ -483,28 +493,44 @@ class Session:
         op = reduce_op(op)
         array = host_array(array, "allreduce")
         out = out_array(array, out, "allreduce")
-        prescale = check_factor(prescale, "allreduce: prescale_factor")
-        postscale = check_factor(postscale, "allreduce: postscale_factor")
+        if prescale.__class__ is not float or prescale != 1.0:
+            prescale = check_factor(prescale, "allreduce: prescale_factor")
+        if postscale.__class__ is not float or postscale != 1.0:
+            postscale = check_factor(postscale, "allreduce: postscale_factor")
         if op is Adasum and array.dtype.kind != "f":
             raise ConfigError(f"allreduce: Adasum reduces floating-point tensors, got {array.dtype}")
 
         def build(name: str):
-            what = f"allreduce {name!r}"
-            call = Call(boards.ALLREDUCE, name, dtype_name(array.dtype), array.shape, op.value, -1, prescale, postscale)
+            # A training loop makes the same named calls step after step: their description,
+            # board Call and key are worked out once (a 4 KiB allreduce notices microseconds).
+            signature = (name, array.dtype, array.shape, op, prescale, postscale)
+            known = self._signatures.get(signature)
+            if known is None:
+                what = f"allreduce {name!r}"
+                call = Call(boards.ALLREDUCE, name, dtype_name(array.dtype), array.shape, op.value, -1, prescale,
+                            postscale)
+                key = self.data_key("allreduce", name, op.value, dtype_name(array.dtype), array.shape)
+                known = (what, call, key)
+                if ".noname." not in name:  # (an unnamed call's name is its own: nothing to reuse)
+                    if len(self._signatures) >= _SIGNATURES:
+                        self._signatures.clear()
+                    self._signatures[signature] = known
+            what, call, key = known
             if op in GATHERED:
                 return what, call, self._gathered_reduce(array, out, name, op, prescale, postscale), False
-            return what, call, self._summed(array, out, name, what, op, prescale, postscale), True
+            return what, call, self._summed(array, out, name, what, op, prescale, postscale, key=key), True
 
         return self._issue("allreduce", name, build)
 
     def _summed(self, array: np.ndarray, out: np.ndarray, name: str, what: str, op: ReduceOp, prescale: float,
-                postscale: float, kind: str = "allreduce"):
+                postscale: float, kind: str = "allreduce", key: str | None = None):
         """The steps of a sum on the service: prescale, one push-pull, the average's division
-        (integers) and postscale."""
+        (integers) and postscale (``key``: the data key, if worked out already)."""
         averaged = service_averages(op, array.dtype)
         if array.size:
             source = scale(array, prescale, out) if prescale != 1.0 else array
-            key = self.data_key(kind, name, op.value, dtype_name(array.dtype), array.shape)
+            if key is None:
+                key = self.data_key(kind, name, op.value, dtype_name(array.dtype), array.shape)
             yield self._send(what, key, source, out, averaged)
         if op is Average and not averaged:
             scale(out, postscale / self.size)
