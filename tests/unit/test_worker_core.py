@@ -381,6 +381,33 @@ def test_a_pending_fails_with_its_operations_name_and_a_verdict_wakes_its_waiter
     assert ended == [pending]
 
 
+def test_a_waiter_returns_only_once_the_operation_finished_releasing_its_name():
+    # The handle completes on another thread (the Agent's), which ends the operation: a waiter
+    # that returned before its finish() ran would find the name still claimed by its next call.
+    handle, releasing, finished = _Handle(), threading.Event(), []
+
+    def finish(failed):
+        assert releasing.wait(5)
+        finished.append(failed)
+
+    def steps():
+        yield handle
+        return "ok"
+
+    pending = Pending("allreduce 'x'", steps(), _cancel, None, finish=finish, inline=True)
+    returned = []
+    waiter = threading.Thread(target=lambda: returned.append((pending.wait(5), list(finished))))
+    waiter.start()
+    completer = threading.Thread(target=handle.complete, args=("answer",))
+    completer.start()
+    waiter.join(0.2)
+    assert not returned, "wait() returned while the operation's finish() had not run"
+    releasing.set()
+    waiter.join(5)
+    completer.join(5)
+    assert returned == [("ok", [False])]
+
+
 def test_a_group_waits_for_every_member_in_order():
     handles = [_Handle(), _Handle()]
 

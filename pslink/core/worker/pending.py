@@ -221,9 +221,11 @@ class Pending:
 
     def _end(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error, self._handle = result, error, None
-        self._ended = True
+        # finish() first: a waiter on another thread returns as soon as it sees _ended, and
+        # its next call may reuse what finish() releases (the call's name).
         if self._finish is not None:
             self._finish(error is not None)
+        self._ended = True
         with self._callbacks_lock:
             callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():
