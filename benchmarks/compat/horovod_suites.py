@@ -31,10 +31,13 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 SHIM = Path(__file__).with_name("horovod_shim")
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +91,7 @@ def run_one(test_id: str, cwd: Path, timeout: float, launcher: Launcher) -> tupl
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stacks = stacks_of_ranks(proc.pid)
         # pslink's launcher stops its workers (and its service) on SIGTERM; horovodrun's per-rank
         # middlemen kill their rank when horovodrun exits
         proc.terminate()
@@ -96,13 +100,32 @@ def run_one(test_id: str, cwd: Path, timeout: float, launcher: Launcher) -> tupl
         except subprocess.TimeoutExpired:
             proc.kill()
             output, _ = proc.communicate()
-        return "hung", output
+        return "hung", output + stacks
     said = {int(rank): kind for rank, _, kind in launcher.summary.findall(output)}
     if said.get(0) == "passed" and said.get(1) == "passed" and proc.returncode == 0:
         return "passed", output
     if "skipped" in said.values() and not {"failed", "error"} & set(said.values()):
         return "skipped", output
     return "failed", output
+
+
+def stacks_of_ranks(launcher_pid: int) -> str:
+    """Every thread's Python stack in each rank of a hung test (``py-spy dump``, where py-spy is
+    installed next to this python or on the PATH): where it hangs, for its log."""
+    spy = shutil.which("py-spy", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if spy is None:
+        return "\n(no py-spy here: the hung ranks' stacks are not shown)\n"
+    dumps = []
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if "pytest" not in " ".join(child.cmdline()):
+                continue
+        except psutil.Error:
+            continue
+        done = subprocess.run([spy, "dump", "--pid", str(child.pid)], capture_output=True, text=True, timeout=60,
+                              check=False)
+        dumps.append(f"\n=== py-spy dump of pid {child.pid}\n{done.stdout}{done.stderr}")
+    return "".join(dumps)
 
 
 def main(argv=None) -> int:
