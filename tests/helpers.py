@@ -110,6 +110,29 @@ def rank_session(job: str, rank: int, size: int, address: str, transports: Trans
     return Session(agent, members=members, **session_options)
 
 
+def on_sessions(job: str, size: int, address: str, transports: Transports, fn, timeout: float = 60.0,
+                **session_options) -> list:
+    """``fn(rank, session)`` for ranks 0..size-1 of ``job``, each on its own thread with its own
+    Session (:func:`rank_session`); the results in rank order. Each Session closes only once every
+    rank's ``fn`` returned: a rank that closed (leaving the job) while another still waited on a
+    round of it would let that round end without it, a partial sum instead of what the test
+    looks for (a verdict the other rank reads a moment later, say)."""
+    finished = threading.Barrier(size)
+
+    def body(rank):
+        session = rank_session(job, rank, size, address, transports, **session_options)
+        try:
+            return fn(rank, session)
+        finally:
+            try:
+                finished.wait(timeout)
+            except threading.BrokenBarrierError:
+                pass  # another rank failed or hung: run_workers reports it
+            session.close()
+
+    return run_workers(size, body, timeout)
+
+
 def launch_elastic(script, args=(), workers: int = 2, max_restarts: int = 0, timeout: float = 100.0,
                    env: dict | None = None) -> str:
     """``pslink launch --min-np 1 --max-np W -n W --max-restarts R --heartbeat-timeout 2 python

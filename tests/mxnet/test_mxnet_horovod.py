@@ -17,7 +17,7 @@ import pslink  # noqa: E402
 from pslink.core.worker.session import Session  # noqa: E402
 from pslink.errors import ConfigError, MismatchError, PeerError, ShapeMismatchError  # noqa: E402
 from pslink.mxnet import horovod as hvd  # noqa: E402
-from tests.helpers import rank_session, run_workers  # noqa: E402
+from tests.helpers import on_sessions, run_workers  # noqa: E402
 
 _jobs = itertools.count()
 
@@ -31,18 +31,13 @@ def on_ranks(cluster, size: int, fn, **session_options) -> list:
     """Run ``fn(api)`` for ranks 0..size-1 of a fresh job, each on its own thread with its own
     Session (``api.session`` is it)."""
     service, transports = cluster
-    job = f"mxhvd-{next(_jobs)}"
 
-    def body(rank):
-        session = rank_session(job, rank, size, service.address, transports, **session_options)
+    def body(rank, session):
         api = hvd.Horovod(lambda: session)
         api.session = session
-        try:
-            return fn(api)
-        finally:
-            session.close()
+        return fn(api)
 
-    return run_workers(size, body)
+    return on_sessions(f"mxhvd-{next(_jobs)}", size, service.address, transports, body, **session_options)
 
 
 # -- collectives -----------------------------------------------------------------------------------

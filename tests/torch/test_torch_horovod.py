@@ -16,7 +16,7 @@ from pslink.core.observe import timeline as pslink_timeline  # noqa: E402
 from pslink.core.transport import Transports  # noqa: E402
 from pslink.errors import ConfigError, PeerError, ShapeMismatchError  # noqa: E402
 from pslink.torch.horovod import Horovod  # noqa: E402
-from tests.helpers import rank_session, run_workers, start_cluster  # noqa: E402
+from tests.helpers import on_sessions, start_cluster  # noqa: E402
 
 _jobs = itertools.count()
 
@@ -34,18 +34,13 @@ def on_ranks(service, size: int, fn, timeout: float = 60.0) -> list:
     """Run ``fn(api)`` for ranks 0..size-1 of a fresh job, each on its own thread: ``api`` is
     Horovod's API over that rank's own Session (``api.session``)."""
     cluster, transports = service
-    job = f"hvd-{next(_jobs)}"
 
-    def body(rank):
-        session = rank_session(job, rank, size, cluster.address, transports)
+    def body(rank, session):
         api = Horovod(lambda: session)
         api.session = session
-        try:
-            return fn(api)
-        finally:
-            session.close()
+        return fn(api)
 
-    return run_workers(size, body, timeout)
+    return on_sessions(f"hvd-{next(_jobs)}", size, cluster.address, transports, body, timeout)
 
 
 # -- allreduce --------------------------------------------------------------------------------------

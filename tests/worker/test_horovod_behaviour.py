@@ -15,7 +15,7 @@ import pytest
 
 from pslink.core.worker.session import Session
 from pslink.errors import ConfigError, MismatchError, ShapeMismatchError
-from tests.helpers import rank_session, run_workers
+from tests.helpers import on_sessions
 
 # MXNet must load before TensorFlow in one process (TensorFlow first, then MXNet, segfaults).
 if importlib.util.find_spec("mxnet") is not None:
@@ -78,16 +78,8 @@ _jobs = itertools.count()
 def on_ranks(cluster, fw: Framework, size: int, body, **session_options) -> list:
     """``body(api, fw)`` on ranks 0..size-1 of a fresh job, each a thread with its own Session."""
     service, transports = cluster
-    job = f"behaviour-{fw.name}-{next(_jobs)}"
-
-    def rank_body(rank):
-        session = rank_session(job, rank, size, service.address, transports, **session_options)
-        try:
-            return body(fw.api(lambda: session), fw)
-        finally:
-            session.close()
-
-    return run_workers(size, rank_body, timeout=90.0)
+    return on_sessions(f"behaviour-{fw.name}-{next(_jobs)}", size, service.address, transports,
+                       lambda rank, session: body(fw.api(lambda: session), fw), timeout=90.0, **session_options)
 
 
 @pytest.fixture(scope="module")
