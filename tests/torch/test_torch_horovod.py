@@ -770,6 +770,38 @@ def test_join_mirrors_the_remaining_steps_with_zero_gradients(service):
         torch.testing.assert_close(weights0[name], value, rtol=1e-5, atol=1e-6)
 
 
+def test_a_rank_that_joins_a_board_round_ahead_mirrors_the_steps_still_to_come(service):
+    # Rank 1 sent its first rows in a round of their own (as a nudge does), rank 0 with its
+    # first step: rank 1's rounds run one ahead. Joined, it must mirror rank 0's next step as
+    # soon as it reads it, not wait first for a round that rank 0 sends only after that step.
+    batches = {0: 4, 1: 2}
+    in_join = threading.Event()
+
+    def body(s):
+        model = make_model()
+        optimizer = s.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        for name in ("a", "b"):
+            s.allreduce(torch.ones(1), name=name)
+        if s.rank() == 1:
+            s.session._send_board()
+            wait_board = s.session._wait_board
+
+            def tell_and_wait():
+                in_join.set()  # its join sent what it sends before it waits
+                wait_board()
+
+            s.session._wait_board = tell_and_wait
+        for step in range(batches[s.rank()]):
+            if s.rank() == 0 and step == 2:
+                assert in_join.wait(30)  # rank 1 is in join() before this step's row goes out
+            optimizer.zero_grad()
+            loss_of(model, *data(step, s.rank())).backward()
+            optimizer.step()
+        return s.join()
+
+    assert on_ranks(service, 2, body) == [0, 0]
+
+
 # -- the module-level API ---------------------------------------------------------------------------
 
 

@@ -830,7 +830,12 @@ class Session:
         mirrored: list = []
         try:
             while True:
-                self._announce(None)
+                # One joined round for each of the others' rounds (they pair by count): a new one
+                # once every round this rank sent is read; until then, wait for what they bring.
+                with self._lock:
+                    caught_up = self._board.rounds >= self._board_sent
+                if caught_up:
+                    self._announce(None)
                 self._read_board()  # what this rank's join decides already (Board.decide)
                 while self._mirrors:
                     mirrored.extend(self._mirror(self._mirrors.popleft()))
@@ -851,10 +856,13 @@ class Session:
         return done.last
 
     def _wait_board(self) -> None:
-        """Until every board round this rank sent is read."""
+        """Until every board round this rank sent is read, or one read brings something for a
+        joined rank to do (a call to mirror, the end of join). Not longer: the others may be
+        waiting on that mirror (an optimizer step's gradients) before they send the rounds that
+        this rank's later ones pair with."""
         while True:
             with self._lock:
-                if self._board.rounds >= self._board_sent:
+                if self._board.rounds >= self._board_sent or self._mirrors or self._join_done is not None:
                     return
                 _, handle = self._board_handles[0] if self._board_handles else (None, None)
             if handle is not None:
