@@ -307,6 +307,39 @@ def test_calls_that_agree_cost_one_board_round_per_batch_and_optimizer_steps_one
     session.close()
 
 
+class _LookupAgent(_EchoAgent):
+    """An Agent whose first board push waits for its key's lookup: meanwhile the Agent's own
+    thread completes a data push-pull in flight (whose end takes the session's lock)."""
+
+    def __init__(self):
+        super().__init__()
+        self.data: list[_Handle] = []
+        self.stuck = None
+
+    def pushpull(self, key, array, out=None, average=False):
+        if not key.startswith("hvd/board"):
+            handle = _Handle()
+            self.data.append((handle, np.multiply(array, 2, out=out)))
+            return handle
+        if self.stuck is None:
+            driver = threading.Thread(target=lambda: [h.complete(result) for h, result in self.data])
+            driver.start()
+            driver.join(2)  # the lookup's answer comes once the driving thread is free again
+            self.stuck = driver.is_alive()
+        return super().pushpull(key, array, out, average)
+
+
+def test_a_board_push_that_waits_holds_no_lock_that_ending_a_call_needs():
+    agent = _LookupAgent()
+    session = Session(agent)
+    array = np.ones(4, np.float32)
+    pending = session.allreduce(array, name="x", op=reduction.Sum)
+    session.step(0).wait()  # the step's board round goes at once: the board key's first push
+    assert agent.stuck is False, "the Agent's thread could not end the allreduce while the board push waited"
+    assert pending.wait(1).tolist() == [2.0] * 4
+    session.close()
+
+
 # -- operations in flight -----------------------------------------------------------------------------
 
 

@@ -110,6 +110,7 @@ class Session:
         self._progress = Progress(f"pslink-progress-{agent.job}-{agent.rank}")
         self._lock = threading.RLock()  # the board's order, names in flight, the calls' verdicts
         self._issuing = threading.RLock()  # one call issued at a time (see _issue)
+        self._board_sending = threading.Lock()  # the board's rounds go out in order (see _send_board)
         self.steppers: list[Callable[[], None]] = []  # optimizers' zero contributions, in creation order (join)
         self._abandons: list[Callable[[], None]] = []  # optimizers' "forget what is in flight"
         self.process_sets = ProcessSets(self)
@@ -292,23 +293,30 @@ class Session:
         the round with the newest row, or None."""
         handle = None
         while True:
-            with self._lock:
-                if not self._board_rows and not (empty or self._joined_at):
-                    return handle
-                empty = False
-                rows_ = self._board_rows[: self._batch]
-                del self._board_rows[: self._batch]
-                self._board_sent += 1
-                round_ = self._board_sent
-                rows = np.zeros((self.size, self._batch, boards.WIDTH), np.int64)
-                if rows_:
-                    rows[self.rank, : len(rows_)] = rows_
-                if self._joined_at:
-                    rows[self.rank, 0] = boards.mark_joined(rows[self.rank, 0], self._joined_at)
-                handle = self.agent.pushpull(self._board_key, rows, out=rows)
-                self._board_handles.append((round_, handle))
-                board = self._board
-                more = bool(self._board_rows)
+            # The board's own lock orders its rounds (each round's push goes out in round order);
+            # the session's lock is not held across the push, which may wait (the key's first
+            # use asks pMaster where it lives), while an Agent thread that drives the reply needs
+            # the session's lock to end a call (finish): a deadlock under load, once.
+            with self._board_sending:
+                with self._lock:
+                    if not self._board_rows and not (empty or self._joined_at):
+                        return handle
+                    empty = False
+                    rows_ = self._board_rows[: self._batch]
+                    del self._board_rows[: self._batch]
+                    self._board_sent += 1
+                    round_ = self._board_sent
+                    rows = np.zeros((self.size, self._batch, boards.WIDTH), np.int64)
+                    if rows_:
+                        rows[self.rank, : len(rows_)] = rows_
+                    if self._joined_at:
+                        rows[self.rank, 0] = boards.mark_joined(rows[self.rank, 0], self._joined_at)
+                    board, key = self._board, self._board_key
+                handle = self.agent.pushpull(key, rows, out=rows)
+                with self._lock:
+                    if board is self._board:
+                        self._board_handles.append((round_, handle))
+                    more = bool(self._board_rows)
             # The verdicts are read when some thread reads answers anyway (one that waits on a
             # call, which is what a verdict may have to cancel), unless nobody may ever wait.
             handle.add_done_callback(lambda h, b=board, r=round_, a=rows: self._board_answer(b, r, h, a),
