@@ -22,7 +22,7 @@ from pslink.core.worker.pending import Pending, PendingGroup
 from pslink.core.worker.reduction import Average, ReduceOp, Sum
 from pslink.core.worker.session import Session
 from pslink.errors import ConfigError
-from pslink.torch.tensors import HostView, wire_dtype
+from pslink.torch.tensors import HostView, travels_as_is, wire_dtype
 
 
 class _FP16Compressor:
@@ -90,11 +90,6 @@ def _tensor(tensor, what: str) -> torch.Tensor:
     return tensor
 
 
-# dtypes that travel as they are (a tensor of these is a view of its memory, no staging)
-_AS_IS = frozenset(dtype for dtype in (torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
-                                       torch.int32, torch.int64, torch.uint8) if wire_dtype(dtype, "") == dtype)
-
-
 def _host(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """A host array the session made, as a tensor of ``like``'s dtype and device (no copy for a
     CPU tensor of a wire dtype)."""
@@ -132,8 +127,8 @@ def allreduce_async(session: Session, tensor: torch.Tensor, name: str | None = N
 def allreduce(session: Session, tensor: torch.Tensor, name: str | None = None, op: ReduceOp = Average,
               compression=Compression.none, prescale_factor: float = 1.0, postscale_factor: float = 1.0):
     """A new tensor: ``tensor`` reduced over the ranks (``compression`` on the wire)."""
-    if (compression is NoneCompressor and tensor.__class__ is torch.Tensor and tensor.is_cpu
-            and not tensor.requires_grad and tensor.dtype in _AS_IS and tensor.is_contiguous()):
+    if compression is NoneCompressor and tensor.__class__ is torch.Tensor and not tensor.requires_grad \
+            and travels_as_is(tensor):
         # The common case, a plain CPU tensor waited for at once: the session reads from the
         # tensor's memory and writes into the result's (the general path below does the same
         # through views and a Work, which a small tensor's latency notices).

@@ -28,6 +28,15 @@ _WIRE_DTYPES = {
 }
 
 
+_AS_IS = frozenset(dtype for dtype, wire in _WIRE_DTYPES.items() if dtype == wire)
+
+
+def travels_as_is(tensor: torch.Tensor) -> bool:
+    """Whether the Agent can send from and receive into ``tensor``'s own memory (a contiguous
+    CPU tensor of a dtype the wire carries as it is): no staging buffer."""
+    return tensor.is_cpu and tensor.dtype in _AS_IS and tensor.is_contiguous()
+
+
 def wire_dtype(dtype: torch.dtype, what: str) -> torch.dtype:
     """The dtype a tensor of ``dtype`` travels as; ConfigError naming ``what`` if none."""
     wire = _WIRE_DTYPES.get(dtype)
@@ -51,7 +60,7 @@ class HostView:
         only receives a result)."""
         self.tensor = tensor
         wire = wire_dtype(tensor.dtype, what)
-        if tensor.device.type == "cpu" and tensor.dtype == wire and tensor.is_contiguous():
+        if travels_as_is(tensor):
             self.staging = None
             self.array: np.ndarray = tensor.detach().numpy()
             return

@@ -244,7 +244,6 @@ class Board:
         width = rows.shape[2] * 8
         per_rank = rows.shape[1] * width
         touched: dict = {}  # (ordered: the same on every rank, which reads the same rows)
-        joined_before = self.anyone_joined
         for rank, slot in zip(ranks.tolist(), slots.tolist()):
             start = rank * per_rank + slot * width
             call, joined_at = decode(raw[start : start + width])
@@ -262,7 +261,7 @@ class Board:
         # An occurrence is decided by a call of it read now, or by a rank's join: with nobody
         # joined only the touched ones can be (a round carries a batch of calls; the others
         # wait for theirs).
-        everything = joined_before or self.anyone_joined or self.own_joined
+        everything = self.anyone_joined or self.own_joined
         decided = self._decide(None if everything else touched)
         if self.joined_at.all():
             last = max(range(self.size), key=lambda r: (int(self.joined_at[r]), r))

@@ -519,7 +519,7 @@ class Session:
                             postscale)
                 key = self.data_key("allreduce", name, op.value, dtype_name(array.dtype), array.shape)
                 known = (what, call, key)
-                if ".noname." not in name:  # (an unnamed call's name is its own: nothing to reuse)
+                if _UNNAMED.match(name) is None:  # (an unnamed call's name is its own: nothing to reuse)
                     if len(self._signatures) >= _SIGNATURES:
                         self._signatures.clear()
                     self._signatures[signature] = known
