@@ -514,16 +514,38 @@ def test_many_requests_in_flight_from_many_threads(cluster):
 def test_barrier_and_a_job_name_reused_after_the_job_ended(cluster):
     service, transports = cluster
 
-    def worker(rank):
-        agent = agent_for(service, transports, "again", rank, 2)
-        try:
-            agent.pushpull("w", np.ones(2)).wait()
-            agent.barrier("end")
-        finally:
-            agent.close()
+    def run(value):
+        # Rank 1 reaches the barrier only after rank 0 is in it, so a barrier that let rank 0
+        # through alone would show one arrival where two must be.
+        arrived, zero_in, sums, passed = [], threading.Event(), {}, {}
+        lock = threading.Lock()
 
-    run_workers(2, worker)
-    run_workers(2, worker)  # every worker left: the name is free for a new run
+        def worker(rank):
+            agent = agent_for(service, transports, "again", rank, 2)
+            try:
+                sums[rank] = agent.pushpull("w", np.full(2, value)).wait().copy()
+                if rank == 1:
+                    assert zero_in.wait(30), "rank 0 never reached the barrier"
+                with lock:
+                    arrived.append(rank)
+                if rank == 0:
+                    zero_in.set()
+                agent.barrier("end")
+                with lock:
+                    passed[rank] = sorted(arrived)
+            finally:
+                agent.close()
+
+        run_workers(2, worker)
+        assert passed == {0: [0, 1], 1: [0, 1]}
+        return sums
+
+    first = run(1.0)
+    assert [first[r].tolist() for r in (0, 1)] == [[2.0, 2.0]] * 2
+    # Every worker left: the name is free for a new run, which starts from nothing (no sum of the
+    # last run's values, no key state carried over).
+    second = run(3.0)
+    assert [second[r].tolist() for r in (0, 1)] == [[6.0, 6.0]] * 2
 
 
 def test_requests_on_a_closed_agent_and_bad_arguments(cluster):
