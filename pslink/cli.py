@@ -559,6 +559,16 @@ def bench_pushpull(ctx: typer.Context):
     raise typer.Exit(bench_main(list(ctx.args)))
 
 
+@bench_app.command("report", add_help_option=False,
+                   context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_report(ctx: typer.Context):
+    """The quick form of every benchmark that needs no root, as one table (report.md) and a PNG of the ratios,
+    each against its anchor measured in the same run (options: pslink bench report --help)."""
+    from pslink.bench.report import main as report_main
+
+    raise typer.Exit(report_main(list(ctx.args)))
+
+
 def main() -> None:
     app()
 
