@@ -1,6 +1,7 @@
 """What the migration and failover benchmarks share: a 2-worker job whose iterations are timed
 while the driver disturbs the service at a chosen iteration (moves the job, kills an Aggregator),
-run once disturbed and once not, so that the two can be compared."""
+run disturbed and undisturbed in alternating rounds, so that each disturbed run is compared with
+an undisturbed run of the same round over the same iterations (the host's own noise)."""
 
 from __future__ import annotations
 
@@ -66,4 +67,27 @@ def run_workers(worker, args: tuple, disturbed: bool, disturb) -> dict:
 
 
 def median_before(durations: list[float], at: int) -> float:
+    if at < 1:
+        raise ValueError(f"the disturbance must come after at least one iteration, not at iteration {at}")
     return statistics.median(durations[max(0, at - WINDOW):at])
+
+
+def stall(durations: list[float], start: int, end: int) -> float:
+    """The longest iteration of ``[start, end)`` over the median of the iterations before ``start``:
+    a ratio to the run's own pace, so that a run on a busier moment of the host is not charged for it."""
+    return max(durations[start:end]) / median_before(durations, start)
+
+
+def alternate(rounds: int, run) -> list[dict]:
+    """``run(disturbed, index)`` for both variants, ``rounds`` times; the disturbed run goes first on
+    even rounds and second on odd ones, so that a drift of the host is not charged to one variant.
+    Returns one ``{True: disturbed result, False: undisturbed result}`` per round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
+    out = []
+    for index in range(rounds):
+        pair = {}
+        for disturbed in (True, False) if index % 2 == 0 else (False, True):
+            pair[disturbed] = run(disturbed, index)
+        out.append(pair)
+    return out
