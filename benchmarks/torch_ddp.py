@@ -4,16 +4,17 @@ backend (``init_process_group("pslink")``, DDP with no hook) against DDP's own g
     python benchmarks/torch_ddp.py            # the measured run (about 25 M parameters)
     python benchmarks/torch_ddp.py --quick    # a smoke run: small model, few steps
 
-Every variant runs in this one invocation, alternating (alone, gloo, pslink, backend, alone, ...; five runs
-of each by default), each as 2 worker processes started by ``pslink launch`` against one
-embedded service (2 Aggregator processes). "alone" is the limit: the same training with no
-communication at all, each worker by itself, side by side so that the CPUs are shared alike. A
-step is forward, backward (with the gradient exchange) and an SGD step of an MLP
-1024 -> H -> H -> 1024 -> 10 (H = 4096: 25.2 M parameters, 101 MB of gradients per step) on a
-random batch. Reported: the median step time of each variant (per worker, then the mean of the
-two workers), the ratio pslink / gloo (the target is <= 1.0) with the ratio of each pslink run to
-the gloo run before it, how far both are above the limit, and each worker's extra memory: peak
-RSS while training minus RSS once its model and optimizer exist. The last line is JSON.
+Every variant runs in this one invocation, alternating round by round (alone, gloo, pslink,
+backend, then backward: backend, pslink, gloo, alone, ...; five rounds by default), each as 2
+worker processes started by ``pslink launch`` against one embedded service (2 Aggregator
+processes). "alone" is the limit: the same training with no communication at all, each worker by
+itself, side by side so that the CPUs are shared alike. A step is forward, backward (with the
+gradient exchange) and an SGD step of an MLP 1024 -> H -> H -> 1024 -> 10 (H = 4096: 25.2 M
+parameters, 101 MB of gradients per step) on a random batch. A round's figure of a variant is its
+median step time (per worker, then the mean of the two workers). Reported as figures
+(``pslink.bench.figures``): the hook and the backend each against DDP over gloo, and each against
+the limit (how far above it), every ratio with its spread over the rounds; and each worker's extra
+memory: peak RSS while training minus RSS once its model and optimizer exist. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -102,12 +103,12 @@ def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: H=512, 5 steps, 1 repeat")
+    parser.add_argument("--quick", action="store_true", help="smoke run: H=512, 10 steps, 2 rounds")
     parser.add_argument("--hidden", type=int, default=4096, help="H, the width of the hidden layers")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (DDP rebuilds its buckets)")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant, alternating")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds: runs of each variant, alternating")
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -115,57 +116,69 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     if args.quick:
-        args.hidden, args.steps, args.warmup, args.repeats = 512, 5, 2, 1
+        args.hidden, args.steps, args.warmup, args.repeats = 512, 10, 2, 2
+    if args.repeats < 1 or args.steps < 1:
+        parser.error(f"--repeats and --steps must be at least 1 (got {args.repeats}, {args.steps})")
 
+    from pslink.bench import figures as fig
     from pslink.core.service import Service
 
-    figures: dict[str, dict] = {v: {"medians": [], "extra_mb": [[], []]} for v in VARIANTS}
+    runs: dict[str, dict] = {v: {"medians": [], "extra_mb": [[], []]} for v in VARIANTS}
     params = 0
     with Service(aggregators=2) as service:
         for index in range(args.repeats):
-            for variant in VARIANTS:
+            # Reversed every other round: a variant's place in the round (a warmer page cache, a
+            # service that just served another job) then favours no variant over the others.
+            for variant in VARIANTS if index % 2 == 0 else VARIANTS[::-1]:
                 results = run_variant(variant, args, service.address, index)
                 params = results[0]["params"]
                 median = statistics.mean(statistics.median(r["times"]) for r in results)
-                figures[variant]["medians"].append(median)
+                runs[variant]["medians"].append(median)
                 for rank, r in enumerate(results):
-                    figures[variant]["extra_mb"][rank].append(r["extra_mb"])
-                print(f"run {index + 1}/{args.repeats} {variant:6}: median step {median * 1e3:8.1f} ms, extra memory "
-                      + ", ".join(f"rank {k} {r['extra_mb']:.0f} MB" for k, r in enumerate(results)), flush=True)
+                    runs[variant]["extra_mb"][rank].append(r["extra_mb"])
+                print(f"round {index + 1}/{args.repeats} {variant:7}: median step {median * 1e3:8.1f} ms, extra "
+                      "memory " + ", ".join(f"rank {k} {r['extra_mb']:.0f} MB" for k, r in enumerate(results)),
+                      flush=True)
 
-    step_ms = {v: statistics.median(f["medians"]) * 1e3 for v, f in figures.items()}
-    extra = {v: [max(per_rank) for per_rank in f["extra_mb"]] for v, f in figures.items()}
-    ratio = step_ms["pslink"] / step_ms["gloo"]
-    # Each pslink run against the gloo run just before it: the host's load drifts between runs
-    # more than the variants differ, so the pairs show the spread the medians hide.
-    pairs = [p / g for p, g in zip(figures["pslink"]["medians"], figures["gloo"]["medians"], strict=True)]
+    ms = {v: [m * 1e3 for m in r["medians"]] for v, r in runs.items()}
+    step_ms = {v: statistics.median(m) for v, m in ms.items()}
+    extra = {v: [max(per_rank) for per_rank in r["extra_mb"]] for v, r in runs.items()}
+    hook_what = f"DDP step, pslink comm hook, {params / 1e6:.1f} M parameters, 2 workers"
+    backend_what = (f"DDP step, pslink backend (init_process_group('pslink'), no hook), {params / 1e6:.1f} M "
+                    "parameters, 2 workers")
+    limit = "the same training alone (no communication: the limit)"
+    made = [
+        fig.measured("torch_ddp", hook_what, "ms/step", "lower", ms["pslink"], "DDP over gloo", ms["gloo"]),
+        fig.measured("torch_ddp", backend_what, "ms/step", "lower", ms["backend"], "DDP over gloo", ms["gloo"]),
+        fig.measured("torch_ddp", hook_what, "ms/step", "lower", ms["pslink"], limit, ms["alone"]),
+        fig.measured("torch_ddp", backend_what, "ms/step", "lower", ms["backend"], limit, ms["alone"]),
+        fig.measured("torch_ddp", backend_what, "ms/step", "lower", ms["backend"], "the pslink comm hook",
+                     ms["pslink"]),
+    ]
     print(f"\nmodel: {params / 1e6:.1f} M parameters ({params * 4 / 1e6:.0f} MB of float32 gradients), "
-          f"batch {args.batch_size} per worker, 2 workers, {args.steps} steps x {args.repeats} runs per variant")
+          f"batch {args.batch_size} per worker, 2 workers, {args.steps} steps x {args.repeats} rounds per variant")
     print(f"{'variant':8} {'step ms':>9} {'extra MB rank 0':>16} {'extra MB rank 1':>16}")
     for variant in VARIANTS:
         print(f"{variant:8} {step_ms[variant]:9.1f} {extra[variant][0]:16.0f} {extra[variant][1]:16.0f}")
     overhead = [p - g for p, g in zip(extra["pslink"], extra["gloo"], strict=True)]
-    print("pslink's own memory per worker (pslink extra - gloo extra): "
+    print("pslink's own memory per worker (hook's extra - gloo's extra): "
           + ", ".join(f"rank {k} {mb:+.0f} MB" for k, mb in enumerate(overhead)))
-    print("ratio of each run to the gloo run before it: " + ", ".join(f"{r:.3f}" for r in pairs)
-          + f" ({sum(r <= 1.0 for r in pairs)} of {len(pairs)} at or below 1.0)")
-    print(f"ratio pslink / gloo: {ratio:.3f} (target <= 1.0: {'met' if ratio <= 1.0 else 'not met'})")
-    backend_pairs = [b / g for b, g in zip(figures["backend"]["medians"], figures["gloo"]["medians"], strict=True)]
-    print(f"ratio backend (init_process_group('pslink'), no hook) / gloo: {step_ms['backend'] / step_ms['gloo']:.3f}, "
-          f"/ hook: {step_ms['backend'] / step_ms['pslink']:.3f} (each run / the gloo run before it: "
-          + ", ".join(f"{r:.3f}" for r in backend_pairs) + ")")
-    print(f"above the limit (each worker alone, no communication): pslink {step_ms['pslink'] / step_ms['alone']:.3f}x, "
-          f"gloo {step_ms['gloo'] / step_ms['alone']:.3f}x")
+    for figure in made:
+        fig.emit(figure)
+    hook, backend, hook_over_limit, _, backend_over_hook = made
+    print(f"target: the hook at or below 1.0x gloo: {'met' if hook.ratio <= 1.0 else 'not met'}")
     print(json.dumps({
         "benchmark": "torch_ddp", "quick": args.quick, "params": params, "batch_size": args.batch_size,
         "workers": 2, "steps": args.steps, "repeats": args.repeats,
         "gloo_step_ms": round(step_ms["gloo"], 2), "pslink_step_ms": round(step_ms["pslink"], 2),
         "alone_step_ms": round(step_ms["alone"], 2), "backend_step_ms": round(step_ms["backend"], 2),
-        "backend_over_gloo": round(step_ms["backend"] / step_ms["gloo"], 4),
-        "backend_over_hook": round(step_ms["backend"] / step_ms["pslink"], 4), "pslink_over_limit": round(step_ms["pslink"] / step_ms["alone"], 4),
-        "ratio": round(ratio, 4), "pair_ratios": [round(r, 4) for r in pairs], "gloo_extra_mb": [round(m, 1) for m in extra["gloo"]],
+        "backend_over_gloo": round(backend.ratio, 4), "backend_over_hook": round(backend_over_hook.ratio, 4),
+        "pslink_over_limit": round(hook_over_limit.ratio, 4), "ratio": round(hook.ratio, 4),
+        "pair_ratios": [round(p / g, 4) for p, g in zip(ms["pslink"], ms["gloo"])],
+        "gloo_extra_mb": [round(m, 1) for m in extra["gloo"]],
         "pslink_extra_mb": [round(m, 1) for m in extra["pslink"]],
         "pslink_minus_gloo_mb": [round(m, 1) for m in overhead],
+        "figures": [f.as_json() for f in made],
     }))
     return 0
 

@@ -26,6 +26,11 @@ def launch_and_collect(command: list[str], what: str, service: str, job: str, wo
 # -- Horovod itself, as a baseline: built from its sdist into a directory (ENVIRONMENT.md) ---------
 
 
+#: What a figure says in place of a ratio when Horovod is not there to measure.
+HOROVOD_MISSING = ("Horovod not run: set PSLINK_BENCH_HOROVOD=DIR, a directory Horovod 0.28.1 was installed into "
+                   "with pip install --target DIR (ENVIRONMENT.md says how to build it)")
+
+
 def add_horovod_path(parser) -> None:
     parser.add_argument("--horovod-path", default=os.environ.get("PSLINK_BENCH_HOROVOD"),
                         help="a directory Horovod was installed into (pip install --target), if not in this "

@@ -1,7 +1,7 @@
 """Many small tensors per step: 500 gradients of 1-64 KiB (a ResNet-50-like size mix), 2 workers.
 
 A step is forward, backward (with the gradient exchange) and an SGD step of a model whose 500
-parameters have sizes drawn log-uniformly from 1 to 64 KiB of float32 (seeded; about 7.5 MiB in
+parameters have sizes drawn log-uniformly from 1 to 64 KiB of float32 (seeded; about 8.2 MiB in
 all). Variants, alternating in one run (each as 2 worker processes started by ``pslink launch``
 against one embedded service):
 
@@ -12,11 +12,14 @@ against one embedded service):
   Aggregator (``PSLINK_FUSION_BYTES`` / ``PSLINK_FUSION_CYCLE_MS``);
 - ``unfused``: the same with fusion off (``PSLINK_FUSION_BYTES=0``), for the change;
 - ``horovod``: Horovod's own DistributedOptimizer over gloo (``horovodrun --gloo``), where Horovod
-  is installed (``--horovod-path``: a ``pip install --target`` directory).
+  is installed (``--horovod-path`` or ``$PSLINK_BENCH_HOROVOD``: a ``pip install --target``
+  directory).
 
-Reported: each variant's median step (per worker, then the mean of both), pslink / gloo (the
-target is <= 0.8), each pslink run's ratio to the gloo run before it, and how far each is above
-the limit. The last line is JSON::
+The variants alternate, one run each per round, the order reversed every other round; a run's
+figure is its median step (per worker, then the mean of both). Reported as figures
+(``pslink.bench.figures``): pslink against DDP over gloo, against Horovod (or, without Horovod,
+pslink's figure alone saying how to add it), against itself with fusion off, and against the
+limit, each with the spread of the rounds' own ratios. The last line is JSON::
 
     python benchmarks/pushpull.py --many-keys           # the measured run
     python benchmarks/pushpull.py --many-keys --quick   # a smoke run
@@ -31,9 +34,13 @@ import statistics
 import sys
 import time
 
-from pslink.bench.launched import add_horovod_path, horovod_available, horovodrun_and_collect
+from pslink.bench.launched import HOROVOD_MISSING, add_horovod_path, horovod_available, horovodrun_and_collect
 
 TENSORS = 500
+# The figures' script: this runs as ``benchmarks/pushpull.py --many-keys``, and the report names a
+# figure by the script that printed it.
+SCRIPT = "pushpull"
+VARIANTS = ("alone", "gloo", "pslink", "unfused", "horovod")
 MIN_BYTES, MAX_BYTES = 1 << 10, 64 << 10
 
 
@@ -136,11 +143,11 @@ def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 5 steps, 1 repeat")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 10 steps, 2 rounds, no unfused")
     parser.add_argument("--steps", type=int, default=30, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant, alternating")
-    parser.add_argument("--variants", default="alone,gloo,pslink,unfused,horovod")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds: runs of each variant, alternating")
+    parser.add_argument("--variants", help=f"which of {', '.join(VARIANTS)} (default: all; --quick: all but unfused)")
     add_horovod_path(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -149,53 +156,67 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     if args.quick:
-        args.steps, args.warmup, args.repeats = 5, 2, 1
+        args.steps, args.warmup, args.repeats = 10, 2, 2
+    if args.variants is None:  # the quick run leaves out fusion's own effect: its anchors fit in a minute
+        args.variants = ",".join(v for v in VARIANTS if not (args.quick and v == "unfused"))
+    if args.repeats < 1 or args.steps < 1:
+        parser.error(f"--repeats and --steps must be at least 1 (got {args.repeats}, {args.steps})")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or "pslink" not in variants:
+        parser.error(f"--variants: {', '.join(unknown) or 'pslink is missing'} (known: {', '.join(VARIANTS)}; "
+                     "pslink is the one measured)")
+    horovod_missing = ""
     if "horovod" in variants and not horovod_available(args.horovod_path):
-        print("horovod: not installed here (horovod.torch does not import; see --horovod-path); its variant is "
-              "skipped", flush=True)
+        print("horovod: horovod.torch does not import here; its variant is skipped", flush=True)
         variants.remove("horovod")
+        horovod_missing = HOROVOD_MISSING
 
+    from pslink.bench import figures as fig
     from pslink.core.service import Service
 
     medians: dict[str, list[float]] = {v: [] for v in variants}
     nbytes = 0
     with Service(aggregators=2) as service:
         for index in range(args.repeats):
-            for variant in variants:
+            for variant in variants if index % 2 == 0 else variants[::-1]:
                 if variant == "horovod":
                     results = run_horovod(args, index)
                 else:
                     results = run_variant(variant, args, service.address, index)
                 nbytes = results[0]["bytes"]
                 median = statistics.mean(statistics.median(r["times"]) for r in results)
-                medians[variant].append(median)
-                print(f"run {index + 1}/{args.repeats} {variant:8}: median step {median * 1e3:8.2f} ms", flush=True)
+                medians[variant].append(median * 1e3)
+                print(f"round {index + 1}/{args.repeats} {variant:8}: median step {median * 1e3:8.2f} ms", flush=True)
 
-    step_ms = {v: statistics.median(m) * 1e3 for v, m in medians.items()}
+    step_ms = {v: statistics.median(m) for v, m in medians.items()}
     print(f"\n{TENSORS} tensors of 1-64 KiB ({nbytes / 2**20:.1f} MiB of float32 gradients), 2 workers, "
-          f"{args.steps} steps x {args.repeats} runs per variant")
+          f"{args.steps} steps x {args.repeats} rounds per variant")
     for variant in variants:
         print(f"{variant:8} {step_ms[variant]:9.2f} ms")
-    figures = {"benchmark": "many_keys", "quick": args.quick, "tensors": TENSORS, "bytes": nbytes,
-               "steps": args.steps, "repeats": args.repeats,
-               "step_ms": {v: round(ms, 3) for v, ms in step_ms.items()}}
-    if "gloo" in step_ms:
-        for variant in ("pslink", "unfused", "horovod"):
-            if variant in step_ms:
-                pairs = [p / g for p, g in zip(medians[variant], medians["gloo"])]
-                figures[f"{variant}_over_gloo"] = round(step_ms[variant] / step_ms["gloo"], 4)
-                figures[f"{variant}_pairs"] = [round(r, 4) for r in pairs]
-                print(f"{variant} / gloo: {step_ms[variant] / step_ms['gloo']:.3f} (each run / the gloo run before "
-                      "it: " + ", ".join(f"{r:.3f}" for r in pairs) + ")")
-        if "pslink" in step_ms:
-            ratio = step_ms["pslink"] / step_ms["gloo"]
-            print(f"target pslink / gloo <= 0.8: {'met' if ratio <= 0.8 else 'not met'}")
-    if "alone" in step_ms:
-        for variant in step_ms:
-            if variant != "alone":
-                print(f"{variant} above the limit (each worker alone): {step_ms[variant] / step_ms['alone']:.3f}x")
-    print(json.dumps(figures))
+    what = f"training step, {TENSORS} tensors of 1-64 KiB, 2 workers, pslink DistributedOptimizer"
+    anchors = {"gloo": "DDP over gloo", "horovod": "Horovod's DistributedOptimizer over gloo (horovodrun --gloo)",
+               "unfused": "pslink with fusion off (PSLINK_FUSION_BYTES=0)",
+               "alone": "the same training alone (no communication: the limit)"}
+    made = []
+    for variant, anchor in anchors.items():
+        if variant in medians:
+            made.append(fig.measured(SCRIPT, what, "ms/step", "lower", medians["pslink"],
+                                     anchor, medians[variant]))
+        elif variant == "horovod" and horovod_missing:
+            made.append(fig.unanchored(SCRIPT, what, "ms/step", "lower", medians["pslink"],
+                                       missing=horovod_missing))
+    for figure in made:
+        fig.emit(figure)
+    result = {"benchmark": "many_keys", "quick": args.quick, "tensors": TENSORS, "bytes": nbytes,
+              "steps": args.steps, "repeats": args.repeats, "step_ms": {v: round(ms, 3) for v, ms in step_ms.items()},
+              "figures": [f.as_json() for f in made]}
+    for figure in made:
+        if figure.anchor == anchors["gloo"]:
+            result["pslink_over_gloo"] = round(figure.ratio, 4)
+            result["pslink_pairs"] = [round(p / g, 4) for p, g in zip(figure.values, figure.anchor_values)]
+            print(f"target pslink / gloo <= 0.8: {'met' if figure.ratio <= 0.8 else 'not met'}")
+    print(json.dumps(result))
     return 0
 
 
