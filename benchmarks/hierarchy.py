@@ -12,19 +12,21 @@ tensors (``--mib`` MiB in all) with pushpull (the DDP hook's and Horovod's allre
 - **flat**: every worker pushes to the pool (``PSLINK_HOST_REDUCE=0``);
 - **host-local**: each host's workers sum on the host, its leader pushes for both.
 
-Alternating the variants ``--repeats`` times, it reports per step: the bytes on the wire (what
-hosts A and B's links carried, both directions, read from their interfaces' counters), the pool's
-CPU seconds (the Aggregator processes on M, from /proc; they run with
-``PSLINK_AGGREGATOR_SPIN_MS=0``, so that their CPU is their work, not polling), both counted over
-the timed steps only (not the pool's start-up for the job), and the step time (median over the
-workers' steps). Target: pool CPU and wire bytes <= 0.55x flat. Medians over the repeats; the
-last line is JSON. Needs root (namespaces); without it, it says why and exits.
+Alternating the variants ``--repeats`` times (one run of each per round, the order reversed every
+other round), it measures per step: the bytes on the wire (what hosts A and B's links carried,
+both directions, read from their interfaces' counters), the pool's CPU seconds (the Aggregator
+processes on M, from /proc; they run with ``PSLINK_AGGREGATOR_SPIN_MS=0``, so that their CPU is
+their work, not polling), both counted over the timed steps only (not the pool's start-up for the
+job), and the step time (median over the workers' steps). Reported as figures
+(``pslink.bench.figures``): host-local against flat for each, with the spread of the rounds' own
+ratios (the goal: pool CPU and wire bytes at most 0.55x flat). The last line is JSON. Needs root
+(namespaces); without it, it says why and exits.
 
 ``--dsync``: two sites, A and B, each with its own service, the link between them (B's) slow
 (``--slow``). The digits demo (2 workers per site) runs flat (all 4 on A's service: B's workers
 cross the slow link every step) and as 2 groups (each on its site's service, averaging their
-weights every ``--every`` steps through A's): the groups' time to the flat run's final accuracy
-over the flat run's time, alternating.
+weights every ``--every`` steps through A's), alternating: a figure of the groups' time to the flat
+run's final accuracy against the flat run's time, over the rounds where the groups reached it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from pslink.bench import figures as fig  # noqa: E402
 from pslink.bench import netns  # noqa: E402
 
 PYTHON = sys.executable
@@ -136,22 +139,43 @@ def run_dsync(args) -> dict:
                                              "history": results[0]["history"], "syncs": results[0]["syncs"]})
                     print(variant, {k: v for k, v in figures[variant][-1].items() if k != "history"}, flush=True)
         finally:
-            for service in services:
-                service.kill()
-                service.communicate()
-    # Each groups run against the flat run of its pair: the time its rank 0 first reached the flat
+            for host, service in zip("AB", services):
+                _stop(hosts, host, service)
+    # Each groups run against the flat run of its round: the time its rank 0 first reached the flat
     # run's final accuracy (None: not within twice the epochs).
+    reached = []
     for flat, grouped in zip(figures["flat"], figures["groups"]):
         grouped["to_flat_accuracy"] = next((t for t, a in grouped["history"] if a >= flat["accuracy"]), None)
-        grouped["ratio"] = None if grouped["to_flat_accuracy"] is None else grouped["to_flat_accuracy"] / flat["seconds"]
-    ratios = [g["ratio"] for g in figures["groups"] if g["ratio"] is not None]
+        if grouped["to_flat_accuracy"] is not None:
+            reached.append((grouped["to_flat_accuracy"], flat["seconds"]))
+    what = (f"2 groups of 2 workers over a {args.slow} link, global sync every {args.every} steps: seconds to the "
+            "flat run's final accuracy")
+    if reached:
+        figure = fig.measured("hierarchy", what, "s", "lower", [g for g, _ in reached],
+                              "the flat job of 4 workers across the link (its whole run)", [f for _, f in reached])
+    else:
+        figure = fig.unanchored("hierarchy", f"2 groups of 2 workers over a {args.slow} link: seconds of the whole "
+                                "run", "s", "lower", [g["seconds"] for g in figures["groups"]],
+                                missing="the groups never reached the flat run's accuracy within twice its epochs: "
+                                        "no time to compare with the flat run's")
     return {"slow_link": args.slow, "every": args.every, "epochs": args.epochs, "runs": figures,
-            "reached": f"{len(ratios)} of {len(figures['groups'])}",
-            "groups_time_to_flat_accuracy_over_flat": statistics.median(ratios) if ratios else None}
+            "reached": f"{len(reached)} of {len(figures['groups'])}",
+            "groups_time_to_flat_accuracy_over_flat": figure.ratio, "figures": [figure]}
 
 
 def _start(hosts, host, argv, env=None) -> subprocess.Popen:
     return netns.start_on(hosts, host, argv, cwd=ROOT, env=env)
+
+
+def _stop(hosts, host, service) -> None:
+    """Stop a service and its Aggregators: killing pMaster's process alone leaves its Aggregators
+    holding the output pipe until they notice it gone (a minute)."""
+    service.terminate()
+    try:
+        service.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        hosts.kill(host)
+        service.communicate(timeout=20)
 
 
 def wire_bytes(hosts) -> int:
@@ -215,6 +239,11 @@ def measure(hosts, args, variant: str, index: int) -> dict:
             "step_ms": statistics.median(t for r in results for t in r["times"]) * 1e3}
 
 
+MEASURES = {"wire_MB": ("bytes on the worker hosts' links per step", "MB/step"),
+            "pool_cpu_ms": ("the pool's CPU per step", "CPU ms/step"),
+            "step_ms": ("step time", "ms/step")}
+
+
 def run(args) -> dict:
     figures: dict = {"flat": [], "host-local": []}
     with netns.VirtualHosts(["M", "A", "B"]) as hosts:
@@ -228,14 +257,25 @@ def run(args) -> dict:
             for index in range(args.repeats):
                 for variant in ("flat", "host-local") if index % 2 == 0 else ("host-local", "flat"):
                     figures[variant].append(measure(hosts, args, variant, index))
-                    print(variant, figures[variant][-1], flush=True)
+                    print(f"round {index + 1}/{args.repeats} {variant}", figures[variant][-1], flush=True)
         finally:
-            service.kill()
-            service.communicate()
+            _stop(hosts, "M", service)
     summary = {v: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for v, rows in figures.items()}
-    ratios = {k: summary["host-local"][k] / summary["flat"][k] for k in summary["flat"]}
+    setting = f"2 hosts x 2 workers, {args.rate} links, {args.mib} MiB in {args.keys} tensors"
+    anchor = "flat: every worker pushes to the pool (PSLINK_HOST_REDUCE=0)"
+    made = {}
+    for key, (what, unit) in MEASURES.items():
+        ours, flat = [r[key] for r in figures["host-local"]], [r[key] for r in figures["flat"]]
+        what = f"host-local reduce, {setting}: {what}"
+        if all(flat):
+            made[key] = fig.measured("hierarchy", what, unit, "lower", ours, anchor, flat)
+        else:  # the pool's CPU is read in clock ticks: a short run can read none
+            made[key] = fig.unanchored("hierarchy", what, unit, "lower", ours,
+                                       missing=f"flat read 0 {unit} in a round (/proc counts clock ticks): run more "
+                                               "--steps")
     return {"rate": args.rate, "model_MiB": args.mib, "keys": args.keys, "steps": args.steps, "runs": figures,
-            "median": summary, "host_local_over_flat": ratios}
+            "median": summary, "host_local_over_flat": {k: f.ratio for k, f in made.items()},
+            "figures": list(made.values())}
 
 
 def main(argv=None) -> int:
@@ -258,8 +298,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mib", type=int, default=16, help="the model's size")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="1 repeat, 10 steps, a 4 MiB model")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds: runs of each variant, alternating")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 10 steps, a 4 MiB model (--dsync: 2 epochs)")
     args = parser.parse_args(argv)
     if args.role == "worker":
         role_worker(args)
@@ -268,19 +308,20 @@ def main(argv=None) -> int:
         role_digits(args)
         return 0
     if args.quick:
-        args.repeats, args.steps, args.mib, args.epochs = 1, 10, 4, 2
+        args.repeats, args.steps, args.mib, args.epochs = 2, 10, 4, 2
+    if args.repeats < 1 or args.steps < 1:
+        parser.error(f"--repeats and --steps must be at least 1 (got {args.repeats}, {args.steps})")
     reason = netns.unavailable()
     if reason:
         print(f"skipped: {reason}")
         return 0
+    result = run_dsync(args) if args.dsync else run(args)
     if args.dsync:
-        result = run_dsync(args)
-        print(f"groups' time to the flat accuracy / flat's time: {result['groups_time_to_flat_accuracy_over_flat']} "
-              f"(reached in {result['reached']} runs)")
-    else:
-        result = run(args)
-        for name, value in result["host_local_over_flat"].items():
-            print(f"host-local / flat  {name:12s} {value:.2f}")
+        print(f"the groups reached the flat run's accuracy in {result['reached']} rounds")
+    for figure in result["figures"]:
+        fig.emit(figure)
+    result = {"benchmark": "hierarchy", "quick": args.quick, "dsync": args.dsync, **result,
+              "figures": [f.as_json() for f in result["figures"]]}
     print(json.dumps(result))
     return 0
 
