@@ -166,7 +166,7 @@ def table_rows(outcomes: list[Outcome], date: str) -> list[list[str]]:
         command = shlex.join(outcome.command)
         for f in outcome.figures:
             if f.ratio is None:
-                ratio, spread, anchor = "no ratio", "", f"not run: {f.missing}"
+                ratio, spread, anchor = "no ratio", "", f.missing
             else:
                 low, high = f.spread
                 ratio = f"**{f.ratio:.2f}**"
