@@ -133,7 +133,7 @@ def worker(job: str, job_index: int, rank: int, model_name: str, addresses: dict
     ``("ready" | "ran" | "done" | "error", job, rank, body)`` on ``reports``; "ran" carries the
     ``(start, end)`` of each iteration on the monotonic clock (one clock for every process here)."""
     try:
-        import pslink
+        from pslink.core.worker.connect import connect
 
         model = MODELS[model_name]
         nets = {variant: Mlp(model, seed=job_index) for variant in VARIANTS}
@@ -141,8 +141,8 @@ def worker(job: str, job_index: int, rank: int, model_name: str, addresses: dict
         trained = dict.fromkeys(VARIANTS, 0)
         keys = list(range(2 * model.layers))
         outs = [np.empty_like(p) for p in nets[POOL].weights]
-        with pslink.connect(job, rank, 2, master=addresses[POOL], servers=2, timeout=timeout) as pooled, \
-                pslink.connect(job, rank, 2, master=addresses[DEDICATED], servers=2, timeout=timeout) as own:
+        with connect(job, rank, 2, master=addresses[POOL], servers=2, timeout=timeout) as pooled, \
+                connect(job, rank, 2, master=addresses[DEDICATED], servers=2, timeout=timeout) as own:
             agents = {POOL: pooled, DEDICATED: own}
             for agent in agents.values():
                 agent.init_many(keys, [np.zeros_like(p) for p in outs]).wait(timeout)
