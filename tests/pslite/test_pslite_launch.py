@@ -147,15 +147,17 @@ def test_ps_lite_options_without_pslite_are_refused():
 
 
 def test_the_benchmark_runs_in_both_modes_and_ends_with_one_json_line():
-    """A smoke run of benchmarks/pslite_bench.py (its figures are judged there, not here)."""
+    """A smoke run of benchmarks/pslite_bench.py without C++ ps-lite: every case measured, and no
+    ratio printed, each figure saying which anchor was not run."""
     import json
 
     bench = os.path.join(ROOT, "benchmarks", "pslite_bench.py")
-    done = subprocess.run([sys.executable, bench, "--sizes", "4K", "--seconds", "0.05"], capture_output=True,
-                          text=True, timeout=100)
+    done = subprocess.run([sys.executable, bench, "--sizes", "4K", "--seconds", "0.05", "--rounds", "1",
+                           "--variants", "classic,service"], capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     cases = {(c["mode"], c["op"]) for c in report["cases"]}
     assert cases == {(m, op) for m in ("classic", "service") for op in ("zpush", "zpull", "zpushpull")}
-    assert all(c["MBps"] > 0 and c["anchor_MBps"] in (82.0, 79.0, 75.0) for c in report["cases"])
-    assert report["targets_judged"] == 6
+    assert all(c["MBps"] > 0 for c in report["cases"])
+    assert len(report["figures"]) == 6
+    assert all(f["ratio"] is None and "--pslite" in f["missing"] for f in report["figures"])
