@@ -1,11 +1,12 @@
 """Sparse tables, side by side in one run: rows/s of table push and pull against the same bytes
 through a dense key, and ps-lite's test_kv_app pattern on classic servers, on the service, and
-on C++ ps-lite where it is built.
+on C++ ps-lite built from ``--pslite PATH``.
 
 **tables**: an embedded service with one Aggregator process; one worker pushes (and pulls) ``n``
 ids per request (10^4 and 10^6; ids drawn from 4n, so some repeat and are summed) of rows of
 width 16 and 64 float32, against pushes and pulls of one dense key of ``n x width`` floats.
-Variants alternate within each round; medians over ``--rounds`` rounds; ratios table / dense.
+Variants alternate within each round, the order reversed on every other round; the anchor of
+each figure is the dense key measured in the same round (table / dense, medians over rounds).
 
 **kv_app**: ps-lite's tests/test_kv_app.cc, timed: 1 worker x 1 server, each Push is 10,000
 keys of one float (keys spread over the key space), at most 10 pushes in flight, ``--repeat``
@@ -14,12 +15,14 @@ times; then as many Pulls; then as many serial PushPulls. Variants, alternating:
 - ``classic``: ``pslink launch --pslite -s 1 -n 1``, the server running KVServerDefaultHandle;
 - ``service``: ``--server-mode service``: no server; each request is one table request per
   shard (``PSLINK_PSLITE_SHARDS``, default DMLC_NUM_SERVER = 1) to one Aggregator;
-- ``cpp``: C++ ps-lite (benchmarks/cpp/kv_many.cc compiled against ``--pslite-build``'s
-  libpslite.a, as ../shared/tools/pslite_side_by_side.sh builds it); skipped, saying so, where
-  it is not built.
+- ``cpp``: C++ ps-lite: ``benchmarks/cpp/kv_many.cc`` compiled against the ``--pslite PATH``
+  checkout's libps.a, built with its own Makefile (:mod:`pslink.bench.pslite_cpp`).
 
-    python benchmarks/sparse.py                       # both sections, 3 rounds
-    python benchmarks/sparse.py --quick               # a smoke run
+The figures are classic and service against ``cpp``, in keys/s, round by round; without
+``--pslite`` they carry no ratio.
+
+    python benchmarks/sparse.py --pslite ~/ps-lite    # both sections, 3 rounds
+    python benchmarks/sparse.py --quick [--pslite ~/ps-lite]   # a smoke run (< 60 s)
 """
 
 from __future__ import annotations
@@ -28,18 +31,22 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from pslink.bench import figures, pslite_cpp
+
 RESULT = "KV_MANY_RESULT "
+CPP_DRIVER = os.path.join(HERE, "cpp", "kv_many.cc")
+NOT_RUN = "C++ ps-lite not run: give --pslite PATH (a dmlc/ps-lite checkout)"
+TABLE_VARIANTS = ("table push", "dense push", "table pull", "dense pull")
+TAG = "PSLINK_BENCH_TAG"  # in every pslink deployment's environment: stragglers are reaped by it
 
 
 # -- tables against dense keys ------------------------------------------------------------------------
@@ -53,7 +60,7 @@ def _timed(fn, reps: int) -> float:
     return (time.perf_counter() - started) / reps
 
 
-def tables_section(sizes, widths, rounds: int) -> list[dict]:
+def tables_section(sizes, widths, rounds: int) -> tuple[list[dict], list]:
     import pslink
     from pslink.core.service import Service
 
@@ -74,7 +81,7 @@ def tables_section(sizes, widths, rounds: int) -> list[dict]:
                         out = np.empty_like(flat)
                         if r == 0:
                             agent.init(dense_key, flat).wait()
-                        variants = {
+                        variants = {  # TABLE_VARIANTS
                             "table push": lambda: table.push(ids, rows).wait(),
                             "dense push": lambda: agent.push(dense_key, flat).wait(),
                             "table pull": lambda: table.pull(ids).wait(),
@@ -88,15 +95,20 @@ def tables_section(sizes, widths, rounds: int) -> list[dict]:
                             f"{name}={results[(n, width, name)][-1]:.3g} rows/s" for name in variants), file=sys.stderr)
         finally:
             agent.close()
-    rows_out = []
+    rows_out, figs = [], []
     for n in sizes:
         for width in widths:
-            med = {name: statistics.median(results[(n, width, name)]) for name in
-                   ("table push", "dense push", "table pull", "dense pull")}
-            rows_out.append({"ids": n, "width": width, **{k.replace(" ", "_") + "_rows_per_s": round(v) for k, v in med.items()},
-                             "push_table_over_dense": round(med["table push"] / med["dense push"], 2),
-                             "pull_table_over_dense": round(med["table pull"] / med["dense pull"], 2)})
-    return rows_out
+            med = {name: statistics.median(results[(n, width, name)]) for name in TABLE_VARIANTS}
+            row = {"ids": n, "width": width,
+                   **{k.replace(" ", "_") + "_rows_per_s": round(v) for k, v in med.items()}}
+            for op in ("push", "pull"):
+                fig = figures.measured("sparse", f"table {op}, {n} ids x {width} floats", "rows/s", "higher",
+                                       results[(n, width, f"table {op}")], f"dense {op} of the same bytes (one key)",
+                                       results[(n, width, f"dense {op}")])
+                row[f"{op}_table_over_dense"] = round(fig.ratio, 2)
+                figs.append(fig)
+            rows_out.append(row)
+    return rows_out, figs
 
 
 # -- test_kv_app's pattern --------------------------------------------------------------------------
@@ -151,7 +163,9 @@ def _parse(lines, what: str) -> dict:
     return result
 
 
-def run_pslink(mode: str, plan: dict) -> dict:
+def run_pslink(mode: str, plan: dict, timeout: float = 300.0) -> dict:
+    import threading
+
     from pslink.launch import PsliteLaunch
 
     class Capture:
@@ -167,58 +181,36 @@ def run_pslink(mode: str, plan: dict) -> dict:
 
     capture = Capture()
     command = [sys.executable, os.path.abspath(__file__), "--program", json.dumps(plan)]
-    code = PsliteLaunch(command, num_workers=1, num_servers=1, server_mode=mode, aggregators=1,
-                        job=f"kv-many-{os.getpid()}-{time.monotonic_ns()}", prefix=False, output=capture).run()
-    if code != 0:
-        raise RuntimeError(f"pslink {mode}: exit status {code}:\n" + "\n".join(capture.lines[-20:]))
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    launch = PsliteLaunch(command, num_workers=1, num_servers=1, server_mode=mode, aggregators=1,
+                          job=f"kv-many-{os.getpid()}-{time.monotonic_ns()}", prefix=False, output=capture,
+                          env=dict(os.environ, **{TAG: tag}))
+    expired = threading.Event()
+
+    def expire():  # the launcher's own wait has no deadline: stopping its processes ends it
+        expired.set()
+        launch.stop_workers()
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        code = launch.run()
+    finally:
+        timer.cancel()
+        pslite_cpp.reap(TAG, tag)  # stragglers of this deployment, by pid
+    if expired.is_set() or code != 0:
+        why = f"still running after {timeout:.0f} s" if expired.is_set() else f"exit status {code}"
+        raise RuntimeError(f"pslink {mode}: {why}:\n" + "\n".join(capture.lines[-20:]))
     return _parse(capture.lines, f"pslink {mode}")
 
 
-def build_cpp(build_dir: str) -> str | None:
-    """The C++ driver, compiled against ``build_dir``'s libpslite.a; None (and why) if it cannot be."""
-    library = os.path.join(build_dir, "libpslite.a")
-    cache = os.path.join(build_dir, "CMakeCache.txt")
-    if not os.path.exists(library) or not os.path.exists(cache) or shutil.which("g++") is None:
-        print(f"  C++ ps-lite: not built at {build_dir} (see ../shared/tools/pslite_side_by_side.sh); skipped",
-              file=sys.stderr)
-        return None
-    source_dir = next((line.split("=", 1)[1].strip() for line in open(cache) if line.startswith("pslite_SOURCE_DIR")),
-                      "/tmp/pslite/src")
-    binary = os.path.join(tempfile.gettempdir(), "pslink-kv-many")
-    source = os.path.join(HERE, "cpp", "kv_many.cc")
-    if not os.path.exists(binary) or os.path.getmtime(binary) < os.path.getmtime(source):
-        done = subprocess.run(["g++", "-O3", "-DNDEBUG", "-std=c++14", f"-I{source_dir}/include", source, library,
-                               "-lzmq", "-lprotobuf", "-lpthread", "-o", binary], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"  C++ ps-lite: compiling the driver failed; skipped:\n{done.stderr[-2000:]}", file=sys.stderr)
-            return None
-    return binary
-
-
 def run_cpp(binary: str, plan: dict, timeout: float = 300.0) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, DMLC_NUM_SERVER="1", DMLC_NUM_WORKER="1", DMLC_PS_ROOT_URI="127.0.0.1",
-               DMLC_PS_ROOT_PORT=str(port))
-    args = [binary, str(plan["num"]), str(plan["repeat"]), str(plan["window"])]
-    procs = {role: subprocess.Popen(args, env=dict(env, DMLC_ROLE=role), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
-             for role in ("scheduler", "server", "worker")}
-    try:
-        out, _ = procs["worker"].communicate(timeout=timeout)
-        for role in ("scheduler", "server"):
-            procs[role].communicate(timeout=30)
-    finally:
-        for proc in procs.values():  # by pid: nothing of this run is left behind
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    return _parse(out.splitlines(), "C++ ps-lite")
+    outputs = pslite_cpp.run(binary, [plan["num"], plan["repeat"], plan["window"]], timeout=timeout)
+    return _parse(outputs["worker0"].splitlines(), "C++ ps-lite")
 
 
-def kv_app_section(plan: dict, rounds: int, build_dir: str) -> dict:
-    binary = build_cpp(build_dir)
+def kv_app_section(plan: dict, rounds: int, binary: str | None, commit: str | None) -> tuple[dict, list]:
     variants = {"classic": lambda: run_pslink("classic", plan), "service": lambda: run_pslink("service", plan)}
     if binary is not None:
         variants["cpp"] = lambda: run_cpp(binary, plan)
@@ -235,15 +227,19 @@ def kv_app_section(plan: dict, rounds: int, build_dir: str) -> dict:
     out: dict = {"keys_per_push": plan["num"], "repeat": plan["repeat"], "window": plan["window"], "variants": {}}
     for name in variants:
         out["variants"][name] = {op: round(statistics.median(runs[(name, op)])) for op in ("push", "pull", "pushpull")}
-    ratios = {}
+    figs, ratios = [], {}
     for op in ("push", "pull", "pushpull"):
-        service = out["variants"]["service"][op]
-        ratios[f"service/classic {op}"] = round(service / out["variants"]["classic"][op], 2)
-        if "cpp" in variants:
-            ratios[f"service/cpp {op}"] = round(service / out["variants"]["cpp"][op], 2)
-            ratios[f"classic/cpp {op}"] = round(out["variants"]["classic"][op] / out["variants"]["cpp"][op], 2)
+        for name in ("classic", "service"):
+            what = f"test_kv_app {op}, pslink {name} ({plan['num']} keys of 1 float per request)"
+            if binary is None:
+                figs.append(figures.unanchored("sparse", what, "keys/s", "higher", runs[(name, op)], NOT_RUN))
+                continue
+            fig = figures.measured("sparse", what, "keys/s", "higher", runs[(name, op)],
+                                   f"C++ ps-lite tcp ({(commit or 'unknown')[:12]})", runs[("cpp", op)])
+            ratios[f"{name}/cpp {op}"] = round(fig.ratio, 2)
+            figs.append(fig)
     out["ratios"] = ratios
-    return out
+    return out, figs
 
 
 def main(argv=None) -> int:
@@ -254,21 +250,40 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="10000,1000000", help="ids per table request")
     parser.add_argument("--widths", default="16,64")
     parser.add_argument("--repeat", type=int, default=50, help="kv_app: pushes (and pulls, pushpulls) timed")
-    parser.add_argument("--pslite-build", default=os.environ.get("PSLITE_BUILD", "/tmp/pslite/build"))
-    parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, 1 round")
+    parser.add_argument("--pslite", metavar="PATH", help="a dmlc/ps-lite checkout: build it and run it alongside")
+    parser.add_argument("--deps-path", default="/usr", help="prefix of ZeroMQ and protobuf for ps-lite's Makefile")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, 2 rounds")
     args = parser.parse_args(argv)
     if args.program:
         return program(json.loads(args.program))
     if args.quick:
-        args.rounds, args.sizes, args.widths, args.repeat = 1, "1000", "16", 5
-    sections = args.sections.split(",")
+        args.rounds, args.sizes, args.widths, args.repeat = 2, "1000", "16", 5
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    sections = [x for x in args.sections.split(",") if x]
+    for section in sections:
+        if section not in ("tables", "kv_app"):
+            parser.error(f"unknown section {section!r}; use tables, kv_app")
+    binary = commit = None
+    if args.pslite and "kv_app" in sections:
+        try:
+            root = pslite_cpp.checkout(args.pslite)
+            commit = pslite_cpp.commit(root)
+            print(f"building C++ ps-lite {commit} in {root} (its Makefile, DEPS_PATH={args.deps_path}) ...",
+                  file=sys.stderr, flush=True)
+            binary = pslite_cpp.build_driver(root, CPP_DRIVER, args.deps_path)
+        except pslite_cpp.PsliteError as exc:
+            print(f"sparse: {exc}", file=sys.stderr)
+            return 2
+    figs: list = []
     report = {"benchmark": "sparse", "host": platform.node(), "cpus": os.cpu_count(),
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
     print(f"sparse tables on {platform.node()} ({os.cpu_count()} CPUs, Python {platform.python_version()}), "
           f"{args.rounds} round(s)", file=sys.stderr)
     if "tables" in sections:
-        report["tables"] = tables_section([int(s) for s in args.sizes.split(",")],
-                                          [int(w) for w in args.widths.split(",")], args.rounds)
+        report["tables"], table_figs = tables_section([int(s) for s in args.sizes.split(",")],
+                                                      [int(w) for w in args.widths.split(",")], args.rounds)
+        figs += table_figs
         for row in report["tables"]:
             print(f"{row['ids']:>8} ids x {row['width']:>3}: push table {row['table_push_rows_per_s']:>10} rows/s, "
                   f"dense {row['dense_push_rows_per_s']:>10} ({row['push_table_over_dense']}x); pull table "
@@ -276,10 +291,14 @@ def main(argv=None) -> int:
                   f"({row['pull_table_over_dense']}x)")
     if "kv_app" in sections:
         plan = {"num": 1000 if args.quick else 10_000, "repeat": args.repeat, "window": 10}
-        report["kv_app"] = kv_app_section(plan, args.rounds, args.pslite_build)
+        report["kv_app"], kv_figs = kv_app_section(plan, args.rounds, binary, commit)
+        figs += kv_figs
+        report["pslite_commit"] = commit
         for name, ops in report["kv_app"]["variants"].items():
             print(f"kv_app {name:>8}: " + ", ".join(f"{op} {v} keys/s" for op, v in ops.items()))
-        print("kv_app ratios: " + ", ".join(f"{k} {v}" for k, v in report["kv_app"]["ratios"].items()))
+    for fig in figs:
+        figures.emit(fig)
+    report["figures"] = [fig.as_json() for fig in figs]
     print(json.dumps(report))
     return 0
 

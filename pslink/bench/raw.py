@@ -6,8 +6,16 @@ import multiprocessing as mp
 import socket
 import time
 
-
 CHUNK = 4 << 20
+WAIT = 30.0  # seconds any accept, receive or helper process may take past its own work
+
+
+def _reap(proc, timeout: float = WAIT) -> None:
+    """Join a helper process; kill it (by its pid) if it has not ended by then."""
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
 
 
 def stream_send(host: str, port: int, seconds: float) -> None:
@@ -22,7 +30,9 @@ def stream_send(host: str, port: int, seconds: float) -> None:
 def stream_receive(server: socket.socket) -> float:
     """Accept one stream on the listening ``server`` and read it to its end: MB/s, timed from the
     first byte (not from the sender's start)."""
+    server.settimeout(WAIT)
     conn, _ = server.accept()
+    conn.settimeout(WAIT)  # a sender that stalls fails the measurement instead of hanging it
     buf = memoryview(bytearray(CHUNK))
     total, start = 0, None
     with conn:
@@ -48,8 +58,10 @@ def tcp_stream(seconds: float) -> float:
         server.listen(1)
         sender = mp.get_context("spawn").Process(target=_stream_sender, args=(server.getsockname()[1], seconds + 0.3))
         sender.start()
-        mbps = stream_receive(server)
-        sender.join()
+        try:
+            mbps = stream_receive(server)
+        finally:
+            _reap(sender, seconds + WAIT)
     return mbps
 
 
@@ -89,16 +101,25 @@ def socket_round_trips(size: int, trips: int, spin: float = 0.0) -> list[float]:
         listener.listen(1)
         echo = mp.get_context("spawn").Process(target=_socket_echo, args=(listener.getsockname()[1], size, spin))
         echo.start()
-        conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    view, samples = memoryview(bytearray(size)), []
-    for _ in range(trips + trips // 10):
-        start = time.perf_counter()
-        conn.sendall(view)
-        recv_exact(conn, view, spin)
-        samples.append(time.perf_counter() - start)
-    conn.close()
-    echo.join(10)
+        try:
+            listener.settimeout(WAIT)
+            conn, _ = listener.accept()
+        except BaseException:
+            _reap(echo, 0)
+            raise
+    try:
+        conn.settimeout(WAIT)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        view, samples = memoryview(bytearray(size)), []
+        for _ in range(trips + trips // 10):
+            start = time.perf_counter()
+            conn.sendall(view)
+            if not recv_exact(conn, view, spin):
+                raise ConnectionError("the echo process closed the connection")
+            samples.append(time.perf_counter() - start)
+    finally:
+        conn.close()  # the echo process sees the end and leaves
+        _reap(echo, 10)
     return samples[trips // 10:]
 
 
@@ -137,7 +158,7 @@ def zmq_round_trips(size: int, trips: int) -> list[float]:
         sock.recv_multipart(copy=False)
         samples.append(time.perf_counter() - start)
     sock.send(b"stop")
-    server.join(10)
+    _reap(server, 10)
     sock.close(0)
     ctx.term()
     return samples[trips // 10:]
