@@ -261,6 +261,29 @@ def make_figures(runs: dict, pslink: list[str], cpp: list[str], sizes, ops, infl
     return out
 
 
+#: pslink's own local paths, each against the one below it, measured in the same rounds: the Unix
+#: socket against TCP loopback, and the shared-memory rings (payloads of 64 KiB and up) against the
+#: Unix socket alone. What README's "Addresses" paragraph rests on.
+LOCAL_PATHS = (("uds", "tcp", "Unix socket", "TCP loopback"), ("classic", "uds", "shared-memory rings", "Unix socket"))
+
+
+def local_path_figures(runs: dict, pslink: list[str], sizes, ops, inflight: int) -> list:
+    out = []
+    for variant, base, name, base_name in LOCAL_PATHS:
+        if variant not in pslink or base not in pslink:
+            continue
+        for op in ops:
+            for size in sizes:
+                pairs = [(a, b) for a, b in zip(runs[("pslink", variant, op, size)], runs[("pslink", base, op, size)])
+                         if a is not None and b]
+                if pairs:
+                    out.append(figures.measured(
+                        "pslite_bench", f"{op} {size_label(size)}, pslink over the {name} ({inflight} in flight)",
+                        "MB/s", "higher", [a for a, _ in pairs], f"pslink over the {base_name}",
+                        [b for _, b in pairs]))
+    return out
+
+
 def print_table(runs: dict, figs: dict, order, sizes, ops, cpp_ran: bool) -> None:
     columns = [f"{side} {variant}" for side, variant in order]
     pslink = [variant for side, variant in order if side == "pslink"]
@@ -459,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(runs, figs, order, sizes, ops, commit is not None)
     for fig in figs.values():
         figures.emit(fig)
+    local_figs = local_path_figures(runs, pslink, sizes, ops, args.inflight)
+    for fig in local_figs:
+        figures.emit(fig)
     kv_app, kv_app_figs = None, []
     if args.kv_app_benchmark and cpp and any(v in KV_APP_VARIANTS for v in pslink):
         try:
@@ -496,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": sorted({PSLINK_VARIANTS[v][0] for v in pslink}), "variants": pslink,
         "pslite_commit": commit, "pslite_variants": cpp, "failed_cases": failures,
         "cases": cases, "pslite_cases": cpp_cases, "kv_app_benchmark_ms": kv_app,
-        "figures": [f.as_json() for f in [*figs.values(), *kv_app_figs]],
+        "figures": [f.as_json() for f in [*figs.values(), *local_figs, *kv_app_figs]],
     }))
     return 1 if failures else 0
 
