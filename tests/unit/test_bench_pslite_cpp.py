@@ -1,8 +1,9 @@
 """pslink.bench.pslite_cpp (C++ ps-lite built and run beside pslink) and the figures of
 benchmarks/pslite_bench.py, without a ps-lite checkout: a stand-in program plays the roles.
 
-With ``PSLINK_TEST_PSLITE=/path/to/ps-lite`` the last test builds that checkout and runs the
-benchmark's driver over tcp and ipc."""
+The last two build a real ps-lite (``PSLINK_TEST_PSLITE=/path/to/ps-lite``, else the vendored
+source beside the repository) and run the driver over tcp and ipc, then the benchmark's quick form
+beside it."""
 
 from __future__ import annotations
 
@@ -161,12 +162,47 @@ def test_the_benchmark_without_ps_lite_prints_unanchored_figures_and_its_json_li
     assert "PSLINK_FIGURE " in done.stdout
 
 
-@pytest.mark.skipif(not os.environ.get("PSLINK_TEST_PSLITE"), reason="set PSLINK_TEST_PSLITE to a ps-lite checkout")
-def test_a_real_ps_lite_checkout_builds_and_runs_the_driver_over_tcp_and_ipc():
-    root = pslite_cpp.checkout(os.environ["PSLINK_TEST_PSLITE"])
-    binary = pslite_cpp.build_driver(root, os.path.join(ROOT, "benchmarks", "cpp", "pslite_bench.cc"))
+@pytest.fixture(scope="module")
+def real_checkout(tmp_path_factory):
+    """A real ps-lite checkout: $PSLINK_TEST_PSLITE, else the source the project measured with,
+    ../shared/vendor/ps-lite-*.tar.gz beside the repository, unpacked here. Skips, naming what is
+    missing, where there is neither or where the system lacks ZeroMQ's and protobuf's headers."""
+    import glob
+    import tarfile
+
+    given = os.environ.get("PSLINK_TEST_PSLITE")
+    if given:
+        return pslite_cpp.checkout(given)
+    tarballs = sorted(glob.glob(os.path.join(ROOT, "..", "shared", "vendor", "ps-lite-*.tar.gz")))
+    if not tarballs:
+        pytest.skip("no ps-lite source: set PSLINK_TEST_PSLITE to a dmlc/ps-lite checkout")
+    missing = [path for path in ("/usr/include/zmq.h", "/usr/include/google/protobuf/message.h")
+               if not os.path.exists(path)]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} missing: apt-get install libzmq3-dev libprotobuf-dev protobuf-compiler")
+    into = tmp_path_factory.mktemp("pslite")
+    with tarfile.open(tarballs[-1]) as tar:
+        tar.extractall(into, filter="data")
+    (top,) = [p for p in into.iterdir() if p.is_dir()]
+    return pslite_cpp.checkout(str(top))
+
+
+def test_a_real_ps_lite_checkout_builds_and_runs_the_driver_over_tcp_and_ipc(real_checkout):
+    binary = pslite_cpp.build_driver(real_checkout, os.path.join(ROOT, "benchmarks", "cpp", "pslite_bench.cc"))
     for transport in ("tcp", "ipc"):
         outputs = pslite_cpp.run(binary, [4096, "zpushpull", 4, 0.1], transport=transport, timeout=60)
         got = json.loads(pslite_cpp.result(outputs["worker0"], "PSLITE_CPP_RESULT "))
         assert got["op"] == "zpushpull" and got["size"] == 4096 and got["MBps"] > 0
 
+
+def test_the_benchmark_given_a_checkout_measures_c_plus_plus_ps_lite_beside_pslink(real_checkout):
+    from pslink.bench import figures
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "pslite_bench.py"), "--quick",
+                           "--pslite", real_checkout], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = [f for f in figures.parse(done.stdout) if f.anchor and f.anchor.startswith("C++ ps-lite")]
+    # zpushpull 4K and 256K, each of the four pslink variants against its matching transport
+    assert len(found) == 8, done.stdout[-3000:]
+    for f in found:
+        assert f.ratio is not None and len(f.anchor_values) == len(f.values) == 2, f
