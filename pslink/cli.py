@@ -85,6 +85,18 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(1)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+PROVIDERS = ("local", "ray")
+
+
+def _logging(level: str) -> str:
+    """--log-level checked before anything starts (logging's own error is a traceback)."""
+    if level.upper() not in LOG_LEVELS:
+        _fail(PslinkError(f"unknown --log-level {level!r}: choose {', '.join(LOG_LEVELS)} (any case)"))
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return level.upper()
+
+
 @service_app.command("up")
 def service_up(
     aggregators: int = typer.Option(2, "--aggregators", "-n", min=1, help="Aggregator processes to start"),
@@ -136,10 +148,17 @@ def service_up(
     from pslink.core.service import Service
     from pslink.core.credential_files import client_file_for, load_or_create_secret, write_client_file
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Every flag checked before anything starts: a wrong one is an error naming it, never a service
+    # started on the defaults.
+    if provider not in PROVIDERS:
+        _fail(PslinkError(f"unknown --provider {provider!r}: choose {' or '.join(PROVIDERS)}"))
+    if ray_address is not None and provider != "ray":
+        _fail(PslinkError(f"--ray-address {ray_address} joins a Ray cluster: it goes with --provider ray "
+                          f"(this is --provider {provider})"))
     scheme = {"tcp": "tcp", "zmq": "zmq+tcp"}.get(transport)
     if scheme is None:
-        _fail(PslinkError(f"unknown transport {transport!r}: use tcp or zmq"))
+        _fail(PslinkError(f"unknown --transport {transport!r}: use tcp or zmq"))
+    log_level = _logging(log_level)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -337,7 +356,7 @@ def aggregator_command(
     from pslink.core.aggregator import Aggregator
     from pslink.core.transport import scheme_of
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _logging(log_level)
     _tls_env(tls_cert, tls_key, tls_ca, curve_key)
     address = _master(master)
     bind = _listen_address(listen, scheme_of(address))
