@@ -86,17 +86,17 @@ def _worker(master: str, rank: int, workers: int, plan: list, seconds: float, pa
             barrier, counts, results) -> None:
     from pslink.core.worker.connect import connect
 
-    agents = {}
-    try:
-        for case_id, (op, size, inflight) in enumerate(plan):
-            if op == "pushpull":
-                job, job_rank, job_size = f"bench-pushpull-{workers}w", rank, workers
-            else:
-                job, job_rank, job_size = f"bench-{op}-{workers}w-{rank}", 0, 1
-            agent = agents.get(job)
-            if agent is None:
-                agent = agents[job] = connect(job, job_rank, job_size, master=master,
-                                              partition_bytes=partition, timeout=120.0)
+    for case_id, (op, size, inflight) in enumerate(plan):
+        # Each case is a job of its own, ended before the next: through one job, pMaster would
+        # profile the first case and read a later case's longer rounds as interference, and its
+        # guard would move the job in the middle of the run (a 256 KiB case measured at a tenth of
+        # its speed; benchmarks/pslite_bench.py found the same).
+        if op == "pushpull":
+            job, job_rank, job_size = f"bench-pushpull-{workers}w-{case_id}", rank, workers
+        else:
+            job, job_rank, job_size = f"bench-{op}-{workers}w-{rank}-{case_id}", 0, 1
+        agent = connect(job, job_rank, job_size, master=master, partition_bytes=partition, timeout=120.0)
+        try:
             keys = [f"{op}-{size}-{inflight}-{i}" for i in range(inflight)]
             rng = np.random.default_rng(rank)
             arrays = [rng.standard_normal(size // 4).astype(np.float32) for _ in keys]
@@ -116,8 +116,7 @@ def _worker(master: str, rank: int, workers: int, plan: list, seconds: float, pa
             elapsed = run_ops(agent, op, keys, arrays, outs, inflight, count)
             results.put((case_id, rank, count, elapsed))
             barrier.wait()
-    finally:
-        for agent in agents.values():
+        finally:
             agent.close()
 
 
