@@ -33,14 +33,12 @@ alternating with its port, ``benchmarks/pslite_kv_app_benchmark.py``, on the cla
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
 import re
 import statistics
 import sys
-import threading
 import time
 from collections import deque
 
@@ -49,7 +47,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # pslink from this checkout, when run as a script
 
-from pslink.bench import figures, pslite_cpp
+from pslink.bench import figures, pslite_cpp, pslite_deploy
 
 OPS = ("zpush", "zpull", "zpushpull")
 # name: (server mode, environment of the deployment)
@@ -65,7 +63,6 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 RESULT = "PSLITE_BENCH_RESULT "
 CPP_RESULT = "PSLITE_CPP_RESULT "
 CPP_DRIVER = os.path.join(HERE, "cpp", "pslite_bench.cc")
-TAG = "PSLINK_BENCH_TAG"  # in every pslink deployment's environment: stragglers are reaped by it
 NOT_RUN = "C++ ps-lite not run: give --pslite PATH (a dmlc/ps-lite checkout)"
 KV_APP_PORT = os.path.join(HERE, "pslite_kv_app_benchmark.py")
 KV_APP_VARIANTS = ("classic", "uds", "tcp")  # its own server's handle: service mode answers pulls otherwise
@@ -142,55 +139,11 @@ def program(plan: dict) -> int:
 # -- one case of each side ----------------------------------------------------------------------------
 
 
-class _Capture(io.TextIOBase):
-    """Collects the deployment's output (and echoes it when asked)."""
-
-    def __init__(self, echo: bool):
-        self.echo = echo
-        self.lines: list[str] = []
-        self.lock = threading.Lock()
-
-    def write(self, text: str) -> int:
-        with self.lock:
-            self.lines.extend(line for line in text.splitlines() if line)
-        if self.echo and not text.startswith(RESULT):
-            sys.stdout.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        sys.stdout.flush()
-
-
 def launch_pslink(variant: str, command: list[str], name: str, timeout: float, echo: bool = False) -> list[str]:
     """Run ``command`` as ``pslink launch --pslite -s 1 -n 1`` runs it, in a pslink variant's
-    setting; its output lines. Stopped after ``timeout`` seconds; stragglers reaped by tag."""
-    from pslink.launch import PsliteLaunch
-
+    setting; its output lines."""
     mode, extra = PSLINK_VARIANTS[variant]
-    tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    capture = _Capture(echo)
-    launch = PsliteLaunch(command, num_workers=1, num_servers=1, server_mode=mode, aggregators=1,
-                          job=f"pslite-bench-{os.getpid()}-{variant}-{time.monotonic_ns()}",
-                          prefix=False, output=capture, env=dict(os.environ, **extra, **{TAG: tag}))
-    expired = threading.Event()
-
-    def expire():  # the launcher's own wait has no deadline: stopping its processes ends it
-        expired.set()
-        launch.stop_workers()
-
-    timer = threading.Timer(timeout, expire)
-    timer.daemon = True
-    timer.start()
-    try:
-        code = launch.run()
-    finally:
-        timer.cancel()
-        pslite_cpp.reap(TAG, tag)
-    if expired.is_set() or code != 0:
-        why = f"still running after {timeout:.0f} s" if expired.is_set() else f"exited with status {code}"
-        tail = "\n".join(capture.lines[-20:])
-        raise RuntimeError(f"pslink {variant} {name}: the deployment {why}\n{tail}")
-    return capture.lines
+    return pslite_deploy.run(command, mode, f"pslink {variant} {name}", timeout, env=extra, echo=echo, hide=RESULT)
 
 
 def run_pslink(variant: str, size: int, op: str, inflight: int, seconds: float, timeout: float,

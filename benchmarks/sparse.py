@@ -40,13 +40,12 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from pslink.bench import figures, pslite_cpp
+from pslink.bench import figures, pslite_cpp, pslite_deploy
 
 RESULT = "KV_MANY_RESULT "
 CPP_DRIVER = os.path.join(HERE, "cpp", "kv_many.cc")
 NOT_RUN = "C++ ps-lite not run: give --pslite PATH (a dmlc/ps-lite checkout)"
 TABLE_VARIANTS = ("table push", "dense push", "table pull", "dense pull")
-TAG = "PSLINK_BENCH_TAG"  # in every pslink deployment's environment: stragglers are reaped by it
 
 
 # -- tables against dense keys ------------------------------------------------------------------------
@@ -164,45 +163,8 @@ def _parse(lines, what: str) -> dict:
 
 
 def run_pslink(mode: str, plan: dict, timeout: float = 300.0) -> dict:
-    import threading
-
-    from pslink.launch import PsliteLaunch
-
-    class Capture:
-        def __init__(self):
-            self.lines: list[str] = []
-
-        def write(self, text: str) -> int:
-            self.lines.extend(text.splitlines())
-            return len(text)
-
-        def flush(self) -> None:
-            pass
-
-    capture = Capture()
     command = [sys.executable, os.path.abspath(__file__), "--program", json.dumps(plan)]
-    tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    launch = PsliteLaunch(command, num_workers=1, num_servers=1, server_mode=mode, aggregators=1,
-                          job=f"kv-many-{os.getpid()}-{time.monotonic_ns()}", prefix=False, output=capture,
-                          env=dict(os.environ, **{TAG: tag}))
-    expired = threading.Event()
-
-    def expire():  # the launcher's own wait has no deadline: stopping its processes ends it
-        expired.set()
-        launch.stop_workers()
-
-    timer = threading.Timer(timeout, expire)
-    timer.daemon = True
-    timer.start()
-    try:
-        code = launch.run()
-    finally:
-        timer.cancel()
-        pslite_cpp.reap(TAG, tag)  # stragglers of this deployment, by pid
-    if expired.is_set() or code != 0:
-        why = f"still running after {timeout:.0f} s" if expired.is_set() else f"exit status {code}"
-        raise RuntimeError(f"pslink {mode}: {why}:\n" + "\n".join(capture.lines[-20:]))
-    return _parse(capture.lines, f"pslink {mode}")
+    return _parse(pslite_deploy.run(command, mode, f"pslink {mode}", timeout), f"pslink {mode}")
 
 
 def run_cpp(binary: str, plan: dict, timeout: float = 300.0) -> dict:
