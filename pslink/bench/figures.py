@@ -61,15 +61,16 @@ class Figure:
 
     def line(self) -> str:
         """The figure in words: value, anchor's value, ratio and spread, or the anchor not run."""
-        text = f"{self.what}: {_fmt(self.value)} {self.unit}"
+        text = f"{self.what}: {fmt(self.value)} {self.unit}"
         if self.ratio is None:
             return f"{text} (no ratio: {self.missing})"
         low, high = self.spread
-        return (f"{text} vs {self.anchor} {_fmt(self.anchor_value)} {self.unit}: {self.ratio:.2f}x "
+        return (f"{text} vs {self.anchor} {fmt(self.anchor_value)} {self.unit}: {self.ratio:.2f}x "
                 f"({low:.2f}-{high:.2f} over {len(self.values)} rounds; {self.better} is better)")
 
 
-def _fmt(x: float) -> str:
+def fmt(x: float) -> str:
+    """A figure as people read it: three significant digits, whole numbers from 100 up."""
     return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
 
 

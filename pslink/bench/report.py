@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pslink.bench.figures import Figure, parse
+from pslink.bench.figures import Figure, fmt, parse
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,6 @@ class Outcome:
     figures: list[Figure] = field(default_factory=list)
     skipped: str = ""  # why it did not run
     failed: str = ""  # why it ran but gave no figures
-    log: str = ""
 
 
 def missing_requirement(entry: Entry) -> str:
@@ -101,7 +100,6 @@ def run_entry(entry: Entry, root: Path, logs: Path, extra: tuple[str, ...] = ())
     if outcome.skipped:
         return outcome
     log = logs / f"{entry.name}.log"
-    outcome.log = str(log)
     start = time.monotonic()
     with open(log, "w") as out:
         # A new session, so that a timeout ends the benchmark's own children too (by process group).
@@ -147,12 +145,6 @@ def _last_line(text: str) -> str:
 # -- the table ------------------------------------------------------------------------------------
 
 
-def _num(x: float | None) -> str:
-    if x is None:
-        return ""
-    return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
-
-
 def advantage(figure: Figure) -> float | None:
     """How many times better than its anchor pslink is (> 1: ahead), whichever way is better."""
     if figure.ratio is None:
@@ -171,8 +163,8 @@ def table_rows(outcomes: list[Outcome], date: str) -> list[list[str]]:
                 low, high = f.spread
                 ratio = f"**{f.ratio:.2f}**"
                 spread = f"{low:.2f}-{high:.2f} ({len(f.values)})"
-                anchor = f"{f.anchor}: {_num(f.anchor_value)} {f.unit}"
-            rows.append([f.what, f"{_num(f.value)} {f.unit}", anchor, ratio, f"{f.better} is better", spread, date,
+                anchor = f"{f.anchor}: {fmt(f.anchor_value)} {f.unit}"
+            rows.append([f.what, f"{fmt(f.value)} {f.unit}", anchor, ratio, f"{f.better} is better", spread, date,
                          f"`{command}`"])
     return rows
 
@@ -276,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
             # The first line of a saved log may carry the command that made it: "$ python benchmarks/...".
             first = text.splitlines()[0] if text else ""
             command = shlex.split(first[2:]) if first.startswith("$ ") else [str(log)]
-            outcomes.append(Outcome(Entry(Path(log).stem, ()), command, figures=parse(text),
-                                    failed="" if parse(text) else "no figures in the log"))
+            found = parse(text)
+            outcomes.append(Outcome(Entry(Path(log).stem, ()), command, figures=found,
+                                    failed="" if found else "no figures in the log"))
         md, picture = write(outcomes, out, date)
         print(md.read_text())
         return 0
@@ -301,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pslink bench report on {machine()}: {len(entries)} benchmarks, quick forms, one at a time; "
           f"not run here: {', '.join(ROOT_ONLY)} (need root: run them with sudo)", flush=True)
     for entry in entries:
-        extra = ("--pslite", args.pslite) if args.pslite and entry.script in ("", "pslite_bench", "sparse") \
-            and entry.name in ("pslite_bench", "sparse") else ()
+        extra = ("--pslite", args.pslite) if args.pslite and entry.name in ("pslite_bench", "sparse") else ()
         outcome = run_entry(entry, root, logs, extra)
         state = outcome.skipped and f"skipped: {outcome.skipped}" or outcome.failed or f"{len(outcome.figures)} figures"
         print(f"  {shlex.join(outcome.command)}: {outcome.seconds:.0f} s, {state}", flush=True)
