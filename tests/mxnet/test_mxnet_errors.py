@@ -113,9 +113,6 @@ def test_optimizers_the_service_cannot_apply_are_refused_by_name(kv, new_store):
     with pytest.raises(MXNetError, match=r"cannot apply optimizer mxnet.optimizer.optimizer.Nadam; it applies "
                                          r"mx.optimizer.SGD .*, Adam, NAG, .* FTML, LAMB \(keys of one part\) and Test"):
         new_store().set_optimizer(mx.optimizer.Nadam())
-    # The job's mode is fixed by its first key: an optimizer must come before init.
-    with pytest.raises(MXNetError, match="runs in sum mode and already has keys; set the optimizer before the first"):
-        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
 
 
 def test_two_workers_initializing_a_key_with_different_shapes_both_fail(service, tmp_path):

@@ -56,13 +56,18 @@ def initial(dtype) -> np.ndarray:
 def test_the_service_steps_as_mxnets_store_does(cluster, name, dtype, workers):
     service, transports = cluster
     mp = dtype == "float16"
+    # MXNet's dist_sync server with multi_precision keeps a float32 copy of a float16 key, sums
+    # the workers' pushes in float32 and steps the copy with its optimizer: a float32 local store
+    # given the float16 values widened does the same (its pulls rounded to float16 are the key's).
+    wide = "float32" if mp else dtype
     kv = mx.kv.create("local")
-    kv.init(0, mx.nd.array(initial(dtype), dtype=dtype))
+    kv.init(0, mx.nd.array(initial(dtype).astype(wide), dtype=wide))
     kv.set_optimizer(make(name, mp))
     for step in range(STEPS):  # the workers' gradients as devices' (summed), as dist_sync sums them
-        kv.push(0, [mx.nd.array(gradient(r, step, dtype), dtype=dtype) for r in range(workers)])
-    expected = mx.nd.zeros(SHAPE, dtype=dtype)
+        kv.push(0, [mx.nd.array(gradient(r, step, dtype).astype(wide), dtype=wide) for r in range(workers)])
+    expected = mx.nd.zeros(SHAPE, dtype=wide)
     kv.pull(0, out=expected)
+    expected = expected.astype(dtype)
 
     def worker(rank):
         agent = pslink.connect(f"opt-{name}-{dtype}-{workers}", rank, workers, master=service.address,
@@ -81,11 +86,12 @@ def test_the_service_steps_as_mxnets_store_does(cluster, name, dtype, workers):
     for got in run_workers(workers, worker):
         assert got.dtype == np.dtype(dtype)
         if mp and workers == 2:
-            # Rounded to float16 the weights are MXNet's, bit for bit where MXNet's kernels and
-            # numpy agree (stepped in float16 alone, 30-50% of them would differ in their last bit).
-            assert np.mean(got == want) >= 0.95, f"{np.mean(got == want):.0%} of the weights equal MXNet's"
-        # float32: numpy and MXNet's kernels round a few operations differently. Four float16
-        # gradients are summed in float16 in the order they arrive (MXNet's dist_sync servers do
-        # the same; its local store in its own order): their sums differ in the last bit.
+            # Rounded to float16 the weights are MXNet's, bit for bit where MXNet's float32 kernels
+            # and numpy's agree (Adam's differ in a few last bits, 8% of the float16 weights here;
+            # stepped in float16 alone, 30-50% of them would differ in their last bit).
+            assert np.mean(got == want) >= 0.9, f"{np.mean(got == want):.0%} of the weights equal MXNet's"
+        # float32: numpy and MXNet's kernels round a few operations differently. Four gradients
+        # are summed in the order they arrive (MXNet's dist_sync servers do the same; its local
+        # store in its own order): their sums may differ in the last bit.
         rtol, atol = (1e-5, 1e-6) if not mp else (1e-3, 1e-4) if workers == 2 else (1e-2, 1e-2)
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol)

@@ -346,6 +346,64 @@ def test_optimizer_steps_a_copy_while_old_weights_are_still_being_sent():
     np.testing.assert_array_equal(c.task.value, np.full(6, -2.0))
 
 
+def test_an_optimizer_set_after_init_steps_the_rounds_after_the_switch_and_sums_the_ones_before():
+    """MXNet's dist_sync: set_optimizer after init and pushes. The switch names, per key, the last
+    round that stays a sum (the caller's pushes); a round of it still open when the switch
+    arrives closes as a sum, and the next one steps the sum as weights."""
+    c = Cluster(workers=2, mode="sum")
+    c.send(Op.INIT, 0, 0, np.ones(6))
+    c.send(Op.PUSH, 0, 1, np.full(6, 2.0))
+    c.send(Op.PUSH, 1, 1, np.full(6, 3.0))  # round 1 closed: the value is its sum, 5
+    c.send(Op.PUSH, 0, 2, np.full(6, 1.0))  # round 2 open: rank 0 pushed, then set the optimizer
+    switch = dict(jobinfo(mode="optimizer", optimizer={"type": "sgd", "lr": 0.5}), sum_through=[["w", 2]])
+    assert c.core.set_job(switch) == []
+    _, replies = c.send(Op.PUSHPULL, 1, 2, np.full(6, 1.0))
+    assert [r.payload for r in replies if r.payload is not None][0].tolist() == [2.0] * 6  # a sum, as before
+    c.send(Op.PUSH, 0, 3, np.full(6, 1.0))
+    _, replies = c.send(Op.PUSHPULL, 1, 3, np.full(6, 3.0))
+    # Round 3 steps the weights (round 2's sum) with the mean gradient 2: 2 - 0.5 * 2.
+    assert [r.payload for r in replies if r.payload is not None][0].tolist() == [1.0] * 6
+    assert c.task.keeps_state
+
+
+def test_a_job_with_checkpoints_writes_each_part_at_the_switch():
+    """A part lost before its first checkpoint_every round after the switch restarts from the
+    weights of the switch, not from nothing (a summing part writes no checkpoint)."""
+    from pslink.core.aggregator.tasks import Checkpoint
+
+    info = dict(jobinfo(workers=1), checkpoint="/unused", checkpoint_every=50)
+    c = Cluster(workers=1)
+    c.core = AggregatorCore("agg-test", summer=Summer(threads=1))
+    c.task = c.core.assign(info, [spec()])[0]
+    _, replies = c.send(Op.INIT, 0, 0, np.full(6, 2.0))
+    assert not [r for r in replies if isinstance(r, Checkpoint)]
+    c.send(Op.PUSH, 0, 1, np.full(6, 3.0))
+    outputs = c.core.set_job(dict(info, mode="optimizer", optimizer={"type": "sgd", "lr": 1.0}, sum_through=[["w", 1]]))
+    [written] = [o for o in outputs if isinstance(o, Checkpoint)]
+    assert written.task is c.task and written.round == 1
+    assert written.arrays[0].tolist() == [3.0] * 6
+
+
+def test_a_key_the_caller_never_pushed_switches_at_once_and_multi_precision_starts_from_the_fp16_value():
+    c = Cluster(workers=1, mode="sum", dtype="float16")
+    c.send(Op.INIT, 0, 0, np.full(6, 1.5))
+    c.core.set_job(dict(jobinfo(workers=1, mode="optimizer",
+                                optimizer={"type": "sgd", "lr": 1.0, "multi_precision": True}), sum_through=[]))
+    _, replies = c.send(Op.PUSHPULL, 0, 1, np.full(6, 0.25))
+    result = [r.payload for r in replies if r.payload is not None][0]
+    assert result.dtype == np.float16 and result.tolist() == [1.25] * 6
+    assert c.task.opt_state["weight32"].dtype == np.float32  # the master copy, made from the sum-mode value
+
+
+def test_the_switch_round_travels_with_a_part_to_the_aggregator_that_promotes_or_receives_it():
+    info = dict(jobinfo(mode="optimizer", optimizer={"type": "sgd", "lr": 1.0}), sum_through=[["w", 4], [9, 1]])
+    core = AggregatorCore("agg-b", summer=Summer(threads=1))
+    core.assign(info, [spec()])
+    job = core.jobs["j"]
+    assert job.sum_through == {"w": 4, 9: 1}
+    assert not job.optimizes("w", 4) and job.optimizes("w", 5) and job.optimizes("other", 1)
+
+
 def test_optimizer_mode_without_an_optimizer_says_so():
     c = Cluster(workers=1, mode="optimizer", optimizer=None)
     c.send(Op.INIT, 0, 0, np.zeros(6))

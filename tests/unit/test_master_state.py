@@ -202,10 +202,24 @@ def test_set_optimizer_switches_an_empty_sum_job(state):
     job = state.register_job("j", 1)
     state.set_optimizer(job, {"type": "sgd", "lr": 0.1, "momentum": 0.9})
     assert job.mode == "optimizer"
-    job2 = state.register_job("k", 1)
-    state.declare(job2, 0, item("w"))
-    with pytest.raises(ConfigError, match="already has keys"):
-        state.set_optimizer(job2, {"type": "sgd", "lr": 0.1})
+    assert job.sum_through == []
+
+
+def test_set_optimizer_after_init_switches_from_the_round_after_the_callers_pushes(state):
+    """MXNet's dist_sync takes the optimizer after init: the keys' rounds the caller pushed stay
+    sums; pMaster records them (for the Aggregators, in jobinfo, and across its restarts)."""
+    job = state.register_job("k", 1)
+    state.declare(job, 0, item("w"))
+    state.declare(job, 0, item(7))
+    state.set_optimizer(job, {"type": "sgd", "lr": 0.1}, pushed=[["w", 3], [7, 0], ["unknown", 5]])
+    assert job.mode == "optimizer"
+    assert job.sum_through == [["w", 3]]  # a key not pushed switches at once; an unknown key is no key
+    assert job.jobinfo()["sum_through"] == [["w", 3]] and job.extra()["sum_through"] == [["w", 3]]
+    # A second worker's call (the same optimizer, later pushes) moves nothing: the switch is done.
+    state.set_optimizer(job, {"type": "sgd", "lr": 0.2}, pushed=[["w", 4]])
+    assert job.sum_through == [["w", 3]] and job.optimizer["lr"] == 0.2
+    with pytest.raises(ConfigError):
+        state.set_optimizer(job, {"type": "no-such-optimizer"})
 
 
 def test_leaving_ends_the_job_once_every_worker_left(state):

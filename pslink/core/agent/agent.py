@@ -337,8 +337,15 @@ class Agent:
         return self._sender.payload_bytes
 
     def set_optimizer(self, optimizer: dict) -> None:
-        """Have the Aggregators apply ``optimizer`` (plain data, see pslink.core.optim)."""
-        body = self._master.call(Op.SET_OPTIMIZER, optimizer=optimizer)
+        """Have the Aggregators apply ``optimizer`` (plain data, see pslink.core.optim) to every
+        push from now on: pulls then return weights. Any time, as MXNet's store takes it: in a
+        job that sums, each key's value so far (its init or its last round's sum) becomes the
+        weights, and the rounds after the ones this worker pushed step them. So every worker
+        calls it after the same pushes (MXNet's workers all do), or one worker calls it between
+        two barriers; it returns once every Aggregator of the job has it. A new optimizer of
+        another type starts its state (momentum, moments) afresh; new hyperparameters keep it."""
+        pushed = [[key, info.round] for key, info in list(self._keys.items()) if info.round]
+        body = self._master.call(Op.SET_OPTIMIZER, optimizer=optimizer, pushed=pushed)
         self.settings = body
         self.mode = body["mode"]
 

@@ -90,13 +90,19 @@ class AggregatorCore:
         if incoming.membership.epoch < job.membership.epoch:
             incoming.membership = job.membership  # a stale message: keep the newer membership
         left = job.membership.ranks - incoming.membership.ranks
+        switched = job.mode == "sum" and incoming.mode == "optimizer"
+        outputs: list = []
         if job.update(incoming):
             # New hyperparameters keep momentum and moments; a new optimizer type starts afresh.
             for (job_id, _, _), task in self.tasks.items():
                 if job_id == job.job:
                     task.opt_state = {}
                     task.poisoned = task.poisoned or whole_tensor_error(task)
-        outputs: list = []
+                    if switched and job.checkpoint and task.keeps_state and task.initialized and not task.incoming \
+                            and task.moved_to is None:
+                        # Its state is worth keeping from now on: a part lost before its first
+                        # checkpoint_every round restarts from here, not from nothing.
+                        outputs += self.moves.checkpoint(task)
         if left:
             error = MembershipError(f"job {job.job!r}: rank(s) {sorted(left)} left the job "
                                     f"(membership epoch {job.membership.epoch})", job=job.job)
@@ -375,7 +381,7 @@ class AggregatorCore:
         if task.table is not None:
             task.add_push(round_, req)
         elif round_.acc is None:
-            round_.acc = req.payload
+            round_.acc = req.payload.astype(np.float32) if task.sums_widened(r) else req.payload
         else:
             self.summer.add(round_.acc, req.payload)
         round_.contributors.update(ranks)
@@ -393,7 +399,7 @@ class AggregatorCore:
         round_.acc = req.payload
         if task.table is not None:
             task.apply_push(req)
-        elif task.job.mode == "sum":
+        elif not task.job.optimizes(task.key, task.closed + 1):
             value = task.value
             if task.pool.in_use(value, known=2):  # a queued reply still reads it: add into a copy
                 fresh = task.pool.acquire()
@@ -402,7 +408,7 @@ class AggregatorCore:
             self.summer.add(value, req.payload)
             task.value = value
         else:
-            self._apply(task, round_)
+            self._apply(task, round_, task.closed + 1)
         task.count_push(req)
         task.closed += 1
         task.last_n = 1
@@ -463,7 +469,7 @@ class AggregatorCore:
             if task.last_opened is not None:
                 task.round_gap = round_.opened - task.last_opened
             task.last_opened = round_.opened
-            self._apply(task, round_)
+            self._apply(task, round_, nxt)
             task.closed = nxt
             task.rebase = False  # the job's rounds go on here now
             task.lost_pushes.pop(nxt, None)
@@ -493,12 +499,13 @@ class AggregatorCore:
                         for req in task.acks.pop(r)]
         return replies
 
-    def _apply(self, task: Task, round_: _Round) -> None:
+    def _apply(self, task: Task, round_: _Round, number: int) -> None:
         job = task.job
+        optimizes = job.optimizes(task.key, number)
         if task.table is not None:
-            task.apply_round(round_)
+            task.apply_round(round_, optimizes)
             return
-        if job.mode == "sum":
+        if not optimizes:
             task.value = round_.acc
             return
         if job.optimizer is None:
@@ -535,10 +542,10 @@ class AggregatorCore:
             return []
         if task.table is not None:  # a table's rows are cumulative: any round at or after r answers
             return [self._result(task, req)]
-        if task.lost_upto and r <= task.lost_upto and task.job.mode == "sum":
+        if task.lost_upto and r <= task.lost_upto and not task.job.optimizes(task.key, r):
             raise KeyStateError(f"{task.name}: the sum of round {r} was lost with the Aggregator that held it; "
                                 f"this part continues from round {task.lost_upto + 1}", key=task.key)
-        if r < task.closed and task.job.mode == "sum" and not task.job.staleness:
+        if r < task.closed and not task.job.optimizes(task.key, task.closed) and not task.job.staleness:
             raise KeyStateError(
                 f"{task.name}: rank {req.rank} asked for round {r}, but round {task.closed} has "
                 f"closed since and its sum replaced it",
@@ -555,7 +562,7 @@ class AggregatorCore:
             reply.payload = task.rows_for(req)
         elif task.value is not None:
             task.job.pulled_bytes += task.nbytes
-        if req.average and task.table is None and task.last_n > 1 and task.job.mode == "sum" \
+        if req.average and task.table is None and task.last_n > 1 and not task.job.optimizes(task.key, task.closed) \
                 and task.job.sync != "asp" and task.value is not None and task.value.dtype.kind == "f":
             reply.payload, reply.averaged = task.average(), True
         if task.restored is not None and task.restored < task.lost_upto and req.round == task.lost_upto + 1:

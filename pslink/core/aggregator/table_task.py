@@ -59,7 +59,7 @@ class TableTask(Task):
             round_.acc = {}
         round_.acc[req.rank] = req.payload
 
-    def apply_round(self, round_: _Round) -> None:
+    def apply_round(self, round_: _Round, optimizes: bool) -> None:
         pushes = [round_.acc[rank] for rank in sorted(round_.acc)] if round_.acc else []
         if not pushes:
             ids, rows = np.empty(0, ID_DTYPE), np.empty((0, self.width), self.dtype)
@@ -67,15 +67,17 @@ class TableTask(Task):
             ids, rows = pushes[0]
         else:
             ids, rows = np.concatenate([p[0] for p in pushes]), np.concatenate([p[1] for p in pushes])
-        self.table.apply(ids, rows, len(round_.contributors), self._job_optimizer())
+        self.table.apply(ids, rows, len(round_.contributors), self._job_optimizer(optimizes))
 
     def apply_push(self, req: Request) -> None:
         ids, rows = req.payload
-        self.table.apply(ids, rows, 1, self._job_optimizer())
+        self.table.apply(ids, rows, 1, self._job_optimizer(self.job.optimizes(self.key, self.closed + 1)))
 
-    def _job_optimizer(self):
+    def _job_optimizer(self, optimizes: bool):
+        """The job's optimizer for this round (None: the round closes as MXNet's servers do
+        without an updater, a job in sum mode or a round before its switch to the optimizer)."""
         optimizer = self.job.optimizer
-        return optimizer.for_key(self.key) if optimizer is not None else None
+        return optimizer.for_key(self.key) if optimizer is not None and optimizes else None
 
     def rows_for(self, req: Request) -> np.ndarray:
         ids = req.payload[0] if isinstance(req.payload, tuple) else req.payload

@@ -75,6 +75,9 @@ class JobState:
     straggler_timeout: float | None = None  # a round open this long closes with who came
     checkpoint: str | None = None  # parts are written there at init and every checkpoint_every rounds
     checkpoint_every: int = 0
+    # A job switched from summing to the optimizer (set_optimizer after keys existed): each key's
+    # rounds up to this one still close as sums, the later ones step the weights (pMaster's map).
+    sum_through: dict = dataclasses.field(default_factory=dict)
     pushed_bytes: int = 0  # counted here, for pMaster's metrics
     pulled_bytes: int = 0
 
@@ -97,7 +100,12 @@ class JobState:
             straggler_timeout=info.get("straggler_timeout"),
             checkpoint=info.get("checkpoint"),
             checkpoint_every=int(info.get("checkpoint_every") or 0),
+            sum_through=_key_rounds(info.get("sum_through")),
         )
+
+    def optimizes(self, key, round_: int) -> bool:
+        """Whether round ``round_`` of ``key`` steps the weights (else it closes as a sum)."""
+        return self.mode == "optimizer" and round_ > self.sum_through.get(key, 0)
 
     def update(self, other: "JobState") -> bool:
         """Take ``other``'s settings; True if the optimizer's type changed (its state is void)."""
@@ -109,7 +117,14 @@ class JobState:
         self.sync = other.sync
         self.staleness = other.staleness
         self.straggler_timeout = other.straggler_timeout
+        self.sum_through = other.sum_through
         return changed
+
+
+def _key_rounds(pairs) -> dict:
+    """``[[key, round], ...]`` as a dict (pairs on the wire: a key is an int or a string, and a
+    JSON or msgpack map would make every key a string)."""
+    return {k: int(r) for k, r in pairs or ()}
 
 
 @dataclasses.dataclass(slots=True)
@@ -331,6 +346,14 @@ class Task:
         """Whether the task holds state between rounds (optimizer mode; a table's rows): what a
         checkpoint writes. A sum-mode part's value is only its last round's sum."""
         return self.job.mode == "optimizer"
+
+    def sums_widened(self, round_: int) -> bool:
+        """Whether round ``round_``'s pushes are summed in float32: a float16 key stepped by a
+        multi_precision optimizer, as MXNet's dist_sync servers sum it (each push widened
+        first; a float16 sum would round every addition to float16 before the float32 step)."""
+        optimizer = self.job.optimizer
+        return (self.dtype == np.float16 and optimizer is not None and optimizer.multi_precision
+                and self.job.optimizes(self.key, round_))
 
     def count_push(self, req: Request) -> None:
         """Count a push's bytes for the job's metrics."""

@@ -385,9 +385,13 @@ class Master:
 
     def _set_optimizer(self, peer: RpcPeer, req: dict) -> None:
         record = self.state.authorize(req["job"], req["tok"], req["rank"])
-        self.state.set_optimizer(record, req["optimizer"])
+        self.state.set_optimizer(record, req["optimizer"], req.get("pushed"))
         self.store.save_job(record)
-        targets = [self.links.peers[n] for n in record.aggregators() if n in self.links.peers]
+        # Every Aggregator that holds a part, a replica, or a part on its way: a replica promoted
+        # or a moved part must step the same rounds as the part it stands in for.
+        holders = {r for spec in record.keys.values() for part in spec.parts for r in part.replicas}
+        moving = {move.target for task, move in self.mover.core.running.items() if task[0] == record.job}
+        targets = [self.links.peers[n] for n in record.aggregators() | holders | moving if n in self.links.peers]
         self.links.broadcast_each([(t, dict(jobinfo=record.jobinfo())) for t in targets], Op.JOB_INFO, lambda error: (
             peer.error(req, error) if error else peer.reply(req, body=record.settings())
         ))

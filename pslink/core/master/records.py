@@ -161,6 +161,9 @@ class JobRecord:
     removed: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> why it left
     late: bool = False  # the worker that registered last joined rounds under way (told in settings)
     quota: dict = dataclasses.field(default_factory=dict)  # max_bytes / max_keys the operator set (None: none)
+    # Switched from summing to the optimizer after keys existed: [[key, last sum round], ...], the
+    # rounds the first set_optimizer's caller had pushed of each key (later rounds step the weights).
+    sum_through: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if self.membership is None:
@@ -199,7 +202,7 @@ class JobRecord:
                 "staleness": self.staleness, "straggler_timeout": self.straggler_timeout,
                 "servers": self.servers, "slo": self.slo, "priority": self.priority,
                 "replication": self.replication, "checkpoint": self.checkpoint,
-                "checkpoint_every": self.checkpoint_every, "quota": self.quota}
+                "checkpoint_every": self.checkpoint_every, "quota": self.quota, "sum_through": self.sum_through}
 
     def jobinfo(self) -> dict:
         """What Aggregators need to serve the job (sent with assignments)."""
@@ -214,6 +217,7 @@ class JobRecord:
             "straggler_timeout": self.straggler_timeout,
             "checkpoint": self.checkpoint,
             "checkpoint_every": self.checkpoint_every,
+            "sum_through": self.sum_through,
         }
 
     def settings(self) -> dict:

@@ -286,15 +286,16 @@ class MasterState:
             return True
         return False
 
-    def set_optimizer(self, record: JobRecord, optimizer: dict) -> None:
+    def set_optimizer(self, record: JobRecord, optimizer: dict, pushed: list | None = None) -> None:
+        """The job's optimizer from now on. A job that sums switches to it, as MXNet's dist_sync
+        store does when set_optimizer comes after init: each key's value so far (its init, or
+        its last round's sum) is the weights the optimizer steps, from the round after
+        ``pushed``'s for that key (``[[key, rounds the caller pushed], ...]``: every worker calls
+        set_optimizer after the same pushes, or one calls it between barriers)."""
         make_optimizer(optimizer)
         if record.mode != "optimizer":
-            if any(spec.table is None for spec in record.keys.values()):  # a table's rows need no init
-                raise ConfigError(
-                    f"job {record.job!r} runs in sum mode and already has keys; set the optimizer "
-                    "before the first init"
-                )
             record.mode = "optimizer"
+            record.sum_through = [[key, int(r)] for key, r in pushed or () if key in record.keys and int(r) > 0]
         record.optimizer = dict(optimizer)
 
     # -- keys and placement -------------------------------------------------------------------

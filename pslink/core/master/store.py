@@ -171,6 +171,7 @@ class MasterStore:
                 checkpoint=extra.get("checkpoint"),
                 checkpoint_every=extra.get("checkpoint_every") or DEFAULT_EVERY,
                 quota=extra.get("quota") or {},
+                sum_through=extra.get("sum_through") or [],
             )
             for rank in record.membership.ranks:  # each gets the heartbeat timeout to reconnect
                 record.workers[rank] = WorkerInfo(rank, last_seen=now, restored=True)
