@@ -18,6 +18,7 @@ except ``push``, which returns once sent and is settled by the next call.
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from typing import Any
 
@@ -85,7 +86,7 @@ def _arrays(value, key, what: str) -> list:
             raise KVStoreError(
                 f"pslink kvstore: {what} of key {key!r} needs NDArrays, got {type(array).__name__}", key=key
             )
-        if array.stype == "row_sparse" and what in ("push", "pushpull"):
+        if array.stype == "row_sparse" and what in ("push", "pushpull", "pull"):
             continue
         if array.stype != "default":
             raise KVStoreError(
@@ -147,9 +148,12 @@ class PSLinkKVStore(KVStore):
         pass  # KVStore's frees its C store; the Agent is closed by the finalizer
 
     def _set_updater(self, updater):
-        raise KVStoreError("pslink kvstore: a local updater (update_on_kvstore=False with Module) is not run by the "
-                           "store; the service applies set_optimizer's optimizer, or the Trainer updates on the "
-                           "workers after pushpull")
+        # MXNet documents _set_updater as its local store's alone ("When running on multiple
+        # machines one must use set_optimizer"); its dist stores' workers never run it, and their
+        # pulls then return the servers' sums: refused here rather than silently ignored.
+        raise KVStoreError("pslink kvstore: _set_updater (a Python function applied to each push) is MXNet's local "
+                           "store's alone, as with its dist stores: the service applies set_optimizer's optimizer, "
+                           "or the Trainer updates on the workers after pushpull")
 
     def _send_command_to_servers(self, head, body):
         raise KVStoreError("pslink kvstore: there are no servers to send commands to; the service's Aggregators "
@@ -219,7 +223,7 @@ class PSLinkKVStore(KVStore):
                 raise KVStoreError(f"pslink kvstore: duplicate init of key {k!r} (broadcast)", key=k)
             arrays.append(_arrays(v, k, "broadcast")[0].asnumpy())
         infos = [_Key(a.shape, a.dtype) for a in arrays]
-        targets = [self._targets(k, info, o, "broadcast") for k, info, o in zip(keys, infos, outs)]
+        targets = [self._targets(k, info, o, "broadcast", ignore_sparse=True) for k, info, o in zip(keys, infos, outs)]
         buffers = [self._buffer(info) for info in infos]
         self._settle()
 
@@ -264,10 +268,13 @@ class PSLinkKVStore(KVStore):
             outs = [o for k, o in zip(keys, outs) if k not in self._sparse]
             keys = [k for k in keys if k not in self._sparse]
         infos = [self._initialized(k, "pull") for k in keys]
-        targets = [self._targets(k, info, o, "pull") for k, info, o in zip(keys, infos, outs)]
+        targets = [self._targets(k, info, o, "pull", ignore_sparse) for k, info, o in zip(keys, infos, outs)]
+        read = [i for i, t in enumerate(targets) if t]  # not a key whose outputs were all ignored
+        keys, infos, targets = [keys[i] for i in read], [infos[i] for i in read], [targets[i] for i in read]
         buffers = [self._buffer(info) for info in infos]
         self._settle()
-        self._call("pull", keys, lambda: self._agent.pull_many(keys, outs=buffers).wait())
+        if keys:
+            self._call("pull", keys, lambda: self._agent.pull_many(keys, outs=buffers).wait())
         for buffer, target in zip(buffers, targets):
             self._write(buffer, target)
 
@@ -337,7 +344,8 @@ class PSLinkKVStore(KVStore):
 
     def set_optimizer(self, optimizer) -> None:
         """Have the service apply ``optimizer`` (its type and hyperparameters, sent as plain data)
-        to every push: pulls then return weights. Call it before the first init."""
+        to every push from now on: pulls then return weights. As with MXNet's dist_sync, any time:
+        after init, the keys' values so far are the weights it steps from the next push on."""
         if isinstance(self._agent, GroupAgent):
             raise KVStoreError(f"pslink kvstore: job {self._agent.world_job!r} trains as groups (sync='local:T'): the "
                                "workers update their weights, so that the groups can average them: train with "
@@ -466,8 +474,23 @@ class PSLinkKVStore(KVStore):
             total = total.astype(info.dtype)  # as MXNet's copies between dtypes do
         return total
 
-    def _targets(self, key, info: _Key, out, what: str) -> list:
-        targets = _arrays(out, key, what)
+    def _targets(self, key, info: _Key, out, what: str, ignore_sparse: bool = False) -> list:
+        """The arrays of ``out`` to write ``key`` into. With ``ignore_sparse`` (pull's default, and
+        broadcast's) row_sparse ones are left alone, as MXNet's stores leave them (with a warning)
+        for row_sparse_pull to fill; without it they get the whole value, as MXNet's local store
+        writes it (its dist stores refuse ignore_sparse=False)."""
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        if ignore_sparse and outs:
+            kept = [o for o in outs if not (isinstance(o, mx.nd.NDArray) and o.stype != "default")]
+            if len(kept) < len(outs):
+                skipped = [o for o in outs if not any(o is k for k in kept)]
+                warnings.warn(f"pslink kvstore: {what} of key {key!r} into {len(skipped)} {skipped[0].stype} "
+                              "array(s) ignored (ignore_sparse=True), as MXNet's stores ignore it: read them with "
+                              "row_sparse_pull(key, out, row_ids=...)", stacklevel=3)
+                if not kept:
+                    return []
+            outs = kept
+        targets = _arrays(outs, key, what)
         for target in targets:
             if target.shape != info.shape:
                 raise KVStoreError(
@@ -485,8 +508,15 @@ class PSLinkKVStore(KVStore):
 
     @staticmethod
     def _write(array: np.ndarray, targets: list) -> None:
-        for target in targets:
-            target[:] = array  # a synchronous copy; casts to the target's dtype
+        # MXNet's own stores write through the engine, which autograd never sees: a pull into a
+        # Parameter's data inside ``autograd.record()`` is allowed there, and would be refused
+        # here as an in-place op on an array in the graph if this copy were recorded.
+        with mx.autograd.pause():
+            for target in targets:
+                if target.stype != "default":  # pull(..., ignore_sparse=False) into a row_sparse array
+                    mx.nd.array(array, dtype=target.dtype).tostype(target.stype).copyto(target)
+                else:
+                    target[:] = array  # a synchronous copy; casts to the target's dtype
 
     def _after_init(self, keys: list) -> None:
         """Wait for every worker's init, as MXNet's dist stores do (a Barrier ends each init):

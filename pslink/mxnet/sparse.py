@@ -88,7 +88,11 @@ def pull_rows(info: RowSparseKey, key, outs: list, row_ids: list) -> None:
                                f"is out of range [0, {info.shape[0]})", key=key)
         rows = info.table.pull(ids).wait().reshape((ids.size,) + info.shape[1:])
         pulled = mx.nd.sparse.row_sparse_array((rows, ids), shape=info.shape, dtype=info.dtype)
-        if out.stype == "row_sparse":
-            pulled.copyto(out)
-        else:
-            out[:] = pulled.tostype("default")
+        # Not recorded: gluon pulls a row_sparse Parameter's rows into its data array (which is in
+        # the graph) from inside autograd.record() (Parameter.row_sparse_data), and MXNet's own
+        # store writes there through its engine, which autograd never sees.
+        with mx.autograd.pause():
+            if out.stype == "row_sparse":
+                pulled.copyto(out)
+            else:
+                out[:] = pulled.tostype("default")

@@ -145,10 +145,40 @@ def shape_conflict() -> dict:
     return record
 
 
+def pulls_while_recording() -> dict:
+    """MXNet's nightly dist_sync_kvstore.py --type=gluon_sparse_step_cpu: a row_sparse Parameter's
+    rows are pulled (Parameter.row_sparse_data) inside autograd.record(), then stepped on the
+    store; and a dense pull into an array that is in the graph, which MXNet's own store allows."""
+    kv = mx.kv.create("pslink")
+    rank = kv.rank
+    x = mx.gluon.Parameter("x", shape=(2, 10), stype="row_sparse", grad_stype="row_sparse")
+    x.initialize(ctx=mx.cpu(0), init="ones")
+    trainer = mx.gluon.Trainer([x], "sgd", {"learning_rate": 1.0}, kvstore=kv)
+    all_rows = mx.nd.arange(0, 2)
+    with mx.autograd.record():
+        w = x.row_sparse_data(all_rows)  # the first one also inits the key on the store
+        y = (rank + 1) * w
+        y.backward()
+    trainer.step(1)
+    record = {"sparse_step": seen(x.row_sparse_data(all_rows))}
+
+    kv.init("dense", mx.nd.full(SHAPE, 5.0))
+    a = mx.nd.zeros(SHAPE)
+    a.attach_grad()
+    with mx.autograd.record():
+        kv.pull("dense", out=a)
+        loss = (a * 3).sum()
+    loss.backward()
+    record["dense_pull"] = seen(a)
+    record["dense_grad"] = seen(a.grad)
+    kv.close()
+    return record
+
+
 def main() -> int:
     out_dir, scenario = sys.argv[1], sys.argv[2]
     scenarios = {"dist_sync": dist_sync, "optimizer": optimizer_on_service, "async": asynchronous,
-                 "shape_conflict": shape_conflict}
+                 "shape_conflict": shape_conflict, "record": pulls_while_recording}
     record = scenarios[scenario]()
     rank = int(os.environ["PSLINK_RANK"])
     with open(os.path.join(out_dir, f"{scenario}-{rank}.json"), "w") as f:

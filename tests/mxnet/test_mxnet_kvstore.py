@@ -59,6 +59,17 @@ def test_init_push_pull_pushpull_broadcast_across_two_workers(service, tmp_path)
         assert seen["int32"] == [3, 3, 3]
 
 
+def test_pulls_inside_autograd_record_as_mxnets_nightly_sparse_step(service, tmp_path):
+    """MXNet's nightly gluon_sparse_step_cpu: each worker pulls a row_sparse Parameter's rows
+    inside autograd.record() and pushes (rank + 1) x ones; SGD with lr 1 on the store leaves
+    1 - (1 + 2) = -2. Writing into the recorded array was refused by MXNet before."""
+    records = run_scenario(service, tmp_path, "record")
+    for seen in records:
+        assert seen["sparse_step"] == np.full((2, 10), -2.0, np.float32).tolist()
+        assert seen["dense_pull"] == full(5)
+        assert seen["dense_grad"] == full(3)  # the graph after the pull is as MXNet's own store leaves it
+
+
 def mxnet_sgd_reference(steps: int, lrs: list[float]) -> list:
     """What MXNet's own SGD does to the weights with the workers' summed gradients."""
     from tests.mxnet.mxnet_kv_worker import gradient

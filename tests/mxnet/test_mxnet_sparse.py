@@ -139,3 +139,36 @@ def test_one_call_may_hold_dense_and_row_sparse_keys_as_with_mxnets_store(cluste
         agent.close()
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-6)
+
+
+def test_a_pull_into_row_sparse_arrays_is_ignored_as_with_mxnets_store(cluster):
+    """MXNet's stores skip a pull's row_sparse outputs (ignore_sparse=True, the default; dense
+    outputs of the same call are written) and, with ignore_sparse=False, write the value into
+    them (the local store; its dist stores refuse). MXNet's unit test test_invalid_pull checks
+    the first."""
+    service, transports = cluster
+
+    def run(kv):
+        kv.init("d", mx.nd.full((3, 2), 5.0))
+        kept = mx.nd.full((3, 2), 2.0).tostype("row_sparse")
+        dense = mx.nd.zeros((3, 2))
+        kv.pull("d", out=kept)
+        kv.pull("d", out=[kept, dense])
+        ignored = (kept.asnumpy().copy(), dense.asnumpy().copy())
+        written = mx.nd.sparse.zeros("row_sparse", (3, 2))
+        kv.pull("d", out=written, ignore_sparse=False)
+        return ignored, written.asnumpy()
+
+    expected = run(mx.kv.create("local"))
+    agent = pslink.connect("rsp-outs", 0, 1, master=service.address, transports=transports, timeout=20)
+    try:
+        with pytest.warns(UserWarning, match=r"pull of key 'd' into 1 row_sparse array\(s\) ignored"):
+            (kept, dense), written = run(PSLinkKVStore(agent=agent))
+    finally:
+        agent.close()
+    np.testing.assert_array_equal(kept, np.full((3, 2), 2.0))  # untouched
+    np.testing.assert_array_equal(dense, np.full((3, 2), 5.0))
+    np.testing.assert_array_equal(written, np.full((3, 2), 5.0))
+    np.testing.assert_array_equal(kept, expected[0][0])
+    np.testing.assert_array_equal(dense, expected[0][1])
+    np.testing.assert_array_equal(written, expected[1])
