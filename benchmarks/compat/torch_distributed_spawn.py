@@ -9,6 +9,11 @@ The suite is written for PyTorch's own backends: it picks tests (``require_backe
 the suite runs exactly as it runs for gloo (``BACKEND=gloo`` as the tests see it), and every
 ``init_process_group(backend="gloo")`` of a rank makes a ``pslink`` group instead: what a user
 who swaps gloo for pslink gets. Errors the tests expect word for word from gloo fail here.
+Two more things such a user changes, the ranks change too: ``dist.monitored_barrier``, which
+torch runs for gloo only (it checks the group's backend name before it calls the group's
+``monitored_barrier``), is ``pslink.torch.backend.monitored_barrier`` (the same call, for a
+pslink group too); and a test whose subject is the backend's name (``test_get_backend``: is
+``dist.get_backend()`` the backend asked for?) sees the name the ranks asked for, ``pslink``.
 ``pslink`` registers itself on ``import pslink.torch``; the spawned ranks import this module
 again, so they do too.
 
@@ -35,8 +40,18 @@ from torch.testing._internal.distributed import distributed_test  # noqa: E402
 torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def _groups_on(backend: str) -> None:
-    """In this rank: every process group asked of gloo is made on ``backend``."""
+# Tests whose subject is the backend's name: they see the one the ranks asked for.
+_TESTS_OF_THE_NAME = {"test_get_backend"}
+
+
+def _groups_on(backend: str, test_name: str) -> None:
+    """In this rank: every process group asked of gloo is made on ``backend``, and
+    ``dist.monitored_barrier`` is the one that runs on it."""
+    from pslink.torch.backend import monitored_barrier
+
+    dist.monitored_barrier = monitored_barrier
+    if test_name in _TESTS_OF_THE_NAME:
+        distributed_test.BACKEND = backend
     original = dist.init_process_group
 
     @functools.wraps(original)
@@ -57,7 +72,7 @@ class TestDistBackendWithSpawn(distributed_test.TestDistBackend, distributed_tes
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):
         if BACKEND != "gloo":
-            _groups_on(BACKEND)
+            _groups_on(BACKEND, test_name)
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 

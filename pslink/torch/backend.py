@@ -19,7 +19,9 @@ keys). This module only maps torch.distributed's calls onto them:
   a broadcast of the root's list, each rank keeping its slice;
 - sparse ``all_reduce`` (SUM, as gloo): every rank's indices and values gathered, summed here;
 - ``send`` / ``recv``: each pair of ranks a 2-worker job of its own (:mod:`pslink.torch.point_to_point`);
-- ``barrier``: pMaster's barrier of the job.
+- ``recv`` from any source: a receive offered to every other rank (:mod:`pslink.torch.point_to_point`);
+- ``barrier``: pMaster's barrier of the job; ``monitored_barrier``: gloo's, on point-to-point
+  messages (``dist.monitored_barrier`` runs for gloo only: :func:`monitored_barrier` is the call).
 
 Tensors travel as host views of their memory where they can (:class:`~pslink.torch.tensors.HostView`);
 every collective returns a :class:`~pslink.torch.works.Work` whose future completes when its
@@ -29,6 +31,7 @@ answers came, or fails at the group's timeout.
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import os
 import threading
@@ -424,8 +427,133 @@ class ProcessGroupPslink(dist.ProcessGroup):
         thread.start()
         return Work(future)
 
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier, on point-to-point messages: every rank but 0 tells rank 0 it
+        arrived, then waits for its word; rank 0 waits up to ``timeout`` (a timedelta or seconds;
+        the group's by default) for them in rank order and fails naming the first that did not
+        come (``wait_all_ranks``: every one, each given ``timeout`` from the start), and tells
+        the ranks that came, now or later, which then fail too, naming it. Errors worded as
+        gloo's. torch's ``dist.monitored_barrier`` refuses every backend but gloo by its name
+        before it calls this: call it on the group, or :func:`monitored_barrier`."""
+        seconds = _seconds(timeout, self.timeout, "monitored_barrier")
+        rank, size = self.rank(), self.size()
+        # The n-th monitored barrier is the n-th message of each (one key each, however many
+        # barriers): a rank that comes late to one is answered there, by the word it was missed.
+        arrive, release = "monitored-barrier/arrive", "monitored-barrier/release"
+        if rank != 0:
+            verdict = torch.zeros(size, dtype=torch.int64)  # rank 0's: 1 for each rank that did not pass
+            works = [self._pairs.send([torch.tensor([rank])], 0, arrive), self._pairs.recv([verdict], 0, release)]
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as exc:
+                raise PslinkBackendError(_not_released(rank, str(exc))) from None
+            if verdict.any():
+                failed = ", ".join(str(r) for r in verdict.nonzero().flatten().tolist())
+                raise PslinkBackendError(_not_released(rank, f"rank 0: rank(s) {failed} failed to pass monitoredBarrier "
+                                                             f"in {_ms(seconds)} ms"))
+            return
+        arrivals = {peer: self._pairs.recv([torch.zeros(1, dtype=torch.int64)], peer, arrive) for peer in range(1, size)}
+        started = time.monotonic()  # after joining the pairs' jobs (the first time, this rank's cost)
+        passed, failed = [], {}  # failed: rank -> the error its arrival ended with ("" if none came in time)
+        error = None
+        for peer, arrival in arrivals.items():
+            left = started + seconds - time.monotonic()
+            if left <= 0 and not wait_all_ranks:  # (gloo's words, its time up before it asked this rank)
+                processed = (f"Successfully processed ranks: {', '.join(map(str, passed))}" if passed
+                             else "No ranks successfully processed in monitoredBarrier.")
+                outcome = f"Rank 0 timed out in monitoredBarrier after {_ms(seconds)} ms.\n{processed}"
+            else:
+                outcome = _ended_within(arrival, left)
+            if outcome is None:
+                passed.append(peer)
+                continue
+            failed[peer] = outcome
+            if not wait_all_ranks:
+                error = f"[Rank 0]: Rank {peer} failed to pass monitoredBarrier in {_ms(seconds)} ms"
+                if outcome:
+                    error += f"\n Original exception: \n{outcome}"
+                break
+        if failed and error is None:
+            error = (f"[Rank 0]: Ranks {', '.join(map(str, sorted(failed)))} failed to pass monitoredBarrier in "
+                     f"{_ms(seconds)} ms")
+        verdict = torch.zeros(size, dtype=torch.int64)
+        verdict[list(failed)] = 1
+        if error is not None:
+            # Each rank that came, or comes late, is told: it fails now, not at its own timeout.
+            for peer, arrival in arrivals.items():
+                arrival.get_future().add_done_callback(functools.partial(self._tell, peer, release, verdict))
+            raise PslinkBackendError(error)
+        # Every rank came and waits for this: a rendezvous each, given the timeout again.
+        releases = {peer: self._pairs.send([verdict.clone()], peer, release) for peer in arrivals}
+        released = time.monotonic()
+        for peer, work in releases.items():
+            outcome = _ended_within(work, max(released + max(seconds, 1.0) - time.monotonic(), 0))
+            if outcome is not None:
+                raise PslinkBackendError(f"[Rank 0]: Rank {peer} failed to pass monitoredBarrier in {_ms(seconds)} ms"
+                                         + (f"\n Original exception: \n{outcome}" if outcome else ""))
+
+    def _tell(self, peer: int, release: str, verdict: torch.Tensor, arrival: torch.futures.Future) -> None:
+        """Sends a rank that came to a failed monitored barrier the ranks that did not (from the
+        group's thread: this runs where its arrival completed, maybe the Agent's I/O thread)."""
+        try:
+            arrival.value()
+        except RuntimeError:  # (how a pslink work fails)
+            return  # did not come: not waiting for word either
+        try:
+            self._pairs.sender.submit(self._pairs.send, [verdict.clone()], peer, release)
+        except RuntimeError:
+            pass  # the group was shut down meanwhile: the rank fails at its timeout
+
     def shutdown(self) -> None:
         self._close()
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """``torch.distributed.monitored_barrier(group, timeout, wait_all_ranks)`` for a pslink group
+    too: torch's checks the group's backend *name* and refuses every one but gloo, before it
+    calls the group's ``monitored_barrier`` (which a pslink group has: see
+    :meth:`ProcessGroupPslink.monitored_barrier`). Any other group goes to torch's."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return  # as torch's: a rank not in the group passes
+    target = group if group is not None else dist.group.WORLD
+    if not isinstance(target, ProcessGroupPslink):
+        return _torch_monitored_barrier(group, timeout, wait_all_ranks)
+    return target.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
+_torch_monitored_barrier = dist.monitored_barrier
+
+
+def _seconds(timeout, default: float, what: str) -> float:
+    if timeout is None:
+        return default
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+        raise PslinkBackendError(f"{what}: timeout must be a datetime.timedelta or seconds >= 0, got {timeout!r}")
+    return float(seconds)
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
+def _not_released(rank: int, why: str) -> str:
+    return (f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for send/recv "
+            f"from rank 0. Please check rank 0 logs for faulty rank.\n Original exception: \n{why}")
+
+
+def _ended_within(work: Work, seconds: float) -> str | None:
+    """None if ``work`` succeeded within ``seconds``; else its error, or "" if it did not end."""
+    ended = threading.Event()
+    work.get_future().add_done_callback(lambda _: ended.set())
+    if not ended.wait(max(seconds, 0.0)):
+        return ""
+    try:
+        work.get_future().value()
+    except RuntimeError as exc:  # (how a pslink work fails)
+        return str(exc) or repr(exc)
+    return None
 
 
 def _close(deadlines: Deadlines, pairs: Pairs, session: Session, barriers: list[threading.Thread]) -> None:

@@ -41,9 +41,12 @@ class FutureOnce:
             self._done = True
             return True
 
-    def succeed(self, tensor: torch.Tensor) -> None:
+    def succeed(self, tensor: torch.Tensor) -> bool:
+        """Complete with ``tensor``; False if it was completed before (its deadline passed)."""
         if self._claim():
             self.future.set_result(tensor)
+            return True
+        return False
 
     def fail(self, error: BaseException) -> None:
         if self._claim():
@@ -146,6 +149,22 @@ class Work(dist._Work):
         except Exception:
             return False
         return True
+
+
+class Received(Work):
+    """A receive in flight: ``source_rank()`` names the rank whose message it took (torch's
+    ``recv(src=None)`` returns it) once it completed."""
+
+    def __init__(self, future: torch.futures.Future, source: int | None = None):
+        super().__init__(future)
+        self.source = source
+
+    def source_rank(self) -> int:
+        if self.source is None or not self._future.done():
+            raise PslinkBackendError("source_rank(): the receive has not completed yet (wait() for it first)")
+        return self.source
+
+    _source_rank = source_rank
 
 
 def single(items: list, what: str):

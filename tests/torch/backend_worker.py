@@ -7,6 +7,9 @@
     python backend_worker.py mismatch SCRATCH     # ranks pass different shapes to one allreduce
     python backend_worker.py badsplits SCRATCH    # an uneven all_to_all whose splits do not match
     python backend_worker.py badrecv SCRATCH      # a recv of another size than its send
+    python backend_worker.py anysource SCRATCH    # recv from any source, over pslink and over gloo
+    python backend_worker.py anysource_errors SCRATCH  # one of another size, one nobody sends
+    python backend_worker.py monitored SCRATCH    # monitored_barrier passed, and missed by some rank
 """
 
 from __future__ import annotations
@@ -258,6 +261,139 @@ def badrecv(rank: int, size: int, groups: dict) -> dict:
     return {"error": None}
 
 
+def message(sender: int, seq: int) -> torch.Tensor:
+    """A sender's seq-th message: each of another shape and dtype, its values saying whose it is."""
+    dtype, shape = [(torch.float32, (4,)), (torch.int64, (2, 3)), (torch.bfloat16, (5,))][seq % 3]
+    return torch.full(shape, 100 * sender + seq, dtype=dtype)
+
+
+def anysource(rank: int, size: int, groups: dict) -> dict:
+    """Over each group: (1) as PyTorch's suite does, every rank in turn receives from any source
+    (recv, then irecv) the two messages each other rank sends it; (2) rank 0 receives one message
+    from any source, then each rank's others by name: every rank's in the order it sent them,
+    of three shapes and dtypes; (3) rank 0 receives from any source with tag 8, then 9, rank 1
+    having sent 9 first. Returns what was received and the source ranks reported."""
+    results = {}
+    for name, group in groups.items():
+        got = results[name] = {"turns": [], "mixed": [], "tags": []}
+        for receiver in range(size):
+            if rank != receiver:
+                for seq in range(2):
+                    dist.send(torch.full((10,), 100.0 * rank + seq), receiver, group=group)
+                continue
+            for i in range(2 * (size - 1)):
+                received = torch.full((10,), -1.0)
+                if i % 2 == 0:
+                    source = dist.recv(received, group=group)
+                else:
+                    work = dist.irecv(received, group=group)
+                    work.wait()
+                    source = work._source_rank()
+                got["turns"].append((source, received))
+        if rank == 0:
+            first = torch.empty(4)
+            source = dist.recv(first, group=group, tag=5)
+            got["mixed"].append((source, first))
+            for sender in range(1, size):
+                for seq in range(1 if sender == source else 0, 3):
+                    like = message(sender, seq)
+                    received = torch.full_like(like, -1)
+                    reported = dist.recv(received, sender, group=group, tag=5)
+                    got["mixed"].append((reported, received))
+            for tag in (8, 9):
+                received = torch.empty(2)
+                got["tags"].append((tag, dist.recv(received, group=group, tag=tag), received))
+        else:
+            works = [dist.isend(message(rank, seq), 0, group=group, tag=5) for seq in range(3)]
+            if rank == 1:
+                works += [dist.isend(torch.full((2,), 9.0), 0, group=group, tag=9),
+                          dist.isend(torch.full((2,), 8.0), 0, group=group, tag=8)]
+            for work in works:
+                work.wait()
+        dist.barrier(group=group)
+    return results
+
+
+def anysource_errors(rank: int, size: int, groups: dict) -> dict:
+    """Rank 0 receives 4 elements from any source where rank 1 sends 3: rank 0's receive fails
+    naming rank 1 and both sizes, rank 1's send completes, and the pair still works afterwards.
+    Then rank 0 receives from any source with a tag nobody sends, in a group with a timeout of 3 s:
+    it fails then."""
+    group, result = groups["pslink"], {}
+    short = dist.new_group(backend="pslink", timeout=datetime.timedelta(seconds=3))
+    started = time.monotonic()
+    if rank == 0:
+        try:
+            dist.recv(torch.empty(4), group=group, tag=3)
+        except RuntimeError as exc:
+            result["mismatch"] = {"error": type(exc).__name__, "message": str(exc),
+                                  "seconds": time.monotonic() - started}
+        after = torch.zeros(3)
+        result["after"] = (dist.recv(after, 1, group=group), after)
+        started = time.monotonic()
+        try:
+            dist.recv(torch.empty(1), group=short, tag=4)
+        except RuntimeError as exc:
+            result["nobody"] = {"error": type(exc).__name__, "message": str(exc),
+                                "seconds": time.monotonic() - started}
+    elif rank == 1:
+        dist.send(torch.ones(3), 0, group=group, tag=3)
+        result["sent"] = time.monotonic() - started
+        dist.send(torch.arange(3.0), 0, group=group)
+    return result
+
+
+def monitored(rank: int, size: int, groups: dict) -> dict:
+    """monitored_barrier, each case on groups of its own (over pslink, and where gloo returns at
+    all, over gloo), the ranks meeting at ``dist.barrier`` between cases: passed by every rank;
+    rank 1 missing (rank 0 names it; the others, and rank 1 arriving late, learn it from rank 0);
+    every rank but 0 missing, with ``wait_all_ranks`` (all named); rank 0 with a timeout of 0;
+    rank 1 missing from a subgroup of ranks 0 and 1. Returns each rank's outcome: None, or the
+    error's type, message and seconds."""
+    from pslink.torch.backend import monitored_barrier
+
+    second = datetime.timedelta(seconds=1)
+
+    def outcome(call) -> dict | None:
+        started = time.monotonic()
+        try:
+            call()
+        except (RuntimeError, ValueError) as exc:
+            return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - started}
+        return None
+
+    def groups_of(ranks=None) -> dict:
+        return {name: dist.new_group(ranks, backend=name) for name in ("pslink", "gloo")}
+
+    results = {"passed": {}, "missing": {}, "all_missing": {}, "zero": {}}
+    passing = groups_of()
+    for name, group in passing.items():
+        results["passed"][name] = [outcome(lambda g=group: g.monitored_barrier(second * 30)),
+                                   outcome(lambda g=group: g.monitored_barrier(second * 30, wait_all_ranks=True)),
+                                   outcome(lambda g=group: monitored_barrier(g, 30.0))]
+    results["torch_refuses"] = outcome(lambda: dist.monitored_barrier(passing["pslink"], second))
+    dist.barrier()
+    missing = groups_of()["pslink"]
+    if rank != 1:
+        results["missing"]["pslink"] = outcome(lambda: missing.monitored_barrier(second))
+    dist.barrier()
+    if rank == 1:  # after rank 0 gave up: it is told at once
+        results["late"] = outcome(lambda: missing.monitored_barrier(second))
+    for name, group in groups_of().items():
+        if rank == 0:
+            results["all_missing"][name] = outcome(lambda g=group: g.monitored_barrier(second, wait_all_ranks=True))
+        dist.barrier()
+    for name, group in groups_of().items():
+        if rank == 0:
+            results["zero"][name] = outcome(lambda g=group: g.monitored_barrier(datetime.timedelta(0)))
+        dist.barrier()
+    sub = dist.new_group([0, 1], backend="pslink")
+    if rank != 1:
+        results["subgroup"] = outcome(lambda: monitored_barrier(sub, second))
+    dist.barrier()
+    return results
+
+
 TIMEOUTS = {"stall": 3}
 
 
@@ -268,7 +404,8 @@ def main() -> None:
     gloo = dist.new_group(backend="gloo")
     groups = {"pslink": dist.group.WORLD, "gloo": gloo}
     cases = {"collectives": collectives, "ddp": ddp, "mismatch": mismatch, "stall": stall, "badsplits": badsplits,
-             "fsdp": fsdp, "gan": gan, "badrecv": badrecv}
+             "fsdp": fsdp, "gan": gan, "badrecv": badrecv, "anysource": anysource,
+             "anysource_errors": anysource_errors, "monitored": monitored}
     result = cases[case](rank, size, groups)
     if case == "collectives":
         # A subgroup of ranks 0 and 1 (every rank creates it, as torch requires): a job of its own.
@@ -283,7 +420,7 @@ def main() -> None:
                                   "size": dist.get_world_size(sub), "rank": dist.get_rank(sub)}
     result["backend"] = dist.get_backend()
     torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
-    if case not in ("mismatch", "stall"):
+    if case not in ("mismatch", "stall", "anysource_errors"):
         dist.destroy_process_group()
 
 
