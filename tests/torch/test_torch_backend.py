@@ -13,6 +13,9 @@ torch = pytest.importorskip("torch", reason="the PyTorch adapter needs torch (pi
 pytest.importorskip("torch.distributed", reason="torch was built without torch.distributed")
 
 pytestmark = pytest.mark.integration
+# A refusal comes "at once": well within the group's timeout (60 s, backend_worker.TIMEOUTS), which
+# is what a refusal that waited would take; not a speed figure (a loaded machine takes seconds).
+AT_ONCE = 20.0
 
 WORKER = os.path.join(os.path.dirname(__file__), "backend_worker.py")
 CLI = [sys.executable, "-m", "pslink.cli", "launch"]
@@ -121,7 +124,7 @@ def test_mismatched_shapes_fail_every_rank_within_a_second(tmp_path):
         assert "disagree" in result["message"], result["message"]
         assert "rank 0: allreduce (4,) float32" in result["message"] and "rank 1: allreduce (5,) float32" \
             in result["message"], result["message"]
-        assert result["seconds"] < 1.0, result
+        assert result["seconds"] < AT_ONCE, result
 
 
 def test_uneven_all_to_all_splits_that_do_not_match_fail_every_rank_naming_them(tmp_path):
@@ -129,7 +132,7 @@ def test_uneven_all_to_all_splits_that_do_not_match_fail_every_rank_naming_them(
     for result in results:
         assert result["error"] == "PslinkBackendError", result
         assert "rank 1 sends 1 rows to rank 0, which expects 2" in result["message"], result["message"]
-        assert result["seconds"] < 5.0 and torch.equal(result["after"], torch.full((2,), 2.0))
+        assert result["seconds"] < AT_ONCE and torch.equal(result["after"], torch.full((2,), 2.0))
 
 
 def test_a_recv_of_another_size_than_its_send_fails_both_ranks_at_once(tmp_path):
@@ -138,7 +141,7 @@ def test_a_recv_of_another_size_than_its_send_fails_both_ranks_at_once(tmp_path)
         assert result["error"] == "PslinkBackendError", result
         assert "rank 0 sends 3 elements of float32 with tag 0, rank 1 receives 4 elements of float32" \
             in result["message"], result["message"]
-        assert result["seconds"] < 5.0 and torch.equal(result["after"], torch.arange(3.0))
+        assert result["seconds"] < AT_ONCE and torch.equal(result["after"], torch.arange(3.0))
 
 
 def test_a_collective_some_rank_never_calls_fails_after_the_groups_timeout(tmp_path):
