@@ -377,8 +377,7 @@ class Master:
         self.barriers.job_ended(record)
 
     def _drop_job_tasks(self, record: JobRecord) -> None:
-        holders = {r for spec in record.keys.values() for part in spec.parts for r in part.replicas}
-        for name in record.aggregators() | holders:  # replica holders too, or they keep the replicas
+        for name in _holders(record):  # replica holders too, or they keep the replicas
             peer = self.links.peers.get(name)
             if peer is not None:
                 peer.notify(Op.DROP_JOB, job=record.job)
@@ -389,9 +388,8 @@ class Master:
         self.store.save_job(record)
         # Every Aggregator that holds a part, a replica, or a part on its way: a replica promoted
         # or a moved part must step the same rounds as the part it stands in for.
-        holders = {r for spec in record.keys.values() for part in spec.parts for r in part.replicas}
         moving = {move.target for task, move in self.mover.core.running.items() if task[0] == record.job}
-        targets = [self.links.peers[n] for n in record.aggregators() | holders | moving if n in self.links.peers]
+        targets = [self.links.peers[n] for n in _holders(record) | moving if n in self.links.peers]
         self.links.broadcast_each([(t, dict(jobinfo=record.jobinfo())) for t in targets], Op.JOB_INFO, lambda error: (
             peer.error(req, error) if error else peer.reply(req, body=record.settings())
         ))
@@ -494,3 +492,8 @@ class Master:
             self.observing.tick()
         finally:
             self.reactor.call_later(self.sweep_interval, self._sweep)
+
+
+def _holders(record: JobRecord) -> set[str]:
+    """Every Aggregator that holds a part of the job or a replica of one."""
+    return set().union(*(holders_of(spec) for spec in record.keys.values()))
