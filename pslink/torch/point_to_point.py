@@ -60,6 +60,19 @@ def tensor_of(bits: np.ndarray, like: torch.Tensor, shape=None) -> torch.Tensor:
     return raw.view(like.dtype).reshape(like.shape if shape is None else shape)
 
 
+# The keys of a pair's job: a send and the receive it meets (named or offered) push the same ones.
+def _direction(source: int, target: int, tag) -> str:
+    return f"p2p/{source}>{target}/{tag}"
+
+
+def _signature_key(direction: str) -> str:
+    return f"{direction}/signature"
+
+
+def _data_key(direction: str, bits: np.ndarray) -> str:
+    return f"{direction}/{bits.dtype}/{bits.size}"
+
+
 @dataclass(eq=False)
 class Message:
     """A rank's message, taken by a receive offered to it ahead (from any source): pending until
@@ -143,7 +156,7 @@ class Pairs:
         mine = np.array([tensor.numel(), dtype_code(tensor.dtype)], np.int64)
         table = np.zeros((2, 2), np.int64)
         table[0 if sending else 1] = mine
-        direction = f"p2p/{source}>{target}/{tag}"
+        direction = _direction(source, target, tag)
 
         def failed(handle) -> bool:
             error = handle.exception()
@@ -163,7 +176,7 @@ class Pairs:
 
         def exchange() -> None:
             try:
-                agent.pushpull(f"{direction}/{bits.dtype}/{bits.size}", bits, out=bits).add_done_callback(received)
+                agent.pushpull(_data_key(direction, bits), bits, out=bits).add_done_callback(received)
             except PslinkError as exc:
                 pending.fail(PslinkBackendError(f"{what}: {exc.message}"))
 
@@ -184,7 +197,7 @@ class Pairs:
             self.sender.submit(exchange)
 
         self.deadlines.add(time.monotonic() + self.timeout, pending)
-        agent.pushpull(f"{direction}/signature", table, out=table).add_done_callback(matched)
+        agent.pushpull(_signature_key(direction), table, out=table).add_done_callback(matched)
         return Received(future, None if sending else peer)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag=0) -> Received:
@@ -252,7 +265,7 @@ class Pairs:
         except PslinkBackendError as exc:
             self._arrived(message, error=exc)
             return
-        direction = f"p2p/{peer}>{self.rank}/{tag}"
+        direction = _direction(peer, self.rank, tag)
         table = np.zeros((2, 2), np.int64)
         table[1] = ANY
 
@@ -284,14 +297,14 @@ class Pairs:
 
             def exchange() -> None:
                 try:
-                    agent.pushpull(f"{direction}/{bits.dtype}/{bits.size}", bits, out=bits).add_done_callback(received)
+                    agent.pushpull(_data_key(direction, bits), bits, out=bits).add_done_callback(received)
                 except PslinkError as exc:
                     self._arrived(message, error=PslinkBackendError(f"{what}: {exc.message}"))
 
             self.sender.submit(exchange)
 
         try:
-            agent.pushpull(f"{direction}/signature", table, out=table).add_done_callback(matched)
+            agent.pushpull(_signature_key(direction), table, out=table).add_done_callback(matched)
         except PslinkError as exc:
             self._arrived(message, error=PslinkBackendError(f"{what}: {exc.message}"))
 
