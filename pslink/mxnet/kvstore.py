@@ -481,9 +481,10 @@ class PSLinkKVStore(KVStore):
         writes it (its dist stores refuse ignore_sparse=False)."""
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         if ignore_sparse and outs:
-            kept = [o for o in outs if not (isinstance(o, mx.nd.NDArray) and o.stype != "default")]
-            if len(kept) < len(outs):
-                skipped = [o for o in outs if not any(o is k for k in kept)]
+            sparse = [isinstance(o, mx.nd.NDArray) and o.stype != "default" for o in outs]
+            skipped = [o for o, is_sparse in zip(outs, sparse) if is_sparse]
+            kept = [o for o, is_sparse in zip(outs, sparse) if not is_sparse]
+            if skipped:
                 warnings.warn(f"pslink kvstore: {what} of key {key!r} into {len(skipped)} {skipped[0].stype} "
                               "array(s) ignored (ignore_sparse=True), as MXNet's stores ignore it: read them with "
                               "row_sparse_pull(key, out, row_ids=...)", stacklevel=3)
