@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
+from pslink.core.master_addresses import MasterAddresses
 from pslink.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,15 @@ def resolve_token(value: bytes | str | None, environ=os.environ) -> bytes | None
         raise ConfigError(f"{ENV_TOKEN} must be the job token in hex, got {value[:12]!r}...") from None
 
 
+def resolve_master(master: str | None, environ=os.environ) -> str:
+    """pMaster's address, or a comma list of them (a leader and its standby: whichever answers,
+    :mod:`pslink.core.master_addresses`), from ``master=`` or ``PSLINK_MASTER``, checked: a
+    ConfigError names the bad entry and where it came from. Spaces around entries are dropped."""
+    setting = ENV_MASTER if master is None and env_value(ENV_MASTER, environ) else "master"
+    master = resolve_str(master, "master", ENV_MASTER, default=DEFAULT_MASTER, environ=environ)
+    return str(MasterAddresses.parse(master, setting))
+
+
 # Names users reach for that mean one of connect()'s: the error says which (Horovod, torchrun and
 # ps-lite words for the same things).
 CONNECT_ALIASES = {
@@ -135,7 +145,7 @@ def resolve_connect(job, rank, num_workers, master, options: dict, known, enviro
         # Smaller parts pipeline better across a slow link (a part's answer crosses back only once
         # it crossed); the job's first worker sets it for every worker.
         options["partition_bytes"] = resolve_int(None, "partition_bytes", ENV_PARTITION_BYTES, 8, environ=environ)
-    master = resolve_str(master, "master", ENV_MASTER, default=DEFAULT_MASTER, environ=environ)
+    master = resolve_master(master, environ)
     options["timeout"] = resolve_float(options.get("timeout"), "timeout", ENV_TIMEOUT, DEFAULT_TIMEOUT,
                                        environ=environ)
     return job, rank, num_workers, master, options

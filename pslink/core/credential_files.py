@@ -60,7 +60,8 @@ def load_or_create_secret(state_dir: str | None = None, secret_file: str | None 
             raise ConfigError(f"the service secret {path} is readable by others (mode {stat.S_IMODE(mode):o}); "
                               f"make it private: chmod 600 {path}")
         try:
-            secret = bytes.fromhex(open(path).read().strip())
+            with open(path) as f:
+                secret = bytes.fromhex(f.read().strip())
         except ValueError:
             raise ConfigError(f"the service secret {path} is not hex") from None
         if len(secret) < 16:
@@ -99,7 +100,15 @@ def read_client_file(path: str) -> dict:
 def credential_for(master: str, role: str, path: str | None = None, environ=os.environ) -> str | None:
     """The credential of ``role`` (or one that grants it) for pMaster at ``master``: from
     ``path``, ``PSLINK_CREDENTIALS``, (for an Aggregator) ``PSLINK_AGGREGATOR_CREDENTIAL``, or the
-    file ``service up`` wrote on this host. None when there is none (an open service needs none)."""
+    file ``service up`` wrote on this host. None when there is none (an open service needs none).
+    ``master`` may be a comma list (a pMaster and its standby, which share the service's secret):
+    the credential of the first address that has one."""
+    if isinstance(master, str) and "," in master:
+        for address in (entry.strip() for entry in master.split(",")):
+            credential = credential_for(address, role, path, environ) if address else None
+            if credential is not None:
+                return credential
+        return None
     if role == AGGREGATOR and not path and environ.get(ENV_AGGREGATOR_CREDENTIAL):
         return environ[ENV_AGGREGATOR_CREDENTIAL].strip()
     path = path or environ.get(ENV_CREDENTIALS) or None

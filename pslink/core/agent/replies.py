@@ -169,6 +169,8 @@ class Replies:
         milliseconds (chaos run, pMaster killed mid-failover); it waits for pMaster instead."""
         request.moves += 1
         self.requests.put_back(rid, request)
+        if error.details.get("lease"):
+            self.master.lease_ran_out(request.link.name)
         master = self.master.peer
         if master is not None and not master.conn.closed or not error.details.get("lease"):
             # (Again and again: a promotion not done yet; the tries span seconds, not a burst.)

@@ -24,7 +24,8 @@ log = logging.getLogger("pslink.core.aggregator.process")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pslink.core.aggregator", description=process.__doc__.split("\n")[0])
-    parser.add_argument("--master", required=True, help="pMaster address, e.g. tcp://127.0.0.1:7770")
+    parser.add_argument("--master", required=True, help="pMaster address, e.g. tcp://127.0.0.1:7770, or every "
+                        "pMaster's as a comma list (a leader and its standbys)")
     parser.add_argument("--listen", default="tcp://127.0.0.1:0", help="data address to bind (port 0: any)")
     parser.add_argument("--advertise", default=None,
                         help=f"address peers dial (default ${hosts.ENV_ADVERTISE}, else the bound address, else the "

@@ -16,27 +16,44 @@ heard is a lease old. Past its lease, the Aggregator refuses data requests (``Fe
 Agent asks pMaster where the part is) and heartbeats at once to renew it. pMaster itself may be
 down: an Agent that cannot reach pMaster either says so (a PING with ``pmd``), and the
 Aggregator serves on for another lease: nobody can fail it over then.
+
+**Several pMaster addresses** (a leader and its standby, :mod:`pslink.core.master_addresses`):
+the Aggregator registers with the first that accepts a connection, and after losing it (the
+connection closed, or a heartbeat unanswered for ``max(lease, 1)`` seconds: a pMaster whose host
+was cut off closes nothing) with the next, round and round; ``orphan_timeout`` counts from losing
+the last pMaster it had, whichever address answers next. Connecting happens off the loop: an
+address whose host is gone holds a connect for its whole timeout, while data goes on being served.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
-from pslink.core.transport import Transports
+from pslink.core.master_addresses import MasterAddresses
+from pslink.core.transport import Connection, Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import Limits, Op
-from pslink.errors import AuthError, ConfigError, FencedError, PeerError, PslinkError
+from pslink.errors import (
+    AuthError,
+    ConfigError,
+    FencedError,
+    PeerError,
+    PslinkError,
+    PslinkTimeoutError,
+)
 
 log = logging.getLogger("pslink.core.aggregator.process")
 
 DEFAULT_LEASE = 5.0  # seconds an answered heartbeat lets the Aggregator serve without pMaster
+CONNECT_TIMEOUT = 2.0  # seconds a connection to one pMaster address may take
 
 
 class MasterLink:
-    """The Aggregator's side of pMaster at ``address``. ``registration()`` gives the fields of a
+    """The Aggregator's side of pMaster at ``address`` (one, or a comma list: whichever answers;
+    empty: no pMaster, never started). ``registration()`` gives the fields of a
     REGISTER_AGGREGATOR; ``on_request(peer, request)`` serves pMaster's requests; ``stats()``
     gives a heartbeat's figures; ``on_named(name)`` hears the name pMaster gave;
     ``stop(status)`` ends the Aggregator; ``stopping()`` says it is ending (pMaster asked);
@@ -49,7 +66,9 @@ class MasterLink:
                  on_fenced: Callable[[list], set],
                  heartbeat_interval: float, reconnect_interval: float, orphan_timeout: float | None,
                  lease: float = DEFAULT_LEASE):
-        self.address = address
+        self.addresses = MasterAddresses.parse(address, "--master") if address else None
+        self.address = str(self.addresses) if address else address  # every address given, for messages
+        self.connected_to: str | None = None  # the address of the pMaster connected last
         self.transports, self.reactor, self.limits = transports, reactor, limits
         self.registration, self.stats, self.on_named = registration, stats, on_named
         self.stop, self.stopping, self.name, self.clock = stop, stopping, name, clock
@@ -68,6 +87,9 @@ class MasterLink:
         self.refused = 0  # data requests refused past the lease or for a dropped part
         self.lease_until = float("inf")  # no pMaster answered yet: nothing to be fenced from
         self._renewing = False  # a heartbeat pMaster has not answered yet is out
+        self._connecting = False  # a connection is being made, off the loop
+        self._closed = False
+        self._close_lock = threading.Lock()  # a connection made off the loop either lands or is closed
 
     def start(self) -> None:
         self.reactor.post(self._connect)
@@ -79,19 +101,56 @@ class MasterLink:
             self.peer.notify(op, **fields)
 
     def close(self) -> None:
+        with self._close_lock:
+            self._closed = True
         if self.peer is not None:
             self.peer.conn.close()
 
     def _connect(self) -> None:
-        if self.peer is not None or self.reactor.stopping:
+        if self.peer is not None or self.reactor.stopping or self._connecting:
             return
+        self._connecting = True
+        threading.Thread(target=self._dial, name="aggregator-to-pmaster", daemon=True).start()
+
+    def _dial(self) -> None:
+        """Off the loop: a connection to the first pMaster address that accepts, handed to the loop."""
         try:
-            conn = self.transports.connect(self.address, self.reactor, self.endpoint, self.limits, timeout=2.0)
-        except PeerError as exc:
-            self._down(exc)
+            conn, address = self.addresses.connect(self.transports, self.reactor, self.endpoint, self.limits,
+                                                   CONNECT_TIMEOUT)
+        except Exception as exc:  # whatever it was, the loop hears of it: a dial never wedges reconnecting
+            if not isinstance(exc, PslinkError):
+                log.exception("aggregator %s: connecting to pMaster failed", self.name() or "")
+                exc = PeerError(f"connecting to pMaster at {self.address} failed: {exc!r}", peer=self.address)
+            with self._close_lock:
+                if not self._closed:
+                    self.reactor.post(self._dialed, None, None, exc)
+            return
+        with self._close_lock:
+            if self._closed:
+                conn.close()
+            else:
+                self.reactor.post(self._dialed, conn, address, None)
+
+    def _dialed(self, conn: Connection | None, address: str | None, error: PslinkError | None) -> None:
+        self._connecting = False
+        if isinstance(error, ConfigError):
+            # An address no transport serves (an unknown scheme): asking again would fail again.
+            log.error("aggregator %s: cannot reach pMaster at %s: %s", self.name() or "", self.address, error.message)
+            self.refusal = error
+            self.registered.set()
+            self.stop(2)
+            return
+        if error is not None:
+            self._down(error)
+            return
+        if self.reactor.stopping or self.peer is not None:
+            conn.close()
             return
         peer = self.endpoint.peer(conn)
-        peer.info["name"] = "pMaster"
+        peer.info.update(name="pMaster", address=address)
+        if self.connected_to is not None and address != self.connected_to:
+            log.warning("aggregator %s: pMaster now %s (was %s)", self.name() or "", address, self.connected_to)
+        self.connected_to = address
         self.peer = peer
         sent = self.clock()
         peer.call(Op.REGISTER_AGGREGATOR, lambda result, error: self._registered(result, error, sent), timeout=10.0,
@@ -109,6 +168,7 @@ class MasterLink:
         if error is not None:
             log.warning("aggregator %s: registration with pMaster failed: %s", self.name(), error)
             if self.peer is not None:
+                self.addresses.lost(self.peer.info["address"])  # silent, say: the next address is tried first
                 self.peer.conn.close()
                 self.peer = None
             self._down(error)
@@ -123,6 +183,8 @@ class MasterLink:
     def _lost(self, peer: RpcPeer, exc) -> None:
         if self.stopping():
             return  # shutting down on pMaster's request: its going away is expected
+        if "address" in peer.info:
+            self.addresses.lost(peer.info["address"])
         if peer is self.peer:
             self.peer = None
             self._down(exc)
@@ -156,14 +218,27 @@ class MasterLink:
         if self.peer is None or self._lost_at is not None or self.name() is None or self._renewing:
             return
         sent = self.clock()
+        peer = self.peer
 
         def answered(result, error):
             self._renewing = False
             if error is None:
                 self.lease_until = max(self.lease_until, sent + self.lease)
+            elif isinstance(error, PslinkTimeoutError) and self.addresses.several and peer is self.peer:
+                self._leave_silent(peer, error)
 
         self._renewing = True
-        self.peer.call(Op.AGG_HEARTBEAT, answered, timeout=max(self.lease, 1.0), agg=self.name(), stats=self.stats())
+        peer.call(Op.AGG_HEARTBEAT, answered, timeout=max(self.lease, 1.0), agg=self.name(), stats=self.stats())
+
+    def _leave_silent(self, peer: RpcPeer, error: PslinkError) -> None:
+        """A pMaster that left a heartbeat unanswered, with other addresses to try: close its
+        connection as if it had closed it (on the loop), so that the next address is tried. One
+        address keeps its connection: there is nowhere else to go, and a partition heals on it."""
+        log.warning("aggregator %s: pMaster at %s is silent (%s); trying the next address", self.name(),
+                    peer.info.get("address"), error.message)
+        peer.conn.close()  # a local close tells no handler
+        self.endpoint.on_close(peer.conn, PeerError(f"pMaster at {peer.info.get('address')} went silent: "
+                                                    f"{error.message}", peer=peer.info.get("address")))
 
     def fenced(self, now: float, header: dict) -> FencedError | None:
         """Past the lease (or a part dropped at registration): the error a data request gets (and

@@ -38,6 +38,7 @@ from pslink.core.transport.fused import MAX_FUSED_ITEMS, Cork, Unfused, fused_he
 from pslink.core.aggregator import failures
 from pslink.core.aggregator.copies import Arriving, Copies, Rejected
 from pslink.core.aggregator.master_link import DEFAULT_LEASE, MasterLink
+from pslink.core.master_addresses import MasterAddresses
 from pslink.core.aggregator.stalls import StallInspector, stall_threshold
 from pslink.core.transport import DISCARD, Connection, Lent, Transports
 from pslink.errors import (AbortedError, ConfigError, KeyStateError, PeerError, ProtocolError, PslinkError, ShapeMismatchError,
@@ -92,12 +93,15 @@ class Aggregator:
         self.spin = spin
         self.clock = clock
         advertise, interface = hosts.settings(advertise, interface)
+        # A bad pMaster list is refused before anything is bound (nothing to leak); the first
+        # address tells which local address routes toward the service.
+        toward = MasterAddresses.parse(master, "--master").current if master else None
         self.listener = self.transports.listen(listen, self.reactor, self, limits)
         try:
             # What workers and other Aggregators dial: never a wildcard, never loopback to
             # another host (pMaster refuses that at registration, naming the fix).
             self.address = hosts.advertised_address(self.listener.address, advertise=advertise, interface=interface,
-                                                    toward=master)
+                                                    toward=toward)
         except BaseException:
             self.listener.close()
             raise

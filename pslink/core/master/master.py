@@ -357,6 +357,8 @@ class Master:
         self.observing.heartbeat(record, req["rank"], req.get("iters"))
         if not peer.info.get("role"):  # an Agent that reconnected after a pMaster restart
             peer.info.update(role="worker", job=record.job, rank=req["rank"])
+        if req["id"]:
+            peer.reply(req)  # an Agent that asks for an answer tells a silent pMaster from a quiet one
 
     def _leave(self, peer: RpcPeer, req: dict) -> None:
         record = self.state.authorize(req["job"], req["tok"], req["rank"])

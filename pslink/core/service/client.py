@@ -2,33 +2,46 @@
 
 from __future__ import annotations
 
-from pslink.core.credentials import OPERATOR
-from pslink.core.names import check_job_name
+from typing import Self
+
 from pslink.core.credential_files import credential_for
+from pslink.core.credentials import OPERATOR
+from pslink.core.master_addresses import MasterAddresses
+from pslink.core.names import check_job_name
+from pslink.core.transport import Transports
+from pslink.core.transport.rpc import RpcEndpoint
 from pslink.core.wire.loop import Reactor
 from pslink.core.wire.protocol import DEFAULT_LIMITS, Op
-from pslink.core.transport.rpc import RpcEndpoint
-from pslink.core.transport import Transports
-from pslink.errors import PslinkTimeoutError, ProtocolError
+from pslink.errors import ProtocolError, PslinkTimeoutError
 
 
 class ControlClient:
-    """Request/reply with pMaster on the calling thread; no background thread. ``credential``:
-    the operator credential to present (default: the one :func:`credential_for` finds for
-    ``master``, if any; a service made without credentials needs none)."""
+    """Request/reply with pMaster on the calling thread; no background thread. ``master``: its
+    address, or a comma list of them (a leader and its standby): the first that accepts a
+    connection is the one asked. A request whose connection drops is not sent again elsewhere
+    (adding or removing an Aggregator twice is not the same as once): the caller hears the error
+    and may make a new client. ``credential``: the operator credential to present (default: the
+    one :func:`credential_for` finds for ``master``, if any; a service made without credentials
+    needs none)."""
 
     def __init__(self, master: str, timeout: float = 10.0, transports: Transports | None = None,
                  credential: str | None = None, credentials_file: str | None = None):
-        self.master = master
+        self.master = master  # as given: every address, for messages
+        self.addresses = MasterAddresses.parse(master)
         self.credential = credential or credential_for(master, OPERATOR, credentials_file)
         self.timeout = timeout
         self.transports = transports or Transports()
         self._own_transports = transports is None
         self.reactor = Reactor("control-client")
         self.endpoint = RpcEndpoint(self.reactor, self._refuse, DEFAULT_LIMITS, control_faults=False)
-        conn = self.transports.connect(master, self.reactor, self.endpoint, DEFAULT_LIMITS, timeout)
+        try:
+            conn, self.address = self.addresses.connect(self.transports, self.reactor, self.endpoint, DEFAULT_LIMITS,
+                                                        timeout)
+        except BaseException:
+            self._release()
+            raise
         self.peer = self.endpoint.peer(conn)
-        self.peer.info["name"] = f"pMaster at {master}"
+        self.peer.info["name"] = f"pMaster at {self.address}"
 
     @staticmethod
     def _refuse(peer, req):
@@ -50,7 +63,7 @@ class ControlClient:
             while "result" not in outcome:
                 remaining = deadline - self.reactor.clock()
                 if remaining <= 0:
-                    raise PslinkTimeoutError(f"{op.name} to pMaster at {self.master} got no answer")
+                    raise PslinkTimeoutError(f"{op.name} to pMaster at {self.address} got no answer")
                 self.reactor.run_once(remaining)
         finally:
             if with_lock:
@@ -89,12 +102,15 @@ class ControlClient:
 
     def close(self) -> None:
         self.peer.conn.close()
+        self._release()
+
+    def _release(self) -> None:
         self.reactor.drain()
         self.reactor.close()
         if self._own_transports:
             self.transports.close()
 
-    def __enter__(self) -> "ControlClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
