@@ -256,9 +256,9 @@ def test_a_pmaster_without_a_provider_says_it_cannot_add():
 
 
 def stored_removals(tmp_path) -> list:
-    from pslink.core.master.store import MasterStore
+    from pslink.core.master.store import SqliteStore
 
-    store = MasterStore(str(tmp_path / "state" / "pmaster.sqlite"))
+    store = SqliteStore(str(tmp_path / "state" / "pmaster.sqlite"))
     try:
         return store.load_removing()
     finally:
@@ -271,7 +271,7 @@ def test_a_removal_pmaster_stopped_during_goes_on_after_its_restart(tmp_path):
     again. The store here is as a pMaster that stopped mid-drain left it (the removal recorded,
     the Aggregator still holding its parts), so the moment of the stop is not left to chance."""
     from pslink.core.master import Master
-    from pslink.core.master.store import MasterStore
+    from pslink.core.master.store import SqliteStore
     from pslink.core.service.providers import ThreadProvider
 
     transports = Transports()
@@ -289,7 +289,7 @@ def test_a_removal_pmaster_stopped_during_goes_on_after_its_restart(tmp_path):
             agent.pushpull("w", np.ones(64, np.float32)).wait()
         victim = agent.key_info("w")["parts"][0][3]
         master.stop()  # Aggregators and the Agent stay; the store is left as it was
-        store = MasterStore(str(tmp_path / "state" / "pmaster.sqlite"))
+        store = SqliteStore(str(tmp_path / "state" / "pmaster.sqlite"))
         store.save_removing([victim])  # ... as the removal's first step stored it
         store.close()
         master = Master(address, state_dir=state_dir, transports=transports).start()

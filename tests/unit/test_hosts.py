@@ -13,7 +13,7 @@ from pslink.core.master.records import JobRecord, KeySpec, PartSpec
 from pslink.core.master.state import MasterState
 from pslink.core.service.providers.base import Provider
 from pslink.core.master.failover_plan import pick_replicas, plan_failover, plan_replica_moves
-from pslink.core.master.store import MasterStore
+from pslink.core.master.store import SqliteStore
 from pslink.errors import ConfigError
 from pslink.launch import Launch, check_nodes
 
@@ -200,7 +200,7 @@ def test_a_state_file_of_the_previous_schema_is_migrated(tmp_path):
     """)
     db.commit()
     db.close()
-    store = MasterStore(str(path))
+    store = SqliteStore(str(path))
     state = MasterState()
     store.load(state)
     assert state.aggregators["agg-0"].address == "tcp://10.0.0.1:5000" and state.aggregators["agg-0"].host_id == ""
@@ -208,7 +208,7 @@ def test_a_state_file_of_the_previous_schema_is_migrated(tmp_path):
     store.save_aggregator(record)
     store.close()
     again = MasterState()
-    MasterStore(str(path)).load(again)
+    SqliteStore(str(path)).load(again)
     assert again.aggregators["agg-0"].host_id == "boot/1" and again.control.pool.host_of["agg-0"] == "boot/1"
 
 

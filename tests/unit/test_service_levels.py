@@ -159,7 +159,7 @@ def test_a_bad_service_level_is_refused_naming_it(level, message):
 
 def test_a_jobs_stated_level_reaches_the_control_plane_survives_a_restart_and_shows_in_status(tmp_path):
     from pslink.core.master.state import MasterState
-    from pslink.core.master.store import MasterStore
+    from pslink.core.master.store import SqliteStore
     from pslink.core.master.watch import status_of
     from pslink.status_view import render_status
 
@@ -181,11 +181,11 @@ def test_a_jobs_stated_level_reaches_the_control_plane_survives_a_restart_and_sh
     assert "(5%) high" in out.getvalue()
     with pytest.raises(ConfigError, match="slo .* got 2"):
         state.register_worker("bad", 0, 1, token=None, config={"slo": 2})
-    store = MasterStore(str(tmp_path / "pmaster.sqlite"))
+    store = SqliteStore(str(tmp_path / "pmaster.sqlite"))
     store.save_job(job)
     store.close()
     reloaded = MasterState(clock=Clock())
-    again = MasterStore(str(tmp_path / "pmaster.sqlite"))
+    again = SqliteStore(str(tmp_path / "pmaster.sqlite"))
     again.load(reloaded)
     again.close()
     assert (reloaded.jobs["j"].slo, reloaded.jobs["j"].priority) == (0.05, "high")

@@ -33,7 +33,7 @@ from pslink.core.master.key_placement import KeyPlacing, holders_of, spec_to_wir
 from pslink.core.master.pool import Pool
 from pslink.core.master.replica_hosts import Replicas
 from pslink.core.master.state import MasterState
-from pslink.core.master.store import MasterStore
+from pslink.core.master.store import MasterStore, SqliteStore
 from pslink.core.transport import Transports
 from pslink.core.transport.rpc import RpcEndpoint, RpcPeer
 from pslink.core.wire.loop import Reactor, ReactorThread
@@ -64,6 +64,7 @@ class Master:
         listen: str = DEFAULT_MASTER,
         *,
         state_dir: str | None = None,
+        store: MasterStore | None = None,
         transports: Transports | None = None,
         limits: Limits = DEFAULT_LIMITS,
         worker_timeout: float = 15.0,
@@ -93,7 +94,8 @@ class Master:
         # Without a provider nothing can be started or stopped: the pool stays as it is.
         self.provider = provider
         self.state = MasterState(clock, {"elastic": provider is not None, **(control or {})})
-        self.store = MasterStore(os.path.join(state_dir, STATE_FILE) if state_dir else None)
+        # ``store``: state kept elsewhere than a directory (Redis, opened by the lease's holder).
+        self.store = store or SqliteStore(os.path.join(state_dir, STATE_FILE) if state_dir else None)
         self.state.default_quota = checked_quota(quota)  # per job, unless the operator set its own
         self.store.load(self.state)
         self.limits = limits
