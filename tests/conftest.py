@@ -26,3 +26,20 @@ def tcp_cluster():
     """(service, transports): pMaster and two Aggregators on threads, over TCP, for every test of
     a module."""
     yield from serving("tcp")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One throwaway redis-server for the session (skips, naming it, where there is none)."""
+    from tests.redis_server import UnixRedis
+
+    server = UnixRedis()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """A Redis URL with nothing in it yet."""
+    redis_server.flush()
+    return redis_server.url()

@@ -7,7 +7,7 @@ import pytest
 from pslink.core.master.state import MasterState
 from pslink.core.master.watch import status_of
 from pslink.core.partition import partition_spans
-from pslink.core.master.store import MasterStore
+from pslink.core.master.store import SqliteStore
 from pslink.errors import (
     AuthError,
     ConfigError,
@@ -256,8 +256,24 @@ def test_status_reports_jobs_and_aggregators(state):
     assert agg0["name"] == "agg-0" and agg0["tasks"] == 1 and agg0["task_rounds_per_s"] == 10.0
 
 
-def test_store_round_trips_jobs_keys_and_aggregators(tmp_path, state):
-    store = MasterStore(str(tmp_path / "pmaster.sqlite"))
+@pytest.fixture(params=["sqlite", "redis"])
+def reopen(request, tmp_path):
+    """Opens the same durable state again each call: an SQLite file, or a Redis database (a real
+    redis-server; skipped, naming it, where there is none) under one leader's epoch."""
+    if request.param == "sqlite":
+        return lambda: SqliteStore(str(tmp_path / "pmaster.sqlite"))
+    from pslink.core.master.leadership import Lease
+    from pslink.core.master.store_redis import RedisStore
+
+    url = request.getfixturevalue("redis_url")
+    lease = Lease(url, "tcp://127.0.0.1:1")
+    epoch = lease.try_acquire()
+    request.addfinalizer(lease.close)
+    return lambda: RedisStore(url, epoch)
+
+
+def test_store_round_trips_jobs_keys_and_aggregators(reopen, state):
+    store = reopen()
     job = state.register_worker("j", 0, 2, token=None, config={"partition_bytes": 64, "sync": "asp"})
     spec, _ = state.declare(job, 0, item(7, shape=(40,)))
     spec2, _ = state.declare(job, 0, item("layer.w", shape=(3,), dtype="int64"))
@@ -269,7 +285,7 @@ def test_store_round_trips_jobs_keys_and_aggregators(tmp_path, state):
     store.close()
 
     reloaded = MasterState(clock=Clock())
-    MasterStore(str(tmp_path / "pmaster.sqlite")).load(reloaded)
+    reopen().load(reloaded)
     again = reloaded.jobs["j"]
     assert again.token == job.token and again.joined == {0} and again.partition_bytes == 64
     assert again.sync == "asp" and again.jobinfo()["sync"] == "asp"
@@ -290,12 +306,12 @@ def test_store_round_trips_jobs_keys_and_aggregators(tmp_path, state):
     assert [r.job for r in reloaded.sweep(worker_timeout=10, aggregator_timeout=100)[0]] == ["j"]
 
 
-def test_store_keeps_an_aborted_key_aborted(tmp_path, state):
+def test_store_keeps_an_aborted_key_aborted(reopen, state):
     """A key poisoned before a pMaster restart is still poisoned after it, with its error (the
     restarted pMaster tells Aggregators that take a part of it later)."""
     from pslink.errors import ShapeMismatchError
 
-    store = MasterStore(str(tmp_path / "pmaster.sqlite"))
+    store = reopen()
     job = state.register_worker("j", 0, 2, token=None)
     spec, _ = state.declare(job, 0, item("w", shape=(8,)))
     spec.aborted = ShapeMismatchError("key 'w': rank 1 uses shape (5,)", key="w", ranks=[1, 0])
@@ -303,20 +319,20 @@ def test_store_keeps_an_aborted_key_aborted(tmp_path, state):
     store.save_key("j", spec)
     store.close()
     reloaded = MasterState(clock=Clock())
-    MasterStore(str(tmp_path / "pmaster.sqlite")).load(reloaded)
+    reopen().load(reloaded)
     again = reloaded.jobs["j"].keys["w"]
     assert isinstance(again.aborted, ShapeMismatchError) and again.aborted.message == spec.aborted.message
     assert again.aborted.details["ranks"] == [1, 0]
     assert all("aborted" in entry for entry in again.task_specs())
 
 
-def test_an_aggregator_a_key_names_but_the_store_forgot_is_failed_over_at_the_first_sweep(tmp_path, state):
+def test_an_aggregator_a_key_names_but_the_store_forgot_is_failed_over_at_the_first_sweep(reopen, state):
     """A failover stores the loss (the Aggregator's row goes) before the parts' new places: a
     pMaster that died in between finds keys naming an Aggregator it no longer has. The restarted
     one must fail it over again, at once, and keep its name from new Aggregators (before: the
     name was free, a new Aggregator took it, and the keys' replicas pointed at one without their
     state; the chaos run's pMaster killed at kill=pmaster@failover lost keys so)."""
-    store = MasterStore(str(tmp_path / "pmaster.sqlite"))
+    store = reopen()
     job = state.register_worker("j", 0, 2, token=None)
     spec, _ = state.declare(job, 0, item("w", shape=(40,)))
     gone = spec.parts[0].aggregator
@@ -327,7 +343,7 @@ def test_an_aggregator_a_key_names_but_the_store_forgot_is_failed_over_at_the_fi
     store.delete_aggregator(gone)  # the failover's first step, and pMaster died
     store.close()
     reloaded = MasterState(clock=Clock())
-    MasterStore(str(tmp_path / "pmaster.sqlite")).load(reloaded)
+    reopen().load(reloaded)
     assert gone in reloaded.aggregators and reloaded.aggregators[gone].address == ""
     assert gone in reloaded.sweep(worker_timeout=10, aggregator_timeout=100)[1]  # silent at once: failed over
     assert reloaded.register_aggregator("tcp://127.0.0.1:1").name != gone  # its name stays taken
@@ -335,11 +351,11 @@ def test_an_aggregator_a_key_names_but_the_store_forgot_is_failed_over_at_the_fi
 
 def test_store_refuses_a_newer_schema(tmp_path):
     path = str(tmp_path / "s.sqlite")
-    store = MasterStore(path)
+    store = SqliteStore(path)
     store.db.execute("UPDATE meta SET value='99' WHERE name='schema'")
     store.close()
     with pytest.raises(RuntimeError, match="schema 99"):
-        MasterStore(path)
+        SqliteStore(path)
 
 
 def test_a_rank_registered_anew_leaves_and_comes_back_as_a_newcomer(state):
