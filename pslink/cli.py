@@ -31,7 +31,9 @@ app.add_typer(simulate_app, name="simulate")
 console = Console()
 err_console = Console(stderr=True)
 
-MasterOption = typer.Option(None, "--master", "-m", help=f"pMaster address (default ${ENV_MASTER} or {DEFAULT_MASTER})")
+MasterOption = typer.Option(None, "--master", "-m", help=f"pMaster address, or every pMaster's as a comma list (a "
+                            f"leader and its standbys: the one that answers is used; default ${ENV_MASTER} or "
+                            f"{DEFAULT_MASTER})")
 
 
 CredentialsOption = typer.Option(None, "--credentials", help="file with the service's operator credential (default "
@@ -67,9 +69,12 @@ def _tls_env(cert: Optional[str], key: Optional[str], ca: Optional[str], curve_k
 
 
 def _state_dir(state: Optional[str]) -> Optional[str]:
-    """--state checked at once: a directory this process can make and write in."""
-    if state is None:
-        return None
+    """--state checked at once: a directory this process can make and write in (a store's URL,
+    redis://..., is checked by connecting to it)."""
+    from pslink.core.master.store_redis import is_store_url
+
+    if state is None or is_store_url(state):
+        return state
     try:
         os.makedirs(state, mode=0o700, exist_ok=True)
         probe = os.path.join(state, f".probe-{os.getpid()}")
@@ -78,6 +83,34 @@ def _state_dir(state: Optional[str]) -> Optional[str]:
     except OSError as exc:
         _fail(PslinkError(f"--state {state}: cannot make or write that directory ({exc.strerror or exc})"))
     return state
+
+
+def _shared_state(state: Optional[str], secret_file: Optional[str]) -> bool:
+    """--state redis://...: pMasters on several hosts share it, so they must share the secret too."""
+    from pslink.core.credential_files import ENV_SECRET_FILE
+    from pslink.core.master.store_redis import is_store_url
+
+    if not is_store_url(state):
+        return False
+    if not (secret_file or os.environ.get(ENV_SECRET_FILE)):
+        _fail(PslinkError(f"--state {state} is shared by every pMaster of the service: give each the same "
+                          f"--secret-file (or ${ENV_SECRET_FILE}), or Agents and Aggregators are refused by the "
+                          "one that takes over"))
+    return True
+
+
+def _addresses(addresses: Optional[str]) -> list[str]:
+    return [a.strip() for a in (addresses or "").split(",") if a.strip()]
+
+
+def _lead_now(state: str, listen: str, advertise: Optional[str], interface: Optional[str], lease: float):
+    """The lease of the state at ``state`` (a ServiceError names the pMaster that holds it): the
+    terms and the state opened under them."""
+    from pslink.core import hosts
+    from pslink.core.service.standby import Terms
+
+    terms = Terms(state, hosts.advertised_address(listen, advertise=advertise, interface=interface), ttl=lease)
+    return terms, terms.lead_now()
 
 
 def _fail(exc: Exception) -> None:
@@ -108,7 +141,13 @@ def service_up(
                                             "default-route address)"),
     interface: Optional[str] = typer.Option(None, help="advertise this network interface's address (default "
                                             "$PSLINK_INTERFACE)"),
-    state: Optional[str] = typer.Option(None, "--state", help="directory for durable state (SQLite); a restart resumes from it"),
+    state: Optional[str] = typer.Option(None, "--state", help="durable state: a directory (SQLite; a restart resumes "
+                                        "from it), or redis://HOST:PORT/N, off this host, shared with standbys "
+                                        "(`pslink master --standby`)"),
+    standbys: Optional[str] = typer.Option(None, "--standbys", help="addresses of the pMasters standing by for this "
+                                           "one (comma list): given to its Aggregators and printed for workers"),
+    lease: float = typer.Option(3.0, "--lease", min=0.5, help="with --state redis://: seconds the leader's lease "
+                                "lasts unrenewed (a standby takes over within about this)"),
     transport: str = typer.Option("tcp", help="tcp (native, fastest) or zmq"),
     provider: str = typer.Option("local", help="local (subprocesses) or ray (Ray actors, any node)"),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join with --provider ray (e.g. auto)"),
@@ -163,9 +202,11 @@ def service_up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     state = _state_dir(state)
+    shared = _shared_state(state, secret_file)
     _tls_env(tls_cert, tls_key, tls_ca, curve_key)
+    terms = None
     try:
-        secret = load_or_create_secret(state, secret_file)
+        secret = load_or_create_secret(None if shared else state, secret_file)
         listen = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
         quota = {"max_bytes": job_max_mib << 20 if job_max_mib else None, "max_keys": job_max_keys}
         if stall_seconds is not None:
@@ -179,8 +220,13 @@ def service_up(
         faults = Faults.from_env()  # PSLINK_FAULTS=kill=pmaster@POINT: this process dies there (tests, chaos)
         if faults is not None:
             faults.bind("pmaster").arm()
-        common = dict(state_dir=state, advertise=advertise, interface=interface, secret=secret,
-                      allow_first_join=allow_first_join, master_options=master_options, control=control)
+        if shared:
+            # The lease first: a second leader must never start, and the state is read under the epoch.
+            terms, store = _lead_now(state, listen, advertise, interface, lease)
+            master_options.update(store=store, leadership=terms.lease.status)
+        common = dict(state_dir=None if shared else state, advertise=advertise, interface=interface, secret=secret,
+                      allow_first_join=allow_first_join, master_options=master_options, control=control,
+                      standbys=_addresses(standbys))
         if provider == "ray":
             service = Service(listen, aggregators, provider="ray", provider_options={"address": ray_address},
                               **common).start()
@@ -190,7 +236,11 @@ def service_up(
         _fail(exc)
     except OSError as exc:
         _fail(PslinkError(f"cannot start the service: {exc}"))
-    credentials = write_client_file(client_file_for(int(service.address.rsplit(":", 1)[1])), service.address, secret)
+    if terms is not None:
+        terms.keep(service.master, on_deposed=lambda: console.print(
+            "[bold red]deposed:[/] another pMaster leads this service's state now; this one stopped serving. Its "
+            "Aggregators serve on for the leader; Ctrl-C stops them."))
+    credentials = write_client_file(client_file_for(int(service.address.rsplit(":", 1)[1])), service.addresses, secret)
     try:
         # Every Aggregator registered: those it started, and (after a restart) those it found serving.
         started = set(service.provider.names())
@@ -202,8 +252,8 @@ def service_up(
             f"pMaster    [bold]{service.address}[/]\n"
             f"Aggregators {pids}\n"
             f"state      {state or 'not kept (pass --state DIR to survive restarts)'}\n\n"
-            f"workers:   export {ENV_MASTER}={service.address}\n"
-            f"more Aggregators, from any host: pslink aggregator --master {service.address}\n"
+            f"workers:   export {ENV_MASTER}={service.addresses}\n"
+            f"more Aggregators, from any host: pslink aggregator --master {service.addresses}\n"
             f"status:    pslink service status -m {service.address}\n"
             + (f"page:      {service.master.observing.http_address}/   metrics: "
                f"{service.master.observing.http_address}/metrics\n" if not no_metrics else "")
@@ -215,11 +265,99 @@ def service_up(
         stop.wait()
     finally:
         console.print("stopping...")
+        if terms is not None:
+            terms.end()
         service.stop()
         try:
             os.remove(credentials)
         except OSError:
             pass
+    console.print("stopped.")
+
+
+@app.command("master")
+def master_command(
+    state: str = typer.Option(..., "--state", help="the service's state: redis://HOST:PORT/N (shared with the other "
+                              "pMasters; needed for --standby), or a directory (SQLite, this host only)"),
+    standby: bool = typer.Option(False, "--standby", help="stand by: take over when the leader's lease lapses "
+                                 "(its host lost, or it stopped), and stand by again if deposed"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on once leading (0.0.0.0: every interface)"),
+    port: int = typer.Option(7770, "--port", "-p", help="pMaster port"),
+    advertise: Optional[str] = typer.Option(None, help="address peers dial (default $PSLINK_ADVERTISE, else --host, "
+                                            "else the default-route address)"),
+    interface: Optional[str] = typer.Option(None, help="advertise this interface's address"),
+    lease: float = typer.Option(3.0, "--lease", min=0.5, help="seconds the leader's lease lasts unrenewed: a "
+                                "standby takes over within about this after the leader is lost"),
+    transport: str = typer.Option("tcp", help="tcp (native, fastest) or zmq"),
+    log_level: str = typer.Option("WARNING", help="log level"),
+    secret_file: Optional[str] = typer.Option(None, help="the service secret (hex, mode 0600; default "
+                                              "$PSLINK_SECRET_FILE): the same file on every pMaster of the service"),
+    allow_first_join: bool = typer.Option(False, help="let workers create a job by joining, without a token, from "
+                                          "any host"),
+    worker_timeout: float = typer.Option(15.0, min=0.5, help="seconds without a worker's heartbeat before it is "
+                                         "taken out of its job (a job with none left ends)"),
+    metrics_port: int = typer.Option(0, min=0, help="port of the metrics endpoint and status page while leading "
+                                     "(0: any free port)"),
+    metrics_host: str = typer.Option("127.0.0.1", help="address the metrics endpoint listens on"),
+    no_metrics: bool = typer.Option(False, "--no-metrics", help="serve no metrics endpoint or page"),
+    tls_cert: Optional[str] = TlsCertOption,
+    tls_key: Optional[str] = TlsKeyOption,
+    tls_ca: Optional[str] = TlsCaOption,
+    curve_key: Optional[str] = CurveKeyOption,
+):
+    """Run pMaster alone, for Aggregators that join from any host (`pslink aggregator --master A,B`).
+    With --state redis://... one pMaster leads at a time; start one more with --standby on another
+    host and it takes over when the leader's host is lost (docs/failures.md)."""
+    from pslink.core import hosts
+    from pslink.core.credential_files import client_file_for, load_or_create_secret, write_client_file
+    from pslink.core.credentials import ServiceCredentials
+    from pslink.core.master import Master
+    from pslink.core.service.standby import Terms
+
+    scheme = {"tcp": "tcp", "zmq": "zmq+tcp"}.get(transport)
+    if scheme is None:
+        _fail(PslinkError(f"unknown --transport {transport!r}: use tcp or zmq"))
+    _logging(log_level)
+    state = _state_dir(state)
+    shared = _shared_state(state, secret_file)
+    if standby and not shared:
+        _fail(PslinkError(f"--standby takes over a state the leader keeps off its host: give --state redis://..., "
+                          f"not the directory {state}"))
+    _tls_env(tls_cert, tls_key, tls_ca, curve_key)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    listen = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
+    metrics = {} if no_metrics else {"metrics_port": metrics_port, "metrics_host": metrics_host}
+    try:
+        secret = load_or_create_secret(None if shared else state, secret_file)
+        credentials = ServiceCredentials(secret, allow_first_join)
+
+        def make_master(store=None, leadership=None) -> Master:
+            return Master(listen, state_dir=None if shared else state, store=store, leadership=leadership,
+                          advertise=advertise, interface=interface, credentials=credentials, on_stop=stop.set,
+                          worker_timeout=worker_timeout, **metrics)
+
+        def leading(master: Master) -> None:
+            write_client_file(client_file_for(port), master.address, secret)
+            console.print(f"pMaster [bold]leading[/] at {master.address} (state {state})", highlight=False)
+
+        if not shared:
+            master = make_master().start()
+            leading(master)
+            stop.wait()
+            master.stop()
+            return
+        address = hosts.advertised_address(listen, advertise=advertise, interface=interface)
+        terms = Terms(state, address, ttl=lease)
+        if standby:
+            console.print(f"pMaster [bold]standing by[/] for the state in {terms.lease.url}: it leads at {address} "
+                          f"once the leader's lease ({lease:g} s) lapses", highlight=False)
+        terms.run(make_master, stop, standby=standby, on_lead=leading)
+    except PslinkError as exc:
+        _fail(exc)
+    except OSError as exc:
+        _fail(PslinkError(f"cannot start pMaster: {exc}"))
     console.print("stopped.")
 
 

@@ -25,6 +25,9 @@ def render_status(status: dict, out: Console) -> None:
     master = status.get("master", {})
     out.print(f"[bold]pMaster[/] {master.get('address', '?')} (pid {master.get('pid', '?')}, "
               f"state {master.get('state') or 'in memory'})")
+    leading = status.get("leadership")
+    if leading is not None:
+        _leadership(leading, out)
     aggs = Table(title="Aggregators")
     for column in ("name", "host", "address", "pid", "alive", "tasks by job", "replicas (no state)", "MB", "cycle ms",
                    "free ms", "load", "task rounds/s", "bad msgs"):
@@ -85,3 +88,20 @@ def render_status(status: dict, out: Console) -> None:
     out.print(f"migrations done: {status.get('migrations_done', 0)}")
     if master.get("http"):
         out.print(f"page: {master['http']}/   metrics: {master['http']}/metrics")
+
+
+def _leadership(leading: dict, out: Console) -> None:
+    """Who leads the service over its shared store, and who stands by to take over."""
+    leader = leading.get("leader") or {}
+    store = "reachable" if leading.get("store_reachable") else "[red]unreachable[/] (serving on from memory)"
+    pending = leading.get("pending_writes", 0)
+    out.print(f"[bold]leader[/] {leader.get('address', '?')} on {leader.get('host', '?')} (pid {leader.get('pid', '?')}, "
+              f"epoch {leading.get('epoch')}); state store {leading.get('store')}: {store}"
+              + (f", {pending} write(s) waiting" if pending else ""))
+    standbys = leading.get("standbys") or []
+    if not standbys:
+        out.print("[yellow]standby[/] none: nobody takes over if this pMaster's host is lost")
+    for standby in standbys:
+        out.print(f"[bold]standby[/] {standby.get('address', '?')} on {standby.get('host', '?')} "
+                  f"(pid {standby.get('pid', '?')}): {standby.get('state', '?')}, ready to take over within "
+                  f"{leading.get('lease_seconds', '?')} s of a loss")

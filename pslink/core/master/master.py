@@ -85,6 +85,7 @@ class Master:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         on_stop=None,
+        leadership=None,
         clock=time.time,
     ):
         self.reactor = Reactor("pmaster")
@@ -134,6 +135,8 @@ class Master:
                                joined=self._aggregator_joined, carry_out=self._carry_out, resume_moves=self.mover.resume,
                                incoming=migrations.incoming)
         self._thread: ReactorThread | None = None
+        self._stopped = False
+        self._stop_lock = threading.Lock()
         self._registered = threading.Condition()
         self._joined: set[RpcPeer] = set()  # Aggregators' links, once taken into the pool (aggregator_alive)
         self._handlers = {
@@ -157,7 +160,9 @@ class Master:
             Op.PING: lambda peer, req: peer.reply(req),  # a worker measuring its RTT to this service (group_choice)
         }
         # Status, /metrics and the page (metrics_port: None serves no HTTP), `pslink service stop`.
-        self.observing = Observing(self, metrics_port=metrics_port, metrics_host=metrics_host, on_stop=on_stop)
+        # ``leadership``: the lease's status (a pMaster elected over a shared store), None alone.
+        self.observing = Observing(self, metrics_port=metrics_port, metrics_host=metrics_host, on_stop=on_stop,
+                                   leadership=leadership)
         self.reactor.call_later(sweep_interval, self._sweep)
         if self.state.jobs:
             log.info("pMaster resumed %d job(s) from %s", len(self.state.jobs), self.store.path)
@@ -172,7 +177,12 @@ class Master:
         self.reactor.run_forever()
 
     def stop(self, shutdown_aggregators: bool = False) -> None:
-        """Stop serving; with ``shutdown_aggregators`` also ask every Aggregator to exit."""
+        """Stop serving; with ``shutdown_aggregators`` also ask every Aggregator to exit. Once: a
+        leader that stepped down is stopped already when its service stops."""
+        with self._stop_lock:  # a deposed leader is stopped by its lease's thread and its term's
+            if self._stopped:
+                return
+            self._stopped = True
         self.observing.close()
         if shutdown_aggregators:
             self.call_soon(self._shutdown_aggregators)

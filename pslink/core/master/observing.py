@@ -22,8 +22,10 @@ class Observing:
     """``master``: the :class:`~pslink.core.master.master.Master` it reports on. ``on_stop``: what
     stops the whole service (``pslink service up`` passes its own stop); None refuses the request."""
 
-    def __init__(self, master, *, metrics_port: int | None, metrics_host: str, on_stop: Callable[[], None] | None):
+    def __init__(self, master, *, metrics_port: int | None, metrics_host: str, on_stop: Callable[[], None] | None,
+                 leadership: Callable[[], dict] | None = None):
         self.master = master
+        self.leadership = leadership
         self.watch = Watch()
         self.history = History()
         self.on_stop = on_stop
@@ -49,6 +51,10 @@ class Observing:
         body["master"] = {"address": m.address, "state": m.store.path, "pid": os.getpid(),
                           "refused": m.gate.refused + m.mover.refused, "bad_messages": m.endpoint.bad_messages,
                           "credentials": not m.gate.open, "http": self.http_address}
+        if self.leadership is not None:
+            store = m.store
+            body["leadership"] = dict(self.leadership(), pending_writes=len(getattr(store, "pending", ())),
+                                      written=getattr(store, "written", 0))
         return self.watch.add_to(body, m.state.aggregators, migrations=m.mover.core.done, failovers=m.failover.done)
 
     def snapshot(self, timeout: float = 5.0) -> dict:

@@ -84,6 +84,15 @@ def metric_families(status: dict) -> Iterator[Metric]:
     master = status.get("master", {})
     yield C("pslink_master_bad_messages", "malformed messages pMaster dropped", value=master.get("bad_messages", 0))
     yield C("pslink_master_refused", "requests refused for their credentials", value=master.get("refused", 0))
+    leading = status.get("leadership")
+    if leading is not None:  # a pMaster elected over a shared store (pslink.core.master.leadership)
+        yield G("pslink_master_epoch", "the leader's epoch (it grows at each takeover)", value=leading.get("epoch") or 0)
+        yield G("pslink_master_standbys", "pMasters standing by to take over",
+                value=len(leading.get("standbys") or ()))
+        yield G("pslink_master_store_up", "1 while the state store answers",
+                value=1 if leading.get("store_reachable") else 0)
+        yield G("pslink_master_store_pending_writes", "writes kept while the state store is away",
+                value=leading.get("pending_writes", 0))
 
 
 class StatusCollector(Collector):

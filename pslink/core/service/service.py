@@ -47,11 +47,14 @@ class Service:
         interface: str | None = None,
         secret: bytes | None = None,
         allow_first_join: bool = False,
+        standbys: list[str] | None = None,
     ):
         """``secret``: the service secret (:mod:`pslink.core.credentials`): pMaster then requires
         the credentials it derives, and the Aggregators started here get theirs; None: an open
         service (tests, one user's machine). ``allow_first_join``: workers may create a job by
-        joining from any host (else only from pMaster's)."""
+        joining from any host (else only from pMaster's). ``standbys``: the addresses of the
+        pMasters standing by to take over (a state shared in Redis): the Aggregators started here
+        follow whichever leads."""
         if aggregators < 1:
             raise ServiceError(f"a service needs at least one Aggregator, got {aggregators}")
         self.count = aggregators
@@ -62,18 +65,20 @@ class Service:
         self.master = Master(listen, state_dir=state_dir, transports=self.transports, control=control,
                              advertise=advertise, interface=interface, credentials=credentials, **(master_options or {}))
         self.address = self.master.address
+        # What Aggregators and workers are given: this pMaster, then those that may take over.
+        self.addresses = ",".join([self.address, *(standbys or [])])
         if provider == "local":
             # Aggregators on pMaster's host bind where pMaster did (every address, or the one it
             # was given) and advertise as it does: reachable from wherever pMaster is.
             bound = self.master.listener.address
             host = hosts.host_of(bound) if bound.startswith(("tcp://", "zmq+tcp://")) else "127.0.0.1"
-            self.provider: Provider = LocalProvider(self.address, listen_host=host, log_dir=log_dir,
+            self.provider: Provider = LocalProvider(self.addresses, listen_host=host, log_dir=log_dir,
                                                     advertise=advertise, interface=interface,
                                                     **(aggregator_options or {}))
         elif provider == "ray":
             from pslink.core.service.providers.ray import RayProvider
 
-            self.provider = RayProvider(self.address, **(provider_options or {}))
+            self.provider = RayProvider(self.addresses, **(provider_options or {}))
         elif provider == "thread":
             default_listen = "inproc://*" if self.address.startswith("inproc://") else "tcp://127.0.0.1:0"
             self.provider = ThreadProvider(self.address, self.transports, aggregator_listen or default_listen,
