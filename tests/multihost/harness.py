@@ -42,6 +42,7 @@ class Output:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
         self.lines: list[str] = []
+        self.times: list[float] = []  # time.monotonic() when each line came
         self._new: queue.Queue = queue.Queue()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -49,6 +50,7 @@ class Output:
 
     def _read(self) -> None:
         for line in iter(self.proc.stdout.readline, ""):
+            self.times.append(time.monotonic())
             self.lines.append(line.rstrip("\n"))
             self._new.put(line)
         self._done.set()
@@ -150,9 +152,11 @@ class Cluster:
         raise AssertionError(f"waiting for {what}: not within {timeout} s (last: {last})"
                              + (f"\n{output.text()}" if output is not None else ""))
 
-    def worker(self, host: str, job: str, rank: int, workers: int, *args: str, out: str | None = None) -> Output:
+    def worker(self, host: str, job: str, rank: int, workers: int, *args: str, out: str | None = None,
+               master: str | None = None) -> Output:
+        """mh_worker.py on ``host``, given ``master`` (default: pMaster on host M)."""
         argv = [PYTHON, WORKER, "--job", job, "--rank", str(rank), "--num-workers", str(workers),
-                "--master", self.master(), *args]
+                "--master", master or self.master(), *args]
         return self.start(host, argv + (["--out", out] if out else []))
 
     def close(self) -> None:
