@@ -102,18 +102,26 @@ def registered_with(master: Master, job: str) -> bool:
             and all(master.aggregator_alive(name) for name in AGGREGATORS))
 
 
+def pmaster_and_aggregators(tmp_path, **aggregator_options):
+    """pMaster A (its state in a directory), the address B will have (nobody listens there yet),
+    and a provider of Aggregators given both: (transports, state_dir, A, B's address, "A,B",
+    provider)."""
+    transports = Transports()
+    state_dir = str(tmp_path / "state")
+    first = Master("tcp://127.0.0.1:0", state_dir=state_dir, transports=transports).start()
+    other = f"tcp://127.0.0.1:{unused_port()}"
+    both = f"{first.address},{other}"
+    provider = ThreadProvider(both, transports, reconnect_interval=0.1, **aggregator_options)
+    return transports, state_dir, first, other, both, provider
+
+
 def switches(caplog, what: str, to: str) -> list:
     return [r.getMessage() for r in caplog.records if f"pMaster now {to}" in r.getMessage() and what in r.getMessage()]
 
 
 def test_a_job_follows_pmaster_to_its_other_address_without_a_restart(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="pslink")
-    transports = Transports()
-    state_dir = str(tmp_path / "state")
-    first = Master("tcp://127.0.0.1:0", state_dir=state_dir, transports=transports).start()
-    other = f"tcp://127.0.0.1:{unused_port()}"
-    both = f"{first.address},{other}"
-    provider = ThreadProvider(both, transports, reconnect_interval=0.1)
+    transports, state_dir, first, other, both, provider = pmaster_and_aggregators(tmp_path)
     second = None
     stopped = False
     try:
@@ -155,12 +163,8 @@ def test_a_silent_pmaster_is_left_for_the_next_address(tmp_path, caplog):
     goes unanswered for their bound (max(lease, 1) s), the Agents once three heartbeats and 5 s
     did (pslink.core.agent.master_link.SILENT_SECONDS), and both go to B."""
     caplog.set_level(logging.INFO, logger="pslink")
-    transports = Transports()
-    state_dir = str(tmp_path / "state")
-    first = Master("tcp://127.0.0.1:0", state_dir=state_dir, transports=transports).start()
-    other = f"tcp://127.0.0.1:{unused_port()}"
-    both = f"{first.address},{other}"
-    provider = ThreadProvider(both, transports, reconnect_interval=0.1, lease=1.0, heartbeat_interval=0.2)
+    transports, state_dir, first, other, both, provider = pmaster_and_aggregators(tmp_path, lease=1.0,
+                                                                                  heartbeat_interval=0.2)
     second = None
     held = threading.Event()
     release = threading.Event()

@@ -135,10 +135,7 @@ class MasterLink:
         self._connecting = False
         if isinstance(error, ConfigError):
             # An address no transport serves (an unknown scheme): asking again would fail again.
-            log.error("aggregator %s: cannot reach pMaster at %s: %s", self.name() or "", self.address, error.message)
-            self.refusal = error
-            self.registered.set()
-            self.stop(2)
+            self._give_up(f"cannot reach pMaster at {self.address}", error)
             return
         if error is not None:
             self._down(error)
@@ -156,14 +153,18 @@ class MasterLink:
         peer.call(Op.REGISTER_AGGREGATOR, lambda result, error: self._registered(result, error, sent), timeout=10.0,
                   lease=self.lease, **self.registration())
 
+    def _give_up(self, why: str, error: PslinkError) -> None:
+        """Asking again would fail again: say why and stop (status 2)."""
+        log.error("aggregator %s: %s: %s", self.name() or "", why, error.message)
+        self.refusal = error
+        self.registered.set()
+        self.stop(2)
+
     def _registered(self, result: dict | None, error: PslinkError | None, sent: float) -> None:
         if isinstance(error, (ConfigError, AuthError)):
             # pMaster refused what this Aggregator is (an address nobody can dial, a name a live
             # one has, no valid credential): retrying would be refused again. Say why and stop.
-            log.error("aggregator %s: pMaster at %s refused it: %s", self.name() or "", self.address, error.message)
-            self.refusal = error
-            self.registered.set()
-            self.stop(2)
+            self._give_up(f"pMaster at {self.address} refused it", error)
             return
         if error is not None:
             log.warning("aggregator %s: registration with pMaster failed: %s", self.name(), error)
