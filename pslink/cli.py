@@ -318,11 +318,11 @@ def master_command(
     if scheme is None:
         _fail(PslinkError(f"unknown --transport {transport!r}: use tcp or zmq"))
     _logging(log_level)
-    state = _state_dir(state)
     shared = _shared_state(state, secret_file)
     if standby and not shared:
         _fail(PslinkError(f"--standby takes over a state the leader keeps off its host: give --state redis://..., "
                           f"not the directory {state}"))
+    state = _state_dir(state)
     _tls_env(tls_cert, tls_key, tls_ca, curve_key)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
