@@ -91,7 +91,7 @@ class MasterStore:
         self._put("meta", "removing", ("removing", json.dumps(sorted(names))))
 
     def load_removing(self) -> list[str]:
-        row = self._rows()[3].get("removing")
+        row = self._meta().get("removing")
         return list(json.loads(row)) if row else []
 
     def delete_aggregator(self, name: str) -> None:
@@ -124,6 +124,10 @@ class MasterStore:
 
     def _rows(self) -> tuple[list, list, list, dict]:
         """(aggregators, jobs, keys) rows and the ``meta`` values by name."""
+        raise NotImplementedError
+
+    def _meta(self) -> dict:
+        """The ``meta`` values by name (without reading every row)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -185,6 +189,9 @@ class SqliteStore(MasterStore):
         return (list(select("SELECT name, address, pid, host, host_id FROM aggregators")),
                 list(select("SELECT * FROM jobs")), list(select("SELECT * FROM keys")),
                 dict(select("SELECT name, value FROM meta")))
+
+    def _meta(self) -> dict:
+        return {} if self.db is None else dict(self.db.execute("SELECT name, value FROM meta"))
 
     def close(self) -> None:
         if self.db is not None:

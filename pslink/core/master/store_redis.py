@@ -108,7 +108,7 @@ class RedisStore(MasterStore):
         self._closed = threading.Event()
         self._retrying: threading.Thread | None = None
         self._script = self.client.register_script(_WRITE)
-        schema = self._rows()[3].get("schema")
+        schema = self._meta().get("schema")
         if schema is not None and int(schema) != SCHEMA_VERSION:
             raise ConfigError(f"the state in {self.path} has schema {schema}; this pslink reads "
                               f"schema {SCHEMA_VERSION}")
@@ -142,8 +142,11 @@ class RedisStore(MasterStore):
         aggregators = [unpack(v) for v in client.hgetall(self.keys["aggregators"]).values()]
         jobs = [unpack(v) for v in client.hgetall(self.keys["jobs"]).values()]
         keys = [unpack(v) for row in jobs for v in client.hgetall(self.keys["keys"] + row[0]).values()]
-        meta = {name.decode(): unpack(value)[1] for name, value in client.hgetall(self.keys["meta"]).items()}
-        return aggregators, jobs, keys, meta
+        return aggregators, jobs, keys, self._meta()
+
+    def _meta(self) -> dict:
+        return {name.decode(): msgpack.unpackb(value, raw=False)[1]
+                for name, value in self.client.hgetall(self.keys["meta"]).items()}
 
     def close(self) -> None:
         self._closed.set()

@@ -51,7 +51,7 @@ class Terms:
     def begin(self, epoch: int) -> RedisStore:
         """A term under ``epoch``: the state, written under it (a newer epoch deposes this one)."""
         self.deposed.clear()
-        self._keeping.clear()
+        self._keeping = threading.Event()  # this term's: the last term's renewals end with it
         self.count += 1
         self.store = RedisStore(self.url, epoch, on_fenced=self._depose)
         return self.store
