@@ -68,6 +68,10 @@ def main() -> None:
         "steps": trainer.global_step, "loss": trainer.callback_metrics["train_loss"].clone(),
         "weights": {name: value.detach().clone() for name, value in model.state_dict().items()},
     }, os.path.join(scratch, f"rank{rank}.pt"))
+    # Torn down here, not at interpreter exit: a gloo group left to the exit once aborted a rank
+    # there ("terminate called without an active exception", a full CI run under load).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
