@@ -100,7 +100,15 @@ def _shared_state(state: Optional[str], secret_file: Optional[str]) -> bool:
 
 
 def _addresses(addresses: Optional[str]) -> list[str]:
-    return [a.strip() for a in (addresses or "").split(",") if a.strip()]
+    """--standbys checked at once (each entry a pMaster address), before anything starts."""
+    from pslink.core.master_addresses import MasterAddresses
+
+    if not addresses:
+        return []
+    try:
+        return list(MasterAddresses.parse(addresses, "--standbys").addresses)
+    except PslinkError as exc:
+        _fail(exc)
 
 
 def _lead_now(state: str, listen: str, advertise: Optional[str], interface: Optional[str], lease: float):
@@ -203,6 +211,7 @@ def service_up(
         signal.signal(sig, lambda *_: stop.set())
     state = _state_dir(state)
     shared = _shared_state(state, secret_file)
+    standbys_given = _addresses(standbys)
     _tls_env(tls_cert, tls_key, tls_ca, curve_key)
     terms = None
     try:
@@ -226,7 +235,7 @@ def service_up(
             master_options.update(store=store, leadership=terms.lease.status)
         common = dict(state_dir=None if shared else state, advertise=advertise, interface=interface, secret=secret,
                       allow_first_join=allow_first_join, master_options=master_options, control=control,
-                      standbys=_addresses(standbys))
+                      standbys=standbys_given)
         if provider == "ray":
             service = Service(listen, aggregators, provider="ray", provider_options={"address": ray_address},
                               **common).start()

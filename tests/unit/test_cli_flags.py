@@ -32,6 +32,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["master", "--standby", "--state", "/tmp/pslink-no-such-state"], "--standby takes over a state the leader "
      "keeps off its host: give --state redis://..., not the directory /tmp/pslink-no-such-state"),
     (["aggregator", "--master", "tcp://127.0.0.1:9,,tcp://127.0.0.1:10"], "entry 2 is empty"),
+    (["service", "up", "--port", "0", "--standbys", "tcp://b:7770,nowhere"], "--standbys"),
 ])
 def test_a_wrong_flag_is_refused_by_name_before_anything_starts(args, says):
     done = run(*args)
