@@ -117,3 +117,44 @@ def test_a_state_of_a_newer_schema_is_refused(redis_url):
         RedisStore(redis_url, epoch)
     store.close()
     lease.close()
+
+
+def test_a_store_restarted_empty_gets_the_leaders_state_back_and_no_standby_takes_it_over(redis_url):
+    """A Redis restarted without persistence has lost everything: a standby must not take over
+    that empty store (it would load no jobs), and the leader writes what it holds back."""
+    from pslink.core.master import Master
+    from pslink.core.service.client import ControlClient
+    from pslink.core.service.standby import Terms
+
+    masters: list = []
+
+    def make_master(store, leadership):
+        masters.append(Master("tcp://127.0.0.1:0", store=store, leadership=leadership))
+        return masters[-1]
+
+    stop = threading.Event()
+    terms = Terms(redis_url, "tcp://127.0.0.1:0", ttl=0.6)
+    leading = threading.Thread(target=terms.run, args=(make_master, stop), kwargs={"standby": False})
+    leading.start()
+    standby = Lease(redis_url, "tcp://b:1", ttl=0.6)
+    try:
+        deadline = time.monotonic() + 10
+        while not (masters and terms.master is not None):
+            assert time.monotonic() < deadline, "the leader never led"
+            time.sleep(0.02)  # polling for the leader's term to begin, with a deadline
+        with ControlClient(masters[0].address, timeout=5) as client:
+            client.register_job("kept", 2, {"mode": "sum"})
+        jobs = names("pslink")["jobs"]
+        assert standby.client.hexists(jobs, "kept")
+        standby.client.flushall()  # Redis restarted with nothing
+        assert standby.try_acquire(standby=True) is None  # no state to take over
+        deadline = time.monotonic() + 10
+        while not standby.client.hexists(jobs, "kept"):
+            assert time.monotonic() < deadline, "the leader never wrote its state back"
+            time.sleep(0.05)  # polling for the write-back, with a deadline
+        assert int(standby.client.get(names("pslink")["epoch"])) == 1  # under the leader's own epoch
+        assert standby.try_acquire(standby=True) is None and terms.master is masters[0]  # still the leader
+    finally:
+        stop.set()
+        leading.join(10)
+        standby.close()

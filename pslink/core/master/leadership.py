@@ -31,8 +31,11 @@ log = logging.getLogger("pslink.core.master")
 
 DEFAULT_TTL = 3.0  # seconds a lease lasts unrenewed: a standby leads within about this after a loss
 
-# KEYS: lease, epoch, leader. ARGV: id, ttl (ms), the leader's description (JSON, the epoch added).
+# KEYS: lease, epoch, leader. ARGV: id, ttl (ms), the leader's description (JSON, the epoch added),
+# '1' for a standby: it takes over only a state some leader made (-1: none; a Redis restarted
+# empty waits for its leader to write the state again, instead of a standby loading nothing).
 _ACQUIRE = """
+if ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local epoch = redis.call('INCR', KEYS[2])
   local info = cjson.decode(ARGV[3])
@@ -42,9 +45,12 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
 end
 return 0
 """
-# KEYS: lease, epoch. ARGV: id, ttl (ms), epoch. 1: renewed (or taken back: nobody took it meanwhile).
+# KEYS: lease, epoch. ARGV: id, ttl (ms), epoch. 1: renewed (or taken back: nobody took it meanwhile);
+# 0: a newer epoch (deposed); -1: no epoch at all (the store lost the state).
 _RENEW = """
-if redis.call('GET', KEYS[2]) ~= ARGV[3] then return 0 end
+local epoch = redis.call('GET', KEYS[2])
+if not epoch then return -1 end
+if epoch ~= ARGV[3] then return 0 end
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -54,6 +60,15 @@ return 1
 _DESCRIBE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+# KEYS: lease, epoch, leader. ARGV: id, ttl (ms), epoch, the leader's description. A store that lost
+# the state (no epoch): its leader takes it again under its own epoch, to write the state back.
+_RESEED = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('SET', KEYS[2], ARGV[3])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[3], ARGV[4])
 return 1
 """
 # KEYS: lease. ARGV: id. A leader stopping cleanly hands over at once.
@@ -90,22 +105,40 @@ class Lease:
         self._renew = self.client.register_script(_RENEW)
         self._release = self.client.register_script(_RELEASE)
         self._describe = self.client.register_script(_DESCRIBE)
+        self._reseed = self.client.register_script(_RESEED)
+        self._waiting_for_state = False
 
     # -- the steps --------------------------------------------------------------------------
 
-    def try_acquire(self) -> int | None:
-        """Take the lease if nobody holds it: the new epoch, or None."""
+    def try_acquire(self, standby: bool = False) -> int | None:
+        """Take the lease if nobody holds it: the new epoch, or None. A ``standby`` takes only a
+        state some leader made (None while the store holds none)."""
         info = dict(self.info, since=self.clock())
         epoch = int(self._acquire(keys=[self.keys["lease"], self.keys["epoch"], self.keys["leader"]],
-                                  args=[self.id, int(self.ttl * 1000), json.dumps(info)]))
+                                  args=[self.id, int(self.ttl * 1000), json.dumps(info), "1" if standby else "0"]))
+        if epoch == -1:
+            if not self._waiting_for_state:
+                log.warning("pMaster standby: the state store %s holds no pMaster state (new, or it lost it): "
+                            "a standby waits for a leader to write it (start one without --standby)", self.url)
+            self._waiting_for_state = True
+            return None
+        self._waiting_for_state = False
         if epoch:
             self.epoch, self.since = epoch, info["since"]
         return epoch or None
 
-    def renew(self) -> bool:
-        """False: a newer leader took over (this one is deposed)."""
-        return bool(self._renew(keys=[self.keys["lease"], self.keys["epoch"]],
-                                args=[self.id, int(self.ttl * 1000), self.epoch]))
+    def renew(self) -> int:
+        """1: renewed; 0: a newer leader took over (this one is deposed); -1: the store lost the
+        state (no epoch in it: a Redis restarted without persistence)."""
+        return int(self._renew(keys=[self.keys["lease"], self.keys["epoch"]],
+                               args=[self.id, int(self.ttl * 1000), self.epoch]))
+
+    def reseed(self) -> bool:
+        """The store lost the state: take it again under this leader's epoch (False: another pMaster
+        came first), so that the leader writes the state back."""
+        info = dict(self.info, since=self.since, epoch=self.epoch)
+        return bool(self._reseed(keys=[self.keys["lease"], self.keys["epoch"], self.keys["leader"]],
+                                 args=[self.id, int(self.ttl * 1000), self.epoch, json.dumps(info)]))
 
     def describe(self, address: str) -> None:
         """The address this leader serves at, once known (a port picked at bind)."""
@@ -169,7 +202,7 @@ class Lease:
         while not stop.is_set():
             try:
                 self.announce_standby("standby")
-                epoch = self.try_acquire()
+                epoch = self.try_acquire(standby=True)
                 if epoch is not None:
                     self.withdraw_standby()
                     self.reachable = True
@@ -187,9 +220,10 @@ class Lease:
             stop.wait(poll)
         return None
 
-    def keep(self, deposed: Callable[[], None], stop: threading.Event) -> threading.Thread:
+    def keep(self, deposed: Callable[[], None], stop: threading.Event,
+             emptied: Callable[[], None] = lambda: None) -> threading.Thread:
         """As the leader: renew every ttl / 3 on a thread until ``stop``; ``deposed()`` once a newer
-        leader shows."""
+        leader shows; ``emptied()`` when the store lost the state (after taking it again)."""
 
         def run():
             while not stop.wait(self.ttl / 3):
@@ -206,6 +240,16 @@ class Lease:
                     log.warning("pMaster: the state store %s is back; still the leader (epoch %d)", self.url,
                                 self.epoch)
                 self.reachable = True
+                if renewed == -1:
+                    log.error("pMaster: the state store %s has lost pMaster's state (a Redis restarted without "
+                              "persistence?); this leader writes it back from memory (epoch %d)", self.url,
+                              self.epoch)
+                    try:
+                        if self.reseed():
+                            emptied()
+                    except self._errors:
+                        pass  # asked again at the next renewal
+                    continue
                 if not renewed:
                     log.error("pMaster: a newer leader took over the state in %s (this one had epoch %d); "
                               "stepping down", self.url, self.epoch)

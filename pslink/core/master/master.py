@@ -214,6 +214,21 @@ class Master:
 
         self.reactor.post(move)
 
+    def write_state_back(self) -> None:
+        """On pMaster's loop: write everything it holds to its store again (the store lost it: a
+        Redis restarted without persistence, taken again under this leader's epoch)."""
+        for record in self.state.aggregators.values():
+            if record.address:
+                self.store.save_aggregator(record)
+        for record in self.state.jobs.values():
+            self.store.save_job(record)
+            for spec in record.keys.values():
+                if spec.ready:
+                    self.store.save_key(record.job, spec)
+        self.store.save_removing(self.pool.removing())
+        log.warning("pMaster: its state written back to %s (%d job(s), %d Aggregator(s))", self.store.path,
+                    len(self.state.jobs), len(self.state.aggregators))
+
     def tasks_of(self, job: str) -> list[tuple]:
         record = self.state.jobs.get(job)
         return [] if record is None else [(job, s.key, p.part) for s in record.keys.values() for p in s.parts]

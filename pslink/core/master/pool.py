@@ -201,6 +201,10 @@ class Pool:
 
     # -- removing -------------------------------------------------------------------------------------
 
+    def removing(self) -> set[str]:
+        """The Aggregators an operator is removing: under way, or to go on with after a restart."""
+        return set(self._pool_removals) | set(self.resume)
+
     def _pool_remove(self, peer: RpcPeer, req: dict, name: str) -> None:
         if name in self._pool_removals:
             raise ServiceError(f"aggregator {name} is already being removed")

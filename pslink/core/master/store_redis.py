@@ -13,7 +13,9 @@ the newer epoch, and it steps down (``on_fenced``).
 **The store going away.** pMaster is off the data path and jobs train on without it; so does
 pMaster without its store: a write that cannot reach Redis is kept, in order, and pMaster serves on
 from memory. Writes are retried every ``retry_interval`` and applied, in order and under the same
-fencing, once Redis answers again. The loss and the return are logged once each.
+fencing, once Redis answers again. The loss and the return are logged once each. A Redis that
+restarted empty has no epoch: writes wait the same way until the leader took the store again under
+its own epoch and wrote its whole state back (:meth:`pslink.core.master.Master.write_state_back`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from pslink.errors import ConfigError
 log = logging.getLogger("pslink.core.master")
 
 SCHEMES = ("redis://", "rediss://", "unix://")
+EMPTIED = -1  # a write found no epoch in the store: it lost the state (kept until it is written back)
 DEFAULT_PREFIX = "pslink"
 
 # ARGV: the epoch, then (command, key, field, value) four at a time. KEYS[1]: the epoch's key.
+# 1: applied; 0: a newer epoch (fenced); -1: no epoch (the store lost the state: kept for later).
 _WRITE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then return -1 end
+if epoch ~= ARGV[1] then return 0 end
 for i = 2, #ARGV, 4 do
   local command, key = ARGV[i], ARGV[i + 1]
   if command == 'hset' then redis.call('HSET', key, ARGV[i + 2], ARGV[i + 3])
@@ -166,24 +172,30 @@ class RedisStore(MasterStore):
             try:
                 applied = self._apply(ops)
             except self._errors as exc:
-                self.pending.extend(ops)
-                log.warning("pMaster: the state store %s is unreachable (%s); serving on from memory, "
-                            "retrying every %.1f s", self.path, exc, self.retry_interval)
-                self._retrying = threading.Thread(target=self._retry, name="pslink-store-retry", daemon=True)
-                self._retrying.start()
+                self._keep(ops, f"the state store {self.path} is unreachable ({exc})")
                 return
-            if not applied:
+            if applied == EMPTIED:
+                self._keep(ops, f"the state store {self.path} has lost pMaster's state")
+            elif not applied:
                 self._fenced_out(len(ops))
 
-    def _apply(self, ops: list) -> bool:
-        """Apply ``ops`` if this pMaster's epoch is still the store's; False if a newer leader's is."""
+    def _keep(self, ops: list, why: str) -> None:
+        """Redis cannot take ``ops`` now: keep them, in order, and retry (on the lock)."""
+        self.pending.extend(ops)
+        log.warning("pMaster: %s; serving on from memory, retrying every %.1f s", why, self.retry_interval)
+        self._retrying = threading.Thread(target=self._retry, name="pslink-store-retry", daemon=True)
+        self._retrying.start()
+
+    def _apply(self, ops: list) -> int:
+        """Apply ``ops`` if this pMaster's epoch is still the store's: 1 if applied, 0 if a newer
+        leader's epoch is there, EMPTIED if none is (nothing applied either way)."""
         argv: list = [self.epoch]
         for op in ops:
             argv.extend(op)
-        if self._script(keys=[self.keys["epoch"]], args=argv) != 1:
-            return False
-        self.written += len(ops)
-        return True
+        applied = int(self._script(keys=[self.keys["epoch"]], args=argv))
+        if applied == 1:
+            self.written += len(ops)
+        return applied
 
     def abandon(self) -> None:
         """A newer leader took over (the lease said so first): what waits for the store never goes."""
@@ -214,6 +226,8 @@ class RedisStore(MasterStore):
                     applied = self._apply(self.pending)
                 except self._errors:
                     continue
+                if applied == EMPTIED:
+                    continue  # until the leader took the state again (pslink.core.master.leadership)
                 if not applied:
                     self._fenced_out(0)
                     return

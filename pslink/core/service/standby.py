@@ -65,7 +65,7 @@ class Terms:
         self.lease.refresh_view()  # status shows who stands by from the start
         log.warning("pMaster: leading at %s (epoch %d, term %d of this process); state in %s", master.address,
                     self.lease.epoch, self.count, self.lease.url)
-        self.lease.keep(self._depose, self._keeping)
+        self.lease.keep(self._depose, self._keeping, emptied=lambda: master.call_soon(master.write_state_back))
 
     def _depose(self) -> None:
         with self._lock:
