@@ -291,8 +291,11 @@ class Progress:
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                    self._thread.start()
+                    thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    thread.start()
+                    # Named only once started: close() on another thread joins what it sees (a
+                    # CI run once saw a thread not yet started there: "cannot join thread").
+                    self._thread = thread
         self._queue.put(pending)
 
     def _run(self) -> None:
