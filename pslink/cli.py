@@ -121,6 +121,22 @@ def _lead_now(state: str, listen: str, advertise: Optional[str], interface: Opti
     return terms, terms.lead_now()
 
 
+def _pmaster_listen(transport: str, host: str, port: int) -> str:
+    """Where pMaster listens, from --transport, --host and --port (a wrong transport refused by name)."""
+    scheme = {"tcp": "tcp", "zmq": "zmq+tcp"}.get(transport)
+    if scheme is None:
+        _fail(PslinkError(f"unknown --transport {transport!r}: use tcp or zmq"))
+    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def _stop_on_signals() -> threading.Event:
+    """Set by Ctrl-C or SIGTERM: the command stops what it started."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 def _fail(exc: Exception) -> None:
     err_console.print(f"[bold red]error:[/] {exc}")
     raise typer.Exit(1)
@@ -202,13 +218,9 @@ def service_up(
     if ray_address is not None and provider != "ray":
         _fail(PslinkError(f"--ray-address {ray_address} joins a Ray cluster: it goes with --provider ray "
                           f"(this is --provider {provider})"))
-    scheme = {"tcp": "tcp", "zmq": "zmq+tcp"}.get(transport)
-    if scheme is None:
-        _fail(PslinkError(f"unknown --transport {transport!r}: use tcp or zmq"))
+    listen = _pmaster_listen(transport, host, port)
     log_level = _logging(log_level)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signals()
     state = _state_dir(state)
     shared = _shared_state(state, secret_file)
     standbys_given = _addresses(standbys)
@@ -216,7 +228,6 @@ def service_up(
     terms = None
     try:
         secret = load_or_create_secret(None if shared else state, secret_file)
-        listen = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
         quota = {"max_bytes": job_max_mib << 20 if job_max_mib else None, "max_keys": job_max_keys}
         if stall_seconds is not None:
             from pslink.core.aggregator.stalls import ENV_STALL_SECONDS
@@ -323,9 +334,7 @@ def master_command(
     from pslink.core.master import Master
     from pslink.core.service.standby import Terms
 
-    scheme = {"tcp": "tcp", "zmq": "zmq+tcp"}.get(transport)
-    if scheme is None:
-        _fail(PslinkError(f"unknown --transport {transport!r}: use tcp or zmq"))
+    listen = _pmaster_listen(transport, host, port)
     _logging(log_level)
     shared = _shared_state(state, secret_file)
     if standby and not shared:
@@ -333,10 +342,7 @@ def master_command(
                           f"not the directory {state}"))
     state = _state_dir(state)
     _tls_env(tls_cert, tls_key, tls_ca, curve_key)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    listen = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
+    stop = _stop_on_signals()
     metrics = {} if no_metrics else {"metrics_port": metrics_port, "metrics_host": metrics_host}
     try:
         secret = load_or_create_secret(None if shared else state, secret_file)

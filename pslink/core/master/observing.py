@@ -52,9 +52,8 @@ class Observing:
                           "refused": m.gate.refused + m.mover.refused, "bad_messages": m.endpoint.bad_messages,
                           "credentials": not m.gate.open, "http": self.http_address}
         if self.leadership is not None:
-            store = m.store
-            body["leadership"] = dict(self.leadership(), pending_writes=len(getattr(store, "pending", ())),
-                                      written=getattr(store, "written", 0))
+            body["leadership"] = dict(self.leadership(), pending_writes=m.store.pending_writes,
+                                      written=m.store.written)
         return self.watch.add_to(body, m.state.aggregators, migrations=m.mover.core.done, failovers=m.failover.done)
 
     def snapshot(self, timeout: float = 5.0) -> dict:

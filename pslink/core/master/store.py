@@ -12,6 +12,7 @@ outlives pMaster's host and lets a standby take over (:mod:`pslink.core.master.l
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import sqlite3
@@ -50,15 +51,21 @@ _MIGRATIONS = {
 }
 
 
-class MasterStore:
+class MasterStore(abc.ABC):
     """Write-through persistence of pMaster's state, as rows (tuples in the columns of ``_SCHEMA``).
 
     A backend implements ``_put`` (a row of ``jobs``, ``aggregators`` or ``meta`` by its name),
     ``_put_key`` / ``_delete_key`` (a row of ``keys``), ``_delete``, ``_delete_job`` (the job and
-    its keys), ``_rows`` (everything, to load) and ``close``. ``path`` says where the state is
-    (status, logs); None keeps nothing (an embedded, throwaway service)."""
+    its keys), ``_rows`` (everything, to load), ``_meta`` and ``close``. ``path`` says where the
+    state is (status, logs); None keeps nothing (an embedded, throwaway service). ``written`` and
+    ``pending_writes`` count the writes taken and those waiting (a store off the host may be away)."""
 
+    written = 0
     path: str | None = None
+
+    @property
+    def pending_writes(self) -> int:
+        return 0
 
     def save_job(self, record: JobRecord) -> None:
         self._put("jobs", record.job, (
@@ -107,25 +114,32 @@ class MasterStore:
 
     # -- what a backend implements ------------------------------------------------------------
 
+    @abc.abstractmethod
     def _put(self, table: str, name: str, row: tuple) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _put_key(self, job: str, key: bytes, row: tuple) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _delete(self, table: str, name: str) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _delete_key(self, job: str, key: bytes) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _delete_job(self, job: str) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _rows(self) -> tuple[list, list, list, dict]:
         """(aggregators, jobs, keys) rows and the ``meta`` values by name."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _meta(self) -> dict:
         """The ``meta`` values by name (without reading every row)."""
         raise NotImplementedError

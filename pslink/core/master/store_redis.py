@@ -125,6 +125,10 @@ class RedisStore(MasterStore):
     def reachable(self) -> bool:
         return not self.pending
 
+    @property
+    def pending_writes(self) -> int:
+        return len(self.pending)
+
     # -- MasterStore's backend ------------------------------------------------------------------
 
     def _put(self, table: str, name: str, row: tuple) -> None:
