@@ -159,6 +159,12 @@ def test_a_deposed_leader_that_comes_back_writes_nothing_and_stands_by(ha, tmp_p
     # A, alone, decides things meanwhile: its workers are silent past their timeout, so the job
     # has ended in A's eyes (a write it keeps for the store).
     leader.wait_for("ended: no worker heard from", 30)
+    # A comes back once every Aggregator and worker has left it for B. (Sooner, an Aggregator still
+    # on A's connection would get what A decided alone, a DROP_JOB of this job, when the link
+    # heals: Aggregators do not fence pMaster's commands by epoch; see docs/failures.md.)
+    _wait(ha, lambda s: len([a for a in s["aggregators"] if a["alive"]]) == 2
+          and [j["workers"] for j in s["jobs"] if j["job"] == "held"] == [2], 30,
+          "the Aggregators and workers with B", master=ha.master("B"))
     before = _dump(ha)
     assert "held" in before["jobs"]
     ha.hosts.heal("A")
