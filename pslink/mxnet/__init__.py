@@ -26,9 +26,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from pslink.mxnet.errors import KVStoreError
 from pslink.mxnet.kvstore import NAMES, PSLink, PSLink_Async, PSLinkKVStore
 from pslink.mxnet.optimizer import service_config
-from pslink.mxnet.trainer import install_group_sync, install_kvstore_names
+from pslink.mxnet.trainer import install_group_sync, install_kvstore_names, install_overlapped_allreduce
 
 install_kvstore_names(NAMES)
 install_group_sync()
+install_overlapped_allreduce()
 
 __all__ = ["KVStoreError", "NAMES", "PSLink", "PSLinkKVStore", "PSLink_Async", "service_config"]

@@ -12,12 +12,23 @@ Semantics follow MXNet's ``dist_sync`` (``dist_async`` with ``pslink_async``): `
 worker's value (summed over its devices first) to the key's current round, ``pull`` returns that
 round's sum over all workers (the initial value before any push), or with an optimizer set the
 weights the service stepped with the summed gradient. Every call has finished when it returns,
-except ``push``, which returns once sent and is settled by the next call.
+except ``push``, which returns once sent and is settled by the next call (and ``pushpull`` inside
+``deferred()``, settled when it ends).
+
+A dense CPU value of its key's dtype moves without copies on the worker's side: the Agent sends
+it from the NDArray's own memory and receives the round's result straight into the output
+NDArray's (``_view``), once MXNet's engine has finished with both (``PSLINK_MXNET_ZERO_COPY=0``:
+copied out and back in through numpy, as before). gluon.Trainer's gradient exchange
+(pslink.mxnet.trainer) issues every key's pushpull as its gradient becomes ready, last layer
+first, and waits once for all of them (``deferred``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
+import os
 import warnings
 import weakref
 from typing import Any
@@ -96,6 +107,50 @@ def _arrays(value, key, what: str) -> list:
     return arrays
 
 
+class _Lent:
+    """What ``np.from_dlpack`` takes: an NDArray's DLPack capsule on the CPU."""
+
+    __slots__ = ("capsule",)
+
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, stream=None):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU, device 0
+
+
+def _view(array, dtype: np.dtype, writable: bool) -> np.ndarray | None:
+    """A numpy array over ``array``'s own memory (no copy), or None where that cannot be: not a
+    dense CPU array of ``dtype``, or empty. MXNet computes asynchronously: taking the view waits
+    until the engine's writes to ``array`` are done (``writable``: its reads too), so the caller
+    may read it (write it) until it next hands ``array`` to MXNet. The view keeps the memory alive
+    (the DLPack capsule holds a reference to MXNet's storage)."""
+    if (array.stype != "default" or array.context.device_type != "cpu" or array.size == 0
+            or np.dtype(array.dtype) != dtype):
+        return None
+    try:
+        view = np.from_dlpack(_Lent(array.to_dlpack_for_write() if writable else array.to_dlpack_for_read()))
+    except (BufferError, TypeError, ValueError, RuntimeError):  # a dtype DLPack or numpy has no name for
+        return None
+    if view.dtype != dtype or not view.flags.c_contiguous:
+        return None
+    if not writable:
+        return view
+    # numpy 1.23 makes every DLPack import read-only; the same memory as a writable ctypes
+    # buffer, which holds the read-only view (and through it MXNet's storage) while in use.
+    memory = (ctypes.c_char * view.nbytes).from_address(view.ctypes.data)
+    memory.owner = view
+    return np.frombuffer(memory, dtype=dtype).reshape(view.shape)
+
+
+def _zero_copy_default() -> bool:
+    # PSLINK_MXNET_ZERO_COPY=0: every value copied through numpy as before (for comparing the two)
+    return os.environ.get("PSLINK_MXNET_ZERO_COPY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 class PSLinkKVStore(KVStore):
     """A kvstore whose values live on the pslink parameter service.
 
@@ -135,6 +190,11 @@ class PSLinkKVStore(KVStore):
         self._keys: dict[Any, _Key] = {}
         self._sparse: dict[Any, sparse.RowSparseKey] = {}  # row-sparse keys: tables on the service
         self._pushes: list = []  # handles of pushes not yet confirmed
+        self._pending: list = []  # handles of deferred pushpulls, writing into NDArrays' memory
+        self._pending_keys: set = set()
+        self._deferring = 0  # inside deferred(): pushpull returns once sent
+        #: False: every value is copied out of MXNet and back in (``PSLINK_MXNET_ZERO_COPY=0``)
+        self.zero_copy = _zero_copy_default()
         self._optimizer = None
         self._sent: dict | None = None  # the optimizer settings the service has
         self._updater = None  # gluon.Trainer.load_states reads kv._updater.optimizer
@@ -271,25 +331,62 @@ class PSLinkKVStore(KVStore):
         targets = [self._targets(k, info, o, "pull", ignore_sparse) for k, info, o in zip(keys, infos, outs)]
         read = [i for i, t in enumerate(targets) if t]  # not a key whose outputs were all ignored
         keys, infos, targets = [keys[i] for i in read], [infos[i] for i in read], [targets[i] for i in read]
-        buffers = [self._buffer(info) for info in infos]
         self._settle()
+        # Received straight into a single dense CPU output; else into a buffer, copied to each output.
+        views = [self._single_view(info, target, writable=True) for info, target in zip(infos, targets)]
+        buffers = [self._buffer(info) if view is None else view for info, view in zip(infos, views)]
         if keys:
             self._call("pull", keys, lambda: self._agent.pull_many(keys, outs=buffers).wait())
-        for buffer, target in zip(buffers, targets):
-            self._write(buffer, target)
+        for buffer, view, target in zip(buffers, views, targets):
+            if view is None:
+                self._write(buffer, target)
 
     def pushpull(self, key, value, out=None, priority=0) -> None:
-        """Push ``value`` and write the round's result to ``out`` (to ``value`` if None)."""
+        """Push ``value`` and write the round's result to ``out`` (to ``value`` if None). Inside
+        ``deferred()`` a dense CPU key returns once sent, its result written when the deferral
+        (or any other call of the store) settles it."""
         keys, values = _batch(key, value, "pushpull")
         _, outs = _batch(key, value if out is None else out, "pushpull")
-        arrays = [self._read(k, v, "pushpull") for k, v in zip(keys, values)]
+        values = [self._checked(k, v, "pushpull") for k, v in zip(keys, values)]
         targets = [self._targets(k, self._keys[k], o, "pushpull") for k, o in zip(keys, outs)]
         self._before_push(keys)
-        self._settle()
-        # The result is received into the array just pushed: it is ours, a copy of the value.
-        self._call("pushpull", keys, lambda: self._agent.pushpull_many(keys, arrays, outs=arrays).wait())
-        for array, target in zip(arrays, targets):
-            self._write(array, target)
+        if self._deferring and self._pending_keys.isdisjoint(keys):
+            self._settle_pushes()
+        else:  # (a key twice in one deferral: its next round is sent once the last one is in)
+            self._settle()
+        lent = [self._lent(self._keys[k], v, t) for k, v, t in zip(keys, values, targets)]
+        fast = [i for i, pair in enumerate(lent) if pair is not None]
+        if fast:
+            fast_keys = [keys[i] for i in fast]
+            handle = self._call("pushpull", fast_keys, lambda: self._agent.pushpull_many(
+                fast_keys, [lent[i][0] for i in fast], outs=[lent[i][1] for i in fast]))
+            self._pending.append((handle, [lent[i] for i in fast]))  # the views live until settled
+            self._pending_keys.update(fast_keys)
+        slow = [i for i, pair in enumerate(lent) if pair is None]
+        if slow:
+            slow_keys = [keys[i] for i in slow]
+            arrays = [self._summed(self._keys[keys[i]], values[i]) for i in slow]
+            # The result is received into the array just pushed: it is ours, a copy of the value.
+            self._call("pushpull", slow_keys, lambda: self._agent.pushpull_many(slow_keys, arrays, outs=arrays).wait())
+            for array, i in zip(arrays, slow):
+                self._write(array, targets[i])
+        if not self._deferring:
+            self._settle()
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Within it, ``pushpull`` of a dense CPU key returns once sent, writing its result into
+        the output's memory behind MXNet's engine: nothing may read or write those arrays (nor
+        push them as another key's value) until the deferral ends, which waits for every one of
+        them, as does any other call of the store. gluon.Trainer's gradient exchange runs in one
+        (pslink.mxnet.trainer)."""
+        self._deferring += 1
+        try:
+            yield self
+        finally:
+            self._deferring -= 1
+            if not self._deferring:
+                self._settle()
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
         """Write the rows ``row_ids`` names of each row-sparse key into ``out`` (a row_sparse
@@ -457,6 +554,11 @@ class PSLinkKVStore(KVStore):
 
     def _read(self, key, value, what: str) -> np.ndarray:
         """One worker's value of ``key`` as a new numpy array: the sum over its devices."""
+        arrays = self._checked(key, value, what)
+        return self._summed(self._keys[key], arrays)
+
+    def _checked(self, key, value, what: str) -> list:
+        """The NDArrays of one worker's value of ``key`` (one per device), of the key's shape."""
         info = self._initialized(key, what)
         arrays = _arrays(value, key, what)
         for array in arrays:
@@ -466,6 +568,11 @@ class PSLinkKVStore(KVStore):
                     f"initialized with shape {info.shape}",
                     key=key, shapes=[list(array.shape), list(info.shape)],
                 )
+        return arrays
+
+    @staticmethod
+    def _summed(info: _Key, arrays: list) -> np.ndarray:
+        """A copy of the arrays' sum over devices, in the key's dtype."""
         dense = [a.tostype("default") if a.stype != "default" else a for a in arrays]
         total = dense[0].asnumpy()
         for array in dense[1:]:
@@ -473,6 +580,29 @@ class PSLinkKVStore(KVStore):
         if total.dtype != info.dtype:
             total = total.astype(info.dtype)  # as MXNet's copies between dtypes do
         return total
+
+    def _single_view(self, info: _Key, arrays: list, writable: bool) -> np.ndarray | None:
+        """A view of the one array of ``arrays`` (see ``_view``), or None: several devices, sparse,
+        another context or dtype, or zero_copy off."""
+        if not self.zero_copy or len(arrays) != 1:
+            return None
+        return _view(arrays[0], info.dtype, writable)
+
+    def _lent(self, info: _Key, values: list, targets: list) -> tuple | None:
+        """The pushpull of a key without copies: (the value's memory to send, the target's memory
+        to receive into), or None for the copying path. The target's view waits for MXNet's reads
+        of it too (a weight still read by the backward pass, with the optimizer on the service)."""
+        if not self.zero_copy or len(values) != 1 or len(targets) != 1:
+            return None
+        value, target = values[0], targets[0]
+        if value.handle.value == target.handle.value:  # the usual: a gradient reduced in place
+            view = _view(value, info.dtype, writable=True)
+            return None if view is None else (view, view)
+        sent = _view(value, info.dtype, writable=False)
+        received = _view(target, info.dtype, writable=True) if sent is not None else None
+        if received is None or np.may_share_memory(sent, received):  # partly the same memory: copied
+            return None
+        return sent, received
 
     def _targets(self, key, info: _Key, out, what: str, ignore_sparse: bool = False) -> list:
         """The arrays of ``out`` to write ``key`` into. With ``ignore_sparse`` (pull's default, and
@@ -531,7 +661,21 @@ class PSLinkKVStore(KVStore):
         self._call("init", keys, lambda: self._agent.barrier(name))
 
     def _settle(self) -> None:
-        """Wait for the pushes still in flight; raise the first one's error."""
+        """Wait for the pushes and deferred pushpulls still in flight; raise the first one's error."""
+        self._settle_pushes()
+        pending, self._pending = self._pending, []
+        self._pending_keys.clear()
+        failed = None
+        for handle, _views in pending:  # every one waited for: none may write into an array later
+            try:
+                handle.wait()
+            except PslinkError as exc:
+                failed = failed or (handle, exc)
+        if failed is not None:
+            handle, exc = failed
+            raise translate(exc, f"pushpull of key {', '.join(map(repr, handle.keys))}") from exc
+
+    def _settle_pushes(self) -> None:
         pushes, self._pushes = self._pushes, []
         for handle in pushes:
             try:

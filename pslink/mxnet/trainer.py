@@ -8,6 +8,10 @@ instance, which it always uses; every other name goes through unchanged.
 With groups (``sync="local:T"``, pslink.core.worker.groups) every Trainer's step and update end with the
 groups' sync of its parameters: :func:`install_group_sync`.
 
+With a pslink store, gluon.Trainer's gradient exchange issues every key's pushpull as its
+gradient becomes ready, last layer first, and waits once for all of them:
+:func:`install_overlapped_allreduce`.
+
 Sparse training needs nothing here: gluon's Trainer takes only MXNet's own ``KVStore`` class for
 row_sparse weights and sparse gradients, and the pslink store is a subclass of it.
 """
@@ -20,6 +24,7 @@ import importlib
 import mxnet as mx
 
 from pslink.core.worker.groups import GroupAgent
+from pslink.mxnet.kvstore import PSLinkKVStore
 
 # The modules that imported _create_kvstore by name (so each holds its own reference).
 _USERS = ("mxnet.model", "mxnet.gluon.trainer", "mxnet.module.module")
@@ -42,6 +47,43 @@ def install_kvstore_names(names) -> None:
         current = getattr(module, "_create_kvstore", None)
         if current is original or getattr(current, "__wrapped__", None) is original:
             module._create_kvstore = create_kvstore
+
+
+def install_overlapped_allreduce() -> None:
+    """gluon.Trainer's ``_allreduce_grads`` (``step`` and ``allreduce_grads`` call it) on a pslink
+    store: MXNet's loop, in reverse and inside the store's ``deferred()``. ``loss.backward()``
+    returns while MXNet's engine still computes the gradients, last layer's first: each pushpull
+    waits for its own gradient and is sent while the engine computes the earlier layers', and
+    the results are all in once the loop ends, before the Trainer's update reads them. Every
+    other store goes through MXNet's own loop (idempotent)."""
+    trainer = mx.gluon.Trainer
+    original = trainer._allreduce_grads
+    if getattr(original, "pslink_overlapped", False):
+        return
+
+    @functools.wraps(original)
+    def _allreduce_grads(self):
+        store = self._kvstore
+        if not isinstance(store, PSLinkKVStore):
+            return original(self)
+        with store.deferred():
+            for i, param in reversed(list(enumerate(self._params))):
+                if param.grad_req == "null":
+                    continue
+                grad_list = param.list_grad()
+                if grad_list[0].stype != "default":  # sparse gradients: push and pull, as MXNet does
+                    store.push(i, grad_list, priority=-i)
+                    if param._stype == "default":
+                        pull_list = param.list_data() if self._update_on_kvstore else param.list_grad()
+                        store.pull(i, pull_list, priority=-i, ignore_sparse=self._distributed)
+                elif self._update_on_kvstore:  # the service steps: the weights come back
+                    store.pushpull(i, grad_list, out=param.list_data(), priority=-i)
+                else:
+                    store.pushpull(i, grad_list, priority=-i)
+        return None
+
+    _allreduce_grads.pslink_overlapped = True
+    trainer._allreduce_grads = _allreduce_grads
 
 
 def install_group_sync() -> None:
