@@ -16,6 +16,10 @@ the service carries) and the tensors it reads:
   therefore runs the collectives built before it too.) XLA cannot compile such an op: building
   one under XLA is refused, naming what to change.
 
+:func:`run_in_flight` builds several calls of one reduction (the strategy's gradient buckets)
+as a start op each, run as soon as its own inputs exist, and a finish op each that waits for the
+results later: the exchange of the gradients backward produces first overlaps the rest of it.
+
 :func:`call_name` gives a call built into a graph its name then, as Horovod names its ops
 (``HorovodAllreduce_<tensor>``, unique in the graph): each run of the op is the next call of
 that name on every rank. Eagerly a call without a name is numbered by the Session.
@@ -23,6 +27,7 @@ that name on every rank. Eagerly a call without a name is numbered by the Sessio
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -110,6 +115,86 @@ def run(what: str, call: Callable[..., Sequence[np.ndarray]], inputs: Sequence, 
         results = [tf.identity(r) for r in results]
     for result, out in zip(results, outputs):
         result.set_shape(out.shape)
+    return results
+
+
+class _Started(NamedTuple):
+    finish: Callable[[], Sequence[np.ndarray]] | None  # waits for the results (None: starting failed)
+    error: PslinkError | None
+
+
+def run_in_flight(what: str, calls: Sequence[tuple[Callable, Sequence, Sequence[Out]]],
+                  kind: str = "collective") -> list[list[tf.Tensor]]:
+    """Several calls of one reduction whose work goes on in the background, built into the
+    graph so that each starts as soon as its own inputs exist (a gradient bucket as soon as
+    backward produced it) and is waited for only later: ``calls`` are ``(start, inputs,
+    outputs)``, ``start(*arrays)`` begins the work and returns a function that waits for it and
+    returns the results (as :func:`run`'s ``call`` does). Graph mode only (eagerly there is
+    nothing to overlap: use :func:`run`).
+
+    Each call is two ``tf.numpy_function`` ops: a start op returning a ticket, and a finish op
+    that takes it, waits and returns the results with a status (handled as :func:`run`'s). The
+    start ops are chained in ``calls``' order after the previous call of the graph, the finish
+    ops in the same order after each other, and the next call of the graph after the last
+    finish: every rank starts the calls in one order, and a finish only waits for starts that
+    every rank makes before any finish of theirs can block (no rank ever waits on a call another
+    rank has not reached). After a finish fails, the calls still in flight are dropped."""
+    if _internals.in_xla_context():
+        raise ConfigError(f"{what}: pslink cannot run inside an XLA-compiled function; compile without XLA "
+                          "(Keras: model.compile(..., jit_compile=False); tf.function(jit_compile=False))")
+    graph_ = tf.compat.v1.get_default_graph()
+    in_flight: dict[int, _Started] = {}  # by ticket, for this batch of ops
+    tickets = itertools.count()
+    order = _tokens.get(graph_)
+    starts = []
+    for start, inputs, _ in calls:
+        inputs = [tf.convert_to_tensor(t) for t in inputs]
+
+        def start_op(*arrays, start=start, chained=order is not None):
+            if chained:
+                arrays = arrays[1:]  # the previous op's ticket or status: only an order
+            ticket = next(tickets)
+            try:
+                # The arrays are views of TensorFlow's buffers: the finish function keeps them.
+                in_flight[ticket] = _Started(start(*arrays), None)
+            except PslinkError as exc:
+                in_flight[ticket] = _Started(None, exc)
+            return np.int64(ticket)
+
+        ticket = tf.numpy_function(start_op, ([order] if order is not None else []) + inputs, tf.int64,
+                                   stateful=True, name=f"pslink_{kind}_start")
+        starts.append(ticket)
+        order = ticket
+    results = []
+    for ticket, (_, _, outputs) in zip(starts, calls):
+        def finish_op(ticket, *previous, outputs=outputs):
+            started = in_flight.pop(int(ticket))
+            try:
+                if started.error is not None:
+                    raise started.error
+                arrays = started.finish()
+            except PslinkError as exc:
+                in_flight.clear()  # the step fails here: what is still in flight is not waited for
+                errors.remember(exc)
+                if not errors.disagreement(exc):
+                    raise
+                log.error("pslink: %s", exc.message)
+                stand_ins = [tensors.zeros([d or 0 for d in (o.shape.as_list() if o.shape.rank is not None else [])],
+                                           o.dtype.as_numpy_dtype) for o in outputs]
+                return [*stand_ins, np.int32(errors.DISAGREE)]
+            return [*(tensors.aligned(np.asarray(r)) for r in arrays), np.int32(errors.OK)]
+
+        previous = [order] if results else []
+        *outs, status = tf.numpy_function(finish_op, [ticket, *previous], [o.dtype for o in outputs] + [tf.int32],
+                                          stateful=True, name=f"pslink_{kind}_finish")
+        checked = errors.fail_if(status, what)
+        order = checked
+        with tf.control_dependencies([checked]):
+            outs = [tf.identity(r) for r in outs]
+        for result, out in zip(outs, outputs):
+            result.set_shape(out.shape)
+        results.append(outs)
+    _tokens[graph_] = order
     return results
 
 
