@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -63,15 +64,20 @@ def worker(args) -> None:
     figures: dict[str, float] = {}
     for label, nbytes in SIZES.items():
         tensor = torch.full((nbytes // 4,), float(rank + 1))
-        times = []
+        times, faults = [], []
         for call in range(WARMUP_CALLS + max(2, CALLS[label] // scale)):
+            faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             started = time.perf_counter()
             result = hvd.allreduce(tensor, name=f"allreduce.{label}")
             if call >= WARMUP_CALLS:
                 times.append(time.perf_counter() - started)
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
         if not torch.all(result == 1.5):  # the average of 1 and 2
             raise SystemExit(f"{args.worker}: allreduce of {label} gave {result[:4]}, not 1.5")
         figures[f"allreduce_{label}"] = statistics.median(times)
+        # Pages faulted in per call (a fresh result's memory, touched first by the copy of the
+        # answer into it): a development aid, printed with each run, not a figure.
+        figures[f"faults_{label}"] = statistics.median(faults)
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
@@ -142,7 +148,8 @@ def main(argv=None) -> int:
                 slower = {k: max(r[k] for r in results) for k in results[0]}
                 runs[variant].append(slower)
                 print(f"round {index + 1}/{args.repeats} {variant:8}: " + ", ".join(
-                    f"{k} {v * 1e3:.2f} ms" for k, v in slower.items()), flush=True)
+                    f"{k} {v:.0f} pages faulted a call" if k.startswith("faults") else f"{k} {v * 1e3:.2f} ms"
+                    for k, v in slower.items()), flush=True)
     print(f"\n2 workers, {args.repeats} rounds" + (", the variants alternating" if len(runs) > 1 else "")
           + " (medians over the rounds)")
     made, summary = [], {}

@@ -22,7 +22,7 @@ from pslink.core.worker.pending import Pending, PendingGroup
 from pslink.core.worker.reduction import Average, ReduceOp, Sum
 from pslink.core.worker.session import Session
 from pslink.errors import ConfigError
-from pslink.torch.tensors import HostView, travels_as_is, wire_dtype
+from pslink.torch.tensors import RESULTS, HostView, travels_as_is, wire_dtype
 
 
 class _FP16Compressor:
@@ -118,7 +118,7 @@ def allreduce_async(session: Session, tensor: torch.Tensor, name: str | None = N
     """``tensor`` reduced over the ranks into a new tensor (``tensor`` is left as it is)."""
     tensor = _tensor(tensor, "allreduce")
     source = HostView(tensor.detach(), "allreduce")
-    result = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    result = RESULTS.empty_like(tensor)
     out = HostView(result, "allreduce", fill=False)
     pending = session.allreduce(source.array, out.array, name, op, prescale_factor, postscale_factor)
     return Work(pending, lambda _: out.finish())
@@ -131,8 +131,9 @@ def allreduce(session: Session, tensor: torch.Tensor, name: str | None = None, o
             and travels_as_is(tensor):
         # The common case, a plain CPU tensor waited for at once: the session reads from the
         # tensor's memory and writes into the result's (the general path below does the same
-        # through views and a Work, which a small tensor's latency notices).
-        result = torch.empty_like(tensor)
+        # through views and a Work, which a small tensor's latency notices). The result's memory
+        # is one a dropped result left, when there is one: fresh pages cost more than the copy.
+        result = RESULTS.empty_like(tensor)
         session.allreduce(tensor.numpy(), result.numpy(), name, op, prescale_factor,
                           postscale_factor).wait(session.timeout)
         return result

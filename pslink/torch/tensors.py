@@ -8,6 +8,10 @@ pinned for CUDA so the device copies run at full speed; the buffers are kept per
 
 from __future__ import annotations
 
+import collections
+import sys
+import threading
+
 import numpy as np
 import torch
 
@@ -104,6 +108,78 @@ class StagingPool:
 
     def clear(self) -> None:
         self._buffers.clear()
+
+
+class ResultPool:
+    """Host memory for the new tensors that out-of-place collectives return (``hvd.allreduce``),
+    reused once the caller dropped every tensor, view and array of a result.
+
+    A fresh result's pages are faulted in by the Agent's copy out of the ring: about 0.2-0.5 ms
+    per MiB more than that copy into memory already touched (``benchmarks/copy_costs_torch.py``).
+    glibc maps a buffer of more than 32 MiB anew each time, and one of 4 MiB either anew or from
+    its heap depending on what the process freed before: a 4 MiB ``hvd.allreduce`` faulted in 992 of
+    its result's 1024 pages on every call in some runs and none in others (issue 53). Each result
+    is a tensor over a numpy array the pool keeps; the array's reference count tells when no
+    tensor uses it any more (a tensor, its views, its ``.numpy()`` all keep it referenced), so a
+    buffer is handed out again only when nothing can see it. Two buffers a signature (a training
+    loop's ``result = hvd.allreduce(t)`` makes the next result while the last is alive), at most
+    ``limit_bytes`` kept in all, the least recently used signatures' free buffers let go first.
+    Results below ``smallest`` bytes come from torch as before: malloc reuses them without
+    faults. The one difference a caller can see: a pooled result cannot be ``resize_()``d (its
+    storage belongs to numpy), as with any tensor made by ``torch.from_numpy``."""
+
+    PER_SIGNATURE = 2
+
+    def __init__(self, smallest: int = 1 << 20, limit_bytes: int = 256 << 20):
+        self.smallest, self.limit_bytes = smallest, limit_bytes
+        self._lock = threading.Lock()
+        self._buffers: collections.OrderedDict[tuple, list[np.ndarray]] = collections.OrderedDict()
+        self._bytes = 0
+
+    def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A new contiguous tensor of ``tensor``'s shape and dtype, on its device."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < self.smallest or not tensor.is_cpu or tensor.dtype not in _AS_IS:
+            return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        signature = (tuple(tensor.shape), tensor.dtype)
+        with self._lock:
+            kept = self._buffers.get(signature)
+            if kept is None:
+                kept = self._buffers[signature] = []
+            else:
+                self._buffers.move_to_end(signature)
+            for array in kept:
+                # Referenced by the list, the loop and getrefcount's argument: nothing else holds it.
+                if sys.getrefcount(array) <= 3:
+                    return torch.from_numpy(array)
+            result = torch.empty(tensor.shape, dtype=tensor.dtype)
+            if len(kept) < self.PER_SIGNATURE and self._make_room(nbytes):
+                kept.append(result.numpy())
+                self._bytes += nbytes
+                return torch.from_numpy(kept[-1])
+            return result
+
+    def _make_room(self, nbytes: int) -> bool:
+        """(Lock held.) Let go of free buffers, least recently used signature first, until
+        ``nbytes`` more fit under the limit; False if they cannot."""
+        if nbytes > self.limit_bytes:
+            return False
+        for signature in list(self._buffers):
+            if self._bytes + nbytes <= self.limit_bytes:
+                break
+            kept = self._buffers[signature]
+            for array in [a for a in kept if sys.getrefcount(a) <= 3]:
+                kept.remove(array)
+                self._bytes -= array.nbytes
+        return self._bytes + nbytes <= self.limit_bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+            self._bytes = 0
+
+
+RESULTS = ResultPool()
 
 
 def explain_mismatch(error: PslinkError, what: str, hint: str) -> PslinkError:
