@@ -14,7 +14,13 @@ parameters, 101 MB of gradients per step) on a random batch. A round's figure of
 median step time (per worker, then the mean of the two workers). Reported as figures
 (``pslink.bench.figures``): the hook and the backend each against DDP over gloo, and each against
 the limit (how far above it), every ratio with its spread over the rounds; and each worker's extra
-memory: peak RSS while training minus RSS once its model and optimizer exist. The last line is JSON.
+memory: peak RSS while training minus RSS once its model and optimizer exist. Each round's line
+also gives the CPU per step of a worker (every thread: DDP's copies, the Agent's copies in and out
+of the rings) and of the two Aggregators (their whole run over its steps, an upper bound): on 2
+shared cores the step's time beyond the limit is mostly that CPU. The last line is JSON.
+
+    python benchmarks/torch_ddp.py --bucket-view       # every DDP variant with gradient_as_bucket_view=True
+    python benchmarks/torch_ddp.py --variants alone,pslink --repeats 2   # development: no figures
 """
 
 from __future__ import annotations
@@ -61,23 +67,24 @@ def worker(args) -> None:
     y = torch.randint(0, 10, (args.batch_size,), generator=torch.Generator().manual_seed(rank))
     gc.collect()
     base_rss = process.memory_info().rss
-    ddp = model if alone else DDP(model)
+    ddp = model if alone else DDP(model, gradient_as_bucket_view=args.bucket_view)
     state = None
     if args.worker == "pslink":
         state = pslink.torch.connect()
         ddp.register_comm_hook(state, pslink.torch.comm_hook)
-    peak_rss, times = base_rss, []
+    peak_rss, times, cpu = base_rss, [], 0.0
     for step in range(args.warmup + args.steps):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
         elapsed = time.perf_counter() - started
         if step >= args.warmup:
             times.append(elapsed)
+            cpu += time.process_time() - cpu_started  # every thread of this worker: the copies in and out too
         peak_rss = max(peak_rss, process.memory_info().rss)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"times": times, "extra_mb": (peak_rss - base_rss) / 2**20,
+        json.dump({"times": times, "cpu_per_step": cpu / args.steps, "extra_mb": (peak_rss - base_rss) / 2**20,
                    "params": sum(p.numel() for p in model.parameters())}, f)
     del ddp
     gc.collect()
@@ -92,12 +99,30 @@ def worker(args) -> None:
 VARIANTS = ("alone", "gloo", "pslink", "backend")
 
 
+def aggregator_cpu() -> float:
+    """CPU seconds the embedded service's Aggregator processes have used so far: a step's CPU
+    beyond the workers' own (on 2 cores it is taken from the workers' compute)."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "pslink.core.aggregator" in " ".join(child.cmdline()):
+                times = child.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            continue
+    return total
+
+
 def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
     from pslink.bench.launched import launch_and_collect
 
     command = [sys.executable, os.path.abspath(__file__), "--worker", variant,
                "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.bucket_view:
+        command.append("--bucket-view")
     return launch_and_collect(command, variant, service, f"bench-ddp-{variant}-{os.getpid()}-{index}")
 
 
@@ -109,6 +134,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (DDP rebuilds its buckets)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds: runs of each variant, alternating")
+    parser.add_argument("--bucket-view", action="store_true",
+                        help="DDP(gradient_as_bucket_view=True) for every DDP variant: no copy of the gradients "
+                             "into DDP's buckets and back")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated variants to run (development: the figures need all four)")
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -119,33 +149,51 @@ def main(argv=None) -> int:
         args.hidden, args.steps, args.warmup, args.repeats = 512, 10, 2, 2
     if args.repeats < 1 or args.steps < 1:
         parser.error(f"--repeats and --steps must be at least 1 (got {args.repeats}, {args.steps})")
+    chosen = tuple(v for v in VARIANTS if v in args.variants.split(","))
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown or not chosen:
+        parser.error(f"--variants takes some of {', '.join(VARIANTS)}; got {args.variants!r}")
 
     from pslink.bench import figures as fig
     from pslink.core.service import Service
 
-    runs: dict[str, dict] = {v: {"medians": [], "extra_mb": [[], []]} for v in VARIANTS}
+    runs: dict[str, dict] = {v: {"medians": [], "cpu": [], "extra_mb": [[], []]} for v in VARIANTS}
     params = 0
     with Service(aggregators=2) as service:
         for index in range(args.repeats):
             # Reversed every other round: a variant's place in the round (a warmer page cache, a
             # service that just served another job) then favours no variant over the others.
-            for variant in VARIANTS if index % 2 == 0 else VARIANTS[::-1]:
+            for variant in chosen if index % 2 == 0 else chosen[::-1]:
+                aggregators_before = aggregator_cpu()
                 results = run_variant(variant, args, service.address, index)
+                # (the whole run: its warm-up steps and joining the job too, so an upper bound)
+                aggregators = (aggregator_cpu() - aggregators_before) / (args.warmup + args.steps)
                 params = results[0]["params"]
                 median = statistics.mean(statistics.median(r["times"]) for r in results)
                 runs[variant]["medians"].append(median)
+                workers_cpu = statistics.mean(r["cpu_per_step"] for r in results)
+                runs[variant]["cpu"].append((workers_cpu, aggregators))
                 for rank, r in enumerate(results):
                     runs[variant]["extra_mb"][rank].append(r["extra_mb"])
-                print(f"round {index + 1}/{args.repeats} {variant:7}: median step {median * 1e3:8.1f} ms, extra "
+                print(f"round {index + 1}/{args.repeats} {variant:7}: median step {median * 1e3:8.1f} ms, CPU per "
+                      f"step {workers_cpu * 1e3:.0f} ms a worker + {aggregators * 1e3:.0f} ms the Aggregators, extra "
                       "memory " + ", ".join(f"rank {k} {r['extra_mb']:.0f} MB" for k, r in enumerate(results)),
                       flush=True)
 
+    if chosen != VARIANTS:
+        for variant in chosen:
+            cpu = [statistics.median(c[i] for c in runs[variant]["cpu"]) * 1e3 for i in (0, 1)]
+            print(f"{variant:8} {statistics.median(runs[variant]['medians']) * 1e3:9.1f} ms/step, CPU {cpu[0]:.0f} ms a "
+                  f"worker + {cpu[1]:.0f} ms Aggregators (development run: no figures without all four variants)")
+        return 0
     ms = {v: [m * 1e3 for m in r["medians"]] for v, r in runs.items()}
     step_ms = {v: statistics.median(m) for v, m in ms.items()}
+    cpu_ms = {v: tuple(statistics.median(c[i] for c in r["cpu"]) * 1e3 for i in (0, 1)) for v, r in runs.items()}
     extra = {v: [max(per_rank) for per_rank in r["extra_mb"]] for v, r in runs.items()}
-    hook_what = f"DDP step, pslink comm hook, {params / 1e6:.1f} M parameters, 2 workers"
+    view = ", gradient_as_bucket_view" if args.bucket_view else ""
+    hook_what = f"DDP step, pslink comm hook, {params / 1e6:.1f} M parameters, 2 workers{view}"
     backend_what = (f"DDP step, pslink backend (init_process_group('pslink'), no hook), {params / 1e6:.1f} M "
-                    "parameters, 2 workers")
+                    f"parameters, 2 workers{view}")
     limit = "the same training alone (no communication: the limit)"
     made = [
         fig.measured("torch_ddp", hook_what, "ms/step", "lower", ms["pslink"], "DDP over gloo", ms["gloo"]),
@@ -160,6 +208,8 @@ def main(argv=None) -> int:
     print(f"{'variant':8} {'step ms':>9} {'extra MB rank 0':>16} {'extra MB rank 1':>16}")
     for variant in VARIANTS:
         print(f"{variant:8} {step_ms[variant]:9.1f} {extra[variant][0]:16.0f} {extra[variant][1]:16.0f}")
+    print("CPU per step (medians over the rounds; a development aid, not a figure): "
+          + ", ".join(f"{v} {cpu_ms[v][0]:.0f} ms a worker + {cpu_ms[v][1]:.0f} ms Aggregators" for v in VARIANTS))
     overhead = [p - g for p, g in zip(extra["pslink"], extra["gloo"], strict=True)]
     print("pslink's own memory per worker (hook's extra - gloo's extra): "
           + ", ".join(f"rank {k} {mb:+.0f} MB" for k, mb in enumerate(overhead)))
@@ -178,6 +228,7 @@ def main(argv=None) -> int:
         "gloo_extra_mb": [round(m, 1) for m in extra["gloo"]],
         "pslink_extra_mb": [round(m, 1) for m in extra["pslink"]],
         "pslink_minus_gloo_mb": [round(m, 1) for m in overhead],
+        "cpu_ms_per_step": {v: {"worker": round(c[0], 1), "aggregators": round(c[1], 1)} for v, c in cpu_ms.items()},
         "figures": [f.as_json() for f in made],
     }))
     return 0

@@ -65,6 +65,8 @@ ENTRIES = (
     Entry("many_keys", args=("--many-keys", "--quick"), script="pushpull", modules=("torch",)),
     Entry("visibility", modules=("torch",)),
     Entry("compression", modules=("mxnet",)),
+    Entry("tf_strategy", modules=("tensorflow",)),
+    Entry("mxnet_gluon", modules=("mxnet",)),
 )
 ROOT_ONLY = ("multihost", "hierarchy")
 
