@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -92,6 +93,23 @@ def test_release_hands_the_drive_to_a_parked_thread():
     reactor.release()
     parked.join(5.0)
     assert event.is_set() and not parked.is_alive()
+    reactor.close()
+
+
+def test_a_thread_that_parks_after_the_driver_released_does_not_wait_out_its_timeout():
+    # The driver released between the waiter's failed try_drive() and its park(): the release
+    # nudged nobody, so a park that waited would sleep its whole timeout (50 ms in the Agent's
+    # waits, with nobody reading the sockets: a quarter of a training step's exchanges did).
+    reactor = Reactor()
+    assert reactor.try_drive()
+    reactor.release()
+    event = threading.Event()
+    started = time.monotonic()
+    reactor.park(event, 5.0)
+    assert time.monotonic() - started < 1.0
+    assert not event.is_set() and not reactor._parked
+    assert reactor.try_drive()  # the caller goes back to drive itself
+    reactor.release()
     reactor.close()
 
 

@@ -185,11 +185,16 @@ class Reactor:
                 next(iter(self._parked)).set()
 
     def park(self, event: threading.Event, timeout: float) -> None:
-        """Wait (not driving) until ``event`` is set by the driver, a hand-over, or timeout."""
+        """Wait (not driving) until ``event`` is set by the driver, a hand-over, or timeout.
+        Returns at once if nobody drives by the time the event is parked: the driver that was
+        there released without seeing it (it nudges only events parked before its release), and
+        nobody else would read the sockets for the caller until the timeout."""
         with self._parked_lock:
             self._parked.add(event)
         try:
-            event.wait(timeout)
+            # Checked after parking: a release from now on finds the event and sets it.
+            if self._drive_lock.locked():
+                event.wait(timeout)
         finally:
             with self._parked_lock:
                 self._parked.discard(event)
