@@ -7,14 +7,16 @@ MXNet's own ``dist_sync`` store and against the limit (the same training with no
                                                           # weights (rank 0) to DIR/<variant>.npz
 
 Every variant runs in this one invocation, alternating round by round (alone, pslink, pslink_opt,
-dist_sync, then backward, ...; four rounds by default), each as 2 worker processes. "alone" is
+dist_sync, dist_sync_opt, then backward, ...; four rounds by default), each as 2 worker processes. "alone" is
 the limit: each worker trains by itself, no store at all, side by side so that the CPUs are
 shared alike. "pslink" and "pslink_opt" are started by ``pslink launch`` against one embedded
 service with 2 Aggregator processes: "pslink" sums the gradients (``update_on_kvstore=False``:
 every worker steps SGD itself), "pslink_opt" has the service step SGD (``update_on_kvstore=True``).
 "dist_sync" is MXNet's own store from the same libmxnet, summing as "pslink" does
-(``update_on_kvstore=False``), with as many servers as pslink has Aggregators (2) and a
-scheduler, started with the DMLC_* environment MXNet's ``tools/launch.py --launcher local`` sets.
+(``update_on_kvstore=False``), and "dist_sync_opt" the same store with its servers stepping SGD
+as "pslink_opt" has the service do (``update_on_kvstore=True``, what gluon.Trainer chooses for a
+dist store by default); each with as many servers as pslink has Aggregators (2) and a scheduler,
+started with the DMLC_* environment MXNet's ``tools/launch.py --launcher local`` sets.
 Every process gets OMP_NUM_THREADS=1 and MXNET_CPU_WORKER_NTHREADS=1 (2 workers on 2 cores).
 
 With ``--compare-copying`` a fifth variant, "pslink_copying", is "pslink" with
@@ -25,8 +27,8 @@ A step is forward, backward, the Trainer's step (gradient exchange and SGD) and 
 computes asynchronously: a step is timed once done) of an MLP 1024 -> 2048 -> 2048 -> 1024 -> 10
 (8.4 M parameters, 34 MB of float32 gradients a step) on a random batch. A round's figure of a
 variant is its median step time (per worker, then the mean of the two workers). Reported as
-figures (``pslink.bench.figures``): pslink against dist_sync and against the limit, each with its
-spread over the rounds. The last line is JSON.
+figures (``pslink.bench.figures``): each pslink variant against dist_sync in the same mode and
+against the limit, each with its spread over the rounds. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ import time
 # dist_sync's servers and scheduler (inherited; MXNet reads them when it is imported).
 THREADS = {"OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1"}
 
-VARIANTS = ("alone", "pslink", "pslink_opt", "dist_sync")
+VARIANTS = ("alone", "pslink", "pslink_opt", "dist_sync", "dist_sync_opt")
+DIST_SYNC_VARIANTS = ("dist_sync", "dist_sync_opt")
+OPTIMIZER_ON_STORE = ("pslink_opt", "dist_sync_opt")  # update_on_kvstore=True: the servers step SGD
 PSLINK_VARIANTS = ("pslink", "pslink_opt", "pslink_copying")
 
 
@@ -75,7 +79,7 @@ def worker(args) -> None:
     store = None
     if args.worker in PSLINK_VARIANTS:
         store = mx.kv.create("pslink")
-    elif args.worker == "dist_sync":
+    elif args.worker in DIST_SYNC_VARIANTS:
         store = mx.kv.create("dist_sync")
     rank = store.rank if store is not None else int(os.environ["PSLINK_RANK"])
     net = build_model(args.hidden, mx, gluon)
@@ -86,7 +90,7 @@ def worker(args) -> None:
         trainer = gluon.Trainer(params, "sgd", trainer_args, kvstore=None)
     else:
         trainer = gluon.Trainer(params, "sgd", trainer_args, kvstore=store,
-                                update_on_kvstore=args.worker == "pslink_opt")
+                                update_on_kvstore=args.worker in OPTIMIZER_ON_STORE)
     rng = np.random.default_rng(rank)
     x = mx.nd.array(rng.standard_normal((args.batch_size, 1024), dtype=np.float32))
     y = mx.nd.array(rng.integers(0, 10, args.batch_size), dtype="float32")
@@ -171,7 +175,7 @@ def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
     from pslink.bench.launched import launch_and_collect
 
     command = worker_command(variant, args)
-    if variant == "dist_sync":
+    if variant in DIST_SYNC_VARIANTS:
         return run_dist_sync(command, 2, args.servers, timeout=300)
     return launch_and_collect(command, variant, service, f"bench-mxnet-{variant}-{os.getpid()}-{index}")
 
@@ -226,7 +230,7 @@ def main(argv=None) -> int:
                 params = results[0]["params"]
                 median = statistics.mean(statistics.median(r["times"]) for r in results)
                 medians[variant].append(median * 1e3)
-                print(f"round {index + 1}/{args.repeats} {variant:10}: median step {median * 1e3:8.1f} ms",
+                print(f"round {index + 1}/{args.repeats} {variant:14}: median step {median * 1e3:8.1f} ms",
                       flush=True)
 
     step_ms = {v: statistics.median(m) for v, m in medians.items()}
@@ -235,11 +239,12 @@ def main(argv=None) -> int:
                 "2 workers")
     limit = "the same training alone (no communication: the limit)"
     dist_sync = f"MXNet's dist_sync ({args.servers} servers, summing)"
+    dist_sync_opt = f"MXNet's dist_sync ({args.servers} servers stepping SGD, update_on_kvstore)"
     made = [
         fig.measured("mxnet_gluon", what, "ms/step", "lower", medians["pslink"], dist_sync, medians["dist_sync"]),
         fig.measured("mxnet_gluon", what, "ms/step", "lower", medians["pslink"], limit, medians["alone"]),
-        fig.measured("mxnet_gluon", what_opt, "ms/step", "lower", medians["pslink_opt"], dist_sync,
-                     medians["dist_sync"]),
+        fig.measured("mxnet_gluon", what_opt, "ms/step", "lower", medians["pslink_opt"], dist_sync_opt,
+                     medians["dist_sync_opt"]),
         fig.measured("mxnet_gluon", what_opt, "ms/step", "lower", medians["pslink_opt"], limit, medians["alone"]),
     ]
     if args.compare_copying:
@@ -248,7 +253,7 @@ def main(argv=None) -> int:
     print(f"\nmodel: {params / 1e6:.1f} M parameters ({params * 4 / 1e6:.0f} MB of float32 gradients), batch "
           f"{args.batch_size} per worker, 2 workers, {args.steps} steps x {args.repeats} rounds per variant")
     for variant in variants:
-        print(f"{variant:10} {step_ms[variant]:9.1f} ms/step")
+        print(f"{variant:14} {step_ms[variant]:9.1f} ms/step")
     for figure in made:
         fig.emit(figure)
     over_dist_sync, over_limit, opt_over_dist_sync, opt_over_limit = made[:4]
