@@ -93,7 +93,7 @@ def main(argv=None) -> int:
 
     torch_ddp = ddp_bench if importlib.util.find_spec("torch") is not None else None
     ddp_args = argparse.Namespace(hidden=args.hidden, batch_size=32, steps=args.steps, warmup=2 if args.quick else 3,
-                                  quick=args.quick)
+                                  quick=args.quick, bucket_view=False)
 
     os.environ["PSLINK_STALL_SECONDS"] = "0"  # the "off" service's Aggregators inherit it
     off = Service(aggregators=2).start()
