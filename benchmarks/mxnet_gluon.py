@@ -181,13 +181,10 @@ def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from pslink.bench.launched import add_step_options, alternating, settle_step_options
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: H=512, 10 steps, 2 rounds")
-    parser.add_argument("--hidden", type=int, default=2048, help="H, the width of the hidden layers")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="steps before measuring")
-    parser.add_argument("--repeats", type=int, default=4, help="rounds: runs of each variant, alternating")
+    add_step_options(parser, hidden=2048, batch_size=32, repeats=4)
     parser.add_argument("--servers", type=int, default=2, help="dist_sync's servers (pslink has 2 Aggregators)")
     parser.add_argument("--save-weights", metavar="DIR",
                         help="no timing: run the pslink variants once and save rank 0's final weights to "
@@ -200,11 +197,9 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    if args.quick:
-        args.hidden, args.steps, args.warmup, args.repeats = 512, 10, 2, 2
-    if args.repeats < 1 or args.steps < 1 or args.servers < 1:
-        parser.error(f"--repeats, --steps and --servers must be at least 1 (got {args.repeats}, {args.steps}, "
-                     f"{args.servers})")
+    settle_step_options(parser, args)
+    if args.servers < 1:
+        parser.error(f"--servers must be at least 1 (got {args.servers})")
     os.environ.update(THREADS)
 
     from pslink.bench import figures as fig
@@ -223,15 +218,13 @@ def main(argv=None) -> int:
     medians: dict[str, list[float]] = {v: [] for v in variants}
     params = 0
     with Service(aggregators=2) as service:
-        for index in range(args.repeats):
-            # Reversed every other round: a variant's place in the round favours none of them.
-            for variant in variants if index % 2 == 0 else variants[::-1]:
-                results = run_variant(variant, args, service.address, index)
-                params = results[0]["params"]
-                median = statistics.mean(statistics.median(r["times"]) for r in results)
-                medians[variant].append(median * 1e3)
-                print(f"round {index + 1}/{args.repeats} {variant:14}: median step {median * 1e3:8.1f} ms",
-                      flush=True)
+        for index, variant in alternating(variants, args.repeats):
+            results = run_variant(variant, args, service.address, index)
+            params = results[0]["params"]
+            median = statistics.mean(statistics.median(r["times"]) for r in results)
+            medians[variant].append(median * 1e3)
+            print(f"round {index + 1}/{args.repeats} {variant:14}: median step {median * 1e3:8.1f} ms",
+                  flush=True)
 
     step_ms = {v: statistics.median(m) for v, m in medians.items()}
     what = f"gluon.Trainer step, kvstore='pslink' (summing), {params / 1e6:.1f} M parameters, 2 workers"

@@ -141,13 +141,11 @@ def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from pslink.bench.launched import add_step_options, alternating, chosen_variants, settle_step_options
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: H=512, 10 steps, 2 rounds")
-    parser.add_argument("--hidden", type=int, default=2048, help="H, the width of the two hidden layers")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (tracing, first sync)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds: runs of each variant, alternating")
+    add_step_options(parser, hidden=2048, batch_size=64, repeats=3,
+                     warmup_help="steps before measuring (tracing, first sync)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset (development)")
     parser.add_argument("--save-weights", default="", help="write rank 0's final weights to DIR/<variant>.npz")
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -157,14 +155,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    if args.quick:
-        args.hidden, args.steps, args.warmup, args.repeats = 512, 10, 2, 2
-    variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
-    if unknown or not variants:
-        parser.error(f"--variants: {sorted(unknown) or args.variants!r} not among {', '.join(VARIANTS)}")
-    if args.repeats < 1 or args.steps < 1:
-        parser.error(f"--repeats and --steps must be at least 1 (got {args.repeats}, {args.steps})")
+    settle_step_options(parser, args)
+    variants = chosen_variants(parser, args.variants, VARIANTS)
 
     from pslink.bench import figures as fig
     from pslink.core.service import Service
@@ -173,16 +165,14 @@ def main(argv=None) -> int:
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     params = 0
     with Service(aggregators=2) as service:
-        for index in range(args.repeats):
-            # Reversed every other round: a variant's place in the round favours none of them.
-            for variant in variants if index % 2 == 0 else variants[::-1]:
-                results = run_variant(variant, args, service.address, index)
-                params = results[0]["params"]
-                median = statistics.mean(statistics.median(r["times"]) for r in results)
-                ms[variant].append(median * 1e3)
-                cpu[variant].append(statistics.mean(r["cpu_ms"] for r in results))
-                print(f"round {index + 1}/{args.repeats} {variant:6}: median step {median * 1e3:8.1f} ms, "
-                      f"CPU {cpu[variant][-1]:6.1f} ms a step per worker", flush=True)
+        for index, variant in alternating(variants, args.repeats):
+            results = run_variant(variant, args, service.address, index)
+            params = results[0]["params"]
+            median = statistics.mean(statistics.median(r["times"]) for r in results)
+            ms[variant].append(median * 1e3)
+            cpu[variant].append(statistics.mean(r["cpu_ms"] for r in results))
+            print(f"round {index + 1}/{args.repeats} {variant:6}: median step {median * 1e3:8.1f} ms, "
+                  f"CPU {cpu[variant][-1]:6.1f} ms a step per worker", flush=True)
 
     step_ms = {v: statistics.median(m) for v, m in ms.items()}
     what = f"TF custom loop step, ParameterServiceStrategy, {params / 1e6:.1f} M parameters, 2 workers"

@@ -127,13 +127,11 @@ def run_variant(variant: str, args, service: str, index: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from pslink.bench.launched import add_step_options, alternating, chosen_variants, settle_step_options
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: H=512, 10 steps, 2 rounds")
-    parser.add_argument("--hidden", type=int, default=4096, help="H, the width of the hidden layers")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (DDP rebuilds its buckets)")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds: runs of each variant, alternating")
+    add_step_options(parser, hidden=4096, batch_size=32, repeats=5,
+                     warmup_help="steps before measuring (DDP rebuilds its buckets)")
     parser.add_argument("--bucket-view", action="store_true",
                         help="DDP(gradient_as_bucket_view=True) for every DDP variant: no copy of the gradients "
                              "into DDP's buckets and back")
@@ -145,14 +143,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    if args.quick:
-        args.hidden, args.steps, args.warmup, args.repeats = 512, 10, 2, 2
-    if args.repeats < 1 or args.steps < 1:
-        parser.error(f"--repeats and --steps must be at least 1 (got {args.repeats}, {args.steps})")
-    chosen = tuple(v for v in VARIANTS if v in args.variants.split(","))
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
-    if unknown or not chosen:
-        parser.error(f"--variants takes some of {', '.join(VARIANTS)}; got {args.variants!r}")
+    settle_step_options(parser, args)
+    chosen = chosen_variants(parser, args.variants, VARIANTS)
 
     from pslink.bench import figures as fig
     from pslink.core.service import Service
@@ -160,25 +152,22 @@ def main(argv=None) -> int:
     runs: dict[str, dict] = {v: {"medians": [], "cpu": [], "extra_mb": [[], []]} for v in VARIANTS}
     params = 0
     with Service(aggregators=2) as service:
-        for index in range(args.repeats):
-            # Reversed every other round: a variant's place in the round (a warmer page cache, a
-            # service that just served another job) then favours no variant over the others.
-            for variant in chosen if index % 2 == 0 else chosen[::-1]:
-                aggregators_before = aggregator_cpu()
-                results = run_variant(variant, args, service.address, index)
-                # (the whole run: its warm-up steps and joining the job too, so an upper bound)
-                aggregators = (aggregator_cpu() - aggregators_before) / (args.warmup + args.steps)
-                params = results[0]["params"]
-                median = statistics.mean(statistics.median(r["times"]) for r in results)
-                runs[variant]["medians"].append(median)
-                workers_cpu = statistics.mean(r["cpu_per_step"] for r in results)
-                runs[variant]["cpu"].append((workers_cpu, aggregators))
-                for rank, r in enumerate(results):
-                    runs[variant]["extra_mb"][rank].append(r["extra_mb"])
-                print(f"round {index + 1}/{args.repeats} {variant:7}: median step {median * 1e3:8.1f} ms, CPU per "
-                      f"step {workers_cpu * 1e3:.0f} ms a worker + {aggregators * 1e3:.0f} ms the Aggregators, extra "
-                      "memory " + ", ".join(f"rank {k} {r['extra_mb']:.0f} MB" for k, r in enumerate(results)),
-                      flush=True)
+        for index, variant in alternating(chosen, args.repeats):
+            aggregators_before = aggregator_cpu()
+            results = run_variant(variant, args, service.address, index)
+            # (the whole run: its warm-up steps and joining the job too, so an upper bound)
+            aggregators = (aggregator_cpu() - aggregators_before) / (args.warmup + args.steps)
+            params = results[0]["params"]
+            median = statistics.mean(statistics.median(r["times"]) for r in results)
+            runs[variant]["medians"].append(median)
+            workers_cpu = statistics.mean(r["cpu_per_step"] for r in results)
+            runs[variant]["cpu"].append((workers_cpu, aggregators))
+            for rank, r in enumerate(results):
+                runs[variant]["extra_mb"][rank].append(r["extra_mb"])
+            print(f"round {index + 1}/{args.repeats} {variant:7}: median step {median * 1e3:8.1f} ms, CPU per "
+                  f"step {workers_cpu * 1e3:.0f} ms a worker + {aggregators * 1e3:.0f} ms the Aggregators, extra "
+                  "memory " + ", ".join(f"rank {k} {r['extra_mb']:.0f} MB" for k, r in enumerate(results)),
+                  flush=True)
 
     if chosen != VARIANTS:
         for variant in chosen:

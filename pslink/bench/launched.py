@@ -23,6 +23,51 @@ def launch_and_collect(command: list[str], what: str, service: str, job: str, wo
         return _collected(out, workers)
 
 
+# -- the training-step benchmarks (torch_ddp, mxnet_gluon, tf_strategy) ---------------------------
+
+
+def add_step_options(parser, *, hidden: int, batch_size: int, repeats: int,
+                     warmup_help: str = "steps before measuring") -> None:
+    """The options every training-step benchmark takes: the model's width, the batch, the
+    measured and warm-up steps of a run, the rounds, and ``--quick`` (:func:`quick_form`)."""
+    parser.add_argument("--quick", action="store_true", help="smoke run: H=512, 10 steps, 2 rounds")
+    parser.add_argument("--hidden", type=int, default=hidden, help="H, the width of the hidden layers")
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="samples a step, per worker")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help=warmup_help)
+    parser.add_argument("--repeats", type=int, default=repeats, help="rounds: runs of each variant, alternating")
+
+
+def settle_step_options(parser, args) -> None:
+    """``--quick``'s form (a small model, H=512, 10 steps after 2 of warm-up, 2 rounds), then the
+    counts checked: a bad one is the parser's error, naming it."""
+    if args.quick:
+        args.hidden, args.steps, args.warmup, args.repeats = 512, 10, 2, 2
+    if args.repeats < 1 or args.steps < 1:
+        parser.error(f"--repeats and --steps must be at least 1 (got {args.repeats}, {args.steps})")
+
+
+def chosen_variants(parser, given: str, variants) -> tuple:
+    """The variants a development run's ``--variants`` names (comma-separated), in the
+    benchmark's own order; an unknown name is the parser's error."""
+    names = given.split(",")
+    chosen = tuple(v for v in variants if v in names)
+    unknown = sorted(set(names) - set(variants))
+    if unknown or not chosen:
+        parser.error(f"--variants takes some of {', '.join(variants)}; got {given!r}")
+    return chosen
+
+
+def alternating(variants, repeats: int):
+    """``(round, variant)``: every variant once a round, the order reversed every other round,
+    so that a variant's place in the round (a warmer page cache, a service that just served
+    another job) favours none of them."""
+    variants = tuple(variants)
+    for index in range(repeats):
+        for variant in variants if index % 2 == 0 else variants[::-1]:
+            yield index, variant
+
+
 # -- Horovod itself, as a baseline: built from its sdist into a directory (ENVIRONMENT.md) ---------
 
 

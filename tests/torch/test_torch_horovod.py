@@ -13,21 +13,16 @@ torch = pytest.importorskip("torch", reason="the PyTorch adapter needs torch (pi
 
 import pslink.torch as hvd  # noqa: E402
 from pslink.core.observe import timeline as pslink_timeline  # noqa: E402
-from pslink.core.transport import Transports  # noqa: E402
 from pslink.errors import ConfigError, PeerError, ShapeMismatchError  # noqa: E402
 from pslink.torch.horovod import Horovod  # noqa: E402
-from tests.helpers import on_sessions, start_cluster  # noqa: E402
+from tests.helpers import on_sessions, serving  # noqa: E402
 
 _jobs = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def service():
-    transports = Transports()
-    cluster = start_cluster("tcp", aggregators=2, transports=transports)
-    yield cluster, transports
-    cluster.stop()
-    transports.close()
+    yield from serving("tcp")
 
 
 def on_ranks(service, size: int, fn, timeout: float = 60.0) -> list:

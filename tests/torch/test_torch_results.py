@@ -10,10 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the PyTorch adapter needs torch (pip install 'pslink[torch]')")
 
-from pslink.core.transport import Transports  # noqa: E402
 from pslink.torch.horovod import Horovod  # noqa: E402
 from pslink.torch.tensors import RESULTS, ResultPool  # noqa: E402
-from tests.helpers import on_sessions, start_cluster  # noqa: E402
+from tests.helpers import on_sessions, serving  # noqa: E402
 
 MIB = 1 << 20
 _jobs = itertools.count()
@@ -57,11 +56,7 @@ def test_small_odd_dtype_and_over_the_limit_results_are_plain_torch_tensors():
 
 @pytest.fixture(scope="module")
 def service():
-    transports = Transports()
-    cluster = start_cluster("tcp", aggregators=2, transports=transports)
-    yield cluster, transports
-    cluster.stop()
-    transports.close()
+    yield from serving("tcp")
 
 
 def test_results_kept_across_calls_keep_their_values(service):
