@@ -330,9 +330,9 @@ class OutPool:
 
     TensorFlow takes a ``tf.numpy_function``'s aligned result without copying it and holds the
     array until the tensor is freed. A fresh array each step would cost its pages' first touch
-    when the Agent writes into it (measured here: 0.12-0.39 ms/MB, against 0.05 ms/MB for a copy
-    into pages already touched: ``benchmarks/tf_strategy.py --copies``), so an array nobody holds any more (its reference count says so) is
-    used again. At most :data:`KEPT` sets are kept; beyond them (TensorFlow holding results
+    when the Agent writes into it (``benchmarks/copy_costs.py``: 0.105 ms/MB at 64 MiB, against
+    0.046 for a copy into pages already touched), so an array nobody holds any more (its
+    reference count says so) is used again. At most :data:`KEPT` sets are kept; beyond them (TensorFlow holding results
     longer) fresh arrays are made."""
 
     KEPT = 3

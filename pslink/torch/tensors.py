@@ -115,7 +115,7 @@ class ResultPool:
     reused once the caller dropped every tensor, view and array of a result.
 
     A fresh result's pages are faulted in by the Agent's copy out of the ring: about 0.2-0.5 ms
-    per MiB more than that copy into memory already touched (``benchmarks/copy_costs_torch.py``).
+    per MiB more than that copy into memory already touched (``benchmarks/copy_costs.py``).
     glibc maps a buffer of more than 32 MiB anew each time, and one of 4 MiB either anew or from
     its heap depending on what the process freed before: a 4 MiB ``hvd.allreduce`` faulted in 992 of
     its result's 1024 pages on every call in some runs and none in others (issue 53). Each result
