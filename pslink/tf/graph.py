@@ -84,9 +84,7 @@ def run(what: str, call: Callable[..., Sequence[np.ndarray]], inputs: Sequence, 
         except PslinkError as exc:
             raise errors.as_tf_error(exc) from None
         return [tensors.to_tensor(r) for r in results]
-    if _internals.in_xla_context():
-        raise ConfigError(f"{what}: pslink cannot run inside an XLA-compiled function; compile without XLA "
-                          "(Keras: model.compile(..., jit_compile=False); tf.function(jit_compile=False))")
+    _refuse_xla(what)
 
     graph_ = tf.compat.v1.get_default_graph()
     token = _tokens.get(graph_)
@@ -95,27 +93,49 @@ def run(what: str, call: Callable[..., Sequence[np.ndarray]], inputs: Sequence, 
     def op(*arrays):
         if token is not None:
             arrays = arrays[1:]  # the previous call's status: only an order
-        try:
-            results = call(*arrays)
-        except PslinkError as exc:
-            errors.remember(exc)
-            if not errors.disagreement(exc):
-                raise  # TensorFlow keeps the text; ConfigError (a ValueError) arrives as InvalidArgument
-            log.error("pslink: %s", exc.message)
-            stand_ins = [tensors.zeros([d or 0 for d in (o.shape.as_list() if o.shape.rank is not None else [])],
-                                       o.dtype.as_numpy_dtype) for o in outputs]
-            return [*stand_ins, np.int32(errors.DISAGREE)]
-        return [*(tensors.aligned(np.asarray(r)) for r in results), np.int32(errors.OK)]
+        return _with_status(lambda: call(*arrays), outputs)
 
     *results, status = tf.numpy_function(op, chained, [o.dtype for o in outputs] + [tf.int32], stateful=True,
                                          name=f"pslink_{kind}")
-    checked = errors.fail_if(status, what)
+    checked, results = _checked(results, status, what, outputs)
     _tokens[graph_] = checked
+    return results
+
+
+def _refuse_xla(what: str) -> None:
+    if _internals.in_xla_context():
+        raise ConfigError(f"{what}: pslink cannot run inside an XLA-compiled function; compile without XLA "
+                          "(Keras: model.compile(..., jit_compile=False); tf.function(jit_compile=False))")
+
+
+def _with_status(results: Callable[[], Sequence[np.ndarray]], outputs: Sequence[Out],
+                 on_error: Callable[[], None] | None = None) -> list:
+    """(Inside a graph op.) ``results()`` as the op's arrays and an OK status; a disagreement
+    between ranks as zeros of the outputs' shapes and the DISAGREE status (the status op fails
+    every rank with it), any other pslink error raised (``on_error`` first, if given)."""
+    try:
+        arrays = results()
+    except PslinkError as exc:
+        if on_error is not None:
+            on_error()
+        errors.remember(exc)
+        if not errors.disagreement(exc):
+            raise  # TensorFlow keeps the text; ConfigError (a ValueError) arrives as InvalidArgument
+        log.error("pslink: %s", exc.message)
+        stand_ins = [tensors.zeros([d or 0 for d in (o.shape.as_list() if o.shape.rank is not None else [])],
+                                   o.dtype.as_numpy_dtype) for o in outputs]
+        return [*stand_ins, np.int32(errors.DISAGREE)]
+    return [*(tensors.aligned(np.asarray(r)) for r in arrays), np.int32(errors.OK)]
+
+
+def _checked(results: list, status, what: str, outputs: Sequence[Out]) -> tuple[tf.Tensor, list[tf.Tensor]]:
+    """The status op that fails the step on a bad status, and the results after it, shaped."""
+    checked = errors.fail_if(status, what)
     with tf.control_dependencies([checked]):
         results = [tf.identity(r) for r in results]
     for result, out in zip(results, outputs):
         result.set_shape(out.shape)
-    return results
+    return checked, results
 
 
 class _Started(NamedTuple):
@@ -139,9 +159,7 @@ def run_in_flight(what: str, calls: Sequence[tuple[Callable, Sequence, Sequence[
     finish: every rank starts the calls in one order, and a finish only waits for starts that
     every rank makes before any finish of theirs can block (no rank ever waits on a call another
     rank has not reached). After a finish fails, the calls still in flight are dropped."""
-    if _internals.in_xla_context():
-        raise ConfigError(f"{what}: pslink cannot run inside an XLA-compiled function; compile without XLA "
-                          "(Keras: model.compile(..., jit_compile=False); tf.function(jit_compile=False))")
+    _refuse_xla(what)
     graph_ = tf.compat.v1.get_default_graph()
     in_flight: dict[int, _Started] = {}  # by ticket, for this batch of ops
     tickets = itertools.count()
@@ -169,30 +187,19 @@ def run_in_flight(what: str, calls: Sequence[tuple[Callable, Sequence, Sequence[
     for ticket, (_, _, outputs) in zip(starts, calls):
         def finish_op(ticket, *previous, outputs=outputs):
             started = in_flight.pop(int(ticket))
-            try:
+
+            def finished():
                 if started.error is not None:
                     raise started.error
-                arrays = started.finish()
-            except PslinkError as exc:
-                in_flight.clear()  # the step fails here: what is still in flight is not waited for
-                errors.remember(exc)
-                if not errors.disagreement(exc):
-                    raise
-                log.error("pslink: %s", exc.message)
-                stand_ins = [tensors.zeros([d or 0 for d in (o.shape.as_list() if o.shape.rank is not None else [])],
-                                           o.dtype.as_numpy_dtype) for o in outputs]
-                return [*stand_ins, np.int32(errors.DISAGREE)]
-            return [*(tensors.aligned(np.asarray(r)) for r in arrays), np.int32(errors.OK)]
+                return started.finish()
+
+            # After a failure the step ends here: what is still in flight is not waited for.
+            return _with_status(finished, outputs, on_error=in_flight.clear)
 
         previous = [order] if results else []
         *outs, status = tf.numpy_function(finish_op, [ticket, *previous], [o.dtype for o in outputs] + [tf.int32],
                                           stateful=True, name=f"pslink_{kind}_finish")
-        checked = errors.fail_if(status, what)
-        order = checked
-        with tf.control_dependencies([checked]):
-            outs = [tf.identity(r) for r in outs]
-        for result, out in zip(outs, outputs):
-            result.set_shape(out.shape)
+        order, outs = _checked(outs, status, what, outputs)
         results.append(outs)
     _tokens[graph_] = order
     return results
