@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from pslink.core.agent import Agent
+from pslink.core.worker.buckets import bucket_share
 from pslink.core.worker.collectives import service_key
 from pslink.core.worker.groups import GroupAgent
 from pslink.core.worker.session import Session
@@ -297,22 +298,16 @@ class ParameterServiceStrategy(tf.distribute.MirroredStrategy):
         return type(exc)(f"{WHAT} reduction (rank {session.rank} of {session.size}): {exc.message}", **exc.details)
 
 
-LEAST_SHARE = 1 << 20  # bytes: below this, another bucket costs more in fixed costs than it overlaps
-
-
 def buckets(sizes: Sequence[int], itemsizes: Sequence[int], fusion_bytes: int) -> list[list[int]]:
     """The values of one reduction (``sizes`` elements of ``itemsizes`` bytes each, in the order
     given: a Keras optimizer's, the variables' order) as buckets of indices, the bucket of the
     last values first (backward produces the gradients of the last layers first), each bucket's
     indices in the order given (a reduction that is one bucket is one request, as before). A
-    bucket is closed once it holds a third of the total (but at least :data:`LEAST_SHARE`, and
-    at most the Agent's fusion threshold when it has one): so that two thirds of the exchange
-    can overlap backward, with few requests (pslink.torch.fusion's rule). Every worker makes the
-    same buckets."""
+    bucket is closed once it holds :func:`~pslink.core.worker.buckets.bucket_share` (a third of
+    the total, at most the Agent's fusion threshold when it has one), the same rule as
+    pslink.torch.fusion's. Every worker makes the same buckets."""
     nbytes = [n * b for n, b in zip(sizes, itemsizes)]
-    share = max(-(-sum(nbytes) // 3), LEAST_SHARE)
-    if fusion_bytes:
-        share = min(share, max(fusion_bytes, 1))
+    share = bucket_share(fusion_bytes, sum(nbytes))
     made, current, held = [], [], 0
     for i in reversed(range(len(sizes))):
         current.append(i)

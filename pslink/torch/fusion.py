@@ -7,7 +7,7 @@ its buckets. Here the buckets are fixed when the optimizer is made, the same on 
 parameters in reverse order (the order backward produces their gradients), a bucket closed when
 the next one would take it past the fusion threshold (``PSLINK_FUSION_BYTES``, the Agent's,
 16 MiB by default) or has another dtype or device, or once it holds a third of the model (but
-at least :data:`LEAST_SHARE`): a bucket is sent once its last gradient is final, so only the last
+at least ``pslink.core.worker.buckets.LEAST_SHARE``): a bucket is sent once its last gradient is final, so only the last
 one's exchange waits after backward, and a model smaller than the threshold in one bucket would
 wait for all of it (measured, 500 tensors of 8 MiB in all: 3 buckets a step 1-1.3 ms shorter
 than 1). Horovod's ``groups`` (explicit lists of parameters) and ``num_groups`` (that many
@@ -29,6 +29,7 @@ import hashlib
 
 import torch
 
+from pslink.core.worker.buckets import bucket_share
 from pslink.core.worker.collectives import service_key
 from pslink.errors import ConfigError
 
@@ -103,17 +104,6 @@ class Bucket:
     def reset(self) -> None:
         self.waiting = set(self._all)
         self.stale = False
-
-
-LEAST_SHARE = 1 << 20  # below this, more buckets cost more in fixed costs than the overlap gains
-
-
-def bucket_share(threshold: int, total: int) -> int:
-    """A bucket closes once it holds this much (or before the next gradient would take it past
-    the threshold): a third of the model's ``total`` bytes, so that two thirds of the exchange
-    overlap backward and the thirds come out about even, but never under :data:`LEAST_SHARE` nor
-    over the threshold."""
-    return min(threshold, max(-(-total // 3), LEAST_SHARE))
 
 
 def plan(params: list[torch.Tensor], names: dict, threshold: int, groups=None, num_groups: int = 0,

@@ -13,7 +13,8 @@ pytest.importorskip("tensorflow", reason="TensorFlow is not installed (CI instal
 
 import tf_harness
 
-from pslink.tf.strategy import LEAST_SHARE, buckets
+from pslink.core.worker.buckets import LEAST_SHARE
+from pslink.tf.strategy import buckets
 
 sys.path.insert(0, str(tf_harness.HERE))
 import tf_copies_worker as worker
