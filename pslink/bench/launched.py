@@ -1,4 +1,6 @@
-"""Benchmarks whose workers are processes under ``pslink launch``, each reporting to a file."""
+"""Benchmarks whose workers are processes under ``pslink launch``, each reporting to a file: the
+launch itself, the options and alternating rounds of the training-step benchmarks that run such
+workers, and Horovod's own launcher for their baseline."""
 
 from __future__ import annotations
 
