@@ -76,6 +76,10 @@ class Connection(abc.ABC):
     def close(self) -> None:
         """Close; queued output may be dropped."""
 
+    def warm(self) -> None:
+        """Make ready now what the first large payloads would (a shared-memory ring and its
+        pages), where the transport has such a thing."""
+
     def payload_in_place(self, nbytes: int) -> bool:
         """Whether a payload of ``nbytes`` sent here usually reaches the peer where a
         :class:`Lent` receiver reads it in place (a shared-memory ring): the peer can then

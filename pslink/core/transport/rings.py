@@ -190,6 +190,17 @@ class Rings:
         if flags & socket.MSG_CTRUNC:
             raise ProtocolError(f"bad frame from {self.conn.peer}: it sent more descriptors than a ring needs")
 
+    def warm(self) -> None:
+        """Make this direction's ring now, its pages in place, instead of at the first large
+        payload (a worker about to send a part to an Aggregator it never used: see
+        :meth:`pslink.core.agent.requests.Requests.warm`)."""
+        if not self.allowed:
+            return
+        with self.conn.write_lock:
+            ring = self.out if self.out is not None else self._open()
+        if ring is not None:
+            ring.populate(write=True)
+
     def open_peer(self, announcement: bytes) -> None:
         """The peer made its ring: map it (the descriptor came with this frame's bytes)."""
         peer = self.conn.peer
@@ -200,6 +211,7 @@ class Rings:
         fd = self.fds.pop(0)
         try:
             self.inp = ReceiveRing(fd, int.from_bytes(announcement, "little"), peer)
+            self.inp.populate(write=False)  # mapped once, not page by page under the first payloads
         except OSError as exc:
             raise ProtocolError(f"bad frame from {peer}: its ring cannot be mapped ({exc})") from None
         finally:

@@ -218,6 +218,10 @@ class TcpConnection(Connection):
     def payload_in_place(self, nbytes: int) -> bool:
         return self.rings is not None and self.rings.payload_in_place(nbytes)
 
+    def warm(self) -> None:
+        if self.rings is not None:
+            self.rings.warm()
+
     def write_now(self, parts: list) -> None:
         """(Write lock held.) Write what the socket takes, queue the rest."""
         if self._wq:
