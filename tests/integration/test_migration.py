@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -330,3 +331,81 @@ def test_a_placement_whose_assign_failed_leaves_nothing_on_the_aggregators_that_
         assert len(cut) == 5  # placed five times, each failed
         # (the drops went out before the last lookup's answer; the Aggregators carry them out on their threads)
         wait_until(lambda: not any(holdings("half-placed").values()), 10, "the Aggregators to drop the placements")
+
+
+@pytest.mark.parametrize("kind", ["tcp", "inproc"])
+def test_a_followed_move_hands_over_without_the_state_and_the_weights_stay_bit_for_bit(kind, transports):
+    """Parts large enough to follow (512 KiB): the target gets a seed and each round's sum while
+    the job trains, the hand-over carries none of the state, and the weights (momentum SGD) are
+    those of a job never moved, bit for bit."""
+    from pslink.core.aggregator.moves import MIN_FOLLOW_BYTES
+
+    part_bytes = 2 * MIN_FOLLOW_BYTES
+    n, workers, rounds, migrated_at = 4 * part_bytes // 4, 2, 24, 6  # 4 parts
+    settings = {"type": "sgd", "lr": 0.01, "momentum": 0.9}
+
+    def train(migrate):
+        service = start_cluster(kind, aggregators=3, transports=transports)
+        master = service.master
+        both_past = threading.Barrier(workers, timeout=30)
+        agents = {}
+
+        def worker(rank):
+            agent = agents[rank] = pslink.connect("followed", rank, workers, master=service.address,
+                                                  transports=transports, partition_bytes=part_bytes, servers=2,
+                                                  optimizer=settings, timeout=30)
+            try:
+                w = np.full(n, 0.5, np.float32)
+                agent.init("w", w).wait()
+                for r in range(1, rounds + 1):
+                    if r == migrated_at and migrate:
+                        both_past.wait()
+                        if rank == 0:
+                            master.migrate(master.tasks_of("followed"), "agg-2", "test")
+                    agent.pushpull("w", contribution(rank, r, n) / 100, out=w).wait()
+                return w.copy(), agent.key_info("w")["parts"]
+            finally:
+                agent.close()
+
+        try:
+            results = run_workers(workers, worker)
+            if migrate:
+                wait_until(lambda: master.migrations_done >= 1 and master.mover.core.idle(), 20, "migrations to finish")
+            handed = sum((a.copies.handed_over for a in service.provider.aggregators.values()), Counter())
+        finally:
+            service.stop()
+        return results, handed
+
+    moved, handed = train(True)
+    still, _ = train(False)
+    assert {p[3] for p in moved[0][1]} == {"agg-2"}
+    assert handed == {"follower": 4}  # every part handed over without its state
+    for rank in range(workers):
+        assert moved[rank][0].tobytes() == still[rank][0].tobytes()
+
+
+def test_a_worker_told_of_a_move_connects_ahead_with_both_rings_ready(transports):
+    """What a reply naming a part's next place (``next``, or ``moved``) makes an Agent do once no
+    request is in flight: connect to that Aggregator and have both directions' shared-memory
+    rings made before any payload (the Aggregator makes its own on the worker's ``warm`` PING)."""
+    service = start_cluster("tcp", aggregators=2, transports=transports)
+    agent = pslink.connect("ahead", 0, 1, master=service.address, transports=transports, timeout=30)
+    try:
+        agent.init("w", np.zeros(1 << 18, np.float32)).wait()
+        placed = agent.key_info("w")["parts"][0][3]
+        other = next(n for n in service.provider.aggregators if n != placed)
+        requests = agent._requests
+        requests.warm(other, service.provider.aggregators[other].address)
+        assert other in requests.to_warm and other not in requests.links  # nothing yet: a round may be under way
+        requests.warm_now()
+        wait_until(lambda: other in requests._warmed, 10, "the connection made ahead")
+        conn = requests.links[other].conn
+        if conn.rings is None or not conn.rings.allowed:
+            pytest.skip("this machine's connections have no shared-memory rings (PSLINK_SHM=0, or not Linux)")
+        assert conn.rings.out is not None  # this side's ring, made before any payload
+        wait_until(lambda: conn.rings.inp is not None, 10, "the Aggregator's ring back")
+        requests.warm(other, service.provider.aggregators[other].address)
+        assert other not in requests.to_warm  # made ready once
+    finally:
+        agent.close()
+        service.stop()

@@ -481,7 +481,7 @@ def test_asp_keeps_a_value_that_a_queued_reply_still_reads():
 
 # -- live migration (AutoPS Appendix B) ------------------------------------------------------------
 
-from pslink.core.aggregator.tasks import CopyOut, Reply, WorkerDone  # noqa: E402
+from pslink.core.aggregator.tasks import CopyOut, Follow, Reply, WorkerDone  # noqa: E402
 from pslink.errors import MovedError  # noqa: E402
 
 TARGET = ("agg-new", "tcp://127.0.0.1:9999")
@@ -496,6 +496,26 @@ def migrate(c: Cluster, force=False):
     target.assign(info, [spec(key=t.key, shape=t.shape, needs_init=t.needs_init, incoming=True)])
     outputs = c.core.moves.begin_migration((t.job.job, t.key, t.part), TARGET, force=force)
     return target, outputs
+
+
+def follow_through(source: AggregatorCore, target: AggregatorCore, outputs: list) -> list:
+    """Deliver what goes to a move's follower, in order, as the shell does once the source is
+    quiet (its seed taken then), and confirm it to the source; returns the other outputs."""
+    rest = []
+    for out in outputs:
+        if not isinstance(out, Follow):
+            rest.append(out)
+            continue
+        ident = (out.task.job.job, out.task.key, out.task.part)
+        if out.kind == "seed":
+            out = source.moves.seed(ident)
+            if out is None:
+                continue
+        task = target.tasks[ident]
+        arrays = [a.copy() for a in out.arrays]
+        (target.moves.seeded if out.kind == "seed" else target.moves.follow)(task, out.state, arrays)
+        source.moves.followed(ident, out.round, None)
+    return rest
 
 
 def copy(out: CopyOut, target: AggregatorCore) -> list:

@@ -31,6 +31,8 @@ from pslink.core.wire.protocol import STATE_OPS, Limits, Op, decode, encode
 from pslink.errors import FencedError, MovedError, ProtocolError, PslinkError, error_from_code
 
 log = logging.getLogger("pslink.core.agent")
+WARM_AFTER = 0.02  # seconds after a worker's last answer of a round before it connects ahead
+
 _REPLY, _ERROR, _PONG, _STATE_GET, _FUSED = Op.REPLY, Op.ERROR, Op.PONG, Op.STATE_GET, Op.FUSED
 
 
@@ -48,6 +50,7 @@ class Replies:
         self.timeline = timeline  # the Agent's, as it starts and stops recording
         self.epoch = epoch  # the job's membership epoch, as replies last said
         self.dropped_pushes = 0  # pushes that came after their round closed without them (stragglers')
+        self._warm_due = False  # connecting ahead (Requests.warm) waits for a quiet moment
 
     def on_header(self, conn, raw, sizes):
         try:
@@ -110,6 +113,11 @@ class Replies:
             link.ping_sent = None
             if link.outbox:  # an answer came: what waited for one to fuse with goes now
                 self.requests.flush_link(link)
+        if self.requests.to_warm and not self.requests.pending and not self._warm_due:
+            # The worker's round is over: connect ahead while it computes (a moment later: the
+            # other workers' last answers of the round may still be on their way).
+            self._warm_due = True
+            self.reactor.call_later(WARM_AFTER, self._warm_if_quiet)
 
     def _message(self, conn, state, payloads) -> None:
         header, error, lend = state
@@ -151,6 +159,9 @@ class Replies:
             moved = get("moved")
             if moved:
                 self._moved(request, {"agg": moved[0], "address": moved[1]})
+            coming = moved or get("next")  # the part moves there now, or soon: connect ahead
+            if coming and isinstance(coming[0], str) and isinstance(coming[1], str):
+                self.requests.warm(coming[0], coming[1])
             if request.average and not get("avg"):
                 # An Aggregator averages a synchronous sum itself, once for every worker, unless
                 # the sum comes through shared memory: then it is divided on its way in.
@@ -160,6 +171,12 @@ class Replies:
                 elif n > 1:
                     np.divide(request.array, n, out=request.array)
         self.handles.complete(request.handle, error)
+
+    def _warm_if_quiet(self) -> None:
+        self._warm_due = False
+        if not self.requests.pending:
+            self.requests.warm_now()
+        # else: the next time nothing is in flight
 
     def _fenced(self, rid: int, request: PartRequest, error: FencedError) -> None:
         """The Aggregator's lease ran out, or it holds only a replica: pMaster says where the

@@ -7,14 +7,15 @@ this object carries it over the network for the process shell.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Callable
 
 import numpy as np
 
 from pslink.core.aggregator.core import AggregatorCore
-from pslink.core.aggregator.tasks import CopyOut, Replicate, Task
-from pslink.core.aggregator.moves import copy_delay
+from pslink.core.aggregator.tasks import CopyOut, Follow, Replicate, Task
+from pslink.core.aggregator.moves import MAX_COPY_IDLE_WAIT, copy_delay, seed_delay, state_checksum
 from pslink.core.aggregator.table_task import check_layout
 from pslink.core.faults import Faults
 from pslink.core.transport import DISCARD, Connection, Transports
@@ -24,6 +25,10 @@ from pslink.core.wire.protocol import Limits, Op, dtype_of, encode, encode_error
 from pslink.errors import KeyStateError, ProtocolError, PslinkError, UnknownJobError
 
 log = logging.getLogger("pslink.core.aggregator.process")
+
+
+def _error(error) -> PslinkError:
+    return error if isinstance(error, PslinkError) else KeyStateError(str(error))
 
 
 class Arriving:
@@ -47,6 +52,19 @@ class Rejected:
         self.error = error
 
 
+class FollowStream:
+    """What goes to one part's follower, in order, once the Aggregator falls quiet: its seed,
+    each round's sum, and last the hand-over (a TENSOR_COPY each, on one connection)."""
+
+    __slots__ = ("items", "due", "seeding")
+
+    def __init__(self):
+        self.items: list[Follow | CopyOut] = []
+        self.due = False  # a flush is waiting for the Aggregator to fall quiet
+        self.seeding = False  # its seed waits its turn, or is on its way: the rest waits behind it
+
+
+SEED_BYTES_PER_SECOND = 100e6  # what a seed's pace is taken to be before one was measured
 NOT_READY_RETRIES = 20  # REPLICATEs a replica refuses as "not mine (yet)" before the pause grows
 NOT_READY_PAUSE = 0.1  # seconds before the round goes to it again
 NOT_READY_SLOW_PAUSE = 1.0  # ... once it refused NOT_READY_RETRIES times (pMaster is slow to tell it)
@@ -71,6 +89,16 @@ class Copies:
         self._peer_by_address: dict[str, RpcPeer] = {}
         self._not_ready: dict[tuple, int] = {}  # (part, replica) -> REPLICATEs it refused as not its yet
         self._catch_up_due: set[tuple] = set()  # parts whose round goes again to such a replica soon
+        self._follows: dict[tuple, FollowStream] = {}  # parts whose move's target follows them
+        self._seeds: collections.deque = collections.deque()  # parts whose seed waits its turn
+        self._seeding: tuple | None = None  # the part whose seed is on its way
+        self._seeds_due = False  # the next seed waits for a quiet moment
+        # Seconds a seed took to land per byte of state, smoothed; at first a rate that a loaded
+        # two-core host reaches (a seed is copied, sent, received and taken in: four passes).
+        self._seed_pace = 1 / SEED_BYTES_PER_SECOND
+        # Hand-overs sent, by what the target held: "follower", "replica", or nothing ("whole");
+        # "refused": one the target found different (then sent whole). For status and tests.
+        self.handed_over: collections.Counter = collections.Counter()
 
     def header(self, header: dict, sizes: tuple[int, ...]):
         """A TENSOR_COPY from the task's old Aggregator: receive its arrays straight into place."""
@@ -101,8 +129,15 @@ class Copies:
 
     def install(self, conn: Connection, copy: "Arriving") -> None:
         try:
+            state = copy.header["state"]
             if copy.header["op"] == Op.REPLICATE:
-                self.core.moves.replica_update(copy.header, copy.header["state"], copy.arrays)
+                self.core.moves.replica_update(copy.header, state, copy.arrays)
+                outputs = []
+            elif state.get("follow") is not None:
+                self.core.moves.follow(copy.task, state, copy.arrays)
+                outputs = []
+            elif state.get("seed"):
+                self.core.moves.seeded(copy.task, state, copy.arrays)
                 outputs = []
             elif copy.header.get("from_replica") and not copy.task.incoming:
                 # The dead source's own copy landed first (it has as much as a replica, or more):
@@ -120,17 +155,139 @@ class Copies:
         """Send a migration's copy once this Aggregator fell quiet (the job's workers compute)
         or its ``idle_wait`` is up (:func:`~pslink.core.aggregator.moves.copy_delay`). A job with no
         pause between iterations gets its copy then, before its workers come round to the
-        task again."""
-        deadline = self.clock() + out.idle_wait
+        task again. A copy for a target that follows the part goes behind what it still has to
+        receive (:meth:`follow`)."""
+        task = out.task
+        if out.held is not None or (task.job.job, task.key, task.part) in self._follows:
+            self.follow(out)
+            return
+        self._when_quiet(out.idle_wait, lambda: self.send(out, self.retries))
+
+    def _when_quiet(self, idle_wait: float, then: Callable[[], None]) -> None:
+        deadline = self.clock() + idle_wait
 
         def when_quiet():
-            wait = copy_delay(self.clock(), self.last_message(), deadline, out.idle_wait)
+            wait = copy_delay(self.clock(), self.last_message(), deadline, idle_wait)
             if wait > 0:
                 self.reactor.call_later(wait, when_quiet)
             else:
-                self.send(out, self.retries)
+                then()
 
         when_quiet()
+
+    def follow(self, out: Follow | CopyOut) -> None:
+        """Queue what goes to a part's follower. Seeds go one at a time for the whole Aggregator,
+        each while it is quiet and the job's workers are not due back before it lands
+        (:meth:`_pump_seeds`); what follows a part's seed (its rounds' sums, then the hand-over)
+        goes in order once the Aggregator falls quiet, or at its ``idle_wait``."""
+        task = out.task
+        ident = (task.job.job, task.key, task.part)
+        stream = self._follows.get(ident)
+        if stream is None:
+            stream = self._follows[ident] = FollowStream()
+        if isinstance(out, Follow) and out.kind == "seed":
+            stream.seeding = True
+            self._seeds.append(ident)
+            self._pump_seeds()
+            return
+        stream.items.append(out)
+        if isinstance(out, CopyOut) and stream.seeding:
+            stream.seeding = False  # handed over before its seed went (forced): the seed is moot
+        if not stream.due and not stream.seeding:
+            stream.due = True
+            wait = out.idle_wait if isinstance(out, CopyOut) else \
+                min(MAX_COPY_IDLE_WAIT, task.round_gap / 2) if task.round_gap else 0.0
+            self._when_quiet(wait, lambda: self._flush(ident))
+
+    def _flush(self, ident: tuple) -> None:
+        stream = self._follows.get(ident)
+        if stream is None:
+            return
+        items, stream.items, stream.due = stream.items, [], False
+        for out in items:
+            if isinstance(out, CopyOut):  # the hand-over: the last of the stream
+                del self._follows[ident]
+                if out.held is not None:
+                    out.state["checksum"] = state_checksum(out.held)
+                self.send(out, self.retries)
+                return
+            self._send_follow(ident, out)
+        task = self.core.tasks.get(ident)
+        if not stream.seeding and (task is None or task.follower is None and task.migrate_to is None):
+            del self._follows[ident]  # the move is off (its target gone, its job ended)
+
+    def _pump_seeds(self) -> None:
+        """Send the next seed, if none is on its way and the Aggregator may: a seed is the bulk of
+        a move's bytes (a part's whole state), and a decision may move a whole job at once, so
+        they go one after another while the workers compute, never into their exchange."""
+        if self._seeding is not None or self._seeds_due:
+            return
+        while self._seeds:
+            ident = self._seeds[0]
+            task = self.core.tasks.get(ident)
+            stream = self._follows.get(ident)
+            if task is None or stream is None or not stream.seeding:
+                self._seeds.popleft()  # gone, or handed over meanwhile
+                continue
+            takes = self._seed_pace * task.nbytes * (2 if task.job.optimizer is not None else 1)
+            wait = seed_delay(self.clock(), self.last_message(), task.last_opened, task.round_gap, takes)
+            if wait > 0:
+                self._seeds_due = True
+                self.reactor.call_later(wait, self._seeds_later)
+                return
+            self._seeds.popleft()
+            out = self.core.moves.seed(ident)  # taken now: the state as it is once quiet
+            if out is None:
+                self._seeded(ident, None)
+                continue
+            self._seeding = ident
+            nbytes = sum(a.nbytes for a in out.arrays)
+            self._send_follow(ident, out, then=lambda started=self.clock(): self._seeded(ident, started, nbytes))
+            return
+
+    def _seeds_later(self) -> None:
+        self._seeds_due = False
+        self._pump_seeds()
+
+    def _seeded(self, ident: tuple, started: float | None, nbytes: int = 0) -> None:
+        """A part's seed landed (or was not taken): what queued behind it goes, then the next seed."""
+        if started is not None and nbytes:
+            self._seed_pace = 0.5 * (self._seed_pace + (self.clock() - started) / nbytes)
+        if self._seeding == ident:
+            self._seeding = None
+        stream = self._follows.get(ident)
+        if stream is not None:
+            stream.seeding = False
+            if stream.items and not stream.due:
+                stream.due = True
+                task = stream.items[0].task
+                wait = min(MAX_COPY_IDLE_WAIT, task.round_gap / 2) if task.round_gap else 0.0
+                self._when_quiet(wait, lambda: self._flush(ident))
+            elif not stream.items:
+                task = self.core.tasks.get(ident)
+                if task is None or task.follower is None and task.migrate_to is None:
+                    del self._follows[ident]
+        self._pump_seeds()
+
+    def _send_follow(self, ident: tuple, out: Follow, then: Callable[[], None] | None = None) -> None:
+        task = out.task
+
+        def confirmed(result, error):
+            if error is not None:
+                log.warning("aggregator %s: the target %s of %s's move stopped following it (%s); the whole state "
+                            "goes at the hand-over", self.name(), out.target[0], task.name, error)
+            self.core.moves.followed(ident, out.round, None if error is None else _error(error))
+            if then is not None:
+                then()
+
+        try:
+            peer = self.peer(out.target[1])
+        except PslinkError as exc:
+            confirmed(None, exc)
+            return
+        peer.call(Op.TENSOR_COPY, confirmed, timeout=60.0, payloads=out.arrays, job=task.job.job, tok=task.job.token,
+                  rank=0, key=task.key, part=task.part, rnd=out.round, dtype=task.dtype_name, shape=list(task.shape),
+                  span=list(task.span), state=out.state)
 
     def send(self, out: CopyOut, retries: int, done=None) -> None:
         """TENSOR_COPY to the migration's target, retried; then tell pMaster, or ``done(error)``
@@ -141,7 +298,17 @@ class Copies:
             self.faults.copying()  # kill=NAME@copy: dies having handed the part over
 
         def copied(result, error):
-            if error is None and done is not None:
+            if error is None and not out.from_replica:
+                self.handed_over[out.state.get("follower") or "whole"] += 1
+            if error is not None and out.whole is not None:
+                # The target's followed state (or replica) was not the source's: send every array.
+                self.handed_over["refused"] += 1
+                log.warning("aggregator %s: %s's hand-over to %s without its state was refused (%s); sending the "
+                            "whole state", self.name(), task.name, out.target[0], error)
+                out.state, out.arrays = out.whole
+                out.held = out.held_names = out.whole = None
+                self.send(out, retries, done)
+            elif error is None and done is not None:
                 done(None)
             elif error is None:
                 self.core.moves.copy_done(ident)

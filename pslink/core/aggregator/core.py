@@ -41,6 +41,7 @@ from pslink.core.aggregator import failures, reports
 from pslink.core.aggregator.tasks import (
     DEFAULT_MAX_AHEAD,
     MAX_BEFORE_INIT,
+    WARM_BUFFERS,
     CloseLater,
     JobState,
     Reply,
@@ -56,7 +57,6 @@ from pslink.errors import (AuthError, ClosedError, KeyStateError, MembershipErro
                            ShapeMismatchError, UnknownJobError, error_from_code, error_to_wire)
 
 MAX_MISSED = 8  # straggler-closed rounds remembered per task, to mark their late pushes as dropped
-WARM_BUFFERS = 2  # a task's pool in steady state: a round's sum and the push being added to it
 
 
 class AggregatorCore:
@@ -74,7 +74,8 @@ class AggregatorCore:
         self.replicas: dict[tuple[str, Any, int], dict] = {}  # parts held for another Aggregator
         self.moves = Moves(tasks=self.tasks, moved=self.moved, replicas=self.replicas, jobs=self.jobs,
                            summer=self.summer, max_ahead=max_ahead, clock=self.clock, name=lambda: self.name,
-                           serve=self.handle, release=self._release, close_ready=self._close_ready, pull=self._pull)
+                           serve=self.handle, release=self._release, close_ready=self._close_ready, pull=self._pull,
+                           apply=self._apply)
 
     # -- control (from pMaster) ---------------------------------------------------------------
 
@@ -142,7 +143,8 @@ class AggregatorCore:
             task = self.tasks.get(ident)
             if task is None:
                 task = self.tasks[ident] = new_task(job, spec, self.summer, self.max_ahead, self.clock)
-                if task.incoming:
+                if task.incoming and not self.moves.followable(task):
+                    # (a followed part's buffers are warmed when its seed lands, as the job computes)
                     task.pool.warm(WARM_BUFFERS)
             elif "replicas" in spec:
                 replicas = [tuple(r) for r in spec["replicas"]]
@@ -469,6 +471,8 @@ class AggregatorCore:
             if task.last_opened is not None:
                 task.round_gap = round_.opened - task.last_opened
             task.last_opened = round_.opened
+            if task.follower is not None:  # a move's target follows: the round's sum goes to it too
+                replies += self.moves.forward(task, round_, nxt)
             self._apply(task, round_, nxt)
             task.closed = nxt
             task.rebase = False  # the job's rounds go on here now
@@ -478,6 +482,8 @@ class AggregatorCore:
             task.closed_epoch = task.job.membership.epoch
             if task.job.checkpoint and nxt % task.job.checkpoint_every == 0 and task.keeps_state:
                 replies += self.moves.checkpoint(task)
+            if task.follower is not None:
+                self.moves.hand_over_when_ready(task)  # before the answers: they tell the new place
             if task.replicas:
                 # Nothing of this round is answered before its replicas have it (replicated()).
                 return replies + self.moves.replicate(task)
@@ -558,6 +564,8 @@ class AggregatorCore:
         # the answer still comes from here but carries the new place.
         reply = Reply(req.origin, req.id, round=task.closed, n=task.last_n, payload=task.value,
                       moved=task.moved_to, epoch=task.closed_epoch)
+        if task.follower is not None and task.moved_to is None:
+            reply.next = task.follower.target  # (a worker connects ahead while the target follows)
         if task.table is not None:
             reply.payload = task.rows_for(req)
         elif task.value is not None:

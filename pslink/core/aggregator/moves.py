@@ -6,6 +6,8 @@ joining a running job (JOIN). The :class:`~pslink.core.aggregator.core.Aggregato
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from typing import Callable
 
 import numpy as np
@@ -13,11 +15,69 @@ import numpy as np
 from pslink.core.membership import TaskMembers
 from pslink.core.wire.protocol import Op
 from pslink.core.aggregator.table_task import new_task
-from pslink.core.aggregator.tasks import (Checkpoint, CopyOut, JobState, Replicate, Reply, Request, Summer, Task,
-                                          moved_error)
+from pslink.core.aggregator.tasks import (WARM_BUFFERS, Checkpoint, CopyOut, Follow, JobState, Replicate, Reply,
+                                          Request, Summer, Task, _Round, moved_error)
 from pslink.errors import KeyStateError, MembershipError, ProtocolError, PslinkError, error_from_code, error_to_wire
 
+SEED_MARGIN = 0.01  # seconds a seed keeps clear of the workers' expected return, beyond its own time
+
+
+def seed_delay(now: float, last_message: float, last_opened: float | None, round_gap: float | None,
+               seed_takes: float) -> float:
+    """How long the next seed of a move should still wait; 0: send it now. It goes once the
+    Aggregator heard nothing for a quarter of the part's iteration (``round_gap``: the workers
+    compute, as :func:`copy_delay` reads it), and only if it would land (``seed_takes``: how long
+    it should take, at the pace of the last ones) before the part's next round is due to open
+    (``last_opened + round_gap``); else after that round. A part whose pace is not known yet, or
+    whose workers are a quarter iteration late for their round (paused), does not wait for it.
+    Pure, for the Aggregator shell."""
+    if not round_gap:
+        return 0.0
+    idle_wait = min(MAX_COPY_IDLE_WAIT, round_gap / 2)
+    quiet = copy_delay(now, last_message, float("inf"), idle_wait)
+    if quiet > 0:
+        return quiet
+    if last_opened is None or seed_takes > round_gap / 2:
+        return 0.0  # (a seed longer than half an iteration cannot keep clear of the round anyway)
+    due = last_opened + round_gap
+    if now + seed_takes + SEED_MARGIN <= due or now > due + idle_wait:
+        return 0.0  # it lands before the round, or the workers are late past it (paused, slower)
+    return due + idle_wait - now  # after that round's start: quiet is looked for again then
+
+
+def state_checksum(arrays) -> int:
+    """A checksum of a part's state arrays (CRC-32 of their bytes, in order): a hand-over that
+    leaves them out checks the target holds the very same."""
+    crc = 0
+    for array in arrays:
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"), crc)
+    return crc
+
+
 MAX_COPY_IDLE_WAIT = 1.0  # seconds a migration's copy waits at most for its Aggregator to fall idle
+# Rounds a move's target may lag behind the part before the move gives following up and copies
+# the whole state at a round's end (a link too slow to carry a round's sum per round).
+MAX_FOLLOW_BEHIND = 4
+MIN_FOLLOW_BYTES = 256 << 10  # smaller parts move whole at a round's end (their copy is milliseconds)
+
+
+@dataclasses.dataclass
+class Follower:
+    """A move's target on its way to holding the part (source side). It gets the state of a
+    closed round (the seed, taken when this Aggregator falls quiet), then each later round's
+    sum, which it applies as this Aggregator does; the part is handed over at the end of a round
+    once the target confirmed the round before, so the hand-over carries no state, only the
+    routing (and the target has the round's sum before the workers come round again)."""
+
+    target: tuple[str, str]
+    seeded: int | None = None  # the closed round the seed carries (None: not taken yet)
+    confirmed: int | None = None  # the last round the target confirmed it holds
+    failed: str | None = None  # why the target stopped following: the whole state goes at the hand-over
+
+    def ready(self, closed: int) -> bool:
+        """Whether the part may be handed over at the end of round ``closed``: its sum is on the
+        way to the target, behind every round the target confirmed."""
+        return self.confirmed is not None and self.confirmed >= closed - 1
 
 
 def copy_delay(now: float, last_message: float, deadline: float, idle_wait: float) -> float:
@@ -44,7 +104,7 @@ class Moves:
                  jobs: dict[str, JobState], summer: Summer, max_ahead: int, clock: Callable[[], float],
                  name: Callable[[], str], serve: Callable[[Task, Request], list],
                  release: Callable[[Task, int], list], close_ready: Callable[[Task], list],
-                 pull: Callable[[Task, Request], list]):
+                 pull: Callable[[Task, Request], list], apply: Callable[[Task, _Round, int], None]):
         self.tasks, self.moved, self.replicas, self.jobs = tasks, moved, replicas, jobs
         # part -> the replicas it went on without (unreachable): told to pMaster with every
         # heartbeat until it names the part's replicas again (it counts them until then)
@@ -52,6 +112,7 @@ class Moves:
         self.summer, self.max_ahead, self.clock = summer, max_ahead, clock
         self._name = name
         self.serve, self.release, self.close_ready, self.pull = serve, release, close_ready, pull
+        self.apply = apply  # a round's sum into the part's state (the core's own step)
 
     @property
     def name(self) -> str:
@@ -134,9 +195,21 @@ class Moves:
             return []
         if task.incoming:
             raise KeyStateError(f"{task.name} is still arriving here; it cannot move on yet")
-        task.migrate_to = tuple(target)
+        target = tuple(target)
         if force or task.job.sync == "asp" or not task.initialized:
+            task.migrate_to = target
             return self.snapshot(task)
+        if task.follower is not None and task.follower.target == target:
+            return []  # (a repeated order) it follows already
+        task.follower = None  # moved again before the hand-over: the new target follows instead
+        if target[0] in {name for name, _ in task.replicas}:
+            # The target holds a replica, which has every round before its answers: a promotion.
+            task.migrate_to = target
+        elif task.rebase or task.poisoned is not None or not self.followable(task):
+            task.migrate_to = target  # the whole state goes at the round's end
+        else:
+            task.follower = Follower(target)
+            return [Follow(task, target, "seed")]
         return []
 
     def begin_migrations(self, req: dict) -> tuple[list, list]:
@@ -185,12 +258,70 @@ class Moves:
         if state.get("poisoned") and task.poisoned is None:
             task.poisoned = error_from_code(*state["poisoned"])
 
+    # -- a move's target follows the part before the hand-over (source side) ---------------------
+
+    @staticmethod
+    def followable(task: Task) -> bool:
+        """Whether a move of the part makes its target follow it (source and target agree on it).
+        A small part's whole state crosses in a few ms even at 1 Gbit/s (following it would take
+        rounds longer). A table's shard cannot be followed from its rounds alone: reads add rows
+        and touch them (eviction goes by those times)."""
+        return task.table is None and task.nbytes >= MIN_FOLLOW_BYTES
+
+    def seed(self, ident: tuple) -> Follow | None:
+        """The state of the last closed round for the part's follower, taken now (copies: the next
+        round steps it in place); None if the part no longer has one waiting for its seed."""
+        task = self.tasks.get(ident)
+        follower = task.follower if task is not None else None
+        if follower is None or follower.seeded is not None or follower.failed or task.moved_to is not None:
+            return None
+        state, arrays = self._export(task, open_rounds=False)
+        follower.seeded = task.closed
+        return Follow(task, follower.target, "seed", task.closed, dict(state, seed=True), [a.copy() for a in arrays])
+
+    def forward(self, task: Task, round_: _Round, number: int) -> list:
+        """Round ``number`` closes here (before it is applied): its sum goes to the follower, which
+        applies it as this Aggregator is about to."""
+        follower = task.follower
+        if follower is None or follower.seeded is None or follower.failed or number <= follower.seeded:
+            return []
+        confirmed = follower.confirmed if follower.confirmed is not None else follower.seeded
+        if number - confirmed > MAX_FOLLOW_BEHIND:
+            follower.failed = f"it fell {MAX_FOLLOW_BEHIND} rounds behind"
+            return []
+        # The optimizer may scale the sum in place; a sum-mode round's sum is kept as it is.
+        acc = round_.acc.copy() if task.job.optimizes(task.key, number) else round_.acc
+        names, arrays = ["sum"], [acc]
+        state = {"follow": number, "contributors": sorted(round_.contributors), "epoch": task.job.membership.epoch,
+                 "arrays": names, "layout": [[a.dtype.name, int(a.size)] for a in arrays]}
+        return [Follow(task, follower.target, "round", number, state, arrays)]
+
+    def followed(self, ident: tuple, round_: int, error: PslinkError | None) -> None:
+        """The follower confirmed it holds round ``round_`` (a seed's or a sum's), or refused it."""
+        task = self.tasks.get(ident)
+        follower = task.follower if task is not None else None
+        if follower is None:
+            return
+        if error is not None:
+            follower.failed = follower.failed or error.message
+        else:
+            follower.confirmed = max(round_, follower.confirmed if follower.confirmed is not None else round_)
+
+    def hand_over_when_ready(self, task: Task) -> None:
+        """Round ``task.closed`` closed: hand the part over at its end if the follower is at most
+        this round behind (or it stopped following: then the whole state goes)."""
+        follower = task.follower
+        if follower is not None and task.migrate_to is None and (follower.failed or follower.ready(task.closed)):
+            task.migrate_to = follower.target
+
     def snapshot(self, task: Task, at_round_end: bool = False) -> list:
         """Hand the task over: its state goes to the target in a copy, and whoever waits here
         is sent there. At the end of a round the copy may wait, up to half the time the workers
         take to come round again, for this Aggregator to fall idle: sent at once it competes for
         the CPU and the sockets with the job's other keys of the same iteration, which the job
-        waits for (during compute the copy costs the job nothing)."""
+        waits for (during compute the copy costs the job nothing). A target that follows the part,
+        or holds a replica of it, has its state already: the copy carries only the open rounds'
+        sums and what names the state, with a checksum of the arrays it leaves out."""
         state, arrays = self._export(task)
         task.moved_to = task.migrate_to
         # Whoever still waits here must ask the new place (their pushes travel in the copy).
@@ -200,7 +331,29 @@ class Moves:
         task.before_init, task.pulls, task.acks = [], {}, {}
         idle_wait = min(MAX_COPY_IDLE_WAIT, task.round_gap / 2) if at_round_end and task.round_gap else 0.0
         copy = CopyOut(task, task.moved_to, state, arrays, idle_wait=max(0.0, idle_wait))
+        holder = self._holder(task)
+        if holder is not None:
+            sent = [i for i, name in enumerate(state["arrays"]) if name.startswith("round:")]
+            held = [i for i in range(len(arrays)) if i not in sent]
+            copy.held, copy.held_names = [arrays[i] for i in held], [state["arrays"][i] for i in held]
+            copy.state = dict(state, arrays=[state["arrays"][i] for i in sent], follower=holder, held=copy.held_names,
+                              layout=[[arrays[i].dtype.name, int(arrays[i].size)] for i in sent])
+            copy.arrays = [arrays[i] for i in sent]
+            copy.whole = (state, arrays)
+        task.follower = None
         return [copy] + [Reply(r.origin, r.id, error=moved) for r in waiting]
+
+    @staticmethod
+    def _holder(task: Task) -> str | None:
+        """Where the target holds the part's state already: ``"follower"`` (every round up to
+        the hand-over is on its way to it, in order), ``"replica"``, or None."""
+        follower = task.follower
+        if follower is not None and follower.target == task.moved_to and follower.seeded is not None \
+                and not follower.failed:
+            return "follower"
+        if task.moved_to[0] in {name for name, _ in task.replicas} and task.replicating is None:
+            return "replica"
+        return None
 
     def copy_done(self, ident: tuple) -> None:
         """The new Aggregator has the state: forget the task, keep a forwarding address."""
@@ -209,14 +362,71 @@ class Moves:
             self.moved[ident] = task.moved_to
 
     def install(self, task: Task, state: dict, arrays: list[np.ndarray]) -> list:
-        """TENSOR_COPY arrived: take the state over, then serve what waited for it."""
+        """TENSOR_COPY arrived: take the state over, then serve what waited for it. A copy that
+        names a ``follower`` or ``replica`` holder carries only the open rounds: the rest is what
+        this Aggregator holds already, if it is the round the copy names, bit for bit."""
         if not task.incoming:
             raise KeyStateError(f"{task.name} is not waiting for a copy here")
+        if state.get("follower") is not None:
+            held = self._held_state(task, state)
+            state = dict(state, arrays=[*held, *state["arrays"]])
+            arrays = [*held.values(), *arrays]
         self._import(task, state, arrays)
+        task.following = None
         self.replicas.pop((task.job.job, task.key, task.part), None)  # it serves the part now
         task.incoming = False
         task.seen = set()
         return self._serve_waiting(task)
+
+    def _held_state(self, task: Task, state: dict) -> dict[str, np.ndarray]:
+        """The arrays a hand-over leaves out (``state["follower"]``: their names and checksum),
+        from what this Aggregator holds of the part: its followed state or its replica. Refused
+        (the source then sends every array) unless they are of the hand-over's round and match."""
+        ident = (task.job.job, task.key, task.part)
+        holder, names = state["follower"], state["held"]
+        if holder == "replica":
+            held = self.replicas.get(ident) or {}
+            closed = held.get("closed")
+            named = dict(zip(held["state"]["arrays"], held["arrays"])) if "state" in held else {}
+        else:
+            closed = task.following
+            exported, arrays, *_ = task.export_state(open_rounds=False) if closed is not None else ([], [])
+            named = dict(zip(exported, arrays))
+        if closed != state["closed"] or set(names) - set(named):
+            raise KeyStateError(f"{task.name}: handed over at round {state['closed']}, but the state held here as its "
+                                f"{holder} is of round {closed}; the source sends it whole", job=ident[0], key=task.key)
+        chosen = {name: named[name] for name in names}
+        if state_checksum(chosen.values()) != state["checksum"]:
+            raise KeyStateError(f"{task.name}: the state held here as its {holder} differs from the source's at round "
+                                f"{closed}; the source sends it whole", job=ident[0], key=task.key)
+        return chosen
+
+    # -- a move's target follows the part before the hand-over (target side) ----------------------
+
+    def seeded(self, task: Task, state: dict, arrays: list[np.ndarray]) -> None:
+        """A follower's seed: the part's state at a closed round; it stays incoming (requests
+        wait) until the hand-over."""
+        if not task.incoming:
+            raise KeyStateError(f"{task.name} is not waiting for a copy here")
+        self._import(task, state, arrays)
+        task.following = task.closed
+        task.pool.warm(WARM_BUFFERS)  # for its first rounds here (now, while the job computes)
+
+    def follow(self, task: Task, state: dict, arrays: list[np.ndarray]) -> None:
+        """A round's sum for a part this Aggregator follows: applied as its source applied it."""
+        number = state["follow"]
+        if not task.incoming or task.following is None or number != task.following + 1:
+            why = "not incoming" if not task.incoming else "no seed" if task.following is None else "out of order"
+            raise KeyStateError(f"{task.name}: round {number} arrived for a follower at round {task.following} ({why})",
+                                job=task.job.job, key=task.key)
+        round_ = _Round()
+        round_.contributors = set(state["contributors"])
+        round_.acc = arrays[0]
+        self.apply(task, round_, number)
+        task.closed = task.following = number
+        task.last_n = len(round_.contributors)
+        task.rounds_closed += 1
+        task.closed_epoch = state["epoch"]
 
     def replica_copy(self, ident: tuple, target: tuple[str, str]) -> CopyOut:
         """pMaster: the source of the migration of part ``ident`` to ``target`` died before its
@@ -374,6 +584,7 @@ class Moves:
             task.catch_up |= bool(set(replicas) - set(task.replicas))  # new by name or by address
             task.replicas = replicas
             task.migrate_to = None  # a move not begun yet is off: its target is gone
+            task.follower = None
             return self.catch_up(task)
         held = self.replicas.pop(ident, None)
         if held is None:

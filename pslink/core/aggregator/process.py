@@ -24,7 +24,8 @@ import numpy as np
 from pslink.core import hosts
 from pslink.core.aggregator.core import AggregatorCore
 from pslink.core.ratelog import Throttled
-from pslink.core.aggregator.tasks import Checkpoint, CloseLater, CopyOut, Replicate, Reply, Request, Summer, Task, WorkerDone
+from pslink.core.aggregator.tasks import (Checkpoint, CloseLater, CopyOut, Follow, Replicate, Reply, Request, Summer, Task,
+                                          WorkerDone)
 from pslink.core.checkpoints import CheckpointWriter, part_path, read as read_checkpoint
 from pslink.core.faults import Faults
 from pslink.core.wire.loop import Reactor, ReactorThread
@@ -158,8 +159,9 @@ class Aggregator:
         with their source."""
         tasks, moved, arrived = [], [], []
         for ident, task in self.core.tasks.items():
-            if task.migrate_to is not None:  # (its copy has not landed)
-                moved.append([*ident, task.migrate_to[0], False])
+            target = task.migrate_to or (task.follower.target if task.follower is not None else None)
+            if target is not None:  # (its copy has not landed; or its target still follows it)
+                moved.append([*ident, target[0], False])
             else:
                 tasks.append(list(ident))
                 if task.arrived_from:
@@ -413,6 +415,8 @@ class Aggregator:
             return
         if isinstance(state, dict):  # PING or ABORT
             if state["op"] == Op.PING:
+                if state.get("warm"):
+                    conn.warm()  # this worker's parts come here soon: its replies' ring is ready then
                 if state.get("pmd"):  # the Agent cannot reach pMaster either: serve on (see the lease)
                     self.master.master_down(self.clock())
                 self._send(conn, [encode(Op.PONG, id=state["id"])])
@@ -487,11 +491,15 @@ class Aggregator:
                         fields["lost"] = list(out.lost)
                     if out.averaged:
                         fields["avg"] = True
+                    if out.next is not None:
+                        fields["next"] = list(out.next)
                     header = encode(Op.REPLY, id=out.id, rnd=out.round, n=out.n, ep=out.epoch, **fields)
                     frames = [header, out.payload] if out.payload is not None else [header]
                 self._send(out.origin, frames)
             elif isinstance(out, CopyOut):
                 self.copies.when_idle(out)
+            elif isinstance(out, Follow):
+                self.copies.follow(out)
             elif isinstance(out, Replicate):
                 self.copies.replicate(out)
             elif isinstance(out, Checkpoint):

@@ -22,6 +22,7 @@ from pslink.errors import KeyStateError, MovedError, ProtocolError, PslinkError,
 MODES = ("sum", "optimizer")
 SYNCS = ("bsp", "ssp", "asp")
 DEFAULT_MAX_AHEAD = 64
+WARM_BUFFERS = 2  # a task's pool in steady state: a round's sum and the push being added to it
 MAX_BEFORE_INIT = 4096  # requests one task may hold while it waits for rank 0's init
 
 
@@ -160,6 +161,7 @@ class Reply:
     body: dict | None = None  # STATE_GET, JOIN: names and numbers
     arrays: list[np.ndarray] | None = None  # STATE_GET: the state's arrays, a frame each
     averaged: bool = False  # the payload is the sum divided by ``n`` already
+    next: tuple[str, str] | None = None  # the part is about to move there: the worker may connect ahead
 
 
 @dataclasses.dataclass(slots=True)
@@ -173,6 +175,27 @@ class CopyOut:
     from_replica: bool = False  # a replica's state, for a migration whose source died
     # Up to this many seconds the copy may wait for its Aggregator to fall idle (0: send now).
     idle_wait: float = 0.0
+    # A hand-over to a follower (see :class:`Follow`): ``arrays`` carry only the open rounds' sums;
+    # the state's own arrays are these, which the target holds already. The shell sends their
+    # checksum, and the whole copy should the target find its own differ.
+    held: list[np.ndarray] | None = None
+    held_names: list[str] | None = None
+    whole: tuple[dict, list[np.ndarray]] | None = None  # the copy with every array (see ``held``)
+
+
+@dataclasses.dataclass(slots=True)
+class Follow:
+    """Send a migration's target what makes it follow the part before the hand-over, in order
+    and once this Aggregator falls quiet: the state of a closed round (``kind`` "seed", made
+    when sent: :meth:`~pslink.core.aggregator.moves.Moves.seed`), or a closed round's sum
+    (``kind`` "round": ``state`` names its round and contributors, ``arrays`` the sum)."""
+
+    task: "Task"
+    target: tuple[str, str]
+    kind: str
+    round: int = 0
+    state: dict | None = None
+    arrays: list[np.ndarray] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -310,6 +333,10 @@ class Task:
         self.waiting_copy: list[Request] = []
         self.migrate_to: tuple[str, str] | None = None  # move once the current round closes
         self.moved_to: tuple[str, str] | None = None  # moved: redirect every request
+        # A move's target being brought up to date before the hand-over (source side: Follower),
+        # and, on the target, the last round its incoming state follows (None: no seed yet).
+        self.follower = None
+        self.following: int | None = None
         # when the last closed round opened, and the time between the last two: how long the
         # workers take to come round again (a migration's copy fits in before they do)
         self.last_opened: float | None = None

@@ -270,7 +270,8 @@ SCHEMAS: dict[Op, Schema] = {
     Op.TABLE_INIT: Schema({**_DATA_REQUIRED, "n": _uint}, payloads=(2,)),
     # pmd: the Agent cannot reach pMaster (see FencedError); job, tok, rank: a follower's hello to
     # its host's leader (host-local reduce)
-    Op.PING: Schema({"id": _uint}, {"pmd": _bool, "job": _small_str, "tok": _token, "rank": _uint}),
+    # warm: the sender is about to use this connection for large payloads: make its rings now
+    Op.PING: Schema({"id": _uint}, {"pmd": _bool, "job": _small_str, "tok": _token, "rank": _uint, "warm": _bool}),
     Op.PONG: Schema({"id": _uint}),
     Op.ABORT: Schema(
         {"id": _uint, "job": _small_str, "tok": _token, "rank": _uint, "key": _key, "msg": _text},
@@ -279,7 +280,8 @@ SCHEMAS: dict[Op, Schema] = {
     Op.REPLY: Schema(
         {"id": _uint},
         {"rnd": _uint, "n": _uint, "body": _map, "moved": _list, "ep": _uint, "dropped": _bool,
-         "lost": _list, "avg": _bool},  # avg: the payload is the average already
+         "lost": _list, "avg": _bool,  # avg: the payload is the average already
+         "next": _list},  # the part is about to move there (connect ahead)
         payloads=tuple(range(0, MAX_STATE_ARRAYS + 1)),  # one tensor; a STATE_GET's arrays
     ),
     Op.TENSOR_COPY: Schema(
