@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pslink.core.master.control import DEFAULT_HEADROOM, DEFAULT_PLACEMENT_SHARE
+from pslink.core.master.move_cost import DEFAULT_COPY_BANDWIDTH, DEFAULT_SWITCH_LATENCY
 from pslink.errors import ConfigError, PslinkError
 
 simulate_app = typer.Typer(
@@ -71,6 +72,10 @@ def simulate(
     scale_period: float = typer.Option(0.0, "--scale-period", min=0.0, help="hybrid scaling period, "
                                        "seconds (0: release on job exit)"),
     startup: float = typer.Option(2.0, "--startup", min=0.0, help="seconds an Aggregator takes to start"),
+    copy_gbit: float = typer.Option(DEFAULT_COPY_BANDWIDTH * 8 / 1e9, "--copy-gbit", min=0.001,
+                                    help="Gbit/s a migration's copy crosses at (it runs while the job trains)"),
+    switch_ms: float = typer.Option(DEFAULT_SWITCH_LATENCY * 1e3, "--switch-ms", min=0.0,
+                                    help="milliseconds a migration's switch at a round boundary costs its job"),
     cost_model: Optional[Path] = typer.Option(None, "--cost-model", help="cost model JSON (default: the "
                                               "packaged calibration)"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="write PNG plots (needs matplotlib)"),
@@ -99,7 +104,8 @@ def simulate(
                                        slo_classes=parse_slo_classes(slo_classes) if slo_classes else None)
             service = ServiceOptions(loss_limit=loss_limit, scale_period=scale_period, startup=startup,
                                      headroom=headroom, placement_share=placement_share, host_cpus=host_cpus,
-                                     nic_gbit=nic_gbit)
+                                     nic_gbit=nic_gbit, copy_bandwidth=copy_gbit * 1e9 / 8,
+                                     switch_latency=switch_ms / 1e3)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if single_gpu == "skip" and not any(r.gpus > 1 for r in rows):

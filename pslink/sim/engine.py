@@ -10,10 +10,13 @@ Two policies over the same jobs (:class:`~pslink.sim.workload.SimJob`):
   Aggregator ``startup`` seconds after an ``Allocate`` and then binds it; it reports each job's
   profiled iterations and task costs, later its iteration durations and the Aggregators' loads
   to the guard; it carries out migrations through the migration core pMaster runs
-  (:mod:`pslink.core.master.migration_core`): moves are batched and throttled as live ones are, a
-  batch's source hands its tasks over at the end of its job's round (one iteration), the batch's
-  copy crosses at ``copy_bandwidth`` and stalls the job's next round once by its duration, and a
-  move ends once the workers came round to the new place (another iteration); releases of
+  (:mod:`pslink.core.master.migration_core`): moves are batched and throttled as live ones are; a
+  batch is pre-copied while its job trains (its parts' state at ``copy_bandwidth``, then each
+  round's sum until the target has them all), switched at the next round boundary, and its job
+  delayed once by what the control plane's own model says a move costs
+  (:mod:`pslink.core.master.move_cost`: the copy's CPU where it meets the job's communication,
+  the switch, and any of the last forwarded round the workers' compute does not hide); a move
+  ends once the workers came round to the new place (another iteration); releases of
   Aggregators a move still involves wait for it, as pMaster's do.
 
 How fast a packed job runs follows the model placement itself uses (the paper's cyclic
@@ -40,6 +43,8 @@ from pslink.core.master.actions import Allocate, Migrate, Release, batches_of_mo
 from pslink.core.master.control import DEFAULT_HEADROOM, DEFAULT_PLACEMENT_SHARE, ControlPlane
 from pslink.core.master.migration_core import (DEFAULT_MAX_MIGRATION_BYTES, Begin, Finished, HandOver, Migrated,
                                            Migrations, Settle)
+from pslink.core.master.move_cost import (DEFAULT_COPY_BANDWIDTH, DEFAULT_COPY_LATENCY, DEFAULT_SWITCH_LATENCY,
+                                          MoveCost, compute_gap)
 from pslink.core.master.packing import LOSS_LIMIT, runs_per_cycle
 from pslink.sim.hosts import HostPool
 from pslink.sim.results import JobOutcome, SimResult, Timeline, outcome_of, relocation_kind, simulate_static
@@ -56,8 +61,9 @@ class ServiceOptions:
     """How the simulated service behaves; the control-plane settings are ControlPlane's own."""
 
     startup: float = 2.0  # seconds from an Allocate until the Aggregator serves
-    copy_bandwidth: float = 1e9  # bytes per second a migration's copy crosses at (0: no time)
-    copy_latency: float = 0.002  # seconds a copy costs besides its bytes
+    copy_bandwidth: float = DEFAULT_COPY_BANDWIDTH  # bytes per second a migration's copy crosses at (0: no time)
+    copy_latency: float = DEFAULT_COPY_LATENCY  # seconds each message of a copy costs besides its bytes
+    switch_latency: float = DEFAULT_SWITCH_LATENCY  # seconds a move's switch at a round boundary costs its job
     max_migration_bytes: int = DEFAULT_MAX_MIGRATION_BYTES  # pMaster's throttle
     timed_moves: bool = True  # False: a move ends in the instant it starts (tests of placement alone)
     loss_limit: float = LOSS_LIMIT
@@ -72,8 +78,9 @@ class ServiceOptions:
     nic_gbit: float = 25.0  # each host's NIC, Gbit/s each way
 
     def __post_init__(self):
-        if min(self.startup, self.copy_bandwidth, self.copy_latency, self.scale_period) < 0:
-            raise ValueError("startup, copy_bandwidth, copy_latency and scale_period must be >= 0")
+        if min(self.startup, self.scale_period) < 0:
+            raise ValueError("startup and scale_period must be >= 0")
+        MoveCost(self.copy_bandwidth, self.copy_latency, self.switch_latency)  # refuses a bad one, naming it
         if self.profile_iterations < 1 or self.guard_window < 1:
             raise ValueError("profile_iterations and guard_window must be >= 1")
         if self.host_cpus < 0 or not self.nic_gbit > 0:
@@ -88,9 +95,11 @@ class ServiceOptions:
                             scale_period=self.scale_period, max_reverts=self.max_reverts,
                             cost_per_byte=cost_per_byte, elastic=True, clock=clock, headroom=self.headroom,
                             placement_share=self.placement_share,
-                            # what the control plane expects a move to stall, as the simulator charges it
+                            # what a move costs: the control plane decides with it, the simulator
+                            # charges it (ControlPlane.move_cost)
                             copy_bandwidth=self.copy_bandwidth if self.timed_moves else 0.0,
                             copy_latency=self.copy_latency if self.timed_moves else 0.0,
+                            switch_latency=self.switch_latency if self.timed_moves else 0.0,
                             nic_bandwidth=self.nic_bandwidth if self.host_cpus else None)
 
     @property
@@ -149,7 +158,7 @@ class PslinkSimulation:
         self._dirty: set[str] = set()  # jobs whose speed must be looked at again
         # The migrations, as pMaster carries them out; the guard leaves moving jobs be, as live.
         self.migrations = Migrations(self._move_size, options.max_migration_bytes, batch_bytes=self.control.batch_bytes)
-        self._batch_copies: dict[int, float] = {}  # a batch under way -> when its copy lands
+        self._batch_copies: dict[int, tuple[float, float]] = {}  # a batch under way -> when it switched, its delay
         self.control.moving_jobs = lambda: self.migrations.moving_jobs() | self.control.jobs_waiting_to_move()
         self._held: dict[str, Release] = {}  # releases waiting for the moves that involve them
         self.hosts = HostPool(options.host_cpus, options.nic_bandwidth) if options.host_cpus else None
@@ -233,7 +242,16 @@ class PslinkSimulation:
             factor = run.job.contention if len(agg.jobs) > 1 else 1.0
             latest.update({ident: run.cost_of[ident[1:]] * factor for ident in agg.tasks if ident[0] == name})
         self.control.costs_measured(name, latest)
+        control = self.control.jobs.get(name)
+        unjudged = name in self.control.moving_jobs() or (control is not None and control.settling)
         actions = self.control.iterations_reported(name, [run.effective] * self.options.guard_window)
+        if unjudged:
+            # Measured while its parts moved, or partly (the report after): the guard skips such a
+            # window. Live, its Agents keep reporting and a later window is judged; here that
+            # window must be simulated too, or a job the moves left slow, at a speed that no
+            # longer changes, is never judged again (pre-copies on a slow link made moves last
+            # long enough for it: a BERT job left 98% slower for its last 40 hours at 1 Gbit/s).
+            self._recheck.add(name)
         if actions:
             self.counters["guard actions"] += 1
             # Its Agents keep reporting: if what the guard did leaves it as slow (tasks moved to an
@@ -338,29 +356,38 @@ class PslinkSimulation:
         run = self.runs.get(job)
         return run.effective if run is not None and self.options.timed_moves else 0.0
 
-    def _copy_seconds(self, nbytes: int) -> float:
-        if not self.options.timed_moves:
-            return 0.0
-        bandwidth = self.options.copy_bandwidth
-        return self.options.copy_latency + (nbytes / bandwidth if bandwidth else 0.0)
+    def _batch_cost(self, job: str, round_bytes: int) -> tuple[float, float]:
+        """A batch of ``round_bytes`` of the job's parts, begun now: how long until its switch is
+        over (the pre-copy, the round boundary after it, the switch), and what it delays the job
+        (the control plane's model, :attr:`ControlPlane.move_cost`, on the job's real state, its
+        iteration now and its compute). Also counts the copy's CPU, the source's and the target's."""
+        run = self.runs.get(job)
+        cost: MoveCost = self.control.move_cost
+        if run is None or not self.options.timed_moves:
+            return 0.0, 0.0
+        iteration, gap = run.effective, compute_gap(run.job.iteration)
+        state = round_bytes * run.job.state_factor
+        sent = state + cost.rounds_behind(state, round_bytes, iteration) * round_bytes
+        self.counters["migration CPU seconds"] += 2 * sent * cost.copy_cpu_per_byte
+        switch = cost.switch_stall(round_bytes, gap, iteration, state)
+        return (cost.precopy_seconds(state, round_bytes, iteration) + self._round(job) + switch,
+                cost.precopy_delay(state, round_bytes, iteration, gap) + switch)
 
     def _carry(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, Begin):  # the target expects the task at once
                 self._carry(self.migrations.target_ready(action.move.task, True, self.now))
-            elif isinstance(action, HandOver):  # the source hands it over as its round closes
+            elif isinstance(action, HandOver):  # the source pre-copies it, then switches at a round boundary
                 move = action.move
                 self._carry(self.migrations.handed_over(move.task, move.source, True, self.now))
-                # CPU the copy takes: the source sends its bytes, the target receives them.
-                self.counters["migration CPU seconds"] += 2 * move.bytes * self.cost_per_byte
-                # A batch's parts travel as one copy: it lands (and stalls the job) once.
-                landing = self._batch_copies.get(move.batch)
-                stall = 0.0
-                if landing is None:
+                # A batch's parts are copied as one stream and switch together: it delays the job once.
+                switched = self._batch_copies.get(move.batch)
+                delay = 0.0
+                if switched is None:
                     batch = self.migrations.batch(move.batch)
-                    stall = self._copy_seconds(batch.bytes if batch is not None else move.bytes)
-                    landing = self._batch_copies[move.batch] = self.now + self._round(move.task[0]) + stall
-                self._push(landing, COPIED, (move.task, stall))
+                    seconds, delay = self._batch_cost(move.task[0], batch.bytes if batch is not None else move.bytes)
+                    switched = self._batch_copies[move.batch] = (self.now + seconds, delay)
+                self._push(switched[0], COPIED, (move.task, delay))
             elif isinstance(action, Finished):
                 if self.migrations.batch(action.move.batch) is None:
                     self._batch_copies.pop(action.move.batch, None)
@@ -385,13 +412,13 @@ class PslinkSimulation:
                     self._apply(self.control.release_idle("emptied by migrations"))
 
     def _copied(self, payload: tuple) -> bool:
-        """A move's copy landed: the job's round waited for it (its batch's copy, once); then its
-        workers come round."""
-        task, stall = payload
+        """A move's switch is over: the job pays its batch's delay (once); then its workers come
+        round."""
+        task, delay = payload
         run = self.runs.get(task[0])
-        if run is not None and stall > 0:
+        if run is not None and delay > 0:
             self._advance(run)
-            run.remaining += stall * run.rate
+            run.remaining += delay * run.rate
             self._schedule_end(run)
         self._carry(self.migrations.copy_done(task, self.now))
         self._push(self.now + self._round(task[0]), CAUGHT_UP, task)

@@ -28,12 +28,16 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from pslink.core.master.move_cost import DEFAULT_STATE_FACTOR
 from pslink.core.partition import DEFAULT_PARTITION_BYTES
 from pslink.sim.costmodel import CostModel
 from pslink.sim.models import MODELS, Model
 from pslink.sim.trace import TraceJob
 
 SINGLE_GPU = ("skip", "ps")
+#: A part's state over its bytes, by what its servers run: the weights, and a slot each for
+#: momentum SGD's velocity and Adam's two moments. A migration copies all of it.
+STATE_FACTORS = {"sum": 1.0, "sgd": 2.0, "adam": 3.0}
 AGGREGATIONS = ("optimizer", "sum")
 
 
@@ -50,6 +54,7 @@ class SimJob:
     costs: tuple[float, ...]  # e_t of each part, CPU seconds per iteration, as profiled
     contention: float = 1.0  # packed with other jobs, its tasks cost this many times e_t
     slo: float | None = None  # the slowdown it accepts from sharing (None: the service's loss limit)
+    state_factor: float = DEFAULT_STATE_FACTOR  # a part's state (weights, optimizer slots) over its bytes
 
     def __post_init__(self):
         if len(self.parts) != len(self.costs):
@@ -129,14 +134,14 @@ def build_jobs(trace: Iterable[TraceJob], cost_model: CostModel, options: Worklo
         workers = max(1, row.gpus)
         servers = max(1, round(workers * options.servers_per_worker))
         parts = model.parts(options.partition_bytes)
+        optimizer = model.optimizer if options.aggregation == "optimizer" else "sum"
         costs = cost_cache.get((model.name, workers))
         if costs is None:
-            optimizer = model.optimizer if options.aggregation == "optimizer" else "sum"
             costs = cost_cache[(model.name, workers)] = tuple(
                 cost_model.task_cost(size, workers, optimizer) for _, _, size in parts)
         iteration = standalone_iteration(model.iteration * spread, costs, [p[2] for p in parts], servers)
         # Drawn last: the draws above stay what they were without classes.
         slo = classes[int(rng.choice(len(classes), p=class_weights / class_weights.sum()))][0] if classes else None
         jobs.append(SimJob(row.job, row.submit, row.duration, workers, servers, model.name, iteration, parts, costs,
-                           contention, slo))
+                           contention, slo, STATE_FACTORS[optimizer]))
     return jobs

@@ -139,6 +139,25 @@ def test_a_job_the_guard_moved_without_making_it_faster_is_checked_again_and_rev
         "A": (0, 0, 0), "Z": (0, 0, 0), "X": (1, 3, 6)}
 
 
+def test_a_job_whose_window_fell_while_it_moved_is_judged_by_a_later_one():
+    """Found by the Philly run with pre-copies at 1 Gbit/s (issue 54): the guard skips a window
+    measured while the job's parts move, and the one after; a job the moves left as slow, its
+    speed no longer changing, was then never judged again (98% slower for its last 40 hours)."""
+    a = job("A", 0, 1, [0.4, 0.4], 1000, contention=1.5)
+    b = job("B", 5, 1, [0.1, 0.1], 1000)
+    sim = PslinkSimulation([a, b], EXACT, check=True)
+    moving = sim.control.moving_jobs
+    # As in the test of a revert above, with both jobs' parts on the move at their first windows.
+    sim.control.moving_jobs = lambda: moving() | ({"A", "B"} if sim.now < 200 else set())
+    result = sim.run()
+    # t=165 both windows, measured while they moved: skipped; t=305 the windows after: skipped
+    # too; t=445 A judged: 29% slower, reverted (B fast again). By then A did 25 + 420 / 1.4 =
+    # 325 s of its work, B 20 + 300 = 320 s.
+    assert {o.name: o.reverts for o in result.jobs} == {"A": 1, "B": 0}
+    ends = {o.name: o.end for o in result.jobs}
+    assert ends == {"A": pytest.approx(445 + 675), "B": pytest.approx(445 + 680)}
+
+
 @pytest.mark.parametrize("slo, packed", [(0.05, False), (0.2, True)])
 def test_a_job_is_packed_next_to_a_slower_one_only_within_its_own_slo(slo, packed):
     # A iterates in 5 s, B in 11 s: sharing an Aggregator, the cycle is 11 s and A runs twice in

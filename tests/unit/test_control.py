@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pslink.core.master.actions import Allocate, Migrate, Release
@@ -18,12 +20,14 @@ class Clock:
 
 
 def plane(**options) -> ControlPlane:
-    """The paper's model: cycles packed full, a job's whole limit for placement, free moves (a
-    job is packed as soon as it was profiled). Tests of the margins set them."""
+    """The paper's model: cycles packed full, a job's whole limit for placement, free moves (no
+    copy time, no switch: a job is packed as soon as it was profiled). Tests of the margins set
+    them."""
     options.setdefault("profile_iterations", 3)
     options.setdefault("guard_window", 4)
     options.setdefault("clock", Clock())
-    for name, value in (("headroom", 0.0), ("placement_share", 1.0), ("copy_latency", 0.0), ("copy_bandwidth", 0.0)):
+    for name, value in (("headroom", 0.0), ("placement_share", 1.0), ("copy_latency", 0.0), ("copy_bandwidth", 0.0),
+                        ("switch_latency", 0.0)):
         options.setdefault(name, value)
     return ControlPlane(**options)
 
@@ -148,13 +152,14 @@ def test_the_guard_allows_a_noisy_job_its_noise_before_it_reverts_it():
 def test_a_revert_waits_until_it_pays_for_its_moves():
     """Gap (issue 23): the guard reverted short jobs, whose revert's moves cost more than the
     slowdown they ended. A revert now needs the job's loss over the time it has run (its best
-    remaining life) to exceed the stalls of moving every part."""
+    remaining life) to exceed the stalls of moving every part (issue 54: a switch a part, the
+    copy itself hidden while the job trains)."""
     clock = Clock()
-    control = guarded([0.05] * 3, clock=clock, copy_latency=0.5)  # two parts: 1 s of stalls to move
+    control = guarded([0.05] * 3, clock=clock, switch_latency=0.5)  # two parts: 1 s of stalls to move
     clock.now = 2.5  # run 2.5 s, 50% slower: a 1.25 s gain against 1 s of stalls: it pays
     actions = control.iterations_reported("j", [0.075] * 4)
     assert any(isinstance(a, Allocate) for a in actions)
-    short = guarded([0.05] * 3, clock=Clock(), copy_latency=0.5)
+    short = guarded([0.05] * 3, clock=Clock(), switch_latency=0.5)
     short.clock.now = 1.0  # run 1 s: 0.5 s gained against 1 s of stalls: it keeps its place
     assert short.iterations_reported("j", [0.075] * 4) == [] and short.jobs["j"].reverts == 0
     short.clock.now = 4.0  # still that slow later: now the revert pays
@@ -398,7 +403,9 @@ def test_a_pack_that_opens_aggregators_while_its_profiling_ones_start_names_them
 
 def test_a_jobs_migration_batch_is_the_copy_its_compute_hides():
     """Issue 29: the bytes one migration of a job's parts may copy: the copy bandwidth times the
-    job's compute per iteration (its reported own work, else half its standalone iteration)."""
+    job's compute per iteration (its reported own work, else half its standalone iteration).
+    Since issue 54 the state is pre-copied while the job trains and what its compute must hide
+    is the last round forwarded at the switch: the same bytes, less a message's latency."""
     control = plane(min_aggregators=1, copy_bandwidth=1e9)
     assert control.batch_bytes("nobody") == 0
     control.aggregator_added("agg-0")
@@ -409,6 +416,8 @@ def test_a_jobs_migration_batch_is_the_copy_its_compute_hides():
     assert control.batch_bytes("j") == 25_000_000  # half of 50 ms at 1 GB/s
     control.jobs["j"].work_baseline = 0.04
     assert control.batch_bytes("j") == 40_000_000
+    control.move_cost = dataclasses.replace(control.move_cost, copy_latency=0.002)
+    assert control.batch_bytes("j") == 38_000_000  # the forwarded round's message costs 2 ms too
 
 
 def test_a_job_profiling_on_an_aggregator_that_was_lost_declares_its_next_parts_elsewhere():

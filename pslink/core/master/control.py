@@ -47,6 +47,8 @@ from pslink.core.master.packing import LOSS_LIMIT, NewAggregator, TaskDemand, ru
 from pslink.core.master.job_control import JobControl, check_service_level
 from pslink.core.master.nics import Nics
 from pslink.core.master.guard import Guard
+from pslink.core.master.move_cost import (DEFAULT_COPY_BANDWIDTH, DEFAULT_COPY_LATENCY, DEFAULT_SWITCH_LATENCY,
+                                          MoveCost)
 from pslink.core.master.pool_plan import PoolPlan
 from pslink.core.master.scaling import Scaling
 
@@ -57,8 +59,6 @@ PROVISIONAL_ITERATION = 1.0  # placeholder duration for a profiling job's tasks 
 DEFAULT_HEADROOM = 0.1
 #: Share of a job's slowdown limit placement may use; the rest: its moves' stalls, the guard's delay, noise.
 DEFAULT_PLACEMENT_SHARE = 0.8
-DEFAULT_COPY_BANDWIDTH = 1e9  # bytes per second a migration's copy is expected to cross at
-DEFAULT_COPY_LATENCY = 0.002  # seconds a migration's copy costs besides its bytes
 
 
 class ControlPlane:
@@ -82,6 +82,7 @@ class ControlPlane:
         placement_share: float = DEFAULT_PLACEMENT_SHARE,
         copy_bandwidth: float = DEFAULT_COPY_BANDWIDTH,
         copy_latency: float = DEFAULT_COPY_LATENCY,
+        switch_latency: float = DEFAULT_SWITCH_LATENCY,
         nic_bandwidth: float | None = None,
         elastic: bool = True,
         replica_holders: Callable[[], set] = set,
@@ -91,8 +92,10 @@ class ControlPlane:
             raise ValueError(f"placement_share must be in (0, 1], got {placement_share}")
         self.loss_limit = loss_limit
         self.placement_share = placement_share
-        self.copy_bandwidth = copy_bandwidth
-        self.copy_latency = copy_latency
+        # What a move costs its jobs: the control plane decides with it, the simulator charges it.
+        # The copy's CPU a byte is an Aggregator's (a socket copy, as a pushed byte costs).
+        self.move_cost = MoveCost(copy_bandwidth=copy_bandwidth, copy_latency=copy_latency,
+                                  switch_latency=switch_latency, copy_cpu_per_byte=cost_per_byte)
         self.nics = Nics(nic_bandwidth)  # every host's NIC, shared by the clusters' plans
         self.guard_window = guard_window
         self.profile_iterations = profile_iterations
@@ -107,14 +110,14 @@ class ControlPlane:
         self._pending_scale_down = False
         self._last_scale = self.clock()
         # Jobs with tasks on the move (pMaster's migrations, running, queued, or waiting for a
-        # new Aggregator): the guard does not judge them meanwhile. The simulator's moves take
-        # no time: none. Set by whoever carries the migrations out: its migration core is made
+        # new Aggregator): the guard does not judge them meanwhile. Set by whoever carries the
+        # migrations out (pMaster, the simulator): its migration core is made
         # after this plane, which it asks how large a batch may be (batch_bytes).
         self.moving_jobs: Callable[[], set] = set
         self.scaling = Scaling(self.pool, self.jobs)
         self.guard = Guard(self.pool, self.scaling, guard_window=guard_window, max_reverts=max_reverts,
-                           congested_load=congested_load, cost_inflation=cost_inflation, copy_latency=copy_latency,
-                           copy_bandwidth=copy_bandwidth, clock=self.clock)
+                           congested_load=congested_load, cost_inflation=cost_inflation, move_cost=self.move_cost,
+                           clock=self.clock)
 
     # -- the pool ---------------------------------------------------------------------------------
 
@@ -380,11 +383,11 @@ class ControlPlane:
     def batch_bytes(self, job: str) -> int:
         """The most bytes one migration of the job's parts may copy (:meth:`JobControl.batch_bytes`)."""
         control = self.jobs.get(job)
-        return control.batch_bytes(self.copy_bandwidth) if control is not None else 0
+        return control.batch_bytes(self.move_cost) if control is not None else 0
 
     def pack_due(self, job: str) -> float:
         """When packing the job pays for its moves (:meth:`JobControl.pack_due`)."""
-        return self.jobs[job].pack_due(self.copy_latency, self.copy_bandwidth, self.placement_share)
+        return self.jobs[job].pack_due(self.move_cost, self.placement_share)
 
     def _pack(self, control: JobControl) -> list:
         """Profiling is over: place every task of the job by Pseudocode 1, best-fit cluster."""

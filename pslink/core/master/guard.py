@@ -20,6 +20,7 @@ from typing import Callable
 
 from pslink.core.master.actions import Allocate, Migrate
 from pslink.core.master.job_control import JobControl
+from pslink.core.master.move_cost import MoveCost
 from pslink.core.master.packing import NewAggregator, Placement
 from pslink.core.master.pool_plan import PoolPlan
 from pslink.core.master.scaling import Scaling
@@ -29,19 +30,17 @@ class Guard:
     """The performance guard over one control plane's jobs: it judges a job on windows of
     ``guard_window`` iterations, relieves it off Aggregators loaded past ``congested_load`` (or
     costing it ``cost_inflation`` times its profile), and reverts it at most ``max_reverts``
-    times, once a revert pays for moves at ``copy_latency`` and ``copy_bandwidth``. It moves
+    times, once a revert pays for its moves (``move_cost``). It moves
     tasks in ``pool``'s plan and has ``scaling`` release what a revert emptied."""
 
     def __init__(self, pool: PoolPlan, scaling: Scaling, *, guard_window: int, max_reverts: int,
-                 congested_load: float, cost_inflation: float, copy_latency: float, copy_bandwidth: float,
-                 clock: Callable[[], float]):
+                 congested_load: float, cost_inflation: float, move_cost: MoveCost, clock: Callable[[], float]):
         self.pool, self.scaling = pool, scaling
         self.guard_window = guard_window
         self.max_reverts = max_reverts
         self.congested_load = congested_load
         self.cost_inflation = cost_inflation
-        self.copy_latency = copy_latency
-        self.copy_bandwidth = copy_bandwidth
+        self.move_cost = move_cost
         self.clock = clock
 
     def judge(self, control: JobControl, durations: list[float], moving: bool) -> list:
@@ -127,7 +126,7 @@ class Guard:
             # alone now (the host changed), so that is its standalone speed from here on.
             control.standalone = current
             return []
-        if not control.revert_pays(loss, self.clock(), self.copy_latency, self.copy_bandwidth):
+        if not control.revert_pays(loss, self.clock(), self.move_cost):
             return []  # judged again with the next window, when it has run longer
         control.reverts += 1
         control.relieved = False

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import statistics
 
+from pslink.core.master.move_cost import DEFAULT_STATE_FACTOR, MoveCost, compute_gap
 from pslink.errors import ConfigError
 
 PRIORITIES = ("normal", "high")
@@ -106,15 +107,24 @@ class JobControl:
             return nbytes * self.workers / statistics.median(self.profiled)
         return nic_bandwidth or 0.0
 
-    def batch_bytes(self, copy_bandwidth: float) -> int:
-        """The most bytes one migration (batch) of its parts may copy: what the copy moves while
-        the job computes (0 before its profile). The source hands the parts over as their round
-        closes, so the copy runs while the workers compute their next step; only what outlasts
-        that compute stalls the job. Its compute: its reported own work, else half its iteration."""
-        if not self.standalone or not copy_bandwidth:
+    def iteration_estimate(self) -> float | None:
+        """Its standalone iteration, else the median profiled so far (None before any)."""
+        if self.standalone is not None:
+            return self.standalone
+        return statistics.median(self.profiled) if self.profiled else None
+
+    def compute_gap(self) -> float:
+        """What its workers compute between a round's replies and their next pushes: its reported
+        own work, else half its iteration (:func:`~pslink.core.master.move_cost.compute_gap`)."""
+        return compute_gap(self.iteration_estimate(), self.work_baseline)
+
+    def batch_bytes(self, cost: MoveCost) -> int:
+        """The most bytes of its parts one migration (batch) may switch at once: those whose last
+        forwarded round lands while the workers compute (0 before its profile: the throttle's
+        bound)."""
+        if not self.standalone:
             return 0
-        compute = self.work_baseline if self.work_baseline is not None else self.standalone * 0.5
-        return int(copy_bandwidth * compute)
+        return cost.batch_bytes(self.compute_gap())
 
     def noise_margin(self) -> float:
         """How much slower than its profile the job's window may be by chance alone: its
@@ -128,27 +138,33 @@ class JobControl:
         spread = 1.4826 * statistics.median(abs(d - middle) for d in profiled) / middle if middle > 0 else 0.0
         return NOISE_SIGMAS * 1.2533 * spread * (1.0 / len(window) + 1.0 / len(profiled)) ** 0.5
 
-    def move_stalls(self, copy_latency: float, copy_bandwidth: float) -> float:
-        """What moving every part of the job stalls its rounds: a latency and the bytes, a part."""
-        return sum(copy_latency + (b / copy_bandwidth if copy_bandwidth else 0.0) for b in self.parts.values())
+    def move_delay(self, cost: MoveCost) -> float:
+        """What moving every part of the job adds to its time: the pre-copy of all its state (as
+        one stream) and a switch a part. Parts of one migration switch together; which parts
+        share a target is not known before placement, so each is charged a switch (at most as
+        many switches as parts)."""
+        iteration, gap = self.iteration_estimate(), self.compute_gap()
+        round_bytes = sum(self.parts.values())
+        precopy = cost.precopy_delay(round_bytes * DEFAULT_STATE_FACTOR, round_bytes, iteration, gap)
+        return precopy + sum(cost.switch_stall(b, gap, iteration, b * DEFAULT_STATE_FACTOR)
+                             for b in self.parts.values())
 
-    def revert_pays(self, loss: float, now: float, copy_latency: float, copy_bandwidth: float) -> bool:
+    def revert_pays(self, loss: float, now: float, cost: MoveCost) -> bool:
         """A revert moves every part to an Aggregator of its own: worth it when what the job
         loses at ``loss`` over the rest of its life (as long again as it has run, the best guess
-        for heavy-tailed job lengths) is more than the moves stall it. A short job keeps its
+        for heavy-tailed job lengths) is more than the moves delay it. A short job keeps its
         place: a revert would cost it more than the slowdown it ends."""
-        return loss * (now - self.arrived) >= self.move_stalls(copy_latency, copy_bandwidth)
+        return loss * (now - self.arrived) >= self.move_delay(cost)
 
-    def pack_due(self, copy_latency: float, copy_bandwidth: float, placement_share: float) -> float:
-        """When packing the job pays for its moves: a pack moves up to all of its parts, and each
-        copy stalls the job's round (a latency plus its bytes). Those stalls may take the share of
-        its limit placement leaves over, of the time it has run so far: how long a job ran is the
-        best guess of how long it still runs (job lengths are heavy-tailed: Philly's median
-        multi-GPU job runs 76 minutes, its shortest tenth under 17 s). A job that ends sooner is
-        never moved: its own Aggregators cost little over a short life."""
-        stalls = self.move_stalls(copy_latency, copy_bandwidth)
+    def pack_due(self, cost: MoveCost, placement_share: float) -> float:
+        """When packing the job pays for its moves: a pack moves up to all of its parts
+        (:meth:`move_delay`). That delay may take the share of its limit placement leaves over,
+        of the time it has run so far: how long a job ran is the best guess of how long it still
+        runs (job lengths are heavy-tailed: Philly's median multi-GPU job runs 76 minutes, its
+        shortest tenth under 17 s). A job that ends sooner is never moved: its own Aggregators
+        cost little over a short life."""
         budget = self.slo * (1.0 - placement_share)
-        return self.arrived + (stalls / budget if budget > 0 else 0.0)
+        return self.arrived + (self.move_delay(cost) / budget if budget > 0 else 0.0)
 
     def slowdown(self) -> float | None:
         """Its recent iterations against its standalone one (None before both are known)."""
