@@ -17,11 +17,12 @@ GRADIENT_BANK = 7  # arrays each worker draws once; iteration it, key k pushes b
 
 
 def train(agent, rank: int, keys: int, tensor: int, iterations: int, at: int | None, compute: float, signal,
-          after_step=None) -> tuple[list[float], str]:
+          after_step=None, starts: list | None = None) -> tuple[list[float], str]:
     """Init ``keys`` tensors of ``tensor`` float32, then push-pull random gradients each iteration
     after ``compute`` s of simulated compute; rank 0 tells the driver (``signal``) when iteration
-    ``at`` starts. ``after_step(it)`` runs after each iteration. Returns the iteration durations
-    and a digest of the final weights."""
+    ``at`` starts. ``after_step(it)`` runs after each iteration; ``starts`` (a list) gets each
+    iteration's start on the wall clock (what the driver's own clock, in another process, is
+    compared with). Returns the iteration durations and a digest of the final weights."""
     weights = [np.full(tensor, 0.01 * k, np.float32) for k in range(keys)]
     agent.init_many(range(keys), weights).wait()
     agent.pull_many(range(keys), outs=weights).wait()
@@ -35,6 +36,8 @@ def train(agent, rank: int, keys: int, tensor: int, iterations: int, at: int | N
         if it == at and signal is not None and rank == 0:
             signal.put(time.time())  # the driver disturbs the service now
         grads = [bank[(it + 3 * k) % GRADIENT_BANK] for k in range(keys)]
+        if starts is not None:
+            starts.append(time.time())
         start = time.perf_counter()
         time.sleep(compute)
         agent.pushpull_many(range(keys), grads, outs=weights).wait()
@@ -44,25 +47,33 @@ def train(agent, rank: int, keys: int, tensor: int, iterations: int, at: int | N
     return durations, hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
 
 
-def run_workers(worker, args: tuple, disturbed: bool, disturb) -> dict:
-    """Start ``worker(*args, signal, results)`` as ranks 0 and 1 (spawned processes); when
+def run_workers(worker, args: tuple, disturbed: bool, disturb, ranks: int = 2) -> dict:
+    """Start ``worker(*args, signal, results)`` as ranks 0 to ``ranks`` - 1 (spawned processes); when
     ``disturbed``, call ``disturb()`` once rank 0 signals. Returns each rank's result tuple (what
     the worker put, without its leading rank)."""
     context = mp.get_context("spawn")
     signal = context.Queue() if disturbed else None
     results = context.Queue()
-    procs = [context.Process(target=worker, args=(*args[:2], rank, *args[2:], signal, results)) for rank in range(2)]
+    procs = [context.Process(target=worker, args=(*args[:2], rank, *args[2:], signal, results))
+             for rank in range(ranks)]
     for p in procs:
         p.start()
-    if signal is not None:
-        signal.get(timeout=600)
-        disturb()
-    outcome = {}
-    for _ in range(2):
-        rank, *rest = results.get(timeout=900)
-        outcome[rank] = tuple(rest)
-    for p in procs:
-        p.join(60)
+    finished = False
+    try:
+        if signal is not None:
+            signal.get(timeout=600)
+            disturb()
+        outcome = {}
+        for _ in range(ranks):
+            rank, *rest = results.get(timeout=900)
+            outcome[rank] = tuple(rest)
+        finished = True
+    finally:  # a wait that timed out, or a disturbance that failed, leaves no worker behind
+        for p in procs:
+            p.join(60 if finished else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
     return outcome
 
 

@@ -46,9 +46,9 @@ class Entry:
 
 
 #: The quick form of every benchmark a user can run without root and without another checkout.
-#: Left out: multihost.py and hierarchy.py (network namespaces: root), horovod_api.py (Horovod
-#: built from its sdist: added with --horovod), chaos.py (exactness, no ratio), hvd_latency.py
-#: (one side of benchmarks/before_after.sh).
+#: Left out: multihost.py, hierarchy.py and migration_hosts.py (network namespaces: root),
+#: horovod_api.py (Horovod built from its sdist: added with --horovod), chaos.py (exactness, no
+#: ratio), hvd_latency.py (one side of benchmarks/before_after.sh).
 ENTRIES = (
     Entry("pushpull"),
     Entry("pslite_bench"),
@@ -58,6 +58,7 @@ ENTRIES = (
     Entry("summation"),
     Entry("placement"),
     Entry("migration"),
+    Entry("migration_drain"),
     Entry("failover"),
     Entry("fuzz"),
     Entry("multijob"),
@@ -68,7 +69,7 @@ ENTRIES = (
     Entry("tf_strategy", modules=("tensorflow",)),
     Entry("mxnet_gluon", modules=("mxnet",)),
 )
-ROOT_ONLY = ("multihost", "hierarchy")
+ROOT_ONLY = ("multihost", "hierarchy", "migration_hosts")
 
 
 @dataclass
