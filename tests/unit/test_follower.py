@@ -246,7 +246,7 @@ def test_a_tables_shard_is_not_followed_and_moves_whole_at_a_rounds_end():
 
 
 def test_a_seed_goes_while_the_workers_compute_and_only_if_it_lands_before_they_are_back():
-    from pslink.core.aggregator.moves import SEED_MARGIN, seed_delay
+    from pslink.core.aggregator.moves import seed_delay
 
     # The part's rounds open every 0.4 s, the last at 10.0: the next is due at 10.4. Quiet means
     # 0.1 s without a message (a quarter of the iteration).
@@ -254,6 +254,7 @@ def test_a_seed_goes_while_the_workers_compute_and_only_if_it_lands_before_they_
     assert seed_delay(10.15, 10.1, 10.0, 0.4, 0.02) == pytest.approx(0.05)  # quiet in 0.05 s
     assert seed_delay(10.2, 10.05, 10.0, 0.4, 0.02) == 0.0  # quiet, and it lands by 10.22
     assert seed_delay(10.38, 10.05, 10.0, 0.4, 0.02) == pytest.approx(0.22)  # would overlap: after 10.4 + 0.2
-    assert seed_delay(10.4 - 0.02 - SEED_MARGIN, 10.05, 10.0, 0.4, 0.02) == 0.0  # (just fits)
+    assert seed_delay(10.4 - 0.02 - 0.04, 10.05, 10.0, 0.4, 0.02) == 0.0  # (just fits: a tenth of 0.4 s clear)
+    assert seed_delay(10.35, 10.05, 10.0, 0.4, 0.02) > 0  # (not clear by a tenth)
     assert seed_delay(10.65, 10.05, 10.0, 0.4, 0.02) == 0.0  # the workers are late past 10.6: paused
     assert seed_delay(10.37, 10.05, 10.0, 0.4, 0.3) == 0.0  # a seed of over half an iteration goes when quiet

@@ -526,9 +526,19 @@ class AggregatorCore:
         grad = round_.acc
         scale = optimizer.grad_scale(len(round_.contributors))
         if optimizer.multi_precision and weights.dtype == np.float16:
-            step_through_float32(optimizer, weights, grad, scale, task.opt_state)
+            step_through_float32(optimizer, weights, grad, scale, task.opt_state)  # (steps a float32 copy)
         else:
-            if scale != 1.0:
+            if task.follower is not None and task.follower.seeded is not None:
+                # The sum goes to the move's target as it came (Moves.forward): step a scaled copy,
+                # made in the pass the scaling makes anyway (a copy of the sum, made before, was
+                # an extra pass over every following part in the middle of the job's exchange).
+                scaled = task.pool.acquire()
+                if scale != 1.0:
+                    np.multiply(grad, scale, out=scaled)
+                else:
+                    np.copyto(scaled, grad)
+                grad = scaled
+            elif scale != 1.0:
                 grad *= scale
             optimizer.step(weights, grad, task.opt_state)
         task.value = weights

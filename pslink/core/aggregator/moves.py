@@ -15,11 +15,14 @@ import numpy as np
 from pslink.core.membership import TaskMembers
 from pslink.core.wire.protocol import Op
 from pslink.core.aggregator.table_task import new_task
-from pslink.core.aggregator.tasks import (WARM_BUFFERS, Checkpoint, CopyOut, Follow, JobState, Replicate, Reply,
-                                          Request, Summer, Task, _Round, moved_error)
+from pslink.core.aggregator.tasks import (Checkpoint, CopyOut, Follow, JobState, Replicate, Reply, Request, Summer,
+                                          Task, _Round, moved_error)
 from pslink.errors import KeyStateError, MembershipError, ProtocolError, PslinkError, error_from_code, error_to_wire
 
-SEED_MARGIN = 0.01  # seconds a seed keeps clear of the workers' expected return, beyond its own time
+# A seed keeps this share of the part's iteration (at least SEED_MARGIN seconds) clear of the
+# workers' expected return, beyond its own expected time: both are estimates, jittering by
+# milliseconds (a seed that ran into the exchange took 10-20 ms from it in the traces).
+SEED_MARGIN, SEED_MARGIN_SHARE = 0.01, 0.1
 
 
 def seed_delay(now: float, last_message: float, last_opened: float | None, round_gap: float | None,
@@ -40,7 +43,7 @@ def seed_delay(now: float, last_message: float, last_opened: float | None, round
     if last_opened is None or seed_takes > round_gap / 2:
         return 0.0  # (a seed longer than half an iteration cannot keep clear of the round anyway)
     due = last_opened + round_gap
-    if now + seed_takes + SEED_MARGIN <= due or now > due + idle_wait:
+    if now + seed_takes + max(SEED_MARGIN, SEED_MARGIN_SHARE * round_gap) <= due or now > due + idle_wait:
         return 0.0  # it lands before the round, or the workers are late past it (paused, slower)
     return due + idle_wait - now  # after that round's start: quiet is looked for again then
 
@@ -277,6 +280,9 @@ class Moves:
             return None
         state, arrays = self._export(task, open_rounds=False)
         follower.seeded = task.closed
+        # From now on a round's sum is kept for the target while the step works on a scaled copy
+        # (AggregatorCore._apply): that buffer is made now, while the job computes.
+        task.pool.warm(task.pool.keep)
         return Follow(task, follower.target, "seed", task.closed, dict(state, seed=True), [a.copy() for a in arrays])
 
     def forward(self, task: Task, round_: _Round, number: int) -> list:
@@ -289,9 +295,9 @@ class Moves:
         if number - confirmed > MAX_FOLLOW_BEHIND:
             follower.failed = f"it fell {MAX_FOLLOW_BEHIND} rounds behind"
             return []
-        # The optimizer may scale the sum in place; a sum-mode round's sum is kept as it is.
-        acc = round_.acc.copy() if task.job.optimizes(task.key, number) else round_.acc
-        names, arrays = ["sum"], [acc]
+        # The sum as it came: the core's step leaves it be while the part has a follower (and a
+        # sum-mode round's sum becomes the part's value, replaced, never changed, by the next).
+        names, arrays = ["sum"], [round_.acc]
         state = {"follow": number, "contributors": sorted(round_.contributors), "epoch": task.job.membership.epoch,
                  "arrays": names, "layout": [[a.dtype.name, int(a.size)] for a in arrays]}
         return [Follow(task, follower.target, "round", number, state, arrays)]
@@ -410,7 +416,10 @@ class Moves:
             raise KeyStateError(f"{task.name} is not waiting for a copy here")
         self._import(task, state, arrays)
         task.following = task.closed
-        task.pool.warm(WARM_BUFFERS)  # for its first rounds here (now, while the job computes)
+        # Every buffer its rounds will use here, made now while the job computes: a round's sum,
+        # the push added to it, and the weights a step writes while a reply still sends the last
+        # (made in its first rounds here instead, each cost ~1,000 page faults in the job's exchange).
+        task.pool.warm(task.pool.keep)
 
     def follow(self, task: Task, state: dict, arrays: list[np.ndarray]) -> None:
         """A round's sum for a part this Aggregator follows: applied as its source applied it."""
