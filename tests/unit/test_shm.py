@@ -441,3 +441,14 @@ def test_a_warmed_connection_has_its_ring_made_and_its_pages_in_place_before_the
     warm = _first_send_faults(warm=True)
     assert cold >= pages  # a fresh ring faults in page by page under the first payload (at both ends)
     assert warm < pages // 8  # warmed: both ends' pages were in place already
+
+
+def test_a_connection_says_whether_what_it_sent_is_still_on_its_way():
+    """What an Aggregator's copies wait for on a slow link: its replies still crossing."""
+    reactor, sender, receiver, sink = connected()
+    assert not sender.sending()
+    sender.send([b"reply", b"x" * 1000])  # on the socket: the receiver has not read it yet
+    assert sender.sending()
+    pump_until(reactor, lambda: sink.messages)
+    assert not sender.sending()
+    reactor.close()

@@ -64,6 +64,7 @@ class FollowStream:
         self.seeding = False  # its seed waits its turn, or is on its way: the rest waits behind it
 
 
+LEAVING_POLL = 0.005  # seconds between looks at whether the replies to the workers have left
 SEED_BYTES_PER_SECOND = 100e6  # what a seed's pace is taken to be before one was measured
 NOT_READY_RETRIES = 20  # REPLICATEs a replica refuses as "not mine (yet)" before the pause grows
 NOT_READY_PAUSE = 0.1  # seconds before the round goes to it again
@@ -79,9 +80,14 @@ class Copies:
     def __init__(self, core: AggregatorCore, transports: Transports, reactor: Reactor, limits: Limits, *,
                  name: Callable[[], str], clock: Callable[[], float], faults: Faults | None,
                  last_message: Callable[[], float], reply: Callable[[Connection, list], None],
+                 replies_leaving: Callable[[], bool] = lambda: False,
                  carry_out: Callable[[list], None], tell_master: Callable[[Op, Task], None], retries: int = 5):
         self.core, self.transports, self.reactor, self.limits = core, transports, reactor, limits
         self.name, self.clock, self.faults, self.last_message = name, clock, faults, last_message
+        # Whether replies to the workers are still on their way out: on a slow link the workers'
+        # round is not over when the last request came in (their sums still cross it), and a copy
+        # sent then shares the link with the sums they wait for.
+        self.replies_leaving = replies_leaving
         self.reply, self.carry_out, self.tell_master = reply, carry_out, tell_master
         self.retries = retries
         # Connections to other Aggregators (requests go out on them; none come in).
@@ -167,7 +173,10 @@ class Copies:
         deadline = self.clock() + idle_wait
 
         def when_quiet():
-            wait = copy_delay(self.clock(), self.last_message(), deadline, idle_wait)
+            now = self.clock()
+            wait = copy_delay(now, self.last_message(), deadline, idle_wait)
+            if wait <= 0 and now < deadline and self.replies_leaving():
+                wait = min(LEAVING_POLL, deadline - now)
             if wait > 0:
                 self.reactor.call_later(wait, when_quiet)
             else:
@@ -231,6 +240,9 @@ class Copies:
                 continue
             takes = self._seed_pace * task.nbytes * (2 if task.job.optimizer is not None else 1)
             wait = seed_delay(self.clock(), self.last_message(), task.last_opened, task.round_gap, takes)
+            if wait <= 0 and task.round_gap and self.clock() - self.last_message() < task.round_gap / 2 \
+                    and self.replies_leaving():
+                wait = LEAVING_POLL  # (past half an iteration of silence: a peer that stopped reading)
             if wait > 0:
                 self._seeds_due = True
                 self.reactor.call_later(wait, self._seeds_later)

@@ -120,7 +120,9 @@ class Aggregator:
         self._stopped = False
         self.exit_code: int | None = None
         self.copies = Copies(self.core, self.transports, self.reactor, limits, name=lambda: self.name, clock=clock,
-                             faults=self.faults, last_message=lambda: self._last_message, reply=self._send,
+                             faults=self.faults, last_message=lambda: self._last_message,
+                             replies_leaving=lambda: any(conn.sending() for conn in list(self.connections)),
+                             reply=self._send,
                              carry_out=self._send_all, tell_master=self._tell_master)
         self.master = MasterLink(master or "", self.transports, self.reactor, limits, registration=self._registration,
                                  on_request=self._on_control, stats=self._stats, on_named=self._named,

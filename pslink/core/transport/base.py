@@ -76,6 +76,12 @@ class Connection(abc.ABC):
     def close(self) -> None:
         """Close; queued output may be dropped."""
 
+    def sending(self) -> bool:
+        """Whether bytes sent here have not all reached the peer yet (queued in this process, or
+        in the socket's send queue: not yet acknowledged by the peer over TCP, not yet read by it
+        over a Unix socket): a large reply still crossing a slow link."""
+        return False
+
     def warm(self) -> None:
         """Make ready now what the first large payloads would (a shared-memory ring and its
         pages), where the transport has such a thing."""

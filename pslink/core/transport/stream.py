@@ -16,10 +16,12 @@ with ``sendmsg`` from the caller's array, so neither side copies a tensor in use
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
 import mmap
 import socket
 import struct
+import termios
 import threading
 from collections.abc import Sequence
 
@@ -221,6 +223,14 @@ class TcpConnection(Connection):
     def warm(self) -> None:
         if self.rings is not None:
             self.rings.warm()
+
+    def sending(self) -> bool:
+        if self._wq:
+            return True
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0] > 0
+        except OSError:
+            return False
 
     def write_now(self, parts: list) -> None:
         """(Write lock held.) Write what the socket takes, queue the rest."""
