@@ -32,12 +32,17 @@ TASK_BYTES = 2 * 4096  # what moving one part copies: its weights and momentum
 STEPS, MIGRATE_AT = 40, 10
 
 
-def gradient(rank: int, step: int, key: int) -> np.ndarray:
-    return np.random.default_rng(1000 * step + 10 * key + rank).standard_normal(3000).astype(np.float32)
+# Parts a move's target follows before the hand-over (MIN_FOLLOW_BYTES and up): one part of
+# 256 KiB a key (512 KiB of state with momentum), 3 tasks.
+FOLLOWED = {"floats": 1 << 16, "partition_bytes": 1 << 18}
+
+
+def gradient(rank: int, step: int, key: int, floats: int = 3000) -> np.ndarray:
+    return np.random.default_rng(1000 * step + 10 * key + rank).standard_normal(floats).astype(np.float32)
 
 
 def train(job: str, *, max_migration_bytes: int | None = None, migrate: bool = False, log_dir=None,
-          watch: tuple[str, ...] = ()):
+          watch: tuple[str, ...] = (), floats: int = 3000, partition_bytes: int = 4096):
     """Two workers (threads of this process, real sockets) on 3 Aggregator processes, momentum SGD
     on the service, replication 1. With ``migrate``: before step ``MIGRATE_AT`` a fourth
     Aggregator is added and every task of the job is moved to it, while both train on. Returns
@@ -56,9 +61,9 @@ def train(job: str, *, max_migration_bytes: int | None = None, migrate: bool = F
 
         def worker(rank):
             ends = []
-            with pslink.connect(job, rank, 2, master=service.address, optimizer=OPTIMIZER, partition_bytes=4096,
-                                replication=1, timeout=30) as agent:
-                agent.init_many(KEYS, [np.linspace(-1, 1, 3000, dtype=np.float32) * (k + 1) for k in KEYS]).wait()
+            with pslink.connect(job, rank, 2, master=service.address, optimizer=OPTIMIZER,
+                                partition_bytes=partition_bytes, replication=1, timeout=30) as agent:
+                agent.init_many(KEYS, [np.linspace(-1, 1, floats, dtype=np.float32) * (k + 1) for k in KEYS]).wait()
                 for step in range(STEPS):
                     if migrate and step == MIGRATE_AT:
                         barrier.wait()
@@ -68,7 +73,7 @@ def train(job: str, *, max_migration_bytes: int | None = None, migrate: bool = F
                             added.extend(service.add_aggregators(1))
                             master.migrate(master.tasks_of(job), added[0], "test")
                         barrier.wait()
-                    outs = agent.pushpull_many(KEYS, [gradient(rank, step, k) for k in KEYS]).wait()
+                    outs = agent.pushpull_many(KEYS, [gradient(rank, step, k, floats) for k in KEYS]).wait()
                     ends.append(time.monotonic())
                 return [o.copy() for o in outs], ends
 
@@ -108,6 +113,48 @@ def test_the_migration_target_killed_mid_copy_changes_nothing(monkeypatch, tmp_p
     # Training went on: a bound that only catches a stall (the workers' own timeout is 30 s).
     pause = max(b - a for a, b in zip(ends, ends[1:]))
     assert pause < 10.0, f"training stopped for {pause:.1f} s after the migration target was killed"
+
+
+@pytest.fixture(scope="module")
+def expected_followed():
+    """The weights of the training of parts large enough to be followed, without a migration."""
+    return train("clean", **FOLLOWED)[0]
+
+
+@pytest.mark.parametrize("kill_at", [1, 4])
+def test_the_migration_target_killed_while_it_follows_changes_nothing(monkeypatch, tmp_path, expected_followed,
+                                                                       kill_at):
+    """Parts large enough to be followed: the target dies as it confirms a seed (1: the first),
+    or later (4: a seed or round after). A part not handed over yet stays with its source, which
+    stops following when pMaster calls the move off; one handed over fails over to its replica.
+    The weights are those of a job never moved, bit for bit."""
+    monkeypatch.setenv("PSLINK_FAULTS", f"kill=agg-3@{kill_at}")
+    got, ends, counts, status = train("moved", migrate=True, log_dir=tmp_path / "logs", **FOLLOWED)
+    assert status == {"agg-3": "agg-3: exited with status -9"}, status
+    assert counts["failovers"] == 1
+    for rank in (0, 1):
+        for key in KEYS:
+            np.testing.assert_array_equal(got[rank][key], expected_followed[rank][key])
+    pause = max(b - a for a, b in zip(ends, ends[1:]))
+    assert pause < 10.0, f"training stopped for {pause:.1f} s after the migration target was killed"
+
+
+def test_the_migration_source_killed_at_its_hand_over_to_a_follower_changes_nothing(monkeypatch, tmp_path,
+                                                                                      expected_followed):
+    """The target followed the parts (seed, rounds); agg-0 dies as it sends the hand-over (the
+    workers were told to go to agg-3). The replica's state (every round agg-0 acknowledged)
+    replaces what the target followed, which may hold a round agg-0 closed and never answered:
+    the weights are those of a job never moved, bit for bit."""
+    monkeypatch.setenv("PSLINK_FAULTS", "kill=agg-0@copy")
+    got, ends, counts, status = train("moved", migrate=True, log_dir=tmp_path / "logs", watch=("agg-0",),
+                                      **FOLLOWED)
+    assert status == {"agg-0": "agg-0: exited with status -9", "agg-3": "agg-3: running"}, status
+    assert counts["failovers"] == 1 and counts["copies_resourced"] >= 1
+    for rank in (0, 1):
+        for key in KEYS:
+            np.testing.assert_array_equal(got[rank][key], expected_followed[rank][key])
+    pause = max(b - a for a, b in zip(ends, ends[1:]))
+    assert pause < 10.0, f"training stopped for {pause:.1f} s after the migration source was killed"
 
 
 @pytest.mark.parametrize("throttle", [None, TASK_BYTES * 2], ids=["all-at-once", "throttled"])
