@@ -33,6 +33,33 @@ def contribution(rank, round_, n):
     return rng.integers(-50, 50, n).astype(np.float32)
 
 
+def moving_worker(service, transports, job: str, n: int, part_bytes: int, rounds: int, migrated_at: int | None,
+                  settings: dict, workers: int = 2):
+    """A worker (for run_workers) of a 2-worker momentum-SGD job on one key of ``n`` floats: before
+    round ``migrated_at`` (None: never) rank 0 moves every part of the job to agg-2. Returns its
+    final weights and where the key's parts ended."""
+    both_past = threading.Barrier(workers, timeout=30)
+    master = service.master
+
+    def worker(rank):
+        agent = pslink.connect(job, rank, workers, master=service.address, transports=transports,
+                               partition_bytes=part_bytes, servers=2, optimizer=settings, timeout=30)
+        try:
+            w = np.full(n, 0.5, np.float32)
+            agent.init("w", w).wait()
+            for r in range(1, rounds + 1):
+                if r == migrated_at:
+                    both_past.wait()
+                    if rank == 0:
+                        master.migrate(master.tasks_of(job), "agg-2", "test")
+                agent.pushpull("w", contribution(rank, r, n) / 100, out=w).wait()
+            return w.copy(), agent.key_info("w")["parts"]
+        finally:
+            agent.close()
+
+    return worker
+
+
 @pytest.mark.parametrize("kind", ["inproc", "tcp"])
 def test_bsp_sums_stay_exact_while_every_task_migrates(kind, transports):
     service = start_cluster(kind, aggregators=3, transports=transports)
@@ -128,26 +155,9 @@ def test_throttled_migrations_copy_a_bounded_amount_at_a_time_and_all_complete(t
             return actions
 
         moves._start = watched
-        both_past = threading.Barrier(workers, timeout=30)
-
-        def worker(rank):
-            agent = pslink.connect("throttled", rank, workers, master=service.address, transports=transports,
-                                   partition_bytes=part_bytes, servers=2, optimizer=settings, timeout=30)
-            try:
-                w = np.full(n, 0.5, np.float32)
-                agent.init("w", w).wait()
-                for r in range(1, rounds + 1):
-                    if r == migrated_at and migrate:
-                        both_past.wait()
-                        if rank == 0:
-                            master.migrate(master.tasks_of("throttled"), "agg-2", "test")
-                    agent.pushpull("w", contribution(rank, r, n) / 100, out=w).wait()
-                return w.copy(), agent.key_info("w")["parts"]
-            finally:
-                agent.close()
-
         try:
-            results = run_workers(workers, worker)
+            results = run_workers(workers, moving_worker(service, transports, "throttled", n, part_bytes, rounds,
+                                                         migrated_at if migrate else None, settings))
             if migrate:
                 wait_until(lambda: master.migrations_done == 12 and master.mover.core.idle(),
                            20, "migrations to finish")
@@ -347,28 +357,9 @@ def test_a_followed_move_hands_over_without_the_state_and_the_weights_stay_bit_f
     def train(migrate):
         service = start_cluster(kind, aggregators=3, transports=transports)
         master = service.master
-        both_past = threading.Barrier(workers, timeout=30)
-        agents = {}
-
-        def worker(rank):
-            agent = agents[rank] = pslink.connect("followed", rank, workers, master=service.address,
-                                                  transports=transports, partition_bytes=part_bytes, servers=2,
-                                                  optimizer=settings, timeout=30)
-            try:
-                w = np.full(n, 0.5, np.float32)
-                agent.init("w", w).wait()
-                for r in range(1, rounds + 1):
-                    if r == migrated_at and migrate:
-                        both_past.wait()
-                        if rank == 0:
-                            master.migrate(master.tasks_of("followed"), "agg-2", "test")
-                    agent.pushpull("w", contribution(rank, r, n) / 100, out=w).wait()
-                return w.copy(), agent.key_info("w")["parts"]
-            finally:
-                agent.close()
-
         try:
-            results = run_workers(workers, worker)
+            results = run_workers(workers, moving_worker(service, transports, "followed", n, part_bytes, rounds,
+                                                         migrated_at if migrate else None, settings))
             if migrate:
                 wait_until(lambda: master.migrations_done >= 1 and master.mover.core.idle(), 20, "migrations to finish")
             handed = sum((a.copies.handed_over for a in service.provider.aggregators.values()), Counter())

@@ -88,6 +88,16 @@ def train(job: str, *, max_migration_bytes: int | None = None, migrate: bool = F
         return [r[0] for r in results], results[0][1], counts, status
 
 
+def assert_trained_as_without_the_move(got, ends, expected, what: str) -> None:
+    """Every rank's weights are those of the training without the migration, bit for bit, and the
+    training went on (a bound that only catches a stall: the workers' own timeout is 30 s)."""
+    for rank in (0, 1):
+        for key in KEYS:
+            np.testing.assert_array_equal(got[rank][key], expected[rank][key])
+    pause = max(b - a for a, b in zip(ends, ends[1:]))
+    assert pause < 10.0, f"training stopped for {pause:.1f} s after {what}"
+
+
 @pytest.fixture(scope="module")
 def expected():
     """The weights of the same training without a migration or a kill."""
@@ -107,12 +117,7 @@ def test_the_migration_target_killed_mid_copy_changes_nothing(monkeypatch, tmp_p
                                       log_dir=tmp_path / "logs")
     assert status == {"agg-3": "agg-3: exited with status -9"}, status
     assert counts["failovers"] == 1
-    for rank in (0, 1):
-        for key in KEYS:
-            np.testing.assert_array_equal(got[rank][key], expected[rank][key])
-    # Training went on: a bound that only catches a stall (the workers' own timeout is 30 s).
-    pause = max(b - a for a, b in zip(ends, ends[1:]))
-    assert pause < 10.0, f"training stopped for {pause:.1f} s after the migration target was killed"
+    assert_trained_as_without_the_move(got, ends, expected, "the migration target was killed")
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +137,7 @@ def test_the_migration_target_killed_while_it_follows_changes_nothing(monkeypatc
     got, ends, counts, status = train("moved", migrate=True, log_dir=tmp_path / "logs", **FOLLOWED)
     assert status == {"agg-3": "agg-3: exited with status -9"}, status
     assert counts["failovers"] == 1
-    for rank in (0, 1):
-        for key in KEYS:
-            np.testing.assert_array_equal(got[rank][key], expected_followed[rank][key])
-    pause = max(b - a for a, b in zip(ends, ends[1:]))
-    assert pause < 10.0, f"training stopped for {pause:.1f} s after the migration target was killed"
+    assert_trained_as_without_the_move(got, ends, expected_followed, "the migration target was killed")
 
 
 def test_the_migration_source_killed_at_its_hand_over_to_a_follower_changes_nothing(monkeypatch, tmp_path,
@@ -150,11 +151,7 @@ def test_the_migration_source_killed_at_its_hand_over_to_a_follower_changes_noth
                                       **FOLLOWED)
     assert status == {"agg-0": "agg-0: exited with status -9", "agg-3": "agg-3: running"}, status
     assert counts["failovers"] == 1 and counts["copies_resourced"] >= 1
-    for rank in (0, 1):
-        for key in KEYS:
-            np.testing.assert_array_equal(got[rank][key], expected_followed[rank][key])
-    pause = max(b - a for a, b in zip(ends, ends[1:]))
-    assert pause < 10.0, f"training stopped for {pause:.1f} s after the migration source was killed"
+    assert_trained_as_without_the_move(got, ends, expected_followed, "the migration source was killed")
 
 
 @pytest.mark.parametrize("throttle", [None, TASK_BYTES * 2], ids=["all-at-once", "throttled"])
@@ -173,11 +170,7 @@ def test_the_migration_source_killed_after_handing_a_part_over_changes_nothing(m
     assert status == {"agg-0": "agg-0: exited with status -9", "agg-3": "agg-3: running"}, status
     assert counts["failovers"] == 1
     assert counts["copies_resourced"] >= 1  # the case under test happened: a replica sent a copy
-    for rank in (0, 1):
-        for key in KEYS:
-            np.testing.assert_array_equal(got[rank][key], expected[rank][key])
-    pause = max(b - a for a, b in zip(ends, ends[1:]))
-    assert pause < 10.0, f"training stopped for {pause:.1f} s after the migration source was killed"
+    assert_trained_as_without_the_move(got, ends, expected, "the migration source was killed")
 
 
 def test_without_a_replica_the_migration_source_killed_after_handing_a_part_over_fails_the_job_loudly(
