@@ -15,7 +15,7 @@ import numpy as np
 
 from pslink.core.aggregator.core import AggregatorCore
 from pslink.core.aggregator.tasks import CopyOut, Follow, Replicate, Task
-from pslink.core.aggregator.moves import MAX_COPY_IDLE_WAIT, copy_delay, seed_delay, state_checksum
+from pslink.core.aggregator.moves import copy_delay, idle_wait_of, seed_delay, state_checksum
 from pslink.core.aggregator.table_task import check_layout
 from pslink.core.faults import Faults
 from pslink.core.transport import DISCARD, Connection, Transports
@@ -204,8 +204,7 @@ class Copies:
             stream.seeding = False  # handed over before its seed went (forced): the seed is moot
         if not stream.due and not stream.seeding:
             stream.due = True
-            wait = out.idle_wait if isinstance(out, CopyOut) else \
-                min(MAX_COPY_IDLE_WAIT, task.round_gap / 2) if task.round_gap else 0.0
+            wait = out.idle_wait if isinstance(out, CopyOut) else idle_wait_of(task.round_gap)
             self._when_quiet(wait, lambda: self._flush(ident))
 
     def _flush(self, ident: tuple) -> None:
@@ -273,8 +272,7 @@ class Copies:
             if stream.items and not stream.due:
                 stream.due = True
                 task = stream.items[0].task
-                wait = min(MAX_COPY_IDLE_WAIT, task.round_gap / 2) if task.round_gap else 0.0
-                self._when_quiet(wait, lambda: self._flush(ident))
+                self._when_quiet(idle_wait_of(task.round_gap), lambda: self._flush(ident))
             elif not stream.items:
                 task = self.core.tasks.get(ident)
                 if task is None or task.follower is None and task.migrate_to is None:

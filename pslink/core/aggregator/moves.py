@@ -36,7 +36,7 @@ def seed_delay(now: float, last_message: float, last_opened: float | None, round
     Pure, for the Aggregator shell."""
     if not round_gap:
         return 0.0
-    idle_wait = min(MAX_COPY_IDLE_WAIT, round_gap / 2)
+    idle_wait = idle_wait_of(round_gap)
     quiet = copy_delay(now, last_message, float("inf"), idle_wait)
     if quiet > 0:
         return quiet
@@ -81,6 +81,13 @@ class Follower:
         """Whether the part may be handed over at the end of round ``closed``: its sum is on the
         way to the target, behind every round the target confirmed."""
         return self.confirmed is not None and self.confirmed >= closed - 1
+
+
+def idle_wait_of(round_gap: float | None) -> float:
+    """How long a copy of a part with this iteration (``round_gap``) may wait for its Aggregator
+    to fall quiet: half the time its workers take to come round again, at most
+    MAX_COPY_IDLE_WAIT; 0 while that time is not known."""
+    return min(MAX_COPY_IDLE_WAIT, round_gap / 2) if round_gap else 0.0
 
 
 def copy_delay(now: float, last_message: float, deadline: float, idle_wait: float) -> float:
@@ -335,7 +342,7 @@ class Moves:
         waiting = task.before_init + [req for reqs in task.pulls.values() for req in reqs]
         waiting += [req for reqs in task.acks.values() for req in reqs]
         task.before_init, task.pulls, task.acks = [], {}, {}
-        idle_wait = min(MAX_COPY_IDLE_WAIT, task.round_gap / 2) if at_round_end and task.round_gap else 0.0
+        idle_wait = idle_wait_of(task.round_gap) if at_round_end else 0.0
         copy = CopyOut(task, task.moved_to, state, arrays, idle_wait=max(0.0, idle_wait))
         holder = self._holder(task)
         if holder is not None:
