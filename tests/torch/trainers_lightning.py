@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 import pslink.torch  # noqa: F401 - registers the "pslink" backend
+from trainer_exit import exit_without_teardown  # (next to this script)
 
 STEPS = 6
 
@@ -68,11 +69,12 @@ def main() -> None:
         "steps": trainer.global_step, "loss": trainer.callback_metrics["train_loss"].clone(),
         "weights": {name: value.detach().clone() for name, value in model.state_dict().items()},
     }, os.path.join(scratch, f"rank{rank}.pt"))
-    # Torn down here, not at interpreter exit: a gloo group left to the exit once aborted a rank
-    # there ("terminate called without an active exception", a full CI run under load).
+    # Torn down here, while every rank is alive (the exit then skips the interpreter's teardown:
+    # trainer_exit.py says why).
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()
