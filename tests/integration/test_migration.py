@@ -417,3 +417,21 @@ def test_a_worker_told_of_a_move_connects_ahead_with_both_rings_ready(transports
     finally:
         agent.close()
         service.stop()
+
+
+def test_the_workers_compute_between_exchanges_reaches_the_aggregator_with_their_pushes(inproc_cluster):
+    """Where a move's copies go: each push tells how long its worker had no request in flight
+    before the exchange (its compute), and a part keeps the shortest of its last round's, from
+    which it reckons when the job's whole exchange ends (not only its own part of it)."""
+    service, transports = inproc_cluster
+    computed = 0.05  # the gap this test makes between two exchanges (a lower bound is checked)
+    with pslink.connect("computing", 0, 1, master=service.address, transports=transports, timeout=30) as agent:
+        agent.init("w", np.zeros(8, np.float32)).wait()
+        out = np.empty(8, np.float32)
+        agent.pushpull("w", np.ones(8, np.float32), out=out).wait()
+        time.sleep(computed)  # the worker computes
+        agent.pushpull("w", np.ones(8, np.float32), out=out).wait()
+        tasks = [task for aggregator in service.provider.aggregators.values()
+                 for ident, task in list(aggregator.core.tasks.items()) if ident[0] == "computing"]
+    assert len(tasks) == 1 and tasks[0].closed == 2
+    assert computed <= tasks[0].compute_gap < 10.0

@@ -258,3 +258,21 @@ def test_a_seed_goes_while_the_workers_compute_and_only_if_it_lands_before_they_
     assert seed_delay(10.35, 10.05, 10.0, 0.4, 0.02) > 0  # (not clear by a tenth)
     assert seed_delay(10.65, 10.05, 10.0, 0.4, 0.02) == 0.0  # the workers are late past 10.6: paused
     assert seed_delay(10.37, 10.05, 10.0, 0.4, 0.3) == 0.0  # a seed of over half an iteration goes when quiet
+
+
+def test_a_seed_waits_for_the_jobs_whole_exchange_to_end_when_the_workers_told_their_compute():
+    from pslink.core.aggregator.moves import exchange_end, seed_delay
+
+    # Rounds open every 0.8 s, the last at 10.0 (the next due at 10.8); the workers compute 0.4 s
+    # between exchanges, so the job's exchange ends about 10.4, though this Aggregator fell quiet
+    # (0.2 s without a message) at 10.25. A seed of 0.07 s keeps 0.08 s clear of 10.8.
+    assert exchange_end(10.0, 0.8, 0.4) == pytest.approx(10.4)
+    assert seed_delay(10.3, 10.05, 10.0, 0.8, 0.07) == 0.0  # compute not told: once quiet, as before
+    assert seed_delay(10.3, 10.05, 10.0, 0.8, 0.07, 0.4) == pytest.approx(0.1)  # after the exchange
+    assert seed_delay(10.45, 10.05, 10.0, 0.8, 0.07, 0.4) == 0.0
+    assert seed_delay(10.7, 10.05, 10.0, 0.8, 0.07, 0.4) == pytest.approx(0.5)  # no room left: after 10.8 + 0.4
+    # A compute too short for the seed and its margin: the exchange's end is no bound (once quiet).
+    assert exchange_end(10.0, 0.8, 0.1, needs=0.15) == float("-inf")
+    assert seed_delay(10.3, 10.05, 10.0, 0.8, 0.07, 0.1) == 0.0
+    assert exchange_end(None, 0.8, 0.4) == exchange_end(10.0, None, 0.4) == exchange_end(10.0, 0.8, None) \
+        == float("-inf")

@@ -81,6 +81,10 @@ def test_a_header_template_decodes_as_the_header_encode_makes(op, key, extra):
             made = template.make(rid, rnd)
             assert decode(made, sizes) == decode(encode(op, id=rid, rnd=rnd, **fixed, **extra), sizes)
             assert len(made) == len(encode(op, id=rid, rnd=rnd, **fixed, **extra))
+            for idle in (0, 400, 70_000):  # a push's worker's compute before it, in ms
+                made = template.make(rid, rnd, idle)
+                assert decode(made, sizes) == decode(encode(op, id=rid, rnd=rnd, idl=idle, **fixed, **extra), sizes)
+                assert decode(made, sizes)["idl"] == idle
 
 
 def test_a_header_template_takes_id_and_round_per_request_only():

@@ -127,6 +127,11 @@ class Requests:
         self.faults = faults
         self.clock = clock
         self.pending: dict[int, PartRequest] = {}
+        # When the last request in flight was answered, and how long no request was in flight
+        # before the current burst began (ms; None before the second burst): the worker's compute
+        # between two exchanges, told to the Aggregators with each push (a move's copies go in it).
+        self._idle_since: float | None = None
+        self.burst_idle_ms: int | None = None
         self.ids = itertools.count(1)
         self.links: dict[str, Link] = {}
         self.by_conn: dict[Connection, Link] = {}
@@ -218,6 +223,8 @@ class Requests:
 
     def add(self, request: PartRequest) -> int:
         rid = next(self.ids)
+        if not self.pending and self._idle_since is not None:
+            self.burst_idle_ms = int((self.clock() - self._idle_since) * 1000)
         self.pending[rid] = request
         request.link.pending.add(rid)
         return rid
@@ -227,6 +234,8 @@ class Requests:
         request = self.pending.pop(rid, None)
         if request is not None:
             request.link.pending.discard(rid)
+            if not self.pending:
+                self._idle_since = self.clock()
             if request.window_link is not None:  # (set and cleared on the reactor's thread once sent)
                 self._leave_window(request)
         return request

@@ -27,6 +27,7 @@ from pslink.errors import ConfigError, PslinkError, ShapeMismatchError
 
 log = logging.getLogger("pslink.core.agent")
 _AVERAGE = {"avg": True}  # a pull's header field: the Aggregator may answer the average
+_PUSHES = (Op.PUSH, Op.PUSHPULL)  # requests that tell the Aggregator the worker's compute before them
 _OP_NAMES = {op: op.name.lower() for op in Op}  # an enum's name is a property: slow on every request
 
 
@@ -197,7 +198,7 @@ class Sender:
                 **_AVERAGE if average else {}, **{"cmp": payload.threshold} if quantized else {},
                 **{"cov": list(covers)} if covers is not None else {},
             )
-        header = template.make(rid, round_)
+        header = template.make(rid, round_, self.requests.burst_idle_ms if op in _PUSHES else None)
         if quantized:
             self.payload_bytes += payload.packed.nbytes
             self.requests.transmit(rid, request, [header, payload.packed])

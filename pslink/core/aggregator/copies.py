@@ -15,7 +15,7 @@ import numpy as np
 
 from pslink.core.aggregator.core import AggregatorCore
 from pslink.core.aggregator.tasks import CopyOut, Follow, Replicate, Task
-from pslink.core.aggregator.moves import copy_delay, idle_wait_of, seed_delay, state_checksum
+from pslink.core.aggregator.moves import copy_delay, exchange_end, idle_wait_of, seed_delay, state_checksum
 from pslink.core.aggregator.table_task import check_layout
 from pslink.core.faults import Faults
 from pslink.core.transport import DISCARD, Connection, Transports
@@ -204,7 +204,18 @@ class Copies:
             stream.seeding = False  # handed over before its seed went (forced): the seed is moot
         if not stream.due and not stream.seeding:
             stream.due = True
-            wait = out.idle_wait if isinstance(out, CopyOut) else idle_wait_of(task.round_gap)
+            self._flush_after_exchange(ident, out)
+
+    def _flush_after_exchange(self, ident: tuple, first: Follow | CopyOut) -> None:
+        """Flush a part's follow stream once the job's exchange is over (not only this
+        Aggregator's part of it: :func:`~pslink.core.aggregator.moves.exchange_end`), then once
+        quiet, or at the first item's idle wait."""
+        task = first.task
+        wait = first.idle_wait if isinstance(first, CopyOut) else idle_wait_of(task.round_gap)
+        after = exchange_end(task.last_opened, task.round_gap, task.compute_gap) - self.clock()
+        if after > 0:
+            self.reactor.call_later(after, lambda: self._when_quiet(wait, lambda: self._flush(ident)))
+        else:
             self._when_quiet(wait, lambda: self._flush(ident))
 
     def _flush(self, ident: tuple) -> None:
@@ -238,7 +249,8 @@ class Copies:
                 self._seeds.popleft()  # gone, or handed over meanwhile
                 continue
             takes = self._seed_pace * task.nbytes * (2 if task.job.optimizer is not None else 1)
-            wait = seed_delay(self.clock(), self.last_message(), task.last_opened, task.round_gap, takes)
+            wait = seed_delay(self.clock(), self.last_message(), task.last_opened, task.round_gap, takes,
+                              task.compute_gap)
             if wait <= 0 and task.round_gap and self.clock() - self.last_message() < task.round_gap / 2 \
                     and self.replies_leaving():
                 wait = LEAVING_POLL  # (past half an iteration of silence: a peer that stopped reading)
@@ -271,8 +283,7 @@ class Copies:
             stream.seeding = False
             if stream.items and not stream.due:
                 stream.due = True
-                task = stream.items[0].task
-                self._when_quiet(idle_wait_of(task.round_gap), lambda: self._flush(ident))
+                self._flush_after_exchange(ident, stream.items[0])
             elif not stream.items:
                 task = self.core.tasks.get(ident)
                 if task is None or task.follower is None and task.migrate_to is None:

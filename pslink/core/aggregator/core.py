@@ -387,6 +387,8 @@ class AggregatorCore:
         else:
             self.summer.add(round_.acc, req.payload)
         round_.contributors.update(ranks)
+        if req.idle is not None and (round_.idle is None or req.idle < round_.idle):
+            round_.idle = req.idle
         task.count_push(req)
         return outputs + self._close_ready(task)
 
@@ -471,6 +473,7 @@ class AggregatorCore:
             if task.last_opened is not None:
                 task.round_gap = round_.opened - task.last_opened
             task.last_opened = round_.opened
+            task.compute_gap = round_.idle / 1000 if round_.idle is not None else None
             if task.follower is not None:  # a move's target follows: the round's sum goes to it too
                 replies += self.moves.forward(task, round_, nxt)
             self._apply(task, round_, nxt)

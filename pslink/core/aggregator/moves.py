@@ -26,14 +26,15 @@ SEED_MARGIN, SEED_MARGIN_SHARE = 0.01, 0.1
 
 
 def seed_delay(now: float, last_message: float, last_opened: float | None, round_gap: float | None,
-               seed_takes: float) -> float:
+               seed_takes: float, compute_gap: float | None = None) -> float:
     """How long the next seed of a move should still wait; 0: send it now. It goes once the
     Aggregator heard nothing for a quarter of the part's iteration (``round_gap``: the workers
-    compute, as :func:`copy_delay` reads it), and only if it would land (``seed_takes``: how long
-    it should take, at the pace of the last ones) before the part's next round is due to open
-    (``last_opened + round_gap``); else after that round. A part whose pace is not known yet, or
-    whose workers are a quarter iteration late for their round (paused), does not wait for it.
-    Pure, for the Aggregator shell."""
+    compute, as :func:`copy_delay` reads it) and the job's whole exchange is over
+    (:func:`exchange_end`), and only if it would land (``seed_takes``: how long it should take,
+    at the pace of the last ones) before the part's next round is due to open (``last_opened +
+    round_gap``); else after that round. A part whose pace is not known yet, or whose workers are
+    a quarter iteration late for their round (paused), does not wait for it. Pure, for the
+    Aggregator shell."""
     if not round_gap:
         return 0.0
     idle_wait = idle_wait_of(round_gap)
@@ -43,9 +44,26 @@ def seed_delay(now: float, last_message: float, last_opened: float | None, round
     if last_opened is None or seed_takes > round_gap / 2:
         return 0.0  # (a seed longer than half an iteration cannot keep clear of the round anyway)
     due = last_opened + round_gap
-    if now + seed_takes + max(SEED_MARGIN, SEED_MARGIN_SHARE * round_gap) <= due or now > due + idle_wait:
-        return 0.0  # it lands before the round, or the workers are late past it (paused, slower)
+    if now > due + idle_wait:
+        return 0.0  # the workers are late past their round (paused, slower)
+    margin = max(SEED_MARGIN, SEED_MARGIN_SHARE * round_gap)
+    start = max(now, exchange_end(last_opened, round_gap, compute_gap, seed_takes + margin))
+    if start + seed_takes + margin <= due:
+        return start - now  # it lands before the round
     return due + idle_wait - now  # after that round's start: quiet is looked for again then
+
+
+def exchange_end(last_opened: float | None, round_gap: float | None, compute_gap: float | None,
+                 needs: float = 0.0) -> float:
+    """When the job's exchange of the part's current round should be over: the workers' compute
+    (``compute_gap``, as their pushes told it) before the next round is due. An Aggregator sees
+    only its own traffic: once its parts are answered the job may still wait for its other
+    Aggregators, whose replies a copy sent then would meet on a shared link (traced at 1 Gbit/s)
+    or CPU. ``-inf`` (no wait) where that is not known, or where the compute is shorter than
+    ``needs`` (a copy that cannot fit in it goes as before: once quiet). Pure."""
+    if not round_gap or last_opened is None or not compute_gap or compute_gap < needs:
+        return float("-inf")
+    return last_opened + round_gap - compute_gap
 
 
 def state_checksum(arrays) -> int:

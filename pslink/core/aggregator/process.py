@@ -447,7 +447,7 @@ class Aggregator:
         # makes anyway, instead of in a pass of its own here.
         average = bool(header.get("avg")) and not conn.payload_in_place(task.numel * task.dtype.itemsize)
         request = Request(conn, header["id"], header["op"], header["rank"], header["rnd"], payload, average=average,
-                          covers=header.get("cov"))
+                          covers=header.get("cov"), idle=header.get("idl"))
         if header["op"] == Op.STATE_SET:
             request.header = header
         self._send_all(self.core.handle(task, request))

@@ -141,6 +141,7 @@ class Request:
     header: dict | None = None  # STATE_SET: the header's names and scalars (payload: a list of arrays)
     average: bool = False  # a pull that wants the round's sum divided by its contributors
     covers: list | None = None  # a push that stands for these ranks (a host's sum: host-local reduce)
+    idle: int | None = None  # a push: ms its worker had no request in flight before this exchange (its compute)
 
 
 @dataclasses.dataclass(slots=True)
@@ -238,12 +239,13 @@ class WorkerDone:
 
 
 class _Round:
-    __slots__ = ("contributors", "acc", "opened")
+    __slots__ = ("contributors", "acc", "opened", "idle")
 
     def __init__(self, opened: float = 0.0):
         self.contributors: set[int] = set()
         self.acc: np.ndarray | None = None
         self.opened = opened  # when its first push arrived (the straggler timeout counts from it)
+        self.idle: int | None = None  # the shortest compute (ms) its pushes' workers told before it
 
 
 def moved_error(key, part: int, where: tuple[str, str]) -> MovedError:
@@ -341,6 +343,10 @@ class Task:
         # workers take to come round again (a migration's copy fits in before they do)
         self.last_opened: float | None = None
         self.round_gap: float | None = None
+        # the workers' compute before the last closed round (seconds, as their pushes told it):
+        # the job's exchange (every Aggregator's part of it) ends about that long before the next
+        # round is due, which this Aggregator's own traffic does not show
+        self.compute_gap: float | None = None
         # (round, array): the last closed round's sum divided by its contributors, made once
         # for every worker that pulls with average=True (each used to divide its own copy)
         self.averaged: tuple[int, np.ndarray] | None = None

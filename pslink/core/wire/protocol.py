@@ -559,24 +559,30 @@ class HeaderTemplate:
     (the Agent sends one per part and op): the fixed pairs are packed once, and :meth:`make`
     appends the two that change, a fraction of the cost of packing the whole map each time. The
     order of a msgpack map's pairs means nothing to a reader, so the result decodes to exactly
-    what ``encode(op, id=..., rnd=..., **fixed)`` does."""
+    what ``encode(op, id=..., rnd=..., **fixed)`` does (with ``idl=...`` when given: how long,
+    in ms, the worker had no request in flight before the burst this one is part of)."""
 
-    __slots__ = ("_head",)
+    __slots__ = ("_head", "_head_idle")
 
     def __init__(self, op: Op, **fixed):
         fields = {"v": PROTOCOL_VERSION, "op": int(op), **fixed}
         if "id" in fields or "rnd" in fields:
             raise ValueError("a header template's id and rnd are given per request")
-        count = len(fields) + 2
-        head = bytes([0x80 | count]) if count < 16 else b"\xde" + count.to_bytes(2, "big")
         pairs = b"".join(msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in fields.items())
-        self._head = head + pairs + _ID_KEY
+        self._head = _map_head(len(fields) + 2) + pairs + _ID_KEY
+        self._head_idle = _map_head(len(fields) + 3) + pairs + _IDLE_KEY
 
-    def make(self, request_id: int, round_: int) -> bytes:
-        return self._head + _packb(request_id) + _RND_KEY + _packb(round_)
+    def make(self, request_id: int, round_: int, idle_ms: int | None = None) -> bytes:
+        if idle_ms is None:
+            return self._head + _packb(request_id) + _RND_KEY + _packb(round_)
+        return self._head_idle + _packb(idle_ms) + _ID_KEY + _packb(request_id) + _RND_KEY + _packb(round_)
 
 
-_ID_KEY, _RND_KEY = msgpack.packb("id"), msgpack.packb("rnd")
+def _map_head(count: int) -> bytes:
+    return bytes([0x80 | count]) if count < 16 else b"\xde" + count.to_bytes(2, "big")
+
+
+_ID_KEY, _RND_KEY, _IDLE_KEY = msgpack.packb("id"), msgpack.packb("rnd"), msgpack.packb("idl")
 _packb = msgpack.packb
 
 
