@@ -435,3 +435,5 @@ def test_the_workers_compute_between_exchanges_reaches_the_aggregator_with_their
                  for ident, task in list(aggregator.core.tasks.items()) if ident[0] == "computing"]
     assert len(tasks) == 1 and tasks[0].closed == 2
     assert computed <= tasks[0].compute_gap < 10.0
+    # (and the round opened when its first push's header was heard: the pace is counted from it)
+    assert tasks[0].heard_round == 2 and tasks[0].last_opened == tasks[0].heard_at

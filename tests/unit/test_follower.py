@@ -265,14 +265,43 @@ def test_a_seed_waits_for_the_jobs_whole_exchange_to_end_when_the_workers_told_t
 
     # Rounds open every 0.8 s, the last at 10.0 (the next due at 10.8); the workers compute 0.4 s
     # between exchanges, so the job's exchange ends about 10.4, though this Aggregator fell quiet
-    # (0.2 s without a message) at 10.25. A seed of 0.07 s keeps 0.08 s clear of 10.8.
-    assert exchange_end(10.0, 0.8, 0.4) == pytest.approx(10.4)
+    # (0.2 s without a message) at 10.25; a tenth of the iteration is kept clear after that end (an
+    # exchange may run longer than the last) and before the round. A seed takes 0.07 s.
+    assert exchange_end(10.0, 0.8, 0.4) == pytest.approx(10.48)
     assert seed_delay(10.3, 10.05, 10.0, 0.8, 0.07) == 0.0  # compute not told: once quiet, as before
-    assert seed_delay(10.3, 10.05, 10.0, 0.8, 0.07, 0.4) == pytest.approx(0.1)  # after the exchange
-    assert seed_delay(10.45, 10.05, 10.0, 0.8, 0.07, 0.4) == 0.0
+    assert seed_delay(10.3, 10.05, 10.0, 0.8, 0.07, 0.4) == pytest.approx(0.18)  # after the exchange
+    assert seed_delay(10.5, 10.05, 10.0, 0.8, 0.07, 0.4) == 0.0
     assert seed_delay(10.7, 10.05, 10.0, 0.8, 0.07, 0.4) == pytest.approx(0.5)  # no room left: after 10.8 + 0.4
-    # A compute too short for the seed and its margin: the exchange's end is no bound (once quiet).
-    assert exchange_end(10.0, 0.8, 0.1, needs=0.15) == float("-inf")
-    assert seed_delay(10.3, 10.05, 10.0, 0.8, 0.07, 0.1) == 0.0
+    # A compute too short for the copy and both margins: the exchange's end is no bound (once quiet).
+    assert exchange_end(10.0, 0.8, 0.2, needs=0.15) == float("-inf")
+    assert seed_delay(10.3, 10.05, 10.0, 0.8, 0.07, 0.2) == 0.0
     assert exchange_end(None, 0.8, 0.4) == exchange_end(10.0, None, 0.4) == exchange_end(10.0, 0.8, None) \
         == float("-inf")
+
+
+def test_a_round_opens_when_its_first_push_header_was_heard_and_keeps_the_shortest_compute_told():
+    """The pace a move's copies are timed by: a round opens when the shell heard its first push's
+    header (its bytes may queue behind other keys' for much of the exchange), else when its first
+    push was complete; the compute its workers told (ms) is kept as the shortest of the round's."""
+    now = [1.0]
+    part = Part()
+    part.core.clock = part.core.moves.clock = lambda: now[0]
+    task = part.task
+    part.send(Op.INIT, 0, 0, np.zeros(N, np.float32))
+    for r, heard, idle in [(1, 0.9, [300, 280]), (2, 1.7, [400, 420])]:
+        now[0] = heard + 0.2  # the pushes are complete 0.2 s after their first header
+        task.heard_round, task.heard_at = r, heard  # (the shell's header callback sets them)
+        for rank, pushed in enumerate(gradients(r)):
+            buffer = part.core.receive_buffer(task)
+            buffer[:] = pushed
+            part.core.handle(task, Request(f"rank{rank}", next(part.ids), Op.PUSHPULL, rank, r, buffer,
+                                           idle=idle[rank]))
+    assert task.closed == 2
+    assert task.last_opened == 1.7 and task.round_gap == pytest.approx(0.8)  # headers, not complete pushes
+    assert task.compute_gap == pytest.approx(0.4)
+    task.heard_round, now[0] = 2, 2.6  # a round whose header was not heard (a ring: header and bytes at once)
+    for rank, pushed in enumerate(gradients(3)):
+        buffer = part.core.receive_buffer(task)
+        buffer[:] = pushed
+        part.core.handle(task, Request(f"rank{rank}", next(part.ids), Op.PUSHPULL, rank, 3, buffer))
+    assert task.closed == 3 and task.last_opened == 2.6 and task.compute_gap is None

@@ -470,9 +470,10 @@ class AggregatorCore:
             admitted = False
             task.close_at = None
             del task.rounds[nxt]
+            opened = task.heard_at if task.heard_round == nxt else round_.opened
             if task.last_opened is not None:
-                task.round_gap = round_.opened - task.last_opened
-            task.last_opened = round_.opened
+                task.round_gap = opened - task.last_opened
+            task.last_opened = opened
             task.compute_gap = round_.idle / 1000 if round_.idle is not None else None
             if task.follower is not None:  # a move's target follows: the round's sum goes to it too
                 replies += self.moves.forward(task, round_, nxt)

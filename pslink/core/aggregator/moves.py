@@ -61,9 +61,12 @@ def exchange_end(last_opened: float | None, round_gap: float | None, compute_gap
     Aggregators, whose replies a copy sent then would meet on a shared link (traced at 1 Gbit/s)
     or CPU. ``-inf`` (no wait) where that is not known, or where the compute is shorter than
     ``needs`` (a copy that cannot fit in it goes as before: once quiet). Pure."""
-    if not round_gap or last_opened is None or not compute_gap or compute_gap < needs:
+    if not round_gap or last_opened is None or not compute_gap:
         return float("-inf")
-    return last_opened + round_gap - compute_gap
+    margin = max(SEED_MARGIN, SEED_MARGIN_SHARE * round_gap)  # (an exchange may run longer than the last)
+    if compute_gap < needs + margin:
+        return float("-inf")
+    return last_opened + round_gap - compute_gap + margin
 
 
 def state_checksum(arrays) -> int:

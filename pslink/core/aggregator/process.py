@@ -364,6 +364,10 @@ class Aggregator:
             except PslinkError as exc:
                 return Rejected(header["id"], exc), DISCARD
             started = time.thread_time()  # the task's CPU time counts from its header
+            if header["rnd"] > task.heard_round and (op is Op.PUSH or op is Op.PUSHPULL):
+                # A round's first header: its push's bytes may queue behind other keys' on the
+                # workers' link for a good part of the exchange; its header comes near its start.
+                task.heard_round, task.heard_at = header["rnd"], self._last_message
             if sizes and header.get("cmp") is not None:  # 2-bit: received as is, dequantized in on_message
                 packed = np.empty(sizes[0], np.uint8)
                 return (header, task, packed, started, None), [memoryview(packed)]

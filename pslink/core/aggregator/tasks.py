@@ -343,6 +343,10 @@ class Task:
         # workers take to come round again (a migration's copy fits in before they do)
         self.last_opened: float | None = None
         self.round_gap: float | None = None
+        # the latest round a push header was heard for, and when (the shell sets them): a round
+        # "opens" then, for the gap above (its first push complete jitters by how long its bytes
+        # queued behind other keys', up to most of an exchange on a slow link)
+        self.heard_round, self.heard_at = -1, 0.0
         # the workers' compute before the last closed round (seconds, as their pushes told it):
         # the job's exchange (every Aggregator's part of it) ends about that long before the next
         # round is due, which this Aggregator's own traffic does not show
